@@ -1,0 +1,113 @@
+"""``loongtrain.attention``: 2D-Attention over a :class:`~loongtrain.parallel.mesh.Mesh` (DESIGN.md section 5).
+
+Per rank::
+
+    q [B, S/sp, H, D], k, v [B, S/sp, Hkv, D]       local zigzag shards (shard_sequence)
+      -> one all-to-all in the head group (q, k, v packed)
+    q [B, S/cp, H/hp, D], k, v [B, S/cp, Hkv', D]    Hkv' = Hkv/hp, or 1 when KV heads are replicated
+      -> zigzag (double-)ring over the context group
+    out [B, S/cp, H/hp, D]
+      -> all-to-all back
+    out [B, S/sp, H, D]
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loongtrain.attention import ops
+from loongtrain.parallel.mesh import Mesh, single_process_mesh
+from loongtrain.parallel.sharding import check_sequence_length
+
+Tensor = torch.Tensor
+
+
+def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh) -> None:
+    """Raise ValueError (before any communication) if q/k/v cannot run on ``mesh``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D tensor [batch, seq, heads, head_dim]; got {got}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point; got dtype {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    (batch, seq, num_heads, head_dim), num_kv_heads = q.shape, k.shape[2]
+    if k.shape[0] != batch or k.shape[1] != seq or k.shape[3] != head_dim:
+        raise ValueError(
+            f"k/v shape {tuple(k.shape)} must match q {tuple(q.shape)} in batch, seq and head_dim"
+        )
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    hp = mesh.hp
+    if num_heads % hp != 0:
+        raise ValueError(f"num_heads={num_heads} must be divisible by hp={hp}")
+    if num_kv_heads >= hp and num_kv_heads % hp != 0:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} >= hp={hp} must be divisible by hp (KV heads are split)"
+        )
+    if num_kv_heads < hp and hp % num_kv_heads != 0:
+        raise ValueError(
+            f"hp={hp} > num_kv_heads={num_kv_heads} must be a multiple of num_kv_heads "
+            f"(KV heads are replicated hp/num_kv_heads times)"
+        )
+    check_sequence_length(seq * mesh.sp, mesh.hp, mesh.cp)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mesh: Mesh | None,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+) -> Tensor:
+    """Exact softmax attention of the replica's full sequence, computed from this rank's shards.
+
+    ``q [B, S/sp, H, D]``, ``k, v [B, S/sp, Hkv, D]`` are local shards in the layout of
+    :func:`loongtrain.shard_sequence`; returns ``[B, S/sp, H, D]`` in the same layout, differentiable
+    in q, k and v. ``mesh=None`` means a single process (no communication).
+    """
+    mesh = mesh or single_process_mesh()
+    validate_attention_inputs(q, k, v, mesh)
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    hp = mesh.hp
+    if hp > num_kv_heads:  # each head rank needs exactly one KV head: replicate, grads sum back
+        k = k.repeat_interleave(hp // num_kv_heads, dim=2)
+        v = v.repeat_interleave(hp // num_kv_heads, dim=2)
+    if hp > 1:
+        q, k, v = _scatter_heads(q, k, v, mesh)
+    group_name = (lambda g: g.group_name if g is not None else "")
+    out, _ = ops.ring_attention(
+        q, k, v, mesh.ring_ranks, mesh.window,
+        group_name(mesh.cp_group), group_name(mesh.cp_grad_group), causal, scale,
+    )
+    if hp > 1:
+        out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
+    return out
+
+
+def _scatter_heads(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh) -> tuple[Tensor, Tensor, Tensor]:
+    """One all-to-all for q, k, v: [B, S/sp, heads, D] -> [B, S/cp, heads/hp, D] each."""
+    batch, seq, _, head_dim = q.shape
+    hp = mesh.hp
+    parts = [t.reshape(batch, seq, hp, -1) for t in (q, k, v)]  # per-destination head groups
+    widths = [p.shape[-1] for p in parts]
+    packed = torch.cat(parts, dim=3)
+    gathered = ops.head_all_to_all(packed, mesh.hp_group.group_name, 2, 1)  # [B, S/cp, 1, sum(widths)]
+    q_, k_, v_ = gathered.squeeze(2).split(widths, dim=-1)
+    seq_c = seq * hp
+    return (
+        q_.reshape(batch, seq_c, -1, head_dim),
+        k_.reshape(batch, seq_c, -1, head_dim),
+        v_.reshape(batch, seq_c, -1, head_dim),
+    )

@@ -1,0 +1,32 @@
+"""`loongtrain` command line: dispatches to the subcommands' own modules."""
+
+from __future__ import annotations
+
+import sys
+
+SUBCOMMANDS = {
+    "train": ("loongtrain.train.cli", "Train a LLaMA-style model with 2D-Attention."),
+    "plan": ("loongtrain.plan.cli", "Rank 2D-Attention configurations for a cluster with the cost model."),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: loongtrain {" + ",".join(SUBCOMMANDS) + "} [options]\n")
+        for name, (_, text) in SUBCOMMANDS.items():
+            print(f"  {name:8s} {text}")
+        print("\nRun `loongtrain <command> --help` for the options of a command.")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"loongtrain: unknown command {name!r}; choose one of {sorted(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

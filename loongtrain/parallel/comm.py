@@ -1,0 +1,104 @@
+"""Communication primitives used by 2D-Attention, and an opt-in counter of what they send.
+
+Every byte the attention path puts on the wire goes through :func:`all_to_all` or
+:func:`post_exchange`, so :class:`CommCounter` sees all of it (tests assert it equals the
+formulas in :mod:`loongtrain.parallel.traffic`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_ACTIVE: list[CommCounter] = []
+
+
+@dataclass
+class CommCounter:
+    """Context manager recording, for this process, ops and bytes sent by kind and by peer.
+
+    kinds: ``a2a`` (head all-to-all), ``kv`` (K/V ring blocks), ``dkv`` (dK/dV ring returns).
+    ``bytes_by_peer`` counts only data leaving this rank (all-to-all chunks kept locally excluded).
+    """
+
+    ops: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+    bytes_by_peer: Counter = field(default_factory=Counter)
+
+    def record(self, kind: str, peer_bytes: dict[int, int]) -> None:
+        self.ops[kind] += 1
+        for peer, nbytes in peer_bytes.items():
+            self.bytes[kind] += nbytes
+            self.bytes_by_peer[peer] += nbytes
+
+    def __enter__(self) -> CommCounter:
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE.remove(self)
+
+
+def _record(kind: str, peer_bytes: dict[int, int]) -> None:
+    for counter in _ACTIVE:
+        counter.record(kind, peer_bytes)
+
+
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """The process group registered under ``name`` (names travel through custom ops as strings)."""
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Forward: split ``x`` into ``n`` pieces along ``scatter_dim``, send piece ``i`` to group rank ``i``,
+    concatenate received pieces along ``gather_dim`` in group-rank order. Its backward is the same call
+    with the two dims swapped (done by the caller's autograd rule)."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    assert x.shape[scatter_dim] % n == 0, (tuple(x.shape), scatter_dim, n)
+    shape = list(x.shape)
+    # [.., n, piece, ..] with the group axis moved to the front so each piece is contiguous
+    split = shape[:scatter_dim] + [n, shape[scatter_dim] // n] + shape[scatter_dim + 1 :]
+    send = x.reshape(split).movedim(scatter_dim, 0).contiguous()
+    recv = torch.empty_like(send)
+    piece_bytes = send[0].numel() * send.element_size()
+    me = dist.get_rank(group)
+    _record("a2a", {dist.get_global_rank(group, i): piece_bytes for i in range(n) if i != me})
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[i] came from group rank i: put that axis just before gather_dim and merge the two
+    out_shape = list(recv.shape[1:])
+    out_shape[gather_dim] *= n
+    return recv.movedim(0, gather_dim).reshape(out_shape)
+
+
+@dataclass
+class Exchange:
+    """An in-flight ring exchange: ``wait()`` returns the received tensor."""
+
+    works: list
+    received: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def post_exchange(
+    send: torch.Tensor, dst: int, src: int, group: dist.ProcessGroup, kind: str
+) -> Exchange:
+    """Forward-only point-to-point step: post an async send of ``send`` to global rank ``dst`` and an
+    async receive of a same-shaped tensor from global rank ``src``; returns at once (no autograd:
+    the ring's backward posts its own exchanges)."""
+    send = send.contiguous()
+    received = torch.empty_like(send)
+    _record(kind, {dst: send.numel() * send.element_size()})
+    ops = [
+        dist.P2POp(dist.isend, send, dst, group),
+        dist.P2POp(dist.irecv, received, src, group),
+    ]
+    return Exchange(dist.batch_isend_irecv(ops), received)

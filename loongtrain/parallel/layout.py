@@ -1,0 +1,140 @@
+"""Rank placement for 2D-Attention: a pure function of (world_size, hp, cp, window, placement, interleaved).
+
+Every rank has coordinates ``(dp_rank, cp_rank, hp_rank)``; ``cp_rank`` is the rank's position in its
+context ring. ``Layout.grid[d][c][h]`` is the global rank at those coordinates. No process group is
+touched here, so the same object serves the mesh, the traffic accounting and the planner.
+
+Placement rules (DESIGN.md section 3):
+- ``dp`` is outermost: replica ``d`` owns global ranks ``[d*sp, (d+1)*sp)``.
+- ``head_first``: a head group is ``hp`` consecutive ranks; context neighbours are ``hp`` apart.
+- ``context_first``: ring neighbours are consecutive ranks; head-group members are ``cp`` apart.
+- Double ring: the ring is cut into ``cp // window`` windows of ``window`` consecutive ring members.
+- ``interleaved``: inside each window, ring member ``i`` sits on physical slot ``2*i`` for the first
+  half of the window and ``2*(i - window/2) + 1`` for the second half, so that two devices that share
+  a NIC (slots ``2k``, ``2k+1``) hold ring members half a window apart instead of ring neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+PLACEMENTS = ("head_first", "context_first")
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    hp: int
+    cp: int
+    window: int = 1
+    placement: str = "head_first"
+    interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "hp", "cp", "window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        sp = self.hp * self.cp
+        if self.world_size % sp != 0:
+            raise ValueError(
+                f"world_size={self.world_size} is not divisible by hp*cp={self.hp}*{self.cp}={sp}; "
+                f"valid hp*cp values divide the world size: {_divisors(self.world_size)}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is not one of {PLACEMENTS}")
+        if self.cp % self.window != 0:
+            raise ValueError(
+                f"window={self.window} must divide cp={self.cp}; valid windows: {_divisors(self.cp)}"
+            )
+        if self.interleaved and (self.window < 2 or self.window % 2 != 0):
+            raise ValueError(
+                f"interleaved=True needs an even window >= 2 (devices pair up inside a window); "
+                f"got window={self.window}"
+            )
+
+    @property
+    def sp(self) -> int:
+        return self.hp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.sp
+
+    @property
+    def num_windows(self) -> int:
+        return self.cp // self.window
+
+    def physical_context_slot(self, cp_rank: int) -> int:
+        """Physical position (0..cp-1) along the context axis of ring member ``cp_rank``."""
+        window_idx, inner = divmod(cp_rank, self.window)
+        if self.interleaved:
+            half = self.window // 2
+            inner = 2 * inner if inner < half else 2 * (inner - half) + 1
+        return window_idx * self.window + inner
+
+    def global_rank(self, dp_rank: int, cp_rank: int, hp_rank: int) -> int:
+        slot_c = self.physical_context_slot(cp_rank)
+        if self.placement == "head_first":
+            local = slot_c * self.hp + hp_rank
+        else:
+            local = hp_rank * self.cp + slot_c
+        return dp_rank * self.sp + local
+
+    @cached_property
+    def grid(self) -> list[list[list[int]]]:
+        """grid[d][c][h] -> global rank; c is the ring position."""
+        return [
+            [[self.global_rank(d, c, h) for h in range(self.hp)] for c in range(self.cp)]
+            for d in range(self.dp)
+        ]
+
+    @cached_property
+    def _coords(self) -> dict[int, tuple[int, int, int]]:
+        out = {}
+        for d, plane in enumerate(self.grid):
+            for c, row in enumerate(plane):
+                for h, rank in enumerate(row):
+                    out[rank] = (d, c, h)
+        assert sorted(out) == list(range(self.world_size))
+        return out
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, cp_rank, hp_rank) of a global rank."""
+        return self._coords[rank]
+
+    def head_groups(self) -> list[list[int]]:
+        """Ranks of each head group, ordered by hp_rank."""
+        return [list(row) for plane in self.grid for row in plane]
+
+    def context_groups(self) -> list[list[int]]:
+        """Ranks of each context ring, in ring order."""
+        return [[plane[c][h] for c in range(self.cp)] for plane in self.grid for h in range(self.hp)]
+
+    def replica_groups(self) -> list[list[int]]:
+        """The sp ranks of each replica, ordered by (cp_rank, hp_rank): the sequence-shard order."""
+        return [[rank for row in plane for rank in row] for plane in self.grid]
+
+    def dp_groups(self) -> list[list[int]]:
+        """Ranks holding the same (cp_rank, hp_rank) in each replica, ordered by dp_rank."""
+        return [
+            [self.grid[d][c][h] for d in range(self.dp)] for c in range(self.cp) for h in range(self.hp)
+        ]
+
+    def ring_peers(self, rank: int) -> dict[str, int]:
+        """Global ranks this rank exchanges with: inner-ring next/prev and outer-ring next/prev."""
+        d, c, h = self.coords(rank)
+        w = self.window
+        j, i = divmod(c, w)
+        n = self.num_windows
+        return {
+            "inner_next": self.grid[d][j * w + (i + 1) % w][h],
+            "inner_prev": self.grid[d][j * w + (i - 1) % w][h],
+            "outer_next": self.grid[d][((j + 1) % n) * w + i][h],
+            "outer_prev": self.grid[d][((j - 1) % n) * w + i][h],
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

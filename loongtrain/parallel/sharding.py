@@ -1,0 +1,81 @@
+"""The 2D zigzag sequence layout (DESIGN.md section 4): one permutation and its inverse.
+
+Split the sequence into ``2*cp`` chunks; context rank ``c`` owns ``T_c = chunk(c) ++ chunk(2cp-1-c)``;
+``T_c`` is cut into ``hp`` equal pieces and head rank ``h`` holds piece ``h``. The head group's
+all-to-all (concatenating pieces in head-rank order) therefore rebuilds ``T_c`` exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from loongtrain.parallel.mesh import Mesh
+
+
+def check_sequence_length(seq_len: int, hp: int, cp: int) -> None:
+    """Raise ValueError unless ``seq_len`` is divisible by ``2 * cp * hp``."""
+    unit = 2 * cp * hp
+    if seq_len % unit != 0:
+        lower, upper = (seq_len // unit) * unit, (seq_len // unit + 1) * unit
+        raise ValueError(
+            f"sequence length {seq_len} must be divisible by 2*cp*hp = 2*{cp}*{hp} = {unit} "
+            f"(nearest valid lengths: {lower or unit}, {upper})"
+        )
+
+
+def shard_indices(seq_len: int, hp: int, cp: int, cp_rank: int, hp_rank: int) -> torch.Tensor:
+    """Global token positions held by rank (cp_rank, hp_rank), in local order. Length ``seq_len/(hp*cp)``."""
+    check_sequence_length(seq_len, hp, cp)
+    chunk = seq_len // (2 * cp)
+    front = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    back_start = (2 * cp - 1 - cp_rank) * chunk
+    back = torch.arange(back_start, back_start + chunk)
+    tokens = torch.cat([front, back])  # T_c, length S/cp
+    piece = seq_len // (cp * hp)
+    return tokens[hp_rank * piece : (hp_rank + 1) * piece]
+
+
+def replica_permutation(seq_len: int, hp: int, cp: int) -> torch.Tensor:
+    """Concatenation of every rank's shard indices in sp_rank order (cp_rank-major): a permutation of S."""
+    return torch.cat([shard_indices(seq_len, hp, cp, c, h) for c in range(cp) for h in range(hp)])
+
+
+def shard_sequence(x: torch.Tensor, mesh: Mesh, dim: int) -> torch.Tensor:
+    """This rank's ``S/sp`` slice of the full tensor ``x`` along ``dim``, in the 2D zigzag layout."""
+    dim = dim % x.dim()
+    idx = shard_indices(x.shape[dim], mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank).to(x.device)
+    return x.index_select(dim, idx)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather the replica's shards and undo the zigzag. Backward: sum the full
+    gradient over the replica (every rank may have used the full tensor) and keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x_local: torch.Tensor, mesh: Mesh, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, dim
+        if mesh.sp == 1:
+            return x_local.clone()
+        moved = x_local.movedim(dim, 0).contiguous()
+        gathered = torch.empty((mesh.sp, *moved.shape), dtype=moved.dtype, device=moved.device)
+        dist.all_gather_into_tensor(gathered, moved, group=mesh.sp_group)
+        seq_len = moved.shape[0] * mesh.sp
+        perm = replica_permutation(seq_len, mesh.hp, mesh.cp).to(moved.device)
+        full = torch.empty((seq_len, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+        full[perm] = gathered.reshape(seq_len, *moved.shape[1:])
+        return full.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):
+        mesh = ctx.mesh
+        if mesh.sp == 1:
+            return grad_full, None, None
+        grad_full = grad_full.contiguous()
+        dist.all_reduce(grad_full, group=mesh.sp_group)
+        return shard_sequence(grad_full, mesh, ctx.dim), None, None
+
+
+def gather_sequence(x_local: torch.Tensor, mesh: Mesh, dim: int) -> torch.Tensor:
+    """The full sequence on every rank of the replica: exact inverse of :func:`shard_sequence`."""
+    return _GatherSequence.apply(x_local, mesh, dim % x_local.dim())
