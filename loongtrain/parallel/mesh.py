@@ -114,6 +114,8 @@ def init_mesh(
         return Mesh(layout=layout, rank=0)
     layout = Layout(dist.get_world_size(), hp, cp, window, placement, interleaved)
     rank = dist.get_rank()
+    # all-to-all concatenates in group-rank order (sorted global ranks): it must be hp_rank order
+    assert all(g == sorted(g) for g in layout.head_groups())
     groups = {
         "hp_group": layout.head_groups(),
         "cp_group": layout.context_groups(),

@@ -58,12 +58,14 @@ class _GatherSequence(torch.autograd.Function):
         if mesh.sp == 1:
             return x_local.clone()
         moved = x_local.movedim(dim, 0).contiguous()
-        gathered = torch.empty((mesh.sp, *moved.shape), dtype=moved.dtype, device=moved.device)
-        dist.all_gather_into_tensor(gathered, moved, group=mesh.sp_group)
+        pieces = [torch.empty_like(moved) for _ in range(mesh.sp)]
+        dist.all_gather(pieces, moved, group=mesh.sp_group)  # in group order: sorted global ranks
+        by_sp_rank = sorted(range(mesh.sp), key=lambda i: _sp_rank_of(mesh, dist.get_global_rank(mesh.sp_group, i)))
+        pieces = [pieces[i] for i in by_sp_rank]
         seq_len = moved.shape[0] * mesh.sp
         perm = replica_permutation(seq_len, mesh.hp, mesh.cp).to(moved.device)
         full = torch.empty((seq_len, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-        full[perm] = gathered.reshape(seq_len, *moved.shape[1:])
+        full[perm] = torch.cat(pieces)
         return full.movedim(0, dim)
 
     @staticmethod
@@ -74,6 +76,11 @@ class _GatherSequence(torch.autograd.Function):
         grad_full = grad_full.contiguous()
         dist.all_reduce(grad_full, group=mesh.sp_group)
         return shard_sequence(grad_full, mesh, ctx.dim), None, None
+
+
+def _sp_rank_of(mesh: Mesh, global_rank: int) -> int:
+    _, cp_rank, hp_rank = mesh.layout.coords(global_rank)
+    return cp_rank * mesh.hp + hp_rank
 
 
 def gather_sequence(x_local: torch.Tensor, mesh: Mesh, dim: int) -> torch.Tensor:

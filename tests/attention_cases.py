@@ -1,0 +1,90 @@
+"""Shared per-rank bodies for the distributed attention tests (importable by spawned workers)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+import loongtrain
+from loongtrain.attention.kernels import reference_forward
+
+
+def factorisations(world_size: int) -> list[tuple[int, int]]:
+    """All (hp, cp) with hp*cp dividing world_size."""
+    return [(hp, cp) for hp in range(1, world_size + 1) for cp in range(1, world_size + 1)
+            if world_size % (hp * cp) == 0]
+
+
+def full_inputs(seed: int, batch: int, seq: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, num_heads, head_dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, seq, num_kv_heads, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, seq, num_kv_heads, head_dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, seq, num_heads, head_dim, generator=g, dtype=torch.float64)
+    return tuple(t.to(dtype) for t in (q, k, v, dout))
+
+
+def reference(q, k, v, dout, causal: bool, dtype: torch.dtype):
+    """Unsharded attention and its input gradients computed in ``dtype`` with plain math."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5
+    out, _ = reference_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal, scale)
+    out = out.transpose(1, 2)
+    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype))
+    return (out.detach(), *grads)
+
+
+def sharded(mesh, q, k, v, dout, causal: bool):
+    """loongtrain.attention on this rank's shards; returns out, dq, dk, dv shards."""
+    qs, ks, vs = (loongtrain.shard_sequence(t, mesh, 1).requires_grad_() for t in (q, k, v))
+    out = loongtrain.attention(qs, ks, vs, mesh, causal=causal)
+    grads = torch.autograd.grad(out, (qs, ks, vs), loongtrain.shard_sequence(dout, mesh, 1))
+    return (out.detach(), *grads)
+
+
+def max_errors(mesh, got, want) -> list[float]:
+    return [(g.double() - loongtrain.shard_sequence(w, mesh, 1).double()).abs().max().item()
+            for g, w in zip(got, want)]
+
+
+def check_exact(rank: int, world_size: int, configs: list[dict], heads: list[tuple[int, int]],
+                head_dims: list[int], dtype_name: str, tol: float) -> int:
+    """For every config x heads x head_dim x causal: sharded == unsharded within ``tol``."""
+    dtype = getattr(torch, dtype_name)
+    checked = 0
+    for cfg in configs:
+        mesh = loongtrain.init_mesh(**cfg)
+        for (num_heads, num_kv_heads), head_dim, causal in itertools.product(heads, head_dims, (True, False)):
+            if num_heads % mesh.hp or (num_kv_heads >= mesh.hp and num_kv_heads % mesh.hp) or \
+                    (num_kv_heads < mesh.hp and mesh.hp % num_kv_heads):
+                continue
+            batch, seq = 2, 4 * mesh.hp * mesh.cp
+            inputs = full_inputs(100 + mesh.dp_rank, batch, seq, num_heads, num_kv_heads, head_dim, dtype)
+            want = reference(*inputs, causal, torch.float64)
+            got = sharded(mesh, *inputs, causal)
+            errs = max_errors(mesh, got, want)
+            assert max(errs) < tol, (cfg, num_heads, num_kv_heads, head_dim, causal, dtype_name, errs)
+            checked += 1
+    return checked
+
+
+def check_shard_gather(rank: int, world_size: int, configs: list[dict]) -> int:
+    """gather_sequence(shard_sequence(x)) == x on every rank, on any dim, and its gradient is exact."""
+    for cfg in configs:
+        mesh = loongtrain.init_mesh(**cfg)
+        seq = 2 * mesh.hp * mesh.cp * 3
+        x = torch.randn(2, seq, 3, generator=torch.Generator().manual_seed(mesh.dp_rank), dtype=torch.float64)
+        local = loongtrain.shard_sequence(x, mesh, 1)
+        assert local.shape == (2, seq // mesh.sp, 3)
+        assert torch.equal(loongtrain.gather_sequence(local, mesh, 1), x)
+        xt = x.transpose(0, 1).contiguous()
+        assert torch.equal(loongtrain.gather_sequence(loongtrain.shard_sequence(xt, mesh, 0), mesh, 0), xt)
+        # every rank uses the gathered tensor: d/dx_local of sum_r <w_r, gather(x)> = sum_r w_r, sharded
+        local = local.clone().requires_grad_()
+        w = torch.full_like(x, float(mesh.sp_rank + 1))
+        (grad,) = torch.autograd.grad((loongtrain.gather_sequence(local, mesh, 1) * w).sum(), local)
+        total = sum(range(1, mesh.sp + 1))
+        assert torch.allclose(grad, torch.full_like(grad, float(total)))
+    return len(configs)
