@@ -88,3 +88,22 @@ def check_shard_gather(rank: int, world_size: int, configs: list[dict]) -> int:
         total = sum(range(1, mesh.sp + 1))
         assert torch.allclose(grad, torch.full_like(grad, float(total)))
     return len(configs)
+
+
+def count_comm(rank: int, world_size: int, configs: list[dict], shape: dict, dtype_name: str) -> list[dict]:
+    """Per config: ops and bytes-by-kind-and-peer this rank sent, forward and forward+backward."""
+    from loongtrain.parallel.comm import CommCounter
+
+    dtype = getattr(torch, dtype_name)
+    results = []
+    for cfg in configs:
+        mesh = loongtrain.init_mesh(**cfg)
+        q, k, v, dout = full_inputs(0, shape["batch"], shape["seq_len"], shape["num_heads"],
+                                    shape["num_kv_heads"], shape["head_dim"], dtype)
+        qs, ks, vs = (loongtrain.shard_sequence(t, mesh, 1).requires_grad_() for t in (q, k, v))
+        with CommCounter() as fwd:
+            out = loongtrain.attention(qs, ks, vs, mesh)
+        with CommCounter() as bwd:
+            out.backward(loongtrain.shard_sequence(dout, mesh, 1))
+        results.append({"fwd": fwd, "bwd": bwd})
+    return results

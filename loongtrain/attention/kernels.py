@@ -4,9 +4,9 @@ All tensors are ``[B, H, S, D]``; ``lse`` is ``[B, H, S]`` (natural log, fp32 fo
 Causal masks are top-left aligned and only used with ``Sq == Sk``. KV heads may be fewer than
 query heads (GQA): they are expanded here, locally, never on the wire, and their gradients summed.
 
-Selection (:func:`select_kernel`): CPU -> torch's fused flash op for CPU; CUDA -> torch's flash
-SDPA op for fp16/bf16 (head dim <= 256), torch's memory-efficient SDPA op otherwise; float64 or
-any other device -> the plain-math reference.
+Selection (:func:`select_kernel`): CPU -> torch's fused flash op for CPU (all float dtypes);
+CUDA fp16/bf16 with head dim <= 256 -> torch's FlashAttention-2 SDPA op; anything else (CUDA fp32/fp64,
+other devices) -> the plain-math reference, which materialises the score matrix of one ring block.
 """
 
 from __future__ import annotations
@@ -105,28 +105,10 @@ def _cuda_flash_backward(
     num_kv_heads = k.shape[1]
     k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
     seq_q, seq_k = q.shape[2], k.shape[2]
-    cum_q = torch.empty(0, dtype=torch.int32, device=q.device)
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    # cum_seq_q/k undefined (None): dense, not variable-length, batches
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), cum_q, cum_q, seq_q, seq_k, 0.0, causal, zero, zero, scale=scale
-    )
-    return dq, _reduce_kv_grad(dk, num_kv_heads), _reduce_kv_grad(dv, num_kv_heads)
-
-
-def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-    res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-    return res[0], res[1][..., : q.shape[2]]
-
-
-def _cuda_efficient_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    num_kv_heads = k.shape[1]
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-    zero = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse.contiguous(), zero, zero, 0.0, (True, True, True, False), causal, scale=scale
+        dout, q, k, v, out, lse.contiguous(), None, None, seq_q, seq_k, 0.0, causal, zero, zero, scale=scale
     )
     return dq, _reduce_kv_grad(dk, num_kv_heads), _reduce_kv_grad(dv, num_kv_heads)
 
@@ -134,17 +116,13 @@ def _cuda_efficient_backward(
 REFERENCE = Kernel("reference", reference_forward, reference_backward)
 CPU_FLASH = Kernel("cpu_flash", _cpu_forward, _cpu_backward)
 CUDA_FLASH = Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
-CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
-KERNELS = {k.name: k for k in (REFERENCE, CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT)}
+KERNELS = {k.name: k for k in (REFERENCE, CPU_FLASH, CUDA_FLASH)}
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> Kernel:
     """The fastest exact kernel for this device, dtype and head dim."""
     if device.type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return CPU_FLASH
-    if device.type == "cuda":
-        if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256:
-            return CUDA_FLASH
-        if dtype == torch.float32:
-            return CUDA_EFFICIENT
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256:
+        return CUDA_FLASH
     return REFERENCE
