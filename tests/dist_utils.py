@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "loongtrain"])
+# torch._dynamo: imported by the first custom-op call (about 1.4 s); pay it once in the server
+_CTX.set_forkserver_preload(["torch", "torch._dynamo", "loongtrain"])
 
 
 def free_port() -> int:
@@ -38,7 +39,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return results by rank.
 
     ``fn`` must be importable (module level). A rank's exception fails the call with its traceback;

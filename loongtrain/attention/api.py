@@ -86,11 +86,9 @@ def attention(
         v = v.repeat_interleave(hp // num_kv_heads, dim=2)
     if hp > 1:
         q, k, v = _scatter_heads(q, k, v, mesh)
-    group_name = (lambda g: g.group_name if g is not None else "")
-    out, _ = ops.ring_attention(
-        q, k, v, mesh.ring_ranks, mesh.window,
-        group_name(mesh.cp_group), group_name(mesh.cp_grad_group), causal, scale,
-    )
+    ring_groups = ",".join(g.group_name if g is not None else "" for g in (
+        mesh.inner_group, mesh.outer_group, mesh.inner_grad_group, mesh.outer_grad_group))
+    out, _ = ops.ring_attention(q, k, v, mesh.ring_ranks, mesh.window, ring_groups, causal, scale)
     if hp > 1:
         out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
     return out

@@ -43,12 +43,13 @@ def _a2a_backward(ctx, grad: Tensor):
 head_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 
 
-def _ring(ranks: list[int], window: int, kv_group: str, grad_group: str) -> Ring:
+def _ring(ranks: list[int], window: int, groups: str) -> Ring:
+    """``groups``: comma-joined names of the inner K/V, outer K/V, inner dK/dV and outer dK/dV groups
+    (an empty name for a group of one rank)."""
     if len(ranks) == 1:
-        return Ring(ranks, 0, 1, None, None)
-    kv = resolve_group(kv_group)
+        return Ring(ranks, 0, 1, None, None, None, None)
     me = ranks.index(torch.distributed.get_rank())
-    return Ring(ranks, me, window, kv, resolve_group(grad_group))
+    return Ring(ranks, me, window, *(resolve_group(g) if g else None for g in groups.split(",")))
 
 
 @torch.library.custom_op("loongtrain::ring_attention", mutates_args=())
@@ -58,21 +59,20 @@ def ring_attention(
     v: Tensor,
     ranks: list[int],
     window: int,
-    kv_group: str,
-    grad_group: str,
+    groups: str,
     causal: bool,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the ring's K/V
     ``[B, S_c, Hkv, D]``; returns out ``[B, S_c, H, D]`` and lse ``[B, H, S_c]``. Backward: ring backward,
     K/V re-circulated and dK/dV returned to their owners; lse is not differentiable."""
-    ring = _ring(ranks, window, kv_group, grad_group)
+    ring = _ring(ranks, window, groups)
     out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), ring, causal, scale)
     return out.transpose(1, 2).contiguous(), lse
 
 
 @ring_attention.register_fake
-def _(q, k, v, ranks, window, kv_group, grad_group, causal, scale):
+def _(q, k, v, ranks, window, groups, causal, scale):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc)
 
@@ -82,21 +82,21 @@ def _bhsd(x: Tensor) -> Tensor:
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, ranks, window, kv_group, grad_group, causal, scale = inputs
+    q, k, v, ranks, window, groups, causal, scale = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (ranks, window, kv_group, grad_group, causal, scale)
+    ctx.args = (ranks, window, groups, causal, scale)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
-    ranks, window, kv_group, grad_group, causal, scale = ctx.args
-    ring = _ring(ranks, window, kv_group, grad_group)
+    ranks, window, groups, causal, scale = ctx.args
+    ring = _ring(ranks, window, groups)
     dq, dk, dv = ring_backward(
         _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, ring, causal, scale
     )
-    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 6
+    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 5
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)

@@ -31,8 +31,10 @@ class Ring:
     ranks: list[int]  # global ranks in ring order
     position: int  # this rank's index in ``ranks``
     window: int
-    kv_group: dist.ProcessGroup | None
-    grad_group: dist.ProcessGroup | None
+    inner_group: dist.ProcessGroup | None  # K/V inside a window
+    outer_group: dist.ProcessGroup | None  # K/V between windows
+    inner_grad_group: dist.ProcessGroup | None  # dK/dV, same paths, own groups
+    outer_grad_group: dist.ProcessGroup | None
 
     @property
     def size(self) -> int:
@@ -60,12 +62,12 @@ class Ring:
         for o in range(self.num_windows):
             outer_ex = None
             if o < self.num_windows - 1:
-                outer_ex = post_exchange(outer_block, self._peer(1, 0), self._peer(-1, 0), self.kv_group, "kv")
+                outer_ex = post_exchange(outer_block, self._peer(1, 0), self._peer(-1, 0), self.outer_group, "kv")
             block = outer_block
             for t in range(self.window):
                 inner_ex = None
                 if t < self.window - 1:
-                    inner_ex = post_exchange(block, self._peer(0, 1), self._peer(0, -1), self.kv_group, "kv")
+                    inner_ex = post_exchange(block, self._peer(0, 1), self._peer(0, -1), self.inner_group, "kv")
                 yield o, t, self.source(o, t), block
                 if inner_ex is not None:
                     block = inner_ex.wait()
@@ -136,7 +138,7 @@ class _GradChain:
             if self.inner_in is not None:  # partial from the previous holder of this block
                 contrib = contrib + self.inner_in.wait()
             self.inner_in = post_exchange(
-                contrib, ring._peer(0, 1), ring._peer(0, -1), ring.grad_group, "dkv"
+                contrib, ring._peer(0, 1), ring._peer(0, -1), ring.inner_grad_group, "dkv"
             )
         if inner == ring.window - 1:
             self._finish_window(outer)
@@ -152,7 +154,7 @@ class _GradChain:
             return
         if self.outer_in is not None:
             total = total + self.outer_in.wait()
-        self.outer_in = post_exchange(total, ring._peer(1, 0), ring._peer(-1, 0), ring.grad_group, "dkv")
+        self.outer_in = post_exchange(total, ring._peer(1, 0), ring._peer(-1, 0), ring.outer_grad_group, "dkv")
 
     def result(self) -> Tensor:
         assert self.own is not None and self.inner_in is None

@@ -112,6 +112,16 @@ class Layout:
         """Ranks of each context ring, in ring order."""
         return [[plane[c][h] for c in range(self.cp)] for plane in self.grid for h in range(self.hp)]
 
+    def inner_ring_groups(self) -> list[list[int]]:
+        """Ranks of each double-ring window (``window`` consecutive ring members), in ring order."""
+        w = self.window
+        return [ring[j * w : (j + 1) * w] for ring in self.context_groups() for j in range(self.num_windows)]
+
+    def outer_ring_groups(self) -> list[list[int]]:
+        """Ring members at the same position ``i`` of every window, in window order."""
+        w = self.window
+        return [ring[i::w] for ring in self.context_groups() for i in range(w)]
+
     def replica_groups(self) -> list[list[int]]:
         """The sp ranks of each replica, ordered by (cp_rank, hp_rank): the sequence-shard order."""
         return [[rank for row in plane for rank in row] for plane in self.grid]

@@ -14,17 +14,22 @@ from loongtrain.parallel.layout import Layout
 class Mesh:
     """This rank's place in a ``dp x cp x hp`` grid and the process groups it talks on.
 
-    ``hp_group``: the head group (all-to-all). ``cp_group``: the context ring (K/V traffic),
-    ``cp_grad_group``: the same ranks for dK/dV traffic, so it does not queue behind K/V.
+    ``hp_group``: the head group (all-to-all). ``cp_group``: the whole context ring.
+    Ring traffic runs on four groups so no transfer queues behind another (NCCL serialises the
+    operations of one group): ``inner_group`` / ``outer_group`` carry K/V inside a double-ring window /
+    between windows, ``inner_grad_group`` / ``outer_grad_group`` carry dK/dV on the same paths.
     ``sp_group``: the replica's ``hp*cp`` ranks. ``dp_group``: same coordinates across replicas.
-    Groups are ``None`` on a single-process mesh (``world_size == 1`` without torch.distributed).
+    A ring group of one rank is ``None`` (never used); every group is ``None`` on a single-process mesh.
     """
 
     layout: Layout
     rank: int
     hp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
-    cp_grad_group: dist.ProcessGroup | None = None
+    inner_group: dist.ProcessGroup | None = None
+    outer_group: dist.ProcessGroup | None = None
+    inner_grad_group: dist.ProcessGroup | None = None
+    outer_grad_group: dist.ProcessGroup | None = None
     sp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
 
@@ -119,23 +124,25 @@ def init_mesh(
     groups = {
         "hp_group": layout.head_groups(),
         "cp_group": layout.context_groups(),
-        "cp_grad_group": layout.context_groups(),
+        "inner_group": layout.inner_ring_groups(),
+        "outer_group": layout.outer_ring_groups(),
+        "inner_grad_group": layout.inner_ring_groups(),
+        "outer_grad_group": layout.outer_ring_groups(),
         "sp_group": layout.replica_groups(),
         "dp_group": layout.dp_groups(),
     }
-    made = {name: _my_group(rank, ranks) for name, ranks in groups.items()}
+    made = {name: _my_group(rank, ranks, skip_singletons=name.startswith(("inner", "outer")))
+            for name, ranks in groups.items()}
     return Mesh(layout=layout, rank=rank, **made)
 
 
-def _my_group(rank: int, groups: list[list[int]]) -> dist.ProcessGroup:
-    """Create every group of a partition (all ranks call this alike) and return the one holding ``rank``."""
-    mine = None
-    for ranks in groups:
-        group = dist.new_group(ranks=ranks, use_local_synchronization=False)
-        if rank in ranks:
-            mine = group
-    assert mine is not None
-    return mine
+def _my_group(rank: int, groups: list[list[int]], skip_singletons: bool) -> dist.ProcessGroup | None:
+    """Create the group of this partition that holds ``rank`` (its members call this alike, in the same
+    order); with ``skip_singletons``, ``None`` when the groups have a single rank (nothing to send)."""
+    if skip_singletons and len(groups[0]) == 1:
+        return None
+    (mine,) = [ranks for ranks in groups if rank in ranks]
+    return dist.new_group(ranks=mine, use_local_synchronization=True)
 
 
 def default_device() -> torch.device:

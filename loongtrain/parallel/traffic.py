@@ -1,0 +1,150 @@
+"""Exact per-rank communication of one 2D-Attention layer, as the code sends it.
+
+Notation: ``B`` batch, ``S`` the replica's full sequence length, ``H`` query heads, ``Hkv`` KV heads,
+``D`` head dim, ``b`` bytes per element of the input dtype, ``sp = hp * cp``.
+``He = Hkv`` when ``hp <= Hkv`` else ``hp`` (KV heads replicated to one per head rank before the
+all-to-all); after it each rank holds ``Hkv' = He / hp`` KV heads.
+
+- ``a2a`` (head all-to-all, only when ``hp > 1``): forward sends q, k, v packed in ONE all-to-all, then the
+  output in another; backward repeats both (grad of out, packed grad of q, k, v). Each call sends
+  ``1/hp`` of the local tensor to each of the ``hp - 1`` other head ranks, so per peer::
+
+      qkv piece = B * (S/sp) * (H + 2*He) * D * b / hp        out piece = B * (S/sp) * H * D * b / hp
+
+- ``kv`` (ring, only when ``cp > 1``): a block ``[2, B, Hkv', S/cp, D]`` of ``2*B*Hkv'*(S/cp)*D*b`` bytes.
+  The forward sends ``cp - 1`` blocks: ``window - 1`` to the inner-next peer per outer step
+  (``num_windows * (window - 1)`` in all) and ``num_windows - 1`` to the outer-next peer; the backward
+  re-circulates the same ``cp - 1`` blocks.
+- ``dkv`` (backward only): ``cp - 1`` dK/dV partial sums of the same shape in the accumulation dtype
+  (``max(4, b)`` bytes: fp32 for fp16/bf16/fp32, fp64 for fp64), same peers as ``kv``.
+"""
+
+from __future__ import annotations
+
+from loongtrain.parallel.layout import Layout
+
+KINDS = ("a2a", "kv", "dkv")
+
+
+def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
+    """``He``: KV heads entering the all-to-all (``Hkv``, or ``hp`` when replicated). Validates the heads."""
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("hp", hp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if num_heads % hp != 0:
+        raise ValueError(f"num_heads={num_heads} must be divisible by hp={hp}")
+    if num_kv_heads >= hp:
+        if num_kv_heads % hp != 0:
+            raise ValueError(f"num_kv_heads={num_kv_heads} >= hp={hp} must be divisible by hp")
+        return num_kv_heads
+    if hp % num_kv_heads != 0:
+        raise ValueError(f"hp={hp} > num_kv_heads={num_kv_heads} must be a multiple of num_kv_heads")
+    return hp
+
+
+def acc_bytes(dtype_bytes: int) -> int:
+    """Bytes per element of the ring's fp32/fp64 accumulators (dK/dV on the wire)."""
+    return max(4, dtype_bytes)
+
+
+def message_bytes(
+    layout: Layout, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype_bytes: int,
+) -> dict[str, int]:
+    """Bytes of one message of each kind: ``a2a_qkv`` / ``a2a_out`` (per peer per call), ``kv``, ``dkv``."""
+    hp, cp, sp = layout.hp, layout.cp, layout.sp
+    he = effective_kv_heads(num_heads, num_kv_heads, hp)
+    if seq_len % (2 * sp) != 0:
+        raise ValueError(f"seq_len={seq_len} must be divisible by 2*hp*cp={2 * sp}")
+    local = batch * (seq_len // sp) * head_dim  # elements per head of the local shard
+    ring_tokens = batch * (seq_len // cp) * head_dim
+    block = 2 * (he // hp) * ring_tokens
+    return {
+        "a2a_qkv": local * (num_heads + 2 * he) // hp * dtype_bytes,
+        "a2a_out": local * num_heads // hp * dtype_bytes,
+        "kv": block * dtype_bytes,
+        "dkv": block * acc_bytes(dtype_bytes),
+    }
+
+
+def _add(d: dict[int, int], peer: int, nbytes: int) -> None:
+    d[peer] = d.get(peer, 0) + nbytes
+
+
+def attention_traffic(
+    layout: Layout, rank: int, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+    head_dim: int, dtype_bytes: int, backward: bool = True,
+) -> dict[str, dict[int, int]]:
+    """kind (``a2a``, ``kv``, ``dkv``; all keys always present) -> {peer global rank: bytes ``rank`` sends}
+    for one attention call (forward, plus backward when ``backward``)."""
+    msg = message_bytes(
+        layout, batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, dtype_bytes=dtype_bytes,
+    )
+    out: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}
+    passes = 2 if backward else 1
+    d, c, _ = layout.coords(rank)
+    if layout.hp > 1:
+        for peer in layout.grid[d][c]:
+            if peer != rank:
+                _add(out["a2a"], peer, passes * (msg["a2a_qkv"] + msg["a2a_out"]))
+    if layout.cp > 1:
+        peers = layout.ring_peers(rank)
+        n, w = layout.num_windows, layout.window
+        per_pass = [(peers["inner_next"], n * (w - 1)), (peers["outer_next"], n - 1)]
+        for peer, count in per_pass:
+            if count:
+                _add(out["kv"], peer, passes * count * msg["kv"])
+                if backward:
+                    _add(out["dkv"], peer, count * msg["dkv"])
+    return out
+
+
+def attention_ops(layout: Layout, *, backward: bool = True) -> dict[str, int]:
+    """Communication calls per rank per attention call: a2a ``2`` (+2 backward) when ``hp > 1``;
+    kv ``cp - 1`` (+ ``cp - 1`` backward); dkv ``cp - 1`` (backward only)."""
+    passes = 2 if backward else 1
+    ring = layout.cp - 1
+    return {
+        "a2a": 2 * passes if layout.hp > 1 else 0,
+        "kv": passes * ring,
+        "dkv": ring if backward else 0,
+    }
+
+
+def split_by_node(peer_bytes: dict[int, int], rank: int, ranks_per_node: int) -> tuple[int, int]:
+    """``(intra_bytes, cross_bytes)``: bytes to peers on ``rank``'s node (``rank // ranks_per_node``) and
+    to other nodes."""
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be a positive integer")
+    node = rank // ranks_per_node
+    intra = sum(n for peer, n in peer_bytes.items() if peer // ranks_per_node == node)
+    return intra, sum(peer_bytes.values()) - intra
+
+
+def traffic_report(layout: Layout, ranks_per_node: int, backward: bool = True, **shape: int) -> list[dict]:
+    """One row per global rank: ``{"rank", "node", "<kind>_intra", "<kind>_cross", "intra", "cross"}``
+    in bytes. ``shape``: batch, seq_len, num_heads, num_kv_heads, head_dim, dtype_bytes."""
+    rows = []
+    for rank in range(layout.world_size):
+        row: dict = {"rank": rank, "node": rank // ranks_per_node, "intra": 0, "cross": 0}
+        for kind, peers in attention_traffic(layout, rank, backward=backward, **shape).items():
+            intra, cross = split_by_node(peers, rank, ranks_per_node)
+            row[f"{kind}_intra"], row[f"{kind}_cross"] = intra, cross
+            row["intra"] += intra
+            row["cross"] += cross
+        rows.append(row)
+    return rows
+
+
+def format_traffic_report(rows: list[dict], unit: float = 2**20, unit_name: str = "MiB") -> str:
+    """A fixed-width table of :func:`traffic_report` rows (bytes shown in ``unit_name``)."""
+    cols = ["rank", "node"] + [f"{k}_{w}" for k in KINDS for w in ("intra", "cross")] + ["intra", "cross"]
+    lines = ["  ".join(f"{c:>10s}" for c in cols)]
+    for row in rows:
+        cells = [f"{row['rank']:>10d}", f"{row['node']:>10d}"]
+        cells += [f"{row[c] / unit:>10.2f}" for c in cols[2:]]
+        lines.append("  ".join(cells))
+    return "\n".join(lines) + f"\n(bytes sent per rank, in {unit_name})"
