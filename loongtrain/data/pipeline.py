@@ -1,0 +1,76 @@
+"""The one entry point the trainer needs: :func:`build_batches`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from loongtrain.data.corpus import Corpus, build_corpus
+from loongtrain.data.packing import PackedDataset, TokenStream
+from loongtrain.data.sampler import ReplicaSampler
+from loongtrain.data.tokenizer import Tokenizer, build_tokenizer
+
+
+class Batches:
+    """Iterator of full-sequence batches ``{input_ids, labels, position_ids}``, each ``[batch, seq_len]``.
+
+    All int64. ``step`` is the global step of the NEXT batch; ``state_dict``/``load_state_dict``
+    resume exactly.
+    """
+
+    def __init__(self, dataset: PackedDataset, sampler: ReplicaSampler) -> None:
+        self.dataset, self.sampler = dataset, sampler
+
+    @property
+    def step(self) -> int:
+        return self.sampler.step
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """The batch of global step ``step`` for this replica (pure: does not advance)."""
+        samples = [self.dataset[i] for i in self.sampler.indices(step)]
+        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        out = self.batch(self.sampler.step)
+        self.sampler.step += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
+
+
+def build_batches(
+    corpus_spec: str | Path | Corpus = "stdlib",
+    tokenizer: str | Tokenizer = "byte",
+    seq_len: int = 8192,
+    batch_size: int = 1,
+    dp_rank: int = 0,
+    dp: int = 1,
+    seed: int = 0,
+    start_step: int = 0,
+    *,
+    shuffle: bool = True,
+    text_field: str = "text",
+) -> Batches:
+    """Batches for replica ``dp_rank`` of ``dp`` from global step ``start_step`` (infinite; wraps epochs).
+
+    Every sp rank of a replica gets the same full-sequence batch and shards it itself with
+    ``loongtrain.shard_sequence(x, mesh, dim=1)``. ``shuffle=True`` reorders samples per epoch with
+    ``seed`` and therefore tokenizes the whole corpus once up front (well under a second for "stdlib"
+    with the byte tokenizer); ``shuffle=False`` streams samples in corpus order, tokenizing lazily.
+    """
+    tok = build_tokenizer(tokenizer)
+    dataset = PackedDataset(TokenStream(build_corpus(corpus_spec, text_field), tok), seq_len)
+    num_samples = dataset.num_samples() if shuffle else None
+    sampler = ReplicaSampler(
+        num_samples, dp_rank, dp, batch_size, seed, shuffle=shuffle, start_step=start_step
+    )
+    return Batches(dataset, sampler)

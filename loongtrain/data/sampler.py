@@ -1,0 +1,81 @@
+"""Deterministic, resumable sample indices per data-parallel replica.
+
+Global step ``n`` consumes the global sample positions ``g`` in ``[n*dp*B, (n+1)*dp*B)``; replica ``d``
+gets ``g = n*dp*B + d*B + b`` for ``b < B``. All sp ranks of a replica get the same indices (the
+full-sequence batch; each rank then slices its own shard). Position ``g`` maps to a sample index:
+
+- ``num_samples`` known: epoch ``e = g // num_samples``; the index is ``perm_e[g % num_samples]``
+  with ``perm_e`` a permutation seeded by ``(seed, e)`` (or the identity when ``shuffle=False``);
+- ``num_samples=None`` (infinite stream): the index is ``g`` itself (the dataset wraps it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+class ReplicaSampler:
+    """Yields, step after step, the ``batch_size`` sample indices of replica ``dp_rank``."""
+
+    def __init__(
+        self,
+        num_samples: int | None,
+        dp_rank: int,
+        dp: int,
+        batch_size: int,
+        seed: int = 0,
+        *,
+        shuffle: bool = True,
+        start_step: int = 0,
+    ) -> None:
+        if num_samples is not None and num_samples < 1:
+            raise ValueError(f"num_samples={num_samples} must be positive (or None for infinite)")
+        if dp < 1 or not 0 <= dp_rank < dp:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp={dp})")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be positive")
+        if start_step < 0:
+            raise ValueError(f"start_step={start_step} must be non-negative")
+        self.num_samples, self.dp_rank, self.dp, self.batch_size = num_samples, dp_rank, dp, batch_size
+        self.seed, self.shuffle, self.step = seed, shuffle, start_step
+        self._perm_cache: dict[int, torch.Tensor] = {}
+
+    def indices(self, step: int) -> list[int]:
+        """Sample indices of this replica at global step ``step`` (pure: does not advance)."""
+        first = (step * self.dp + self.dp_rank) * self.batch_size
+        return [self._sample(g) for g in range(first, first + self.batch_size)]
+
+    def _sample(self, g: int) -> int:
+        if self.num_samples is None:
+            return g
+        epoch, offset = divmod(g, self.num_samples)
+        if not self.shuffle:
+            return offset
+        if epoch not in self._perm_cache:
+            if len(self._perm_cache) > 2:
+                self._perm_cache.clear()
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm_cache[epoch] = torch.randperm(self.num_samples, generator=gen)
+        return int(self._perm_cache[epoch][offset])
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:  # advance before yielding so state_dict() always names the next step
+            step, self.step = self.step, self.step + 1
+            yield self.indices(step)
+
+    def state_dict(self) -> dict[str, int]:
+        """The next step to produce, plus what must match on resume."""
+        return {"step": self.step, "samples_per_step": self.dp * self.batch_size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume exactly where :meth:`state_dict` was taken (ValueError if global batch or seed changed)."""
+        if state.get("samples_per_step", self.dp * self.batch_size) != self.dp * self.batch_size:
+            raise ValueError(
+                f"cannot resume: checkpoint used {state['samples_per_step']} samples per step, "
+                f"now dp*batch_size = {self.dp}*{self.batch_size}"
+            )
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"cannot resume: checkpoint seed {state['seed']} != seed {self.seed}")
+        self.step = int(state["step"])

@@ -1,0 +1,109 @@
+"""Model configuration, presets, parameter counts and training FLOPs per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, GQA)."""
+
+    vocab_size: int
+    dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.dim % self.num_heads != 0:
+            raise ValueError(f"dim={self.dim} must be divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if (self.dim // self.num_heads) % 2 != 0:
+            raise ValueError(f"head_dim={self.dim // self.num_heads} must be even for RoPE")
+        if not self.rope_theta > 0:
+            raise ValueError(f"rope_theta={self.rope_theta!r} must be positive")
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps={self.norm_eps!r} must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Byte-level vocabulary; trains in seconds on CPU at seq_len 8192.
+    "tiny": ModelConfig(
+        vocab_size=256, dim=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=384,
+        tie_embeddings=True,
+    ),
+    "1b": ModelConfig(
+        vocab_size=32000, dim=2048, num_layers=22, num_heads=32, num_kv_heads=4, ffn_dim=5632,
+        rope_theta=500000.0,
+    ),
+    "7b-mha": ModelConfig(
+        vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008,
+        rope_theta=500000.0,
+    ),
+    "7b-gqa": ModelConfig(
+        vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_dim=11008,
+        rope_theta=500000.0,
+    ),
+    "13b": ModelConfig(
+        vocab_size=32000, dim=5120, num_layers=40, num_heads=40, num_kv_heads=40, ffn_dim=13824,
+        rope_theta=500000.0,
+    ),
+}
+
+
+def get_preset(name: str, **overrides: object) -> ModelConfig:
+    """The preset ``name``, optionally with fields replaced (e.g. ``vocab_size=...``)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid presets: {sorted(PRESETS)}")
+    return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+
+
+def num_params(config: ModelConfig, *, include_embeddings: bool = True) -> int:
+    """Exact number of parameters of :class:`loongtrain.model.llama.Transformer` for ``config``."""
+    d, hd = config.dim, config.head_dim
+    attn = d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
+    mlp = 3 * d * config.ffn_dim
+    per_layer = attn + mlp + 2 * d  # two RMSNorm weights
+    total = config.num_layers * per_layer + d  # final norm
+    if include_embeddings:
+        total += config.vocab_size * d  # token embedding
+        if not config.tie_embeddings:
+            total += config.vocab_size * d  # separate lm head
+    return total
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token: all linear layers plus the lm head."""
+    d, hd = config.dim, config.head_dim
+    attn = d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
+    return config.num_layers * (attn + 3 * d * config.ffn_dim) + config.vocab_size * d
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), averaged over a causal sequence of ``seq_len``.
+
+    ``6 * N_matmul + 6 * L * S * H * D`` where ``N_matmul`` = linear-layer weights + lm head (the
+    embedding lookup is not a matmul; norms are ignored). Attention: forward causal per token per
+    layer is ``2 (QK^T and PV) * 2 (multiply-add) * S * H * D / 2 (causal)`` = ``2 * S * H * D``,
+    and forward + backward is 3x that.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be positive")
+    attn = 3 * 2 * seq_len * config.num_heads * config.head_dim * config.num_layers
+    return float(6 * matmul_params(config) + attn)

@@ -1,0 +1,183 @@
+"""LLaMA-style decoder (RMSNorm, RoPE on global positions, SwiGLU, GQA) over 2D-Attention.
+
+The model knows nothing about process groups: every rank holds its own ``S/sp`` tokens (the 2D
+zigzag shard from :func:`loongtrain.shard_sequence`, not contiguous) together with their *global*
+position ids, and the only cross-rank operation is :func:`loongtrain.attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loongtrain.attention.api import attention
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.mesh import Mesh
+
+Tensor = torch.Tensor
+
+INIT_STD = 0.02
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (statistics in float32, output in the input dtype)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(
+    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[B, S, 1, head_dim/2]`` for arbitrary (non-contiguous) integer positions ``[B, S]``.
+
+    Angles are computed in float64 so that positions of 1M+ tokens keep full precision.
+    """
+    half = head_dim // 2
+    exponents = torch.arange(half, dtype=torch.float64, device=position_ids.device) * 2.0 / head_dim
+    inv_freq = theta ** (-exponents)
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, S, half]
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return angles.cos().to(work)[:, :, None, :], angles.sin().to(work)[:, :, None, :]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, S, heads, D]`` with the split-halves convention (pairs ``i`` and ``i + D/2``)."""
+    xf = x.to(cos.dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention whose core is the distributed :func:`loongtrain.attention`."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads, config.num_kv_heads, config.head_dim,
+        )
+        self.mesh = mesh
+        self.wq = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.num_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, self.mesh, causal=True)
+        return self.wo(out.reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
+
+    def __init__(self, config: ModelConfig, mesh: Mesh | None) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config, mesh)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder LM: ``forward(input_ids [B, S_local], position_ids [B, S_local]) -> logits [B, S_local, V]``.
+
+    ``mesh=None`` means a single process. Weights are initialised deterministically from ``seed``
+    (pass ``seed=None`` to skip, e.g. when loading a checkpoint); every rank must use the same seed.
+    """
+
+    def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, seed: int | None = 0) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(TransformerBlock(config, mesh) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
+        self._mesh = mesh
+        if seed is not None:
+            self.init_weights(seed)
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return self._mesh
+
+    @mesh.setter
+    def mesh(self, mesh: Mesh | None) -> None:
+        self._mesh = mesh
+        for layer in self.layers:
+            layer.attention.mesh = mesh
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Norm weights = 1; every other weight ~ N(0, 0.02) drawn from a generator seeded with ``seed``.
+
+        Parameters are filled in name order, so the result depends only on (config, seed, device
+        type). Call it before wrapping with FSDP (it writes whole, unsharded tensors).
+        """
+        for name, param in sorted(self.named_parameters(), key=lambda kv: kv[0]):
+            if param.device.type == "meta":
+                continue
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
+            sample = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            param.copy_(sample.normal_(0.0, INIT_STD, generator=gen))
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
+        if position_ids is None:
+            if self._mesh is not None and self._mesh.sp > 1:
+                raise ValueError("position_ids are required when the sequence is sharded (mesh.sp > 1)")
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        if position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        h = self.tok_embeddings(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+
+def _stable_hash(name: str) -> int:
+    """A process-independent hash of a parameter name (Python's ``hash`` is salted per process)."""
+    value = 0
+    for byte in name.encode():
+        value = (value * 131 + byte) % (2**31 - 1)
+    return value
