@@ -121,17 +121,26 @@ def ring_forward(
 
 
 class _GradChain:
-    """dK/dV partial sums passed behind the K/V blocks (inner hops, then outer hops) to their owner."""
+    """dK/dV partial sums passed behind the K/V blocks (inner hops, then outer hops) to their owner.
 
-    def __init__(self, ring: Ring, like: Tensor):
-        self.ring, self.like = ring, like
+    A window's last inner hop is awaited only after the next block's compute (``_deferred``), so it
+    hides behind compute like every other hop; only the final outer hop of the pass is exposed.
+    """
+
+    def __init__(self, ring: Ring):
+        self.ring = ring
         self.inner_in: Exchange | None = None
         self.outer_in: Exchange | None = None
-        self.window_acc: Tensor | None = None  # this window's sum for the block held this outer step
+        self.window_acc: Tensor | None = None  # this rank's own part of the outer block's window sum
         self.own: Tensor | None = None  # sum for this rank's own block
+        self._deferred: tuple[int, Tensor, Exchange | None] | None = None
 
     def add(self, outer: int, inner: int, contrib: Tensor) -> None:
+        """Take this step's contribution for the block held at (outer, inner); called after its compute."""
         ring = self.ring
+        if self._deferred is not None:
+            self._finish_window(*self._deferred)
+            self._deferred = None
         if inner == 0:
             self.window_acc = contrib
         else:
@@ -141,14 +150,13 @@ class _GradChain:
                 contrib, ring._peer(0, 1), ring._peer(0, -1), ring.inner_grad_group, "dkv"
             )
         if inner == ring.window - 1:
-            self._finish_window(outer)
-
-    def _finish_window(self, outer: int) -> None:
-        ring = self.ring
-        total = self.window_acc
-        if self.inner_in is not None:  # the window's partial for the block this rank holds
-            total = total + self.inner_in.wait()
+            self._deferred = (outer, self.window_acc, self.inner_in)
             self.inner_in = None
+
+    def _finish_window(self, outer: int, total: Tensor, last_inner: Exchange | None) -> None:
+        ring = self.ring
+        if last_inner is not None:  # the rest of the window's sum for the block this rank holds
+            total = total + last_inner.wait()
         if outer == 0:
             self.own = total
             return
@@ -157,6 +165,9 @@ class _GradChain:
         self.outer_in = post_exchange(total, ring._peer(1, 0), ring._peer(-1, 0), ring.outer_grad_group, "dkv")
 
     def result(self) -> Tensor:
+        if self._deferred is not None:
+            self._finish_window(*self._deferred)
+            self._deferred = None
         assert self.own is not None and self.inner_in is None
         if self.outer_in is not None:
             return self.own + self.outer_in.wait()
@@ -180,7 +191,7 @@ def ring_backward(
     half = q.shape[2] // 2
     acc = _acc_dtype(q.dtype)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    chain = _GradChain(ring, k)
+    chain = _GradChain(ring)
     kv_shape = (2, *k.shape)
     for o, t, src, block in ring.visit(torch.stack([k, v])):
         kb, vb = block[0], block[1]

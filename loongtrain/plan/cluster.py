@@ -1,0 +1,111 @@
+"""Cluster descriptions for the cost model: TOML files, by name (``loongtrain/plan/clusters/<name>.toml``)
+or by path (copy one and edit it).
+
+Units in the files: memory in GiB per device, FLOP rates in TFLOP/s per device, intra-node bandwidth in
+GB/s per device one direction, NIC bandwidth in Gbit/s per NIC one direction, latencies in microseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = None  # type: ignore[assignment]
+
+CLUSTER_DIR = Path(__file__).with_name("clusters")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One homogeneous cluster: ``nodes`` are given at planning time, everything else is per node/device."""
+
+    name: str
+    gpus_per_node: int
+    memory_gib: float  # per device
+    peak_tflops: float  # dense peak of the training dtype: the MFU denominator
+    matmul_tflops: float  # achieved by large GEMMs
+    attention_tflops: float  # achieved by the attention kernel (backward: 2.5x the FLOPs at this rate)
+    intra_node_gbyte_s: float  # per device, one direction (NVLink / NVSwitch)
+    nic_gbit_s: float  # per NIC, one direction
+    nics_per_node: int
+    link_efficiency: float = 0.8  # achieved fraction of the nominal bandwidths above
+    intra_latency_us: float = 5.0
+    inter_latency_us: float = 10.0
+    usable_memory_fraction: float = 0.9  # left after the runtime's context and allocator fragmentation
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "float") and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"cluster {self.name!r}: {f.name}={value!r} must be a positive number")
+        if self.link_efficiency > 1 or self.usable_memory_fraction > 1:
+            raise ValueError(f"cluster {self.name!r}: efficiencies and fractions must be <= 1")
+
+    @property
+    def intra_bw(self) -> float:
+        """Achieved intra-node bytes/s per device, one direction."""
+        return self.intra_node_gbyte_s * 1e9 * self.link_efficiency
+
+    @property
+    def nic_bw(self) -> float:
+        """Achieved bytes/s of one NIC, one direction."""
+        return self.nic_gbit_s * 1e9 / 8 * self.link_efficiency
+
+    def cross_bw(self, senders_per_node: int) -> float:
+        """Per-device cross-node bytes/s when ``senders_per_node`` devices of a node send at once:
+        ``min(one NIC, nics_per_node * NIC / senders)``."""
+        return min(self.nic_bw, self.nics_per_node * self.nic_bw / max(1, senders_per_node))
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_gib * 2**30 * self.usable_memory_fraction
+
+
+def builtin_clusters() -> list[str]:
+    return sorted(p.stem for p in CLUSTER_DIR.glob("*.toml"))
+
+
+def load_cluster(name_or_path: str | Path) -> Cluster:
+    """A built-in cluster by name (``a100``, ``h100``, ``h200``) or a TOML file by path."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = CLUSTER_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ValueError(
+            f"cluster {str(name_or_path)!r} is neither a built-in cluster {builtin_clusters()} "
+            "nor a TOML file"
+        )
+    if tomllib is None:
+        raise ValueError("reading cluster files needs Python >= 3.11 (tomllib)")
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    data = data.get("cluster", data)
+    known = {f.name for f in dataclasses.fields(Cluster)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown cluster keys {unknown}; known keys: {sorted(known)}")
+    data.setdefault("name", path.stem)
+    try:
+        return Cluster(**data)
+    except TypeError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def cluster_to_toml(cluster: Cluster) -> str:
+    """TOML text that :func:`load_cluster` reads back into an equal :class:`Cluster`."""
+    lines = ["[cluster]"]
+    for f in dataclasses.fields(cluster):
+        value = getattr(cluster, f.name)
+        if isinstance(value, str):
+            escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'{f.name} = "{escaped}"')
+        elif isinstance(value, int):
+            lines.append(f"{f.name} = {value}")
+        else:
+            lines.append(f"{f.name} = {float(value)!r}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,179 @@
+"""The planner's cost model (pure arithmetic, hand-computed), search, and CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.layout import Layout
+from loongtrain.parallel.traffic import message_bytes
+from loongtrain.plan.attention_cost import AttnShape, attention_flops, attention_time, predict_attention_time
+from loongtrain.plan.cli import main, parse_size
+from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
+from loongtrain.plan.cost import Config, step_cost
+from loongtrain.plan.memory import memory_per_rank
+from loongtrain.plan.search import best_fitting, plan
+
+EPS = 1e-12  # latencies small enough to vanish
+
+
+def toy_cluster(**kw) -> Cluster:
+    """4 devices per node; attention 2048 FLOP/s, matmul 2048 FLOP/s, intra 1024 B/s, NIC 64 B/s."""
+    base = dict(
+        name="toy", gpus_per_node=4, memory_gib=1.0, peak_tflops=4096e-12, matmul_tflops=2048e-12,
+        attention_tflops=2048e-12, intra_node_gbyte_s=1024e-9, nic_gbit_s=64 * 8e-9, nics_per_node=4,
+        link_efficiency=1.0, intra_latency_us=EPS, inter_latency_us=EPS, usable_memory_fraction=1.0,
+    )
+    return Cluster(**dict(base, **kw))
+
+
+# B=1, S=64, H=Hkv=4, D=4, bf16 -> forward FLOPs per rank (sp=8) = 2*64^2*4*4/8 = 16384;
+# KV block (cp=8) = 2*4*8*4*2 = 512 B
+SHAPE = AttnShape(batch=1, seq_len=64, num_heads=4, num_kv_heads=4, head_dim=4, dtype_bytes=2)
+
+
+def test_parse_size():
+    assert parse_size("128K") == 131072 and parse_size("1M") == 1048576 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="1G"):
+        parse_size("1G")
+
+
+def test_attention_flops():
+    assert attention_flops(SHAPE, 8) == 16384
+    assert message_bytes(Layout(8, 1, 8), **SHAPE.kwargs())["kv"] == 512
+
+
+def test_double_ring_overlap_hand_computed():
+    # per ring step c = 16384 / 8 / 2048 = 1 s. Inner hop (NVLink) 512/1024 = 0.5 s, outer (NIC) 512/64 = 8 s.
+    # forward: window = 3*max(1, .5) + 1 = 4 s; outer exposed = 8 - 4 = 4 s.
+    # backward: c = 2.5 s, hops carry kv + fp32 dkv = 1536 B: inner 1.5 s, outer 24 s;
+    # window = 3*2.5 + 2.5 = 10 s, outer exposed 14 s; the dK/dV chain then waits for the final inner hop
+    # (1024 B / 1024 B/s = 1 s; earlier windows' last hops hide behind the next block) and for the
+    # last outer hop (1024 / 64 = 16 s).
+    t = attention_time(Layout(8, 1, 8, window=4, placement="context_first"), SHAPE, toy_cluster())
+    assert t.compute_fwd == pytest.approx(8) and t.compute_bwd == pytest.approx(20)
+    assert t.ring_inner_fwd == pytest.approx(0) and t.ring_outer_fwd == pytest.approx(4)
+    assert t.ring_inner_bwd == pytest.approx(1) and t.ring_outer_bwd == pytest.approx(14 + 16)
+    assert t.a2a_fwd == 0 and t.total == pytest.approx(63)
+    # plain ring: 7 steps each waiting on the slowest (cross-node) hop: 7*(8-1) + 7*(24-2.5) + 16
+    plain = attention_time(Layout(8, 1, 8, window=1), SHAPE, toy_cluster())
+    assert plain.ring_outer_fwd == pytest.approx(49) and plain.ring_outer_bwd == pytest.approx(150.5 + 16)
+    assert predict_attention_time(Layout(8, 1, 8, window=1), SHAPE, toy_cluster()) == pytest.approx(243.5)
+
+
+def test_shared_nic_and_a2a():
+    # one NIC per node shared by the 4 devices sending across at once: 16 B/s each -> outer hop 32 s
+    double = Layout(8, 1, 8, window=4, placement="context_first")
+    t = attention_time(double, SHAPE, toy_cluster(nics_per_node=1))
+    assert t.ring_outer_fwd == pytest.approx(32 - 4)
+    # hp=2 context_first: head peer 4 ranks away (other node). a2a pieces (S/sp=8 tokens):
+    # qkv = 8*(4+2*4)*4*2/2 = 384 B, out = 8*4*4*2/2 = 128 B per call -> (384 + 128) / 64 B/s = 8 s per pass
+    t = attention_time(Layout(8, 2, 4, placement="context_first"), SHAPE, toy_cluster())
+    assert t.a2a_fwd == pytest.approx(8) and t.a2a_bwd == pytest.approx(8)
+    t = attention_time(Layout(8, 2, 4, placement="head_first"), SHAPE, toy_cluster())
+    assert t.a2a_fwd == pytest.approx(512 / 1024)
+
+
+SMALL = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128)
+# params: per layer 64*64 + 2*64*32 + 64*64 + 3*64*128 + 2*64 = 36992; total 2*36992 + 64 + 2*256*64 = 106816
+
+
+def test_memory_hand_computed():
+    layout = Layout(8, 2, 4)  # t = 1024/8 = 128 tokens; He = 2; a = 7*64 + 2*2*16 + 4*128 = 1024
+    full_layer = 128 * (1024 * 2 + 4 * 4)  # + fp32 lse
+    kw = dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2)
+    none = memory_per_rank(SMALL, layout, ckpt="none", **kw)
+    assert none["activations"] == 2 * full_layer
+    assert none["states"] == 16 * 106816 / 8
+    assert none["working_params"] == 4 * (2 * 36992 + 256 * 64) + 2 * (2 * 36992 + 256 * 64)
+    assert none["logits"] == 128 * 256 * 6
+    kv = 2 * 128 * 2 * 16
+    assert none["workspace"] == 3 * kv * 2 + 4 * kv * 4 + 4 * 128 * 64 + 2 * 2 * 128 * (64 + 64)
+    assert memory_per_rank(SMALL, layout, ckpt="full", **kw)["activations"] == 2 * 128 * 64 * 2 + full_layer
+    sel = memory_per_rank(SMALL, layout, ckpt="selective", **kw)["activations"]
+    assert sel == 2 * 128 * (2 * 64 * 2 + 16) + full_layer
+    unsharded = memory_per_rank(SMALL, layout, ckpt="none", **dict(kw, zero_size=1))
+    assert unsharded["states"] == 16 * 106816 and unsharded["working_params"] == 2 * (2 * 36992 + 256 * 64)
+    sel32 = memory_per_rank(SMALL, layout, ckpt="selective", **dict(kw, dtype_bytes=4))
+    assert sel32["working_params"] == 4 * (2 * 36992 + 256 * 64)
+
+
+def test_step_compute_hand_computed():
+    # 1 node of 4, hp=1 cp=4, S=256: t = 64 tokens; GEMM fwd per layer 2*P_l*t, P_l (no norms) = 36864
+    cl = toy_cluster(intra_node_gbyte_s=1e6)  # fast links: pure compute
+    c = step_cost(SMALL, Config(1, 4, 1, "head_first", "none", "none"), cl, nodes=1, seq_len=256)
+    gemm = 3 * 2 * 36992 * 64 / 2048  # fwd + 2x bwd (norm weights counted with the layer)
+    attn = 3.5 * 2 * 256**2 * 4 * 16 / 4 / 2048
+    head = 6 * 256 * 64 * 64 / 2048
+    assert c.breakdown["compute"] == pytest.approx(2 * (gemm + attn) + head)
+    sel = step_cost(SMALL, Config(1, 4, 1, "head_first", "none", "selective"), cl, nodes=1, seq_len=256)
+    assert sel.breakdown["compute"] - c.breakdown["compute"] == pytest.approx(2 * gemm / 3)
+    full = step_cost(SMALL, Config(1, 4, 1, "head_first", "none", "full"), cl, nodes=1, seq_len=256)
+    assert full.breakdown["compute"] - c.breakdown["compute"] == pytest.approx(2 * (gemm / 3 + attn / 3.5))
+
+
+def test_ulysses_invalid_for_gqa_and_ring_ranking():
+    with pytest.raises(ValueError, match=r"hp=64 is invalid.*valid hp on 64 devices: \[1, 2, 4, 8, 16, 32\]"):
+        plan("7b-gqa", "a100", nodes=8, seq_len=1 << 20, hp=64)
+    cands = plan("7b-mha", "a100", nodes=8, seq_len=128 << 10, sp=64)
+    assert all(c.config.hp <= 32 for c in cands) and cands[0].fits
+    by = {(c.config.hp, c.config.cp, c.config.window, c.config.placement, c.config.zero, c.config.ckpt): c
+          for c in cands}
+    plain = by[(1, 64, 1, "head_first", "full", "selective")]
+    double = by[(1, 64, 8, "head_first", "full", "selective")]
+    assert plain.bottleneck == "ring-outer" and double.step_time < plain.step_time
+    assert cands[0].step_time <= double.step_time
+    assert [c.fits for c in cands] == sorted((c.fits for c in cands), reverse=True)
+
+
+def test_best_fitting_and_no_fit():
+    best = best_fitting("7b-gqa", "a100", nodes=8, seq_len=1 << 20)
+    assert best.fits and best.memory["total"] <= load_cluster("a100").usable_memory
+    args = best.train_args()
+    assert set(args) == {"hp", "cp", "window", "placement", "zero", "zero_shard_size", "ckpt_mode"}
+    assert args["zero_shard_size"] == (8 if args["zero"] == "hybrid" else 0)
+    with pytest.raises(ValueError, match="closest alternative: --nodes"):
+        best_fitting("7b-mha", "a100", nodes=1, seq_len=4 << 20)
+
+
+def test_calibration_measures_rates():
+    from loongtrain.plan.calibrate import measure_attention_flops, measure_matmul_flops
+
+    assert measure_matmul_flops(n=64, repeats=1) > 0
+    assert measure_attention_flops(seq=64, heads=1, head_dim=16, repeats=1) > 0
+
+
+def test_cluster_files(tmp_path):
+    a100 = load_cluster("a100")
+    assert a100.gpus_per_node == 8 and a100.nic_bw == pytest.approx(200e9 / 8 * 0.8)
+    path = tmp_path / "mine.toml"
+    path.write_text(cluster_to_toml(a100))
+    assert load_cluster(path) == a100
+    path.write_text("[cluster]\nbogus = 1\n")
+    with pytest.raises(ValueError, match="bogus"):
+        load_cluster(path)
+    with pytest.raises(ValueError, match="a100"):
+        load_cluster("nosuch")
+
+
+def test_cli_json_and_errors(capsys, tmp_path):
+    assert main(["--model", "7b-gqa", "--seq-len", "128K", "--nodes", "2", "--json", "--top", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["seq_len"] == 131072 and out["world_size"] == 16 and len(out["candidates"]) == 3
+    assert out["candidates"][0]["fits"] and out["candidates"][0]["mfu"] > 0
+    assert main(["--model", "7b-gqa", "--seq-len", "1M", "--nodes", "8", "--hp", "64"]) == 2
+    assert "hp=64" in capsys.readouterr().err
+    assert main(["--model", "7b-gqa", "--seq-len", "1001", "--nodes", "8"]) == 2
+    assert "seq_len=1001" in capsys.readouterr().err
+    assert main(["--model", "7b-mha", "--seq-len", "4M", "--nodes", "1"]) == 2
+    assert "nothing fits" in capsys.readouterr().err
+    assert main(["--model", "nope", "--seq-len", "1K", "--nodes", "1"]) == 2
+    assert "nope" in capsys.readouterr().err
+    cfg = tmp_path / "plan.toml"
+    cfg.write_text('seq_len = "64K"\nnodes = 1\ncluster = "h200"\n[model]\nvocab_size = 256\ndim = 64\n'
+                   "num_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\nffn_dim = 128\n")
+    assert main(["--config", str(cfg), "--top", "2", "--hp", "2", "--cp", "4", "--traffic"]) == 0
+    out = capsys.readouterr().out
+    assert "h200" in out and "kv_cross" in out
