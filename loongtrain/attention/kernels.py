@@ -11,8 +11,8 @@ other devices) -> the plain-math reference, which materialises the score matrix 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
