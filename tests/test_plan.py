@@ -132,7 +132,7 @@ def test_best_fitting_and_no_fit():
     best = best_fitting("7b-gqa", "a100", nodes=8, seq_len=1 << 20)
     assert best.fits and best.memory["total"] <= load_cluster("a100").usable_memory
     args = best.train_args()
-    assert set(args) == {"hp", "cp", "window", "placement", "zero", "zero_shard_size", "ckpt_mode"}
+    assert set(args) == {"hp", "cp", "window", "placement", "zero", "zero_shard_size", "ac_mode"}
     assert args["zero_shard_size"] == (8 if args["zero"] == "hybrid" else 0)
     with pytest.raises(ValueError, match="closest alternative: --nodes"):
         best_fitting("7b-mha", "a100", nodes=1, seq_len=4 << 20)

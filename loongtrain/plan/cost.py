@@ -57,7 +57,7 @@ class Config:
         """The matching ``loongtrain train`` settings (TrainConfig field names)."""
         return {"hp": self.hp, "cp": self.cp, "window": self.window, "placement": self.placement,
                 "zero": self.zero, "zero_shard_size": gpus_per_node if self.zero == "hybrid" else 0,
-                "ckpt_mode": self.ckpt}
+                "ac_mode": self.ckpt}
 
     def label(self) -> str:
         return (f"hp={self.hp} cp={self.cp} w={self.window} {self.placement} "
@@ -82,7 +82,7 @@ class Candidate:
 
     def train_args(self) -> dict:
         """Settings for ``loongtrain train`` (TrainConfig field names): hp, cp, window, placement, zero,
-        zero_shard_size, ckpt_mode."""
+        zero_shard_size, ac_mode."""
         return self.config.train_args(self.gpus_per_node)
 
     def to_dict(self) -> dict:

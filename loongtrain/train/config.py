@@ -1,0 +1,217 @@
+"""``TrainConfig``: the single source of every ``loongtrain train`` option.
+
+The command-line parser, its ``--help`` text, and the TOML config file are all generated from the
+fields below, so a new option is one new field. Precedence: field default < TOML file < command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+DTYPES = ("auto", "fp32", "bf16", "fp64")
+PROGRESS = ("auto", "on", "off")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a training run (flat: one field = one ``--option`` = one TOML key)."""
+
+    # model and data
+    model: str = _opt("tiny", "model preset (tiny, 1b, 7b-mha, 7b-gqa, 13b)")
+    corpus: str = _opt(
+        "stdlib", "corpus: 'stdlib' (this Python's standard-library sources, no download), a .txt/.jsonl "
+        "file, a directory of them, or a saved Hugging Face dataset"
+    )
+    tokenizer: str = _opt("byte", "tokenizer: 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
+                          "tokenizer path")
+    seq_len: int = _opt(8192, "tokens per sequence (must be divisible by 2*hp*cp)")
+    batch_size: int = _opt(1, "sequences per data-parallel replica per micro-step")
+    grad_accum: int = _opt(1, "micro-steps accumulated per optimizer step")
+    # optimisation
+    steps: int = _opt(40, "optimizer steps of the whole run (the schedule spans them)")
+    lr: float = _opt(3e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = _opt(0.1, "final learning rate of the cosine schedule as a fraction of --lr")
+    warmup: int = _opt(5, "linear warmup steps")
+    weight_decay: float = _opt(0.1, "AdamW weight decay (not applied to norm weights)")
+    beta1: float = _opt(0.9, "AdamW beta1")
+    beta2: float = _opt(0.95, "AdamW beta2")
+    eps: float = _opt(1e-8, "AdamW epsilon")
+    clip: float = _opt(1.0, "gradient clipping max global L2 norm (0 disables)")
+    dtype: str = _opt(
+        "auto", "compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 (autocast), fp64"
+    )
+    seed: int = _opt(0, "seed for weights, data order and torch RNGs")
+    # parallelism
+    hp: int = _opt(2, "head-parallel degree (all-to-all group size)")
+    cp: int = _opt(2, "context-parallel degree (ring size)")
+    window: int = _opt(1, "double-ring window: inner ring size (must divide cp)")
+    placement: str = _opt("head_first", "rank placement: head_first or context_first")
+    interleaved: bool = _opt(False, "interleave ring members inside a window (needs an even window)")
+    nproc: int = _opt(
+        0, "local worker processes to spawn (0: CUDA device count, or hp*cp without GPUs); "
+        "ignored under torchrun"
+    )
+    threads: int = _opt(0, "torch threads per worker (0: 1 when several CPU workers share a machine)")
+    # memory (applied by loongtrain.train.parallelize.parallelize)
+    zero: str = _opt("none", "ZeRO via FSDP2: none (replicated weights, all-reduced gradients), full "
+                     "(shard over all dp*sp ranks) or hybrid (shard over --zero-shard-size ranks)")
+    zero_shard_size: int = _opt(0, "ranks per shard group for --zero hybrid (0: all ranks)")
+    reshard_after_forward: bool = _opt(True, "FSDP2: free gathered weights after each block's forward")
+    ac_mode: str = _opt("none", "activation checkpointing: none, full, or selective (Selective "
+                          "Checkpoint++: attention outputs kept, its recompute and communication skipped)")
+    ac_fraction: float = _opt(1.0, "fraction of the blocks (the first ones) that are checkpointed")
+    memory_report: bool = _opt(True, "at start, measure per-rank params, grads, optimizer state and saved "
+                               "activations (one extra forward+backward), log them and add them to metrics")
+    # output, checkpoints, logging
+    out_dir: str = _opt("runs/train", "directory for metrics.jsonl, checkpoints, TensorBoard and plots")
+    ckpt_interval: int = _opt(0, "checkpoint every N steps (0: only at the end); always one at the end")
+    keep_checkpoints: int = _opt(0, "keep only the newest N checkpoints (0: keep all)")
+    resume: str = _opt(
+        "", "resume from a checkpoint: a checkpoint directory, or 'latest' (OUT_DIR/checkpoints/latest); "
+        "bare --resume means latest", const="latest"
+    )
+    stop_after: int = _opt(0, "stop this run after N optimizer steps (simulates an interruption; 0: run all)")
+    log_interval: int = _opt(1, "log metrics every N steps")
+    peak_tflops: float = _opt(
+        0.0, "peak TFLOP/s of one device for MFU (0: table by CUDA device name; on CPU measured)"
+    )
+    progress: str = _opt("auto", "progress bar: auto (when stdout is a terminal), on, off")
+    tensorboard: bool = _opt(True, "write TensorBoard events when tensorboard is installed")
+    plot: bool = _opt(True, "write loss_curve.png at the end when matplotlib is installed")
+    log_all_ranks: bool = _opt(False, "log from every rank, not only rank 0")
+
+    def validate(self) -> None:
+        """Raise ValueError for values that are wrong whatever the machine (ranges, choices)."""
+        positive = ("seq_len", "batch_size", "grad_accum", "steps", "hp", "cp", "window", "log_interval")
+        for name in positive:
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"--{_flag(name)}={value} must be a positive integer")
+        for name in ("warmup", "nproc", "threads", "ckpt_interval", "keep_checkpoints", "stop_after"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
+        if self.lr <= 0:
+            raise ValueError(f"--lr={self.lr} must be positive")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"--min-lr-ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.clip < 0 or self.weight_decay < 0 or self.peak_tflops < 0:
+            raise ValueError("--clip, --weight-decay and --peak-tflops must be >= 0")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.progress not in PROGRESS:
+            raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --help sections: the field that opens each one
+GROUPS = {
+    "model": "model and data",
+    "steps": "optimisation",
+    "hp": "parallelism and processes",
+    "zero": "memory (ZeRO / activation checkpointing)",
+    "out_dir": "output, checkpoints and logging",
+}
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser generated from :class:`TrainConfig`; every option shows its default.
+
+    Defaults are suppressed in the parsed namespace so that only options given on the command line
+    override the TOML file.
+    """
+    parser = argparse.ArgumentParser(
+        prog="loongtrain train",
+        description="Train a LLaMA-style model with 2D-Attention (hp x cp sequence parallelism, dp "
+        "replicas on top). Options may also be set in a TOML file (--config) with the same names "
+        "(dashes or underscores); command-line options win over the file.",
+        argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML file setting any of the options below")
+    group = parser
+    for f in fields(TrainConfig):
+        if f.name in GROUPS:
+            group = parser.add_argument_group(GROUPS[f.name])
+        flag = "--" + _flag(f.name)
+        help_text = f"{f.metadata['help']} (default: {f.default!r})"
+        kind = _field_type(f)
+        if kind is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif "const" in f.metadata:
+            group.add_argument(flag, dest=f.name, nargs="?", const=f.metadata["const"], type=kind,
+                               metavar=f.name.upper(), help=help_text)
+        else:
+            group.add_argument(flag, dest=f.name, type=kind, metavar=f.name.upper(), help=help_text)
+    return parser
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    return type(f.default)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML file of TrainConfig fields (flat keys; a ``[train]`` table is also accepted)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    if isinstance(data.get("train"), dict):
+        data = {**{k: v for k, v in data.items() if k != "train"}, **data["train"]}
+    known = {f.name: f for f in fields(TrainConfig)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"config file {str(path)!r}: unknown option {key!r}; valid: {sorted(known)}")
+        kind = _field_type(known[name])
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(
+                f"config file {str(path)!r}: {key} = {value!r} must be of type {kind.__name__}"
+            )
+        out[name] = value
+    return out
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """TrainConfig from command-line arguments (and the TOML file they name). Raises ValueError."""
+    parser = build_parser()
+    try:
+        namespace, unknown = parser.parse_known_args(argv)
+    except SystemExit as exc:  # --help exits 0; argparse reports bad values by exiting non-zero
+        if not exc.code:
+            raise
+        raise ValueError(f"invalid arguments: {' '.join(argv)}") from exc
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {unknown}; run `loongtrain train --help` for the list of options"
+        )
+    given = vars(namespace)
+    values: dict[str, Any] = {}
+    config_file = given.pop("config", None)
+    if config_file is not None:
+        values.update(load_toml(config_file))
+    values.update(given)
+    cfg = TrainConfig(**values)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,260 @@
+"""Per-rank memory report: parameters, gradients, optimizer state and saved activations (bytes).
+
+Parameters, gradients and optimizer state are counted from this rank's tensors (the local shard of an
+FSDP2 DTensor). Saved activations are measured during one forward: every tensor autograd saves goes
+through :func:`torch.autograd.graph.saved_tensors_hooks`, and what checkpointing keeps outside that
+mechanism is added explicitly (a checkpointed block's inputs are saved through the hook by
+``torch.utils.checkpoint`` itself; the outputs Selective Checkpoint++ caches are reported by its policy).
+Tensors are counted once per underlying storage, and storages of parameters (weights saved by
+matmuls, possibly FSDP's gathered copies) are excluded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loongtrain.train.parallelize import saved_output_sink
+
+log = logging.getLogger("loongtrain.train")
+
+Tensor = torch.Tensor
+
+REPORT_KEYS = ("params", "grads", "optimizer_state", "activations", "total")
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor, else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def tensor_bytes(t: Tensor) -> int:
+    """Bytes of this rank's part of ``t`` (elements x element size)."""
+    local = local_tensor(t)
+    return local.numel() * local.element_size()
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's parameters (local shards under FSDP2)."""
+    return sum(tensor_bytes(p) for p in model.parameters())
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of this rank's gradients: the existing ``.grad`` of each trainable parameter, or, where none
+    exists yet, the size it will have (same shape and dtype as the local parameter shard)."""
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            total += tensor_bytes(p.grad) if p.grad is not None else tensor_bytes(p)
+    return total
+
+
+_ADAM_STATES = 2  # exp_avg, exp_avg_sq per parameter element
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> tuple[int, bool]:
+    """``(bytes, estimated)`` of this rank's optimizer state.
+
+    Measured from ``optimizer.state`` once populated (after a step or a load). Before that, Adam/AdamW
+    state is estimated as two tensors per parameter (``estimated=True``); other optimizers count 0.
+    """
+    if optimizer is None:
+        return 0, False
+    seen: set[int] = set()
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, Tensor):
+                local = local_tensor(value)
+                key = local.untyped_storage().data_ptr()
+                if key in seen and key != 0:
+                    continue
+                seen.add(key)
+                total += tensor_bytes(value)
+    if optimizer.state:
+        return total, False
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        return _ADAM_STATES * sum(tensor_bytes(p) for p in params), True
+    return 0, True
+
+
+class SavedActivations:
+    """Context manager counting the unique storages autograd (and checkpointing) keep for backward.
+
+    ``bytes`` and ``tensors`` (number of unique storages) are valid after exit. Storages that belong to
+    parameters in use at the time (plain or FSDP-gathered) are not activations and are skipped.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.tensors = 0
+        self._storages: dict[int, int] = {}
+        self._params: dict[int, Tensor] = {}
+        self._stack = contextlib.ExitStack()
+
+    def _note_params(self, module: nn.Module, _args: Any) -> None:
+        for p in module.parameters(recurse=False):
+            if type(p).__name__ == "DTensor":
+                continue
+            ptr = p.untyped_storage().data_ptr()
+            if ptr:
+                self._params[ptr] = p
+
+    def _is_param_storage(self, ptr: int) -> bool:
+        p = self._params.get(ptr)
+        return p is not None and p.untyped_storage().data_ptr() == ptr
+
+    def _add(self, t: Any) -> None:
+        if not isinstance(t, Tensor) or type(t).__name__ == "DTensor":
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or self._is_param_storage(ptr):
+            return
+        self._storages[ptr] = max(self._storages.get(ptr, 0), storage.nbytes())
+
+    def _add_tree(self, output: Any) -> None:
+        if isinstance(output, (tuple, list)):
+            for item in output:
+                self._add_tree(item)
+        else:
+            self._add(output)
+
+    def _pack(self, t: Tensor) -> Tensor:
+        self._add(t)
+        return t
+
+    def __enter__(self) -> SavedActivations:
+        handle = nn.modules.module.register_module_forward_pre_hook(self._note_params)
+        self._stack.callback(handle.remove)
+        self._stack.enter_context(saved_output_sink(self._add_tree))
+        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        self.bytes = sum(self._storages.values())
+        self.tensors = len(self._storages)
+        self._params.clear()
+
+
+def memory_report(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    loss_fn: Callable[[], Tensor] | None = None,
+) -> dict[str, int]:
+    """This rank's memory in bytes: ``params``, ``grads``, ``optimizer_state``, ``activations``, ``total``.
+
+    ``loss_fn`` runs one forward and returns a scalar loss; the tensors saved for backward during it are
+    measured (``activations``, and ``activation_tensors`` = unique storages). Its backward is then run
+    so that the graph (and FSDP's per-iteration state) is released, and gradients are reset to None.
+    Without ``loss_fn``, ``activations`` is 0. ``optimizer_state_estimated`` is 1 when the optimizer had
+    no state yet and Adam's two moments were estimated (see :func:`optimizer_state_bytes`).
+    """
+    activations, tensors = 0, 0
+    if loss_fn is not None:
+        counter = SavedActivations()
+        with counter:
+            loss = loss_fn()
+        activations, tensors = counter.bytes, counter.tensors
+        loss.backward()
+        del loss
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    opt_bytes, estimated = optimizer_state_bytes(optimizer)
+    report = {
+        "params": parameter_bytes(model),
+        "grads": gradient_bytes(model),
+        "optimizer_state": opt_bytes,
+        "activations": activations,
+    }
+    report["total"] = sum(report.values())
+    report["activation_tensors"] = tensors
+    report["optimizer_state_estimated"] = int(estimated)
+    return report
+
+
+def trainer_loss_fn(trainer: Any, batch: dict[str, Tensor]) -> Callable[[], Tensor]:
+    """A ``loss_fn`` for :func:`memory_report` doing what ``Trainer.step`` does for one micro-batch."""
+    from loongtrain.model.loss import sharded_cross_entropy
+    from loongtrain.parallel.sharding import shard_sequence
+
+    def local(x: Tensor) -> Tensor:
+        return shard_sequence(x, trainer.mesh, dim=1).to(trainer.device)
+
+    def loss_fn() -> Tensor:
+        autocast = getattr(trainer, "_autocast", contextlib.nullcontext)
+        trainer.model.train()
+        with autocast():
+            logits = trainer.model(local(batch["input_ids"]), local(batch["position_ids"]))
+        loss, _ = sharded_cross_entropy(logits, local(batch["labels"]), trainer.mesh)
+        return loss
+
+    return loss_fn
+
+
+def trainer_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, int]:
+    """:func:`memory_report` of a ``loongtrain.train.trainer.Trainer`` on one full-sequence micro-batch."""
+    return memory_report(trainer.model, trainer.optimizer, trainer_loss_fn(trainer, batch))
+
+
+def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, int]:
+    """Collective: measure this rank's report on ``batch`` and log every rank's on rank 0 (the trainer's
+    start-up call); returns this rank's report (see :func:`metrics_fields` for step records)."""
+    report = trainer_memory_report(trainer, batch)
+    log_memory_report(report)
+    return report
+
+
+def gather_reports(report: dict[str, int]) -> list[dict[str, int]]:
+    """Every rank's report, by rank (collective; just ``[report]`` without torch.distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [report]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, report)
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def format_memory_table(reports: Iterable[dict[str, int]]) -> str:
+    """A markdown table (MiB) with one row per rank."""
+    lines = [
+        "| rank | params MiB | grads MiB | optimizer MiB | activations MiB | total MiB |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rank, r in enumerate(reports):
+        est = "*" if r.get("optimizer_state_estimated") else ""
+        lines.append(
+            f"| {rank} | {_mib(r['params'])} | {_mib(r['grads'])} | {_mib(r['optimizer_state'])}{est} | "
+            f"{_mib(r['activations'])} | {_mib(r['total'])} |"
+        )
+    if any(r.get("optimizer_state_estimated") for r in reports):
+        lines.append("\n\\* optimizer state estimated before the first step (Adam: 2 x parameter bytes)")
+    return "\n".join(lines)
+
+
+def log_memory_report(report: dict[str, int], *, all_ranks: bool = True) -> list[dict[str, int]]:
+    """Log the per-rank memory table on rank 0 (gathering every rank's report when ``all_ranks``)."""
+    reports = gather_reports(report) if all_ranks else [report]
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        log.info("memory per rank (bytes counted from tensors; activations saved by one forward):\n%s",
+                 format_memory_table(reports))
+    return reports
+
+
+def metrics_fields(report: dict[str, int]) -> dict[str, float]:
+    """The report as flat metrics (GiB), e.g. to merge into a step record: ``mem_params_gib`` ..."""
+    return {f"mem_{k}_gib": report[k] / 2**30 for k in REPORT_KEYS}

@@ -1,0 +1,178 @@
+"""Throughput, MFU, peak memory, and the metric sinks (JSONL; TensorBoard, tqdm, matplotlib if installed).
+
+MFU (model FLOPs utilisation)::
+
+    flops_per_token = 6 * N_matmul + 6 * L * S * H * D       (loongtrain.model.flops_per_token)
+    tokens_per_s    = dp * batch_size * grad_accum * seq_len / step_time
+    achieved        = flops_per_token * tokens_per_s          (whole job, FLOP/s)
+    mfu             = achieved / (num_devices * peak_per_device)
+
+``peak_per_device``: ``--peak-tflops`` when given; else on CUDA the dense bf16 tensor-core peak of
+the device from :data:`CUDA_PEAK_TFLOPS` (by device name); on CPU the fp32 matmul throughput
+(512 x 512, best of ~0.3 s) that rank 0 measures with the worker's own thread count while the other
+ranks wait (one thread per worker when several share a machine), and ``num_devices`` is then the
+number of workers that can run at once, ``min(world, os.cpu_count())``. CPU MFU is therefore
+relative to what torch's matmul achieves on this machine, not to a datasheet number.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger("loongtrain.train")
+
+# Dense (no sparsity) bf16 tensor-core peak TFLOP/s per device, matched by substring of the name.
+CUDA_PEAK_TFLOPS: dict[str, float] = {
+    "H200": 989.0,
+    "H100": 989.0,  # SXM; the PCIe card is 756
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+    "V100": 125.0,  # fp16
+    "T4": 65.0,  # fp16
+}
+
+
+def cuda_peak_tflops(device: torch.device) -> float | None:
+    """Table lookup by CUDA device name (longest matching key first); None when unknown."""
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name and "PCIe" in name:
+        return 756.0
+    for key in sorted(CUDA_PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return CUDA_PEAK_TFLOPS[key]
+    return None
+
+
+def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 512, seconds: float = 0.3) -> float:
+    """Measured matmul TFLOP/s of the calling thread configuration (best of a short loop)."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        dt = time.perf_counter() - t0
+        best = max(best, 4 * 2 * size**3 / dt / 1e12)
+    return best
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated CUDA memory of this process, or its peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class MetricsLogger:
+    """Rank 0's sinks: metrics.jsonl (always), TensorBoard and a progress bar when available."""
+
+    def __init__(self, out_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool,
+                 progress: str, append: bool) -> None:
+        self.out_dir = out_dir
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = out_dir / "metrics.jsonl"
+        kept = []
+        if append and self.jsonl_path.is_file():  # resumed: drop records of steps after the checkpoint
+            kept = [r for r in read_jsonl(self.jsonl_path) if r.get("step", 0) <= start_step]
+        self._jsonl = open(self.jsonl_path, "w")  # noqa: SIM115 - closed in close()
+        for record in kept:
+            self._jsonl.write(json.dumps(record) + "\n")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+            except ImportError:
+                log.info("tensorboard is not installed: skipping TensorBoard events")
+        show_bar = progress == "on" or (progress == "auto" and sys.stderr.isatty())
+        self._bar = None
+        if show_bar:
+            try:
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step")
+            except ImportError:
+                pass
+        self._plain = not self._bar
+
+    def log(self, record: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        step = record["step"]
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"train/{key}", value, step)
+        summary = (
+            f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s | "
+            f"{record['tflops']:.3f} TFLOP/s | MFU {100 * record['mfu']:.1f}% | "
+            f"mem {record['peak_mem_gib']:.2f} GiB"
+        )
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.set_postfix_str(summary, refresh=True)
+        else:
+            log.info("step %d/%d | %s", step, record["total_steps"], summary)
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl file (one JSON object per line)."""
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def plot_loss_curve(jsonl_path: Path, png_path: Path) -> bool:
+    """Write the loss curve of ``jsonl_path`` to ``png_path`` (matplotlib); False when unavailable."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed: skipping %s", png_path.name)
+        return False
+    records = read_jsonl(jsonl_path)
+    if not records:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,68 @@
+"""AdamW with decoupled weight decay on matrices only, a warmup + cosine schedule, and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from loongtrain.train.config import TrainConfig
+
+
+def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate for optimizer step ``step`` (0-based).
+
+    Linear warmup ``(step + 1) / warmup`` for the first ``warmup`` steps, then a cosine from 1 down
+    to ``min_ratio`` reached at the last step ``total - 1``.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    decay_steps = max(1, total - 1 - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (weight decay on >= 2-D weights, none on norms) and its LambdaLR schedule."""
+    decay, no_decay = [], []
+    for _, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # foreach=False: identical arithmetic on every backend/layout, so runs match bit for bit.
+    optimizer = torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        foreach=False,
+    )
+
+    def factor(step: int) -> float:
+        return lr_factor(step, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return optimizer, scheduler
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip the global L2 norm of the (already synchronised) gradients; return the norm before clipping.
+
+    Gradients are replicated after synchronisation, so every rank computes the same norm locally.
+    ``max_norm <= 0`` only measures.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    if any(type(g).__name__ == "DTensor" for g in grads):  # FSDP2 shards: torch reduces across ranks
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
+                                                  for g in grads]))
+    if max_norm > 0:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return float(total)

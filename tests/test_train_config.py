@@ -1,0 +1,128 @@
+"""Fast single-process tests: options, TOML precedence, schedule, clipping, checkpoint pointer, MFU peak."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+
+import pytest
+import torch
+
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.train.checkpoint import resolve_checkpoint
+from loongtrain.train.config import TrainConfig, build_parser, parse_args
+from loongtrain.train.loop import fit
+from loongtrain.train.metrics import CUDA_PEAK_TFLOPS, measure_cpu_tflops
+from loongtrain.train.optim import clip_grad_norm, lr_factor
+from loongtrain.train.synthetic import synthetic_source
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny shapes: one thread is fastest, and immune to a busy shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_help_documents_every_field_with_default():
+    text = " ".join(build_parser().format_help().split())
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in text, flag
+    assert "(default: 8192)" in text and "(default: 'tiny')" in text
+
+
+def test_toml_then_command_line_precedence(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('model = "tiny"\nseq-len = 256\nlr = 1\nsteps = 7\n[train]\nhp = 1\n')
+    cfg = parse_args(["--config", str(path), "--steps", "9", "--no-tensorboard"])
+    assert (cfg.seq_len, cfg.lr, cfg.steps, cfg.hp, cfg.cp, cfg.tensorboard) == (256, 1.0, 9, 1, 2, False)
+    assert parse_args(["--resume"]).resume == "latest"
+    assert parse_args([]).resume == ""
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--bogus", "1"], "--bogus"),
+        (["--steps", "0"], "--steps=0"),
+        (["--dtype", "fp8"], "fp8"),
+    ],
+)
+def test_bad_options_raise_value_error(argv, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_args(argv)
+
+
+def test_bad_toml_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("sequence_length = 5\n")
+    with pytest.raises(ValueError, match="sequence_length"):
+        parse_args(["--config", str(path)])
+    path.write_text('steps = "many"\n')
+    with pytest.raises(ValueError, match="steps"):
+        parse_args(["--config", str(path)])
+
+
+def test_warmup_cosine_schedule():
+    f = [lr_factor(s, warmup=4, total=20, min_ratio=0.1) for s in range(20)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == 1.0 and math.isclose(f[-1], 0.1)
+    assert all(a >= b for a, b in zip(f[3:], f[4:], strict=False))
+
+
+def test_clip_grad_norm():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    params[1].grad = torch.tensor([0.0, 4.0, 0.0, 0.0])
+    assert clip_grad_norm(params, 1.0) == pytest.approx(5.0)
+    total = torch.cat([p.grad for p in params]).norm()
+    assert float(total) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_checkpoint_pointer_is_atomic_and_resume_is_exact(tmp_path):
+    model = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=64)
+    base = dict(seq_len=16, batch_size=2, steps=4, warmup=1, hp=1, cp=1, peak_tflops=1.0,
+                tensorboard=False, plot=False, progress="off", out_dir=str(tmp_path))
+    source = synthetic_source(64)
+    mesh, cpu = single_process_mesh(), torch.device("cpu")
+    full = fit(TrainConfig(**{**base, "out_dir": str(tmp_path / "full")}), mesh, cpu,
+               model_config=model, batch_source=source)
+    fit(TrainConfig(**base, stop_after=2), mesh, cpu, model_config=model, batch_source=source)
+    root = tmp_path / "checkpoints"
+    assert resolve_checkpoint("latest", tmp_path).name == "step_00000002"
+    (root / "step_00000003.tmp").mkdir()  # a save that died half-way is never "latest"
+    assert resolve_checkpoint("latest", tmp_path).name == "step_00000002"
+    rest = fit(TrainConfig(**base, resume="latest"), mesh, cpu, model_config=model, batch_source=source)
+    assert [r["loss"] for r in rest] == [r["loss"] for r in full[2:]]
+    keep = fit(TrainConfig(**{**base, "out_dir": str(tmp_path / "keep"), "ckpt_interval": 1,
+                              "keep_checkpoints": 2}), mesh, cpu, model_config=model, batch_source=source)
+    assert [r["loss"] for r in keep] == [r["loss"] for r in full]
+    kept = sorted(p.name for p in (tmp_path / "keep" / "checkpoints").iterdir())
+    assert kept == ["latest", "step_00000003", "step_00000004"]
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        resolve_checkpoint(str(tmp_path / "nowhere"), tmp_path)
+
+
+def test_optional_sinks_are_skipped_when_missing(tmp_path, monkeypatch):
+    import sys
+
+    from loongtrain.train.metrics import MetricsLogger, plot_loss_curve
+
+    for name in ("matplotlib", "tqdm", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    logger = MetricsLogger(tmp_path, total_steps=1, start_step=0, tensorboard=True, progress="on",
+                           append=False)
+    logger.log({"step": 1, "total_steps": 1, "loss": 1.0, "lr": 0.1, "tokens_per_s": 1.0, "tflops": 0.0,
+                "mfu": float("nan"), "peak_mem_gib": 0.1})
+    logger.close()
+    assert plot_loss_curve(logger.jsonl_path, tmp_path / "loss.png") is False
+    assert not (tmp_path / "loss.png").exists() and (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_peak_table_and_cpu_measurement():
+    assert CUDA_PEAK_TFLOPS["H100"] == 989.0
+    assert 0 < measure_cpu_tflops(size=128, seconds=0.05) < 100
