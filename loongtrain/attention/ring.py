@@ -195,27 +195,25 @@ def ring_backward(
     kv_shape = (2, *k.shape)
     for o, t, src, block in ring.visit(torch.stack([k, v])):
         kb, vb = block[0], block[1]
-        contrib = torch.zeros(kv_shape, dtype=acc, device=k.device)
         if not causal or src == ring.position:
             dq, dk, dv = kernel.backward(dout, q, kb, vb, out, lse, causal, scale)
             dq_acc.add_(dq)
-            contrib[0].copy_(dk)
-            contrib[1].copy_(dv)
-        elif src < ring.position:
+            contrib = torch.stack([dk, dv]).to(acc)
+        elif src < ring.position:  # only the source's front chunk was attended
             kf, vf = kb[:, :, :half].contiguous(), vb[:, :, :half].contiguous()
             dq, dk, dv = kernel.backward(dout, q, kf, vf, out, lse, False, scale)
             dq_acc.add_(dq)
+            contrib = torch.zeros(kv_shape, dtype=acc, device=k.device)
             contrib[0, :, :, :half].copy_(dk)
             contrib[1, :, :, :half].copy_(dv)
-        else:
+        else:  # only the local back chunk attended
             back = slice(half, None)
             dq, dk, dv = kernel.backward(
                 dout[:, :, back].contiguous(), q[:, :, back].contiguous(), kb, vb,
                 out[:, :, back].contiguous(), lse[:, :, back].contiguous(), False, scale,
             )
             dq_acc[:, :, back].add_(dq)
-            contrib[0].copy_(dk)
-            contrib[1].copy_(dv)
+            contrib = torch.stack([dk, dv]).to(acc)
         chain.add(o, t, contrib)
     dkv = chain.result()
     return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
