@@ -15,12 +15,11 @@ One gloo spawn of 4 ranks:
 
 from __future__ import annotations
 
-import importlib
-from collections import Counter
 from typing import Any
 
 import pytest
 
+from tests.counting import count_ring_forward
 from tests.dist_utils import run_distributed
 from tests.test_zero import (
     STEPS,
@@ -51,30 +50,19 @@ PROOF_CASES: dict[str, dict[str, Any]] = {
 
 
 def _proof(mesh: Any, opts: dict[str, Any]) -> dict[str, Any]:
-    ops = importlib.import_module("loongtrain.attention.ops")
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.train.memory import memory_report, trainer_loss_fn
     from loongtrain.train.sync import all_reduce_gradients
 
     trainer = make_trainer(mesh, **opts)
     loss_fn = trainer_loss_fn(trainer, replica_batch(mesh, 0))
-    calls = Counter()
-    original = ops.ring_forward
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["ring_forward"] += 1
-        return original(*args, **kwargs)
-
-    ops.ring_forward = counted
-    try:
+    with count_ring_forward() as calls:
         with CommCounter() as fwd_comm:
             loss = loss_fn()
         forward_calls = calls["ring_forward"]
         with CommCounter() as bwd_comm:
             loss.backward()
         backward_calls = calls["ring_forward"] - forward_calls
-    finally:
-        ops.ring_forward = original
     if trainer.grad_sync:  # replicated weights: the trainer's own all-reduce (FSDP reduced already)
         all_reduce_gradients(trainer.params, mesh.dp)
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -27,18 +25,10 @@ from loongtrain.train.parallelize import (
     memory_config,
     parallelize,
 )
+from tests.counting import count_ring_forward
 
 CONFIG = ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=64)
 SEQ = 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    """One intra-op thread: on a small shared machine OpenMP threads only contend (tiny shapes)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _model(**opts: Any) -> torch.nn.Module:
@@ -116,24 +106,13 @@ def test_checkpoint_modes_keep_names_and_gradients() -> None:
 
 
 def test_selective_runs_attention_once_single_process() -> None:
-    ops = importlib.import_module("loongtrain.attention.ops")
-    calls = Counter()
-    original = ops.ring_forward
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    ops.ring_forward = counted
-    try:
+    with count_ring_forward() as calls:
         for mode, recomputed in (("none", 0), ("selective", 0), ("full", CONFIG.num_layers)):
             calls.clear()
             loss = _loss_fn(_model(ac_mode=mode))()
-            assert calls["n"] == CONFIG.num_layers, mode
+            assert calls["ring_forward"] == CONFIG.num_layers, mode
             loss.backward()
-            assert calls["n"] == CONFIG.num_layers + recomputed, mode
-    finally:
-        ops.ring_forward = original
+            assert calls["ring_forward"] == CONFIG.num_layers + recomputed, mode
 
 
 def test_memory_report_counts_params_grads_optimizer_and_activations() -> None:

@@ -20,16 +20,6 @@ from loongtrain.model import (
 )
 from tests.dist_utils import run_distributed
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small ops on a shared 2-core machine run far faster without intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 SMALL = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48)
 SEQ, BATCH = 32, 2
 

@@ -18,15 +18,6 @@ from loongtrain.train.optim import clip_grad_norm, lr_factor
 from loongtrain.train.synthetic import synthetic_source
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes: one thread is fastest, and immune to a busy shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_help_documents_every_field_with_default():
     text = " ".join(build_parser().format_help().split())
     for f in fields(TrainConfig):
