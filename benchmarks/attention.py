@@ -41,6 +41,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -266,6 +267,18 @@ def _time_single(step, iters: int, warmup: int) -> tuple[float, float, float]:
     return statistics.median(totals), statistics.median(forwards), statistics.median(cpus)
 
 
+def _run_agreed(fn: Callable, verbose: bool, rank: int) -> tuple[Any, str | None]:
+    """Run ``fn`` on every rank; if any rank fails, all get the same short error (reported, no hang)."""
+    result, err = None, None
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        err = _short_error(exc)
+        if verbose and rank == 0:
+            traceback.print_exc()
+    return result, _agree_on_error(err)
+
+
 def _agree_on_error(err: str | None) -> str | None:
     """All ranks learn whether any rank failed (so none waits in a collective the others skipped)."""
     flag = torch.tensor([1.0 if err else 0.0])
@@ -288,17 +301,11 @@ def rank_main(rank: int, world: int, shape: Shape, cases: list[Case], rounds: in
     for case in cases:  # build every case once (groups, inputs): same order on all ranks
         if case.kind in ("single", "single1"):
             continue
-        err = None
-        try:
-            steps[case] = STEP_BUILDERS[case.kind](shape, case)
-        except Exception as exc:  # noqa: BLE001 - reported in the table
-            err = _short_error(exc)
-            if verbose and rank == 0:
-                traceback.print_exc()
-        err = _agree_on_error(err)
+        step, err = _run_agreed(lambda c=case: STEP_BUILDERS[c.kind](shape, c), verbose, rank)
         if err:
             results[case].error = err
-            steps.pop(case, None)
+        else:
+            steps[case] = step
     for r in range(rounds):
         for case in cases:
             res = results[case]
@@ -315,18 +322,13 @@ def rank_main(rank: int, world: int, shape: Shape, cases: list[Case], rounds: in
                         torch.set_num_threads(1)
                 dist.barrier()
             else:
-                err = None
-                try:
-                    n_warm = warmup if r == 0 else min(warmup, 1)
-                    total, fwd, cpu = _time_distributed(steps[case], iters, n_warm)
-                except Exception as exc:  # noqa: BLE001 - reported in the table
-                    err = _short_error(exc)
-                    if verbose and rank == 0:
-                        traceback.print_exc()
-                err = _agree_on_error(err)
+                n_warm = warmup if r == 0 else min(warmup, 1)
+                timed, err = _run_agreed(
+                    lambda c=case, w=n_warm: _time_distributed(steps[c], iters, w), verbose, rank)
                 if err:
                     res.error = err
                     continue
+                total, fwd, cpu = timed
             if rank == 0:
                 res.total.append(total)
                 res.forward.append(fwd)
