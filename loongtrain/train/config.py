@@ -61,6 +61,10 @@ class TrainConfig:
         0, "local worker processes to spawn (0: CUDA device count, or hp*cp without GPUs); "
         "ignored under torchrun"
     )
+    plan: str = _opt("", "'auto': let the planner (loongtrain plan) choose hp, cp, window, placement, zero and "
+                     "ac-mode for this world size and seq-len, overriding those options")
+    plan_cluster: str = _opt("auto", "cluster for --plan auto: a preset (a100, h100, h200), a TOML path, or "
+                             "auto (the CUDA device's preset; on CPU this machine, measured)")
     threads: int = _opt(0, "torch threads per worker (0: 1 when several CPU workers share a machine)")
     # memory (applied by loongtrain.train.parallelize.parallelize)
     zero: str = _opt("none", "ZeRO via FSDP2: none (replicated weights, all-reduced gradients), full "

@@ -24,6 +24,7 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.mesh import Mesh, default_backend, default_device, init_mesh
 from loongtrain.parallel.sharding import check_sequence_length
+from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.checkpoint import resolve_checkpoint
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.loop import fit, model_config_for
@@ -132,6 +133,7 @@ def launch(cfg: TrainConfig) -> None:
     """Validate ``cfg`` here, then train (torchrun rank, in-process single worker, or spawned workers)."""
     setup_logging(int(os.environ.get("RANK", 0)), cfg.log_all_ranks)
     world = world_size_for(cfg)
+    cfg = apply_plan(cfg, world, under_launcher=under_torchrun())
     model_config = validate_run(cfg, world)
     if under_torchrun():
         run_worker(cfg, model_config, int(os.environ["RANK"]), world)

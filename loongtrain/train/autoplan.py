@@ -1,0 +1,56 @@
+"""``loongtrain train --plan auto``: take hp, cp, window, placement, ZeRO and checkpointing from the planner."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from loongtrain.plan.calibrate import calibrate
+from loongtrain.plan.cluster import Cluster, load_cluster
+from loongtrain.plan.search import best_fitting
+from loongtrain.train.config import TrainConfig
+
+log = logging.getLogger("loongtrain.train")
+
+PLAN_CHOICES = ("", "auto")
+CUDA_PRESETS = {"H200": "h200", "H100": "h100", "A100": "a100"}
+DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2}
+
+
+def plan_cluster(cfg: TrainConfig, world: int, under_launcher: bool) -> Cluster:
+    """The cluster description for planning: --plan-cluster, else the CUDA device's preset, else this
+    machine measured (``loongtrain plan --calibrate``), which only a single launching process may do."""
+    if cfg.plan_cluster != "auto":
+        return load_cluster(cfg.plan_cluster)
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, preset in CUDA_PRESETS.items():
+            if key in name:
+                return load_cluster(preset)
+        raise ValueError(f"--plan auto: no cluster preset for CUDA device {name!r} (presets: "
+                         f"{sorted(CUDA_PRESETS.values())}); pass --plan-cluster NAME or a TOML path")
+    if under_launcher:
+        raise ValueError("--plan auto on CPU under torchrun: every rank would measure on its own and might "
+                         "choose differently; pass --plan-cluster (e.g. a file from `loongtrain plan --calibrate`)")
+    return calibrate(world=world, threads=1)
+
+
+def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool) -> TrainConfig:
+    """``cfg`` with the planner's best fitting configuration for ``world`` ranks (unchanged without --plan)."""
+    if cfg.plan not in PLAN_CHOICES:
+        raise ValueError(f"--plan={cfg.plan!r} is not one of {PLAN_CHOICES} ('' = use the options as given)")
+    if not cfg.plan:
+        return cfg
+    cluster = plan_cluster(cfg, world, under_launcher)
+    if world % cluster.gpus_per_node != 0:
+        raise ValueError(f"--plan auto: world size {world} is not a whole number of {cluster.name} nodes "
+                         f"({cluster.gpus_per_node} devices each)")
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
+    best = best_fitting(cfg.model, cluster, nodes=world // cluster.gpus_per_node, seq_len=cfg.seq_len,
+                        batch=cfg.batch_size, dtype_bytes=DTYPE_BYTES[dtype])
+    log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, bottleneck %s)",
+             cluster.name, best.config.label(), best.step_time, 100 * best.mfu,
+             best.memory["total"] / 2**30, best.bottleneck)
+    return dataclasses.replace(cfg, plan="", **best.train_args())
