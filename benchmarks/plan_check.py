@@ -33,17 +33,20 @@ def main() -> None:
     parser.add_argument("--attn-gflops", type=float, default=16.5, help="per-rank attention GFLOP/s")
     parser.add_argument("--nic-mbit", type=float, default=21.0, help="shaped NIC rate, Mbit/s")
     parser.add_argument("--loop-gbyte", type=float, default=1.0, help="intra-node (loopback) GB/s")
+    parser.add_argument("--half-duplex", action="store_true",
+                        help="model gloo's one-direction-at-a-time connections (cluster duplex = false)")
     args = parser.parse_args()
     cluster = Cluster(
         name="testbed", gpus_per_node=4, memory_gib=24, peak_tflops=args.attn_gflops / 1e3,
         matmul_tflops=args.attn_gflops / 1e3, attention_tflops=args.attn_gflops / 1e3,
         intra_node_gbyte_s=args.loop_gbyte, nic_gbit_s=args.nic_mbit / 1e3, nics_per_node=4,
-        link_efficiency=1.0, intra_latency_us=50.0, inter_latency_us=200.0,
+        link_efficiency=1.0, intra_latency_us=50.0, inter_latency_us=200.0, duplex=not args.half_duplex,
     )
     shape = AttnShape(batch=1, seq_len=8192, num_heads=8, num_kv_heads=2, head_dim=64, dtype_bytes=4)
     times = [predict_attention_time(Layout(8, **kw), shape, cluster) for _, kw, _, _ in TESTBED]
     ring, ring_split = TESTBED[0][2], TESTBED[0][3]
-    print(f"cluster: {args.attn_gflops} GFLOP/s per rank, NIC {args.nic_mbit} Mbit/s, loopback {args.loop_gbyte} GB/s")
+    print(f"cluster: {args.attn_gflops} GFLOP/s per rank, NIC {args.nic_mbit} Mbit/s, loopback {args.loop_gbyte} "
+          f"GB/s, duplex={cluster.duplex}")
     print("| config | predicted s | measured s | predicted ratio | measured ratio | pred/meas | "
           "measured ratio (split directions) | pred/meas (split) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -15,6 +15,8 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window
   so only the pass's final inner hop (``X_dkv_in`` when ``window > 1``) and final outer hop
   (``X_dkv_out`` when ``n > 1``) are exposed.
   A synchronous ring runs at its slowest hop, so the worst rank's link decides.
+- ``cluster.duplex = False`` (gloo over TCP): an all-to-all, and a ring hop whose next and previous
+  peer are the same rank (``window == 2`` inner, two windows outer), take twice their transfer time.
 """
 
 from __future__ import annotations
@@ -126,12 +128,14 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
     links = link_stats(layout, cluster.gpus_per_node)
     intra_lat, inter_lat = cluster.intra_latency_us * 1e-6, cluster.inter_latency_us * 1e-6
 
+    half = 1.0 if cluster.duplex else 2.0  # a connection carrying both directions, one at a time
+
     def a2a_call(piece: int) -> float:
         if layout.hp == 1:
             return 0.0
         t_in = piece * links.a2a_intra_peers / cluster.intra_bw
         t_out = piece * links.a2a_cross_peers / cluster.cross_bw(links.a2a_senders)
-        return max(t_in, t_out) + (inter_lat if links.a2a_cross_peers else intra_lat)
+        return half * max(t_in, t_out) + (inter_lat if links.a2a_cross_peers else intra_lat)
 
     a2a = a2a_call(msg["a2a_qkv"]) + a2a_call(msg["a2a_out"])  # per pass: q/k/v in, output back
     c = attention_flops(shape, layout.sp) / layout.cp / (cluster.attention_tflops * 1e12)
@@ -142,6 +146,10 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
         out_senders = links.outer_senders + (links.inner_senders if links.inner_cross else 0)
         bw_in = cluster.cross_bw(in_senders) if links.inner_cross else cluster.intra_bw
         bw_out = cluster.cross_bw(out_senders) if links.outer_cross else cluster.intra_bw
+        if layout.window == 2:  # inner next and previous peer are one rank: one connection, both ways
+            bw_in /= half
+        if layout.num_windows == 2:
+            bw_out /= half
         lat_in = inter_lat if links.inner_cross else intra_lat
         lat_out = inter_lat if links.outer_cross else intra_lat
         steps = (layout.num_windows, layout.window)

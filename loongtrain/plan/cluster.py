@@ -36,6 +36,9 @@ class Cluster:
     intra_latency_us: float = 5.0
     inter_latency_us: float = 10.0
     usable_memory_fraction: float = 0.9  # left after the runtime's context and allocator fragmentation
+    # False when one connection moves one direction at a time (measured for gloo over TCP): an exchange
+    # whose send and receive peer are the same rank, and every all-to-all pair, then take twice as long
+    duplex: bool = True
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -101,7 +104,9 @@ def cluster_to_toml(cluster: Cluster) -> str:
     lines = ["[cluster]"]
     for f in dataclasses.fields(cluster):
         value = getattr(cluster, f.name)
-        if isinstance(value, str):
+        if isinstance(value, bool):
+            lines.append(f"{f.name} = {str(value).lower()}")
+        elif isinstance(value, str):
             escaped = value.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'{f.name} = "{escaped}"')
         elif isinstance(value, int):
