@@ -7,16 +7,17 @@ import logging
 
 import torch
 
+from loongtrain.parallel.mesh import default_device
 from loongtrain.plan.calibrate import calibrate
 from loongtrain.plan.cluster import Cluster, load_cluster
 from loongtrain.plan.search import best_fitting
 from loongtrain.train.config import TrainConfig
+from loongtrain.train.trainer import autocast_dtype, param_dtype
 
 log = logging.getLogger("loongtrain.train")
 
 PLAN_CHOICES = ("", "auto")
 CUDA_PRESETS = {"H200": "h200", "H100": "h100", "A100": "a100"}
-DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2}
 
 
 def plan_cluster(cfg: TrainConfig, world: int, under_launcher: bool) -> Cluster:
@@ -47,9 +48,9 @@ def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool) -> TrainCo
     if world % cluster.gpus_per_node != 0:
         raise ValueError(f"--plan auto: world size {world} is not a whole number of {cluster.name} nodes "
                          f"({cluster.gpus_per_node} devices each)")
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if torch.cuda.is_available() else "fp32")
+    compute_dtype = autocast_dtype(cfg, default_device()) or param_dtype(cfg)  # what the trainer will use
     best = best_fitting(cfg.model, cluster, nodes=world // cluster.gpus_per_node, seq_len=cfg.seq_len,
-                        batch=cfg.batch_size, dtype_bytes=DTYPE_BYTES[dtype])
+                        batch=cfg.batch_size, dtype_bytes=compute_dtype.itemsize)
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, bottleneck %s)",
              cluster.name, best.config.label(), best.step_time, 100 * best.mfu,
              best.memory["total"] / 2**30, best.bottleneck)

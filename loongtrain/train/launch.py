@@ -28,6 +28,7 @@ from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.checkpoint import resolve_checkpoint
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.loop import fit, model_config_for
+from loongtrain.train.parallelize import memory_config
 
 log = logging.getLogger("loongtrain.train")
 
@@ -66,12 +67,7 @@ def validate_run(cfg: TrainConfig, world: int) -> ModelConfig:
         validate_attention_inputs(q, kv, kv, Mesh(layout=layout, rank=0))
     except ValueError as exc:
         raise ValueError(f"model {cfg.model!r} with --hp {cfg.hp} --cp {cfg.cp}: {exc}") from exc
-    try:
-        from loongtrain.train.parallelize import memory_config
-    except ModuleNotFoundError:  # pragma: no cover - memory features not in this checkout
-        memory_config = None
-    if memory_config is not None:
-        memory_config(cfg).shard_size(world)  # ValueError for bad --zero/--ckpt-* values
+    memory_config(cfg).shard_size(world)  # ValueError for bad --zero/--ac-* values
     if cfg.resume:
         resolve_checkpoint(cfg.resume, Path(cfg.out_dir))  # ValueError when there is nothing to resume
     if cfg.dtype == "bf16" and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Gradient synchronisation without FSDP, and the default ``parallelize`` hook.
+"""Gradient synchronisation without FSDP (``--zero none``; FSDP2 reduces gradients itself).
 
 Loss convention (``loongtrain.model.loss.sharded_cross_entropy``): each rank back-propagates its
 local token-loss sum divided by the replica's token count. Parameters are replicated on all
@@ -16,21 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loongtrain.parallel.mesh import Mesh
-
 BUCKET_BYTES = 32 * 1024 * 1024
-
-
-def parallelize_stub(model: nn.Module, mesh: Mesh, cfg: object, device: torch.device) -> nn.Module:
-    """Default ``parallelize``: move the model to ``device`` and return it (weights stay replicated).
-
-    This is the single plug-in point for FSDP2 (``fully_shard`` over the dp x sp ranks) and
-    activation checkpointing: a ``loongtrain.train.parallelize.parallelize(model, mesh, cfg, device)``
-    with this signature replaces it automatically. When that function shards parameters (FSDP2
-    turns them into DTensors), :func:`needs_grad_sync` returns False and the trainer skips
-    :func:`all_reduce_gradients` because FSDP already reduce-scatters gradients.
-    """
-    return model.to(device)
 
 
 def needs_grad_sync(model: nn.Module) -> bool:

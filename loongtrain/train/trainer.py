@@ -16,14 +16,8 @@ from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
-from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync, parallelize_stub
-
-try:  # FSDP2 / activation checkpointing plug in here when that module exists
-    from loongtrain.train.parallelize import parallelize
-except ModuleNotFoundError as exc:  # pragma: no cover - depends on the checkout
-    if exc.name != "loongtrain.train.parallelize":
-        raise
-    parallelize = parallelize_stub
+from loongtrain.train.parallelize import parallelize
+from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
 
 Batch = dict[str, torch.Tensor]
 
