@@ -29,7 +29,9 @@ loongtrain measurements with it), each again beside the single process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import re
 import shlex
@@ -517,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the single process with 1 thread (CPU-time reference for overheads)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before a spawn counts as hung")
     p.add_argument("--write", type=Path, help="also write the table as a section of this markdown file")
+    p.add_argument("--json", type=Path, help="also write every case's per-round seconds here (plan_check.py local)")
     p.add_argument("-v", "--verbose", action="store_true", help="per-round timings and tracebacks on stderr")
     a = p.parse_args(argv)
 
@@ -574,6 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.write:
         write_section(a.write, text)
         print(f"(written to {a.write})")
+    if a.json:
+        a.json.write_text(json.dumps({
+            "command": command, "world": a.world, "shape": dataclasses.asdict(shape),
+            "cases": [dict(dataclasses.asdict(c), total_s=r.total, forward_s=r.forward, cpu_s=r.cpu, error=r.error)
+                      for c, r in ordered.items()],
+        }, indent=1) + "\n")
     return 0
 
 

@@ -1,60 +1,146 @@
-"""Planner predictions for the measured setups, printed beside the measured ratios.
+"""The planner's predicted attention times beside measured ones: are the ratios between configs right?
 
-    .venv/bin/python benchmarks/plan_check.py [--attn-gflops 16.5] [--nic-mbit 21] [--loop-gbyte 1.0]
+    .venv/bin/python benchmarks/plan_check.py testbed [--json benchmarks/data/testbed-*.json]
+    .venv/bin/python benchmarks/plan_check.py local [--cluster C.toml --json attention.json]
 
-Testbed (benchmarks/testbed): world 8 = 2 nodes x 4, one NIC per rank, S=8192, H=8, Hkv=2, D=64,
-fp32, causal. The cluster description is built from the testbed's own measured rates (per-rank
-attention GFLOP/s with all 8 ranks busy, shaped NIC Mbit/s); intra-node traffic is loopback.
-Measured ratios are the testbed run recorded in benchmarks/RESULTS.md.
+``testbed``: the scaled two-node testbed (benchmarks/testbed/run.py --json): world 8 = 2 nodes x 4, one
+shaped NIC per rank, loopback inside a node. Every config is predicted with the cluster it ran on: the
+per-rank attention FLOP/s calibrated just before it (all 8 ranks computing at once) and the NIC rate
+derived from that, so drift of the machine's speed during the run is in the prediction too. The
+testbed's transport is gloo, whose connections move one direction at a time, so the cluster is
+half-duplex (``duplex = false``, what ``loongtrain plan --calibrate`` writes for gloo); the full-duplex
+prediction (an NCCL cluster) is printed beside it.
+
+``local``: ``benchmarks/attention.py --json`` on this machine (world ranks, loopback) against a cluster
+from ``loongtrain plan --calibrate --calibrate-world <world>``.
+
+A ratio is a config's time over the reference config's (the plain ring, or hp=1 x cp=world) in the
+same run; the check is ``|predicted ratio / measured ratio - 1| <= 20%``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
 
-from loongtrain.parallel.layout import Layout
-from loongtrain.plan.attention_cost import AttnShape, predict_attention_time
-from loongtrain.plan.cluster import Cluster
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-# (name, layout kwargs, measured ms, measured ms with --split-directions) from the testbed run
-TESTBED = [
-    ("ring (hp1 cp8)", dict(hp=1, cp=8, window=1, placement="context_first"), 9560, 10549),
-    ("dring-w4", dict(hp=1, cp=8, window=4, placement="context_first"), 3569, 3031),
-    ("dring-w2", dict(hp=1, cp=8, window=2, placement="context_first"), 3845, 3851),
-    ("2D hp2 cp4 head_first", dict(hp=2, cp=4, window=1, placement="head_first"), 4621, 3810),
-    ("2D hp2 cp4 head_first w2", dict(hp=2, cp=4, window=2, placement="head_first"), 3343, 2852),
-    ("2D hp2 cp4 context_first", dict(hp=2, cp=4, window=1, placement="context_first"), 5873, 6586),
-    ("2D hp2 cp4 context_first w2", dict(hp=2, cp=4, window=2, placement="context_first"), 5590, 6376),
-]
+from loongtrain.parallel.layout import Layout  # noqa: E402
+from loongtrain.plan.attention_cost import AttnShape, predict_attention_time  # noqa: E402
+from loongtrain.plan.cluster import Cluster, load_cluster  # noqa: E402
+
+TOLERANCE = 0.20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+DATA = ROOT / "benchmarks" / "data"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--attn-gflops", type=float, default=16.5, help="per-rank attention GFLOP/s")
-    parser.add_argument("--nic-mbit", type=float, default=21.0, help="shaped NIC rate, Mbit/s")
-    parser.add_argument("--loop-gbyte", type=float, default=1.0, help="intra-node (loopback) GB/s")
-    parser.add_argument("--half-duplex", action="store_true",
-                        help="model gloo's one-direction-at-a-time connections (cluster duplex = false)")
-    args = parser.parse_args()
-    cluster = Cluster(
-        name="testbed", gpus_per_node=4, memory_gib=24, peak_tflops=args.attn_gflops / 1e3,
-        matmul_tflops=args.attn_gflops / 1e3, attention_tflops=args.attn_gflops / 1e3,
-        intra_node_gbyte_s=args.loop_gbyte, nic_gbit_s=args.nic_mbit / 1e3, nics_per_node=4,
-        link_efficiency=1.0, intra_latency_us=50.0, inter_latency_us=200.0, duplex=not args.half_duplex,
+def testbed_cluster(flops: float, nic_bit_s: float, per_node: int, duplex: bool) -> Cluster:
+    """The testbed as a cluster: ``flops`` per rank, one NIC of ``nic_bit_s`` per rank, loopback inside."""
+    tflops = flops / 1e12
+    return Cluster(
+        name="testbed", gpus_per_node=per_node, memory_gib=24, peak_tflops=tflops, matmul_tflops=tflops,
+        attention_tflops=tflops, intra_node_gbyte_s=1.0, nic_gbit_s=nic_bit_s / 1e9, nics_per_node=per_node,
+        link_efficiency=1.0, intra_latency_us=50.0, inter_latency_us=200.0, duplex=duplex,
     )
-    shape = AttnShape(batch=1, seq_len=8192, num_heads=8, num_kv_heads=2, head_dim=64, dtype_bytes=4)
-    times = [predict_attention_time(Layout(8, **kw), shape, cluster) for _, kw, _, _ in TESTBED]
-    ring, ring_split = TESTBED[0][2], TESTBED[0][3]
-    print(f"cluster: {args.attn_gflops} GFLOP/s per rank, NIC {args.nic_mbit} Mbit/s, loopback {args.loop_gbyte} "
-          f"GB/s, duplex={cluster.duplex}")
-    print("| config | predicted s | measured s | predicted ratio | measured ratio | pred/meas | "
-          "measured ratio (split directions) | pred/meas (split) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for (name, _, ms, ms_split), t in zip(TESTBED, times):
-        ratio, meas, meas_split = t / times[0], ms / ring, ms_split / ring_split
-        print(f"| {name} | {t:.2f} | {ms / 1e3:.2f} | {ratio:.2f} | {meas:.2f} | {ratio / meas:.2f} | "
-              f"{meas_split:.2f} | {ratio / meas_split:.2f} |")
+
+
+def _name(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _verdict(pred_ratio: float, meas_ratio: float) -> tuple[float, str]:
+    q = pred_ratio / meas_ratio
+    return q, "yes" if abs(q - 1) <= TOLERANCE else "**no**"
+
+
+def check_testbed(path: Path, phase: str) -> tuple[int, int]:
+    run = json.loads(path.read_text())
+    shape = AttnShape(batch=1, seq_len=run["seq_len"], num_heads=run["heads"], num_kv_heads=run["kv_heads"],
+                      head_dim=run["head_dim"], dtype_bytes=DTYPE_BYTES[run["dtype"]])
+    world = 2 * run["per_node"]
+    rows = []
+    for cfg in run["configs"]:
+        if phase not in cfg["ms"]:
+            continue
+        layout = Layout(world, hp=cfg["hp"], cp=cfg["cp"], window=cfg["window"], placement=cfg["placement"])
+        flops = cfg["flops_per_rank"][phase]
+        pred = {duplex: predict_attention_time(layout, shape, testbed_cluster(flops, cfg["nic_bit_s"],
+                                                                              run["per_node"], duplex))
+                for duplex in (False, True)}
+        rows.append((cfg, flops, pred, cfg["ms"][phase] / 1e3))
+    ref_cfg, _, ref_pred, ref_meas = rows[0]
+    print(f"\n{_name(path)} (`run.py {' '.join(run['argv'])}`), phase {phase}; reference {ref_cfg['name']}\n")
+    print(_row(["config", "GFLOP/s/rank", "NIC Mbit/s", "predicted s", "measured s", "predicted ratio",
+                "measured ratio", "pred/meas", "within 20%", "full-duplex ratio (NCCL-like)"]))
+    print("|---|" + "---:|" * 8 + "---:|")
+    ok = 0
+    for cfg, flops, pred, meas in rows:
+        ratio, meas_ratio = pred[False] / ref_pred[False], meas / ref_meas
+        q, good = _verdict(ratio, meas_ratio)
+        ok += good == "yes"
+        print(_row([cfg["name"], f"{flops / 1e9:.1f}", f"{cfg['nic_bit_s'] / 1e6:.1f}", f"{pred[False]:.2f}",
+                    f"{meas:.2f}", f"{ratio:.2f}", f"{meas_ratio:.2f}", f"{q:.2f}", good,
+                    f"{pred[True] / ref_pred[True]:.2f}"]))
+    return ok, len(rows)
+
+
+def check_local(cluster_path: Path, path: Path) -> tuple[int, int]:
+    cluster = load_cluster(cluster_path)
+    run = json.loads(path.read_text())
+    sh, world = run["shape"], run["world"]
+    if world != cluster.gpus_per_node:
+        raise SystemExit(f"{cluster_path} describes {cluster.gpus_per_node} ranks, the run used {world}: "
+                         f"calibrate with --calibrate-world {world}")
+    ok = total = 0
+    print(f"\n{_name(path)} (`{run['command']}`) against {_name(cluster_path)} ({cluster.description})\n")
+    print(_row(["Hkv", "config", "predicted s", "measured s", "predicted ratio", "measured ratio",
+                "pred/meas", "within 20%"]))
+    print("|---:|---|" + "---:|" * 5 + "---|")
+    for kv in sorted({c["kv_heads"] for c in run["cases"]}, reverse=True):
+        cases = [c for c in run["cases"] if c["kind"] == "loongtrain" and c["kv_heads"] == kv and c["total_s"]]
+        shape = AttnShape(batch=sh["batch"], seq_len=sh["seq_len"], num_heads=sh["heads"], num_kv_heads=kv,
+                          head_dim=sh["head_dim"], dtype_bytes=DTYPE_BYTES[sh["dtype"]])
+        preds = [predict_attention_time(Layout(world, hp=c["hp"], cp=c["cp"], window=c["window"]), shape, cluster)
+                 for c in cases]
+        meas = [statistics.median(c["total_s"]) for c in cases]
+        for c, p, m in zip(cases, preds, meas):
+            q, good = _verdict(p / preds[0], m / meas[0])
+            ok, total = ok + (good == "yes"), total + 1
+            label = f"hp={c['hp']} cp={c['cp']}" + (f" w{c['window']}" if c["window"] > 1 else "")
+            print(_row([str(kv), label, f"{p:.3f}", f"{m:.3f}", f"{p / preds[0]:.2f}", f"{m / meas[0]:.2f}",
+                        f"{q:.2f}", good]))
+    return ok, total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    tb = sub.add_parser("testbed", help="against benchmarks/testbed/run.py --json")
+    tb.add_argument("--json", type=Path, nargs="+", default=sorted(DATA.glob("testbed-*.json")))
+    tb.add_argument("--phase", default="shaped", help="shaped (library behaviour) or shaped-split")
+    lo = sub.add_parser("local", help="against benchmarks/attention.py --json on this machine")
+    lo.add_argument("--cluster", type=Path, default=DATA / "cluster-this-machine-world4.toml",
+                    help="from loongtrain plan --calibrate")
+    lo.add_argument("--json", type=Path, default=DATA / "attention-world4.json")
+    args = parser.parse_args(argv)
+    if args.mode == "testbed":
+        results = [check_testbed(p, args.phase) for p in args.json]
+        ok, total = sum(r[0] for r in results), sum(r[1] for r in results)
+    else:
+        ok, total = check_local(args.cluster, args.json)
+    print(f"\nwithin {TOLERANCE:.0%}: {ok} of {total}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

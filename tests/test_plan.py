@@ -9,7 +9,14 @@ import pytest
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.traffic import message_bytes
-from loongtrain.plan.attention_cost import AttnShape, attention_flops, attention_time, predict_attention_time
+from loongtrain.plan.attention_cost import (
+    AttnShape,
+    _Link,
+    _ring_pass,
+    attention_flops,
+    attention_time,
+    predict_attention_time,
+)
 from loongtrain.plan.cli import main, parse_size
 from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import Config, step_cost
@@ -48,19 +55,58 @@ def test_attention_flops():
 def test_double_ring_overlap_hand_computed():
     # per ring step c = 16384 / 8 / 2048 = 1 s. Inner hop (NVLink) 512/1024 = 0.5 s, outer (NIC) 512/64 = 8 s.
     # forward: window = 3*max(1, .5) + 1 = 4 s; outer exposed = 8 - 4 = 4 s.
-    # backward: c = 2.5 s, hops carry kv + fp32 dkv = 1536 B: inner 1.5 s, outer 24 s;
-    # window = 3*2.5 + 2.5 = 10 s, outer exposed 14 s; the dK/dV chain then waits for the final inner hop
-    # (1024 B / 1024 B/s = 1 s; earlier windows' last hops hide behind the next block) and for the
-    # last outer hop (1024 / 64 = 16 s).
+    # backward: c = 2.5 s, window 10 s. With 2 windows the one outer K/V hop (8 s) hides behind the first
+    # window; fp32 dK/dV (1024 B) follow K/V on the inner link (inner hops hide behind the 2.5 s steps);
+    # the chain waits for the last window's last inner dK/dV hop (1024 / 1024 = 1 s) and then sends the
+    # window's dK/dV home over the outer link (1024 / 64 = 16 s), which nothing hides.
     t = attention_time(Layout(8, 1, 8, window=4, placement="context_first"), SHAPE, toy_cluster())
     assert t.compute_fwd == pytest.approx(8) and t.compute_bwd == pytest.approx(20)
     assert t.ring_inner_fwd == pytest.approx(0) and t.ring_outer_fwd == pytest.approx(4)
-    assert t.ring_inner_bwd == pytest.approx(1) and t.ring_outer_bwd == pytest.approx(14 + 16)
-    assert t.a2a_fwd == 0 and t.total == pytest.approx(63)
-    # plain ring: 7 steps each waiting on the slowest (cross-node) hop: 7*(8-1) + 7*(24-2.5) + 16
+    assert t.ring_inner_bwd == pytest.approx(1) and t.ring_outer_bwd == pytest.approx(16)
+    assert t.a2a_fwd == 0 and t.total == pytest.approx(49)
+    # plain ring: forward 7 steps each waiting on the slowest (cross-node) hop: 7*(8-1) = 49 s exposed.
+    # backward: the outer link never idles (each K/V hop is posted as the previous one lands, dK/dV queue
+    # behind): 7 K/V + 7 dK/dV hops = 7*(512 + 1024) B / 64 B/s = 168 s, i.e. 168 - 20 exposed
     plain = attention_time(Layout(8, 1, 8, window=1), SHAPE, toy_cluster())
-    assert plain.ring_outer_fwd == pytest.approx(49) and plain.ring_outer_bwd == pytest.approx(150.5 + 16)
-    assert predict_attention_time(Layout(8, 1, 8, window=1), SHAPE, toy_cluster()) == pytest.approx(243.5)
+    assert plain.ring_outer_fwd == pytest.approx(49) and plain.ring_outer_bwd == pytest.approx(148)
+    assert predict_attention_time(Layout(8, 1, 8, window=1), SHAPE, toy_cluster()) == pytest.approx(225)
+
+
+def test_link_shares_bandwidth_between_transfers_in_flight():
+    link = _Link(bandwidth=100.0, latency=0.25, bytes_factor=1.0)
+    a = link.post(0.0, 100)  # alone for 0.5 s (50 B), then 50 B/s each: lands at 1.5
+    b = link.post(0.5, 100)  # 50 B by 1.5, then alone: lands at 2.0
+    assert link.wait(0.0, a) == pytest.approx(1.75) and link.wait(3.0, b) == pytest.approx(3.0)
+    assert link.blocked == pytest.approx(1.75) and link.arrived[b] == pytest.approx(2.0)
+    half = _Link(bandwidth=100.0, latency=0.0, bytes_factor=2.0)  # one connection, both directions
+    assert half.wait(0.0, half.post(0.0, 100)) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("steps", [(1, 8), (8, 1), (2, 4), (4, 2), (3, 3)])
+def test_simulated_pass_sends_what_the_ring_sends(steps):
+    # the schedule moves each K/V block n*w - 1 hops and each dK/dV partial as many (ring.py docstring):
+    # per rank n*(w-1) inner and n-1 outer hops of each kind, and the pass takes at least its compute
+    n, w = steps
+    for dkv in (None, 8):
+        inner, outer = _Link(1e3, 0.0, 1.0), _Link(1e3, 0.0, 1.0)
+        t = _ring_pass(steps, 1.0, inner, outer, 4, dkv)
+        kinds = 1 if dkv is None else 2
+        assert len(inner.arrived) + len(inner.left) == kinds * n * (w - 1)
+        assert len(outer.arrived) + len(outer.left) == kinds * (n - 1)
+        assert not inner.left and not outer.left  # the pass ends only when everything has landed
+        assert t >= n * w
+
+
+def test_half_duplex_doubles_two_window_outer_hops_and_a2a():
+    # 2 windows: outer next == previous peer, so on a half-duplex cluster the outer K/V hop moves 1024 B
+    # (16 s: 12 s exposed behind the 4-s forward window, 6 s behind the 10-s backward window) and the
+    # final dK/dV hop 2048 B (32 s); the inner ring (4 members) is unchanged. The hp=2 all-to-all
+    # doubles too: 2 * 8 s per pass.
+    half = toy_cluster(duplex=False)
+    t = attention_time(Layout(8, 1, 8, window=4, placement="context_first"), SHAPE, half)
+    assert t.ring_outer_fwd == pytest.approx(16 - 4) and t.ring_outer_bwd == pytest.approx(6 + 32)
+    assert t.ring_inner_bwd == pytest.approx(1)
+    assert attention_time(Layout(8, 2, 4, placement="context_first"), SHAPE, half).a2a_fwd == pytest.approx(16)
 
 
 def test_shared_nic_and_a2a():
@@ -143,6 +189,20 @@ def test_calibration_measures_rates():
 
     assert measure_matmul_flops(n=64, repeats=1) > 0
     assert measure_attention_flops(seq=64, heads=1, head_dim=16, repeats=1) > 0
+
+
+def test_calibration_shares_cpus_between_ranks(monkeypatch):
+    from loongtrain.plan import calibrate as cal
+
+    monkeypatch.setattr(cal, "measure_matmul_flops", lambda: 1e12)
+    monkeypatch.setattr(cal, "measure_attention_flops", lambda: 2e12)
+    monkeypatch.setattr(cal, "measure_gloo_loopback", lambda: (1e9, 1e-5))
+    monkeypatch.setattr(cal.os, "cpu_count", lambda: 2)
+    four = cal.calibrate(world=4)  # 4 one-thread ranks on 2 CPUs: each gets half
+    assert four.attention_tflops == pytest.approx(1.0) and four.matmul_tflops == pytest.approx(0.5)
+    assert not four.duplex and four.gpus_per_node == 4 and four.intra_node_gbyte_s == pytest.approx(1.0)
+    two = cal.calibrate(world=2)  # one CPU each: no sharing
+    assert two.attention_tflops == pytest.approx(2.0)
 
 
 def test_cluster_files(tmp_path):

@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="all", help="comma-separated config names, or 'all'")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is aborted")
     p.add_argument("--teardown", action="store_true", help="only remove leftover namespaces and exit")
-    p.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    p.add_argument("--json", type=Path, default=None, help="also write a per-config summary (JSON) here")
     return p.parse_args(argv)
 
 
@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         start_ranks(cluster, spec, events)
         results, calib, rate_bps, rate_info, exited = [], None, None, None, set()
         config_rates: dict[str, tuple[float, float]] = {}
+        phase_flops: dict[str, dict[str, float]] = {}  # phase -> config -> calibrated FLOP/s per rank
         phase = ""
         deadline = started + args.timeout
         while len(exited) < topo.world:
@@ -307,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     rate_bps, rate_info = derive_rate(args, flops)
                     netns.shape(topo, rate_bps, args.delay_ms)
                 config_rates.setdefault(name, (rate_bps, flops))
+                phase_flops.setdefault(phase, {})[name] = flops
                 log(f"  {name}: {flops / 1e9:.2f} GFLOP/s per rank -> NIC rate {rate_bps / 1e6:.2f} Mbit/s")
                 cluster.procs[0].stdin.write("go\n")
                 cluster.procs[0].stdin.flush()
@@ -341,13 +343,37 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"rank {ev['rank']} exited with {code}:\n{err}")
         wall = time.time() - started
         if args.json:
-            args.json.write_text(json.dumps({"results": results, "calibration": calib, "rate_bps": rate_bps,
-                                             "rate_info": rate_info, "config_rates": config_rates,
-                                             "argv": argv}, indent=1))
+            summary = summarize(args, argv, results, configs, config_rates, phase_flops)
+            args.json.write_text(json.dumps(summary, indent=1) + "\n")
         print_report(args, argv, results, rate_bps, calib, rate_info, configs, wall, config_rates)
         return 0
     finally:
         cluster.close()
+
+
+def summarize(args, argv, results, configs, config_rates, phase_flops) -> dict:
+    """Per config: layout, the NIC rate and, per shaped phase, the calibrated per-rank FLOP/s it ran under
+    (measured just before the config), the median ms of
+    each phase (slowest rank per iteration, median over iterations) and the mean blocked ms by category
+    (shaped phase). This is what ``benchmarks/plan_check.py testbed`` compares the planner with."""
+    out = {"argv": argv, "seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads,
+           "head_dim": args.head_dim, "dtype": args.dtype, "iters": args.iters, "per_node": 4, "configs": []}
+    for name, hp, cp, window, placement in configs:
+        rate_bps = config_rates.get(name, (0.0, 0.0))[0]
+        rows = [r for r in results if r["config"] == name]
+        phases = sorted({r["phase"] for r in rows})
+        shaped = [r for r in rows if r["phase"] == "shaped"]
+        cats = sorted({k for r in shaped for k in r.get("blocked_by", {})})
+        out["configs"].append({
+            "name": name, "hp": hp, "cp": cp, "window": window, "placement": placement,
+            "nic_bit_s": rate_bps,
+            "flops_per_rank": {ph: f[name] for ph, f in phase_flops.items() if name in f},
+            "ms": {ph: statistics.median(r["median_s"] for r in rows if r["phase"] == ph) * 1e3 for ph in phases},
+            "times_ms": {ph: [round(t * 1e3) for t in next(r for r in rows if r["phase"] == ph)["times_s"]]
+                         for ph in phases},
+            "blocked_ms": {c: statistics.mean(r["blocked_by"].get(c, 0.0) for r in shaped) * 1e3 for c in cats},
+        })
+    return out
 
 
 def _single_rank_flops(args: argparse.Namespace) -> float:

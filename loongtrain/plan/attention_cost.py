@@ -6,17 +6,18 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window
   Under zigzag every ring step does the same work, so a step costs ``c = forward / cp``.
 - all-to-all (blocking, on the critical path): per call ``max(intra bytes / intra_bw, cross bytes /
   NIC share) + latency``; bytes from :mod:`loongtrain.parallel.traffic`.
-- ring (see ``Ring.visit``): an inner step with a transfer costs ``max(c, X_in)``; a window costs
-  ``T_w = (window - 1) * max(c, X_in) + c``; an outer step costs ``max(T_w, X_out)`` (the outer transfer is
-  posted at its start and awaited after ``window`` inner steps); the last outer step has no transfer.
-  ``X = bytes / bandwidth + latency`` with the bandwidth of the link's class: intra-node, or the NIC
-  shared by the node's devices sending across at once. The backward sends K/V plus dK/dV on each hop;
-  the dK/dV chain (``_GradChain``) awaits a window's last inner hop after the next block's compute,
-  so only the pass's final inner hop (``X_dkv_in`` when ``window > 1``) and final outer hop
-  (``X_dkv_out`` when ``n > 1``) are exposed.
-  A synchronous ring runs at its slowest hop, so the worst rank's link decides.
+- ring: the pass is *simulated* step by step in the order the code runs it (``Ring.visit``, and in the
+  backward ``_GradChain``): each step posts its transfers, computes for ``c`` (backward ``2.5 c``), then
+  waits where the code waits; a wait costs the time until the awaited transfer has arrived. Transfers of
+  one hop class (inner, outer) share that link's bandwidth equally while in flight (K/V and dK/dV use
+  two process groups over one link), so the backward's overlap of the dK/dV chain with K/V hops is
+  exact for every ``window`` and number of windows. ``X = bytes / bandwidth + latency`` with the
+  bandwidth of the link's class: intra-node, or the NIC shared by the node's devices sending across at
+  once. All ranks run the same schedule, so a rank's own send stands for the block it receives, and a
+  synchronous ring runs at its slowest hop: the worst rank's link decides.
 - ``cluster.duplex = False`` (gloo over TCP): an all-to-all, and a ring hop whose next and previous
-  peer are the same rank (``window == 2`` inner, two windows outer), take twice their transfer time.
+  peer are the same rank (``window == 2`` inner, two windows outer), carry both directions over one
+  connection, one after the other: twice the bytes on that link.
 """
 
 from __future__ import annotations
@@ -115,11 +116,94 @@ def attention_flops(shape: AttnShape, sp: int) -> float:
     return 2.0 * shape.batch * shape.seq_len**2 * shape.num_heads * shape.head_dim / sp
 
 
-def _ring_pass(steps: tuple[int, int], c: float, x_in: float, x_out: float) -> tuple[float, float]:
-    """(exposed inner, exposed outer) seconds of one pass round a double ring of ``n`` windows of ``w``."""
+class _Link:
+    """The transfers of one hop class (inner or outer) on this rank's link, as a fluid: transfers in
+    flight share ``bandwidth`` equally. Time only moves forward (posts and waits come in rank order)."""
+
+    def __init__(self, bandwidth: float, latency: float, bytes_factor: float) -> None:
+        self.bandwidth, self.latency, self.factor = bandwidth, latency, bytes_factor
+        self.now = 0.0
+        self.left: dict[int, float] = {}  # transfer -> bytes still to move
+        self.arrived: dict[int, float] = {}  # transfer -> time its last byte left
+        self.blocked = 0.0  # rank time spent waiting on this link
+
+    def _run(self, until: float | None, transfer: int | None = None) -> None:
+        """Move bytes up to time ``until``, or until ``transfer`` has moved all of its bytes."""
+        while self.left and (transfer is None or transfer in self.left):
+            share = self.bandwidth / len(self.left)
+            smallest = min(self.left.values())
+            finish = self.now + smallest / share
+            if transfer is None and finish > until:
+                for key in self.left:
+                    self.left[key] -= (until - self.now) * share
+                break
+            self.now = finish
+            for key, left in list(self.left.items()):
+                if left <= smallest * (1 + 1e-9):
+                    del self.left[key]
+                    self.arrived[key] = finish
+                else:
+                    self.left[key] = left - smallest
+        if until is not None:
+            self.now = max(self.now, until)
+
+    def post(self, now: float, nbytes: float) -> int:
+        self._run(now)
+        key = len(self.arrived) + len(self.left)
+        self.left[key] = nbytes * self.factor
+        return key
+
+    def wait(self, now: float, transfer: int) -> float:
+        """Rank time after waiting for ``transfer`` (posted at or before ``now``)."""
+        if transfer in self.left:
+            self._run(None, transfer)
+        done = self.arrived[transfer] + self.latency
+        self.blocked += max(0.0, done - now)
+        return max(now, done)
+
+
+def _ring_pass(steps: tuple[int, int], c: float, inner: _Link, outer: _Link, kv: int, dkv: int | None) -> float:
+    """Rank time of one pass round a double ring of ``n`` windows of ``w``: the schedule of ``Ring.visit``
+    (``dkv is None``: forward) or of ``ring_backward`` with its ``_GradChain`` (``dkv`` bytes per hop)."""
     n, w = steps
-    window_time = (w - 1) * max(c, x_in) + c
-    return n * (w - 1) * max(0.0, x_in - c), (n - 1) * max(0.0, x_out - window_time)
+    t = 0.0
+    chain: int | None = None  # dK/dV inner hop in flight
+    deferred: tuple[int, int | None] | None = None  # a window's end, finished after the next compute
+    grad_out: int | None = None  # dK/dV outer hop in flight
+
+    def finish_window(t: float, outer_step: int, last_inner: int | None) -> float:
+        nonlocal grad_out
+        if last_inner is not None:
+            t = inner.wait(t, last_inner)
+        if outer_step > 0:
+            if grad_out is not None:
+                t = outer.wait(t, grad_out)
+            grad_out = outer.post(t, dkv)
+        return t
+
+    for o in range(n):
+        outer_kv = outer.post(t, kv) if o < n - 1 else None
+        for i in range(w):
+            inner_kv = inner.post(t, kv) if i < w - 1 else None
+            t += c
+            if dkv is not None:  # _GradChain.add
+                if deferred is not None:
+                    t, deferred = finish_window(t, *deferred), None
+                if i > 0:
+                    if chain is not None:
+                        t = inner.wait(t, chain)
+                    chain = inner.post(t, dkv)
+                if i == w - 1:
+                    deferred, chain = (o, chain), None
+            if inner_kv is not None:
+                t = inner.wait(t, inner_kv)
+        if outer_kv is not None:
+            t = outer.wait(t, outer_kv)
+    if deferred is not None:  # _GradChain.result
+        t = finish_window(t, *deferred)
+    if grad_out is not None:
+        t = outer.wait(t, grad_out)
+    return t
 
 
 def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> AttentionTime:
@@ -146,22 +230,17 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
         out_senders = links.outer_senders + (links.inner_senders if links.inner_cross else 0)
         bw_in = cluster.cross_bw(in_senders) if links.inner_cross else cluster.intra_bw
         bw_out = cluster.cross_bw(out_senders) if links.outer_cross else cluster.intra_bw
-        if layout.window == 2:  # inner next and previous peer are one rank: one connection, both ways
-            bw_in /= half
-        if layout.num_windows == 2:
-            bw_out /= half
         lat_in = inter_lat if links.inner_cross else intra_lat
         lat_out = inter_lat if links.outer_cross else intra_lat
+        # next and previous peer are one rank: one connection carries both directions
+        f_in, f_out = (half if layout.window == 2 else 1.0), (half if layout.num_windows == 2 else 1.0)
         steps = (layout.num_windows, layout.window)
-        kv, both = msg["kv"], msg["kv"] + msg["dkv"]
-        ring_fwd = _ring_pass(steps, c, kv / bw_in + lat_in, kv / bw_out + lat_out)
-        cb = BACKWARD_FLOPS_RATIO * c
-        inner_b, outer_b = _ring_pass(steps, cb, both / bw_in + 2 * lat_in, both / bw_out + 2 * lat_out)
-        if layout.window > 1:  # the pass ends waiting for the last window's last dK/dV inner hop
-            inner_b += msg["dkv"] / bw_in + lat_in
-        if layout.num_windows > 1:  # the result waits for the last dK/dV outer hop
-            outer_b += msg["dkv"] / bw_out + lat_out
-        ring_bwd = (inner_b, outer_b)
+        exposed = []
+        for compute, dkv in ((c, None), (BACKWARD_FLOPS_RATIO * c, msg["dkv"])):
+            inner, outer = _Link(bw_in, lat_in, f_in), _Link(bw_out, lat_out, f_out)
+            _ring_pass(steps, compute, inner, outer, msg["kv"], dkv)
+            exposed.append((inner.blocked, outer.blocked))
+        ring_fwd, ring_bwd = exposed
     return AttentionTime(
         compute_fwd=layout.cp * c, compute_bwd=layout.cp * c * BACKWARD_FLOPS_RATIO,
         a2a_fwd=a2a, a2a_bwd=a2a,

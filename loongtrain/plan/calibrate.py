@@ -6,8 +6,10 @@
   forward ``2 B S^2 H D`` and the backward 2.5x at ``attention_tflops``).
 - gloo loopback: two local processes exchange a buffer both ways at once (as a ring step does);
   bandwidth = bytes one way / seconds; latency = time of a 4-byte exchange.
-Ranks are assumed to run one per CPU thread group of ``threads`` threads (tests use 1). The measured
-rates are achieved rates, so ``link_efficiency`` is 1 and ``peak_tflops`` is the matmul rate.
+Ranks run ``threads`` threads each (tests use 1). When ``world * threads`` exceeds the CPUs, the ranks
+share them, so the per-rank FLOP rates are scaled by ``CPUs / (world * threads)`` (what one rank gets
+while all compute at once). The measured rates are achieved rates, so ``link_efficiency`` is 1 and
+``peak_tflops`` is the matmul rate.
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def calibrate(world: int = 4, threads: int = 1, name: str = "calibrated") -> Clu
         attn = measure_attention_flops()
     finally:
         torch.set_num_threads(previous)
+    share = min(1.0, (os.cpu_count() or 1) / (world * threads))  # ranks sharing the CPUs
+    mm, attn = mm * share, attn * share
     bw, latency = measure_gloo_loopback()
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return Cluster(
@@ -120,5 +124,6 @@ def calibrate(world: int = 4, threads: int = 1, name: str = "calibrated") -> Clu
         intra_node_gbyte_s=bw / 1e9, nic_gbit_s=bw * 8 / 1e9, nics_per_node=world, link_efficiency=1.0,
         intra_latency_us=latency * 1e6, inter_latency_us=latency * 1e6, usable_memory_fraction=0.9,
         duplex=False,  # gloo over TCP
-        description=f"this machine, {world} local ranks x {threads} thread(s), gloo loopback (measured)",
+        description=f"this machine, {world} local ranks x {threads} thread(s) on {os.cpu_count()} CPUs "
+                    f"(FLOP rates x {share:.2f} for sharing), gloo loopback (measured)",
     )
