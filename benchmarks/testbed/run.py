@@ -352,10 +352,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(args, argv, results, configs, config_rates, phase_flops) -> dict:
-    """Per config: layout, the NIC rate and, per shaped phase, the calibrated per-rank FLOP/s it ran under
-    (measured just before the config), the median ms of
-    each phase (slowest rank per iteration, median over iterations) and the mean blocked ms by category
-    (shaped phase). This is what ``benchmarks/plan_check.py testbed`` compares the planner with."""
+    """Per config: layout; NIC rate; per shaped phase, the per-rank FLOP/s calibrated just before it;
+    per phase, the median ms (slowest rank per iteration, median over iterations) and the iterations;
+    mean blocked ms by category (shaped phase). ``benchmarks/plan_check.py testbed`` reads this."""
     out = {"argv": argv, "seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads,
            "head_dim": args.head_dim, "dtype": args.dtype, "iters": args.iters, "per_node": 4, "configs": []}
     for name, hp, cp, window, placement in configs:

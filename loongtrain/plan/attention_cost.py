@@ -129,6 +129,7 @@ class _Link:
 
     def _run(self, until: float | None, transfer: int | None = None) -> None:
         """Move bytes up to time ``until``, or until ``transfer`` has moved all of its bytes."""
+        assert until is None or until >= self.now - 1e-9 * max(1.0, self.now), "link time went back"
         while self.left and (transfer is None or transfer in self.left):
             share = self.bandwidth / len(self.left)
             smallest = min(self.left.values())
