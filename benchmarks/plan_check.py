@@ -26,6 +26,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -35,7 +37,6 @@ from loongtrain.plan.attention_cost import AttnShape, predict_attention_time  # 
 from loongtrain.plan.cluster import Cluster, load_cluster  # noqa: E402
 
 TOLERANCE = 0.20
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 DATA = ROOT / "benchmarks" / "data"
 
 
@@ -47,6 +48,11 @@ def testbed_cluster(flops: float, nic_bit_s: float, per_node: int, duplex: bool)
         attention_tflops=tflops, intra_node_gbyte_s=1.0, nic_gbit_s=nic_bit_s / 1e9, nics_per_node=per_node,
         link_efficiency=1.0, intra_latency_us=50.0, inter_latency_us=200.0, duplex=duplex,
     )
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a torch dtype name as the benchmarks record it (``float32``, ``bfloat16``)."""
+    return getattr(torch, dtype).itemsize
 
 
 def _name(path: Path) -> str:
@@ -66,7 +72,7 @@ def _verdict(pred_ratio: float, meas_ratio: float) -> tuple[float, str]:
 def check_testbed(path: Path, phase: str) -> tuple[int, int]:
     run = json.loads(path.read_text())
     shape = AttnShape(batch=1, seq_len=run["seq_len"], num_heads=run["heads"], num_kv_heads=run["kv_heads"],
-                      head_dim=run["head_dim"], dtype_bytes=DTYPE_BYTES[run["dtype"]])
+                      head_dim=run["head_dim"], dtype_bytes=_itemsize(run["dtype"]))
     world = 2 * run["per_node"]
     rows = []
     for cfg in run["configs"]:
@@ -109,7 +115,7 @@ def check_local(cluster_path: Path, path: Path) -> tuple[int, int]:
     for kv in sorted({c["kv_heads"] for c in run["cases"]}, reverse=True):
         cases = [c for c in run["cases"] if c["kind"] == "loongtrain" and c["kv_heads"] == kv and c["total_s"]]
         shape = AttnShape(batch=sh["batch"], seq_len=sh["seq_len"], num_heads=sh["heads"], num_kv_heads=kv,
-                          head_dim=sh["head_dim"], dtype_bytes=DTYPE_BYTES[sh["dtype"]])
+                          head_dim=sh["head_dim"], dtype_bytes=_itemsize(sh["dtype"]))
         preds = [predict_attention_time(Layout(world, hp=c["hp"], cp=c["cp"], window=c["window"]), shape, cluster)
                  for c in cases]
         meas = [statistics.median(c["total_s"]) for c in cases]
