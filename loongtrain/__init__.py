@@ -1,6 +1,6 @@
 """loongtrain: long-sequence LLM training with 2D-Attention (head-parallel x context-parallel)."""
 
-from loongtrain.attention.api import attention
+from loongtrain.attn.api import attention
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.mesh import Mesh, init_mesh, single_process_mesh
 from loongtrain.parallel.sharding import gather_sequence, shard_sequence

@@ -7,7 +7,7 @@ import itertools
 import torch
 
 import loongtrain
-from loongtrain.attention.kernels import reference_forward
+from loongtrain.attn.kernels import reference_forward
 
 
 def factorisations(world_size: int) -> list[tuple[int, int]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +11,7 @@ from typing import Any
 @contextmanager
 def count_ring_forward() -> Iterator[Counter]:
     """Patch ``ring_forward`` as the attention custom op sees it; ``calls["ring_forward"]`` counts runs."""
-    ops = importlib.import_module("loongtrain.attention.ops")  # the package name is shadowed by the function
+    from loongtrain.attn import ops
     calls: Counter = Counter()
     original = ops.ring_forward
 

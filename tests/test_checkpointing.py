@@ -7,7 +7,7 @@ One gloo spawn of 4 ranks:
   full with full ZeRO, full with hybrid ZeRO (gathered weights kept) — 3 float64 AdamW steps each against the
   plain run (losses and parameters to 1e-10);
 * proof on ``(hp=2, cp=2, dp=1)`` (all-to-all and ring both active): ring-attention forward executions
-  are counted by wrapping ``loongtrain.attention.ops.ring_forward`` (test-local patch), and attention
+  are counted by wrapping ``loongtrain.attn.ops.ring_forward`` (test-local patch), and attention
   traffic during backward by a ``CommCounter`` entered around ``backward()`` only. Selective++ must
   run attention forward once per layer and send exactly the no-checkpoint backward's traffic; full
   checkpointing runs it twice and sends more. Saved activations: none > selective++ > full.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongtrain.attention.kernels import CPU_FLASH, REFERENCE, select_kernel
+from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, select_kernel
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -102,7 +102,7 @@ CASES = [  # (hp, cp, window, placement, interleaved, num_heads, num_kv_heads)
 def _count(rank: int, world: int) -> list:
     import torch
 
-    from loongtrain.attention.api import attention
+    from loongtrain.attn.api import attention
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.parallel.mesh import init_mesh
 

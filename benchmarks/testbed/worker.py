@@ -81,11 +81,9 @@ def _instrument_waits(rank: int, per_node: int) -> Counter:
     """Accumulate the wall time this rank spends blocked on communication, by category: waiting
     for ring exchanges (``Exchange.wait``; ``kv``/``dkv``, to a peer on this node or the other)
     and inside head all-to-alls (synchronous). Timing wrappers only; ``total`` sums them."""
-    # (not ``import loongtrain.attention.ops as ops``: ``loongtrain.attention`` the attribute is the
-    # function re-exported by loongtrain/__init__.py, which shadows the subpackage)
-    ops = importlib.import_module("loongtrain.attention.ops")
-    ring = importlib.import_module("loongtrain.attention.ring")
-    comm = importlib.import_module("loongtrain.parallel.comm")
+    from loongtrain.attn import ops, ring
+    from loongtrain.parallel import comm
+
     blocked: Counter = Counter()
 
     def tagged_post(send, dst, src, group, kind):
@@ -129,8 +127,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from loongtrain.attention.api import attention
-    from loongtrain.attention.kernels import select_kernel
+    from loongtrain.attn.api import attention
+    from loongtrain.attn.kernels import select_kernel
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.parallel.mesh import init_mesh
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongtrain.attention.api import attention
+from loongtrain.attn.api import attention
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh
 

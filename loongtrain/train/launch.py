@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loongtrain.attention.api import validate_attention_inputs
+from loongtrain.attn.api import validate_attention_inputs
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.mesh import Mesh, default_backend, default_device, init_mesh

@@ -130,7 +130,7 @@ ATTENTION_OPS: tuple[torch._ops.OpOverload, ...] = ()
 def _attention_ops() -> tuple[torch._ops.OpOverload, ...]:
     global ATTENTION_OPS
     if not ATTENTION_OPS:
-        import loongtrain.attention.ops  # noqa: F401 - registers torch.ops.loongtrain.*
+        import loongtrain.attn.ops  # noqa: F401 - registers torch.ops.loongtrain.*
 
         ATTENTION_OPS = (
             torch.ops.loongtrain.head_all_to_all.default,

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from loongtrain.attention import ops
+from loongtrain.attn import ops
 from loongtrain.parallel.mesh import Mesh, single_process_mesh
 from loongtrain.parallel.sharding import check_sequence_length
 

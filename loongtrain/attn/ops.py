@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from loongtrain.attention.ring import Ring, ring_backward, ring_forward
+from loongtrain.attn.ring import Ring, ring_backward, ring_forward
 from loongtrain.parallel.comm import all_to_all, resolve_group
 
 Tensor = torch.Tensor

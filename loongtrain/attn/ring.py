@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from loongtrain.attention.kernels import Kernel, select_kernel
+from loongtrain.attn.kernels import Kernel, select_kernel
 from loongtrain.parallel.comm import Exchange, post_exchange
 
 Tensor = torch.Tensor
