@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import re
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -47,13 +45,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere; spawned children re-import this module
     sys.path.insert(0, str(ROOT))
 
 import loongtrain  # noqa: E402
+from loongtrain.parallel.launch import run_local  # noqa: E402
 
 BASELINES = ("deepspeed", "ring-attention-pytorch")
 BASELINE_TITLES = {
@@ -344,62 +342,14 @@ def rank_main(rank: int, world: int, shape: Shape, cases: list[Case], rounds: in
 # ----------------------------------------------------------------------------- spawning
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, args: tuple, queue) -> None:
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=900))
-        result = rank_main(rank, world, *args)
-        dist.barrier()
-        queue.put((rank, "ok", result if rank == 0 else None))
-    except BaseException:  # noqa: BLE001 - report any failure to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def spawn(world: int, args: tuple, timeout: float) -> dict[Case, Measured]:
-    """Run :func:`rank_main` on ``world`` fresh gloo processes; rank 0's results."""
-    ctx = mp.get_context("spawn")
-    for attempt in range(3):
-        queue = ctx.Queue()
-        port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, args, queue), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        result, error = None, None
-        try:
-            for _ in range(world):
-                rank, status, value = queue.get(timeout=timeout)
-                if status == "error":
-                    error = f"rank {rank}: {value}"
-                    break
-                if rank == 0:
-                    result = value
-        except Exception as exc:  # noqa: BLE001 - queue timeout: a hang
-            error = f"no result within {timeout:.0f} s ({type(exc).__name__})"
-        finally:
-            for p in procs:
-                p.join(timeout=5 if error is None else 0.5)
-                if p.is_alive():
-                    p.kill()
-        if error and "EADDRINUSE" in error and attempt < 2:
-            continue
-        if error:
-            raise RuntimeError(error)
-        return result
-    raise RuntimeError("unreachable")
+    """Run :func:`rank_main` on ``world`` fresh gloo processes (1 thread each); rank 0's results.
+
+    A failing rank or a run longer than ``timeout`` seconds raises RuntimeError."""
+    try:
+        return run_local(rank_main, world, *args, backend="gloo", threads=1, timeout=timeout)[0]
+    except TimeoutError as exc:
+        raise RuntimeError(str(exc)) from exc
 
 
 # ----------------------------------------------------------------------------- report

@@ -20,20 +20,19 @@ import os
 import platform
 import resource
 import shlex
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
-# mode name -> memory options (MemoryConfig fields)
+from loongtrain.parallel.launch import WorkerError, run_local  # noqa: E402
+
+# mode name -> memory options (ParallelConfig fields)
 MODES: dict[str, dict[str, Any]] = {
     "none": {},
     "selective": {"ac_mode": "selective"},
@@ -45,107 +44,65 @@ MODES: dict[str, dict[str, Any]] = {
 GIB = 2**30
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rss_bytes() -> int:
     """Peak resident set size of this process (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
-    import torch.distributed as dist
+def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One rank of one point (inside run_local's process group): train, measure, return the numbers."""
+    from loongtrain.model.config import get_preset
+    from loongtrain.parallel.config import ParallelConfig
+    from loongtrain.parallel.mesh import init_mesh
+    from loongtrain.train.config import TrainConfig
+    from loongtrain.train.memory import trainer_memory_report
+    from loongtrain.train.synthetic import global_batch
+    from loongtrain.train.trainer import Trainer
 
-    torch.set_num_threads(args["threads"])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    try:
-        cuda = args["device"] == "cuda"
-        device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    cuda = args["device"] == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    baseline = _rss_bytes()
+    mesh = init_mesh(args["hp"], args["cp"])
+    model_config = get_preset(args["model"])
+    parallel = ParallelConfig(hp=args["hp"], cp=args["cp"], **MODES[args["mode"]])
+    cfg = TrainConfig(model=args["model"], seq_len=args["seq"], steps=args["steps"], warmup=1,
+                      parallel=parallel, dtype=args["dtype"], seed=0)
+    trainer = Trainer(cfg, mesh, device, model_config)
+
+    def batch(step: int) -> dict[str, torch.Tensor]:
+        full = global_batch(step, mesh.dp, args["seq"], model_config.vocab_size, seed=0)
+        return {k: v[mesh.dp_rank : mesh.dp_rank + 1] for k, v in full.items()}
+
+    report = trainer_memory_report(trainer, batch(0))
+    times = []
+    for step in range(args["steps"]):
         if cuda:
-            torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-        from loongtrain.model.config import get_preset
-        from loongtrain.parallel.mesh import init_mesh
-        from loongtrain.train.config import TrainConfig
-        from loongtrain.train.memory import trainer_memory_report
-        from loongtrain.train.synthetic import global_batch
-        from loongtrain.train.trainer import Trainer
-
-        baseline = _rss_bytes()
-        mesh = init_mesh(args["hp"], args["cp"])
-        model_config = get_preset(args["model"])
-        cfg = TrainConfig(model=args["model"], seq_len=args["seq"], steps=args["steps"], warmup=1,
-                          hp=args["hp"], cp=args["cp"], dtype=args["dtype"], seed=0)
-        for key, value in MODES[args["mode"]].items():
-            setattr(cfg, key, value)
-        trainer = Trainer(cfg, mesh, device, model_config)
-
-        def batch(step: int) -> dict[str, torch.Tensor]:
-            full = global_batch(step, mesh.dp, args["seq"], model_config.vocab_size, seed=0)
-            return {k: v[mesh.dp_rank : mesh.dp_rank + 1] for k, v in full.items()}
-
-        report = trainer_memory_report(trainer, batch(0))
-        times = []
-        for step in range(args["steps"]):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = trainer.step([batch(step)])["loss"]
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        result = {
-            "report": report, "times": times, "loss": loss, "rss": _rss_bytes(), "baseline_rss": baseline,
-            "cuda_peak": torch.cuda.max_memory_allocated(device) if cuda else 0,
-        }
-        dist.barrier()
-        queue.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - report any failure (including OOM errors) to the parent
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = trainer.step([batch(step)])["loss"]
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {
+        "report": report, "times": times, "loss": loss, "rss": _rss_bytes(), "baseline_rss": baseline,
+        "cuda_peak": torch.cuda.max_memory_allocated(device) if cuda else 0,
+    }
 
 
 def run_point(args: argparse.Namespace, mode: str, seq: int) -> dict[str, Any]:
     """Train ``args.steps`` steps of ``mode`` at ``seq`` tokens in fresh processes; per-rank results."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     point = {"mode": mode, "seq": seq, "hp": args.hp, "cp": args.cp, "model": args.model, "steps": args.steps,
              "dtype": args.dtype, "threads": args.threads, "device": args.device}
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.world, port, point, queue), daemon=True)
-             for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
     error = None
-    deadline = time.monotonic() + args.timeout
-    while len(results) < args.world and error is None:
-        try:
-            rank, status, value = queue.get(timeout=2.0)
-        except Exception:  # noqa: BLE001 - queue.Empty: check for dead ranks (e.g. OOM-killed)
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                error = f"a rank died with exit code {dead[0]} (killed: out of memory?)"
-            elif time.monotonic() > deadline:
-                error = f"timed out after {args.timeout} s"
-            continue
-        if status == "ok":
-            results[rank] = value
-        else:
-            error = value.strip().splitlines()[-1]
-    for p in procs:
-        p.join(timeout=5 if error is None else 0.5)
-        if p.is_alive():
-            p.kill()
+    try:
+        ranks = run_local(_rank_main, args.world, point, backend="nccl" if args.device == "cuda" else "gloo",
+                          threads=args.threads, timeout=args.timeout)
+    except WorkerError as exc:  # e.g. out of memory: the last line of the traceback, or how the rank died
+        error = f"rank {exc.rank}: {exc.details.strip().splitlines()[-1]}"
+    except TimeoutError:
+        error = f"timed out after {args.timeout} s"
     if error is not None:
         return {"mode": mode, "seq": seq, "ok": False, "error": error}
-    ranks = [results[r] for r in range(args.world)]
     step_times = [statistics.median(r["times"][1:] or r["times"]) for r in ranks]
     step = max(step_times)
     return {

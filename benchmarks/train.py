@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loongtrain.parallel.config import ParallelConfig  # noqa: E402
 from loongtrain.train.config import TrainConfig  # noqa: E402
 from loongtrain.train.launch import launch  # noqa: E402
 from loongtrain.train.metrics import read_jsonl  # noqa: E402
@@ -67,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         sp = args.hp * args.cp
         rows = []
         for threads in sorted({1, cores}):
-            single = TrainConfig(**common, hp=1, cp=1, nproc=1, threads=threads,
+            single = TrainConfig(**common, parallel=ParallelConfig(), nproc=1, threads=threads,
                                  out_dir=f"{tmp}/single{threads}")
             rows.append(run(f"1 process ({threads} thread{'s' * (threads > 1)})", single, args.skip))
-        multi = TrainConfig(**common, hp=args.hp, cp=args.cp, nproc=sp, threads=1, out_dir=f"{tmp}/multi")
+        multi = TrainConfig(**common, parallel=ParallelConfig(hp=args.hp, cp=args.cp), nproc=sp, threads=1,
+                            out_dir=f"{tmp}/multi")
         rows.append(run(f"hp={args.hp} x cp={args.cp} ({sp} x 1 thread)", multi, args.skip))
     print(f"\nmodel {args.model}, seq_len {args.seq_len}, {args.steps} steps (mean over the last "
           f"{args.steps - args.skip}), {cores} CPU cores")

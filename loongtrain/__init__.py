@@ -1,17 +1,25 @@
 """loongtrain: long-sequence LLM training with 2D-Attention (head-parallel x context-parallel)."""
 
 from loongtrain.attn.api import attention
+from loongtrain.attn.apply import apply_2d_attention
+from loongtrain.parallel.config import ParallelConfig, validate_parallel
+from loongtrain.parallel.launch import run_local
 from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.mesh import Mesh, init_mesh, single_process_mesh
+from loongtrain.parallel.mesh import Mesh, destroy_mesh, init_mesh, single_process_mesh
 from loongtrain.parallel.sharding import gather_sequence, shard_sequence
 
 __all__ = [
     "Layout",
     "Mesh",
+    "ParallelConfig",
+    "apply_2d_attention",
     "attention",
+    "destroy_mesh",
     "gather_sequence",
     "init_mesh",
+    "run_local",
     "shard_sequence",
     "single_process_mesh",
+    "validate_parallel",
 ]
 __version__ = "0.1.0"

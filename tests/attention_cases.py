@@ -8,6 +8,7 @@ import torch
 
 import loongtrain
 from loongtrain.attn.kernels import reference_forward
+from loongtrain.parallel.config import effective_kv_heads
 
 
 def factorisations(world_size: int) -> list[tuple[int, int]]:
@@ -49,6 +50,15 @@ def max_errors(mesh, got, want) -> list[float]:
             for g, w in zip(got, want)]
 
 
+def gqa_ok(num_heads: int, num_kv_heads: int, hp: int) -> bool:
+    """Whether the heads satisfy the GQA rule on ``hp`` head ranks (the library's one rule)."""
+    try:
+        effective_kv_heads(num_heads, num_kv_heads, hp)
+    except ValueError:
+        return False
+    return True
+
+
 def check_exact(rank: int, world_size: int, configs: list[dict], heads: list[tuple[int, int]],
                 head_dims: list[int], dtype_name: str, tol: float) -> int:
     """For every config x heads x head_dim x causal: sharded == unsharded within ``tol``."""
@@ -57,8 +67,7 @@ def check_exact(rank: int, world_size: int, configs: list[dict], heads: list[tup
     for cfg in configs:
         mesh = loongtrain.init_mesh(**cfg)
         for (num_heads, num_kv_heads), head_dim, causal in itertools.product(heads, head_dims, (True, False)):
-            if num_heads % mesh.hp or (num_kv_heads >= mesh.hp and num_kv_heads % mesh.hp) or \
-                    (num_kv_heads < mesh.hp and mesh.hp % num_kv_heads):
+            if not gqa_ok(num_heads, num_kv_heads, mesh.hp):
                 continue
             batch, seq = 2, 4 * mesh.hp * mesh.cp
             inputs = full_inputs(100 + mesh.dp_rank, batch, seq, num_heads, num_kv_heads, head_dim, dtype)

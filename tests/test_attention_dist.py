@@ -7,6 +7,8 @@ import pytest
 from tests.attention_cases import check_exact, factorisations
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 HEADS = [(8, 8), (8, 2), (8, 1)]  # MHA, GQA (hp > Hkv for hp in 4, 8), MQA
 
 

@@ -32,6 +32,8 @@ from tests.test_zero import (
     train,
 )
 
+pytestmark = pytest.mark.distributed
+
 EQUIV_CASES: dict[str, dict[str, Any]] = {
     "full": {"ac_mode": "full"},
     "selective": {"ac_mode": "selective"},

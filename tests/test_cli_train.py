@@ -23,6 +23,7 @@ def _common(out_dir, corpus) -> list[str]:
             "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1"]
 
 
+@pytest.mark.distributed
 def test_two_workers_spawned(tmp_path, corpus):
     argv = ["train", "--nproc", "2", "--hp", "2", "--cp", "1", "--steps", "3", "--warmup", "1",
             *_common(tmp_path, corpus)]

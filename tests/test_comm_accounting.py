@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from loongtrain.parallel import traffic
 from loongtrain.parallel.layout import Layout
 from tests.attention_cases import count_comm
 from tests.dist_utils import run_distributed
 
-traffic = pytest.importorskip("loongtrain.parallel.traffic")
+pytestmark = pytest.mark.distributed
+
 
 CONFIGS = [
     dict(hp=2, cp=2),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, select_kernel
+from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, _expand_kv, select_kernel
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -30,8 +30,33 @@ def test_cpu_flash_matches_reference(causal, num_heads, num_kv_heads):
         torch.testing.assert_close(got_c, want, rtol=0, atol=1e-12)
 
 
-def test_kernel_selection():
-    assert select_kernel(torch.device("cpu"), torch.bfloat16, 128) is CPU_FLASH
-    assert select_kernel(torch.device("cuda"), torch.bfloat16, 128).name == "cuda_flash"
-    assert select_kernel(torch.device("cuda"), torch.float32, 128) is REFERENCE
-    assert select_kernel(torch.device("cuda"), torch.bfloat16, 512) is REFERENCE
+def test_kernel_selection_on_cpu():
+    """CPU: the fused CPU op for every float dtype (CUDA selection: tests/test_cuda_path.py)."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        assert select_kernel(torch.device("cpu"), dtype, 100) is CPU_FLASH
+
+
+def test_kv_expansion_only_copies_when_it_must():
+    k = torch.randn(2, 1, 8, 4)  # one KV head
+    assert _expand_kv(k, 4).data_ptr() == k.data_ptr() and _expand_kv(k, 4).stride(1) == 0
+    k2 = torch.randn(2, 2, 8, 4)
+    expanded = _expand_kv(k2, 4)
+    torch.testing.assert_close(expanded, k2.repeat_interleave(2, dim=1), rtol=0, atol=0)
+    assert _expand_kv(k2, 2) is k2
+
+
+def test_cpu_flash_on_strided_ring_slices():
+    """The ring's back-half step on strided views (transposed [B, S, H, D], S-slices, a sliced lse
+    accumulator): no copies are needed for exact results."""
+    g = torch.Generator().manual_seed(1)
+
+    def make(heads):
+        return torch.randn(2, 48, heads, 16, generator=g, dtype=torch.float64).transpose(1, 2)
+
+    q, k, v, dout = make(4), make(2), make(2), make(4)
+    out, lse = REFERENCE.forward(q, k, v, False, 0.3)
+    back = slice(24, None)
+    args = (dout[:, :, back], q[:, :, back], k, v, out[:, :, back], lse.contiguous()[:, :, back], False, 0.3)
+    assert not any(t.is_contiguous() for t in args[:6] if t is not k and t is not v)
+    for got, want in zip(CPU_FLASH.backward(*args), REFERENCE.backward(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -9,8 +9,9 @@ import torch
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.config import TrainConfig
+from loongtrain.train.config import parse_args
 from loongtrain.train.memory import (
     SavedActivations,
     format_memory_table,
@@ -19,10 +20,8 @@ from loongtrain.train.memory import (
     optimizer_state_bytes,
 )
 from loongtrain.train.parallelize import (
-    MemoryConfig,
     apply_activation_checkpointing,
     checkpointed_layers,
-    memory_config,
     parallelize,
 )
 from tests.counting import count_ring_forward
@@ -32,8 +31,8 @@ SEQ = 32
 
 
 def _model(**opts: Any) -> torch.nn.Module:
-    model = Transformer(CONFIG, None, seed=0).to(torch.float64)
-    return parallelize(model, single_process_mesh(), MemoryConfig(**opts), torch.device("cpu"))
+    model = Transformer(CONFIG, seed=0).to(torch.float64)
+    return parallelize(model, single_process_mesh(), ParallelConfig(**opts), torch.device("cpu"))
 
 
 def _loss_fn(model: torch.nn.Module) -> Any:
@@ -61,30 +60,26 @@ def _loss_fn(model: torch.nn.Module) -> Any:
 )
 def test_bad_options_raise_value_error_naming_value_and_choices(opts: dict, words: list[str]) -> None:
     with pytest.raises(ValueError) as info:
-        MemoryConfig(**opts)
+        ParallelConfig(**opts)
     for word in words:
         assert word in str(info.value)
 
 
 def test_shard_size_must_divide_world() -> None:
-    assert MemoryConfig(zero="full").shard_size(8) == 8
-    assert MemoryConfig(zero="hybrid", zero_shard_size=0).shard_size(8) == 8
-    assert MemoryConfig(zero="hybrid", zero_shard_size=4).shard_size(8) == 4
-    assert MemoryConfig().shard_size(8) == 1
+    assert ParallelConfig(zero="full").shard_size(8) == 8
+    assert ParallelConfig(zero="hybrid", zero_shard_size=0).shard_size(8) == 8
+    assert ParallelConfig(zero="hybrid", zero_shard_size=4).shard_size(8) == 4
+    assert ParallelConfig().shard_size(8) == 1
     with pytest.raises(ValueError, match=r"zero_shard_size=3 .* \[2, 4, 8\]"):
-        MemoryConfig(zero="hybrid", zero_shard_size=3).shard_size(8)
+        ParallelConfig(zero="hybrid", zero_shard_size=3).shard_size(8)
 
 
-def test_memory_config_from_train_config_and_aliases() -> None:
-    assert memory_config(TrainConfig()) == MemoryConfig()
-    cfg = TrainConfig()
-    cfg.zero, cfg.ac_mode, cfg.ac_fraction = "full", "selective++", 0.5  # flat fields, as the CLI would
-    assert memory_config(cfg) == MemoryConfig(zero="full", ac_mode="selective", ac_fraction=0.5)
-
-    class Holder:
-        memory = MemoryConfig(ac_mode="full")
-
-    assert memory_config(Holder()).ac_mode == "full"
+def test_memory_options_from_the_command_line_and_aliases() -> None:
+    assert parse_args([]).parallel == ParallelConfig(hp=2, cp=2)
+    cfg = parse_args(["--zero", "full", "--ac-mode", "selective++", "--ac-fraction", "0.5"])
+    assert cfg.parallel == ParallelConfig(hp=2, cp=2, zero="full", ac_mode="selective", ac_fraction=0.5)
+    with pytest.raises(ValueError, match="parallel must be a ParallelConfig"):
+        parallelize(torch.nn.Linear(2, 2), single_process_mesh(), cfg, torch.device("cpu"))  # type: ignore[arg-type]
     assert checkpointed_layers(4, 0.5) == [0, 1]
     assert checkpointed_layers(4, 0.0) == []
     assert checkpointed_layers(3, 1.0) == [0, 1, 2]

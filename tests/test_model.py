@@ -1,12 +1,20 @@
-"""The model on a 2D mesh equals the model in one process (loss and summed gradients), plus config checks."""
+"""The plain model, and the plain model + ``apply_2d_attention`` on a 2D mesh, give the same loss and
+summed gradients; ``apply_2d_attention`` on any module tree; the model imports nothing parallel."""
 
 from __future__ import annotations
+
+import ast
+import copy
+import pickle
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import loongtrain
+from loongtrain.attn.apply import MeshAttention
 from loongtrain.model import (
     PRESETS,
     ModelConfig,
@@ -14,10 +22,12 @@ from loongtrain.model import (
     apply_rope,
     flops_per_token,
     get_preset,
+    local_attention,
     num_params,
     rope_cos_sin,
-    sharded_cross_entropy,
 )
+from loongtrain.train.loss import IGNORE_INDEX, sharded_cross_entropy
+from tests.counting import count_ring_forward
 from tests.dist_utils import run_distributed
 
 SMALL = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48)
@@ -29,14 +39,14 @@ def _batch(seed: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=gen)
     inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
-    labels[0, 3:7] = -100
-    labels[1, -5:] = -100
+    labels[0, 3:7] = IGNORE_INDEX
+    labels[1, -5:] = IGNORE_INDEX
     positions = torch.arange(SEQ).expand(BATCH, SEQ) + 100
     return inputs, labels, positions
 
 
 def _reference(config: ModelConfig, data_seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model = Transformer(config, None, seed=7).double()
+    model = Transformer(config, seed=7).double()  # plain: local attention, no mesh
     inputs, labels, positions = _batch(data_seed, config.vocab_size)
     logits = model(inputs, positions)
     loss, value = sharded_cross_entropy(logits, labels, None)
@@ -53,7 +63,8 @@ def _check_sharded(rank: int, world_size: int, cases: list[tuple[int, int, list[
             config = ModelConfig(**SMALL, tie_embeddings=tie)
             data_seed = 1000 + mesh.dp_rank  # replicas train on different data
             ref_loss, ref_grads = _reference(config, data_seed)
-            model = Transformer(config, mesh, seed=7).double()
+            model = loongtrain.apply_2d_attention(Transformer(config, seed=7).double(), mesh)
+            assert all(isinstance(layer.attention.attention_fn, MeshAttention) for layer in model.layers)
             inputs, labels, positions = (
                 loongtrain.shard_sequence(t, mesh, dim=1) for t in _batch(data_seed, config.vocab_size)
             )
@@ -72,6 +83,7 @@ def _check_sharded(rank: int, world_size: int, cases: list[tuple[int, int, list[
     return checked
 
 
+@pytest.mark.distributed
 def test_sharded_model_matches_single_process_world4():
     # (hp, cp, tie_embeddings values); (4, 1) replicates KV heads (hp > Hkv); (2, 1) has dp=2 replicas
     cases = [(2, 2, [True, False]), (1, 4, [False]), (4, 1, [True]), (2, 1, [False])]
@@ -79,12 +91,128 @@ def test_sharded_model_matches_single_process_world4():
     assert counts == [5] * 4
 
 
-def test_single_process_mesh_matches_none():
+def test_single_process_mesh_matches_plain_model():
     config = ModelConfig(**SMALL)
     inputs, labels, positions = _batch(0, config.vocab_size)
-    a = Transformer(config, None, seed=3).double()(inputs, positions)
-    b = Transformer(config, loongtrain.single_process_mesh(), seed=3).double()(inputs, positions)
-    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    plain = Transformer(config, seed=3).double()
+    applied = loongtrain.apply_2d_attention(Transformer(config, seed=3).double(), loongtrain.single_process_mesh())
+    for model in (plain, applied):
+        sharded_cross_entropy(model(inputs, positions), labels, None)[0].backward()
+    torch.testing.assert_close(applied(inputs, positions), plain(inputs, positions), rtol=0, atol=1e-12)
+    for (name, a), b in zip(applied.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12, msg=name)
+    # position_ids default to arange
+    torch.testing.assert_close(plain(inputs), plain(inputs, torch.arange(SEQ).expand(BATCH, SEQ)), rtol=0, atol=0)
+
+
+def _naive_attention(q, k, v, causal, scale):
+    """Softmax attention written out, query head h on KV head h // (H / Hkv)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        seq = q.shape[1]
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_local_attention_is_exact(num_heads, num_kv_heads, causal):
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    q = torch.randn(2, 12, num_heads, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 12, num_kv_heads, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+            for _ in range(2))
+    for scale in (None, 0.3):
+        out = local_attention(q, k, v, causal=causal, softmax_scale=scale)
+        ref = _naive_attention(q, k, v, causal, 8**-0.5 if scale is None else scale)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=0, atol=1e-12)
+
+
+class _ToyAttention(nn.Module):
+    """A foreign module tree following the protocol: its core is a replaceable ``attention_fn``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.attention_fn = local_attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.proj(x).view(*x.shape[:2], 2, 4)
+        return self.attention_fn(qkv, qkv[:, :, :1], qkv[:, :, 1:], causal=True).flatten(2)
+
+
+def test_apply_2d_attention_replaces_every_attention_fn():
+    mesh, other = loongtrain.single_process_mesh(), loongtrain.single_process_mesh()
+    model = Transformer(ModelConfig(**SMALL), seed=0)
+    assert all(layer.attention.attention_fn is local_attention for layer in model.layers)
+    assert loongtrain.apply_2d_attention(model, mesh) is model
+    fns = [m.attention_fn for m in model.modules() if hasattr(m, "attention_fn")]
+    assert len(fns) == SMALL["num_layers"] and len({id(f) for f in fns}) == len(fns)
+    assert all(isinstance(f, MeshAttention) and f.mesh is mesh for f in fns)
+    loongtrain.apply_2d_attention(model, other)  # idempotent: re-applying rebinds
+    assert all(layer.attention.attention_fn.mesh is other for layer in model.layers)
+    # picklable (with a picklable mesh); a deep copy shares the mesh and its process groups
+    assert pickle.loads(pickle.dumps(model.layers[0].attention.attention_fn)).mesh.layout == other.layout
+    assert copy.deepcopy(model).layers[1].attention.attention_fn.mesh is other
+
+    toy = nn.Sequential(_ToyAttention(), nn.ModuleList([_ToyAttention()]))
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    toy.double()
+    before = toy[0](x)
+    with count_ring_forward() as calls:
+        after = loongtrain.apply_2d_attention(toy, mesh)[0](x)
+    assert calls["ring_forward"] == 1 and isinstance(toy[1][0].attention_fn, MeshAttention)
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-12)
+
+
+def test_apply_2d_attention_rejects_models_without_attention_fn_and_bad_meshes():
+    with pytest.raises(ValueError, match="Sequential has no module with an 'attention_fn'"):
+        loongtrain.apply_2d_attention(nn.Sequential(nn.Linear(2, 2)), loongtrain.single_process_mesh())
+    with pytest.raises(ValueError, match="mesh must be a loongtrain Mesh"):
+        loongtrain.apply_2d_attention(Transformer(ModelConfig(**SMALL)), None)
+
+
+def test_selective_checkpoint_finds_the_custom_ops_after_apply():
+    """Selective Checkpoint++ keeps the outputs of torch.ops.loongtrain.* reached through attention_fn:
+    the backward recomputes no attention; full checkpointing recomputes it once per layer."""
+    from loongtrain.train.parallelize import apply_activation_checkpointing
+
+    config = ModelConfig(**SMALL)
+    inputs, labels, positions = _batch(0, config.vocab_size)
+    with count_ring_forward() as calls:
+        for mode, recomputed in (("selective", 0), ("full", config.num_layers)):
+            model = loongtrain.apply_2d_attention(Transformer(config, seed=0).double(),
+                                                  loongtrain.single_process_mesh())
+            apply_activation_checkpointing(model.layers, mode)
+            calls.clear()
+            loss, _ = sharded_cross_entropy(model(inputs, positions), labels, None)
+            loss.backward()
+            assert calls["ring_forward"] == config.num_layers + recomputed, mode
+
+
+def test_model_package_imports_nothing_parallel():
+    """loongtrain.model knows no meshes, process groups or 2D-Attention: it imports only itself,
+    torch and the standard library."""
+    package = Path(loongtrain.__file__).parent / "model"
+    files = sorted(package.glob("*.py"))
+    assert len(files) >= 3
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                if name.startswith("loongtrain"):
+                    assert name.startswith("loongtrain.model."), f"{path.name} imports {name}"
+                assert not name.startswith("torch.distributed"), f"{path.name} imports {name}"
 
 
 def test_init_is_deterministic_and_seeded():
@@ -134,7 +262,7 @@ def test_loss_ignores_labels_and_matches_torch():
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1))
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-14)
     assert not value.requires_grad
-    all_ignored, _ = sharded_cross_entropy(logits, torch.full_like(labels, -100), None)
+    all_ignored, _ = sharded_cross_entropy(logits, torch.full_like(labels, IGNORE_INDEX), None)
     assert all_ignored.item() == 0.0
     with pytest.raises(ValueError, match="labels shape"):
         sharded_cross_entropy(logits, labels[:, :3], None)
@@ -184,7 +312,7 @@ def test_tiny_preset_learns_stdlib_bytes():
     from loongtrain.data import build_batches
 
     torch.manual_seed(0)
-    model = Transformer(get_preset("tiny"), None, seed=0)
+    model = Transformer(get_preset("tiny"), seed=0)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     batches = build_batches("stdlib", "byte", seq_len=64, batch_size=4, shuffle=False)
     losses = []

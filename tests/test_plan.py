@@ -7,19 +7,20 @@ import json
 import pytest
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.traffic import message_bytes
 from loongtrain.plan.attention_cost import (
     AttnShape,
     _Link,
-    _ring_pass,
     attention_flops,
     attention_time,
     predict_attention_time,
+    simulate_pass,
 )
 from loongtrain.plan.cli import main, parse_size
 from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
-from loongtrain.plan.cost import Config, step_cost
+from loongtrain.plan.cost import step_cost
 from loongtrain.plan.memory import memory_per_rank
 from loongtrain.plan.search import best_fitting, plan
 
@@ -89,7 +90,7 @@ def test_simulated_pass_sends_what_the_ring_sends(steps):
     n, w = steps
     for dkv in (None, 8):
         inner, outer = _Link(1e3, 0.0, 1.0), _Link(1e3, 0.0, 1.0)
-        t = _ring_pass(steps, 1.0, inner, outer, 4, dkv)
+        t = simulate_pass(steps, 1.0, inner, outer, 4, dkv)
         kinds = 1 if dkv is None else 2
         assert len(inner.arrived) + len(inner.left) == kinds * n * (w - 1)
         assert len(outer.arrived) + len(outer.left) == kinds * (n - 1)
@@ -130,33 +131,33 @@ def test_memory_hand_computed():
     layout = Layout(8, 2, 4)  # t = 1024/8 = 128 tokens; He = 2; a = 7*64 + 2*2*16 + 4*128 = 1024
     full_layer = 128 * (1024 * 2 + 4 * 4)  # + fp32 lse
     kw = dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2)
-    none = memory_per_rank(SMALL, layout, ckpt="none", **kw)
+    none = memory_per_rank(SMALL, layout, ac_mode="none", **kw)
     assert none["activations"] == 2 * full_layer
     assert none["states"] == 16 * 106816 / 8
     assert none["working_params"] == 4 * (2 * 36992 + 256 * 64) + 2 * (2 * 36992 + 256 * 64)
     assert none["logits"] == 128 * 256 * 6
     kv = 2 * 128 * 2 * 16
     assert none["workspace"] == 3 * kv * 2 + 4 * kv * 4 + 4 * 128 * 64 + 2 * 2 * 128 * (64 + 64)
-    assert memory_per_rank(SMALL, layout, ckpt="full", **kw)["activations"] == 2 * 128 * 64 * 2 + full_layer
-    sel = memory_per_rank(SMALL, layout, ckpt="selective", **kw)["activations"]
+    assert memory_per_rank(SMALL, layout, ac_mode="full", **kw)["activations"] == 2 * 128 * 64 * 2 + full_layer
+    sel = memory_per_rank(SMALL, layout, ac_mode="selective", **kw)["activations"]
     assert sel == 2 * 128 * (2 * 64 * 2 + 16) + full_layer
-    unsharded = memory_per_rank(SMALL, layout, ckpt="none", **dict(kw, zero_size=1))
+    unsharded = memory_per_rank(SMALL, layout, ac_mode="none", **dict(kw, zero_size=1))
     assert unsharded["states"] == 16 * 106816 and unsharded["working_params"] == 2 * (2 * 36992 + 256 * 64)
-    sel32 = memory_per_rank(SMALL, layout, ckpt="selective", **dict(kw, dtype_bytes=4))
+    sel32 = memory_per_rank(SMALL, layout, ac_mode="selective", **dict(kw, dtype_bytes=4))
     assert sel32["working_params"] == 4 * (2 * 36992 + 256 * 64)
 
 
 def test_step_compute_hand_computed():
     # 1 node of 4, hp=1 cp=4, S=256: t = 64 tokens; GEMM fwd per layer 2*P_l*t, P_l (no norms) = 36864
     cl = toy_cluster(intra_node_gbyte_s=1e6)  # fast links: pure compute
-    c = step_cost(SMALL, Config(1, 4, 1, "head_first", "none", "none"), cl, nodes=1, seq_len=256)
+    c = step_cost(SMALL, ParallelConfig(cp=4, ac_mode="none"), cl, nodes=1, seq_len=256)
     gemm = 3 * 2 * 36992 * 64 / 2048  # fwd + 2x bwd (norm weights counted with the layer)
     attn = 3.5 * 2 * 256**2 * 4 * 16 / 4 / 2048
     head = 6 * 256 * 64 * 64 / 2048
     assert c.breakdown["compute"] == pytest.approx(2 * (gemm + attn) + head)
-    sel = step_cost(SMALL, Config(1, 4, 1, "head_first", "none", "selective"), cl, nodes=1, seq_len=256)
+    sel = step_cost(SMALL, ParallelConfig(cp=4, ac_mode="selective"), cl, nodes=1, seq_len=256)
     assert sel.breakdown["compute"] - c.breakdown["compute"] == pytest.approx(2 * gemm / 3)
-    full = step_cost(SMALL, Config(1, 4, 1, "head_first", "none", "full"), cl, nodes=1, seq_len=256)
+    full = step_cost(SMALL, ParallelConfig(cp=4, ac_mode="full"), cl, nodes=1, seq_len=256)
     assert full.breakdown["compute"] - c.breakdown["compute"] == pytest.approx(2 * (gemm / 3 + attn / 3.5))
 
 
@@ -165,7 +166,7 @@ def test_ulysses_invalid_for_gqa_and_ring_ranking():
         plan("7b-gqa", "a100", nodes=8, seq_len=1 << 20, hp=64)
     cands = plan("7b-mha", "a100", nodes=8, seq_len=128 << 10, sp=64)
     assert all(c.config.hp <= 32 for c in cands) and cands[0].fits
-    by = {(c.config.hp, c.config.cp, c.config.window, c.config.placement, c.config.zero, c.config.ckpt): c
+    by = {(c.config.hp, c.config.cp, c.config.window, c.config.placement, c.config.zero, c.config.ac_mode): c
           for c in cands}
     plain = by[(1, 64, 1, "head_first", "full", "selective")]
     double = by[(1, 64, 8, "head_first", "full", "selective")]
@@ -177,9 +178,10 @@ def test_ulysses_invalid_for_gqa_and_ring_ranking():
 def test_best_fitting_and_no_fit():
     best = best_fitting("7b-gqa", "a100", nodes=8, seq_len=1 << 20)
     assert best.fits and best.memory["total"] <= load_cluster("a100").usable_memory
-    args = best.train_args()
-    assert set(args) == {"hp", "cp", "window", "placement", "zero", "zero_shard_size", "ac_mode"}
-    assert args["zero_shard_size"] == (8 if args["zero"] == "hybrid" else 0)
+    assert isinstance(best.config, ParallelConfig)  # exactly what `loongtrain train` runs
+    assert best.config.zero_shard_size == (8 if best.config.zero == "hybrid" else 0)
+    hybrid = plan("7b-gqa", "a100", nodes=2, seq_len=128 << 10, zero="hybrid", ac_mode="selective")
+    assert all(c.config.zero_shard_size == 8 and c.config.ac_mode == "selective" for c in hybrid)
     with pytest.raises(ValueError, match="closest alternative: --nodes"):
         best_fitting("7b-mha", "a100", nodes=1, seq_len=4 << 20)
 
@@ -223,6 +225,12 @@ def test_cli_json_and_errors(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["seq_len"] == 131072 and out["world_size"] == 16 and len(out["candidates"]) == 3
     assert out["candidates"][0]["fits"] and out["candidates"][0]["mfu"] > 0
+    for flag in ("--ac-mode", "--ckpt"):  # --ckpt: the deprecated alias
+        assert main(["--model", "7b-gqa", "--seq-len", "128K", "--nodes", "2", "--json", flag, "full"]) == 0
+        rows = json.loads(capsys.readouterr().out)["candidates"]
+        assert rows and all(r["ac_mode"] == "full" and "ckpt" not in r for r in rows)
+    assert main(["--model", "7b-gqa", "--seq-len", "128K", "--nodes", "2", "--top", "1"]) == 0
+    assert " ac_mode " in capsys.readouterr().out
     assert main(["--model", "7b-gqa", "--seq-len", "1M", "--nodes", "8", "--hp", "64"]) == 2
     assert "hp=64" in capsys.readouterr().err
     assert main(["--model", "7b-gqa", "--seq-len", "1001", "--nodes", "8"]) == 2

@@ -119,6 +119,7 @@ def _count(rank: int, world: int) -> list:
     return results
 
 
+@pytest.mark.distributed
 def test_formulas_match_counted_bytes():
     from tests.dist_utils import run_distributed
 

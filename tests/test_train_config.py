@@ -9,28 +9,68 @@ import pytest
 import torch
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.plan.cluster import builtin_clusters, load_cluster
 from loongtrain.train.checkpoint import resolve_checkpoint
-from loongtrain.train.config import TrainConfig, build_parser, parse_args
+from loongtrain.train.config import TrainConfig, build_parser, options, parse_args
 from loongtrain.train.loop import fit
-from loongtrain.train.metrics import CUDA_PEAK_TFLOPS, measure_cpu_tflops
+from loongtrain.train.metrics import (
+    CUDA_PEAK_TFLOPS,
+    cluster_for_device,
+    device_peak_tflops,
+    measure_cpu_tflops,
+)
 from loongtrain.train.optim import clip_grad_norm, lr_factor
 from loongtrain.train.synthetic import synthetic_source
 
 
 def test_help_documents_every_field_with_default():
     text = " ".join(build_parser().format_help().split())
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+    names = [f.name for f, _ in options()]
+    assert set(names) == {f.name for f in fields(TrainConfig)} - {"parallel"} | {f.name for f in fields(ParallelConfig)}
+    for name in names:
+        flag = "--" + name.replace("_", "-")
         assert flag in text, flag
     assert "(default: 8192)" in text and "(default: 'tiny')" in text
+    assert "--hp HP head-parallel degree (all-to-all group size) (default: 2)" in text
+    assert "--cp CP context-parallel degree (ring size) (default: 2)" in text
+
+
+def test_parallel_flags_round_trip_into_cfg_parallel():
+    assert TrainConfig().parallel == ParallelConfig(hp=2, cp=2)  # the README's default run: 4 workers
+    argv = ["--hp", "1", "--cp", "4", "--window", "2", "--placement", "context_first", "--interleaved",
+            "--zero", "hybrid", "--zero-shard-size", "2", "--no-reshard-after-forward",
+            "--ac-mode", "selective++", "--ac-fraction", "0.5"]
+    cfg = parse_args(argv)
+    assert cfg.parallel == ParallelConfig(hp=1, cp=4, window=2, placement="context_first", interleaved=True,
+                                          zero="hybrid", zero_shard_size=2, reshard_after_forward=False,
+                                          ac_mode="selective", ac_fraction=0.5)
+    assert parse_args(["--hp", "4"]).parallel == ParallelConfig(hp=4, cp=2)  # the others keep defaults
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # what checkpoints record reads back
+    assert cfg.to_dict()["parallel"]["ac_mode"] == "selective"
+
+
+def test_toml_parallel_keys_flat_or_in_a_table(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('zero = "full"\n[parallel]\nhp = 1\ncp = 4\nac-mode = "full"\n')
+    cfg = parse_args(["--config", str(path), "--cp", "8"])
+    assert cfg.parallel == ParallelConfig(hp=1, cp=8, zero="full", ac_mode="full")
+    path.write_text('[parallel]\nhp = "two"\n')
+    with pytest.raises(ValueError, match="hp = 'two' must be of type int"):
+        parse_args(["--config", str(path)])
+    with pytest.raises(ValueError, match="window=3 must divide cp=2"):
+        parse_args(["--window", "3"])
+    with pytest.raises(ValueError, match="unknown parallel option"):
+        TrainConfig.from_dict({"parallel": {"tp": 2}})
 
 
 def test_toml_then_command_line_precedence(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('model = "tiny"\nseq-len = 256\nlr = 1\nsteps = 7\n[train]\nhp = 1\n')
     cfg = parse_args(["--config", str(path), "--steps", "9", "--no-tensorboard"])
-    assert (cfg.seq_len, cfg.lr, cfg.steps, cfg.hp, cfg.cp, cfg.tensorboard) == (256, 1.0, 9, 1, 2, False)
+    assert (cfg.seq_len, cfg.lr, cfg.steps, cfg.parallel.hp, cfg.parallel.cp, cfg.tensorboard) == \
+        (256, 1.0, 9, 1, 2, False)
     assert parse_args(["--resume"]).resume == "latest"
     assert parse_args([]).resume == ""
 
@@ -76,7 +116,7 @@ def test_clip_grad_norm():
 
 def test_checkpoint_pointer_is_atomic_and_resume_is_exact(tmp_path):
     model = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=64)
-    base = dict(seq_len=16, batch_size=2, steps=4, warmup=1, hp=1, cp=1, peak_tflops=1.0,
+    base = dict(seq_len=16, batch_size=2, steps=4, warmup=1, parallel=ParallelConfig(), peak_tflops=1.0,
                 tensorboard=False, plot=False, progress="off", out_dir=str(tmp_path))
     source = synthetic_source(64)
     mesh, cpu = single_process_mesh(), torch.device("cpu")
@@ -115,5 +155,12 @@ def test_optional_sinks_are_skipped_when_missing(tmp_path, monkeypatch):
 
 
 def test_peak_table_and_cpu_measurement():
-    assert CUDA_PEAK_TFLOPS["H100"] == 989.0
+    # one table: preset devices take the cluster TOML's peak, the others CUDA_PEAK_TFLOPS; no name twice
+    presets = {key: load_cluster(name) for name in builtin_clusters() for key in load_cluster(name).device_names}
+    assert presets and not set(presets) & set(CUDA_PEAK_TFLOPS)
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3") == load_cluster("h100").peak_tflops == 989.0
+    assert device_peak_tflops("NVIDIA A100-SXM4-80GB") == load_cluster("a100").peak_tflops == 312.0
+    assert device_peak_tflops("NVIDIA H100 PCIe") == 756.0  # longest match wins
+    assert device_peak_tflops("NVIDIA A10G") == 70.0 and device_peak_tflops("Some GPU") is None
+    assert cluster_for_device("NVIDIA H200").name == "h200" and cluster_for_device("NVIDIA L4") is None
     assert 0 < measure_cpu_tflops(size=128, seconds=0.05) < 100

@@ -12,11 +12,14 @@ import pytest
 import torch
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh, single_process_mesh
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.loop import fit
 from loongtrain.train.synthetic import synthetic_source
 from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 RTOL, ATOL = 1e-9, 1e-11
@@ -25,8 +28,8 @@ RTOL, ATOL = 1e-9, 1e-11
 def _cfg(out_dir: str, hp: int, cp: int, batch_size: int) -> TrainConfig:
     return TrainConfig(
         seq_len=32, batch_size=batch_size, grad_accum=2, steps=3, warmup=1, lr=1e-2, clip=0.5,
-        hp=hp, cp=cp, dtype="fp64", out_dir=out_dir, peak_tflops=1.0, tensorboard=False, plot=False,
-        progress="off",
+        parallel=ParallelConfig(hp=hp, cp=cp), dtype="fp64", out_dir=out_dir, peak_tflops=1.0,
+        tensorboard=False, plot=False, progress="off",
     )
 
 
@@ -44,7 +47,7 @@ def _final_params(cfg: TrainConfig) -> dict[str, torch.Tensor]:
 
     from loongtrain.model.llama import Transformer
 
-    model = Transformer(MODEL, None, seed=None).double()
+    model = Transformer(MODEL, seed=None).double()
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=f"{cfg.out_dir}/checkpoints/step_{cfg.steps:08d}",
              no_dist=True)

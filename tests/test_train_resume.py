@@ -10,14 +10,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.loop import fit
 from loongtrain.train.metrics import read_jsonl
 from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 
@@ -25,7 +29,7 @@ MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_he
 def _cfg(out_dir: Path, corpus: Path, hp: int, cp: int, **kw) -> TrainConfig:
     base = dict(
         corpus=str(corpus), seq_len=32, batch_size=2, grad_accum=2, steps=6, warmup=2, lr=1e-2,
-        hp=hp, cp=cp, dtype="fp32", out_dir=str(out_dir), peak_tflops=1.0, tensorboard=False,
+        parallel=ParallelConfig(hp=hp, cp=cp), dtype="fp32", out_dir=str(out_dir), peak_tflops=1.0, tensorboard=False,
         plot=False, progress="off",
     )
     return TrainConfig(**{**base, **kw})

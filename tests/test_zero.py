@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 TOL = 1e-10
 STEPS = 3
 SEQ = 16
@@ -33,14 +35,14 @@ def model_config(tied: bool = False) -> Any:
 
 
 def make_trainer(mesh: Any, *, tied: bool = False, batch_size: int = 1, **opts: Any) -> Any:
-    """A float64 Trainer on CPU whose TrainConfig carries the memory options ``opts`` as attributes."""
+    """A float64 Trainer on CPU whose ``cfg.parallel`` has ``mesh``'s degrees and the memory options ``opts``."""
+    from loongtrain.parallel.config import ParallelConfig
     from loongtrain.train.config import TrainConfig
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(seq_len=SEQ, steps=STEPS, warmup=1, hp=mesh.hp, cp=mesh.cp, dtype="fp64", seed=0,
+    parallel = ParallelConfig(hp=mesh.hp, cp=mesh.cp, **opts)
+    cfg = TrainConfig(seq_len=SEQ, steps=STEPS, warmup=1, parallel=parallel, dtype="fp64", seed=0,
                       batch_size=batch_size)
-    for key, value in opts.items():
-        setattr(cfg, key, value)
     return Trainer(cfg, mesh, torch.device("cpu"), model_config(tied))
 
 
@@ -93,8 +95,6 @@ def _zero_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.checkpoint import load_checkpoint, save_checkpoint
     from loongtrain.train.memory import memory_report, startup_memory_report
-    from loongtrain.train.parallelize import is_sharded
-
     out: dict[str, Any] = {"diff": {}, "memory": {}, "ref": {}}
     for (hp, cp), names in LAYOUT_CASES.items():
         mesh = init_mesh(hp, cp)
@@ -105,7 +105,8 @@ def _zero_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
         for name in names:
             opts = ZERO_CASES[name]
             trainer = make_trainer(mesh, tied=TIED[(hp, cp)], **opts)
-            assert is_sharded(trainer.model) and not trainer.grad_sync, name
+            sharded = all(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
+            assert sharded and not trainer.grad_sync, name
             got = (train(trainer, mesh, range(STEPS)), full_params(trainer.model))
             out["diff"][(hp, cp, name)] = compare(got, ref)
             out["memory"][(hp, cp, name)] = memory_report(trainer.model, trainer.optimizer)

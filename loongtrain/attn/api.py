@@ -1,4 +1,4 @@
-"""``loongtrain.attention``: 2D-Attention over a :class:`~loongtrain.parallel.mesh.Mesh` (DESIGN.md section 5).
+"""``loongtrain.attention``: 2D-Attention over a :class:`~loongtrain.parallel.mesh.Mesh` (docs/design.md §5, §4).
 
 Per rank::
 
@@ -18,8 +18,8 @@ import math
 import torch
 
 from loongtrain.attn import ops
+from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.mesh import Mesh, single_process_mesh
-from loongtrain.parallel.sharding import check_sequence_length
 
 Tensor = torch.Tensor
 
@@ -43,21 +43,9 @@ def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh) -> No
         raise ValueError(
             f"k/v shape {tuple(k.shape)} must match q {tuple(q.shape)} in batch, seq and head_dim"
         )
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    hp = mesh.hp
-    if num_heads % hp != 0:
-        raise ValueError(f"num_heads={num_heads} must be divisible by hp={hp}")
-    if num_kv_heads >= hp and num_kv_heads % hp != 0:
-        raise ValueError(
-            f"num_kv_heads={num_kv_heads} >= hp={hp} must be divisible by hp (KV heads are split)"
-        )
-    if num_kv_heads < hp and hp % num_kv_heads != 0:
-        raise ValueError(
-            f"hp={hp} > num_kv_heads={num_kv_heads} must be a multiple of num_kv_heads "
-            f"(KV heads are replicated hp/num_kv_heads times)"
-        )
-    check_sequence_length(seq * mesh.sp, mesh.hp, mesh.cp)
+    # the GQA rule and the sequence-length rule, as everywhere else (docs/design.md §5, §8)
+    validate_parallel(ParallelConfig.from_layout(mesh.layout), seq_len=seq * mesh.sp,
+                      num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
 def attention(
@@ -86,9 +74,7 @@ def attention(
         v = v.repeat_interleave(hp // num_kv_heads, dim=2)
     if hp > 1:
         q, k, v = _scatter_heads(q, k, v, mesh)
-    ring_groups = ",".join(g.group_name if g is not None else "" for g in (
-        mesh.inner_group, mesh.outer_group, mesh.inner_grad_group, mesh.outer_grad_group))
-    out, _ = ops.ring_attention(q, k, v, mesh.ring_ranks, mesh.window, ring_groups, causal, scale)
+    out, _ = ops.ring_attention(q, k, v, ops.ring_key(mesh), causal, scale)
     if hp > 1:
         out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
     return out

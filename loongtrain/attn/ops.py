@@ -2,8 +2,8 @@
 
 Being custom ops (not plain autograd Functions) lets selective activation checkpointing save their
 outputs (``CheckpointPolicy.MUST_SAVE`` on ``torch.ops.loongtrain.*``), so a recompute pass re-runs
-neither attention nor any of its communication (Selective Checkpoint++). Process groups travel as
-their registered names.
+neither attention nor any of its communication (Selective Checkpoint++; docs/design.md §6). Process
+groups travel as their registered names, a context ring as the key of its registered :class:`Ring`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from loongtrain.attn.ring import Ring, ring_backward, ring_forward
 from loongtrain.parallel.comm import all_to_all, resolve_group
+from loongtrain.parallel.mesh import Mesh
 
 Tensor = torch.Tensor
 
@@ -43,60 +44,63 @@ def _a2a_backward(ctx, grad: Tensor):
 head_all_to_all.register_autograd(_a2a_backward, setup_context=_a2a_setup)
 
 
-def _ring(ranks: list[int], window: int, groups: str) -> Ring:
-    """``groups``: comma-joined names of the inner K/V, outer K/V, inner dK/dV and outer dK/dV groups
-    (an empty name for a group of one rank)."""
-    if len(ranks) == 1:
-        return Ring(ranks, 0, 1, None, None, None, None)
-    me = ranks.index(torch.distributed.get_rank())
-    return Ring(ranks, me, window, *(resolve_group(g) if g else None for g in groups.split(",")))
+_RINGS: dict[str, Ring] = {}  # ring_key -> Ring, filled by ring_key (process groups are per process too)
+
+
+def _ring_groups(ring: Ring) -> tuple:
+    return ring.inner_group, ring.outer_group, ring.inner_grad_group, ring.outer_grad_group
+
+
+def ring_key(mesh: Mesh) -> str:
+    """Register this rank's context ring (ranks, position, window, its four process groups) once per
+    mesh and return the key the ``ring_attention`` op finds it by (like torch, which resolves process
+    groups by name)."""
+    groups = (mesh.inner_group, mesh.outer_group, mesh.inner_grad_group, mesh.outer_grad_group)
+    names = ",".join(g.group_name if g is not None else "-" for g in groups)
+    key = f"{mesh.rank}:{mesh.window}:{','.join(map(str, mesh.ring_ranks))}:{names}"
+    ring = _RINGS.get(key)
+    if ring is None or any(a is not b for a, b in zip(_ring_groups(ring), groups)):  # a group was remade
+        _RINGS[key] = Ring(tuple(mesh.ring_ranks), mesh.cp_rank, mesh.window, *groups)
+    return key
 
 
 @torch.library.custom_op("loongtrain::ring_attention", mutates_args=())
-def ring_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    ranks: list[int],
-    window: int,
-    groups: str,
-    causal: bool,
-    scale: float,
-) -> tuple[Tensor, Tensor]:
-    """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the ring's K/V
-    ``[B, S_c, Hkv, D]``; returns out ``[B, S_c, H, D]`` and lse ``[B, H, S_c]``. Backward: ring backward,
-    K/V re-circulated and dK/dV returned to their owners; lse is not differentiable."""
-    ring = _ring(ranks, window, groups)
-    out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), ring, causal, scale)
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, ring: str, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the K/V ``[B, S_c, Hkv, D]``
+    of every member of the ring registered as ``ring`` (:func:`ring_key`); returns out ``[B, S_c, H, D]`` and
+    lse ``[B, H, S_c]``. Backward: ring backward, K/V re-circulated and dK/dV returned to their owners;
+    lse is not differentiable (docs/design.md §4, §6)."""
+    out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale)
     return out.transpose(1, 2).contiguous(), lse
 
 
 @ring_attention.register_fake
-def _(q, k, v, ranks, window, groups, causal, scale):
+def _(q, k, v, ring, causal, scale):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc)
 
 
 def _bhsd(x: Tensor) -> Tensor:
-    return x.transpose(1, 2).contiguous()
+    """``[B, S, H, D] -> [B, H, S, D]`` as a view (K/V are copied once when stacked into a ring block;
+    the kernels take strided views)."""
+    return x.transpose(1, 2)
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, ranks, window, groups, causal, scale = inputs
+    q, k, v, ring, causal, scale = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (ranks, window, groups, causal, scale)
+    ctx.args = (ring, causal, scale)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
-    ranks, window, groups, causal, scale = ctx.args
-    ring = _ring(ranks, window, groups)
+    ring, causal, scale = ctx.args
     dq, dk, dv = ring_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, ring, causal, scale
+        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring], causal, scale
     )
-    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 5
+    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 3
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)

@@ -29,16 +29,13 @@ class Batches:
 
     def batch(self, step: int) -> dict[str, torch.Tensor]:
         """The batch of global step ``step`` for this replica (pure: does not advance)."""
-        samples = [self.dataset[i] for i in self.sampler.indices(step)]
-        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+        return _collate([self.dataset[i] for i in self.sampler.indices(step)])
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        out = self.batch(self.sampler.step)
-        self.sampler.step += 1
-        return out
+        return _collate([self.dataset[i] for i in self.sampler.next_indices()])
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()
@@ -74,3 +71,7 @@ def build_batches(
         num_samples, dp_rank, dp, batch_size, seed, shuffle=shuffle, start_step=start_step
     )
     return Batches(dataset, sampler)
+
+
+def _collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}

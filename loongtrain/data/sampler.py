@@ -11,8 +11,6 @@ full-sequence batch; each rank then slices its own shard). Position ``g`` maps t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 
@@ -60,10 +58,10 @@ class ReplicaSampler:
             self._perm_cache[epoch] = torch.randperm(self.num_samples, generator=gen)
         return int(self._perm_cache[epoch][offset])
 
-    def __iter__(self) -> Iterator[list[int]]:
-        while True:  # advance before yielding so state_dict() always names the next step
-            step, self.step = self.step, self.step + 1
-            yield self.indices(step)
+    def next_indices(self) -> list[int]:
+        """The indices of the next step, advancing first so ``state_dict()`` always names the next step."""
+        step, self.step = self.step, self.step + 1
+        return self.indices(step)
 
     def state_dict(self) -> dict[str, int]:
         """The next step to produce, plus what must match on resume."""

@@ -1,19 +1,24 @@
-"""LLaMA-style decoder, presets, FLOP counts and the sharded loss."""
+"""A plain LLaMA-style decoder (no meshes, no process groups), its presets and FLOP counts.
+
+Parallelism is applied from outside (docs/design.md §7): :func:`loongtrain.apply_2d_attention`
+replaces each attention module's ``attention_fn``; the sharded loss lives in
+:mod:`loongtrain.train.loss`.
+"""
 
 from loongtrain.model.config import PRESETS, ModelConfig, flops_per_token, get_preset, num_params
 from loongtrain.model.llama import Transformer, TransformerBlock, apply_rope, rope_cos_sin
-from loongtrain.model.loss import IGNORE_INDEX, sharded_cross_entropy
+from loongtrain.model.local_attention import AttentionFn, local_attention
 
 __all__ = [
-    "IGNORE_INDEX",
     "PRESETS",
+    "AttentionFn",
     "ModelConfig",
     "Transformer",
     "TransformerBlock",
     "apply_rope",
     "flops_per_token",
     "get_preset",
+    "local_attention",
     "num_params",
     "rope_cos_sin",
-    "sharded_cross_entropy",
 ]

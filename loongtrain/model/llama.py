@@ -1,8 +1,11 @@
-"""LLaMA-style decoder (RMSNorm, RoPE on global positions, SwiGLU, GQA) over 2D-Attention.
+"""LLaMA-style decoder (RMSNorm, RoPE on given position ids, SwiGLU, GQA), plain PyTorch.
 
-The model knows nothing about process groups: every rank holds its own ``S/sp`` tokens (the 2D
-zigzag shard from :func:`loongtrain.shard_sequence`, not contiguous) together with their *global*
-position ids, and the only cross-rank operation is :func:`loongtrain.attention`.
+The model knows nothing of meshes or process groups. Each :class:`Attention` calls its replaceable
+``attention_fn`` (default :func:`~loongtrain.model.local_attention.local_attention`); the training
+stack swaps it for 2D-Attention from outside with :func:`loongtrain.apply_2d_attention`
+(docs/design.md §7). Sharded, each rank then holds its own ``S/sp`` tokens (the zigzag shard of
+:func:`loongtrain.shard_sequence`, not contiguous) with their *global* ``position_ids``; the forward
+is the same code.
 """
 
 from __future__ import annotations
@@ -11,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loongtrain.attn.api import attention
 from loongtrain.model.config import ModelConfig
-from loongtrain.parallel.mesh import Mesh
+from loongtrain.model.local_attention import AttentionFn, local_attention
 
 Tensor = torch.Tensor
 
@@ -58,14 +60,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """GQA self-attention whose core is the distributed :func:`loongtrain.attention`."""
+    """GQA self-attention; its core is the replaceable ``attention_fn`` (docs/design.md §7)."""
 
-    def __init__(self, config: ModelConfig, mesh: Mesh | None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads, config.num_kv_heads, config.head_dim,
         )
-        self.mesh = mesh
+        self.attention_fn: AttentionFn = local_attention
         self.wq = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
@@ -77,7 +79,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, self.mesh, causal=True)
+        out = self.attention_fn(q, k, v, causal=True)
         return self.wo(out.reshape(batch, seq, -1))
 
 
@@ -97,10 +99,10 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm decoder block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
 
-    def __init__(self, config: ModelConfig, mesh: Mesh | None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config, mesh)
+        self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_dim)
 
@@ -110,32 +112,22 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder LM: ``forward(input_ids [B, S_local], position_ids [B, S_local]) -> logits [B, S_local, V]``.
+    """Decoder LM: ``forward(input_ids [B, S], position_ids [B, S] = arange) -> logits [B, S, V]``.
 
-    ``mesh=None`` means a single process. Weights are initialised deterministically from ``seed``
-    (pass ``seed=None`` to skip, e.g. when loading a checkpoint); every rank must use the same seed.
+    Weights are initialised deterministically from ``seed`` (pass ``seed=None`` to skip, e.g. when
+    loading a checkpoint); every rank must use the same seed. When the sequence is sharded, pass
+    each token's global ``position_ids`` (the default ``arange`` is only right for whole sequences).
     """
 
-    def __init__(self, config: ModelConfig, mesh: Mesh | None = None, *, seed: int | None = 0) -> None:
+    def __init__(self, config: ModelConfig, *, seed: int | None = 0) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, mesh) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
-        self._mesh = mesh
         if seed is not None:
             self.init_weights(seed)
-
-    @property
-    def mesh(self) -> Mesh | None:
-        return self._mesh
-
-    @mesh.setter
-    def mesh(self, mesh: Mesh | None) -> None:
-        self._mesh = mesh
-        for layer in self.layers:
-            layer.attention.mesh = mesh
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -158,8 +150,6 @@ class Transformer(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
         if position_ids is None:
-            if self._mesh is not None and self._mesh.sp > 1:
-                raise ValueError("position_ids are required when the sequence is sharded (mesh.sp > 1)")
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         if position_ids.shape != input_ids.shape:
             raise ValueError(

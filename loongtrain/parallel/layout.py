@@ -4,7 +4,7 @@ Every rank has coordinates ``(dp_rank, cp_rank, hp_rank)``; ``cp_rank`` is the r
 context ring. ``Layout.grid[d][c][h]`` is the global rank at those coordinates. No process group is
 touched here, so the same object serves the mesh, the traffic accounting and the planner.
 
-Placement rules (DESIGN.md section 3):
+Placement rules (docs/design.md §2):
 - ``dp`` is outermost: replica ``d`` owns global ranks ``[d*sp, (d+1)*sp)``.
 - ``head_first``: a head group is ``hp`` consecutive ranks; context neighbours are ``hp`` apart.
 - ``context_first``: ring neighbours are consecutive ranks; head-group members are ``cp`` apart.
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+
+from loongtrain.attn.schedule import DoubleRing
 
 PLACEMENTS = ("head_first", "context_first")
 
@@ -133,17 +135,12 @@ class Layout:
         ]
 
     def ring_peers(self, rank: int) -> dict[str, int]:
-        """Global ranks this rank exchanges with: inner-ring next/prev and outer-ring next/prev."""
+        """Global ranks this rank exchanges with: inner-ring next/prev and outer-ring next/prev (the ring
+        arithmetic of :class:`loongtrain.attn.schedule.DoubleRing`, docs/design.md §4)."""
         d, c, h = self.coords(rank)
-        w = self.window
-        j, i = divmod(c, w)
-        n = self.num_windows
-        return {
-            "inner_next": self.grid[d][j * w + (i + 1) % w][h],
-            "inner_prev": self.grid[d][j * w + (i - 1) % w][h],
-            "outer_next": self.grid[d][((j + 1) % n) * w + i][h],
-            "outer_prev": self.grid[d][((j - 1) % n) * w + i][h],
-        }
+        ring = DoubleRing(self.num_windows, self.window)
+        return {f"{hop}_{name}": self.grid[d][ring.peer(c, hop, step)][h]
+                for hop in ("inner", "outer") for name, step in (("next", 1), ("prev", -1))}
 
 
 def _divisors(n: int) -> list[int]:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -112,37 +113,112 @@ def init_mesh(
     """Validate the grid and create its process groups (collective: every rank must call it).
 
     Without an initialised process group, only ``hp == cp == 1`` is allowed and a single-process
-    mesh is returned. All validation happens before any group is created.
+    mesh is returned. All validation happens before any group is created. Groups are made once per
+    layout: while a mesh is live, the same arguments return the same :class:`Mesh`, and a new layout
+    reuses the live groups of a role that splits the ranks alike (e.g. the head groups of every
+    layout with the same ``hp`` and placement). :func:`destroy_mesh` frees them (docs/design.md §10).
     """
+    from loongtrain.parallel.config import ParallelConfig  # validate_parallel: docs/design.md §8
+
+    parallel = ParallelConfig(hp=hp, cp=cp, window=window, placement=placement, interleaved=interleaved)
     if not (dist.is_available() and dist.is_initialized()):
-        layout = Layout(1, hp, cp, window, placement, interleaved)  # validates
-        return Mesh(layout=layout, rank=0)
-    layout = Layout(dist.get_world_size(), hp, cp, window, placement, interleaved)
-    rank = dist.get_rank()
+        return Mesh(layout=parallel.layout(1), rank=0)
+    layout = parallel.layout(dist.get_world_size())
     # all-to-all concatenates in group-rank order (sorted global ranks): it must be hp_rank order
     assert all(g == sorted(g) for g in layout.head_groups())
-    groups = {
-        "hp_group": layout.head_groups(),
-        "cp_group": layout.context_groups(),
-        "inner_group": layout.inner_ring_groups(),
-        "outer_group": layout.outer_ring_groups(),
-        "inner_grad_group": layout.inner_ring_groups(),
-        "outer_grad_group": layout.outer_ring_groups(),
-        "sp_group": layout.replica_groups(),
-        "dp_group": layout.dp_groups(),
+    return _registry().mesh(layout, dist.get_rank())
+
+
+def destroy_mesh(mesh: Mesh) -> None:
+    """Free ``mesh``'s process groups that no other live mesh uses and forget it (collective: every rank
+    calls it for the same mesh, in the same order). Using ``mesh`` afterwards is an error; its groups'
+    threads end once the last reference to it is gone. No-op for a mesh that is not live."""
+    registry = _registry() if dist.is_available() and dist.is_initialized() else None
+    if registry is not None and registry.meshes.get(mesh.layout) is mesh:
+        registry.release(mesh.layout)
+
+
+def destroy_all_meshes() -> None:
+    """:func:`destroy_mesh` for every live mesh of the current process group (collective)."""
+    if dist.is_available() and dist.is_initialized():
+        registry = _registry()
+        for layout in reversed(list(registry.meshes)):
+            registry.release(layout)
+
+
+# Roles of the mesh's groups, in creation order. Two roles never share a group (NCCL serialises the
+# operations of one group); meshes of different layouts share a role's groups when the role partitions
+# the ranks alike.
+_ROLES = ("hp_group", "cp_group", "inner_group", "outer_group", "inner_grad_group", "outer_grad_group",
+          "sp_group", "dp_group")
+
+
+def _partitions(layout: Layout) -> dict[str, list[list[int]]]:
+    """Each role's partition of the ranks into groups; ring roles with one-rank groups are left out
+    (nothing to send: their field is ``None``)."""
+    rings = {"inner": layout.inner_ring_groups(), "outer": layout.outer_ring_groups()}
+    parts = {
+        "hp_group": layout.head_groups(), "cp_group": layout.context_groups(),
+        "inner_group": rings["inner"], "outer_group": rings["outer"],
+        "inner_grad_group": rings["inner"], "outer_grad_group": rings["outer"],
+        "sp_group": layout.replica_groups(), "dp_group": layout.dp_groups(),
     }
-    made = {name: _my_group(rank, ranks, skip_singletons=name.startswith(("inner", "outer")))
-            for name, ranks in groups.items()}
-    return Mesh(layout=layout, rank=rank, **made)
+    return {role: parts[role] for role in _ROLES
+            if not (role.startswith(("inner", "outer")) and len(parts[role][0]) == 1)}
 
 
-def _my_group(rank: int, groups: list[list[int]], skip_singletons: bool) -> dist.ProcessGroup | None:
-    """Create the group of this partition that holds ``rank`` (its members call this alike, in the same
-    order); with ``skip_singletons``, ``None`` when the groups have a single rank (nothing to send)."""
-    if skip_singletons and len(groups[0]) == 1:
-        return None
-    (mine,) = [ranks for ranks in groups if rank in ranks]
-    return dist.new_group(ranks=mine, use_local_synchronization=True)
+@dataclass
+class _Registry:
+    """The live meshes and their process groups in one default process group (docs/design.md §10).
+
+    Every rank holds the same keys: they change only through collective calls (``init_mesh``,
+    ``destroy_mesh``) made in the same order everywhere, and a key is a whole partition of the ranks,
+    not this rank's block of it. That is what lets ranks agree, without talking, on whether a group
+    must be made. ``groups`` maps ``(role, partition)`` to ``[this rank's group, live meshes using it]``.
+    """
+
+    world: dist.ProcessGroup
+    meshes: dict[Layout, Mesh] = field(default_factory=dict)
+    groups: dict[tuple[str, tuple[tuple[int, ...], ...]], list[Any]] = field(default_factory=dict)
+
+    def mesh(self, layout: Layout, rank: int) -> Mesh:
+        if layout not in self.meshes:
+            made = {role: self._acquire(role, partition, rank) for role, partition in _partitions(layout).items()}
+            self.meshes[layout] = Mesh(layout=layout, rank=rank, **made)
+        return self.meshes[layout]
+
+    def _acquire(self, role: str, partition: list[list[int]], rank: int) -> dist.ProcessGroup:
+        key = (role, tuple(map(tuple, partition)))
+        if key not in self.groups:
+            # every rank creates every group of the partition (members and non-members alike): with
+            # new_group's global synchronisation, group names come from a counter that never repeats,
+            # so a group made after another was destroyed cannot meet that one's stale store keys;
+            # sharing whole partitions keeps every rank's number of groups equal
+            made = [dist.new_group(ranks=ranks) for ranks in partition]
+            (mine,) = [group for group, ranks in zip(made, partition) if rank in ranks]
+            self.groups[key] = [mine, 0]
+        self.groups[key][1] += 1
+        return self.groups[key][0]
+
+    def release(self, layout: Layout) -> None:
+        del self.meshes[layout]
+        for role, partition in _partitions(layout).items():
+            key = (role, tuple(map(tuple, partition)))
+            self.groups[key][1] -= 1
+            if self.groups[key][1] == 0:
+                dist.destroy_process_group(self.groups.pop(key)[0])
+
+
+_REGISTRIES: list[_Registry] = []  # at most one: the registry of the current default process group
+
+
+def _registry() -> _Registry:
+    """The registry of the current default group; a new, empty one after the group was re-initialised
+    (``dist.destroy_process_group()`` already destroyed every subgroup of the old one)."""
+    world = dist.group.WORLD
+    if not _REGISTRIES or _REGISTRIES[0].world is not world:
+        _REGISTRIES[:] = [_Registry(world)]
+    return _REGISTRIES[0]
 
 
 def default_device() -> torch.device:

@@ -1,4 +1,4 @@
-"""The 2D zigzag sequence layout (DESIGN.md section 4): one permutation and its inverse.
+"""The 2D zigzag sequence layout (docs/design.md §3): one permutation and its inverse.
 
 Split the sequence into ``2*cp`` chunks; context rank ``c`` owns ``T_c = chunk(c) ++ chunk(2cp-1-c)``;
 ``T_c`` is cut into ``hp`` equal pieces and head rank ``h`` holds piece ``h``. The head group's

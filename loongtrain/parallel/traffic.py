@@ -3,7 +3,8 @@
 Notation: ``B`` batch, ``S`` the replica's full sequence length, ``H`` query heads, ``Hkv`` KV heads,
 ``D`` head dim, ``b`` bytes per element of the input dtype, ``sp = hp * cp``.
 ``He = Hkv`` when ``hp <= Hkv`` else ``hp`` (KV heads replicated to one per head rank before the
-all-to-all); after it each rank holds ``Hkv' = He / hp`` KV heads.
+all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it each rank holds
+``Hkv' = He / hp`` KV heads.
 
 - ``a2a`` (head all-to-all, only when ``hp > 1``): forward sends q, k, v packed in ONE all-to-all, then the
   output in another; backward repeats both (grad of out, packed grad of q, k, v). Each call sends
@@ -21,27 +22,10 @@ all-to-all); after it each rank holds ``Hkv' = He / hp`` KV heads.
 
 from __future__ import annotations
 
+from loongtrain.parallel.config import effective_kv_heads
 from loongtrain.parallel.layout import Layout
 
 KINDS = ("a2a", "kv", "dkv")
-
-
-def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
-    """``He``: KV heads entering the all-to-all (``Hkv``, or ``hp`` when replicated). Validates the heads."""
-    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("hp", hp)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    if num_heads % hp != 0:
-        raise ValueError(f"num_heads={num_heads} must be divisible by hp={hp}")
-    if num_kv_heads >= hp:
-        if num_kv_heads % hp != 0:
-            raise ValueError(f"num_kv_heads={num_kv_heads} >= hp={hp} must be divisible by hp")
-        return num_kv_heads
-    if hp % num_kv_heads != 0:
-        raise ValueError(f"hp={hp} > num_kv_heads={num_kv_heads} must be a multiple of num_kv_heads")
-    return hp
 
 
 def acc_bytes(dtype_bytes: int) -> int:

@@ -6,9 +6,9 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window
   Under zigzag every ring step does the same work, so a step costs ``c = forward / cp``.
 - all-to-all (blocking, on the critical path): per call ``max(intra bytes / intra_bw, cross bytes /
   NIC share) + latency``; bytes from :mod:`loongtrain.parallel.traffic`.
-- ring: the pass is *simulated* step by step in the order the code runs it (``Ring.visit``, and in the
-  backward ``_GradChain``): each step posts its transfers, computes for ``c`` (backward ``2.5 c``), then
-  waits where the code waits; a wait costs the time until the awaited transfer has arrived. Transfers of
+- ring: the pass is *simulated* event by event from the schedule the code executes
+  (:func:`loongtrain.attn.schedule.pass_events`, docs/design.md §4): a post starts a transfer, a compute
+  takes ``c`` (backward ``2.5 c``), a wait costs the time until the awaited transfer has arrived. Transfers of
   one hop class (inner, outer) share that link's bandwidth equally while in flight (K/V and dK/dV use
   two process groups over one link), so the backward's overlap of the dK/dV chain with K/V hops is
   exact for every ``window`` and number of windows. ``X = bytes / bandwidth + latency`` with the
@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from loongtrain.attn.schedule import Compute, Post, pass_events
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.traffic import message_bytes
 from loongtrain.plan.cluster import Cluster
@@ -163,47 +164,36 @@ class _Link:
         return max(now, done)
 
 
-def _ring_pass(steps: tuple[int, int], c: float, inner: _Link, outer: _Link, kv: int, dkv: int | None) -> float:
-    """Rank time of one pass round a double ring of ``n`` windows of ``w``: the schedule of ``Ring.visit``
-    (``dkv is None``: forward) or of ``ring_backward`` with its ``_GradChain`` (``dkv`` bytes per hop)."""
-    n, w = steps
+def simulate_pass(
+    steps: tuple[int, int], c: float, inner: _Link, outer: _Link, kv: int, dkv: int | None,
+    trace: list[tuple] | None = None,
+) -> float:
+    """Rank time of one pass round a double ring of ``n`` windows of ``w`` (``steps = (n, w)``): the events of
+    :func:`loongtrain.attn.schedule.pass_events` (the ones ``attn/ring.py`` executes), forward when ``dkv is
+    None``, else backward with ``dkv`` bytes per dK/dV hop. A post starts a transfer on its hop's link now;
+    a compute takes ``c``; a wait blocks until the transfer has arrived. ``trace`` (if given) receives
+    ``("post", hop, payload)``, ``("compute",)`` and ``("wait", index of the awaited post)`` as simulated."""
+    links = {"inner": inner, "outer": outer}
+    nbytes = {"kv": kv, "dkv": dkv}
     t = 0.0
-    chain: int | None = None  # dK/dV inner hop in flight
-    deferred: tuple[int, int | None] | None = None  # a window's end, finished after the next compute
-    grad_out: int | None = None  # dK/dV outer hop in flight
-
-    def finish_window(t: float, outer_step: int, last_inner: int | None) -> float:
-        nonlocal grad_out
-        if last_inner is not None:
-            t = inner.wait(t, last_inner)
-        if outer_step > 0:
-            if grad_out is not None:
-                t = outer.wait(t, grad_out)
-            grad_out = outer.post(t, dkv)
-        return t
-
-    for o in range(n):
-        outer_kv = outer.post(t, kv) if o < n - 1 else None
-        for i in range(w):
-            inner_kv = inner.post(t, kv) if i < w - 1 else None
+    in_flight: dict[str, tuple[_Link, int, int]] = {}  # transfer -> (link, link key, post index)
+    posts = 0
+    for event in pass_events(*steps, dkv is not None):
+        if isinstance(event, Post):
+            link = links[event.hop]
+            in_flight[event.transfer] = (link, link.post(t, nbytes[event.payload]), posts)
+            step = ("post", event.hop, event.payload)
+            posts += 1
+        elif isinstance(event, Compute):
             t += c
-            if dkv is not None:  # _GradChain.add
-                if deferred is not None:
-                    t, deferred = finish_window(t, *deferred), None
-                if i > 0:
-                    if chain is not None:
-                        t = inner.wait(t, chain)
-                    chain = inner.post(t, dkv)
-                if i == w - 1:
-                    deferred, chain = (o, chain), None
-            if inner_kv is not None:
-                t = inner.wait(t, inner_kv)
-        if outer_kv is not None:
-            t = outer.wait(t, outer_kv)
-    if deferred is not None:  # _GradChain.result
-        t = finish_window(t, *deferred)
-    if grad_out is not None:
-        t = outer.wait(t, grad_out)
+            step = ("compute",)
+        else:
+            link, key, index = in_flight.pop(event.transfer)
+            t = link.wait(t, key)
+            step = ("wait", index)
+        if trace is not None:
+            trace.append(step)
+    assert not in_flight
     return t
 
 
@@ -239,7 +229,7 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
         exposed = []
         for compute, dkv in ((c, None), (BACKWARD_FLOPS_RATIO * c, msg["dkv"])):
             inner, outer = _Link(bw_in, lat_in, f_in), _Link(bw_out, lat_out, f_out)
-            _ring_pass(steps, compute, inner, outer, msg["kv"], dkv)
+            simulate_pass(steps, compute, inner, outer, msg["kv"], dkv)
             exposed.append((inner.blocked, outer.blocked))
         ring_fwd, ring_bwd = exposed
     return AttentionTime(

@@ -53,52 +53,31 @@ def measure_attention_flops(
     return 3.5 * 2 * seq**2 * heads * head_dim / _best_time(run, repeats)
 
 
-def _exchange_worker(rank: int, port: int, nbytes: int, repeats: int, queue) -> None:
+def _exchange_worker(rank: int, world_size: int, nbytes: int, repeats: int) -> dict[int, float]:
+    """Best time of a simultaneous two-way exchange of 4 bytes and of ``nbytes`` with the other rank."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        times = {}
-        for size in (4, nbytes):
-            send = torch.zeros(size // 4, dtype=torch.float32)
-            recv = torch.empty_like(send)
-            peer = 1 - rank
+    times = {}
+    for size in (4, nbytes):
+        send = torch.zeros(size // 4, dtype=torch.float32)
+        recv = torch.empty_like(send)
+        peer = 1 - rank
 
-            def step(send=send, recv=recv, peer=peer) -> None:
-                ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
+        def step(send=send, recv=recv, peer=peer) -> None:
+            ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
-            dist.barrier()
-            times[size] = _best_time(step, repeats)
-        if rank == 0:
-            queue.put(times)
-    finally:
-        dist.destroy_process_group()
+        dist.barrier()
+        times[size] = _best_time(step, repeats)
+    return times
 
 
 def measure_gloo_loopback(nbytes: int = 32 * 2**20, repeats: int = 5) -> tuple[float, float]:
     """(bytes/s one way, latency seconds) of a simultaneous two-way exchange between 2 local processes."""
-    import socket
+    from loongtrain.parallel.launch import run_local
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_exchange_worker, args=(r, port, nbytes, repeats, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        times = queue.get(timeout=300)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    times = run_local(_exchange_worker, 2, nbytes, repeats, backend="gloo", threads=1, timeout=300)[0]
     latency = times[4]
     return nbytes / max(times[nbytes] - latency, 1e-9), latency
 

@@ -20,16 +20,17 @@ import re
 import sys
 from pathlib import Path
 
+from loongtrain._toml import tomllib
 from loongtrain.model.config import PRESETS, ModelConfig
-from loongtrain.parallel.layout import PLACEMENTS
+from loongtrain.parallel.config import AC_ALIASES, AC_MODES, PLACEMENTS, ZERO_MODES
 from loongtrain.parallel.traffic import format_traffic_report, traffic_report
 from loongtrain.plan.cluster import builtin_clusters, cluster_to_toml, load_cluster
-from loongtrain.plan.cost import ZERO_MODES, Candidate
-from loongtrain.plan.memory import CKPT_MODES
+from loongtrain.plan.cost import Candidate
 from loongtrain.plan.search import no_fit_message, plan, resolve_model
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-FILTERS = ("sp", "hp", "cp", "window", "placement", "zero", "ckpt")
+FILTERS = ("sp", "hp", "cp", "window", "placement", "zero", "ac_mode")
+DEPRECATED = {"ckpt": "ac_mode"}  # old option / TOML key -> its name now
 
 
 def parse_size(text: str | int) -> int:
@@ -56,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--placement", choices=PLACEMENTS)
     p.add_argument("--zero", choices=ZERO_MODES,
                    help="none | hybrid (shard inside each node) | full (all dp*sp ranks)")
-    p.add_argument("--ckpt", choices=CKPT_MODES)
+    modes = [*AC_MODES, *AC_ALIASES]
+    p.add_argument("--ac-mode", choices=modes, help="activation checkpointing: none | full | selective "
+                   "(Selective Checkpoint++; alias selective++)")
+    p.add_argument("--ckpt", dest="ac_mode", choices=modes, help="deprecated alias of --ac-mode")
     p.add_argument("--top", type=int, default=None, help="rows to print (default 15)")
     p.add_argument("--all", action="store_true", help="print every configuration")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -69,12 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_config(path: Path) -> dict:
-    import tomllib
-
     if not path.is_file():
         raise ValueError(f"--config {str(path)!r} is not a file")
     with path.open("rb") as f:
         data = tomllib.load(f)
+    for old, new in DEPRECATED.items():
+        if old in data:
+            data.setdefault(new, data.pop(old))
     known = {"model", "seq_len", "nodes", "cluster", "batch", "dtype", "top", *FILTERS}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -112,7 +117,7 @@ def collapse_windows(cands: list[Candidate]) -> list[tuple[Candidate, list[int]]
     index: dict[tuple, int] = {}
     for c in cands:
         g = c.config
-        key = (g.hp, g.cp, g.placement, g.zero, g.ckpt, c.fits)
+        key = (g.hp, g.cp, g.placement, g.zero, g.ac_mode, c.fits)
         i = index.get(key)
         if i is not None and abs(kept[i][0].step_time - c.step_time) <= 1e-3 * c.step_time:
             kept[i][1].append(g.window)
@@ -128,13 +133,13 @@ def _windows(ws: list[int]) -> str:
 
 
 def format_table(rows: list[tuple[Candidate, list[int]]]) -> str:
-    head = (f"{'#':>3} {'hp':>3} {'cp':>3} {'win':>5} {'placement':<13} {'zero':<6} {'ckpt':<9} {'dp':>3} "
+    head = (f"{'#':>3} {'hp':>3} {'cp':>3} {'win':>5} {'placement':<13} {'zero':<6} {'ac_mode':<9} {'dp':>3} "
             f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':<4} bottleneck")
     lines = [head, "-" * len(head)]
     for i, (c, ws) in enumerate(rows, 1):
         g = c.config
         lines.append(
-            f"{i:>3} {g.hp:>3} {g.cp:>3} {_windows(ws):>5} {g.placement:<13} {g.zero:<6} {g.ckpt:<9} "
+            f"{i:>3} {g.hp:>3} {g.cp:>3} {_windows(ws):>5} {g.placement:<13} {g.zero:<6} {g.ac_mode:<9} "
             f"{c.dp:>3} {c.step_time:>9.3f} {c.mfu:>6.1%} {c.memory['total'] / 2**30:>8.1f} "
             f"{'yes' if c.fits else 'NO':<4} {c.bottleneck}"
         )

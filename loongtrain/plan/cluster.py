@@ -11,10 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = None  # type: ignore[assignment]
+from loongtrain._toml import tomllib
 
 CLUSTER_DIR = Path(__file__).with_name("clusters")
 
@@ -40,6 +37,9 @@ class Cluster:
     # whose send and receive peer are the same rank, and every all-to-all pair, then take twice as long
     duplex: bool = True
     description: str = ""
+    # substrings of torch.cuda.get_device_name() of the devices this preset describes: the one table
+    # that --plan auto and the trainer's MFU peak (loongtrain.train.metrics) look devices up in
+    device_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -83,8 +83,6 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
             f"cluster {str(name_or_path)!r} is neither a built-in cluster {builtin_clusters()} "
             "nor a TOML file"
         )
-    if tomllib is None:
-        raise ValueError("reading cluster files needs Python >= 3.11 (tomllib)")
     with path.open("rb") as f:
         data = tomllib.load(f)
     data = data.get("cluster", data)
@@ -93,6 +91,8 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
     if unknown:
         raise ValueError(f"{path}: unknown cluster keys {unknown}; known keys: {sorted(known)}")
     data.setdefault("name", path.stem)
+    if isinstance(data.get("device_names"), list):
+        data["device_names"] = tuple(data["device_names"])
     try:
         return Cluster(**data)
     except TypeError as exc:
@@ -106,11 +106,17 @@ def cluster_to_toml(cluster: Cluster) -> str:
         value = getattr(cluster, f.name)
         if isinstance(value, bool):
             lines.append(f"{f.name} = {str(value).lower()}")
+        elif isinstance(value, tuple):
+            lines.append(f"{f.name} = [{', '.join(_toml_string(v) for v in value)}]")
         elif isinstance(value, str):
-            escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-            lines.append(f'{f.name} = "{escaped}"')
+            lines.append(f"{f.name} = {_toml_string(value)}")
         elif isinstance(value, int):
             lines.append(f"{f.name} = {value}")
         else:
             lines.append(f"{f.name} = {float(value)!r}")
     return "\n".join(lines) + "\n"
+
+
+def _toml_string(value: str) -> str:
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'

@@ -4,14 +4,15 @@ Per layer, per device (``t = B * S / sp`` tokens, ``P_l`` layer parameters):
 
 - GEMMs: forward ``2 * P_l * t`` FLOPs at ``matmul_tflops``, backward 2x.
 - Attention: :func:`loongtrain.plan.attention_cost.attention_time` (compute, all-to-all, exposed ring).
-- Recompute: ``full`` re-runs the layer forward, attention and its communication included;
-  ``selective`` re-runs only the GEMMs (attention output and lse were kept); ``none`` nothing.
+- Recompute (``ac_mode``): ``full`` re-runs the layer forward, attention and its communication
+  included; ``selective`` re-runs only the GEMMs (attention output and lse were kept); ``none`` nothing.
 - ZeRO (FSDP2 as the trainer applies it: fp32 weights gathered, fp32 gradients reduced; prefetched, so
   hidden behind the layer's compute up to its length, the excess exposed):
   ``full`` (shard over all ``dp * sp`` ranks, ``z = world``): parameter all-gather in forward and again
   in backward, ``2 * (z-1)/z * P_l * 4``, and gradient reduce-scatter ``(z-1)/z * P_l * 4``;
-  ``hybrid`` (``z = gpus_per_node``, HSDP): the same inside the node plus an all-reduce of the shard
-  across nodes, ``2 * (N-1)/N * P_l / z * 4``; ``none``: gradient all-reduce over the world,
+  ``hybrid`` (HSDP, ``z = zero_shard_size``, which the planner sets to ``gpus_per_node``): the same
+  inside the shard group plus an all-reduce of the shard across the ``N = world / z`` groups,
+  ``2 * (N-1)/N * P_l / z * 4``; ``none``: gradient all-reduce over the world,
   ``2 * (W-1)/W * P_l * 4``. A collective spanning nodes runs at the NIC share, else intra-node.
 - LM head: ``2 * V * d * t`` forward, 2x backward; its ZeRO traffic is counted as exposed.
 
@@ -24,51 +25,26 @@ flops_per_token / (step * world * peak_tflops)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from loongtrain.model.config import ModelConfig, flops_per_token
-from loongtrain.parallel.layout import Layout
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
-from loongtrain.plan.memory import CKPT_MODES, layer_params, memory_per_rank
+from loongtrain.plan.memory import layer_params, memory_per_rank
 
-ZERO_MODES = ("none", "hybrid", "full")
 GRAD_BYTES = 4
 PARAM_BYTES = 4  # FSDP2 without a mixed-precision policy gathers the fp32 weights
 COMPONENTS = ("compute", "a2a", "ring-inner", "ring-outer", "zero")
 BOTTLENECK_SHARE = 0.1
 
 
-@dataclass(frozen=True)
-class Config:
-    """One point of the search space."""
-
-    hp: int
-    cp: int
-    window: int = 1
-    placement: str = "head_first"
-    zero: str = "full"
-    ckpt: str = "selective"
-
-    def layout(self, world_size: int) -> Layout:
-        return Layout(world_size, self.hp, self.cp, self.window, self.placement)
-
-    def train_args(self, gpus_per_node: int) -> dict:
-        """The matching ``loongtrain train`` settings (TrainConfig field names)."""
-        return {"hp": self.hp, "cp": self.cp, "window": self.window, "placement": self.placement,
-                "zero": self.zero, "zero_shard_size": gpus_per_node if self.zero == "hybrid" else 0,
-                "ac_mode": self.ckpt}
-
-    def label(self) -> str:
-        return (f"hp={self.hp} cp={self.cp} w={self.window} {self.placement} "
-                f"zero={self.zero} ckpt={self.ckpt}")
-
-
 @dataclass
 class Candidate:
-    """A configuration with its predicted cost; ``breakdown`` seconds per step by component."""
+    """A configuration (exactly what ``loongtrain train`` runs) with its predicted cost; ``breakdown``
+    seconds per step by component."""
 
-    config: Config
+    config: ParallelConfig
     world_size: int
     dp: int
     step_time: float
@@ -78,59 +54,40 @@ class Candidate:
     fits: bool
     bottleneck: str
     breakdown: dict[str, float] = field(default_factory=dict)
-    gpus_per_node: int = 1
-
-    def train_args(self) -> dict:
-        """Settings for ``loongtrain train`` (TrainConfig field names): hp, cp, window, placement, zero,
-        zero_shard_size, ac_mode."""
-        return self.config.train_args(self.gpus_per_node)
 
     def to_dict(self) -> dict:
-        c = self.config
+        """The configuration's fields (``hp``, ..., ``ac_mode``, ``ac_fraction``) and the prediction."""
         return {
-            "hp": c.hp, "cp": c.cp, "window": c.window, "placement": c.placement, "zero": c.zero,
-            "ckpt": c.ckpt, "dp": self.dp, "world_size": self.world_size,
+            **asdict(self.config), "dp": self.dp, "world_size": self.world_size,
             "step_time_s": self.step_time, "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
             "memory_gib": self.memory["total"] / 2**30, "fits": self.fits, "bottleneck": self.bottleneck,
-            "train_args": self.train_args(), "breakdown_s": dict(self.breakdown),
+            "breakdown_s": dict(self.breakdown),
             "memory_parts_gib": {k: v / 2**30 for k, v in self.memory.items()},
         }
 
 
-def zero_group_size(zero: str, world_size: int, gpus_per_node: int) -> int:
-    if zero not in ZERO_MODES:
-        raise ValueError(f"zero={zero!r} is not one of {ZERO_MODES}")
-    if zero == "none":
-        return 1
-    if zero == "hybrid":
-        return min(gpus_per_node, world_size)
-    return world_size
-
-
-def zero_layer_time(zero: str, params: float, world: int, cluster: Cluster, dtype_bytes: int) -> float:
+def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: Cluster) -> float:
     """Seconds of ZeRO/gradient communication for ``params`` parameters (see module docstring)."""
     g = cluster.gpus_per_node
-    nodes = max(1, world // g)
-    z = zero_group_size(zero, world, g)
+    z = config.shard_size(world)
+    groups = world // z
 
     def bw(size: int) -> float:
         return cluster.cross_bw(min(g, world)) if size > g else cluster.intra_bw
 
-    if zero == "none":
+    if config.zero == "none":
         return 2 * (world - 1) / world * params * GRAD_BYTES / bw(world)
     shard = (z - 1) / z * params * (2 * PARAM_BYTES + GRAD_BYTES) / bw(z)
-    if zero == "hybrid" and nodes > 1:
-        shard += 2 * (nodes - 1) / nodes * params / z * GRAD_BYTES / cluster.cross_bw(g)
+    if config.zero == "hybrid" and groups > 1:
+        shard += 2 * (groups - 1) / groups * params / z * GRAD_BYTES / cluster.cross_bw(g)
     return shard
 
 
 def step_cost(
-    model: ModelConfig, config: Config, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
+    model: ModelConfig, config: ParallelConfig, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
     dtype_bytes: int = 2,
 ) -> Candidate:
     """Predicted step time, MFU, memory and bottleneck of ``config`` on ``nodes`` nodes."""
-    if config.ckpt not in CKPT_MODES:
-        raise ValueError(f"ckpt={config.ckpt!r} is not one of {CKPT_MODES}")
     world = nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes)
@@ -139,32 +96,31 @@ def step_cost(
     rate = cluster.matmul_tflops * 1e12
     p_l = layer_params(model)
     gemm_fwd = 2 * p_l * t / rate
-    recompute = {"none": 0.0, "selective": gemm_fwd, "full": gemm_fwd + attn.forward}[config.ckpt]
     per_layer = {
         "compute": 3 * gemm_fwd + attn.compute_fwd + attn.compute_bwd,
         "a2a": attn.a2a_fwd + attn.a2a_bwd,
         "ring-inner": attn.ring_inner_fwd + attn.ring_inner_bwd,
         "ring-outer": attn.ring_outer_fwd + attn.ring_outer_bwd,
     }
-    if config.ckpt == "full":
+    if config.ac_mode == "full":
         per_layer["compute"] += gemm_fwd + attn.compute_fwd
         per_layer["a2a"] += attn.a2a_fwd
         per_layer["ring-inner"] += attn.ring_inner_fwd
         per_layer["ring-outer"] += attn.ring_outer_fwd
-    elif config.ckpt == "selective":
-        per_layer["compute"] += recompute
+    elif config.ac_mode == "selective":
+        per_layer["compute"] += gemm_fwd
     layer_busy = sum(per_layer.values())
-    zero_exposed = max(0.0, zero_layer_time(config.zero, p_l, world, cluster, dtype_bytes) - layer_busy)
+    zero_exposed = max(0.0, zero_layer_time(config, p_l, world, cluster) - layer_busy)
     head_params = model.vocab_size * model.dim
     head_compute = 6 * head_params * t / rate
-    head_zero = zero_layer_time(config.zero, head_params, world, cluster, dtype_bytes)
+    head_zero = zero_layer_time(config, head_params, world, cluster)
     breakdown = {k: model.num_layers * v for k, v in per_layer.items()}
     breakdown["compute"] += head_compute
     breakdown["zero"] = model.num_layers * zero_exposed + head_zero
     step = sum(breakdown.values())
     memory = memory_per_rank(
-        model, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, ckpt=config.ckpt,
-        zero_size=zero_group_size(config.zero, world, cluster.gpus_per_node),
+        model, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, ac_mode=config.ac_mode,
+        zero_size=config.shard_size(world),
     )
     fits = memory["total"] <= cluster.usable_memory
     tokens = layout.dp * batch * seq_len
@@ -173,5 +129,4 @@ def step_cost(
     bottleneck = comm if breakdown[comm] >= BOTTLENECK_SHARE * step else "compute"
     if not fits:
         bottleneck = "memory"
-    return Candidate(config, world, layout.dp, step, mfu, tokens / step, memory, fits, bottleneck, breakdown,
-                     cluster.gpus_per_node)
+    return Candidate(config, world, layout.dp, step, mfu, tokens / step, memory, fits, bottleneck, breakdown)

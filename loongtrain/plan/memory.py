@@ -11,7 +11,7 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   only the recomputed layer's ``b * (P_l + V * d)``.
 - ``activations``: saved per layer per token, elements ``a = 7d + 2*He*hd + 4f`` (norm inputs and
   outputs, q/k/v after the all-to-all, attention output before and after the all-to-all, residual
-  input, SwiGLU's w1/w3/silu/product) plus the fp32 lse (``4H`` bytes):
+  input, SwiGLU's w1/w3/silu/product) plus the fp32 lse (``4H`` bytes), by ``ac_mode``:
   ``none``: ``L * t * (a*b + 4H)``; ``full``: ``L * t * d * b`` (layer inputs) plus one layer's full set
   during its recompute; ``selective``: ``L * t * (2*d*b + 4H)`` (input, attention output, lse) plus
   one layer's full set.
@@ -24,10 +24,10 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
 from __future__ import annotations
 
 from loongtrain.model.config import ModelConfig, num_params
+from loongtrain.parallel.config import AC_MODES, effective_kv_heads
 from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.traffic import acc_bytes, effective_kv_heads
+from loongtrain.parallel.traffic import acc_bytes
 
-CKPT_MODES = ("none", "full", "selective")
 STATE_BYTES_PER_PARAM = 16
 
 
@@ -43,13 +43,13 @@ def activation_elements_per_token(model: ModelConfig, hp: int) -> int:
 
 
 def memory_per_rank(
-    model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, ckpt: str,
+    model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, ac_mode: str,
     dtype_bytes: int = 2,
 ) -> dict[str, float]:
     """Bytes per device by part (``states``, ``working_params``, ``activations``, ``logits``, ``workspace``)
     and their ``total``."""
-    if ckpt not in CKPT_MODES:
-        raise ValueError(f"ckpt={ckpt!r} is not one of {CKPT_MODES}")
+    if ac_mode not in AC_MODES:
+        raise ValueError(f"ac_mode={ac_mode!r} is not one of {AC_MODES}")
     if zero_size < 1 or layout.world_size % zero_size:
         raise ValueError(f"zero shard group size {zero_size} must divide world_size={layout.world_size}")
     b, d, L = dtype_bytes, model.dim, model.num_layers
@@ -58,16 +58,16 @@ def memory_per_rank(
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     lse = 4 * model.num_heads
     full_layer = t * (activation_elements_per_token(model, layout.hp) * b + lse)
-    if ckpt == "none":
+    if ac_mode == "none":
         acts = L * full_layer
-    elif ckpt == "full":
+    elif ac_mode == "full":
         acts = L * t * d * b + full_layer
     else:
         acts = L * t * (2 * d * b + lse) + full_layer
     p_l, head = layer_params(model), model.vocab_size * d
     working = 0 if zero_size == 1 else 4 * (2 * p_l + head)
     if b < 4:
-        working += b * ((L if ckpt == "none" else 1) * p_l + head)
+        working += b * ((L if ac_mode == "none" else 1) * p_l + head)
     kv_elems = 2 * t * he * model.head_dim
     parts = {
         "states": STATE_BYTES_PER_PARAM * p / zero_size,

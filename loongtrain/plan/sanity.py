@@ -1,6 +1,6 @@
 """The planner's sanity table for the paper's setting: 7B (MHA and GQA) on 64 A100s (8 nodes x 8).
 
-For each model and sequence length, the best fitting configuration (over zero and checkpoint modes)
+For each model and sequence length, the best fitting configuration (over zero and ac_mode)
 among: pure Ulysses (``hp = sp = 64``, where valid), the most head parallelism the model allows
 (``hp = 32, cp = 2``), pure ring (``hp = 1, cp = 64, window = 1``), and every 2D / double-ring
 configuration with ``sp = 64``. Run: ``python -m loongtrain.plan.sanity > benchmarks/PLAN_SANITY.md``.
@@ -36,9 +36,9 @@ def _cell(c: Candidate, show_config: bool) -> str:
     g = c.config
     text = f"{c.step_time:.2f} s, MFU {c.mfu:.1%}"
     if show_config:
-        text += f" (hp={g.hp} cp={g.cp} w={g.window} {g.placement}, {g.zero}, {g.ckpt})"
+        text += f" (hp={g.hp} cp={g.cp} w={g.window} {g.placement}, {g.zero}, {g.ac_mode})"
     else:
-        text += f" ({g.zero}, {g.ckpt}; {c.bottleneck})"
+        text += f" ({g.zero}, {g.ac_mode}; {c.bottleneck})"
     return text
 
 

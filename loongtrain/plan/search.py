@@ -1,21 +1,30 @@
-"""Configuration search: enumerate valid (hp, cp, window, placement, zero, ckpt), cost each, rank them.
+"""Configuration search: enumerate valid ParallelConfigs (hp, cp, window, placement, zero, ac_mode), cost
+each, rank them. A candidate's ``config`` is exactly what ``loongtrain train`` runs (``zero="hybrid"``
+shards over ``zero_shard_size = gpus_per_node`` ranks: one node).
 
 Ranking: configurations that fit in memory first, by MFU (throughput per device; step time alone
 would favour small ``sp`` with many replicas) rounded to 0.1 point, then by memory; then the others
 by memory. Equivalent points
 are listed once: with ``hp == 1`` or ``cp == 1`` both placements are the same ranks; ``window == cp``
 is the same ring as ``window == 1`` (listed as the latter unless asked for); ``zero="hybrid"`` on one
-node is ``zero="full"``.
+node is ``zero="full"`` (and needs two devices per node). Every candidate passes
+:func:`~loongtrain.parallel.config.validate_parallel` for the world size, sequence length and heads.
 """
 
 from __future__ import annotations
 
 from loongtrain.model.config import PRESETS, ModelConfig
-from loongtrain.parallel.layout import PLACEMENTS
-from loongtrain.parallel.traffic import effective_kv_heads
+from loongtrain.parallel.config import (
+    AC_ALIASES,
+    AC_MODES,
+    PLACEMENTS,
+    ZERO_MODES,
+    ParallelConfig,
+    effective_kv_heads,
+    validate_parallel,
+)
 from loongtrain.plan.cluster import Cluster, load_cluster
-from loongtrain.plan.cost import ZERO_MODES, Candidate, Config, step_cost
-from loongtrain.plan.memory import CKPT_MODES
+from loongtrain.plan.cost import Candidate, step_cost
 
 
 def divisors(n: int) -> list[int]:
@@ -23,6 +32,7 @@ def divisors(n: int) -> list[int]:
 
 
 def head_ok(model: ModelConfig, hp: int) -> bool:
+    """Whether ``hp`` satisfies the GQA rule for ``model``'s heads."""
     try:
         effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
     except ValueError:
@@ -46,13 +56,14 @@ def _check_choice(name: str, value, allowed: list) -> None:
 def enumerate_configs(
     model: ModelConfig, world: int, gpus_per_node: int, seq_len: int, *, sp: int | None = None,
     hp: int | None = None, cp: int | None = None, window: int | None = None, placement: str | None = None,
-    zero: str | None = None, ckpt: str | None = None,
-) -> list[Config]:
+    zero: str | None = None, ac_mode: str | None = None,
+) -> list[ParallelConfig]:
     """All distinct valid configurations matching the given filters (``None`` = any). Raises ValueError
     naming the offending value and the valid alternatives when a filter cannot be met."""
+    ac_mode = AC_ALIASES.get(ac_mode, ac_mode) if ac_mode else ac_mode
     _check_choice("placement", placement, list(PLACEMENTS))
     _check_choice("zero", zero, list(ZERO_MODES))
-    _check_choice("ckpt", ckpt, list(CKPT_MODES))
+    _check_choice("ac_mode", ac_mode, list(AC_MODES))
     _check_choice("sp", sp, divisors(world))
     heads = f"{model.num_heads} heads, {model.num_kv_heads} KV heads"
     if hp is not None and not head_ok(model, hp):
@@ -65,6 +76,7 @@ def enumerate_configs(
     if hp is not None and cp is not None:
         _check_choice("hp*cp", hp * cp, divisors(world))
         sps = [hp * cp]
+    multi_node = world > gpus_per_node >= 2
     configs = []
     for s in sps:
         if seq_len % (2 * s):
@@ -75,12 +87,18 @@ def enumerate_configs(
                 continue
             windows = [w for w in divisors(c) if w == window or (window is None and (w < c or c == 1))]
             places = list(PLACEMENTS) if h > 1 and c > 1 else ["head_first"]
-            zeros = [z for z in ZERO_MODES if z != "hybrid" or world > gpus_per_node]
+            zeros = [z for z in ZERO_MODES if z != "hybrid" or multi_node]
             for w in windows:
                 for p in places if placement is None else [placement]:
                     for z in zeros if zero is None else [zero]:
-                        for k in CKPT_MODES if ckpt is None else [ckpt]:
-                            configs.append(Config(h, c, w, p, z, k))
+                        for k in AC_MODES if ac_mode is None else [ac_mode]:
+                            config = ParallelConfig(
+                                hp=h, cp=c, window=w, placement=p, zero=z, ac_mode=k,
+                                zero_shard_size=gpus_per_node if z == "hybrid" else 0,
+                            )
+                            validate_parallel(config, world, seq_len=seq_len, num_heads=model.num_heads,
+                                              num_kv_heads=model.num_kv_heads)
+                            configs.append(config)
     if not configs:
         _explain_empty(model, world, seq_len, sp, hp, cp, window)
     return configs
@@ -109,7 +127,7 @@ def plan(
     dtype_bytes: int = 2, **filters,
 ) -> list[Candidate]:
     """Every distinct valid configuration with its predicted cost, best first (see module docstring).
-    ``filters``: sp, hp, cp, window, placement, zero, ckpt."""
+    ``filters``: sp, hp, cp, window, placement, zero, ac_mode."""
     _, cfg = resolve_model(model)
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     for name, value in (("nodes", nodes), ("seq_len", seq_len), ("batch", batch)):

@@ -1,4 +1,5 @@
-"""``loongtrain train --plan auto``: take hp, cp, window, placement, ZeRO and checkpointing from the planner."""
+"""``loongtrain train --plan auto``: the planner's best :class:`~loongtrain.parallel.config.ParallelConfig`
+becomes the run's ``cfg.parallel`` (hp, cp, window, placement, ZeRO and activation checkpointing)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import torch
 
 from loongtrain.parallel.mesh import default_device
 from loongtrain.plan.calibrate import calibrate
-from loongtrain.plan.cluster import Cluster, load_cluster
+from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
 from loongtrain.plan.search import best_fitting
 from loongtrain.train.config import TrainConfig
+from loongtrain.train.metrics import cluster_for_device
 from loongtrain.train.trainer import autocast_dtype, param_dtype
 
 log = logging.getLogger("loongtrain.train")
 
 PLAN_CHOICES = ("", "auto")
-CUDA_PRESETS = {"H200": "h200", "H100": "h100", "A100": "a100"}
 
 
 def plan_cluster(cfg: TrainConfig, world: int, under_launcher: bool) -> Cluster:
@@ -27,11 +28,11 @@ def plan_cluster(cfg: TrainConfig, world: int, under_launcher: bool) -> Cluster:
         return load_cluster(cfg.plan_cluster)
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for key, preset in CUDA_PRESETS.items():
-            if key in name:
-                return load_cluster(preset)
-        raise ValueError(f"--plan auto: no cluster preset for CUDA device {name!r} (presets: "
-                         f"{sorted(CUDA_PRESETS.values())}); pass --plan-cluster NAME or a TOML path")
+        cluster = cluster_for_device(name)
+        if cluster is None:
+            raise ValueError(f"--plan auto: no cluster preset for CUDA device {name!r} (presets: "
+                             f"{builtin_clusters()}); pass --plan-cluster NAME or a TOML path")
+        return cluster
     if under_launcher:
         raise ValueError("--plan auto on CPU under torchrun: every rank would measure on its own and might "
                          "choose differently; pass --plan-cluster (e.g. a file from `loongtrain plan --calibrate`)")
@@ -39,7 +40,9 @@ def plan_cluster(cfg: TrainConfig, world: int, under_launcher: bool) -> Cluster:
 
 
 def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool) -> TrainConfig:
-    """``cfg`` with the planner's best fitting configuration for ``world`` ranks (unchanged without --plan)."""
+    """``cfg`` with ``parallel`` = the planner's best fitting configuration for ``world`` ranks (all of
+    it: what the cost model predicted, so --reshard-after-forward and --ac-fraction take the planner's
+    values too); unchanged without --plan."""
     if cfg.plan not in PLAN_CHOICES:
         raise ValueError(f"--plan={cfg.plan!r} is not one of {PLAN_CHOICES} ('' = use the options as given)")
     if not cfg.plan:
@@ -54,4 +57,4 @@ def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool) -> TrainCo
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, bottleneck %s)",
              cluster.name, best.config.label(), best.step_time, 100 * best.mfu,
              best.memory["total"] / 2**30, best.bottleneck)
-    return dataclasses.replace(cfg, plan="", **best.train_args())
+    return dataclasses.replace(cfg, plan="", parallel=best.config)

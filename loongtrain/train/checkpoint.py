@@ -100,11 +100,46 @@ def save_checkpoint(
         pointer.write_text(final.name + "\n")
         os.replace(pointer, root / LATEST)
         if keep > 0:
-            done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-            for old in done[:-keep]:
-                shutil.rmtree(old)
+            prune_checkpoints(root, keep)
     _barrier()
     return final
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of a complete checkpoint directory ``step_N`` (None for anything else)."""
+    name = path.name
+    if not path.is_dir() or not name.startswith("step_") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint directories under ``root`` (a trainer state file present), ordered by step."""
+    found = [(step, p) for p in Path(root).glob("step_*") if (step := _step_of(p)) is not None
+             and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def prune_checkpoints(root: Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints (by step, not by name), never the one
+    ``latest`` names; return the deleted directories."""
+    root = Path(root)
+    pointer = root / LATEST
+    protected = (root / pointer.read_text().strip()).resolve() if pointer.is_file() else None
+    done = complete_checkpoints(root)
+    deleted = [p for p in done[: max(0, len(done) - keep)] if p.resolve() != protected]
+    for old in deleted:
+        shutil.rmtree(old)
+    return deleted
+
+
+def remove_stale_tmp(root: Path) -> list[Path]:
+    """Delete ``step_N.tmp`` directories left by saves that died half-way (call on one rank, before any
+    save of this run); return them."""
+    stale = [p for p in Path(root).glob("step_*.tmp") if p.is_dir()]
+    for p in stale:
+        shutil.rmtree(p)
+    return stale
 
 
 def resolve_checkpoint(spec: str, out_dir: Path) -> Path:

@@ -1,21 +1,28 @@
-"""``TrainConfig``: the single source of every ``loongtrain train`` option.
+"""``TrainConfig``: the single source of every ``loongtrain train`` option (docs/design.md §8).
 
 The command-line parser, its ``--help`` text, and the TOML config file are all generated from the
-fields below, so a new option is one new field. Precedence: field default < TOML file < command line.
+fields below and from :class:`~loongtrain.parallel.config.ParallelConfig`'s (carried as
+``TrainConfig.parallel``; its options keep their flat names: ``--hp``, ``--zero``, ``--ac-mode``, ...),
+so a new option is one new field. Precedence: field default < TOML file < command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import tomllib
+from loongtrain._toml import tomllib
+from loongtrain.parallel.config import ParallelConfig, validate_parallel
 
 DTYPES = ("auto", "fp32", "bf16", "fp64")
 PROGRESS = ("auto", "on", "off")
+#: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1)
+DEFAULT_PARALLEL = ParallelConfig(hp=2, cp=2)
+PARALLEL_FIELDS = {f.name: f for f in fields(ParallelConfig)}
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -24,7 +31,8 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 
 @dataclass
 class TrainConfig:
-    """Every option of a training run (flat: one field = one ``--option`` = one TOML key)."""
+    """Every option of a training run: one field = one ``--option`` = one TOML key, except ``parallel``,
+    whose fields are options of their own (``--hp`` sets ``parallel.hp``)."""
 
     # model and data
     model: str = _opt("tiny", "model preset (tiny, 1b, 7b-mha, 7b-gqa, 13b)")
@@ -51,12 +59,9 @@ class TrainConfig:
         "auto", "compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 (autocast), fp64"
     )
     seed: int = _opt(0, "seed for weights, data order and torch RNGs")
-    # parallelism
-    hp: int = _opt(2, "head-parallel degree (all-to-all group size)")
-    cp: int = _opt(2, "context-parallel degree (ring size)")
-    window: int = _opt(1, "double-ring window: inner ring size (must divide cp)")
-    placement: str = _opt("head_first", "rank placement: head_first or context_first")
-    interleaved: bool = _opt(False, "interleave ring members inside a window (needs an even window)")
+    # parallelism and memory: --hp, --cp, --window, --placement, --interleaved, --zero,
+    # --zero-shard-size, --reshard-after-forward, --ac-mode, --ac-fraction (ParallelConfig's fields)
+    parallel: ParallelConfig = _opt(DEFAULT_PARALLEL, "degrees, placement, ZeRO and activation checkpointing")
     nproc: int = _opt(
         0, "local worker processes to spawn (0: CUDA device count, or hp*cp without GPUs); "
         "ignored under torchrun"
@@ -66,14 +71,6 @@ class TrainConfig:
     plan_cluster: str = _opt("auto", "cluster for --plan auto: a preset (a100, h100, h200), a TOML path, or "
                              "auto (the CUDA device's preset; on CPU this machine, measured)")
     threads: int = _opt(0, "torch threads per worker (0: 1 when several CPU workers share a machine)")
-    # memory (applied by loongtrain.train.parallelize.parallelize)
-    zero: str = _opt("none", "ZeRO via FSDP2: none (replicated weights, all-reduced gradients), full "
-                     "(shard over all dp*sp ranks) or hybrid (shard over --zero-shard-size ranks)")
-    zero_shard_size: int = _opt(0, "ranks per shard group for --zero hybrid (0: all ranks)")
-    reshard_after_forward: bool = _opt(True, "FSDP2: free gathered weights after each block's forward")
-    ac_mode: str = _opt("none", "activation checkpointing: none, full, or selective (Selective "
-                          "Checkpoint++: attention outputs kept, its recompute and communication skipped)")
-    ac_fraction: float = _opt(1.0, "fraction of the blocks (the first ones) that are checkpointed")
     memory_report: bool = _opt(True, "at start, measure per-rank params, grads, optimizer state and saved "
                                "activations (one extra forward+backward), log them and add them to metrics")
     # output, checkpoints, logging
@@ -96,7 +93,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices)."""
-        positive = ("seq_len", "batch_size", "grad_accum", "steps", "hp", "cp", "window", "log_interval")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ValueError(f"parallel={self.parallel!r} must be a ParallelConfig")
+        validate_parallel(self.parallel)
+        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval")
         for name in positive:
             value = getattr(self, name)
             if value < 1:
@@ -116,10 +116,35 @@ class TrainConfig:
             raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain values, ``parallel`` as a nested dict (what checkpoints record; :meth:`from_dict` reads it)."""
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """A TrainConfig from option names (underscores): its own fields, ParallelConfig's fields given
+        flat (``hp``, ``zero``, ...) and/or a ``parallel`` mapping of them (flat names win). Options not
+        given keep their defaults (``DEFAULT_PARALLEL`` for the parallel ones). Raises ValueError."""
+        own: dict[str, Any] = {}
+        nested: dict[str, Any] = {}
+        flat: dict[str, Any] = {}
+        for key, value in values.items():
+            if key == "parallel":
+                nested.update(dataclasses.asdict(value) if isinstance(value, ParallelConfig) else value)
+            elif key in PARALLEL_FIELDS:
+                flat[key] = value
+            else:
+                own[key] = value
+        unknown = sorted(set(nested) - set(PARALLEL_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown parallel option(s) {unknown}; valid: {sorted(PARALLEL_FIELDS)}")
+        parallel = dataclasses.replace(DEFAULT_PARALLEL, **{**nested, **flat})
+        try:
+            return cls(**own, parallel=parallel)
+        except TypeError as exc:
+            raise ValueError(f"invalid TrainConfig option: {exc}") from None
 
-# --help sections: the field that opens each one
+
+# --help sections: the option that opens each one
 GROUPS = {
     "model": "model and data",
     "steps": "optimisation",
@@ -127,6 +152,23 @@ GROUPS = {
     "zero": "memory (ZeRO / activation checkpointing)",
     "out_dir": "output, checkpoints and logging",
 }
+
+
+def options() -> list[tuple[dataclasses.Field, Any]]:
+    """Every command-line option as (field, default), in --help order: TrainConfig's fields, with
+    ParallelConfig's layout fields (hp ... interleaved) in place of ``parallel`` and its memory fields
+    (zero ... ac_fraction) opening the memory section; defaults from :data:`DEFAULT_PARALLEL`."""
+    par = [(p, getattr(DEFAULT_PARALLEL, p.name)) for p in fields(ParallelConfig)]
+    split = [p.name for p, _ in par].index("zero")
+    out: list[tuple[dataclasses.Field, Any]] = []
+    for f in fields(TrainConfig):
+        if f.name == "parallel":
+            out += par[:split]
+            continue
+        if f.name == "memory_report":
+            out += par[split:]
+        out.append((f, f.default))
+    return out
 
 
 def _flag(name: str) -> str:
@@ -148,13 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file setting any of the options below")
-    group = parser
-    for f in fields(TrainConfig):
+    group: Any = parser
+    for f, default in options():
         if f.name in GROUPS:
             group = parser.add_argument_group(GROUPS[f.name])
         flag = "--" + _flag(f.name)
-        help_text = f"{f.metadata['help']} (default: {f.default!r})"
-        kind = _field_type(f)
+        help_text = f"{f.metadata['help']} (default: {default!r})"
+        kind = type(default)
         if kind is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         elif "const" in f.metadata:
@@ -165,12 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _field_type(f: dataclasses.Field) -> type:
-    return type(f.default)
-
-
 def load_toml(path: str | Path) -> dict[str, Any]:
-    """Read a TOML file of TrainConfig fields (flat keys; a ``[train]`` table is also accepted)."""
+    """Read a TOML file of options (flat keys; ``[train]`` and ``[parallel]`` tables are also accepted)
+    as a flat dict of option names with checked types."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {str(path)!r} does not exist")
@@ -178,15 +217,16 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
-    if isinstance(data.get("train"), dict):
-        data = {**{k: v for k, v in data.items() if k != "train"}, **data["train"]}
-    known = {f.name: f for f in fields(TrainConfig)}
+    for table in ("train", "parallel"):
+        if isinstance(data.get(table), dict):
+            data = {**{k: v for k, v in data.items() if k != table}, **data[table]}
+    known = {f.name: type(default) for f, default in options()}
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"config file {str(path)!r}: unknown option {key!r}; valid: {sorted(known)}")
-        kind = _field_type(known[name])
+        kind = known[name]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
@@ -216,6 +256,6 @@ def parse_args(argv: list[str]) -> TrainConfig:
     if config_file is not None:
         values.update(load_toml(config_file))
     values.update(given)
-    cfg = TrainConfig(**values)
+    cfg = TrainConfig.from_dict(values)
     cfg.validate()
     return cfg

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from loongtrain.model.config import ModelConfig, flops_per_token, get_preset, num_params
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from loongtrain.train.checkpoint import load_checkpoint, remove_stale_tmp, resolve_checkpoint, save_checkpoint
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.memory import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import (
@@ -105,6 +105,9 @@ def fit(cfg: TrainConfig, mesh: Mesh, device: torch.device, *, model_config: Mod
         state = load_checkpoint(path, trainer.model, trainer.optimizer, trainer.scheduler)
         start_step = int(state["step"])
         log.info("resumed from %s at step %d", path, start_step)
+    if rank == 0:  # saves that died half-way (their ranks are gone: this run has not saved yet)
+        for stale in remove_stale_tmp(out_dir / "checkpoints"):
+            log.warning("removed the incomplete checkpoint %s", stale)
     end_step = cfg.steps if not cfg.stop_after else min(cfg.steps, start_step + cfg.stop_after)
     tokens_per_step = mesh.dp * cfg.batch_size * cfg.grad_accum * cfg.seq_len
     flops_per_step = flops_per_token(model_config, cfg.seq_len) * tokens_per_step

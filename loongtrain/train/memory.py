@@ -185,8 +185,8 @@ def memory_report(
 
 def trainer_loss_fn(trainer: Any, batch: dict[str, Tensor]) -> Callable[[], Tensor]:
     """A ``loss_fn`` for :func:`memory_report` doing what ``Trainer.step`` does for one micro-batch."""
-    from loongtrain.model.loss import sharded_cross_entropy
     from loongtrain.parallel.sharding import shard_sequence
+    from loongtrain.train.loss import sharded_cross_entropy
 
     def local(x: Tensor) -> Tensor:
         return shard_sequence(x, trainer.mesh, dim=1).to(trainer.device)

@@ -8,7 +8,8 @@ MFU (model FLOPs utilisation)::
     mfu             = achieved / (num_devices * peak_per_device)
 
 ``peak_per_device``: ``--peak-tflops`` when given; else on CUDA the dense bf16 tensor-core peak of
-the device from :data:`CUDA_PEAK_TFLOPS` (by device name); on CPU the fp32 matmul throughput
+the device by name (:func:`device_peak_tflops`: the cluster presets' ``device_names`` and
+``peak_tflops``, then :data:`CUDA_PEAK_TFLOPS` for devices without a preset); on CPU the fp32 matmul throughput
 (512 x 512, best of ~0.3 s) that rank 0 measures with the worker's own thread count while the other
 ranks wait (one thread per worker when several share a machine), and ``num_devices`` is then the
 number of workers that can run at once, ``min(world, os.cpu_count())``. CPU MFU is therefore
@@ -29,16 +30,18 @@ from typing import Any
 
 import torch
 
+from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
+
 log = logging.getLogger("loongtrain.train")
 
-# Dense (no sparsity) bf16 tensor-core peak TFLOP/s per device, matched by substring of the name.
+# Dense (no sparsity) bf16 tensor-core peak TFLOP/s of devices WITHOUT a cluster preset, matched by
+# substring of the name. Preset devices (A100, H100, H200) take ``peak_tflops`` from their
+# loongtrain/plan/clusters/*.toml, where ``device_names`` lists them: each peak is written once.
 CUDA_PEAK_TFLOPS: dict[str, float] = {
-    "H200": 989.0,
-    "H100": 989.0,  # SXM; the PCIe card is 756
+    "H100 PCIe": 756.0,  # the SXM part is the h100 preset
     "H800": 989.0,
     "GH200": 989.0,
     "B200": 2250.0,
-    "A100": 312.0,
     "A800": 312.0,
     "A10G": 70.0,
     "A10": 125.0,
@@ -52,15 +55,34 @@ CUDA_PEAK_TFLOPS: dict[str, float] = {
 }
 
 
+def _preset_clusters() -> list[Cluster]:
+    return [load_cluster(name) for name in builtin_clusters()]
+
+
+def _longest_match(device_name: str, keys: list[str]) -> str | None:
+    found = [key for key in keys if key in device_name]
+    return max(found, key=len) if found else None
+
+
+def cluster_for_device(device_name: str) -> Cluster | None:
+    """The built-in cluster preset whose ``device_names`` match ``device_name`` (longest first)."""
+    by_key = {key: c for c in _preset_clusters() for key in c.device_names}
+    key = _longest_match(device_name, list(by_key))
+    return by_key[key] if key is not None else None
+
+
+def device_peak_tflops(device_name: str) -> float | None:
+    """Dense bf16 peak TFLOP/s of a CUDA device by name: the longest matching key among the presets'
+    ``device_names`` and :data:`CUDA_PEAK_TFLOPS`; None when unknown."""
+    peaks = {key: c.peak_tflops for c in _preset_clusters() for key in c.device_names}
+    peaks.update(CUDA_PEAK_TFLOPS)
+    key = _longest_match(device_name, list(peaks))
+    return peaks[key] if key is not None else None
+
+
 def cuda_peak_tflops(device: torch.device) -> float | None:
-    """Table lookup by CUDA device name (longest matching key first); None when unknown."""
-    name = torch.cuda.get_device_name(device)
-    if "H100" in name and "PCIe" in name:
-        return 756.0
-    for key in sorted(CUDA_PEAK_TFLOPS, key=len, reverse=True):
-        if key in name:
-            return CUDA_PEAK_TFLOPS[key]
-    return None
+    """:func:`device_peak_tflops` of a CUDA device; None when unknown."""
+    return device_peak_tflops(torch.cuda.get_device_name(device))
 
 
 def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 512, seconds: float = 0.3) -> float:

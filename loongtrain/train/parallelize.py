@@ -1,31 +1,34 @@
-"""Memory features applied from outside the model: hybrid ZeRO (FSDP2) and per-layer activation checkpointing.
+"""Parallelism applied to a plain model from outside, in three steps (docs/design.md §7):
 
-``parallelize(model, mesh, cfg, device)`` is the trainer's single hook (DESIGN.md section 8):
+``parallelize(model, mesh, parallel, device)`` moves the model to ``device`` and composes
 
-* **Hybrid ZeRO** via FSDP2 (:func:`torch.distributed.fsdp.fully_shard`). The ``dp x sp`` ranks all hold
-  the same weights, so parameters, gradients and optimizer state are sharded over all of them
-  (``zero="full"``) or over consecutive groups of ``zero_shard_size`` ranks, replicated across groups
-  (``zero="hybrid"``: HSDP on a 2-D ``(replicate, shard)`` DeviceMesh). Each rank back-propagates
-  ``local_sum / replica_tokens`` (:func:`loongtrain.model.loss.sharded_cross_entropy`), so the exact
-  gradient is the SUM over a replica's ``sp`` ranks AVERAGED over the ``dp`` replicas, i.e.
-  ``sum over all ranks / dp``: the gradient divide factor is set to ``dp`` (FSDP's default would divide
-  by ``dp * sp``). ``reshard_after_forward`` chooses between freeing gathered weights after each
-  block's forward (re-gathered for backward) and keeping them until backward.
-* **Activation checkpointing** of the first ``round(ac_fraction * num_layers)`` blocks:
-  ``ac_mode="full"`` recomputes the whole block in backward; ``"selective"`` (Selective Checkpoint++)
-  saves the outputs of ``torch.ops.loongtrain.head_all_to_all`` and ``torch.ops.loongtrain.ring_attention``
-  (attention output and lse) and recomputes everything else, so the recompute pass runs no attention
-  and sends nothing.
+1. **2D-Attention**: :func:`loongtrain.attn.apply.apply_2d_attention` rebinds every ``attention_fn`` to
+   attention over ``mesh``;
+2. **activation checkpointing** of the first ``round(ac_fraction * num_layers)`` blocks:
+   ``ac_mode="full"`` recomputes the whole block in backward; ``"selective"`` (Selective Checkpoint++)
+   saves the outputs of ``torch.ops.loongtrain.head_all_to_all`` and ``torch.ops.loongtrain.ring_attention``
+   (attention output and lse) and recomputes everything else, so the recompute pass runs no attention
+   and sends nothing (docs/design.md §6);
+3. **hybrid ZeRO** via FSDP2 (:func:`torch.distributed.fsdp.fully_shard`). The ``dp x sp`` ranks all hold
+   the same weights, so parameters, gradients and optimizer state are sharded over all of them
+   (``zero="full"``) or over consecutive groups of ``zero_shard_size`` ranks, replicated across groups
+   (``zero="hybrid"``: HSDP on a 2-D ``(replicate, shard)`` DeviceMesh). Each rank back-propagates
+   ``local_sum / replica_tokens`` (:func:`loongtrain.train.loss.sharded_cross_entropy`), so the exact
+   gradient is the SUM over a replica's ``sp`` ranks AVERAGED over the ``dp`` replicas, i.e.
+   ``sum over all ranks / dp``: the gradient divide factor is set to ``dp`` (FSDP's default would divide
+   by ``dp * sp``). ``reshard_after_forward`` chooses between freeing gathered weights after each
+   block's forward (re-gathered for backward) and keeping them until backward.
 
-Parameter names are unchanged (checkpointing replaces the block's ``forward`` on the instance instead of
-wrapping the module), so optimizer ordering and DCP checkpoints are layout-independent.
+The options are one :class:`~loongtrain.parallel.config.ParallelConfig` (docs/design.md §8). Parameter
+names are unchanged (checkpointing replaces the block's ``forward`` on the instance instead of wrapping
+the module), so optimizer ordering and DCP checkpoints are layout-independent.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any
 
@@ -38,105 +41,21 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import Mesh
-
-ZERO_MODES = ("none", "full", "hybrid")
-CKPT_MODES = ("none", "full", "selective")
-_CKPT_ALIASES = {"selective++": "selective", "sac": "selective"}
-
-
-@dataclass
-class MemoryConfig:
-    """Options of :func:`parallelize` (flat, so a TrainConfig can carry the same field names).
-
-    ``zero``: ``none`` (replicated weights, the trainer all-reduces gradients), ``full`` (FSDP2 over all
-    ``dp*sp`` ranks) or ``hybrid`` (HSDP: shard over groups of ``zero_shard_size`` consecutive ranks,
-    replicate across the groups). ``zero_shard_size``: shard-group size for ``hybrid`` (0: all ranks,
-    i.e. the same as ``full``). ``reshard_after_forward``: free gathered weights after each block's
-    forward (True, ZeRO-3) or keep them until its backward (False, ZeRO-2-like memory).
-    ``ac_mode``: ``none``, ``full`` or ``selective`` (Selective Checkpoint++; ``selective++`` accepted).
-    ``ac_fraction``: fraction of the blocks (the first ones) that are checkpointed.
-    """
-
-    zero: str = "none"
-    zero_shard_size: int = 0
-    reshard_after_forward: bool = True
-    ac_mode: str = "none"
-    ac_fraction: float = 1.0
-
-    def __post_init__(self) -> None:
-        self.ac_mode = _CKPT_ALIASES.get(self.ac_mode, self.ac_mode)
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise ValueError naming the bad value and the valid choices."""
-        if self.zero not in ZERO_MODES:
-            raise ValueError(f"zero={self.zero!r} is not one of {ZERO_MODES}")
-        if isinstance(self.zero_shard_size, bool) or not isinstance(self.zero_shard_size, int) \
-                or self.zero_shard_size < 0:
-            raise ValueError(
-                f"zero_shard_size={self.zero_shard_size!r} must be an integer >= 0 (0: all ranks)"
-            )
-        if self.zero_shard_size and self.zero != "hybrid":
-            raise ValueError(
-                f"zero_shard_size={self.zero_shard_size} needs zero='hybrid' (got zero={self.zero!r})"
-            )
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r} must be True or False")
-        if self.ac_mode not in CKPT_MODES:
-            raise ValueError(
-                f"ac_mode={self.ac_mode!r} is not one of {CKPT_MODES} (alias: 'selective++')"
-            )
-        if isinstance(self.ac_fraction, bool) or not isinstance(self.ac_fraction, (int, float)) \
-                or not 0.0 <= self.ac_fraction <= 1.0:
-            raise ValueError(f"ac_fraction={self.ac_fraction!r} must be a number in [0, 1]")
-
-    def shard_size(self, world_size: int) -> int:
-        """Ranks that shard one copy of the weights (``world_size`` for ``full``, 1 for ``none``)."""
-        if self.zero == "none":
-            return 1
-        if self.zero == "full" or self.zero_shard_size in (0, world_size):
-            return world_size
-        if self.zero_shard_size < 2 or world_size % self.zero_shard_size != 0:
-            raise ValueError(
-                f"zero_shard_size={self.zero_shard_size} must divide the world size {world_size} and be "
-                f">= 2 (valid: {[s for s in range(2, world_size + 1) if world_size % s == 0]}, or 0 for all)"
-            )
-        return self.zero_shard_size
-
-
-def memory_config(cfg: Any) -> MemoryConfig:
-    """The :class:`MemoryConfig` carried by ``cfg``.
-
-    ``cfg`` may be a MemoryConfig, an object with a ``memory`` attribute holding one, or any object with
-    (some of) the flat fields ``zero``, ``zero_shard_size``, ``reshard_after_forward``, ``ac_mode``,
-    ``ac_fraction`` (e.g. a TrainConfig); missing fields take their defaults.
-    """
-    if isinstance(cfg, MemoryConfig):
-        return cfg
-    if isinstance(getattr(cfg, "memory", None), MemoryConfig):
-        return cfg.memory
-    values = {f.name: getattr(cfg, f.name) for f in fields(MemoryConfig) if hasattr(cfg, f.name)}
-    return MemoryConfig(**values)
-
 
 # --------------------------------------------------------------------------------------------------
 # Activation checkpointing
 
-#: Ops whose outputs Selective Checkpoint++ keeps from the first forward.
-ATTENTION_OPS: tuple[torch._ops.OpOverload, ...] = ()
-
-
+@functools.cache
 def _attention_ops() -> tuple[torch._ops.OpOverload, ...]:
-    global ATTENTION_OPS
-    if not ATTENTION_OPS:
-        import loongtrain.attn.ops  # noqa: F401 - registers torch.ops.loongtrain.*
+    """Ops whose outputs Selective Checkpoint++ keeps from the first forward."""
+    import loongtrain.attn.ops  # noqa: F401 - registers torch.ops.loongtrain.*
 
-        ATTENTION_OPS = (
-            torch.ops.loongtrain.head_all_to_all.default,
-            torch.ops.loongtrain.ring_attention.default,
-        )
-    return ATTENTION_OPS
+    return (
+        torch.ops.loongtrain.head_all_to_all.default,
+        torch.ops.loongtrain.ring_attention.default,
+    )
 
 
 _SAVED_OUTPUT_SINKS = threading.local()
@@ -196,7 +115,7 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str, fraction: f
     The block's ``forward`` is replaced on the instance (module names and parameters are unchanged);
     forward hooks (FSDP's gather/reshard) still run around the checkpointed region.
     """
-    cfg = MemoryConfig(ac_mode=mode, ac_fraction=fraction)
+    cfg = ParallelConfig(ac_mode=mode, ac_fraction=fraction)  # validates; 'selective++' -> 'selective'
     if cfg.ac_mode == "none":
         return []
     chosen = checkpointed_layers(len(layers), cfg.ac_fraction)
@@ -230,7 +149,7 @@ def fsdp_device_mesh(device: torch.device, world_size: int, shard_size: int) -> 
     return _DEVICE_MESHES[key]
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: MemoryConfig, device: torch.device) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device) -> nn.Module:
     """``fully_shard`` each block of ``model.layers`` and then the root, with gradient divide factor ``dp``.
 
     Must run after :func:`apply_activation_checkpointing` and with the model already on ``device``.
@@ -240,10 +159,10 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: MemoryConfig, device: torch.de
     world = dist.get_world_size()
     if world != mesh.world_size:
         raise ValueError(f"torch.distributed world size {world} != mesh world size {mesh.world_size}")
-    device_mesh = fsdp_device_mesh(device, world, cfg.shard_size(world))
+    device_mesh = fsdp_device_mesh(device, world, parallel.shard_size(world))
     for block in model.layers:
-        fully_shard(block, mesh=device_mesh, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(block, mesh=device_mesh, reshard_after_forward=parallel.reshard_after_forward)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=parallel.reshard_after_forward)
     # gradient = sum over all dp*sp ranks / dp (see module docstring); FSDP would divide by dp*sp.
     force_sum = device.type != "cuda"  # gloo has neither AVG nor PREMUL_SUM: SUM, then divide
     for module in model.modules():
@@ -253,26 +172,23 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: MemoryConfig, device: torch.de
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """True when ``model``'s parameters are FSDP2 DTensors (gradients are reduced by FSDP)."""
-    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device) -> nn.Module:
+    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> activation checkpointing -> FSDP2.
 
-
-def parallelize(model: nn.Module, mesh: Mesh, cfg: Any, device: torch.device) -> nn.Module:
-    """The trainer's hook: move ``model`` to ``device``, checkpoint its blocks, shard it with FSDP2.
-
-    ``cfg``: anything :func:`memory_config` accepts (a TrainConfig with the MemoryConfig field names, a
-    MemoryConfig, or an object with a ``memory`` attribute). With ``zero="none"`` parameters stay plain
-    tensors and the trainer's own gradient all-reduce applies; otherwise parameters become DTensors and
-    the trainer must not all-reduce (``loongtrain.train.sync.needs_grad_sync`` returns False). Without an
+    ``model`` must have a ``.layers`` ModuleList of blocks. With ``zero="none"`` parameters stay plain
+    tensors and the trainer's own gradient all-reduce applies; otherwise they become DTensors and the
+    trainer must not all-reduce (``loongtrain.train.sync.needs_grad_sync`` returns False). Without an
     initialised process group (or a world of 1) ``zero`` is ignored.
     """
-    mcfg = memory_config(cfg)
-    model = model.to(device)
+    from loongtrain.attn.apply import apply_2d_attention  # attention imports the ops: only when used
+
+    if not isinstance(parallel, ParallelConfig):
+        raise ValueError(f"parallel must be a ParallelConfig; got {type(parallel).__name__}")
     if not hasattr(model, "layers"):
         raise ValueError(f"{type(model).__name__} has no .layers ModuleList of blocks to checkpoint/shard")
-    apply_activation_checkpointing(model.layers, mcfg.ac_mode, mcfg.ac_fraction)
+    model = apply_2d_attention(model.to(device), mesh)
+    apply_activation_checkpointing(model.layers, parallel.ac_mode, parallel.ac_fraction)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if mcfg.zero != "none" and distributed:
-        apply_fsdp(model, mesh, mcfg, device)
+    if parallel.zero != "none" and distributed:
+        apply_fsdp(model, mesh, parallel, device)
     return model

@@ -1,6 +1,6 @@
 """Gradient synchronisation without FSDP (``--zero none``; FSDP2 reduces gradients itself).
 
-Loss convention (``loongtrain.model.loss.sharded_cross_entropy``): each rank back-propagates its
+Loss convention (``loongtrain.train.loss.sharded_cross_entropy``): each rank back-propagates its
 local token-loss sum divided by the replica's token count. Parameters are replicated on all
 ``world = dp * sp`` ranks, so the exact gradient of the dp-averaged loss is
 

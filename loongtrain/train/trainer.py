@@ -11,10 +11,10 @@ from torch import nn
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
-from loongtrain.model.loss import sharded_cross_entropy
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.train.config import TrainConfig
+from loongtrain.train.loss import sharded_cross_entropy
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.parallelize import parallelize
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
@@ -45,8 +45,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device,
                  model_config: ModelConfig) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        model = Transformer(model_config, mesh, seed=cfg.seed).to(param_dtype(cfg))
-        self.model: nn.Module = parallelize(model, mesh, cfg, device)
+        model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
+        self.model: nn.Module = parallelize(model, mesh, cfg.parallel, device)
         self.params = [p for _, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0])]
         self.grad_sync = needs_grad_sync(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)

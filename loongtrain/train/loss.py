@@ -17,10 +17,11 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, mesh: Mesh | None) -> 
     """``(loss_for_backward, loss_value)`` for this rank's tokens ``logits [..., V]``, ``labels [...]``.
 
     The replica loss is ``sum over the replica's valid tokens / number of valid tokens`` (labels equal
-    to -100 are ignored). ``loss_for_backward = local_sum / replica_count`` (count all-reduced over
-    ``mesh.sp_group``, no grad), so summing parameter gradients over the ``sp`` ranks gives the exact
-    full-sequence gradient. ``loss_value`` is the detached replica loss, identical on every sp rank.
-    One all-reduce of two scalars; none when ``mesh`` is None or ``sp == 1``.
+    to ``IGNORE_INDEX`` = -100 are ignored). ``loss_for_backward = local_sum / replica_count`` (count
+    all-reduced over ``mesh.sp_group``, no grad), so summing parameter gradients over the ``sp`` ranks
+    gives the exact full-sequence gradient. ``loss_value`` is the detached replica loss, identical on
+    every sp rank. Communication: forward, one all-reduce (sum) of two scalars over ``mesh.sp_group``,
+    none when ``mesh`` is None or ``sp == 1``; backward, none.
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(

@@ -1,0 +1,95 @@
+"""``apply_2d_attention``: give any model 2D-Attention by swapping its attention core (docs/design.md §7).
+
+Protocol: a model takes part when every attention module routes its core through one replaceable
+attribute ``attention_fn`` (an instance or class attribute, not a submodule), called as::
+
+    attention_fn(q, k, v, causal=True[, softmax_scale=s])
+        q [B, S_local, H, D], k, v [B, S_local, Hkv, D] -> out [B, S_local, H, D]
+
+with query head ``h`` using KV head ``h // (H / Hkv)`` (GQA) and ``softmax_scale`` defaulting to
+``1/sqrt(D)``. Everything else in the model must be token-wise (norms, MLPs, RoPE on the given
+global ``position_ids``), so feeding each rank its zigzag shard (:func:`loongtrain.shard_sequence`)
+and these global positions gives the exact result of the unsharded model. ``loongtrain.model``'s
+decoder follows the protocol; the Hugging Face integration reuses this entry point.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loongtrain.attn.api import attention
+from loongtrain.parallel.mesh import Mesh
+
+ATTENTION_FN_ATTR = "attention_fn"
+
+
+class MeshAttention:
+    """An ``attention_fn`` bound to ``mesh``: calls :func:`loongtrain.attention` on it.
+
+    A plain object (no closure), so it pickles whenever its mesh does (a single-process mesh) and
+    ``copy.deepcopy`` of a model shares the mesh and its process groups instead of copying them.
+    """
+
+    __slots__ = ("mesh",)
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = True,
+        softmax_scale: float | None = None,
+    ) -> torch.Tensor:
+        return attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale)
+
+    def __getstate__(self) -> Mesh:
+        return self.mesh
+
+    def __setstate__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def __deepcopy__(self, memo: dict) -> MeshAttention:
+        return MeshAttention(self.mesh)
+
+    def __repr__(self) -> str:
+        return f"MeshAttention({self.mesh!r})"
+
+
+def apply_2d_attention(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """Route every ``attention_fn`` in ``model``'s module tree through 2D-Attention on ``mesh``.
+
+    Sets ``module.attention_fn = MeshAttention(mesh)`` on each module that has the attribute (see the
+    module docstring for the protocol) and returns ``model`` (changed in place). Idempotent:
+    applying again, with the same or another mesh, rebinds. Raises ValueError if ``mesh`` is not a
+    :class:`~loongtrain.parallel.mesh.Mesh` or no module of ``model`` has an ``attention_fn``.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a loongtrain Mesh (init_mesh / single_process_mesh); got {mesh!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    from loongtrain.hf.families import is_hf_model  # never imports transformers
+
+    if is_hf_model(model):  # Hugging Face causal LMs route through transformers' attention interface
+        from loongtrain.hf.attention import apply_to_hf
+
+        return apply_to_hf(model, mesh)
+    targets = [m for m in model.modules() if hasattr(m, ATTENTION_FN_ATTR)]
+    if not targets:
+        raise ValueError(
+            f"{type(model).__name__} has no module with an '{ATTENTION_FN_ATTR}' attribute: its attention "
+            f"must call a replaceable attention_fn(q, k, v, causal=...) (docs/design.md §7)"
+        )
+    for module in targets:
+        current = getattr(module, ATTENTION_FN_ATTR)
+        if isinstance(current, nn.Module) or not callable(current):
+            raise ValueError(
+                f"{type(module).__name__}.{ATTENTION_FN_ATTR} must be a plain callable, "
+                f"got {type(current).__name__}"
+            )
+        setattr(module, ATTENTION_FN_ATTR, MeshAttention(mesh))
+    return model

@@ -1,0 +1,155 @@
+"""2D-Attention inside Hugging Face causal LMs, through transformers' attention interface (docs/design.md §7).
+
+:func:`apply_to_hf` registers the ``"loongtrain"`` attention implementation (and a mask function
+that builds no dense mask), switches the model to it, and gives each attention module the same
+replaceable ``attention_fn`` (a :class:`~loongtrain.attn.apply.MeshAttention` bound to the mesh)
+that loongtrain's own model uses. Every layer then calls::
+
+    module.attention_fn(q [B, S_local, H, D], k, v [B, S_local, Hkv, D], causal=..., softmax_scale=...)
+
+Inputs must be each rank's zigzag shard (:func:`loongtrain.shard_sequence`) of ``input_ids`` with
+the *global* ``position_ids`` of one unbroken sequence; padding masks, packed documents (position
+ids restarting), sliding windows shorter than the sequence, attention dropout and KV caches are
+rejected with a ValueError (loongtrain.attention computes plain causal attention). Never pass
+``labels=`` to the sharded model (HF would shift them inside the local shard): shift the labels
+of the full sequence first, shard them too, and use ``loongtrain.train.loss.sharded_cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loongtrain.attn.apply import ATTENTION_FN_ATTR, MeshAttention
+from loongtrain.hf.families import check_architecture, is_hf_model
+from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.sharding import shard_indices
+
+Tensor = torch.Tensor
+
+ATTN_IMPLEMENTATION = "loongtrain"
+
+
+def hf_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs: object,
+) -> tuple[Tensor, None]:
+    """transformers' attention-interface signature: ``query [B, H, S, D]``, ``key, value [B, Hkv, S, D]``
+    -> ``(out [B, S, H, D], None)``, computed by ``module.attention_fn`` on this rank's shard."""
+    attention_fn = getattr(module, ATTENTION_FN_ATTR, None)
+    if attention_fn is None:
+        raise ValueError(
+            f"{type(module).__name__} has no {ATTENTION_FN_ATTR}: call loongtrain.apply_2d_attention(model, mesh) "
+            f"before running a model with attn_implementation={ATTN_IMPLEMENTATION!r}"
+        )
+    if attention_mask is not None:
+        raise ValueError("loongtrain attention takes no attention mask (causal attention only)")
+    if dropout:
+        raise ValueError(f"attention dropout={dropout} is not supported by loongtrain attention; use 0.0")
+    for name in ("softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name} is not supported by loongtrain attention")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"keys ({key.shape[2]}) and queries ({query.shape[2]}) differ in length: KV caches are not "
+            f"supported by loongtrain attention; run with use_cache=False"
+        )
+    mesh = getattr(attention_fn, "mesh", None)
+    seq_len = query.shape[2] * (mesh.sp if mesh is not None else 1)
+    if sliding_window is not None and sliding_window < seq_len:
+        raise ValueError(
+            f"sliding_window={sliding_window} is shorter than the sequence length {seq_len}: loongtrain "
+            f"attention does not support sliding windows yet (a window >= the sequence length is a no-op)"
+        )
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
+        _check_positions(position_ids, mesh, seq_len)
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    out = attention_fn(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        causal=causal, softmax_scale=scaling,
+    )
+    return out, None
+
+
+def _check_positions(position_ids: Tensor, mesh: Mesh | None, seq_len: int) -> None:
+    """Raise ValueError unless each row is ``offset + (this rank's zigzag shard of arange(seq_len))``."""
+    if mesh is None or mesh.sp == 1:
+        expected = torch.arange(seq_len)
+    else:
+        expected = shard_indices(seq_len, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank)
+    offset = position_ids - expected.to(position_ids.device)
+    if not bool((offset == offset[..., :1]).all()):
+        raise ValueError(
+            "position_ids must be the global positions of one unbroken sequence, sharded like the inputs "
+            "(loongtrain.shard_sequence(arange(S), mesh, dim=-1)); restarting positions (packed documents) "
+            "need a document mask, which loongtrain attention does not support yet"
+        )
+
+
+def no_dense_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: object = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: object,
+) -> None:
+    """transformers' mask-interface signature: builds no mask (causality is loongtrain attention's job).
+
+    Raises ValueError for a padding mask that masks anything (padding is not supported)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(
+            "attention_mask masks some tokens: loongtrain attention does not support padding; pack "
+            "full-length sequences and pass attention_mask=None"
+        )
+    return None
+
+
+def register_attention() -> None:
+    """Register ``"loongtrain"`` in transformers' attention and mask interfaces (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, hf_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, no_dense_mask)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention module of every decoder layer of a supported HF causal LM."""
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        raise ValueError(f"{type(model).__name__} has no decoder layers with a self_attn module")
+    return [layer.self_attn for layer in layers]
+
+
+def apply_to_hf(model: nn.Module, mesh: Mesh) -> nn.Module:
+    """Run every attention layer of the HF causal LM ``model`` through 2D-Attention on ``mesh``.
+
+    Registers the ``"loongtrain"`` attention implementation, selects it on ``model`` (and its
+    config), turns the KV cache off (training) and sets each layer's ``attention_fn`` to
+    ``MeshAttention(mesh)``. Returns ``model`` (changed in place); applying again rebinds.
+    Raises ValueError for a non-HF model, an unsupported architecture or a non-Mesh ``mesh``.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a loongtrain Mesh (init_mesh / single_process_mesh); got {mesh!r}")
+    if not is_hf_model(model):
+        raise ValueError(f"expected a transformers PreTrainedModel; got {type(model).__name__}")
+    check_architecture(type(model).__name__)
+    register_attention()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    model.config.use_cache = False
+    for module in attention_modules(model):
+        setattr(module, ATTENTION_FN_ATTR, MeshAttention(mesh))
+    return model

@@ -1,0 +1,173 @@
+"""loongtrain's LLaMA decoder <-> Hugging Face ``LlamaForCausalLM``: config, weight names, export.
+
+Both use the split-halves RoPE convention (pair ``i`` with ``i + head_dim/2``, HF's ``rotate_half``),
+so q/k projection weights map without any permutation; names map one to one:
+
+    tok_embeddings            model.embed_tokens          norm     model.norm      output  lm_head
+    layers.i.attention.wq/wk/wv/wo        model.layers.i.self_attn.q_proj/k_proj/v_proj/o_proj
+    layers.i.feed_forward.w1/w2/w3        model.layers.i.mlp.gate_proj/down_proj/up_proj
+    layers.i.attention_norm / ffn_norm    model.layers.i.input_layernorm / post_attention_layernorm
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loongtrain.hf.families import check_architecture, is_hf_model, supported_architectures
+from loongtrain.model.config import ModelConfig
+
+Tensor = torch.Tensor
+
+_GLOBAL_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings: int = 8192) -> Any:
+    """The ``LlamaConfig`` of the same decoder (``max_position_embeddings`` is metadata for default RoPE)."""
+    from transformers import LlamaConfig
+
+    hf_config = LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.dim,
+        intermediate_size=config.ffn_dim,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=config.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        tie_word_embeddings=config.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=0.0,
+        max_position_embeddings=max_position_embeddings,
+    )
+    hf_config.architectures = ["LlamaForCausalLM"]
+    return hf_config
+
+
+def model_config_from_hf(hf_config: Any) -> ModelConfig:
+    """The loongtrain :class:`ModelConfig` of an HF Llama config; ValueError for features it lacks."""
+    architectures = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
+    if architectures != ["LlamaForCausalLM"]:
+        raise ValueError(f"only LlamaForCausalLM maps onto loongtrain's model; got architectures={architectures}")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    unsupported = {
+        "hidden_act": (hf_config.hidden_act, "silu"),
+        "attention_bias": (hf_config.attention_bias, False),
+        "mlp_bias": (hf_config.mlp_bias, False),
+        "rope_type": (rope.get("rope_type", "default"), "default"),
+        "head_dim": (hf_config.head_dim, hf_config.hidden_size // hf_config.num_attention_heads),
+    }
+    for name, (value, needed) in unsupported.items():
+        if value != needed:
+            raise ValueError(f"{name}={value!r} has no loongtrain equivalent (needs {needed!r})")
+    return ModelConfig(
+        vocab_size=hf_config.vocab_size,
+        dim=hf_config.hidden_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=hf_config.num_attention_heads,
+        num_kv_heads=hf_config.num_key_value_heads,
+        ffn_dim=hf_config.intermediate_size,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        norm_eps=float(hf_config.rms_norm_eps),
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
+    )
+
+
+def _name_map(config: ModelConfig) -> dict[str, str]:
+    """native name -> HF name for every tensor of ``Transformer(config)``."""
+    names = {k: v for k, v in _GLOBAL_NAMES.items() if not (config.tie_embeddings and k == "output.weight")}
+    for i in range(config.num_layers):
+        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in _LAYER_NAMES.items()})
+    return names
+
+
+def _rename(state: dict[str, Tensor], mapping: dict[str, str], drop: set[str], what: str) -> dict[str, Tensor]:
+    state = {k: v for k, v in state.items() if k not in drop}
+    unknown, missing = sorted(set(state) - set(mapping)), sorted(set(mapping) - set(state))
+    if unknown or missing:
+        raise ValueError(
+            f"{what} state dict does not match the config: unexpected {unknown[:8]}, missing {missing[:8]}"
+        )
+    return {mapping[k]: v for k, v in state.items()}
+
+
+def native_to_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Rename a ``Transformer`` state dict to ``LlamaForCausalLM`` names (no tensor is changed)."""
+    return _rename(state, _name_map(config), set(), "loongtrain")
+
+
+def hf_to_native_state_dict(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """Rename a ``LlamaForCausalLM`` state dict to ``Transformer`` names (a tied ``lm_head`` is dropped)."""
+    inverse = {v: k for k, v in _name_map(config).items()}
+    drop = {"lm_head.weight"} if config.tie_embeddings else set()
+    return _rename(state, inverse, drop, "Hugging Face")
+
+
+def export_hf(
+    model_or_state_dict: nn.Module | dict[str, Tensor],
+    model_config: ModelConfig | Any | None,
+    out_dir: str | Path,
+) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` to ``out_dir`` for ``from_pretrained``; returns ``out_dir``.
+
+    Accepts loongtrain's ``Transformer`` (``model_config`` may be None), a loongtrain state dict with
+    its :class:`ModelConfig`, an HF causal LM (``model_config`` None), or an HF state dict with its
+    HF config. Tensors are written in their own dtype; a tied ``lm_head`` is not written.
+    """
+    from safetensors.torch import save_file
+
+    if is_hf_model(model_or_state_dict):
+        hf_config = _copy_config(model_or_state_dict.config)
+        hf_config.architectures = [type(model_or_state_dict).__name__]
+        state = model_or_state_dict.state_dict()
+    else:
+        is_module = isinstance(model_or_state_dict, nn.Module)
+        state = model_or_state_dict.state_dict() if is_module else dict(model_or_state_dict)
+        config = model_config if model_config is not None else getattr(model_or_state_dict, "config", None)
+        if isinstance(config, ModelConfig):
+            hf_config = hf_config_from_model_config(config)
+            state = native_to_hf_state_dict(state, config)
+        elif config is not None and hasattr(config, "to_json_string"):
+            hf_config = _copy_config(config)
+        else:
+            raise ValueError(f"export_hf needs a ModelConfig or an HF config for a state dict; got {config!r}")
+    architectures = getattr(hf_config, "architectures", None)
+    if not architectures:
+        raise ValueError(
+            f"the HF config has no architectures entry; set it to one of {supported_architectures()}"
+        )
+    check_architecture(architectures[0])
+    if getattr(hf_config, "tie_word_embeddings", False):
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    dtypes = {v.dtype for v in state.values()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if len(dtypes) == 1:
+        hf_config.dtype = next(iter(dtypes))
+    hf_config.save_pretrained(out)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _copy_config(hf_config: Any) -> Any:
+    """A copy of an HF config, so that export never changes the caller's."""
+    return hf_config.__class__.from_dict(hf_config.to_dict())

@@ -1,0 +1,38 @@
+"""The Hugging Face causal-LM architectures that loongtrain's 2D-Attention supports (no transformers import).
+
+An architecture is supported when every layer other than attention is token-wise (RMSNorm, RoPE on
+the given position ids, gated MLP, optional q/k norms and qkv bias), so that running it on zigzag
+shards with global ``position_ids`` and 2D-Attention as its core is exact (docs/design.md §7).
+"""
+
+from __future__ import annotations
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+def supported_architectures() -> list[str]:
+    """Class names of the supported Hugging Face causal LMs (the ``architectures`` entry of config.json)."""
+    return list(SUPPORTED_ARCHITECTURES)
+
+
+def check_architecture(name: str) -> str:
+    """Return ``name`` if it is supported, else raise ValueError naming it and the supported list."""
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported Hugging Face architecture {name!r}; supported architectures: "
+            f"{supported_architectures()}"
+        )
+    return name
+
+
+def is_hf_model(model: object) -> bool:
+    """True if ``model`` is a transformers ``PreTrainedModel`` (checked by class, never imports transformers)."""
+    return any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__ == "transformers.modeling_utils"
+        for cls in type(model).__mro__
+    )

@@ -1,0 +1,175 @@
+"""``ParallelConfig``: the degrees and memory modes of a run, and the one function that validates them.
+
+One frozen object carries hp, cp, the double-ring window, the rank placement, ZeRO and activation
+checkpointing from the command line (``loongtrain train``) or the planner (``loongtrain plan``) to the
+mesh, the trainer's :func:`~loongtrain.train.parallelize.parallelize` and the cost model
+(docs/design.md §8). :func:`validate_parallel` checks every rule that the given facts allow (the world
+size, the sequence length, the model's head counts) and raises ``ValueError`` naming the offending
+value and the valid choices; :func:`effective_kv_heads` is the GQA rule (docs/design.md §5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from loongtrain.parallel.layout import PLACEMENTS, Layout
+
+ZERO_MODES = ("none", "full", "hybrid")
+AC_MODES = ("none", "full", "selective")
+AC_ALIASES = {"selective++": "selective", "sac": "selective"}
+
+__all__ = [
+    "AC_ALIASES", "AC_MODES", "PLACEMENTS", "ZERO_MODES", "ParallelConfig", "effective_kv_heads",
+    "validate_parallel",
+]
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one run is parallelised (validated on construction, world-independent rules only).
+
+    Layout: ``hp`` head-parallel degree, ``cp`` context-parallel degree, ``window`` inner-ring size of the
+    double ring, ``placement`` and ``interleaved`` (docs/design.md §2). Memory (docs/design.md §7):
+    ``zero`` none / full / hybrid FSDP2 sharding over groups of ``zero_shard_size`` ranks (0: all),
+    ``reshard_after_forward``, ``ac_mode`` none / full / selective (Selective Checkpoint++; the alias
+    ``selective++`` is normalised) on the first ``ac_fraction`` of the blocks.
+    """
+
+    hp: int = _opt(1, "head-parallel degree (all-to-all group size)")
+    cp: int = _opt(1, "context-parallel degree (ring size)")
+    window: int = _opt(1, "double-ring window: inner ring size (must divide cp)")
+    placement: str = _opt("head_first", "rank placement: head_first or context_first")
+    interleaved: bool = _opt(False, "interleave ring members inside a window (needs an even window)")
+    zero: str = _opt("none", "ZeRO via FSDP2: none (replicated weights, all-reduced gradients), full "
+                     "(shard over all dp*sp ranks) or hybrid (shard over --zero-shard-size ranks)")
+    zero_shard_size: int = _opt(0, "ranks per shard group for --zero hybrid (0: all ranks)")
+    reshard_after_forward: bool = _opt(True, "FSDP2: free gathered weights after each block's forward")
+    ac_mode: str = _opt("none", "activation checkpointing: none, full, or selective (Selective "
+                        "Checkpoint++: attention outputs kept, its recompute and communication skipped)")
+    ac_fraction: float = _opt(1.0, "fraction of the blocks (the first ones) that are checkpointed")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ac_mode, str):
+            object.__setattr__(self, "ac_mode", AC_ALIASES.get(self.ac_mode, self.ac_mode))
+        validate_parallel(self)
+
+    @classmethod
+    def from_layout(cls, layout: Layout, **memory: Any) -> ParallelConfig:
+        """The configuration of ``layout``'s degrees and placement (memory options from ``memory``)."""
+        return cls(hp=layout.hp, cp=layout.cp, window=layout.window, placement=layout.placement,
+                   interleaved=layout.interleaved, **memory)
+
+    @property
+    def sp(self) -> int:
+        """Ranks sharing one sequence: ``hp * cp``."""
+        return self.hp * self.cp
+
+    def layout(self, world_size: int) -> Layout:
+        """The rank layout on ``world_size`` ranks (ValueError when the world does not fit)."""
+        layout = validate_parallel(self, world_size)
+        assert layout is not None
+        return layout
+
+    def shard_size(self, world_size: int) -> int:
+        """Ranks that shard one copy of the weights: 1 for ``none``, ``world_size`` for ``full``, else
+        ``zero_shard_size`` (0: all ranks). ValueError unless it divides ``world_size`` and is >= 2."""
+        if self.zero == "none":
+            return 1
+        if self.zero == "full" or self.zero_shard_size in (0, world_size):
+            return world_size
+        if self.zero_shard_size < 2 or world_size % self.zero_shard_size != 0:
+            valid = [s for s in range(2, world_size + 1) if world_size % s == 0]
+            raise ValueError(
+                f"zero_shard_size={self.zero_shard_size} must divide the world size {world_size} and be "
+                f">= 2 (valid: {valid}, or 0 for all)"
+            )
+        return self.zero_shard_size
+
+    def label(self) -> str:
+        """A short one-line description (planner output and logs)."""
+        shard = f"/{self.zero_shard_size}" if self.zero_shard_size else ""
+        inter = " interleaved" if self.interleaved else ""
+        return (f"hp={self.hp} cp={self.cp} w={self.window} {self.placement}{inter} "
+                f"zero={self.zero}{shard} ac_mode={self.ac_mode}")
+
+
+def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
+    """The GQA rule (docs/design.md §5): ``He``, the KV heads entering the head all-to-all.
+
+    ``hp`` must divide ``num_heads``; with ``num_kv_heads >= hp`` the KV heads are split (``hp`` must
+    divide them, ``He = num_kv_heads``), otherwise each is replicated ``hp / num_kv_heads`` times
+    (``hp`` must be a multiple of them, ``He = hp``). ValueError naming the value otherwise.
+    """
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("hp", hp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if num_heads % hp != 0:
+        raise ValueError(f"num_heads={num_heads} must be divisible by hp={hp}")
+    if num_kv_heads >= hp:
+        if num_kv_heads % hp != 0:
+            raise ValueError(
+                f"num_kv_heads={num_kv_heads} >= hp={hp} must be divisible by hp (KV heads are split)"
+            )
+        return num_kv_heads
+    if hp % num_kv_heads != 0:
+        raise ValueError(
+            f"hp={hp} > num_kv_heads={num_kv_heads} must be a multiple of num_kv_heads "
+            f"(KV heads are replicated hp/num_kv_heads times)"
+        )
+    return hp
+
+
+def validate_parallel(
+    cfg: ParallelConfig,
+    world_size: int | None = None,
+    *,
+    seq_len: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+) -> Layout | None:
+    """Check every rule that the given facts allow; return the Layout when ``world_size`` is given.
+
+    Always: the modes (``zero``, ``ac_mode``, flags, ``ac_fraction``, ``zero_shard_size``) and the layout
+    rules that need no world (positive degrees, ``placement``, ``window`` divides ``cp``, an even window
+    for ``interleaved``; :class:`~loongtrain.parallel.layout.Layout` states them). With ``world_size``:
+    ``hp*cp`` divides it and so does ``zero_shard_size``. With ``seq_len``: divisible by ``2*hp*cp``.
+    With ``num_heads`` (and ``num_kv_heads``, default ``num_heads``): the GQA rule. Raises ValueError
+    naming the offending value and the valid choices.
+    """
+    if cfg.zero not in ZERO_MODES:
+        raise ValueError(f"zero={cfg.zero!r} is not one of {ZERO_MODES}")
+    if isinstance(cfg.zero_shard_size, bool) or not isinstance(cfg.zero_shard_size, int) \
+            or cfg.zero_shard_size < 0:
+        raise ValueError(f"zero_shard_size={cfg.zero_shard_size!r} must be an integer >= 0 (0: all ranks)")
+    if cfg.zero_shard_size and cfg.zero != "hybrid":
+        raise ValueError(f"zero_shard_size={cfg.zero_shard_size} needs zero='hybrid' (got zero={cfg.zero!r})")
+    for name in ("interleaved", "reshard_after_forward"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ValueError(f"{name}={getattr(cfg, name)!r} must be True or False")
+    if cfg.ac_mode not in AC_MODES:
+        raise ValueError(f"ac_mode={cfg.ac_mode!r} is not one of {AC_MODES} (alias: 'selective++')")
+    if isinstance(cfg.ac_fraction, bool) or not isinstance(cfg.ac_fraction, (int, float)) \
+            or not 0.0 <= cfg.ac_fraction <= 1.0:
+        raise ValueError(f"ac_fraction={cfg.ac_fraction!r} must be a number in [0, 1]")
+    for name in ("hp", "cp", "window"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    world = cfg.sp if world_size is None else world_size
+    layout = Layout(world, cfg.hp, cfg.cp, cfg.window, cfg.placement, cfg.interleaved)
+    if world_size is not None:
+        cfg.shard_size(world_size)
+    if seq_len is not None:
+        from loongtrain.parallel.sharding import check_sequence_length  # sharding imports the mesh
+
+        check_sequence_length(seq_len, cfg.hp, cfg.cp)
+    if num_heads is not None:
+        effective_kv_heads(num_heads, num_heads if num_kv_heads is None else num_kv_heads, cfg.hp)
+    return layout if world_size is not None else None

@@ -1,0 +1,270 @@
+"""The one local launcher: run a function on N processes of this machine inside one process group.
+
+:func:`run_local` is used by ``loongtrain train`` (local workers), the distributed tests, the benchmarks
+and the calibration (docs/design.md §10). Design:
+
+- Start: a ``forkserver`` whose server imported torch once; each worker forks from it (fresh
+  interpreter state, no N-fold import, safe with CUDA).
+- Rendezvous: a ``FileStore`` in a temporary directory (no TCP port to pick, so no port race).
+- Results: each worker sends ``("ok", value)`` or ``("error", traceback)`` over its own pipe; the
+  launcher also watches every process, so a rank that dies without reporting (killed, segfault,
+  out of memory) is noticed at once and named.
+- Failure: the first failure stops the run; the other ranks are killed and :class:`WorkerError`
+  carries the failing rank's number and traceback (the cause, not a peer that failed because of
+  it). No result within ``timeout`` raises ``TimeoutError``.
+- Orphans: workers die with the launcher, however it ends (SIGKILL included). The launcher holds
+  the write end of a pipe that it never writes; each worker blocks a watchdog thread on the read
+  end, which reads end-of-file the moment the kernel closes the launcher's files, and exits. This
+  is plain POSIX, so it is the same on Linux and macOS, and it also covers a launcher that died
+  before the worker started. (``prctl(PR_SET_PDEATHSIG)`` would not do: a worker's parent is the
+  fork server, not the launcher, and the fork server stays alive as long as any worker does,
+  because every forkserver child inherits the fd the server watches for its clients.)
+
+Why not ``torch.distributed.elastic.multiprocessing.start_processes``: it does return per-rank values
+and stop the other ranks on a failure, but a rank's traceback comes back only through its JSON error
+file (an internal format), it needs a log directory spec, logs its own failure report, and it neither
+ties workers to the launcher's life nor initialises the process group; the part it would save is
+the ~40-line wait loop below.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BACKENDS = ("gloo", "nccl")
+# torch._dynamo is imported by the first custom-op call (over a second): pay for it once, in the server
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "loongtrain", "loongtrain.parallel.launch")
+_JOIN_GRACE_S = 60.0
+_SETTLE_S = 0.5
+
+
+class WorkerError(RuntimeError):
+    """A rank raised an exception or died; ``rank`` names it, ``details`` is its traceback or exit status."""
+
+    def __init__(self, rank: int, world_size: int, details: str) -> None:
+        super().__init__(f"rank {rank} of {world_size} failed:\n{details}")
+        self.rank = rank
+        self.details = details
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What every worker needs besides its rank, ``fn`` and ``args``."""
+
+    backend: str
+    init_method: str
+    threads: int | None
+    timeout_s: float | None
+    env: tuple[tuple[str, str], ...]
+
+
+def resolve_backend(backend: str | None, world_size: int) -> str:
+    """``backend``, or the default: NCCL when there are at least ``world_size`` GPUs, else gloo.
+
+    An explicit ``"nccl"`` with fewer GPUs than ranks is a ValueError (one GPU per rank).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"backend='nccl' with world_size={world_size} needs one GPU per rank; "
+                         f"this machine has {gpus} (use backend='gloo' or fewer ranks)")
+    return backend
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str | None = None,
+    threads: int | None = 1,
+    timeout: float | None = 600.0,
+    env: Mapping[str, str] | None = None,
+    preload: Sequence[str] = (),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return its values by rank.
+
+    Every worker runs inside an initialised default process group (``backend``: see
+    :func:`resolve_backend`; with gloo the workers see no GPU, so they compute on CPU; with NCCL rank
+    ``r`` uses ``cuda:r``) with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` set,
+    plus ``env``. ``threads``: torch intra- and inter-op threads per worker (``None``: leave them).
+    After ``fn`` returns, the ranks meet in a barrier, then every mesh and the process group are
+    destroyed. ``fn``, ``args`` and the results must pickle (``fn`` at module level). ``timeout``
+    (seconds, ``None``: none) bounds the whole run and each collective. ``preload``: extra modules for
+    the fork server to import once (only when this process starts its fork server).
+
+    Raises :class:`WorkerError` for the first rank that fails (the others are killed) and
+    ``TimeoutError`` when the ranks do not all finish in time.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: must be at least 1")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads}: must be at least 1 (or None)")
+    backend = resolve_backend(backend, world_size)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*_PRELOAD, *preload])
+    with tempfile.TemporaryDirectory(prefix="loongtrain-rdzv-") as tmp:
+        spec = _Spec(backend=backend, init_method=Path(tmp, "store").resolve().as_uri(), threads=threads,
+                     timeout_s=timeout, env=tuple((env or {}).items()))
+        procs: list[Any] = []
+        conns: list[Connection] = []
+        lifeline, keep_alive = ctx.Pipe(duplex=False)  # never written: closes when this process ends
+        ok = False
+        try:
+            for rank in range(world_size):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, args=(rank, world_size, spec, fn, args, send, lifeline),
+                                   name=f"loongtrain-rank{rank}", daemon=True)
+                proc.start()
+                send.close()  # the worker holds the only write end: its exit reads as EOF here
+                procs.append(proc)
+                conns.append(recv)
+            results = _collect(procs, conns, timeout)
+            ok = True
+            return results
+        finally:
+            _stop(procs, grace_s=_JOIN_GRACE_S if ok else 0.0)
+            for conn in (*conns, lifeline, keep_alive):
+                conn.close()
+
+
+def _collect(procs: list[Any], conns: list[Connection], timeout: float | None) -> list[Any]:
+    """Each rank's value; raise on a failure, a death or the deadline.
+
+    A failing rank usually makes its peers fail too (their collectives lose a partner), so after the
+    first failure the launcher waits ``_SETTLE_S`` for more reports and names the cause: a rank that
+    died without reporting (its peers' errors follow from it), else the earliest error.
+    """
+    world_size = len(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = dict(enumerate(conns))
+    results: dict[int, Any] = {}
+    failures: list[tuple[bool, float, int, str]] = []  # (reported?, wall time, rank, details)
+    settle = None
+    while pending:
+        now = time.monotonic()
+        if settle is not None and now >= settle:
+            break
+        if deadline is not None and now >= deadline:
+            if failures:
+                break
+            raise TimeoutError(f"run_local: ranks {sorted(pending)} of {world_size} gave no result within "
+                               f"{timeout:g} s (hang?)")
+        ends = [t for t in (deadline, settle) if t is not None]
+        by_conn = {conn: rank for rank, conn in pending.items()}
+        by_sentinel = {procs[rank].sentinel: rank for rank in pending}  # novermin (Process.sentinel: 3.3+)
+        for ready in wait([*by_conn, *by_sentinel], timeout=min(ends) - now if ends else None):
+            rank = by_sentinel[ready] if isinstance(ready, int) else by_conn[ready]
+            if rank not in pending:
+                continue
+            status, value, stamp = _receive(pending.pop(rank), procs[rank])
+            if status == "ok":
+                results[rank] = value
+            else:
+                failures.append((status == "error", stamp, rank, value))
+                settle = settle or time.monotonic() + _SETTLE_S
+    if failures:
+        _, _, rank, details = min(failures)
+        raise WorkerError(rank, world_size, details)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _receive(conn: Connection, proc: Any) -> tuple[str, Any, float]:
+    """A rank's report ``(status, value, wall time)``, or ``("died", how, now)`` when it exited without one."""
+    if conn.poll():
+        try:
+            return conn.recv()
+        except EOFError:
+            pass
+    proc.join(timeout=5)
+    code = proc.exitcode
+    if code is not None and code < 0:
+        how = f"killed by {signal.Signals(-code).name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    else:
+        how = f"exited with code {code}"
+    return "died", f"the worker process {how} without reporting a result", time.time()
+
+
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Wait up to ``grace_s`` for the workers to exit, then kill the rest."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
+
+
+# ----------------------------------------------------------------------------- the worker side
+
+
+def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], args: tuple,
+            conn: Connection, lifeline: Connection) -> None:
+    threading.Thread(target=_exit_when_closed, args=(lifeline,), name="loongtrain-lifeline", daemon=True).start()
+    os.environ.update(dict(spec.env))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    if spec.backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks compute on CPU (read when CUDA initialises)
+    if spec.threads is not None:
+        _set_threads(spec.threads)
+    try:
+        kwargs: dict[str, Any] = {}
+        if spec.timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=spec.timeout_s)
+        if spec.backend == "nccl":
+            torch.cuda.set_device(rank)
+            kwargs["device_id"] = torch.device("cuda", rank)  # binds the group to this rank's GPU
+        dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
+                                world_size=world_size, **kwargs)
+        result = fn(rank, world_size, *args)
+        dist.barrier()  # nobody tears down groups a slower rank still talks on
+        conn.send(("ok", result, time.time()))
+    except BaseException:  # noqa: BLE001 - every failure goes to the launcher, which stops the run
+        conn.send(("error", traceback.format_exc(), time.time()))
+        conn.close()
+        os._exit(1)  # skip teardown: the other ranks may be blocked in a collective
+    conn.close()
+    _teardown()
+
+
+def _teardown() -> None:
+    from loongtrain.parallel.mesh import destroy_all_meshes
+
+    destroy_all_meshes()
+    dist.destroy_process_group()
+
+
+def _set_threads(threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # the inter-op pool already started (only possible if the server used it)
+        pass
+
+
+def _exit_when_closed(lifeline: Connection) -> None:
+    """Block until the launcher's end of ``lifeline`` closes (it never writes), then end this worker."""
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(1)

@@ -1,0 +1,219 @@
+"""Cross-entropy from the final hidden states and the LM head, a chunk of tokens at a time.
+
+:func:`chunked_cross_entropy` has the contract of ``sharded_cross_entropy`` (loongtrain/train/loss.py)
+but takes ``hidden [..., d]`` and the head ``weight [V, d]`` (tied or not) instead of logits, so no
+rank ever holds the logits of all its tokens: the forward keeps one fp32 scalar per token (the
+log-sum-exp), the backward recomputes each chunk's logits. Peak extra memory is one chunk's working
+set, ``chunk_tokens * V * (bytes(compute) + bytes(stats))``, plus the head cast to the compute dtype,
+instead of about fourteen bytes per logit of all tokens (:func:`chunked_loss_peak_bytes` term by term).
+
+Precision: logits in the compute dtype (the autocast dtype when autocast is on for the inputs'
+device, else the promoted dtype of ``hidden`` and ``weight``), soft-max statistics in float32 (float64
+for float64 inputs), exactly as ``sharded_cross_entropy(F.linear(hidden, weight), ...)`` computes
+them. Gradients of ``weight`` and ``bias`` are accumulated over chunks in their own dtype.
+
+FSDP2: the function needs the *gathered* head weight (a plain tensor, not a sharded ``DTensor``).
+Call it while the root module's parameters are unsharded, e.g. with the root wrapped by
+``fully_shard(model, reshard_after_forward=False)`` (blocks keep their own setting), which is also
+FSDP2's default for the root: the embedding and head are gathered for the whole forward anyway and
+re-gathered at the start of the backward, so keeping them costs no extra peak.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from loongtrain.parallel.mesh import Mesh
+from loongtrain.train.loss import IGNORE_INDEX
+
+Tensor = torch.Tensor
+
+# Default chunk: fp32 logits of one chunk are at most this many bytes (512 tokens at V = 128K).
+CHUNK_LOGITS_BYTES = 256 * 2**20
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk such that a chunk's fp32 logits take at most :data:`CHUNK_LOGITS_BYTES`.
+
+    Independent of the sequence length, so the loss's peak is a constant for the planner; at
+    V = 128K it is 512 tokens (a ``512 x d x 128K`` matmul per chunk, large enough to run at full rate).
+    """
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
+
+
+def _stats_dtype(compute: torch.dtype) -> torch.dtype:
+    return torch.float64 if compute == torch.float64 else torch.float32
+
+
+def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype ``F.linear(hidden, weight)`` would produce here (autocast-aware)."""
+    device = hidden.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """``hidden [c, d] @ weight.T (+ bias)`` in ``dtype``; ``weight`` is already in ``dtype``."""
+    h = hidden.to(dtype)
+    if bias is None:
+        return h @ weight.T
+    return torch.addmm(bias.to(dtype), h, weight.T)
+
+
+def _chunks(n_tokens: int, chunk_tokens: int):
+    """``(start, stop)`` of each chunk."""
+    for start in range(0, n_tokens, chunk_tokens):
+        yield start, min(start + chunk_tokens, n_tokens)
+
+
+def _targets(labels: Tensor) -> tuple[Tensor, Tensor]:
+    """``(valid, safe)``: which tokens count, and their labels with ignored ones replaced by 0."""
+    valid = labels != IGNORE_INDEX
+    return valid, labels.masked_fill(~valid, 0)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """forward: ``sum over valid tokens of (lse - target logit)`` (a stats-dtype scalar); saves the
+    per-token ``lse`` (the only new memory kept). backward: ``grad * (softmax - onehot)`` per valid
+    token, pushed through the head chunk by chunk (logits recomputed)."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
+                chunk_tokens: int, compute: torch.dtype) -> Tensor:
+        stats = _stats_dtype(compute)
+        lse = torch.empty(hidden.shape[0], dtype=stats, device=hidden.device)
+        local_sum = torch.zeros((), dtype=stats, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute)
+            for start, stop in _chunks(hidden.shape[0], chunk_tokens):
+                valid, safe = _targets(labels[start:stop])
+                z = _chunk_logits(hidden[start:stop], w, bias, compute).to(stats)
+                target = z.gather(1, safe[:, None]).squeeze(1)
+                peak = z.amax(dim=1)
+                # in place: z becomes exp(z - max), so the chunk never needs a second [c, V] buffer
+                total = z.sub_(peak[:, None]).exp_().sum(dim=1)
+                del z
+                lse[start:stop] = peak + total.log()
+                local_sum += torch.where(valid, lse[start:stop] - target, 0).sum()
+        ctx.save_for_backward(hidden, weight, bias, labels, lse)
+        ctx.chunk_tokens, ctx.compute = chunk_tokens, compute
+        return local_sum
+
+    @staticmethod
+    def backward(ctx, grad_sum: Tensor):
+        hidden, weight, bias, labels, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros_like(weight) if need_w else None
+        grad_bias = torch.zeros_like(bias) if need_b else None
+        grad_sum = grad_sum.to(lse.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(ctx.compute)
+            for start, stop in _chunks(hidden.shape[0], ctx.chunk_tokens):
+                valid, safe = _targets(labels[start:stop])
+                h = hidden[start:stop].to(ctx.compute)
+                z = _chunk_logits(h, w, bias, ctx.compute).to(lse.dtype)
+                # in place, z becomes d(local_sum)/d(logits) = grad * (softmax - onehot), 0 if ignored
+                z.sub_(lse[start:stop, None]).exp_()
+                z[torch.arange(stop - start, device=z.device), safe] -= 1
+                z.mul_(torch.where(valid, grad_sum, 0)[:, None])
+                grad_z = z.to(ctx.compute)
+                del z
+                if need_h:
+                    grad_hidden[start:stop] = grad_z @ w
+                if need_w:
+                    _accumulate(grad_weight, grad_z.T, h)
+                if need_b:
+                    grad_bias += grad_z.sum(dim=0, dtype=lse.dtype).to(grad_bias.dtype)
+                del grad_z  # before the next chunk's logits exist
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _accumulate(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` for ``a [V, c]``: in place when the dtypes agree, else a block of rows at a time,
+    each block's product no larger than ``a`` itself (so never a whole ``V x d`` temporary)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+        return
+    rows = max(1, a.numel() // b.shape[1])
+    for start in range(0, out.shape[0], rows):
+        out[start:start + rows] += a[start:start + rows] @ b
+
+
+def chunked_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    mesh: Mesh | None,
+    *,
+    chunk_tokens: int | None = None,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(loss_for_backward, loss_value)`` for this rank's ``hidden [..., d]`` through the head ``weight [V, d]``.
+
+    Same contract as ``sharded_cross_entropy(F.linear(hidden, weight, bias), labels, mesh)``: the
+    replica loss is ``sum over the replica's valid tokens / their count`` (labels equal to
+    ``IGNORE_INDEX`` = -100 are ignored); ``loss_for_backward = local_sum / replica_count``, so summing
+    gradients over the sp ranks gives the exact full-sequence gradient; ``loss_value`` is the detached
+    replica loss, identical on every sp rank. ``chunk_tokens`` defaults to
+    :func:`default_chunk_tokens`. Communication: forward, one all-reduce (sum) of two scalars over
+    ``mesh.sp_group`` (none when ``mesh`` is None or ``sp == 1``); backward, none.
+    """
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden shape {tuple(hidden.shape)} must be labels shape {tuple(labels.shape)} + (dim,)"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} must be (vocab, {hidden.shape[-1]}) for hidden dim {hidden.shape[-1]}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias shape {tuple(bias.shape)} must be ({weight.shape[0]},)")
+    if isinstance(weight, DTensor) or isinstance(bias, DTensor):
+        raise ValueError(
+            "chunked_cross_entropy needs the gathered LM head weight, got a sharded DTensor: call it while "
+            "FSDP2 holds the root unsharded (fully_shard(model, reshard_after_forward=False) for the root)"
+        )
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(weight.shape[0])
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
+    compute = _compute_dtype(hidden, weight)
+    local_sum = _ChunkedCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1), chunk_tokens, compute
+    )
+    return replica_mean(local_sum, (labels != IGNORE_INDEX).sum(), mesh)
+
+
+def replica_mean(local_sum: Tensor, local_count: Tensor, mesh: Mesh | None) -> tuple[Tensor, Tensor]:
+    """``(local_sum / replica_count, replica_sum / replica_count)``, the second detached.
+
+    Communication: one all-reduce (sum) of ``[sum, count]`` over ``mesh.sp_group`` when ``mesh.sp > 1``
+    (forward only; the count is a constant for the backward). An all-ignored replica gives 0.
+    """
+    stats = torch.stack([local_sum.detach(), local_count.to(local_sum.dtype)])
+    if mesh is not None and mesh.sp > 1:
+        dist.all_reduce(stats, group=mesh.sp_group)
+    replica_sum, replica_count = stats[0], stats[1].clamp(min=1)
+    return local_sum / replica_count, replica_sum / replica_count
+
+
+def chunked_loss_peak_bytes(
+    tokens: int, vocab_size: int, dim: int, *, chunk_tokens: int | None = None,
+    compute_bytes: int = 2, weight_bytes: int = 4, stats_bytes: int = 4,
+) -> int:
+    """Predicted peak bytes the chunked loss allocates beyond its inputs and the gradients it returns.
+
+    With ``c = min(tokens, chunk_tokens)``, ``b`` compute, ``s`` stats and ``w`` weight bytes:
+    ``tokens * s`` (the saved log-sum-exp) + ``[b != w] * V * d * b`` (the weight cast to the compute
+    dtype, live through the forward and again through the backward) + ``c * V * (b + s)`` (one chunk's
+    logits and their stats copy; ``c * V * s`` when ``b == s``). The backward's other chunk stage (the
+    logit gradient and a weight-gradient block, ``<= 2 * c * V * b``) is never larger when ``b <= s``.
+    """
+    chunk = min(tokens, chunk_tokens or default_chunk_tokens(vocab_size))
+    weight_copy = vocab_size * dim * compute_bytes if compute_bytes != weight_bytes else 0
+    per_logit = stats_bytes + (compute_bytes if compute_bytes != stats_bytes else 0)
+    return tokens * stats_bytes + weight_copy + chunk * vocab_size * per_logit

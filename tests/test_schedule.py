@@ -1,0 +1,145 @@
+"""The ring schedule (docs/design.md §4): the executor runs exactly the events the planner simulates, and
+the in-process executor is exact against unsharded attention for every (cp, window) up to 8. No processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from loongtrain.attn.kernels import Kernel, reference_forward, select_kernel
+from loongtrain.attn.ring import PostOffice, local_ring_backward, local_ring_forward
+from loongtrain.attn.schedule import Compute, DoubleRing, Post, Wait, pass_events
+from loongtrain.parallel.sharding import shard_indices
+from loongtrain.plan.attention_cost import _Link, simulate_pass
+
+RINGS = [(cp, w) for cp in range(1, 9) for w in range(1, cp + 1) if cp % w == 0]
+
+
+def test_peers_and_source_rule():
+    for cp, w in RINGS:
+        ring = DoubleRing(cp // w, w)
+        for p in range(cp):
+            for hop in ("inner", "outer"):
+                assert ring.peer(ring.peer(p, hop, 1), hop, -1) == p
+            assert ring.peer(p, "inner", 1) // w == p // w  # inner hops stay in the window
+            assert ring.peer(p, "outer", 1) % w == p % w
+            held = [ring.source(p, o, t) for o in range(cp // w) for t in range(w)]
+            assert sorted(held) == list(range(cp)) and held[0] == p  # every block once, own block first
+            for o in range(cp // w):  # a block moves one inner hop per inner step, one outer hop per window
+                for t in range(w - 1):
+                    assert ring.source(ring.peer(p, "inner", 1), o, t + 1) == ring.source(p, o, t)
+                if o < cp // w - 1:
+                    assert ring.source(ring.peer(p, "outer", 1), o + 1, 0) == ring.source(p, o, 0)
+
+
+def test_last_inner_dkv_hop_of_a_window_is_awaited_after_the_next_compute():
+    events = pass_events(3, 4, True)
+    for o in range(2):
+        wait = events.index(Wait(f"dkv.inner.{o}.3", "dkv_own" if o == 0 else f"dkv_window{o % 2}", add=True))
+        assert [e for e in events[:wait] if isinstance(e, Compute)][-1] == Compute(o + 1, 0, "kv_outer",
+                                                                                  f"dkv_window{(o + 1) % 2}")
+    assert sum(isinstance(e, Post) and e.payload == "dkv" for e in events) == 11  # cp - 1
+
+
+class _Recorder:
+    """One log for all members: every schedule event is applied to members 0..cp-1 in turn, and each
+    application makes exactly one entry (a post, a wait, or one kernel call)."""
+
+    def __init__(self, cp: int, window: int) -> None:
+        self.cp, self.log = cp, []
+        office = PostOffice(DoubleRing(cp // window, window))
+        self.transports = [_RecordingTransport(self, p, office.transport(p)) for p in range(cp)]
+
+    def kernel(self, base: Kernel) -> Kernel:
+        def forward(*args):
+            self.log.append((None, ("compute",)))
+            return base.forward(*args)
+
+        def backward(*args):
+            self.log.append((None, ("compute",)))
+            return base.backward(*args)
+
+        return dataclasses.replace(base, forward=forward, backward=backward)
+
+    def member_trace(self, p: int) -> list[tuple]:
+        entries = self.log[p :: self.cp]
+        assert all(who in (None, p) for who, _ in entries)
+        return [op for _, op in entries]
+
+
+class _RecordingTransport:
+    def __init__(self, recorder: _Recorder, position: int, inner) -> None:
+        self.recorder, self.position, self.inner, self.posts = recorder, position, inner, 0
+
+    def post(self, hop, payload, tensor):
+        self.recorder.log.append((self.position, ("post", hop, payload)))
+        self.posts += 1
+        return self.posts - 1, self.inner.post(hop, payload, tensor)
+
+    def wait(self, handle):
+        index, inner = handle
+        self.recorder.log.append((self.position, ("wait", index)))
+        return self.inner.wait(inner)
+
+
+def _planned_trace(cp: int, window: int, backward: bool) -> list[tuple]:
+    trace: list[tuple] = []
+    simulate_pass((cp // window, window), 1.0, _Link(1.0, 0.0, 1.0), _Link(1.0, 0.0, 1.0), 1,
+                  1 if backward else None, trace)
+    return trace
+
+
+@pytest.mark.parametrize("cp, window", RINGS)
+def test_executor_runs_what_the_planner_simulates(cp, window):
+    qs, ks, vs, douts = _shards(_full_inputs(cp, 2, 1, torch.float64), cp)
+    kernel = select_kernel(qs[0].device, qs[0].dtype, qs[0].shape[-1])
+    fwd = _Recorder(cp, window)
+    results = local_ring_forward(qs, ks, vs, window, True, 0.5, fwd.kernel(kernel), fwd.transports)
+    bwd = _Recorder(cp, window)
+    local_ring_backward(douts, qs, ks, vs, [o for o, _ in results], [lse for _, lse in results], window, True,
+                        0.5, bwd.kernel(kernel), bwd.transports)
+    for recorder, backward in ((fwd, False), (bwd, True)):
+        planned = _planned_trace(cp, window, backward)
+        assert planned.count(("compute",)) == cp
+        assert len(recorder.log) == cp * len(planned)
+        for p in range(cp):
+            assert recorder.member_trace(p) == planned, (cp, window, backward, p)
+
+
+def _full_inputs(cp: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 8):
+    g = torch.Generator().manual_seed(cp)
+    seq = 4 * cp
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(2, heads, seq, head_dim, generator=g, dtype=dtype)
+
+    return rand(num_heads), rand(num_kv_heads), rand(num_kv_heads), rand(num_heads)
+
+
+def _shards(tensors, cp: int) -> list[list[torch.Tensor]]:
+    seq = tensors[0].shape[2]
+    idx = [shard_indices(seq, 1, cp, c, 0) for c in range(cp)]
+    return [[t[:, :, i] for i in idx] for t in tensors]
+
+
+@pytest.mark.parametrize("cp, window", RINGS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 1), (6, 2)])
+def test_local_ring_equals_unsharded_attention(cp, window, causal, num_heads, num_kv_heads):
+    q, k, v, dout = _full_inputs(cp, num_heads, num_kv_heads, torch.float64)
+    scale = q.shape[-1] ** -0.5
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = reference_forward(*leaves, causal, scale)
+    want = (out, lse, *torch.autograd.grad(out, leaves, dout))
+    qs, ks, vs, douts = _shards((q, k, v, dout), cp)
+    results = local_ring_forward(qs, ks, vs, window, causal, scale)
+    outs, lses = [o for o, _ in results], [lse for _, lse in results]
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, window, causal, scale)
+    for name, got, full in zip(("out", "lse", "dq", "dk", "dv"),
+                               (outs, lses, *zip(*grads)), want):
+        ref = _shards((full.detach(),) if full.dim() == 4 else (full.detach().unsqueeze(-1),), cp)[0]
+        for p, (g, r) in enumerate(zip(got, ref)):
+            err = (g - r.reshape(g.shape)).abs().max().item()
+            assert err < 1e-10, (name, cp, window, causal, p, err)
