@@ -9,6 +9,10 @@ fails, reaches ``--seq-limit``, or the next doubling is predicted (linear growth
 start-up baseline) to exceed ``--mem-limit-gib`` summed over the ranks, which keeps a shared machine from
 being driven into the OOM killer. Prints markdown, starting with the command that produced it.
 
+The trainer's loss is the chunked cross-entropy (loongtrain/train/chunked_loss.py), so these runs
+include its peak; the loss's own peak, chunked against full logits, is measured in one place:
+``benchmarks/loss_memory.py`` (figures in benchmarks/RESULTS.md, "Loss memory").
+
     python benchmarks/memory.py --seqs 4096,8192,16384
     python benchmarks/memory.py --max-seq --min-seq 8192 --modes none,selective,full,zero+selective
 """

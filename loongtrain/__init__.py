@@ -3,6 +3,12 @@
 from loongtrain.attn.api import attention
 from loongtrain.attn.apply import apply_2d_attention
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
+from loongtrain.parallel.documents import (
+    balanced_chunk_order,
+    cu_seqlens_from_eos,
+    document_position_ids,
+    packed_inputs,
+)
 from loongtrain.parallel.launch import run_local
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.mesh import Mesh, destroy_mesh, init_mesh, single_process_mesh
@@ -14,9 +20,13 @@ __all__ = [
     "ParallelConfig",
     "apply_2d_attention",
     "attention",
+    "balanced_chunk_order",
+    "cu_seqlens_from_eos",
+    "document_position_ids",
     "destroy_mesh",
     "gather_sequence",
     "init_mesh",
+    "packed_inputs",
     "run_local",
     "shard_sequence",
     "single_process_mesh",

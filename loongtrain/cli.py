@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 
 SUBCOMMANDS = {
-    "train": ("loongtrain.train.cli", "Train a LLaMA-style model with 2D-Attention."),
+    "train": ("loongtrain.train.cli", "Train a LLaMA-style or Hugging Face model with 2D-Attention."),
     "plan": ("loongtrain.plan.cli", "Rank 2D-Attention configurations for a cluster with the cost model."),
+    "export": ("loongtrain.train.export", "Write a training checkpoint as a Hugging Face model directory."),
 }
 
 

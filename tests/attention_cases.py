@@ -99,7 +99,8 @@ def check_shard_gather(rank: int, world_size: int, configs: list[dict]) -> int:
     return len(configs)
 
 
-def count_comm(rank: int, world_size: int, configs: list[dict], shape: dict, dtype_name: str) -> list[dict]:
+def count_comm(rank: int, world_size: int, configs: list[dict], shape: dict, dtype_name: str,
+               sliding_window: int | None = None) -> list[dict]:
     """Per config: ops and bytes-by-kind-and-peer this rank sent, forward and forward+backward."""
     from loongtrain.parallel.comm import CommCounter
 
@@ -111,8 +112,58 @@ def count_comm(rank: int, world_size: int, configs: list[dict], shape: dict, dty
                                     shape["num_kv_heads"], shape["head_dim"], dtype)
         qs, ks, vs = (loongtrain.shard_sequence(t, mesh, 1).requires_grad_() for t in (q, k, v))
         with CommCounter() as fwd:
-            out = loongtrain.attention(qs, ks, vs, mesh)
+            out = loongtrain.attention(qs, ks, vs, mesh, sliding_window=sliding_window)
         with CommCounter() as bwd:
             out.backward(loongtrain.shard_sequence(dout, mesh, 1))
         results.append({"fwd": fwd, "bwd": bwd})
     return results
+
+
+def check_documents(rank: int, world_size: int, configs: list[dict], heads: list[tuple[int, int]],
+                    windows: list, tol: float, balanced: bool = False) -> int:
+    """loongtrain.attention with cu_seqlens / sliding_window equals the dense masked reference (fp64);
+    ``balanced``: tokens laid out by balanced_chunk_order (shard/gather round trip checked too)."""
+    import random
+
+    from loongtrain.attn.masking import AttnMask, dense_mask
+    from loongtrain.parallel.documents import balanced_chunk_order
+
+    checked = 0
+    for cfg in configs:
+        mesh = loongtrain.init_mesh(**cfg)
+        seq = 12 * mesh.hp * mesh.cp
+        rng = random.Random(seq + mesh.dp_rank)  # identical on the ranks of a replica
+        docs = [[0], [0]]
+        for row in docs:
+            while row[-1] < seq:
+                row.append(min(seq, row[-1] + rng.randint(1, seq // 2)))
+        for (num_heads, num_kv_heads), window, causal in itertools.product(heads, windows, (True, False)):
+            if not gqa_ok(num_heads, num_kv_heads, mesh.hp):
+                continue
+            sliding = window(seq, mesh.cp) if callable(window) else window
+            inputs = full_inputs(7 + mesh.dp_rank, 2, seq, num_heads, num_kv_heads, 8, torch.float64)
+            mask = AttnMask(causal, sliding, tuple(tuple(r) for r in docs))
+            q, k, v, dout = inputs
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            outs = []
+            for b in range(2):
+                o, _ = reference_forward(*(t[b : b + 1].transpose(1, 2) for t in leaves), False,
+                                         q.shape[-1] ** -0.5, dense_mask(seq, mask, b))
+                outs.append(o.transpose(1, 2))
+            out = torch.cat(outs)
+            want = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+            order = balanced_chunk_order(docs, seq, mesh.cp, mesh.hp, chunks_per_rank=3) if balanced else None
+            qs, ks, vs = (loongtrain.shard_sequence(t, mesh, 1, order).requires_grad_() for t in (q, k, v))
+            got_out = loongtrain.attention(qs, ks, vs, mesh, causal=causal, cu_seqlens=[torch.tensor(r) for r in docs],
+                                           sliding_window=sliding, chunk_order=order)
+            got = (got_out.detach(), *torch.autograd.grad(got_out, (qs, ks, vs),
+                                                          loongtrain.shard_sequence(dout, mesh, 1, order)))
+            if balanced:
+                errs = [(loongtrain.gather_sequence(g, mesh, 1, order) - w).abs().max().item()
+                        for g, w in zip(got, want)]
+                assert torch.equal(loongtrain.gather_sequence(qs.detach(), mesh, 1, order), q)
+            else:
+                errs = max_errors(mesh, got, want)
+            assert max(errs) < tol, (cfg, num_heads, num_kv_heads, sliding, causal, errs)
+            checked += 1
+    return checked

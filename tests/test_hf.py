@@ -64,16 +64,18 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return inputs, labels, torch.arange(SEQ).expand(BATCH, SEQ)
 
 
-def _check_family(rank: int, world_size: int, family: str, layouts: list[tuple[int, int]]) -> int:
+def _check_family(rank: int, world_size: int, family: str, layouts: list[tuple[int, int]],
+                  overrides: dict | None = None) -> int:
+    overrides = overrides or {}
     for hp, cp in layouts:
         mesh = loongtrain.init_mesh(hp=hp, cp=cp)
         inputs, labels, positions = _batch(100)
-        ref = _tiny(family)  # stock attention ("sdpa"), unsharded
+        ref = _tiny(family, **overrides)  # stock attention ("sdpa"), unsharded
         assert ref.config._attn_implementation == "sdpa"
         logits = ref(input_ids=inputs, position_ids=positions, use_cache=False).logits
         ref_loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
         ref_loss.backward()
-        model = apply_to_hf(_tiny(family), mesh)
+        model = apply_to_hf(_tiny(family, **overrides), mesh)
         local = [loongtrain.shard_sequence(t, mesh, dim=1) for t in (inputs, labels, positions)]
         logits = model(input_ids=local[0], position_ids=local[2]).logits
         assert logits.shape == (BATCH, SEQ // mesh.sp, VOCAB)
@@ -97,6 +99,13 @@ def test_sharded_hf_model_matches_stock_unsharded_world4(family):
     assert run_distributed(_check_family, 4, family, layouts) == [3] * 4
 
 
+@pytest.mark.distributed
+def test_mistral_short_sliding_window_through_the_ring_world4():
+    # window 3 < S/cp: at cp=4 (chunks of 4 tokens) the ring's short pass; HF's window is i - w < j <= i
+    layouts = [(1, 4), (2, 2), (4, 1)]
+    assert run_distributed(_check_family, 4, "MistralForCausalLM", layouts, dict(sliding_window=3)) == [3] * 4
+
+
 # ---- single process: the registered implementation, its errors --------------------------------
 
 
@@ -110,12 +119,18 @@ def test_single_process_matches_stock(family):
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("window", [1, 5, SEQ // 2])
+def test_single_process_short_sliding_window_matches_stock(window):
+    inputs, _, positions = _batch(6)
+    ref = _tiny("MistralForCausalLM", sliding_window=window)(input_ids=inputs, position_ids=positions,
+                                                             use_cache=False).logits
+    model = apply_to_hf(_tiny("MistralForCausalLM", sliding_window=window), loongtrain.single_process_mesh())
+    torch.testing.assert_close(model(input_ids=inputs, position_ids=positions).logits, ref, rtol=0, atol=1e-10)
+
+
 def test_unsupported_inputs_raise():
     mesh = loongtrain.single_process_mesh()
     inputs, _, positions = _batch(5)
-    short = apply_to_hf(_tiny("MistralForCausalLM", sliding_window=SEQ // 2), mesh)
-    with pytest.raises(ValueError, match=rf"sliding_window={SEQ // 2}.*sequence length {SEQ}"):
-        short(input_ids=inputs, position_ids=positions)
     model = apply_to_hf(_tiny("Qwen2ForCausalLM"), mesh)
     padding = torch.ones(BATCH, SEQ, dtype=torch.long)
     padding[0, -3:] = 0
@@ -251,3 +266,17 @@ def test_bad_directories_raise(tmp_path):
     (tmp_path / "llama" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     with pytest.raises(ValueError, match=r"missing.*model.layers.2"):
         load_hf_model(tmp_path / "llama")
+
+
+def test_llama_with_its_own_head_dim_maps_onto_native(tmp_path):
+    hf = _force_fp64(_tiny("LlamaForCausalLM", head_dim=16))  # 4 heads x 16 != hidden 32
+    config = model_config_from_hf(hf.config)
+    assert (config.dim, config.num_heads, config.head_dim) == (32, 4, 16)
+    native = Transformer(config, seed=None).double()
+    native.load_state_dict(hf_to_native_state_dict(hf.state_dict(), config))
+    inputs, _, positions = _batch(6)
+    ref = hf(input_ids=inputs, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(native(inputs, positions), ref, rtol=0, atol=1e-10)
+    export_hf(native, None, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["head_dim"] == 16
+    assert ModelConfig(**NATIVE).head_dim == 8  # default: dim // num_heads

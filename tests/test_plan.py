@@ -128,23 +128,34 @@ SMALL = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_he
 
 
 def test_memory_hand_computed():
-    layout = Layout(8, 2, 4)  # t = 1024/8 = 128 tokens; He = 2; a = 7*64 + 2*2*16 + 4*128 = 1024
-    full_layer = 128 * (1024 * 2 + 4 * 4)  # + fp32 lse
+    layout = Layout(8, 2, 4)  # t = 1024/8 = 128 tokens; He = 2
+    # FSDP2 bf16 (z > 1): d-sized 2 fp32 + 6 bf16; k/v + SwiGLU (2*2*16 + 4*128) bf16; lse 4*4; 2 rsqrt
+    full_layer = 128 * (2 * 64 * 4 + 6 * 64 * 2 + (2 * 2 * 16 + 4 * 128) * 2 + 4 * 4 + 8)
+    final_norm = 128 * (64 * 4 + 2 * 64 * 2)
     kw = dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2)
     none = memory_per_rank(SMALL, layout, ac_mode="none", **kw)
-    assert none["activations"] == 2 * full_layer
+    assert none["activations"] == 2 * full_layer + final_norm and none["recompute"] == 0
     assert none["states"] == 16 * 106816 / 8
-    assert none["working_params"] == 4 * (2 * 36992 + 256 * 64) + 2 * (2 * 36992 + 256 * 64)
-    assert none["logits"] == 128 * 256 * 6
+    # FSDP2 gathers bf16: two blocks + the root (embedding, head, norm) + one block's bf16 grad and fp32 copy
+    assert none["working_params"] == 2 * (2 * 36992 + 2 * 256 * 64 + 64) + (2 + 4) * 36992
+    keep = memory_per_rank(SMALL, layout, ac_mode="none", reshard_after_forward=False, **kw)
+    assert keep["working_params"] == none["working_params"]  # L = 2: all blocks are the two in flight
+    assert none["logits"] == 128 * 4 + 128 * 256 * (2 + 4)  # chunked loss: fp32 lse + one chunk (all 128 tokens)
     kv = 2 * 128 * 2 * 16
     assert none["workspace"] == 3 * kv * 2 + 4 * kv * 4 + 4 * 128 * 64 + 2 * 2 * 128 * (64 + 64)
-    assert memory_per_rank(SMALL, layout, ac_mode="full", **kw)["activations"] == 2 * 128 * 64 * 2 + full_layer
-    sel = memory_per_rank(SMALL, layout, ac_mode="selective", **kw)["activations"]
-    assert sel == 2 * 128 * (2 * 64 * 2 + 16) + full_layer
+    full = memory_per_rank(SMALL, layout, ac_mode="full", **kw)
+    assert full["activations"] == 2 * 128 * 64 * 2 + final_norm and full["recompute"] == full_layer
+    sel = memory_per_rank(SMALL, layout, ac_mode="selective", **kw)
+    # input, ring output, lse and (hp = 2) the all-to-alls' outputs: q, k, v, attention output
+    kept = 64 * 2 + 64 * 2 + 16 + (2 * 64 + 2 * 2 * 16) * 2
+    assert sel["activations"] == 2 * 128 * kept + final_norm and sel["recompute"] == full_layer
+    # autocast (z = 1): fp32 residual stream, so the checkpointed layer inputs are fp32
+    full1 = memory_per_rank(SMALL, layout, ac_mode="full", **dict(kw, zero_size=1))
+    assert full1["activations"] == 2 * 128 * 64 * 4 + 128 * (2 * 64 * 4 + 64 * 2)
     unsharded = memory_per_rank(SMALL, layout, ac_mode="none", **dict(kw, zero_size=1))
     assert unsharded["states"] == 16 * 106816 and unsharded["working_params"] == 2 * (2 * 36992 + 256 * 64)
     sel32 = memory_per_rank(SMALL, layout, ac_mode="selective", **dict(kw, dtype_bytes=4))
-    assert sel32["working_params"] == 4 * (2 * 36992 + 256 * 64)
+    assert sel32["working_params"] == 4 * (2 * 36992 + 2 * 256 * 64 + 64) + 4 * 36992  # fp32 gathered
 
 
 def test_step_compute_hand_computed():

@@ -73,10 +73,10 @@ class _RecordingTransport:
     def __init__(self, recorder: _Recorder, position: int, inner) -> None:
         self.recorder, self.position, self.inner, self.posts = recorder, position, inner, 0
 
-    def post(self, hop, payload, tensor):
-        self.recorder.log.append((self.position, ("post", hop, payload)))
+    def post(self, hop, payload, tensor, direction=1):
+        self.recorder.log.append((self.position, ("post", hop, payload) + ((direction,) if direction != 1 else ())))
         self.posts += 1
-        return self.posts - 1, self.inner.post(hop, payload, tensor)
+        return self.posts - 1, self.inner.post(hop, payload, tensor, direction)
 
     def wait(self, handle):
         index, inner = handle
@@ -84,10 +84,10 @@ class _RecordingTransport:
         return self.inner.wait(inner)
 
 
-def _planned_trace(cp: int, window: int, backward: bool) -> list[tuple]:
+def _planned_trace(cp: int, window: int, backward: bool, reach: int | None = None) -> list[tuple]:
     trace: list[tuple] = []
     simulate_pass((cp // window, window), 1.0, _Link(1.0, 0.0, 1.0), _Link(1.0, 0.0, 1.0), 1,
-                  1 if backward else None, trace)
+                  1 if backward else None, trace, reach)
     return trace
 
 

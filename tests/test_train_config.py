@@ -145,8 +145,7 @@ def test_optional_sinks_are_skipped_when_missing(tmp_path, monkeypatch):
 
     for name in ("matplotlib", "tqdm", "torch.utils.tensorboard"):
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
-    logger = MetricsLogger(tmp_path, total_steps=1, start_step=0, tensorboard=True, progress="on",
-                           append=False)
+    logger = MetricsLogger(tmp_path, total_steps=1, start_step=0, tensorboard=True, progress="on")
     logger.log({"step": 1, "total_steps": 1, "loss": 1.0, "lr": 0.1, "tokens_per_s": 1.0, "tflops": 0.0,
                 "mfu": float("nan"), "peak_mem_gib": 0.1})
     logger.close()

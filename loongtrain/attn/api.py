@@ -14,18 +14,24 @@ Per rank::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from loongtrain.attn import ops
+from loongtrain.attn.masking import flatten_cu_seqlens
+from loongtrain.model.local_attention import CuSeqlens, normalize_cu_seqlens, validate_sliding_window
+from loongtrain.parallel.agreement import agree_on_attention
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.mesh import Mesh, single_process_mesh
+from loongtrain.parallel.sharding import check_chunk_order
 
 Tensor = torch.Tensor
 
 
-def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh) -> None:
-    """Raise ValueError (before any communication) if q/k/v cannot run on ``mesh``."""
+def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, *,
+                              softmax_scale: float | None = None) -> None:
+    """Raise ValueError (before any communication) if q/k/v (and ``softmax_scale``) cannot run on ``mesh``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -39,6 +45,11 @@ def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh) -> No
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     (batch, seq, num_heads, head_dim), num_kv_heads = q.shape, k.shape[2]
+    sizes = dict(batch=batch, seq=seq, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if min(sizes.values()) < 1:
+        raise ValueError(f"q {tuple(q.shape)}, k/v {tuple(k.shape)}: every size must be positive; got {sizes}")
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale={softmax_scale} must be a positive, finite number (or None)")
     if k.shape[0] != batch or k.shape[1] != seq or k.shape[3] != head_dim:
         raise ValueError(
             f"k/v shape {tuple(k.shape)} must match q {tuple(q.shape)} in batch, seq and head_dim"
@@ -56,16 +67,38 @@ def attention(
     *,
     causal: bool = True,
     softmax_scale: float | None = None,
+    cu_seqlens: CuSeqlens | None = None,
+    sliding_window: int | None = None,
+    chunk_order: Sequence[int] | None = None,
 ) -> Tensor:
     """Exact softmax attention of the replica's full sequence, computed from this rank's shards.
 
     ``q [B, S/sp, H, D]``, ``k, v [B, S/sp, Hkv, D]`` are local shards in the layout of
     :func:`loongtrain.shard_sequence`; returns ``[B, S/sp, H, D]`` in the same layout, differentiable
     in q, k and v. ``mesh=None`` means a single process (no communication).
+
+    ``cu_seqlens``: document boundaries of the **full** sequence (flash-attn's convention: integers from
+    0 to S, strictly increasing), one per batch row (a 1-D tensor when B == 1, else a list), identical on
+    every rank of a replica; a token attends only inside its own document (causally when ``causal``,
+    bidirectionally when not). ``sliding_window=w`` (Mistral's convention): query ``i`` sees keys ``j``
+    with ``i - w < j <= i`` (non-causal: ``|i - j| < w``), with or without documents. Blocks with no
+    visible pair are skipped (no kernel call), and a window shorter than ``S/cp`` shortens the ring pass
+    (docs/design.md §4). Invalid ``cu_seqlens``/``sliding_window`` raise ValueError before any data is
+    exchanged; only the once-per-signature agreement check (docs/design.md §10) runs first, so an input that
+    differs between ranks raises on every rank instead of hanging the others.
+
+    ``chunk_order``: the tokens' layout when they were sharded with ``shard_sequence(..., chunk_order=)``
+    (e.g. :func:`loongtrain.balanced_chunk_order` for packed documents); default zigzag.
     """
     mesh = mesh or single_process_mesh()
-    validate_attention_inputs(q, k, v, mesh)
+    agree_on_attention(mesh, q, k, v, causal, softmax_scale, cu_seqlens, sliding_window, chunk_order)  # §10
+    validate_attention_inputs(q, k, v, mesh, softmax_scale=softmax_scale)
     batch, seq, num_heads, head_dim = q.shape
+    validate_sliding_window(sliding_window)
+    docs = normalize_cu_seqlens(cu_seqlens, batch, seq * mesh.sp)
+    order = list(chunk_order) if chunk_order is not None else []
+    if order:
+        check_chunk_order(tuple(order), seq * mesh.sp, mesh.hp, mesh.cp)
     num_kv_heads = k.shape[2]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     hp = mesh.hp
@@ -74,7 +107,8 @@ def attention(
         v = v.repeat_interleave(hp // num_kv_heads, dim=2)
     if hp > 1:
         q, k, v = _scatter_heads(q, k, v, mesh)
-    out, _ = ops.ring_attention(q, k, v, ops.ring_key(mesh), causal, scale)
+    out, _ = ops.ring_attention(q, k, v, ops.ring_key(mesh), causal, scale, flatten_cu_seqlens(docs),
+                                sliding_window or 0, order)
     if hp > 1:
         out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
     return out

@@ -3,8 +3,11 @@
 Protocol: a model takes part when every attention module routes its core through one replaceable
 attribute ``attention_fn`` (an instance or class attribute, not a submodule), called as::
 
-    attention_fn(q, k, v, causal=True[, softmax_scale=s])
+    attention_fn(q, k, v, causal=True[, softmax_scale=s][, cu_seqlens=c][, sliding_window=w])
         q [B, S_local, H, D], k, v [B, S_local, Hkv, D] -> out [B, S_local, H, D]
+
+(``cu_seqlens``: packed documents of the full sequence; ``sliding_window``: Mistral's window; both as in
+:func:`loongtrain.attention`, passed only when set)
 
 with query head ``h`` using KV head ``h // (H / Hkv)`` (GQA) and ``softmax_scale`` defaulting to
 ``1/sqrt(D)``. Everything else in the model must be token-wise (norms, MLPs, RoPE on the given
@@ -44,8 +47,11 @@ class MeshAttention:
         *,
         causal: bool = True,
         softmax_scale: float | None = None,
+        cu_seqlens=None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
-        return attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale)
+        return attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                         sliding_window=sliding_window)
 
     def __getstate__(self) -> Mesh:
         return self.mesh

@@ -86,26 +86,34 @@ def _reduce_kv_grad(dk: Tensor, num_kv_heads: int) -> Tensor:
 # ---------------------------------------------------------------- reference (plain math)
 
 
-def reference_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool, mask: Tensor | None) -> Tensor:
+    """``q k^T * scale`` with invisible entries ``-inf`` (top-left causal, and/or an explicit ``[Sq, Sk]`` mask)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+        tril = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        mask = tril if mask is None else mask & tril
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
+def reference_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Plain-math attention; ``mask [Sq, Sk]`` (bool, True = visible) restricts it further. Every query
+    row must see at least one key."""
+    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    scores = _scores(q, k, scale, causal, mask)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
     return out, lse
 
 
 def reference_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     num_kv_heads = k.shape[1]
     k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = _scores(q, k, scale, causal, mask)
     probs = torch.exp(scores - lse.unsqueeze(-1).to(scores.dtype))
     dv = torch.matmul(probs.transpose(-1, -2), dout)
     dprobs = torch.matmul(dout, v.transpose(-1, -2))

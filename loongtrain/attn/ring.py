@@ -10,9 +10,12 @@ only supplies the math of a step and moves tensors through a :class:`Transport`:
 - :class:`PostOffice`: all members of a ring in one process, hops are tensor hand-offs; each event is
   applied to every member before the next one (:func:`local_ring_forward`, :func:`local_ring_backward`).
 
-Step math (causal, zigzag): the source's block equals the member's own -> causal attention; a source
-before the member -> all local queries see the source's front half; a source after it -> only the local
-back half of the queries sees the source's whole block. Partial results merge by log-sum-exp.
+Step math: which local queries see which keys of the source's block is decided from the global token
+positions of both zigzag blocks (:mod:`loongtrain.attn.masking`: causal, documents, sliding window); each
+visible piece is one kernel call, merged by log-sum-exp; a block with nothing visible costs nothing. Plain
+causal attention gives one call per step: the own block -> causal; a source before the member -> all
+local queries against the source's front half; a source after it -> the local back half against the
+whole block.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from loongtrain.attn.kernels import Kernel, select_kernel
+from loongtrain.attn.kernels import Kernel, reference_backward, reference_forward, select_kernel
+from loongtrain.attn.masking import AttnMask, Piece, member_runs, piece_mask, visible_pieces
 from loongtrain.attn.schedule import (
     DKV_OWN,
     KV_OUTER,
@@ -36,6 +40,7 @@ from loongtrain.attn.schedule import (
     Post,
     Wait,
     pass_events,
+    pass_reach,
 )
 from loongtrain.parallel.comm import Exchange, post_exchange
 
@@ -44,10 +49,11 @@ Tensor = torch.Tensor
 
 class Transport(Protocol):
     """One member's ring hops. ``post``: start sending ``tensor`` to the hop's next peer and receiving a
-    same-shaped tensor from its previous peer; ``wait``: the received tensor. No autograd (the ring's
+    same-shaped tensor from its previous peer (``direction=-1``: the other way round); ``wait``: the
+    received tensor. No autograd (the ring's
     backward posts its own transfers)."""
 
-    def post(self, hop: Hop, payload: Payload, tensor: Tensor) -> object: ...
+    def post(self, hop: Hop, payload: Payload, tensor: Tensor, direction: int = 1) -> object: ...
 
     def wait(self, handle: object) -> Tensor: ...
 
@@ -85,12 +91,13 @@ class DistTransport:
     def __init__(self, ring: Ring) -> None:
         self.ring = ring
 
-    def post(self, hop: Hop, payload: Payload, tensor: Tensor) -> Exchange:
-        """Forward: async send to the hop's next rank, async receive from its previous rank. No backward."""
+    def post(self, hop: Hop, payload: Payload, tensor: Tensor, direction: int = 1) -> Exchange:
+        """Forward: async send to the hop's next rank (``direction=-1``: previous), async receive from the
+        opposite one. No backward."""
         ring = self.ring
         group = ring.group(hop, payload)
         assert group is not None, (hop, payload, ring)
-        return post_exchange(tensor, ring.peer(hop, 1), ring.peer(hop, -1), group, payload)
+        return post_exchange(tensor, ring.peer(hop, direction), ring.peer(hop, -direction), group, payload)
 
     def wait(self, handle: Exchange) -> Tensor:
         return handle.wait()
@@ -105,7 +112,7 @@ class PostOffice:
 
     def __init__(self, geometry: DoubleRing) -> None:
         self.geometry = geometry
-        self.boxes: dict[tuple[int, Hop, Payload, int], Tensor] = {}
+        self.boxes: dict[tuple, Tensor] = {}
 
     def transport(self, position: int) -> Transport:
         return _LocalTransport(self, position)
@@ -116,16 +123,16 @@ class _LocalTransport:
         self.office, self.position = office, position
         self.sent: dict[tuple[Hop, Payload], int] = {}
 
-    def post(self, hop: Hop, payload: Payload, tensor: Tensor) -> tuple[Hop, Payload, int]:
-        """Forward: hand ``tensor`` to the hop's next member; the handle names what this member receives.
-        No backward."""
-        seq = self.sent.get((hop, payload), 0)
-        self.sent[(hop, payload)] = seq + 1
-        dst = self.office.geometry.peer(self.position, hop, 1)
-        self.office.boxes[(dst, hop, payload, seq)] = tensor
-        return hop, payload, seq
+    def post(self, hop: Hop, payload: Payload, tensor: Tensor, direction: int = 1) -> tuple:
+        """Forward: hand ``tensor`` to the hop's next member (``direction=-1``: previous); the handle names
+        what this member receives. No backward."""
+        seq = self.sent.get((hop, payload, direction), 0)
+        self.sent[(hop, payload, direction)] = seq + 1
+        dst = self.office.geometry.peer(self.position, hop, direction)
+        self.office.boxes[(dst, hop, payload, direction, seq)] = tensor
+        return hop, payload, direction, seq
 
-    def wait(self, handle: tuple[Hop, Payload, int]) -> Tensor:
+    def wait(self, handle: tuple) -> Tensor:
         key = (self.position, *handle)
         assert key in self.office.boxes, f"member {self.position} awaits {handle} before its sender posted it"
         return self.office.boxes.pop(key)
@@ -142,7 +149,8 @@ class _Member:
     def apply(self, event: Event) -> None:
         regs = self.registers
         if isinstance(event, Post):
-            self.in_flight[event.transfer] = self.transport.post(event.hop, event.payload, regs[event.register])
+            self.in_flight[event.transfer] = self.transport.post(
+                event.hop, event.payload, regs[event.register], event.direction)
         elif isinstance(event, Wait):
             received = self.transport.wait(self.in_flight.pop(event.transfer))
             regs[event.register] = regs[event.register] + received if event.add else received
@@ -154,9 +162,10 @@ class _Member:
                 regs[event.dkv] = contrib
 
 
-def run_pass(geometry: DoubleRing, members: Sequence[_Member], backward: bool) -> None:
-    """Apply the pass's events in order, each to every member before the next event."""
-    for event in pass_events(geometry.num_windows, geometry.window, backward):
+def run_pass(geometry: DoubleRing, members: Sequence[_Member], backward: bool, reach: int | None = None) -> None:
+    """Apply the pass's events in order, each to every member before the next event (``reach``: the
+    short-window pass of :func:`~loongtrain.attn.schedule.pass_events`)."""
+    for event in pass_events(geometry.num_windows, geometry.window, backward, reach):
         for member in members:
             member.apply(event)
     assert all(not m.in_flight for m in members)
@@ -175,73 +184,96 @@ def _merge(out_acc: Tensor, lse_acc: Tensor, out_blk: Tensor, lse_blk: Tensor) -
     lse_acc.copy_(new_lse)
 
 
-class _ForwardStep:
-    """Online-softmax accumulation of one member's queries over the blocks it is handed."""
+def _piece_forward(kernel: Kernel, piece: Piece, band: tuple[int, int], q: Tensor, k: Tensor, v: Tensor,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of one piece (rows ``q``, columns ``k``/``v`` already cut out)."""
+    if piece.kind == "full":
+        return kernel.forward(q, k, v, False, scale)
+    if piece.kind == "causal":
+        return kernel.forward(q, k, v, True, scale)
+    if piece.kind == "anticausal":  # reversed on both sides, it is the top-left causal square
+        out, lse = kernel.forward(q.flip(2), k.flip(2), v.flip(2), True, scale)
+        return out.flip(2), lse.flip(-1)
+    acc = _acc_dtype(q.dtype)
+    mask = piece_mask(piece, band, q.device)
+    return reference_forward(q.to(acc), k.to(acc), v.to(acc), False, scale, mask)
 
-    def __init__(self, q: Tensor, position: int, causal: bool, scale: float, kernel: Kernel) -> None:
-        self.q, self.position, self.causal, self.scale, self.kernel = q, position, causal, scale, kernel
+
+def _piece_backward(kernel: Kernel, piece: Piece, band: tuple[int, int], dout: Tensor, q: Tensor, k: Tensor,
+                    v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one piece, given the rows' final out and lse."""
+    if piece.kind in ("full", "causal"):
+        return kernel.backward(dout, q, k, v, out, lse, piece.kind == "causal", scale)
+    if piece.kind == "anticausal":
+        dq, dk, dv = kernel.backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1),
+                                     True, scale)
+        return dq.flip(2), dk.flip(2), dv.flip(2)
+    acc = _acc_dtype(q.dtype)
+    mask = piece_mask(piece, band, q.device)
+    return reference_backward(*(t.to(acc) for t in (dout, q, k, v, out, lse)), False, scale, mask)
+
+
+class _Pieces:
+    """What a member computes against each source's block: per group of batch rows, the
+    :func:`~loongtrain.attn.masking.visible_pieces` of its runs (zigzag, or ``mask.chunk_order``) against
+    the source's."""
+
+    def __init__(self, mask: AttnMask, batch: int, block_len: int, cp: int, position: int) -> None:
+        self.mask, self.band, self.cp, self.seq_len = mask, mask.band(), cp, block_len * cp
+        self.groups = mask.row_groups(batch)
+        self.q_runs = member_runs(self.seq_len, cp, position, mask.chunk_order)
+
+    def __call__(self, src: int) -> list[tuple[slice, Piece]]:
+        k_runs = member_runs(self.seq_len, self.cp, src, self.mask.chunk_order)
+        return [(rows, piece) for rows, cu in self.groups
+                for piece in visible_pieces(self.q_runs, k_runs, cu, self.band, self.mask.causal, self.mask.tiny)]
+
+
+class _ForwardStep:
+    """Online-softmax accumulation of one member's queries over the blocks it is handed; a block none of
+    whose keys a local query sees costs nothing (no kernel call, no merge)."""
+
+    def __init__(self, q: Tensor, position: int, mask: AttnMask, cp: int, scale: float, kernel: Kernel) -> None:
+        self.q, self.scale, self.kernel = q, scale, kernel
+        self.pieces = _Pieces(mask, q.shape[0], q.shape[2], cp, position)
         acc = _acc_dtype(q.dtype)
-        self.out = torch.empty(q.shape, dtype=acc, device=q.device)
-        self.lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
-        self.first = True
+        self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        self.lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
 
     def __call__(self, src: int, block: Tensor) -> None:
-        q, kb, vb, half = self.q, block[0], block[1], self.q.shape[2] // 2
-        rows = slice(None)
-        if not self.causal:
-            out, lse = self.kernel.forward(q, kb, vb, False, self.scale)
-        elif src == self.position:
-            out, lse = self.kernel.forward(q, kb, vb, True, self.scale)
-        elif src < self.position:  # all local queries see the source's front chunk
-            out, lse = self.kernel.forward(q, kb[:, :, :half], vb[:, :, :half], False, self.scale)
-        else:  # only the local back chunk sees the source's whole block
-            rows = slice(half, None)
-            out, lse = self.kernel.forward(q[:, :, half:], kb, vb, False, self.scale)
-        if self.first:
-            assert rows == slice(None)
-            self.out.copy_(out)
-            self.lse.copy_(lse)
-            self.first = False
-        else:
-            _merge(self.out[:, :, rows], self.lse[:, :, rows], out, lse)
+        band = self.pieces.band
+        for rows, p in self.pieces(src):
+            out, lse = _piece_forward(self.kernel, p, band, self.q[rows, :, p.r0:p.r1],
+                                      block[0][rows, :, p.c0:p.c1], block[1][rows, :, p.c0:p.c1], self.scale)
+            _merge(self.out[rows, :, p.r0:p.r1], self.lse[rows, :, p.r0:p.r1], out, lse)
 
     def result(self) -> tuple[Tensor, Tensor]:
         return self.out.to(self.q.dtype), self.lse
 
 
 class _BackwardStep:
-    """dQ accumulation of one member; returns each block's dK/dV contribution ``[2, B, Hkv, S_c, D]``."""
+    """dQ accumulation of one member; returns each block's dK/dV contribution ``[2, B, Hkv, S_c, D]``
+    (zeros, without a kernel call, for a block no local query sees)."""
 
-    def __init__(self, dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, position: int, causal: bool,
-                 scale: float, kernel: Kernel) -> None:
+    def __init__(self, dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, position: int, mask: AttnMask,
+                 cp: int, scale: float, kernel: Kernel) -> None:
         self.dout, self.q, self.out, self.lse = dout, q, out, lse
-        self.position, self.causal, self.scale, self.kernel = position, causal, scale, kernel
+        self.scale, self.kernel = scale, kernel
+        self.pieces = _Pieces(mask, q.shape[0], q.shape[2], cp, position)
         self.dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
 
     def __call__(self, src: int, block: Tensor) -> Tensor:
-        kb, vb, half = block[0], block[1], self.q.shape[2] // 2
-        if not self.causal or src == self.position:
-            dq, dk, dv = self.kernel.backward(self.dout, self.q, kb, vb, self.out, self.lse, self.causal, self.scale)
-            self.dq.add_(dq)
-            keys = slice(None)
-        elif src < self.position:  # only the source's front chunk was attended
-            keys = slice(None, half)
-            dq, dk, dv = self.kernel.backward(
-                self.dout, self.q, kb[:, :, keys], vb[:, :, keys], self.out, self.lse, False, self.scale
+        contrib = torch.zeros(block.shape, dtype=self.dq.dtype, device=block.device)
+        band = self.pieces.band
+        for rows, p in self.pieces(src):
+            r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
+            dq, dk, dv = _piece_backward(
+                self.kernel, p, band, self.dout[rows, :, r], self.q[rows, :, r], block[0][rows, :, c],
+                block[1][rows, :, c], self.out[rows, :, r], self.lse[rows, :, r], self.scale,
             )
-            self.dq.add_(dq)
-        else:  # only the local back chunk attended
-            back = slice(half, None)
-            dq, dk, dv = self.kernel.backward(
-                self.dout[:, :, back], self.q[:, :, back], kb, vb,
-                self.out[:, :, back], self.lse[:, :, back], False, self.scale,
-            )
-            self.dq[:, :, back].add_(dq)
-            keys = slice(None)
-        new = torch.empty if keys == slice(None) else torch.zeros
-        contrib = new(block.shape, dtype=self.dq.dtype, device=block.device)
-        contrib[0, :, :, keys].copy_(dk)
-        contrib[1, :, :, keys].copy_(dv)
+            self.dq[rows, :, r].add_(dq)
+            contrib[0, rows, :, c].add_(dk)
+            contrib[1, rows, :, c].add_(dv)
         return contrib
 
 
@@ -249,25 +281,38 @@ def _kernel(kernel: Kernel | None, q: Tensor) -> Kernel:
     return kernel or select_kernel(q.device, q.dtype, q.shape[-1])
 
 
+def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:
+    if mask.chunk_order is not None:  # the short pass relies on zigzag's neighbourhoods
+        return None
+    return pass_reach(geometry, q.shape[2] // 2, mask.window)
+
+
 def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, ring: Ring, causal: bool, scale: float, kernel: Kernel | None = None
+    q: Tensor, k: Tensor, v: Tensor, ring: Ring, causal: bool, scale: float, kernel: Kernel | None = None,
+    *, mask: AttnMask | None = None,
 ) -> tuple[Tensor, Tensor]:
     """out ``[B, H, S_c, D]`` (input dtype) and lse ``[B, H, S_c]`` (fp32, fp64 for fp64 inputs) of this
-    rank's queries against every ring member's K/V; K/V blocks move round the ring."""
-    step = _ForwardStep(q, ring.position, causal, scale, _kernel(kernel, q))
+    rank's queries against every ring member's K/V; K/V blocks move round the ring (only as far as a
+    short sliding window reaches). ``mask`` (documents, window) replaces ``causal`` when given."""
+    mask = mask or AttnMask(causal)
+    geometry = ring.geometry
+    step = _ForwardStep(q, ring.position, mask, geometry.size, scale, _kernel(kernel, q))
     kv = torch.stack([k, v])
-    run_pass(ring.geometry, [_Member(ring.geometry, ring.position, DistTransport(ring), step, kv)], False)
+    run_pass(geometry, [_Member(geometry, ring.position, DistTransport(ring), step, kv)], False,
+             _reach(geometry, q, mask))
     return step.result()
 
 
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: Ring,
-    causal: bool, scale: float, kernel: Kernel | None = None,
+    causal: bool, scale: float, kernel: Kernel | None = None, *, mask: AttnMask | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (input dtype) for :func:`ring_forward`: K/V re-circulate, dK/dV ride behind to their owner."""
-    step = _BackwardStep(dout, q, out, lse, ring.position, causal, scale, _kernel(kernel, q))
-    member = _Member(ring.geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
-    run_pass(ring.geometry, [member], True)
+    mask = mask or AttnMask(causal)
+    geometry = ring.geometry
+    step = _BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, _kernel(kernel, q))
+    member = _Member(geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
+    run_pass(geometry, [member], True, _reach(geometry, q, mask))
     dkv = member.registers[DKV_OWN]
     return step.dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
@@ -290,25 +335,28 @@ def _local_members(
 def local_ring_forward(
     qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], window: int, causal: bool,
     scale: float, kernel: Kernel | None = None, transports: Sequence[Transport] | None = None,
+    *, mask: AttnMask | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """:func:`ring_forward` of all ``cp = len(qs)`` members of one ring in this process (``qs[p]``: member
     ``p``'s zigzag shard ``[B, H, S_c, D]``); returns each member's ``(out, lse)``. ``transports``: one per
     member (default: hand-offs through one :class:`PostOffice`)."""
-    steps = [_ForwardStep(q, p, causal, scale, _kernel(kernel, q)) for p, q in enumerate(qs)]
+    mask, cp = mask or AttnMask(causal), len(qs)
+    steps = [_ForwardStep(q, p, mask, cp, scale, _kernel(kernel, q)) for p, q in enumerate(qs)]
     geometry, members = _local_members(window, steps, ks, vs, transports)
-    run_pass(geometry, members, False)
+    run_pass(geometry, members, False, _reach(geometry, qs[0], mask))
     return [s.result() for s in steps]
 
 
 def local_ring_backward(
     douts: Sequence[Tensor], qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor],
     outs: Sequence[Tensor], lses: Sequence[Tensor], window: int, causal: bool, scale: float,
-    kernel: Kernel | None = None, transports: Sequence[Transport] | None = None,
+    kernel: Kernel | None = None, transports: Sequence[Transport] | None = None, *, mask: AttnMask | None = None,
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`ring_backward` of all members of one ring in this process; returns each member's dq, dk, dv."""
-    steps = [_BackwardStep(douts[p], q, outs[p], lses[p], p, causal, scale, _kernel(kernel, q))
+    mask, cp = mask or AttnMask(causal), len(qs)
+    steps = [_BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q))
              for p, q in enumerate(qs)]
     geometry, members = _local_members(window, steps, ks, vs, transports)
-    run_pass(geometry, members, True)
+    run_pass(geometry, members, True, _reach(geometry, qs[0], mask))
     return [(s.dq.to(q.dtype), m.registers[DKV_OWN][0].to(k.dtype), m.registers[DKV_OWN][1].to(v.dtype))
             for s, m, q, k, v in zip(steps, members, qs, ks, vs)]

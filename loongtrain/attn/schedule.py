@@ -21,6 +21,9 @@ step ``t > 0`` a member adds the partial received for the block it holds and pas
 a window's last inner dK/dV hop is awaited only after the next block's compute (deferred), then the
 window's sum goes one outer hop. ``window - 1`` inner and ``1`` outer dK/dV hop per outer step, ``cp - 1``
 in all, like K/V.
+
+A sliding window shorter than a few chunks needs only the blocks of nearby members: the short pass
+(:func:`pass_reach`, :func:`_short_pass`) sends ``2 r`` blocks each way instead of ``cp - 1``.
 """
 
 from __future__ import annotations
@@ -64,6 +67,21 @@ class DoubleRing:
             j = (j + step) % self.num_windows
         return j * self.window + i
 
+    def cycle(self, position: int, hop: Hop) -> list[int]:
+        """Positions of the ``hop`` cycle through ``position`` (its window, or its column across the
+        windows), in ring order starting from the cycle's first member."""
+        n = self.window if hop == "inner" else self.num_windows
+        start = position
+        for _ in range(n):
+            prev = self.peer(start, hop, -1)
+            if prev > start:  # wrapped: ``start`` is the cycle's first member
+                break
+            start = prev
+        members = [start]
+        while len(members) < n:
+            members.append(self.peer(members[-1], hop, 1))
+        return members
+
     def source(self, position: int, outer: int, inner: int) -> int:
         """Position whose K/V block member ``position`` holds at step ``(outer, inner)``."""
         j, i = divmod(position, self.window)
@@ -72,12 +90,14 @@ class DoubleRing:
 
 @dataclass(frozen=True)
 class Post:
-    """Send register ``register`` to the next peer on ``hop``; receive from the previous one."""
+    """Send register ``register`` to the next peer on ``hop`` and receive from the previous one
+    (``direction=-1``: to the previous, from the next)."""
 
     transfer: str
     hop: Hop
     payload: Payload
     register: str
+    direction: int = 1
 
 
 @dataclass(frozen=True)
@@ -110,10 +130,64 @@ def _window_register(outer: int) -> str:
     return DKV_OWN if outer == 0 else f"dkv_window{outer % 2}"
 
 
+def pass_reach(ring: DoubleRing, chunk: int, sliding_window: int | None) -> int | None:
+    """``r`` when a short sliding window lets the pass stop early, else ``None`` (the full pass).
+
+    Under zigzag (docs/design.md §3) a query sees keys at most ``w - 1`` positions away, i.e. at most
+    ``r = ceil((w - 1) / chunk)`` chunks away, and those chunks belong to the ring members at most ``r``
+    positions away in ring order. The short pass (:func:`pass_events` with ``reach=r``) brings exactly
+    those blocks, ``r`` hops each way: worth it when ``2 r < cp - 1``. It needs ring order to be one hop
+    class, so it runs on a single ring (one window, or windows of one member) and a double ring with
+    ``1 < window < cp`` keeps the full pass (and skips the invisible blocks' compute)."""
+    if sliding_window is None or (ring.num_windows > 1 and ring.window > 1):
+        return None
+    r = -(-(sliding_window - 1) // chunk)
+    return r if 2 * r < ring.size - 1 else None
+
+
+def _short_pass(ring: DoubleRing, backward: bool, reach: int) -> tuple[Event, ...]:
+    """The pass that brings each member the blocks of the members at most ``reach`` ring positions away:
+    ``reach`` K/V hops forward and ``reach`` backward, computing each block as it arrives; backward, the
+    dK/dV partial of a block then rides ``reach`` hops back to its owner, each member adding its share.
+
+    Registers: ``kv_fwd``/``kv_bwd`` (the block from ``t`` members before/after), ``dkv_fwd{t}``/
+    ``dkv_bwd{t}`` (the partial for that block)."""
+    assert ring.num_windows == 1 or ring.window == 1, ring
+    assert 0 <= reach and 2 * reach < ring.size - 1, (reach, ring)
+    hop: Hop = "inner" if ring.num_windows == 1 else "outer"
+
+    def at(offset: int) -> tuple[int, int]:  # (outer, inner) of the source ``offset`` members before
+        return (0, offset % ring.size) if hop == "inner" else (offset % ring.size, 0)
+
+    events: list[Event] = []
+    for t in range(reach + 1):
+        if t < reach:
+            events.append(Post(f"kv.fwd.{t + 1}", hop, "kv", KV_OUTER if t == 0 else "kv_fwd", 1))
+            events.append(Post(f"kv.bwd.{t + 1}", hop, "kv", KV_OUTER if t == 0 else "kv_bwd", -1))
+        if t == 0:
+            events.append(Compute(*at(0), KV_OUTER, DKV_OWN if backward else None))
+        else:
+            events.append(Compute(*at(t), "kv_fwd", f"dkv_fwd{t}" if backward else None))
+            events.append(Compute(*at(-t), "kv_bwd", f"dkv_bwd{t}" if backward else None))
+        if t < reach:
+            events.append(Wait(f"kv.fwd.{t + 1}", "kv_fwd"))
+            events.append(Wait(f"kv.bwd.{t + 1}", "kv_bwd"))
+    if backward:
+        for t in range(reach, 0, -1):
+            events.append(Post(f"dkv.fwd.{t}", hop, "dkv", f"dkv_fwd{t}", -1))
+            events.append(Post(f"dkv.bwd.{t}", hop, "dkv", f"dkv_bwd{t}", 1))
+            events.append(Wait(f"dkv.fwd.{t}", f"dkv_fwd{t - 1}" if t > 1 else DKV_OWN, add=True))
+            events.append(Wait(f"dkv.bwd.{t}", f"dkv_bwd{t - 1}" if t > 1 else DKV_OWN, add=True))
+    return tuple(events)
+
+
 @lru_cache(maxsize=256)
-def pass_events(num_windows: int, window: int, backward: bool) -> tuple[Event, ...]:
-    """The events of one forward (or backward) pass round a double ring, in the order every member runs them."""
+def pass_events(num_windows: int, window: int, backward: bool, reach: int | None = None) -> tuple[Event, ...]:
+    """The events of one forward (or backward) pass round a double ring, in the order every member runs them.
+    ``reach`` (from :func:`pass_reach`): the short pass of a short sliding window instead."""
     ring = DoubleRing(num_windows, window)
+    if reach is not None:
+        return _short_pass(ring, backward, reach)
     events: list[Event] = []
     chain: str | None = None  # dK/dV inner hop this member will receive next
     deferred: tuple[int, str | None] | None = None  # (outer step, its last inner dK/dV hop)

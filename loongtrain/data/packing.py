@@ -2,8 +2,11 @@
 
 Sample ``i`` is the stream slice ``[i*seq_len, (i+1)*seq_len + 1)``: ``input_ids`` are its first
 ``seq_len`` tokens, ``labels`` its last ``seq_len`` (inputs shifted by one), and ``position_ids`` are
-``0..seq_len-1`` (positions inside the packed sequence; no per-document reset). Consecutive samples
-share one boundary token. The stream is tokenized lazily, only as far as requested, and cached in
+``0..seq_len-1`` (positions inside the packed sequence; no per-document reset). ``doc_starts`` (bool)
+marks the tokens that start a document inside the sample: token 0 and every token after an EOS (a
+document ends with its EOS), so the trainer can mask attention per document and restart positions
+(:func:`loongtrain.parallel.documents.cu_seqlens_from_starts`). Consecutive samples share one boundary
+token. The stream is tokenized lazily, only as far as requested, and cached in
 memory (uint8 for vocabularies of at most 256 tokens, else int32).
 """
 
@@ -97,8 +100,12 @@ class PackedDataset:
             index %= self.num_samples()
         start = index * self.seq_len
         tokens = self.stream.slice(start, start + self.seq_len + 1)
+        inputs = tokens[:-1]
+        doc_starts = torch.ones(self.seq_len, dtype=torch.bool)  # token 0: nothing before it in the row
+        doc_starts[1:] = inputs[:-1] == self.stream.tokenizer.eos_id
         return {
-            "input_ids": tokens[:-1],
+            "input_ids": inputs,
             "labels": tokens[1:],
             "position_ids": torch.arange(self.seq_len, dtype=torch.int64),
+            "doc_starts": doc_starts,
         }

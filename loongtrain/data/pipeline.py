@@ -14,9 +14,11 @@ from loongtrain.data.tokenizer import Tokenizer, build_tokenizer
 
 
 class Batches:
-    """Iterator of full-sequence batches ``{input_ids, labels, position_ids}``, each ``[batch, seq_len]``.
+    """Iterator of full-sequence batches ``{input_ids, labels, position_ids, doc_starts}``, each
+    ``[batch, seq_len]``.
 
-    All int64. ``step`` is the global step of the NEXT batch; ``state_dict``/``load_state_dict``
+    int64 (``doc_starts``: bool, the tokens that start a packed document). ``step`` is the global step
+    of the NEXT batch; ``state_dict``/``load_state_dict``
     resume exactly.
     """
 

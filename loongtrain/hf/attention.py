@@ -5,12 +5,13 @@ that builds no dense mask), switches the model to it, and gives each attention m
 replaceable ``attention_fn`` (a :class:`~loongtrain.attn.apply.MeshAttention` bound to the mesh)
 that loongtrain's own model uses. Every layer then calls::
 
-    module.attention_fn(q [B, S_local, H, D], k, v [B, S_local, Hkv, D], causal=..., softmax_scale=...)
+    module.attention_fn(q [B, S_local, H, D], k, v [B, S_local, Hkv, D], causal=..., softmax_scale=...
+                        [, sliding_window=w])
 
 Inputs must be each rank's zigzag shard (:func:`loongtrain.shard_sequence`) of ``input_ids`` with
 the *global* ``position_ids`` of one unbroken sequence; padding masks, packed documents (position
-ids restarting), sliding windows shorter than the sequence, attention dropout and KV caches are
-rejected with a ValueError (loongtrain.attention computes plain causal attention). Never pass
+ids restarting), attention dropout and KV caches are rejected with a ValueError; a sliding window
+(Mistral) goes to ``loongtrain.attention(..., sliding_window=)``. Never pass
 ``labels=`` to the sharded model (HF would shift them inside the local shard): shift the labels
 of the full sequence first, shard them too, and use ``loongtrain.train.loss.sharded_cross_entropy``.
 """
@@ -64,18 +65,16 @@ def hf_attention_forward(
         )
     mesh = getattr(attention_fn, "mesh", None)
     seq_len = query.shape[2] * (mesh.sp if mesh is not None else 1)
-    if sliding_window is not None and sliding_window < seq_len:
-        raise ValueError(
-            f"sliding_window={sliding_window} is shorter than the sequence length {seq_len}: loongtrain "
-            f"attention does not support sliding windows yet (a window >= the sequence length is a no-op)"
-        )
+    # HF's window (masking_utils.sliding_window_overlay: kv_idx > q_idx - w) is loongtrain's (i - w < j <= i);
+    # a window >= the sequence length is a no-op
+    window = {"sliding_window": sliding_window} if sliding_window is not None and sliding_window < seq_len else {}
     position_ids = kwargs.get("position_ids")
     if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
         _check_positions(position_ids, mesh, seq_len)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     out = attention_fn(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=causal, softmax_scale=scaling,
+        causal=causal, softmax_scale=scaling, **window,
     )
     return out, None
 

@@ -73,21 +73,41 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         "attention_bias": (hf_config.attention_bias, False),
         "mlp_bias": (hf_config.mlp_bias, False),
         "rope_type": (rope.get("rope_type", "default"), "default"),
-        "head_dim": (hf_config.head_dim, hf_config.hidden_size // hf_config.num_attention_heads),
     }
     for name, (value, needed) in unsupported.items():
         if value != needed:
             raise ValueError(f"{name}={value!r} has no loongtrain equivalent (needs {needed!r})")
+    return shape_config_from_hf(hf_config)
+
+
+def shape_config_from_hf(hf_config: Any) -> ModelConfig:
+    """The :class:`ModelConfig` with the shape of any supported HF causal LM, for planning and FLOPs.
+
+    Layers, hidden size, heads, KV heads, head_dim (which may differ from hidden/heads), FFN width,
+    vocabulary, tied head, RoPE theta, norm eps, and the sliding window when every layer uses it (a
+    window on only some layers is planned as full attention: an upper bound). qkv biases and q/k
+    norms are ignored (negligible for cost); :func:`model_config_from_hf` is the exact mapping.
+    """
+    for name in getattr(hf_config, "architectures", None) or []:
+        check_architecture(name)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    window = getattr(hf_config, "sliding_window", None) or 0
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
+        window = 0
     return ModelConfig(
         vocab_size=hf_config.vocab_size,
         dim=hf_config.hidden_size,
         num_layers=hf_config.num_hidden_layers,
         num_heads=hf_config.num_attention_heads,
-        num_kv_heads=hf_config.num_key_value_heads,
+        num_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
         ffn_dim=hf_config.intermediate_size,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
         norm_eps=float(hf_config.rms_norm_eps),
         tie_embeddings=bool(hf_config.tie_word_embeddings),
+        head_dim=int(head_dim),
+        sliding_window=int(window),
     )
 
 

@@ -18,28 +18,35 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    #: width of one attention head; 0 means ``dim // num_heads`` (set explicitly, e.g. Qwen3, it may differ)
+    head_dim: int = 0
+    #: each token attends to at most this many tokens (itself included); 0 means no window
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.dim % self.num_heads != 0:
-            raise ValueError(f"dim={self.dim} must be divisible by num_heads={self.num_heads}")
+        for name in ("head_dim", "sliding_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer (0: default)")
+        if self.head_dim == 0:
+            if self.dim % self.num_heads != 0:
+                raise ValueError(f"dim={self.dim} must be divisible by num_heads={self.num_heads} "
+                                 f"(or give head_dim)")
+            object.__setattr__(self, "head_dim", self.dim // self.num_heads)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if (self.dim // self.num_heads) % 2 != 0:
-            raise ValueError(f"head_dim={self.dim // self.num_heads} must be even for RoPE")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta={self.rope_theta!r} must be positive")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps={self.norm_eps!r} must be positive")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -101,9 +108,12 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     ``6 * N_matmul + 6 * L * S * H * D`` where ``N_matmul`` = linear-layer weights + lm head (the
     embedding lookup is not a matmul; norms are ignored). Attention: forward causal per token per
     layer is ``2 (QK^T and PV) * 2 (multiply-add) * S * H * D / 2 (causal)`` = ``2 * S * H * D``,
-    and forward + backward is 3x that.
+    and forward + backward is 3x that. With a ``sliding_window`` ``w < S`` a token attends to
+    ``w * (1 - w / (2S))`` keys on average instead of ``S / 2``.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be positive")
-    attn = 3 * 2 * seq_len * config.num_heads * config.head_dim * config.num_layers
+    w = min(config.sliding_window or seq_len, seq_len)
+    attended = w * (1 - w / (2 * seq_len))  # mean keys per query (S / 2 without a window)
+    attn = 3 * 4 * attended * config.num_heads * config.head_dim * config.num_layers
     return float(6 * matmul_params(config) + attn)

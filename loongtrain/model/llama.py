@@ -10,6 +10,8 @@ is the same code.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,18 +70,24 @@ class Attention(nn.Module):
             config.num_heads, config.num_kv_heads, config.head_dim,
         )
         self.attention_fn: AttentionFn = local_attention
+        self.sliding_window = config.sliding_window or None  # Mistral's convention: i - w < j <= i
         self.wq = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None) -> Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attention_fn(q, k, v, causal=True)
+        masks = {}  # only what is set, so attention_fns without these keywords keep working
+        if cu_seqlens is not None:
+            masks["cu_seqlens"] = cu_seqlens
+        if self.sliding_window:
+            masks["sliding_window"] = self.sliding_window
+        out = self.attention_fn(q, k, v, causal=True, **masks)
         return self.wo(out.reshape(batch, seq, -1))
 
 
@@ -106,8 +114,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -139,14 +147,19 @@ class Transformer(nn.Module):
         for name, param in sorted(self.named_parameters(), key=lambda kv: kv[0]):
             if param.device.type == "meta":
                 continue
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-                continue
-            gen = torch.Generator(device=param.device).manual_seed(seed + _stable_hash(name))
-            sample = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-            param.copy_(sample.normal_(0.0, INIT_STD, generator=gen))
+            param.copy_(initial_weight(name, param.shape, seed, param.device))
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    def head_weight(self) -> Tensor:
+        """The LM head's ``[vocab, dim]`` weight: the embedding's when tied, else ``output``'s."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *,
+                return_hidden: bool = False, cu_seqlens: Any = None) -> Tensor:
+        """Logits ``[B, S, V]``, or with ``return_hidden`` the final normed hidden states ``[B, S, dim]``
+        (the head's input: ``logits = hidden @ head_weight().T``; the trainer's chunked loss takes them).
+        ``cu_seqlens``: packed documents' boundaries of the full sequence (one per row, flash-attn's
+        convention; see :func:`loongtrain.attention`), handed to every ``attention_fn``: tokens attend only
+        inside their document (then pass per-document ``position_ids``, e.g. ``loongtrain.packed_inputs``)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
         if position_ids is None:
@@ -158,11 +171,23 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if cu_seqlens is None else layer(h, cos, sin, cu_seqlens)
         h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)
-        return self.output(h)
+        if return_hidden:
+            return h
+        return F.linear(h, self.head_weight())
+
+
+@torch.no_grad()
+def initial_weight(name: str, shape: torch.Size | tuple[int, ...], seed: int,
+                   device: torch.device | str = "cpu") -> Tensor:
+    """The initial value (float32, whole tensor) of parameter ``name``: ones for norm weights, else
+    N(0, 0.02) from a generator seeded with ``seed`` and the name. Sharded set-ups build the model on
+    the meta device and copy each rank's shard of this tensor (loongtrain.train.parallelize)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed + _stable_hash(name))
+    return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=gen)
 
 
 def _stable_hash(name: str) -> int:

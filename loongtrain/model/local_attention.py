@@ -5,14 +5,16 @@ Each attention module stores its core as a plain attribute ``attention_fn`` and 
     attention_fn(q, k, v, causal=True)      # q [B, S, H, D], k, v [B, S, Hkv, D] -> [B, S, H, D]
 
 A replacement must accept the same arguments (plus the keyword ``softmax_scale``, default
-``1/sqrt(D)``) and return the same shape; query head ``h`` attends with KV head
+``1/sqrt(D)``, and, for packed documents or sliding windows, ``cu_seqlens`` and ``sliding_window``,
+which the model passes only when set) and return the same shape; query head ``h`` attends with KV head
 ``h // (H / Hkv)`` (GQA). Parallelism is applied by swapping the attribute from outside
 (``loongtrain.apply_2d_attention``); the model itself never communicates.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +23,74 @@ Tensor = torch.Tensor
 
 
 class AttentionFn(Protocol):
-    """``(q [B, S, H, D], k, v [B, S, Hkv, D], *, causal, softmax_scale) -> [B, S, H, D]``."""
+    """``(q [B, S, H, D], k, v [B, S, Hkv, D], *, causal, softmax_scale[, cu_seqlens, sliding_window])
+    -> [B, S, H, D]``. The two optional keywords are passed only when set (packed documents; a sliding
+    window, Mistral's ``i - w < j <= i``), with the meaning of :func:`loongtrain.attention`."""
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, softmax_scale: float | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, softmax_scale: float | None = None,
+        **masks: Any,
     ) -> Tensor: ...
 
 
+CuSeqlens = Tensor | Sequence[int] | Sequence[Tensor | Sequence[int]]
+
+
+def normalize_cu_seqlens(cu_seqlens: CuSeqlens | None, batch: int, seq_len: int) -> tuple[tuple[int, ...], ...] | None:
+    """Per-row document boundaries as int tuples, or ValueError naming the value and the rule.
+
+    flash-attn's convention on the **full** sequence of ``seq_len`` tokens: integers that start at 0, end
+    at ``seq_len`` and strictly increase. One per batch row: a 1-D tensor (or int sequence) when
+    ``batch == 1``, else a list of ``batch`` of them."""
+    if cu_seqlens is None:
+        return None
+    single = isinstance(cu_seqlens, Tensor) or (
+        isinstance(cu_seqlens, Sequence) and all(isinstance(x, int) for x in cu_seqlens)
+    )
+    rows = [cu_seqlens] if single else list(cu_seqlens)
+    if len(rows) != batch:
+        raise ValueError(
+            f"cu_seqlens gives {len(rows)} row(s) for a batch of {batch}: pass one 1-D cu_seqlens per batch "
+            f"row (a 1-D tensor when batch == 1, else a list of {batch})"
+        )
+    out = []
+    for b, row in enumerate(rows):
+        if isinstance(row, Tensor):
+            if row.dim() != 1 or row.is_floating_point() or row.is_complex():
+                raise ValueError(f"cu_seqlens[{b}] must be a 1-D integer tensor; got {row.dtype} {tuple(row.shape)}")
+            row = row.tolist()
+        row = tuple(int(x) for x in row)
+        where = f"cu_seqlens[{b}]={list(row)}" if len(row) <= 16 else f"cu_seqlens[{b}] (length {len(row)})"
+        if len(row) < 2 or row[0] != 0:
+            raise ValueError(f"{where} must start at 0 (flash-attn convention: 0 = c_0 < c_1 < ... < c_n = S)")
+        if row[-1] != seq_len:
+            raise ValueError(f"{where} must end at the full sequence length S={seq_len} (not the local shard's)")
+        bad = next((i for i in range(1, len(row)) if row[i] <= row[i - 1]), None)
+        if bad is not None:
+            raise ValueError(f"{where} must strictly increase; entry {bad} ({row[bad]}) <= entry {bad - 1} "
+                             f"({row[bad - 1]})")
+        out.append(row)
+    return tuple(out)
+
+
+def validate_sliding_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window={sliding_window!r} must be None or an integer >= 1 "
+                         f"(query i sees keys j with i - w < j <= i)")
+
+
 def local_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, softmax_scale: float | None = None
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, softmax_scale: float | None = None,
+    cu_seqlens: CuSeqlens | None = None, sliding_window: int | None = None,
 ) -> Tensor:
     """Softmax attention over the whole (unsharded) sequence held by this process.
 
     ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with ``H`` a multiple of ``Hkv`` -> ``[B, S, H, D]``.
-    Causal masking is by index in the given order (the tokens must be in sequence order).
+    Causal masking is by index in the given order (the tokens must be in sequence order). With
+    ``cu_seqlens`` (packed documents) or ``sliding_window`` the masks are those of
+    :func:`loongtrain.attention`: each document runs alone, a window in blocks of queries.
     """
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
@@ -43,8 +99,37 @@ def local_attention(
         )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={k.shape[2]}")
+    validate_sliding_window(sliding_window)
+    docs = normalize_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
+    if docs is None and sliding_window is None:
+        return _sdpa(q, k, v, causal, softmax_scale, None)
+    rows = []
+    for b, bounds in enumerate(docs or [(0, q.shape[1])] * q.shape[0]):
+        parts = [_document(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], causal, softmax_scale,
+                           sliding_window) for s, e in zip(bounds, bounds[1:])]
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, mask: Tensor | None) -> Tensor:
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
     )
     return out.transpose(1, 2)
+
+
+def _document(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, window: int | None) -> Tensor:
+    """One document alone; a window shorter than it: query blocks against the keys the window reaches."""
+    n = q.shape[1]
+    if window is None or window >= n:
+        return _sdpa(q, k, v, causal, scale, None)
+    block = max(window, 128)
+    outs = []
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        k0, k1 = max(0, a - window + 1), (b if causal else min(n, b + window - 1))
+        d = torch.arange(k0, k1, device=q.device)[None, :] - torch.arange(a, b, device=q.device)[:, None]
+        visible = (d > -window) & (d <= 0 if causal else d < window)
+        outs.append(_sdpa(q[:, a:b], k[:, k0:k1], v[:, k0:k1], False, scale, visible))
+    return torch.cat(outs, dim=1)

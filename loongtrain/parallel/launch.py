@@ -9,6 +9,10 @@ and the calibration (docs/design.md §10). Design:
 - Results: each worker sends ``("ok", value)`` or ``("error", traceback)`` over its own pipe; the
   launcher also watches every process, so a rank that dies without reporting (killed, segfault,
   out of memory) is noticed at once and named.
+- Heartbeat: each worker's daemon thread writes a byte on its own pipe every ``heartbeat_timeout / 4``
+  seconds (at most 1 s); a rank silent for ``heartbeat_timeout`` seconds is stopped (SIGSTOP, a
+  debugger), frozen (a C call holding the GIL) or swapping, and fails the run by name. Its peers,
+  blocked in a collective waiting for it, keep beating, so the rank named is the cause.
 - Failure: the first failure stops the run; the other ranks are killed and :class:`WorkerError`
   carries the failing rank's number and traceback (the cause, not a peer that failed because of
   it). No result within ``timeout`` raises ``TimeoutError``.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -69,7 +74,8 @@ class _Spec:
     backend: str
     init_method: str
     threads: int | None
-    timeout_s: float | None
+    timeout_s: float | None  # of each collective
+    beat_s: float | None  # heartbeat period
     env: tuple[tuple[str, str], ...]
 
 
@@ -98,6 +104,8 @@ def run_local(
     timeout: float | None = 600.0,
     env: Mapping[str, str] | None = None,
     preload: Sequence[str] = (),
+    collective_timeout: float | None = None,
+    heartbeat_timeout: float | None = 60.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes; return its values by rank.
 
@@ -107,46 +115,60 @@ def run_local(
     plus ``env``. ``threads``: torch intra- and inter-op threads per worker (``None``: leave them).
     After ``fn`` returns, the ranks meet in a barrier, then every mesh and the process group are
     destroyed. ``fn``, ``args`` and the results must pickle (``fn`` at module level). ``timeout``
-    (seconds, ``None``: none) bounds the whole run and each collective. ``preload``: extra modules for
-    the fork server to import once (only when this process starts its fork server).
+    (seconds, ``None``: none) bounds the whole run; ``collective_timeout`` (default: ``timeout``) each
+    collective of the process group. ``heartbeat_timeout`` (seconds, ``None``: off): a rank that shows
+    no sign of life that long fails the run. ``preload``: extra modules for the fork server to import
+    once (only when this process starts its fork server).
 
-    Raises :class:`WorkerError` for the first rank that fails (the others are killed) and
-    ``TimeoutError`` when the ranks do not all finish in time.
+    Raises :class:`WorkerError` for the first rank that fails or stops beating (the others are killed)
+    and ``TimeoutError`` when the ranks do not all finish in time.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: must be at least 1")
     if threads is not None and threads < 1:
         raise ValueError(f"threads={threads}: must be at least 1 (or None)")
+    for name, value in (("timeout", timeout), ("collective_timeout", collective_timeout),
+                        ("heartbeat_timeout", heartbeat_timeout)):
+        if value is not None and not 0 < value < float("inf"):
+            raise ValueError(f"{name}={value}: must be a positive, finite number of seconds (or None)")
+    collective_timeout = timeout if collective_timeout is None else collective_timeout
     backend = resolve_backend(backend, world_size)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*_PRELOAD, *preload])
     with tempfile.TemporaryDirectory(prefix="loongtrain-rdzv-") as tmp:
+        beat_s = None if heartbeat_timeout is None else min(1.0, heartbeat_timeout / 4)
         spec = _Spec(backend=backend, init_method=Path(tmp, "store").resolve().as_uri(), threads=threads,
-                     timeout_s=timeout, env=tuple((env or {}).items()))
+                     timeout_s=collective_timeout, beat_s=beat_s, env=tuple((env or {}).items()))
         procs: list[Any] = []
         conns: list[Connection] = []
+        beats: list[Connection] = []
         lifeline, keep_alive = ctx.Pipe(duplex=False)  # never written: closes when this process ends
         ok = False
         try:
             for rank in range(world_size):
                 recv, send = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker, args=(rank, world_size, spec, fn, args, send, lifeline),
+                beat_recv, beat_send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker, args=(rank, world_size, spec, fn, args, send, lifeline,
+                                                         beat_send),
                                    name=f"loongtrain-rank{rank}", daemon=True)
                 proc.start()
                 send.close()  # the worker holds the only write end: its exit reads as EOF here
+                beat_send.close()
                 procs.append(proc)
                 conns.append(recv)
-            results = _collect(procs, conns, timeout)
+                beats.append(beat_recv)
+            results = _collect(procs, conns, timeout, beats, heartbeat_timeout)
             ok = True
             return results
         finally:
             _stop(procs, grace_s=_JOIN_GRACE_S if ok else 0.0)
-            for conn in (*conns, lifeline, keep_alive):
+            for conn in (*conns, *beats, lifeline, keep_alive):
                 conn.close()
 
 
-def _collect(procs: list[Any], conns: list[Connection], timeout: float | None) -> list[Any]:
-    """Each rank's value; raise on a failure, a death or the deadline.
+def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, beats: list[Connection],
+             heartbeat_timeout: float | None) -> list[Any]:
+    """Each rank's value; raise on a failure, a death, a silent rank or the deadline.
 
     A failing rank usually makes its peers fail too (their collectives lose a partner), so after the
     first failure the launcher waits ``_SETTLE_S`` for more reports and names the cause: a rank that
@@ -158,6 +180,7 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None) -
     results: dict[int, Any] = {}
     failures: list[tuple[bool, float, int, str]] = []  # (reported?, wall time, rank, details)
     settle = None
+    heart = _Heartbeats(beats, heartbeat_timeout)
     while pending:
         now = time.monotonic()
         if settle is not None and now >= settle:
@@ -167,10 +190,18 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None) -
                 break
             raise TimeoutError(f"run_local: ranks {sorted(pending)} of {world_size} gave no result within "
                                f"{timeout:g} s (hang?)")
-        ends = [t for t in (deadline, settle) if t is not None]
+        if settle is None and (silent := heart.silent(pending, now)):
+            for rank, details in silent:  # its peers wait on it: nothing more to learn from them
+                pending.pop(rank)
+                failures.append((False, time.time(), rank, f"{details}; the worker process (pid "
+                                 f"{procs[rank].pid}) is stopped (SIGSTOP, a debugger), frozen or swapping"))
+            break
+        ends = [t for t in (deadline, settle, None if settle else heart.next_expiry(pending)) if t is not None]
         by_conn = {conn: rank for rank, conn in pending.items()}
         by_sentinel = {procs[rank].sentinel: rank for rank in pending}  # novermin (Process.sentinel: 3.3+)
-        for ready in wait([*by_conn, *by_sentinel], timeout=min(ends) - now if ends else None):
+        for ready in wait([*by_conn, *by_sentinel, *heart.conns], timeout=max(0.0, min(ends) - now) if ends else None):
+            if heart.read(ready):
+                continue
             rank = by_sentinel[ready] if isinstance(ready, int) else by_conn[ready]
             if rank not in pending:
                 continue
@@ -184,6 +215,39 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None) -
         _, _, rank, details = min(failures)
         raise WorkerError(rank, world_size, details)
     return [results[rank] for rank in range(world_size)]
+
+
+class _Heartbeats:
+    """Each rank's last sign of life, read from its heartbeat pipe (no pipes when ``timeout`` is None)."""
+
+    def __init__(self, beats: list[Connection], timeout: float | None) -> None:
+        self.timeout = timeout
+        self.conns = {conn: rank for rank, conn in enumerate(beats)} if timeout is not None else {}
+        self.last = {rank: time.monotonic() for rank in range(len(beats))}
+
+    def read(self, ready: Any) -> bool:
+        """Take the bytes waiting on ``ready`` if it is a heartbeat pipe (else False)."""
+        if ready not in self.conns:
+            return False
+        self.last[self.conns[ready]] = time.monotonic()
+        try:
+            while ready.poll():
+                ready.recv_bytes()
+        except (EOFError, OSError):  # the worker ended; its sentinel or report tells how
+            del self.conns[ready]
+        return True
+
+    def silent(self, pending: dict[int, Any], now: float) -> list[tuple[int, str]]:
+        """``(rank, why)`` of the pending ranks silent for longer than the timeout."""
+        if self.timeout is None:
+            return []
+        return [(rank, f"no heartbeat for {now - self.last[rank]:.1f} s (heartbeat_timeout={self.timeout:g} s)")
+                for rank in sorted(pending) if now - self.last[rank] > self.timeout]
+
+    def next_expiry(self, pending: dict[int, Any]) -> float | None:
+        if self.timeout is None or not pending:
+            return None
+        return min(self.last[rank] for rank in pending) + self.timeout + 0.01
 
 
 def _receive(conn: Connection, proc: Any) -> tuple[str, Any, float]:
@@ -217,8 +281,11 @@ def _stop(procs: list[Any], grace_s: float) -> None:
 
 
 def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], args: tuple,
-            conn: Connection, lifeline: Connection) -> None:
+            conn: Connection, lifeline: Connection, beat: Connection) -> None:
     threading.Thread(target=_exit_when_closed, args=(lifeline,), name="loongtrain-lifeline", daemon=True).start()
+    if spec.beat_s is not None:
+        threading.Thread(target=_beat, args=(beat, spec.beat_s), name="loongtrain-heartbeat", daemon=True).start()
+    _name_process(f"lt-rank{rank}")
     os.environ.update(dict(spec.env))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -258,6 +325,27 @@ def _set_threads(threads: int) -> None:
     try:
         torch.set_num_interop_threads(threads)
     except RuntimeError:  # the inter-op pool already started (only possible if the server used it)
+        pass
+
+
+def _name_process(name: str) -> None:
+    """Show ``name`` as this process's name in ps/top (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        except (OSError, AttributeError):
+            pass
+
+
+def _beat(beat: Connection, period_s: float) -> None:
+    """Write one byte every ``period_s`` seconds until the launcher's end closes."""
+    try:
+        while True:
+            beat.send_bytes(b".")
+            time.sleep(period_s)
+    except OSError:  # the launcher is gone (the lifeline thread ends this process)
         pass
 
 

@@ -116,13 +116,17 @@ class Layout:
 
     def inner_ring_groups(self) -> list[list[int]]:
         """Ranks of each double-ring window (``window`` consecutive ring members), in ring order."""
-        w = self.window
-        return [ring[j * w : (j + 1) * w] for ring in self.context_groups() for j in range(self.num_windows)]
+        return self._ring_cycles("inner")
 
     def outer_ring_groups(self) -> list[list[int]]:
         """Ring members at the same position ``i`` of every window, in window order."""
-        w = self.window
-        return [ring[i::w] for ring in self.context_groups() for i in range(w)]
+        return self._ring_cycles("outer")
+
+    def _ring_cycles(self, hop: str) -> list[list[int]]:
+        """Every ``hop`` cycle of every context ring, as global ranks (cycles from DoubleRing, §4)."""
+        ring = DoubleRing(self.num_windows, self.window)
+        firsts = sorted({ring.cycle(p, hop)[0] for p in range(self.cp)})
+        return [[ranks[p] for p in ring.cycle(first, hop)] for ranks in self.context_groups() for first in firsts]
 
     def replica_groups(self) -> list[list[int]]:
         """The sp ranks of each replica, ordered by (cp_rank, hp_rank): the sequence-shard order."""

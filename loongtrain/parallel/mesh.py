@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,24 +110,33 @@ def init_mesh(
     window: int = 1,
     placement: str = "head_first",
     interleaved: bool = False,
+    timeout: float | None = None,
 ) -> Mesh:
     """Validate the grid and create its process groups (collective: every rank must call it).
 
     Without an initialised process group, only ``hp == cp == 1`` is allowed and a single-process
-    mesh is returned. All validation happens before any group is created. Groups are made once per
-    layout: while a mesh is live, the same arguments return the same :class:`Mesh`, and a new layout
-    reuses the live groups of a role that splits the ranks alike (e.g. the head groups of every
-    layout with the same ``hp`` and placement). :func:`destroy_mesh` frees them (docs/design.md §10).
+    mesh is returned. First the ranks exchange their arguments: if any differ, every rank raises the
+    same ValueError naming the field and the ranks (:mod:`loongtrain.parallel.agreement`). All
+    validation happens before any group is created. ``timeout`` (seconds; default: the default
+    group's) bounds each collective of the new groups; a group shared with a live mesh keeps its own.
+    Groups are made once per layout: while a mesh is live, the same arguments return the same
+    :class:`Mesh`, and a new layout reuses the live groups of a role that splits the ranks alike (e.g.
+    the head groups of every layout with the same ``hp`` and placement). :func:`destroy_mesh` frees
+    them (docs/design.md §10).
     """
+    from loongtrain.parallel.agreement import check_agreement
     from loongtrain.parallel.config import ParallelConfig  # validate_parallel: docs/design.md §8
 
+    if timeout is not None and not 0 < timeout < float("inf"):
+        raise ValueError(f"init_mesh: timeout={timeout} must be a positive, finite number of seconds (or None)")
+    check_agreement("init_mesh", dict(hp=hp, cp=cp, window=window, placement=placement, interleaved=interleaved))
     parallel = ParallelConfig(hp=hp, cp=cp, window=window, placement=placement, interleaved=interleaved)
     if not (dist.is_available() and dist.is_initialized()):
         return Mesh(layout=parallel.layout(1), rank=0)
     layout = parallel.layout(dist.get_world_size())
     # all-to-all concatenates in group-rank order (sorted global ranks): it must be hp_rank order
     assert all(g == sorted(g) for g in layout.head_groups())
-    return _registry().mesh(layout, dist.get_rank())
+    return _registry().mesh(layout, dist.get_rank(), timeout)
 
 
 def destroy_mesh(mesh: Mesh) -> None:
@@ -181,20 +191,22 @@ class _Registry:
     meshes: dict[Layout, Mesh] = field(default_factory=dict)
     groups: dict[tuple[str, tuple[tuple[int, ...], ...]], list[Any]] = field(default_factory=dict)
 
-    def mesh(self, layout: Layout, rank: int) -> Mesh:
+    def mesh(self, layout: Layout, rank: int, timeout: float | None = None) -> Mesh:
         if layout not in self.meshes:
-            made = {role: self._acquire(role, partition, rank) for role, partition in _partitions(layout).items()}
+            made = {role: self._acquire(role, partition, rank, timeout)
+                    for role, partition in _partitions(layout).items()}
             self.meshes[layout] = Mesh(layout=layout, rank=rank, **made)
         return self.meshes[layout]
 
-    def _acquire(self, role: str, partition: list[list[int]], rank: int) -> dist.ProcessGroup:
+    def _acquire(self, role: str, partition: list[list[int]], rank: int, timeout: float | None) -> dist.ProcessGroup:
         key = (role, tuple(map(tuple, partition)))
         if key not in self.groups:
             # every rank creates every group of the partition (members and non-members alike): with
             # new_group's global synchronisation, group names come from a counter that never repeats,
             # so a group made after another was destroyed cannot meet that one's stale store keys;
             # sharing whole partitions keeps every rank's number of groups equal
-            made = [dist.new_group(ranks=ranks) for ranks in partition]
+            extra = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+            made = [dist.new_group(ranks=ranks, **extra) for ranks in partition]
             (mine,) = [group for group, ranks in zip(made, partition) if rank in ranks]
             self.groups[key] = [mine, 0]
         self.groups[key][1] += 1

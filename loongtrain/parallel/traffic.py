@@ -18,10 +18,14 @@ all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it eac
   re-circulates the same ``cp - 1`` blocks.
 - ``dkv`` (backward only): ``cp - 1`` dK/dV partial sums of the same shape in the accumulation dtype
   (``max(4, b)`` bytes: fp32 for fp16/bf16/fp32, fp64 for fp64), same peers as ``kv``.
+- a sliding window ``w`` with ``r = ceil((w - 1) / (S / 2cp))`` and ``2 r < cp - 1`` on a single ring
+  (``window`` 1 or ``cp``): the short pass sends ``r`` blocks to each ring neighbour per pass (``2 r``
+  instead of ``cp - 1``), and as many dK/dV partials backward (:func:`ring_reach`).
 """
 
 from __future__ import annotations
 
+from loongtrain.attn.schedule import DoubleRing, pass_reach
 from loongtrain.parallel.config import effective_kv_heads
 from loongtrain.parallel.layout import Layout
 
@@ -59,10 +63,11 @@ def _add(d: dict[int, int], peer: int, nbytes: int) -> None:
 
 def attention_traffic(
     layout: Layout, rank: int, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
-    head_dim: int, dtype_bytes: int, backward: bool = True,
+    head_dim: int, dtype_bytes: int, backward: bool = True, sliding_window: int | None = None,
 ) -> dict[str, dict[int, int]]:
     """kind (``a2a``, ``kv``, ``dkv``; all keys always present) -> {peer global rank: bytes ``rank`` sends}
-    for one attention call (forward, plus backward when ``backward``)."""
+    for one attention call (forward, plus backward when ``backward``); ``sliding_window``: see
+    :func:`ring_reach`."""
     msg = message_bytes(
         layout, batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, dtype_bytes=dtype_bytes,
@@ -77,7 +82,12 @@ def attention_traffic(
     if layout.cp > 1:
         peers = layout.ring_peers(rank)
         n, w = layout.num_windows, layout.window
-        per_pass = [(peers["inner_next"], n * (w - 1)), (peers["outer_next"], n - 1)]
+        reach = ring_reach(layout, seq_len, sliding_window)
+        if reach is None:
+            per_pass = [(peers["inner_next"], n * (w - 1)), (peers["outer_next"], n - 1)]
+        else:  # the short pass: reach blocks to each ring neighbour (one hop class), dK/dV back the same way
+            hop = "inner" if n == 1 else "outer"
+            per_pass = [(peers[f"{hop}_next"], reach), (peers[f"{hop}_prev"], reach)]
         for peer, count in per_pass:
             if count:
                 _add(out["kv"], peer, passes * count * msg["kv"])
@@ -86,11 +96,23 @@ def attention_traffic(
     return out
 
 
-def attention_ops(layout: Layout, *, backward: bool = True) -> dict[str, int]:
+def ring_reach(layout: Layout, seq_len: int, sliding_window: int | None) -> int | None:
+    """``r`` when a sliding window this short runs the short ring pass (:func:`loongtrain.attn.schedule.pass_reach`):
+    then a pass sends ``r`` K/V blocks to each of the two ring neighbours instead of ``cp - 1`` round the ring
+    (backward: as many dK/dV partials back), ``2 r < cp - 1``; else ``None``."""
+    if layout.cp == 1:
+        return None
+    return pass_reach(DoubleRing(layout.num_windows, layout.window), seq_len // (2 * layout.cp), sliding_window)
+
+
+def attention_ops(layout: Layout, *, backward: bool = True, seq_len: int = 0,
+                  sliding_window: int | None = None) -> dict[str, int]:
     """Communication calls per rank per attention call: a2a ``2`` (+2 backward) when ``hp > 1``;
-    kv ``cp - 1`` (+ ``cp - 1`` backward); dkv ``cp - 1`` (backward only)."""
+    kv ``cp - 1`` (+ ``cp - 1`` backward); dkv ``cp - 1`` (backward only); with a short sliding window
+    (:func:`ring_reach` ``r``) ``2 r`` instead of ``cp - 1``."""
     passes = 2 if backward else 1
-    ring = layout.cp - 1
+    reach = ring_reach(layout, seq_len, sliding_window) if sliding_window is not None else None
+    ring = layout.cp - 1 if reach is None else 2 * reach
     return {
         "a2a": 2 * passes if layout.hp > 1 else 0,
         "kv": passes * ring,

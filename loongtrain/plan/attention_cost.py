@@ -166,23 +166,24 @@ class _Link:
 
 def simulate_pass(
     steps: tuple[int, int], c: float, inner: _Link, outer: _Link, kv: int, dkv: int | None,
-    trace: list[tuple] | None = None,
+    trace: list[tuple] | None = None, reach: int | None = None,
 ) -> float:
     """Rank time of one pass round a double ring of ``n`` windows of ``w`` (``steps = (n, w)``): the events of
     :func:`loongtrain.attn.schedule.pass_events` (the ones ``attn/ring.py`` executes), forward when ``dkv is
     None``, else backward with ``dkv`` bytes per dK/dV hop. A post starts a transfer on its hop's link now;
     a compute takes ``c``; a wait blocks until the transfer has arrived. ``trace`` (if given) receives
-    ``("post", hop, payload)``, ``("compute",)`` and ``("wait", index of the awaited post)`` as simulated."""
+    ``("post", hop, payload)`` (``(..., -1)`` for a post the other way round), ``("compute",)`` and
+    ``("wait", index of the awaited post)`` as simulated. ``reach``: the short pass of a short sliding window."""
     links = {"inner": inner, "outer": outer}
     nbytes = {"kv": kv, "dkv": dkv}
     t = 0.0
     in_flight: dict[str, tuple[_Link, int, int]] = {}  # transfer -> (link, link key, post index)
     posts = 0
-    for event in pass_events(*steps, dkv is not None):
+    for event in pass_events(*steps, dkv is not None, reach):
         if isinstance(event, Post):
             link = links[event.hop]
             in_flight[event.transfer] = (link, link.post(t, nbytes[event.payload]), posts)
-            step = ("post", event.hop, event.payload)
+            step = ("post", event.hop, event.payload) + ((event.direction,) if event.direction != 1 else ())
             posts += 1
         elif isinstance(event, Compute):
             t += c

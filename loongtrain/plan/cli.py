@@ -4,11 +4,13 @@ Examples::
 
     loongtrain plan --model 7b-gqa --seq-len 1M --nodes 8 --cluster a100
     loongtrain plan --config my_plan.toml --json
+    loongtrain plan --model path/to/hf_model --seq-len 128K --nodes 4 --cluster h100
     loongtrain plan --calibrate --calibrate-world 4 --out this_machine.toml
 
 ``--config FILE`` is a TOML file whose keys are the long option names with ``_`` for ``-`` (``model``,
-``seq_len``, ``nodes``, ``cluster``, ...); ``model`` may be a preset name or a table of
-:class:`~loongtrain.model.config.ModelConfig` fields. Options given on the command line win.
+``seq_len``, ``nodes``, ``cluster``, ...); ``model`` may be a preset name, a Hugging Face model
+directory or config.json, or a table of :class:`~loongtrain.model.config.ModelConfig` fields. Options
+given on the command line win.
 Exit codes: 0 ok, 2 invalid request or nothing fits (the message names the value and alternatives).
 """
 
@@ -45,7 +47,8 @@ def parse_size(text: str | int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loongtrain plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help=f"preset: {sorted(PRESETS)}")
+    p.add_argument("--model", help=f"preset {sorted(PRESETS)}, or a local Hugging Face model directory or its "
+                   "config.json (Llama, Mistral, Qwen2, Qwen3)")
     p.add_argument("--seq-len", help="sequence length per sample, e.g. 131072, 128K, 1M")
     p.add_argument("--nodes", type=int)
     p.add_argument("--cluster", help=f"built-in {builtin_clusters()} or a TOML file (default a100)")
@@ -66,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--traffic", action="store_true",
                    help="also print the per-rank bytes of one attention layer for the best configuration")
+    p.add_argument("--doc-median", type=int, default=0, metavar="TOKENS",
+                   help="also print, for the best configuration, the per-rank attention work (max/mean) of "
+                   "packed documents with lognormal lengths of this median under zigzag and the balanced layout")
     p.add_argument("--calibrate", action="store_true", help="measure this machine, write a cluster TOML")
     p.add_argument("--calibrate-world", type=int, default=4, help="ranks of the calibrated node")
     p.add_argument("--out", type=Path, default=Path("cluster-calibrated.toml"), help="--calibrate output")
@@ -172,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
             "candidates": [dict(c.to_dict(), equivalent_windows=ws) for c, ws in rows[:top]],
         }, indent=1))
     else:
-        print(f"model {name} ({model.num_heads} heads, {model.num_kv_heads} KV heads), "
+        window = f", sliding window {model.sliding_window}" if model.sliding_window else ""
+        print(f"model {name} ({model.num_layers} layers, dim {model.dim}, {model.num_heads} heads, "
+              f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}, FFN {model.ffn_dim}, "
+              f"vocab {model.vocab_size}{window}), "
               f"seq_len {s['seq_len']}, {s['nodes']} nodes x {cluster.gpus_per_node} = {world} devices of "
               f"{cluster.name}, batch {s['batch']}/replica, {s['dtype']}; {len(cands)} configurations, "
               f"best {min(top, len(rows))} (rows differing only in an equally fast window merged):")
@@ -185,6 +194,15 @@ def run(args: argparse.Namespace) -> int:
                                 dtype_bytes=DTYPE_BYTES[s["dtype"]])
         print(f"\nper-rank traffic of one attention layer (forward + backward), {best.config.label()}:")
         print(format_traffic_report(rows_t))
+    if args.doc_median and not args.json:
+        from loongtrain.parallel.documents import balance_report, lognormal_documents
+
+        best = cands[0].config
+        docs = lognormal_documents(s["seq_len"], args.doc_median)
+        r = balance_report([docs], s["seq_len"], best.cp, best.hp, sliding_window=model.sliding_window or None)
+        print(f"\npacked documents (lognormal, median {args.doc_median}, {len(docs) - 1} in {s['seq_len']} tokens), "
+              f"{best.label()}: {r['visible_fraction']:.1%} of causal attention visible; per-rank work max/mean "
+              f"{r['zigzag_imbalance']:.2f} zigzag, {r['balanced_imbalance']:.2f} balanced layout")
     if not cands[0].fits:
         print("loongtrain plan: " + no_fit_message(model, cluster, cands, **kw, **filters), file=sys.stderr)
         return 2

@@ -6,10 +6,11 @@ Per layer, per device (``t = B * S / sp`` tokens, ``P_l`` layer parameters):
 - Attention: :func:`loongtrain.plan.attention_cost.attention_time` (compute, all-to-all, exposed ring).
 - Recompute (``ac_mode``): ``full`` re-runs the layer forward, attention and its communication
   included; ``selective`` re-runs only the GEMMs (attention output and lse were kept); ``none`` nothing.
-- ZeRO (FSDP2 as the trainer applies it: fp32 weights gathered, fp32 gradients reduced; prefetched, so
-  hidden behind the layer's compute up to its length, the excess exposed):
+- ZeRO (FSDP2 as the trainer applies it: weights gathered in the compute dtype, ``w`` =
+  :func:`param_bytes` bytes (bf16 under its ``MixedPrecisionPolicy``), gradients reduced in fp32;
+  prefetched, so hidden behind the layer's compute up to its length, the excess exposed):
   ``full`` (shard over all ``dp * sp`` ranks, ``z = world``): parameter all-gather in forward and again
-  in backward, ``2 * (z-1)/z * P_l * 4``, and gradient reduce-scatter ``(z-1)/z * P_l * 4``;
+  in backward, ``2 * (z-1)/z * P_l * w``, and gradient reduce-scatter ``(z-1)/z * P_l * 4``;
   ``hybrid`` (HSDP, ``z = zero_shard_size``, which the planner sets to ``gpus_per_node``): the same
   inside the shard group plus an all-reduce of the shard across the ``N = world / z`` groups,
   ``2 * (N-1)/N * P_l / z * 4``; ``none``: gradient all-reduce over the world,
@@ -34,7 +35,14 @@ from loongtrain.plan.cluster import Cluster
 from loongtrain.plan.memory import layer_params, memory_per_rank
 
 GRAD_BYTES = 4
-PARAM_BYTES = 4  # FSDP2 without a mixed-precision policy gathers the fp32 weights
+
+
+def param_bytes(dtype_bytes: int) -> int:
+    """Bytes per gathered weight: FSDP2 gathers in the compute dtype when it is narrower than fp32
+    (``MixedPrecisionPolicy(param_dtype=bf16)``), else the fp32 weights themselves."""
+    return min(dtype_bytes, 4)
+
+
 COMPONENTS = ("compute", "a2a", "ring-inner", "ring-outer", "zero")
 BOTTLENECK_SHARE = 0.1
 
@@ -66,7 +74,8 @@ class Candidate:
         }
 
 
-def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: Cluster) -> float:
+def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: Cluster,
+                    dtype_bytes: int = 2) -> float:
     """Seconds of ZeRO/gradient communication for ``params`` parameters (see module docstring)."""
     g = cluster.gpus_per_node
     z = config.shard_size(world)
@@ -77,7 +86,7 @@ def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: 
 
     if config.zero == "none":
         return 2 * (world - 1) / world * params * GRAD_BYTES / bw(world)
-    shard = (z - 1) / z * params * (2 * PARAM_BYTES + GRAD_BYTES) / bw(z)
+    shard = (z - 1) / z * params * (2 * param_bytes(dtype_bytes) + GRAD_BYTES) / bw(z)
     if config.zero == "hybrid" and groups > 1:
         shard += 2 * (groups - 1) / groups * params / z * GRAD_BYTES / cluster.cross_bw(g)
     return shard
@@ -110,17 +119,17 @@ def step_cost(
     elif config.ac_mode == "selective":
         per_layer["compute"] += gemm_fwd
     layer_busy = sum(per_layer.values())
-    zero_exposed = max(0.0, zero_layer_time(config, p_l, world, cluster) - layer_busy)
+    zero_exposed = max(0.0, zero_layer_time(config, p_l, world, cluster, dtype_bytes) - layer_busy)
     head_params = model.vocab_size * model.dim
     head_compute = 6 * head_params * t / rate
-    head_zero = zero_layer_time(config, head_params, world, cluster)
+    head_zero = zero_layer_time(config, head_params, world, cluster, dtype_bytes)
     breakdown = {k: model.num_layers * v for k, v in per_layer.items()}
     breakdown["compute"] += head_compute
     breakdown["zero"] = model.num_layers * zero_exposed + head_zero
     step = sum(breakdown.values())
     memory = memory_per_rank(
         model, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, ac_mode=config.ac_mode,
-        zero_size=config.shard_size(world),
+        zero_size=config.shard_size(world), reshard_after_forward=config.reshard_after_forward,
     )
     fits = memory["total"] <= cluster.usable_memory
     tokens = layout.dp * batch * seq_len

@@ -5,20 +5,41 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
 ``t = B * S / sp`` tokens per device, ``b`` bytes of the compute dtype, ``z`` the ZeRO shard group size.
 
 - ``states``: fp32 master weights + fp32 gradients + Adam m, v = ``16 * P / z``.
-- ``working_params``: with sharding, the gathered fp32 weights in flight (two layers and the
-  embedding/head), ``4 * (2 * P_l + V * d)``; plus, when the compute dtype is narrower than fp32, the
-  autocast copies the matmuls save for backward: ``b * (L * P_l + V * d)`` without checkpointing, else
-  only the recomputed layer's ``b * (P_l + V * d)``.
-- ``activations``: saved per layer per token, elements ``a = 7d + 2*He*hd + 4f`` (norm inputs and
-  outputs, q/k/v after the all-to-all, attention output before and after the all-to-all, residual
-  input, SwiGLU's w1/w3/silu/product) plus the fp32 lse (``4H`` bytes), by ``ac_mode``:
-  ``none``: ``L * t * (a*b + 4H)``; ``full``: ``L * t * d * b`` (layer inputs) plus one layer's full set
-  during its recompute; ``selective``: ``L * t * (2*d*b + 4H)`` (input, attention output, lse) plus
-  one layer's full set.
-- ``logits``: ``t * V * (b + 4)`` (compute-dtype logits and their fp32 copy for the loss).
+- ``working_params`` (as the trainer runs, docs/design.md §7): with ZeRO (``z > 1``), FSDP2's gathered
+  weights in the gathered dtype ``w`` (``b`` when narrower than fp32: ``MixedPrecisionPolicy``, no
+  autocast; else fp32): the root's ``R = V*d*(1 or 2 untied) + d`` stays gathered through the step, plus
+  two blocks in flight (this one and the prefetched one) or, with ``reshard_after_forward=False``, all
+  ``L``; plus one block's (or the root's) unsharded gradient in ``w`` and, when ``w < 4``, its fp32 copy
+  for the reduce-scatter: ``w * (n * P_l + R) + (w + 4 [w < 4]) * max(P_l, R)``. Without ZeRO, when the
+  compute dtype is narrower than fp32, the autocast copies the matmuls save for backward:
+  ``b * (L * P_l + V * d)`` without checkpointing, else only the recomputed layer's ``b * (P_l + V * d)``.
+- ``activations`` (kept from forward to backward) and ``recompute`` (one layer's set rebuilt during
+  its backward under checkpointing), as the model code saves them (measured: tests/test_memory_model.py).
+  Per token per layer without checkpointing, ``a_b = (2*He*hd + 4f) * b + 4H + 8`` (k/v after the
+  all-to-all, SwiGLU's w1/w3/silu/product, fp32 lse and two RMSNorm ``rsqrt``) plus the ``d``-sized
+  tensors (norm inputs, normalised values and outputs, q, attention output, out-projection input), whose
+  dtypes depend on how bf16 is applied: fp32 / fp64 runs ``8*d*b``; FSDP2 bf16 weights (``z > 1``,
+  no autocast) ``2*d*4 + 6*d*b`` (the norms' fp32 upcasts); autocast (``z = 1``) ``4*d*4 + 7*d*b`` (fp32
+  residual stream and norm values, and one bf16 cast of a norm output per projection). The residual
+  stream (a layer's input) is ``r`` = 4 bytes under autocast, else ``b``; the final norm keeps ``3d``
+  values. By ``ac_mode``: ``none``: ``L * t * a_b``; ``full``: ``L * t * d * r`` plus ``recompute =
+  t * a_b``; ``selective``: ``L * t * (d * r + d * b + 4H)`` (input, attention output, lse; with
+  ``hp > 1`` also the all-to-alls' outputs, ``(2d + 2*He*hd) * b``: q, k, v and the attention output
+  back in token layout) plus the same ``recompute``.
+- ``logits``: the peak of the chunked cross-entropy (loongtrain/train/chunked_loss.py,
+  :func:`~loongtrain.train.chunked_loss.chunked_loss_peak_bytes` with ``t`` tokens): the fp32 log-sum-exp
+  per token plus one chunk's logits in the compute dtype and fp32; the head's compute-dtype copy is
+  already in ``working_params``. No rank holds the logits of all its tokens.
 - ``workspace``: peak of the ring backward and the all-to-all: 3 K/V blocks and 4 dK/dV blocks
-  (in flight, received, accumulated) of ``2 * t * He * hd`` elements, an fp32 dQ accumulator
-  ``4 * t * d``, and the packed all-to-all send and receive buffers ``2 * b * t * (d + 2*He*hd)``.
+  (in flight, received, accumulated) of ``2 * t * He * hd`` elements (without a ring, ``cp = 1``: the
+  kernel's dK/dV and their accumulator), an fp32 dQ accumulator ``4 * t * d``, and, with ``hp > 1``, the
+  packed all-to-all send and receive buffers ``2 * b * t * (d + 2*He*hd)``.
+
+``total`` is the step's peak, not the sum of the parts (:func:`peak_bytes`): the fp32 gradients
+(``4P/z`` of ``states``) are allocated while backward frees the activations, so the peak is the larger
+of backward's start (states without gradients + activations + logits + the transient parts) and its end
+(states + the transient parts). With gradient accumulation the gradients live through every micro-batch
+after the first: add ``4P/z`` to the first.
 """
 
 from __future__ import annotations
@@ -27,6 +48,7 @@ from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.parallel.config import AC_MODES, effective_kv_heads
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.traffic import acc_bytes
+from loongtrain.train.chunked_loss import chunked_loss_peak_bytes
 
 STATE_BYTES_PER_PARAM = 16
 
@@ -36,18 +58,70 @@ def layer_params(model: ModelConfig) -> int:
     return (num_params(model, include_embeddings=False) - model.dim) // model.num_layers
 
 
-def activation_elements_per_token(model: ModelConfig, hp: int) -> int:
-    """``a = 7d + 2*He*hd + 4f``: compute-dtype elements saved per token per layer without checkpointing."""
+def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharded: bool) -> float:
+    """``a_b``: bytes saved per token per layer without checkpointing (module docstring); ``sharded``:
+    bf16 through FSDP2's gathered weights rather than autocast."""
+    b, d = dtype_bytes, model.dim
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
-    return 7 * model.dim + 2 * he * model.head_dim + 4 * model.ffn_dim
+    rest = (2 * he * model.head_dim + 4 * model.ffn_dim) * b + 4 * model.num_heads + 8
+    if b >= 4:
+        return 8 * d * b + rest
+    return (2 * d * 4 + 6 * d * b if sharded else 4 * d * 4 + 7 * d * b) + rest
+
+
+def residual_bytes(dtype_bytes: int, sharded: bool) -> int:
+    """Bytes per element of the residual stream: fp32 under autocast (``z = 1``, ``b < 4``), else ``b``."""
+    return 4 if dtype_bytes < 4 and not sharded else dtype_bytes
+
+
+def final_norm_bytes(dim: int, dtype_bytes: int, sharded: bool) -> float:
+    """Bytes per token the final RMSNorm saves (input, normalised values, output)."""
+    b = dtype_bytes
+    if b >= 4:
+        return 3 * dim * b
+    return dim * 4 + 2 * dim * b if sharded else 2 * dim * 4 + dim * b
+
+
+def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_bytes: int,
+                        reshard_after_forward: bool = True) -> float:
+    """Bytes of gathered weights, their unsharded gradients and autocast copies (``working_params``)."""
+    p_l, d, L = layer_params(model), model.dim, model.num_layers
+    head = model.vocab_size * d
+    if zero_size > 1:
+        w = min(dtype_bytes, 4)
+        root = head * (1 if model.tie_embeddings else 2) + d
+        in_flight = 2 if reshard_after_forward else L
+        grad = w + 4 if w < 4 else w
+        return float(w * (in_flight * p_l + root) + grad * max(p_l, root))
+    if dtype_bytes < 4:
+        return float(dtype_bytes * ((L if ac_mode == "none" else 1) * p_l + head))
+    return 0.0
+
+
+def ring_workspace_bytes(kv_elems: float, dtype_bytes: int, cp: int) -> float:
+    """K/V and dK/dV blocks of the ring backward: 3 K/V blocks and 4 dK/dV blocks (in flight, received,
+    accumulated) with a ring; without one (``cp = 1``) only the kernel's dK/dV and their accumulator."""
+    if cp == 1:
+        return kv_elems * (dtype_bytes + acc_bytes(dtype_bytes))
+    return 3 * kv_elems * dtype_bytes + 4 * kv_elems * acc_bytes(dtype_bytes)
+
+
+def peak_bytes(parts: dict[str, float], gradient_bytes: float) -> float:
+    """The step's peak, the larger of two moments: backward's start (every saved activation, the loss,
+    one layer's recompute; no gradient yet: the trainer sets them to None each step) and its end (every
+    gradient, no activation). ``gradient_bytes``: the fp32 gradients within ``states``."""
+    transient = parts["working_params"] + parts["recompute"] + parts["workspace"]
+    start = parts["states"] - gradient_bytes + parts["activations"] + parts["logits"] + transient
+    end = parts["states"] + transient
+    return max(start, end)
 
 
 def memory_per_rank(
     model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, ac_mode: str,
-    dtype_bytes: int = 2,
+    dtype_bytes: int = 2, reshard_after_forward: bool = True,
 ) -> dict[str, float]:
-    """Bytes per device by part (``states``, ``working_params``, ``activations``, ``logits``, ``workspace``)
-    and their ``total``."""
+    """Bytes per device by part (``states``, ``working_params``, ``activations``, ``recompute``, ``logits``,
+    ``workspace``) and the step's peak ``total`` (:func:`peak_bytes`)."""
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} is not one of {AC_MODES}")
     if zero_size < 1 or layout.world_size % zero_size:
@@ -56,26 +130,28 @@ def memory_per_rank(
     p = num_params(model)
     t = batch * seq_len / layout.sp
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
-    lse = 4 * model.num_heads
-    full_layer = t * (activation_elements_per_token(model, layout.hp) * b + lse)
+    sharded = zero_size > 1
+    full_layer = t * layer_activation_bytes(model, layout.hp, b, sharded)
+    r = residual_bytes(b, sharded)
     if ac_mode == "none":
-        acts = L * full_layer
+        acts, recompute = L * full_layer, 0.0
     elif ac_mode == "full":
-        acts = L * t * d * b + full_layer
-    else:
-        acts = L * t * (2 * d * b + lse) + full_layer
-    p_l, head = layer_params(model), model.vocab_size * d
-    working = 0 if zero_size == 1 else 4 * (2 * p_l + head)
-    if b < 4:
-        working += b * ((L if ac_mode == "none" else 1) * p_l + head)
+        acts, recompute = L * t * d * r, full_layer
+    else:  # input, ring output and lse; with hp > 1 also the all-to-alls' outputs (q, k, v; attention out)
+        kept = d * b + (2 * d + 2 * he * model.head_dim) * b * (layout.hp > 1)
+        acts, recompute = L * t * (d * r + kept + 4 * model.num_heads), full_layer
+    acts += t * final_norm_bytes(d, b, sharded)
+    working = working_param_bytes(model, zero_size, ac_mode, b, reshard_after_forward)
     kv_elems = 2 * t * he * model.head_dim
     parts = {
         "states": STATE_BYTES_PER_PARAM * p / zero_size,
         "working_params": float(working),
         "activations": float(acts),
-        "logits": t * model.vocab_size * (b + 4),
-        "workspace": 3 * kv_elems * b + 4 * kv_elems * acc_bytes(b) + 4 * t * d
-        + 2 * b * t * (d + 2 * he * model.head_dim),
+        "recompute": float(recompute),
+        "logits": float(chunked_loss_peak_bytes(int(t), model.vocab_size, d, compute_bytes=b, weight_bytes=b,
+                                                stats_bytes=8 if b == 8 else 4)),
+        "workspace": ring_workspace_bytes(kv_elems, b, layout.cp) + 4 * t * d
+        + 2 * b * t * (d + 2 * he * model.head_dim) * (layout.hp > 1),
     }
-    parts["total"] = sum(parts.values())
+    parts["total"] = peak_bytes(parts, gradient_bytes=4 * p / zero_size)
     return parts

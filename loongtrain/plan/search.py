@@ -13,6 +13,8 @@ node is ``zero="full"`` (and needs two devices per node). Every candidate passes
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import (
     AC_ALIASES,
@@ -40,12 +42,25 @@ def head_ok(model: ModelConfig, hp: int) -> bool:
     return True
 
 
-def resolve_model(model: str | ModelConfig) -> tuple[str, ModelConfig]:
+def resolve_model(model: str | Path | ModelConfig) -> tuple[str, ModelConfig]:
+    """``(name, ModelConfig)`` of a preset name, a ModelConfig, or a Hugging Face model: its local
+    directory or config.json (any supported family, :func:`loongtrain.hf.shape_config_from_hf`).
+    ValueError naming the presets for anything else."""
     if isinstance(model, ModelConfig):
         return "custom", model
-    if model not in PRESETS:
-        raise ValueError(f"unknown model {model!r}; presets: {sorted(PRESETS)} (or pass a ModelConfig)")
-    return model, PRESETS[model]
+    if str(model) in PRESETS:
+        return str(model), PRESETS[str(model)]
+    path = Path(model)
+    if path.is_dir() or (path.is_file() and path.name.endswith(".json")):
+        from loongtrain.hf.convert import shape_config_from_hf
+        from loongtrain.hf.load import read_hf_config
+
+        directory = path if path.is_dir() else path.parent
+        if path.is_file() and path.name != "config.json":
+            raise ValueError(f"model {str(path)!r}: a Hugging Face config file must be named config.json")
+        return str(path), shape_config_from_hf(read_hf_config(directory))
+    raise ValueError(f"unknown model {str(model)!r}; presets: {sorted(PRESETS)}, or a local Hugging Face model "
+                     f"directory (or its config.json)")
 
 
 def _check_choice(name: str, value, allowed: list) -> None:

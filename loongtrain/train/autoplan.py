@@ -1,5 +1,7 @@
 """``loongtrain train --plan auto``: the planner's best :class:`~loongtrain.parallel.config.ParallelConfig`
-becomes the run's ``cfg.parallel`` (hp, cp, window, placement, ZeRO and activation checkpointing)."""
+becomes the run's ``cfg.parallel`` (hp, cp, window, placement, ZeRO and activation checkpointing). The
+model planned is the one the run trains (:func:`loongtrain.train.models.model_config_for`: a preset, or a
+Hugging Face directory's shape)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
 from loongtrain.plan.search import best_fitting
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.metrics import cluster_for_device
+from loongtrain.train.models import model_config_for
 from loongtrain.train.trainer import autocast_dtype, param_dtype
 
 log = logging.getLogger("loongtrain.train")
@@ -52,7 +55,7 @@ def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool) -> TrainCo
         raise ValueError(f"--plan auto: world size {world} is not a whole number of {cluster.name} nodes "
                          f"({cluster.gpus_per_node} devices each)")
     compute_dtype = autocast_dtype(cfg, default_device()) or param_dtype(cfg)  # what the trainer will use
-    best = best_fitting(cfg.model, cluster, nodes=world // cluster.gpus_per_node, seq_len=cfg.seq_len,
+    best = best_fitting(model_config_for(cfg), cluster, nodes=world // cluster.gpus_per_node, seq_len=cfg.seq_len,
                         batch=cfg.batch_size, dtype_bytes=compute_dtype.itemsize)
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, bottleneck %s)",
              cluster.name, best.config.label(), best.step_time, 100 * best.mfu,

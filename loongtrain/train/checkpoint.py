@@ -34,6 +34,10 @@ LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 
 
+class NonFiniteError(RuntimeError):
+    """The run produced NaN or inf where it must not (parameters, or too many skipped steps)."""
+
+
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -71,8 +75,12 @@ def save_checkpoint(
 ) -> Path:
     """Collective: save a complete checkpoint for ``step`` under ``root`` and point ``latest`` at it.
 
+    Raises :class:`NonFiniteError` (writing nothing) when any rank's parameters are not finite.
     ``keep > 0`` then deletes all but the newest ``keep`` complete checkpoints.
     """
+    if not parameters_finite(model):
+        raise NonFiniteError(f"step {step}: the parameters hold NaN or inf; not writing a checkpoint "
+                             f"(the previous checkpoints are kept)")
     root = Path(root)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -142,12 +150,31 @@ def remove_stale_tmp(root: Path) -> list[Path]:
     return stale
 
 
-def resolve_checkpoint(spec: str, out_dir: Path) -> Path:
-    """The checkpoint directory named by ``--resume``: 'latest', a checkpoints root, or a checkpoint."""
-    if spec == LATEST:
-        root = Path(out_dir) / "checkpoints"
-    else:
-        root = Path(spec)
+AUTO = "auto"
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    """The checkpoint to continue from under ``root``: ``latest``'s target when it is complete, else the
+    complete checkpoint of the highest step; None when there is none."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if _step_of(target) is not None and (target / STATE_FILE).is_file():
+            return target
+    done = complete_checkpoints(root) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def resolve_checkpoint(spec: str, out_dir: Path) -> Path | None:
+    """The checkpoint directory named by ``--resume``: 'latest', 'auto', a checkpoints root, or a checkpoint.
+
+    'auto' returns None when ``OUT_DIR/checkpoints`` holds no complete checkpoint (start fresh); the
+    other forms raise ValueError then.
+    """
+    if spec == AUTO:
+        return newest_checkpoint(Path(out_dir) / "checkpoints")
+    root = Path(out_dir) / "checkpoints" if spec == LATEST else Path(spec)
     if (root / LATEST).is_file():
         name = (root / LATEST).read_text().strip()
         root = root / name
@@ -157,7 +184,60 @@ def resolve_checkpoint(spec: str, out_dir: Path) -> Path:
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    """The trainer state of checkpoint ``path``; ValueError naming the file when it is unreadable."""
+    file = Path(path) / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint file {str(file)!r} is corrupt or unreadable: {exc}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "scheduler" not in state:
+        raise ValueError(f"checkpoint file {str(file)!r} is corrupt: no 'step' and 'scheduler' entries")
+    return state
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check that checkpoint ``path`` is readable without loading it: the trainer state parses, the DCP
+    metadata loads, every file it names exists with at least the bytes it needs, and rank 0's RNG file
+    is there. Return the trainer state; raise ValueError naming the first bad file. (Contents are not
+    checksummed: a file overwritten with bytes of the same size is found only by the load.)"""
+    path = Path(path)
+    state = read_trainer_state(path)
+    meta_file = path / ".metadata"
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise ValueError(f"checkpoint file {str(meta_file)!r} is missing or corrupt: "
+                         f"{type(exc).__name__}: {exc}") from None
+    for name, size in sorted(needed.items()):
+        file = path / name
+        have = file.stat().st_size if file.is_file() else -1
+        if have < size:
+            what = "is missing" if have < 0 else f"has {have} bytes, the metadata needs {size}"
+            raise ValueError(f"checkpoint file {str(file)!r} {what} (corrupt or truncated checkpoint)")
+    if not (path / "rng_rank0.pt").is_file():
+        raise ValueError(f"checkpoint file {str(path / 'rng_rank0.pt')!r} is missing")
+    return state
+
+
+def parameters_finite(model: nn.Module) -> bool:
+    """Collective when torch.distributed is initialised: True when every rank's parameters are finite."""
+    bad = torch.zeros((), dtype=torch.float32)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 shards: each rank checks its own
+        if not bool(torch.isfinite(local.detach()).all()):
+            bad.fill_(1.0)
+            break
+    if _dist():
+        device = next(model.parameters()).device
+        flag = bad.to(device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        bad = flag.cpu()
+    return not bool(bad)
 
 
 def load_checkpoint(

@@ -8,7 +8,8 @@ from loongtrain.train.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, validate (before any worker starts) and run; 0 on success, 2 on a user error, 1 on a failure."""
+    """Parse, validate (before any worker starts) and run; 0 on success, 2 on a user error, 1 on a failure
+    (a worker failed, or the run stopped after --max-bad-steps non-finite steps)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = parse_args(argv)
@@ -29,8 +30,21 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:  # noqa: BLE001 - a worker failed: report it, exit non-zero
         print(f"loongtrain train: training failed: {exc}", file=sys.stderr)
+        summary = _summary(exc)
+        if summary:
+            print(f"loongtrain train: {summary}", file=sys.stderr)
         return 1
     return 0
+
+
+def _summary(exc: Exception) -> str:
+    """One closing line for a worker failure: the failing rank and the last line of its traceback."""
+    from loongtrain.parallel.launch import WorkerError
+
+    if not isinstance(exc, WorkerError):
+        return ""
+    lines = [line for line in exc.details.strip().splitlines() if line.strip()]
+    return f"rank {exc.rank} failed: {lines[-1].strip() if lines else 'no details'}"
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,6 +21,7 @@ from loongtrain.parallel.config import ParallelConfig, validate_parallel
 
 DTYPES = ("auto", "fp32", "bf16", "fp64")
 PROGRESS = ("auto", "on", "off")
+DOC_MASK = ("on", "off")
 #: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1)
 DEFAULT_PARALLEL = ParallelConfig(hp=2, cp=2)
 PARALLEL_FIELDS = {f.name: f for f in fields(ParallelConfig)}
@@ -35,14 +37,20 @@ class TrainConfig:
     whose fields are options of their own (``--hp`` sets ``parallel.hp``)."""
 
     # model and data
-    model: str = _opt("tiny", "model preset (tiny, 1b, 7b-mha, 7b-gqa, 13b)")
+    model: str = _opt("tiny", "model preset (tiny, 1b, 7b-mha, 7b-gqa, 13b) or a local Hugging Face model "
+                      "directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)")
     corpus: str = _opt(
         "stdlib", "corpus: 'stdlib' (this Python's standard-library sources, no download), a .txt/.jsonl "
         "file, a directory of them, or a saved Hugging Face dataset"
     )
-    tokenizer: str = _opt("byte", "tokenizer: 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
+    tokenizer: str = _opt("auto", "tokenizer: 'auto' (the --model directory's Hugging Face tokenizer when it "
+                          "has one, else 'byte'), 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
                           "tokenizer path")
     seq_len: int = _opt(8192, "tokens per sequence (must be divisible by 2*hp*cp)")
+    doc_mask: str = _opt("on", "on: in packed corpora a token attends only inside its own document (block-"
+                         "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
+                         "packed sequence. loongtrain's decoder; Hugging Face models train without it for now")
+    position_reset: bool = _opt(True, "with --doc-mask on, position ids restart at 0 in each document")
     batch_size: int = _opt(1, "sequences per data-parallel replica per micro-step")
     grad_accum: int = _opt(1, "micro-steps accumulated per optimizer step")
     # optimisation
@@ -56,9 +64,12 @@ class TrainConfig:
     eps: float = _opt(1e-8, "AdamW epsilon")
     clip: float = _opt(1.0, "gradient clipping max global L2 norm (0 disables)")
     dtype: str = _opt(
-        "auto", "compute dtype: auto (bf16 autocast on CUDA, fp32 on CPU), fp32, bf16 (autocast), fp64"
+        "auto", "compute dtype: auto (bf16 on CUDA devices with native bf16, else fp32), fp32, bf16 (fp32 "
+        "weights, bf16 compute: FSDP2 gathers bf16 weights under ZeRO, autocast otherwise), fp64"
     )
     seed: int = _opt(0, "seed for weights, data order and torch RNGs")
+    deterministic: bool = _opt(False, "torch.use_deterministic_algorithms(True): bit-identical reruns and "
+                               "resumes on the same GPUs and layout, at some speed (README: Determinism)")
     # parallelism and memory: --hp, --cp, --window, --placement, --interleaved, --zero,
     # --zero-shard-size, --reshard-after-forward, --ac-mode, --ac-fraction (ParallelConfig's fields)
     parallel: ParallelConfig = _opt(DEFAULT_PARALLEL, "degrees, placement, ZeRO and activation checkpointing")
@@ -78,10 +89,20 @@ class TrainConfig:
     ckpt_interval: int = _opt(0, "checkpoint every N steps (0: only at the end); always one at the end")
     keep_checkpoints: int = _opt(0, "keep only the newest N checkpoints (0: keep all)")
     resume: str = _opt(
-        "", "resume from a checkpoint: a checkpoint directory, or 'latest' (OUT_DIR/checkpoints/latest); "
-        "bare --resume means latest", const="latest"
+        "", "resume from a checkpoint: a checkpoint directory, 'latest' (OUT_DIR/checkpoints/latest), or "
+        "'auto' (the newest complete checkpoint if there is one, else start fresh; the default when torchrun "
+        "restarts the job); bare --resume means latest", const="latest"
     )
+    overwrite: bool = _opt(False, "start afresh in an --out-dir that already holds checkpoints, deleting them "
+                           "(without it, such a run needs --resume)")
     stop_after: int = _opt(0, "stop this run after N optimizer steps (simulates an interruption; 0: run all)")
+    max_bad_steps: int = _opt(5, "stop the run (exit 1) after N consecutive steps skipped because the loss or "
+                              "gradient norm was NaN/inf (0: never stop)")
+    timeout: float = _opt(600.0, "seconds a collective may wait for its peers before the run fails")
+    heartbeat_timeout: float = _opt(60.0, "local workers: seconds without a heartbeat (a stopped or frozen "
+                                    "worker) before the run ends naming the rank")
+    max_restarts: int = _opt(0, "local workers: restart the job from its newest checkpoint up to N times "
+                             "after a worker failure")
     log_interval: int = _opt(1, "log metrics every N steps")
     peak_tflops: float = _opt(
         0.0, "peak TFLOP/s of one device for MFU (0: table by CUDA device name; on CPU measured)"
@@ -101,19 +122,33 @@ class TrainConfig:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"--{_flag(name)}={value} must be a positive integer")
-        for name in ("warmup", "nproc", "threads", "ckpt_interval", "keep_checkpoints", "stop_after"):
+        for name in ("warmup", "nproc", "threads", "ckpt_interval", "keep_checkpoints", "stop_after",
+                     "max_bad_steps", "max_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
-        if self.lr <= 0:
-            raise ValueError(f"--lr={self.lr} must be positive")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"--min-lr-ratio={self.min_lr_ratio} must be in [0, 1]")
-        if self.clip < 0 or self.weight_decay < 0 or self.peak_tflops < 0:
-            raise ValueError("--clip, --weight-decay and --peak-tflops must be >= 0")
+        self._validate_ranges()
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype={self.dtype!r} is not one of {DTYPES}")
         if self.progress not in PROGRESS:
             raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
+        if self.doc_mask not in DOC_MASK:
+            raise ValueError(f"--doc-mask={self.doc_mask!r} is not one of {DOC_MASK}")
+
+    def _validate_ranges(self) -> None:
+        """Float options: finite and inside their range (AdamW's own checks miss inf and NaN)."""
+        ranges = {  # name: (low, high, low inclusive?, high inclusive?)
+            "lr": (0.0, math.inf, False, False), "min_lr_ratio": (0.0, 1.0, True, True),
+            "beta1": (0.0, 1.0, True, False), "beta2": (0.0, 1.0, True, False),
+            "eps": (0.0, math.inf, False, False), "weight_decay": (0.0, math.inf, True, False),
+            "clip": (0.0, math.inf, True, False), "peak_tflops": (0.0, math.inf, True, False),
+            "timeout": (0.0, math.inf, False, False), "heartbeat_timeout": (0.0, math.inf, False, False),
+        }
+        for name, (low, high, low_in, high_in) in ranges.items():
+            value = getattr(self, name)
+            inside = (value >= low if low_in else value > low) and (value <= high if high_in else value < high)
+            if not (math.isfinite(value) and inside):
+                rule = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+                raise ValueError(f"--{_flag(name)}={value} must be finite and in {rule}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, ``parallel`` as a nested dict (what checkpoints record; :meth:`from_dict` reads it)."""
@@ -175,13 +210,21 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ValueError with its one-line message (the option, the value and the expected
+    type or choices) instead of printing the whole usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser generated from :class:`TrainConfig`; every option shows its default.
 
     Defaults are suppressed in the parsed namespace so that only options given on the command line
     override the TOML file.
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="loongtrain train",
         description="Train a LLaMA-style model with 2D-Attention (hp x cp sequence parallelism, dp "
         "replicas on top). Options may also be set in a TOML file (--config) with the same names "

@@ -184,19 +184,12 @@ def memory_report(
 
 
 def trainer_loss_fn(trainer: Any, batch: dict[str, Tensor]) -> Callable[[], Tensor]:
-    """A ``loss_fn`` for :func:`memory_report` doing what ``Trainer.step`` does for one micro-batch."""
-    from loongtrain.parallel.sharding import shard_sequence
-    from loongtrain.train.loss import sharded_cross_entropy
-
-    def local(x: Tensor) -> Tensor:
-        return shard_sequence(x, trainer.mesh, dim=1).to(trainer.device)
+    """A ``loss_fn`` for :func:`memory_report` doing what ``Trainer.step`` does for one micro-batch
+    (:meth:`~loongtrain.train.trainer.Trainer.loss`: forward, chunked loss)."""
 
     def loss_fn() -> Tensor:
-        autocast = getattr(trainer, "_autocast", contextlib.nullcontext)
         trainer.model.train()
-        with autocast():
-            logits = trainer.model(local(batch["input_ids"]), local(batch["position_ids"]))
-        loss, _ = sharded_cross_entropy(logits, local(batch["labels"]), trainer.mesh)
+        loss, _ = trainer.loss(batch)
         return loss
 
     return loss_fn
@@ -209,10 +202,66 @@ def trainer_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, i
 
 def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, int]:
     """Collective: measure this rank's report on ``batch`` and log every rank's on rank 0 (the trainer's
-    start-up call); returns this rank's report (see :func:`metrics_fields` for step records)."""
+    start-up call), then the planner's prediction for the run's own configuration beside rank 0's
+    measurement (:func:`format_prediction`); returns this rank's report (see :func:`metrics_fields`)."""
     report = trainer_memory_report(trainer, batch)
-    log_memory_report(report)
+    reports = log_memory_report(report)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        batch_size, seq_len = batch["input_ids"].shape
+        predicted = predicted_memory(trainer, seq_len=seq_len, batch=batch_size)
+        log.info("planner's prediction for this configuration (loongtrain.plan.memory) beside rank 0's "
+                 "measurement:\n%s", format_prediction(predicted, reports[0]))
     return report
+
+
+def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, float]:
+    """:func:`loongtrain.plan.memory.memory_per_rank` for what ``trainer`` runs: its model, layout, ZeRO
+    shard group (1 without FSDP), ``ac_mode``, ``reshard_after_forward`` and compute dtype."""
+    from loongtrain.plan.memory import memory_per_rank
+    from loongtrain.train.parallelize import uses_fsdp
+    from loongtrain.train.trainer import autocast_dtype, param_dtype
+
+    cfg, mesh = trainer.cfg, trainer.mesh
+    parallel = cfg.parallel
+    zero_size = parallel.shard_size(mesh.world_size) if uses_fsdp(parallel) else 1
+    compute = autocast_dtype(cfg, trainer.device) or param_dtype(cfg)
+    return memory_per_rank(
+        trainer.model_config, mesh.layout, seq_len=seq_len, batch=batch, zero_size=zero_size,
+        ac_mode=parallel.ac_mode, dtype_bytes=torch.empty((), dtype=compute).element_size(),
+        reshard_after_forward=parallel.reshard_after_forward,
+    )
+
+
+#: the planner's parts that the measured report counts: (planner parts, report parts)
+COMPARED_PARTS = {
+    "params + grads + optimizer state": (("states",), ("params", "grads", "optimizer_state")),
+    "saved activations": (("activations",), ("activations",)),
+}
+
+
+def compared_totals(predicted: dict[str, float], measured: dict[str, int]) -> tuple[float, float]:
+    """``(predicted, measured)`` bytes over :data:`COMPARED_PARTS` (what both count)."""
+    pred = sum(predicted[k] for parts, _ in COMPARED_PARTS.values() for k in parts)
+    meas = sum(measured[k] for _, parts in COMPARED_PARTS.values() for k in parts)
+    return float(pred), float(meas)
+
+
+def format_prediction(predicted: dict[str, float], measured: dict[str, int]) -> str:
+    """A markdown table (MiB): the planner's parts beside the measured ones they correspond to, the
+    compared total and their ratio, and the planner's transient parts (not measured by the report)."""
+    lines = ["| part | predicted MiB | measured MiB |", "|---|---:|---:|"]
+    for label, (pred_parts, meas_parts) in COMPARED_PARTS.items():
+        pred = sum(predicted[k] for k in pred_parts)
+        meas = sum(measured[k] for k in meas_parts)
+        lines.append(f"| {label} | {_mib(int(pred))} | {_mib(meas)} |")
+    pred, meas = compared_totals(predicted, measured)
+    ratio = pred / meas if meas else float("nan")
+    lines.append(f"| compared total | {_mib(int(pred))} | {_mib(int(meas))} (predicted/measured {ratio:.3f}) |")
+    transient = {k: v for k, v in predicted.items() if k not in ("total", "states", "activations")}
+    lines.append(f"| transient ({', '.join(transient)}) | {_mib(int(sum(transient.values())))} | - |")
+    lines.append(f"| planner's peak of the step | {_mib(int(predicted['total']))} | - |")
+    return "\n".join(lines)
 
 
 def gather_reports(report: dict[str, int]) -> list[dict[str, int]]:

@@ -110,19 +110,24 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsLogger:
-    """Rank 0's sinks: metrics.jsonl (always), TensorBoard and a progress bar when available."""
+    """Rank 0's sinks: metrics.jsonl (always), TensorBoard and a progress bar when available.
+
+    metrics.jsonl is append-only, never truncated: each run (fresh, resumed or restarted) first appends
+    ``{"event": "start", "step": start_step, ...}``; :func:`read_jsonl` then drops the earlier records
+    of steps after ``start_step`` (work redone after a resume from an older checkpoint).
+    """
 
     def __init__(self, out_dir: Path, *, total_steps: int, start_step: int, tensorboard: bool,
-                 progress: str, append: bool) -> None:
+                 progress: str) -> None:
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = out_dir / "metrics.jsonl"
-        kept = []
-        if append and self.jsonl_path.is_file():  # resumed: drop records of steps after the checkpoint
-            kept = [r for r in read_jsonl(self.jsonl_path) if r.get("step", 0) <= start_step]
-        self._jsonl = open(self.jsonl_path, "w")  # noqa: SIM115 - closed in close()
-        for record in kept:
-            self._jsonl.write(json.dumps(record) + "\n")
+        torn = self.jsonl_path.is_file() and not self.jsonl_path.read_bytes().endswith(b"\n")
+        self._jsonl = open(self.jsonl_path, "a")  # noqa: SIM115 - closed in close()
+        if torn and self.jsonl_path.stat().st_size:  # a run killed mid-line: keep the next line whole
+            self._jsonl.write("\n")
+        self._jsonl.write(json.dumps({"event": "start", "step": start_step, "time": time.time()}) + "\n")
+        self._jsonl.flush()
         self._tb = None
         if tensorboard:
             try:
@@ -169,10 +174,27 @@ class MetricsLogger:
             self._bar.close()
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl file (one JSON object per line)."""
+def read_jsonl(path: str | os.PathLike, *, raw: bool = False) -> list[dict[str, Any]]:
+    """The step records of a metrics.jsonl file, as the runs that wrote it left them: a ``start`` event at
+    step ``s`` drops the earlier records of steps after ``s``; events themselves are not returned.
+    ``raw=True``: every line as written (events included). A torn line (a run killed mid-write) is skipped."""
+    records: list[dict[str, Any]] = []
     with open(path) as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+        for line in fh:
+            try:
+                record = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                log.warning("%s: skipping a torn line %r", path, line[:60])
+                continue
+            if record is None:
+                continue
+            if raw:
+                records.append(record)
+            elif "event" not in record:
+                records.append(record)
+            elif record["event"] == "start":
+                records = [r for r in records if r.get("step", 0) <= record["step"]]
+    return records
 
 
 def plot_loss_curve(jsonl_path: Path, png_path: Path) -> bool:

@@ -9,7 +9,8 @@
    saves the outputs of ``torch.ops.loongtrain.head_all_to_all`` and ``torch.ops.loongtrain.ring_attention``
    (attention output and lse) and recomputes everything else, so the recompute pass runs no attention
    and sends nothing (docs/design.md §6);
-3. **hybrid ZeRO** via FSDP2 (:func:`torch.distributed.fsdp.fully_shard`). The ``dp x sp`` ranks all hold
+3. **hybrid ZeRO** via FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) of every block
+   (:func:`transformer_blocks`) and then the root. The ``dp x sp`` ranks all hold
    the same weights, so parameters, gradients and optimizer state are sharded over all of them
    (``zero="full"``) or over consecutive groups of ``zero_shard_size`` ranks, replicated across groups
    (``zero="hybrid"``: HSDP on a 2-D ``(replicate, shard)`` DeviceMesh). Each rank back-propagates
@@ -17,7 +18,15 @@
    gradient is the SUM over a replica's ``sp`` ranks AVERAGED over the ``dp`` replicas, i.e.
    ``sum over all ranks / dp``: the gradient divide factor is set to ``dp`` (FSDP's default would divide
    by ``dp * sp``). ``reshard_after_forward`` chooses between freeing gathered weights after each
-   block's forward (re-gathered for backward) and keeping them until backward.
+   block's forward (re-gathered for backward) and keeping them until backward; the root (embedding,
+   final norm, LM head) always keeps them (``reshard_after_forward=False``): the loss reads the head
+   weight after the model's forward. With ``param_dtype`` (bf16 runs) FSDP2's
+   ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` gathers bf16 weights and reduces fp32
+   gradients into the fp32 shards; the trainer then runs without autocast (docs/design.md §7).
+
+Sharded set-ups never hold the whole model: :func:`parallelize` takes a model built on the meta
+device, shards it, allocates only the local shards (``to_empty``), and :func:`materialize_params`
+fills each shard from the parameter's full initial value, built on CPU one parameter at a time.
 
 The options are one :class:`~loongtrain.parallel.config.ParallelConfig` (docs/design.md §8). Parameter
 names are unchanged (checkpointing replaces the block's ``forward`` on the instance instead of wrapping
@@ -149,20 +158,42 @@ def fsdp_device_mesh(device: torch.device, world_size: int, shard_size: int) -> 
     return _DEVICE_MESHES[key]
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device) -> nn.Module:
-    """``fully_shard`` each block of ``model.layers`` and then the root, with gradient divide factor ``dp``.
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of ``model``: ``model.layers`` (ours) or ``model.model.layers`` (Hugging Face
+    causal LMs). ValueError when neither is a ModuleList."""
+    for owner in (model, getattr(model, "model", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(model).__name__} has neither .layers nor .model.layers (a ModuleList of blocks "
+                     "to checkpoint/shard)")
 
-    Must run after :func:`apply_activation_checkpointing` and with the model already on ``device``.
+
+def uses_fsdp(parallel: ParallelConfig) -> bool:
+    """Whether :func:`parallelize` shards with FSDP2: ``zero`` is not none and the world has > 1 rank."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return parallel.zero != "none" and distributed
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device,
+               param_dtype: torch.dtype | None = None) -> nn.Module:
+    """``fully_shard`` each block (:func:`transformer_blocks`) and then the root, with gradient divide
+    factor ``dp``; with ``param_dtype``, weights are gathered in it and gradients reduced in fp32.
+
+    Must run after :func:`apply_activation_checkpointing`, with the model on ``device`` or on meta.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     world = dist.get_world_size()
     if world != mesh.world_size:
         raise ValueError(f"torch.distributed world size {world} != mesh world size {mesh.world_size}")
     device_mesh = fsdp_device_mesh(device, world, parallel.shard_size(world))
-    for block in model.layers:
-        fully_shard(block, mesh=device_mesh, reshard_after_forward=parallel.reshard_after_forward)
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=parallel.reshard_after_forward)
+    # cast_forward_inputs=False: RoPE's cos/sin stay fp32 (the block's activations are already bf16)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
+                              cast_forward_inputs=False)
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=device_mesh, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=False, mp_policy=mp)
     # gradient = sum over all dp*sp ranks / dp (see module docstring); FSDP would divide by dp*sp.
     force_sum = device.type != "cuda"  # gloo has neither AVG nor PREMUL_SUM: SUM, then divide
     for module in model.modules():
@@ -172,23 +203,51 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: t
     return model
 
 
-def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device) -> nn.Module:
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device, *,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
     """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> activation checkpointing -> FSDP2.
 
-    ``model`` must have a ``.layers`` ModuleList of blocks. With ``zero="none"`` parameters stay plain
-    tensors and the trainer's own gradient all-reduce applies; otherwise they become DTensors and the
-    trainer must not all-reduce (``loongtrain.train.sync.needs_grad_sync`` returns False). Without an
-    initialised process group (or a world of 1) ``zero`` is ignored.
+    ``model`` must have decoder blocks (:func:`transformer_blocks`). With ``zero="none"`` parameters
+    stay plain tensors and the trainer's own gradient all-reduce applies; otherwise they become
+    DTensors and the trainer must not all-reduce (``loongtrain.train.sync.needs_grad_sync`` returns
+    False). Without an initialised process group (or a world of 1) ``zero`` is ignored
+    (:func:`uses_fsdp`). ``param_dtype``: FSDP2's gathered-weight dtype (ignored without FSDP).
+
+    A model on the meta device is sharded first and then allocated on ``device`` (local shards only,
+    uninitialised: fill them with :func:`materialize_params`); without FSDP it is allocated whole.
     """
     from loongtrain.attn.apply import apply_2d_attention  # attention imports the ops: only when used
 
     if not isinstance(parallel, ParallelConfig):
         raise ValueError(f"parallel must be a ParallelConfig; got {type(parallel).__name__}")
-    if not hasattr(model, "layers"):
-        raise ValueError(f"{type(model).__name__} has no .layers ModuleList of blocks to checkpoint/shard")
-    model = apply_2d_attention(model.to(device), mesh)
-    apply_activation_checkpointing(model.layers, parallel.ac_mode, parallel.ac_fraction)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if parallel.zero != "none" and distributed:
-        apply_fsdp(model, mesh, parallel, device)
+    blocks = transformer_blocks(model)
+    meta = _on_meta(model)
+    model = apply_2d_attention(model if meta else model.to(device), mesh)
+    apply_activation_checkpointing(blocks, parallel.ac_mode, parallel.ac_fraction)
+    if uses_fsdp(parallel):
+        apply_fsdp(model, mesh, parallel, device, param_dtype)
+    if meta:
+        model.to_empty(device=device)
     return model
+
+
+@torch.no_grad()
+def materialize_params(model: nn.Module, initial: Callable[[str, torch.Size], torch.Tensor]) -> None:
+    """Fill every parameter from ``initial(name, full_shape)`` (the whole tensor, any device): plain
+    parameters get it whole, FSDP2 DTensors their local shard of it. One full tensor exists at a time,
+    so no rank holds the whole model; the result equals initialising an unsharded model in place."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for name, param in model.named_parameters():
+        full = initial(name, param.shape).to(device=param.device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            local = param.to_local()
+            assert local.shape == shard.to_local().shape, (name, local.shape, shard.to_local().shape)
+            local.copy_(shard.to_local())
+        else:
+            param.copy_(full)

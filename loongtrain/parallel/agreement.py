@@ -1,0 +1,104 @@
+"""Cross-rank agreement before collectives: ranks that disagree fail at once, by name (docs/design.md §10).
+
+Collectives called with different shapes, dtypes or flags on different ranks either hang, abort inside
+the backend with a message that names nothing, or (a different ``causal`` flag) complete with wrong
+results. :func:`check_agreement` compares the arguments with one all-reduce of a digest; only when they
+differ does it gather them (one ``all_gather_object``) and raise the same ValueError on every rank,
+naming each field that differs and which ranks hold which value. :func:`agree_once` does it once per
+distinct call signature and group, so a steady-state call costs a set lookup.
+
+Limit: a rank that reaches a signature the others have already checked calls the exchange alone; it
+then waits for the process group's timeout instead of failing at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# (group name, call site, signature) already checked; group names are never reused, so entries stay true
+_CHECKED: set[tuple[str, str, tuple[tuple[str, Any], ...]]] = set()
+_MAX_CHECKED = 4096
+
+
+def check_agreement(what: str, fields: Mapping[str, Any], group: dist.ProcessGroup | None = None) -> None:
+    """Collective over ``group`` (default: the world): raise ValueError on every rank unless all ranks
+    pass equal ``fields`` (picklable values). No-op without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    size = dist.get_world_size(group)
+    if size == 1 or _same_everywhere(repr(list(fields.items())), group):
+        return
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, dict(fields), group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    problems = []
+    for name in fields:
+        holders: dict[str, list[int]] = {}
+        for rank, got in zip(ranks, gathered):
+            holders.setdefault(repr(got.get(name)), []).append(rank)
+        if len(holders) > 1:
+            problems.append(f"{name}: " + ", ".join(f"{value} on ranks {r}" for value, r in holders.items()))
+    if problems:
+        raise ValueError(f"{what}: ranks {ranks} must pass the same arguments, but they differ in "
+                         + "; ".join(problems))
+
+
+def _same_everywhere(text: str, group: dist.ProcessGroup | None) -> bool:
+    """One all-reduce: do all ranks of ``group`` hold the same ``text``? (a 56-bit digest, min vs max)"""
+    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    return int(both[0]) == -int(both[1])
+
+
+def agree_once(what: str, fields: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:
+    """:func:`check_agreement` the first time this rank sees ``fields`` for ``what`` on ``group``; free
+    afterwards. Skipped while torch.compile traces (the exchange is host-side)."""
+    if group is None or not (dist.is_available() and dist.is_initialized()) or torch.compiler.is_compiling():
+        return
+    key = (group.group_name, what, tuple(fields.items()))
+    if key in _CHECKED:
+        return
+    check_agreement(what, fields, group)
+    if len(_CHECKED) >= _MAX_CHECKED:  # every rank that agreed so far holds the same keys: clears alike
+        _CHECKED.clear()
+    _CHECKED.add(key)
+
+
+def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, cu_seqlens: Any,
+                       sliding_window: Any, chunk_order: Any) -> None:
+    """:func:`agree_once` over ``mesh``'s replica (sp) group for the arguments of one ``loongtrain.attention``
+    call, taken as given (before validation, so a rank whose arguments are invalid and differ from its
+    peers' does not leave them waiting): the shapes of q, k, v (batch, S, heads, KV heads, head dim),
+    dtypes, causal, softmax_scale, sliding window, document boundaries and chunk order. Documents change
+    with every batch, so packed-document training pays one small exchange per batch (the first layer's
+    call; the other layers repeat its signature)."""
+    if mesh.sp_group is None or torch.compiler.is_compiling():
+        return
+    fields: dict[str, Any] = {"q": _describe(q)}
+    if isinstance(q, torch.Tensor) and q.dim() == 4:
+        fields = dict(zip(("batch", "seq", "num_heads", "head_dim"), q.shape), dtype=str(q.dtype))
+    if isinstance(k, torch.Tensor) and k.dim() == 4:
+        fields["num_kv_heads"] = k.shape[2]
+    fields.update(k=_describe(k), v=_describe(v), causal=_describe(causal),
+                  softmax_scale=_describe(softmax_scale), sliding_window=_describe(sliding_window),
+                  documents=_describe(cu_seqlens), chunk_order=_describe(chunk_order))
+    agree_once("attention", fields, mesh.sp_group)
+
+
+def _describe(value: Any) -> Any:
+    """A hashable, comparable stand-in: a tensor's shape and dtype (its values for a 1-D integer tensor,
+    i.e. document boundaries), sequences as tuples, scalars as they are."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() <= 1 and not value.is_floating_point():
+            return tuple(value.tolist()) if value.dim() == 1 else value.item()
+        return (tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(x) for x in value)
+    return value

@@ -1,0 +1,146 @@
+"""Checks of a run's files, made by the launcher before any worker starts (docs/design.md §10).
+
+:func:`preflight` raises ValueError naming the offending value and the rule, so ``loongtrain train``
+exits 2 within seconds instead of failing inside the workers. It checks:
+
+- the output directory: not a file, writable; a directory that already holds checkpoints needs
+  ``--resume`` (continue) or ``--overwrite`` (start afresh);
+- the corpus: exists, every ``.jsonl`` line is a JSON object with a string ``text`` field, and it holds
+  at least ``seq_len + 1`` tokens (one sample);
+- ``--resume``: the checkpoint's files are readable (the bad file is named), its step is below
+  ``--steps``, and the run is compatible with it (:data:`MUST_MATCH`).
+
+Resume rule: the data stream and the optimizer state must continue unchanged, so the model preset,
+tokenizer, corpus, ``--seq-len``, ``--seed``, ``--grad-accum``, the global batch (``dp * batch_size``)
+and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
+``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout
+(``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of ranks at the
+same global batch), ``--steps``, ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from loongtrain.train.checkpoint import AUTO, newest_checkpoint, resolve_checkpoint, verify_checkpoint
+from loongtrain.train.config import TrainConfig
+
+#: options whose checkpoint value a resumed run must keep (see the module docstring)
+MUST_MATCH = ("model", "tokenizer", "corpus", "seq_len", "seed", "grad_accum", "lr", "beta1", "beta2", "eps",
+              "weight_decay")
+
+
+class RunComplete(Exception):
+    """A restarted job whose newest checkpoint is already at ``--steps``: nothing is left to do."""
+
+
+def preflight(cfg: TrainConfig, world: int, *, restarted: bool = False) -> TrainConfig:
+    """Check the run's files; return ``cfg`` with ``resume`` resolved to one checkpoint directory ("" for a
+    fresh start). ``restarted``: a restart of a failed job (``--resume`` defaults to 'auto', and a
+    checkpoint at ``--steps`` raises :class:`RunComplete` instead of ValueError)."""
+    if restarted and not cfg.resume:
+        cfg = dataclasses.replace(cfg, resume=AUTO, overwrite=False)
+    check_out_dir(cfg)
+    check_corpus(cfg)
+    try:
+        return resolve_resume(cfg, world)
+    except _StepsReached as exc:
+        if restarted:
+            raise RunComplete(str(exc)) from None
+        raise
+
+
+class _StepsReached(ValueError):
+    pass
+
+
+def check_out_dir(cfg: TrainConfig) -> None:
+    """``--out-dir`` is (or can become) a writable directory."""
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {cfg.out_dir!r} is a file; it must be a directory (or not exist yet)")
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is a file, so the directory cannot be made")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is not writable")
+
+
+def check_corpus(cfg: TrainConfig) -> None:
+    """The corpus can be read and holds at least one sample of ``seq_len + 1`` tokens."""
+    from loongtrain.data.corpus import FilesCorpus, build_corpus, read_jsonl
+    from loongtrain.data.packing import TokenStream
+    from loongtrain.data.tokenizer import build_tokenizer
+    from loongtrain.train.models import tokenizer_spec
+
+    try:
+        corpus = build_corpus(cfg.corpus)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
+    try:
+        tokenizer = build_tokenizer(tokenizer_spec(cfg))
+    except (ImportError, OSError, ValueError) as exc:
+        raise ValueError(f"--tokenizer {cfg.tokenizer!r}: {exc}") from None
+    if isinstance(corpus, FilesCorpus) and cfg.corpus != "stdlib":
+        if all(f.stat().st_size == 0 for f in corpus.files):
+            raise ValueError(f"--corpus {cfg.corpus!r} is empty (every file has 0 bytes)")
+        for file in corpus.files:
+            if file.suffix == ".jsonl":
+                try:
+                    for _ in read_jsonl(file, corpus.text_field):  # every line, not just the first sample's
+                        pass
+                except (ValueError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
+    need = cfg.seq_len + 1
+    try:
+        have = TokenStream(corpus, tokenizer).ensure(need)
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
+    if have < need:
+        raise ValueError(f"--corpus {cfg.corpus!r} holds {have} tokens; one sample needs --seq-len + 1 = {need}")
+
+
+def resolve_resume(cfg: TrainConfig, world: int) -> TrainConfig:
+    """``cfg`` with ``resume`` set to the checkpoint directory to load ("" for a fresh start), after
+    checking that directory and the run's compatibility with it."""
+    root = Path(cfg.out_dir) / "checkpoints"
+    if not cfg.resume:
+        newest = newest_checkpoint(root)
+        if newest is not None and not cfg.overwrite:
+            raise ValueError(f"--out-dir {cfg.out_dir!r} already holds checkpoints (newest: {newest.name}); "
+                             f"pass --resume auto to continue that run, or --overwrite to delete them and "
+                             f"start afresh")
+        return cfg
+    path = resolve_checkpoint(cfg.resume, Path(cfg.out_dir))
+    if path is None:
+        return dataclasses.replace(cfg, resume="")
+    state = verify_checkpoint(path)
+    check_compatible(cfg, world, state, path)
+    return dataclasses.replace(cfg, resume=str(path))
+
+
+def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: Path) -> None:
+    """Raise ValueError when ``cfg`` cannot continue the run saved in checkpoint ``path`` (the resume rule)."""
+    step = state["step"]
+    if step >= cfg.steps:
+        raise _StepsReached(f"--steps={cfg.steps}: the checkpoint {str(path)!r} is already at step {step}; "
+                         f"nothing to train (raise --steps above {step} to continue)")
+    saved = state.get("config") or {}
+    for name in MUST_MATCH:
+        if name in saved and saved[name] != getattr(cfg, name):
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r} differs from the checkpoint's "
+                             f"{saved[name]!r} ({str(path)!r}); a resumed run must keep it (resume rule: "
+                             f"see `loongtrain.train.preflight`)")
+    layout = state.get("layout") or {}
+    if "dp" in layout and "batch_size" in saved:
+        dp = world // cfg.parallel.sp
+        if layout["dp"] * saved["batch_size"] != dp * cfg.batch_size:
+            raise ValueError(
+                f"global batch dp*--batch-size = {dp}*{cfg.batch_size} = {dp * cfg.batch_size} differs from "
+                f"the checkpoint's {layout['dp']}*{saved['batch_size']} = {layout['dp'] * saved['batch_size']} "
+                f"({str(path)!r}); a resumed run must keep the global batch")

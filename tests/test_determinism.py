@@ -1,0 +1,42 @@
+"""``--deterministic``: the option parses, and a training step under
+``torch.use_deterministic_algorithms(True)`` runs on CPU (no op without a deterministic version) and
+repeats bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.train.config import TrainConfig, parse_args
+from loongtrain.train.loop import use_deterministic
+from loongtrain.train.synthetic import global_batch
+from loongtrain.train.trainer import Trainer
+
+CONFIG = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
+
+
+def _two_steps(ac_mode: str) -> tuple[list[float], list[torch.Tensor]]:
+    cfg = TrainConfig(seq_len=64, warmup=1, parallel=ParallelConfig(ac_mode=ac_mode), deterministic=True)
+    trainer = Trainer(cfg, single_process_mesh(), torch.device("cpu"), CONFIG)
+    losses = [trainer.step([global_batch(s, 1, 64, 64, seed=0)])["loss"] for s in range(2)]
+    return losses, [p.detach().clone() for p in trainer.params]
+
+
+def test_deterministic_option_parses():
+    assert parse_args(["--deterministic"]).deterministic
+    assert not parse_args([]).deterministic
+
+
+def test_steps_under_deterministic_algorithms_repeat_exactly():
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        use_deterministic(torch.device("cpu"))
+        assert torch.are_deterministic_algorithms_enabled()
+        for ac_mode in ("none", "selective"):
+            (loss_a, params_a), (loss_b, params_b) = _two_steps(ac_mode), _two_steps(ac_mode)
+            assert loss_a == loss_b
+            assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+    finally:
+        torch.use_deterministic_algorithms(before)

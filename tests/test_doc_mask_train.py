@@ -1,0 +1,84 @@
+"""``--doc-mask on``: a sharded training step's loss and gradients equal one process running each packed
+document separately (fp64), with positions restarting per document; MFU's attention work counts only the
+visible pairs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.documents import cu_seqlens_from_starts, visible_pairs
+from loongtrain.parallel.mesh import init_mesh
+from loongtrain.train.config import TrainConfig
+from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
+SEQ, ROWS = 32, 2
+
+
+def packed_batch() -> dict[str, torch.Tensor]:
+    """Two packed rows as the data pipeline gives them (documents of length 1 and unaligned ones)."""
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(1, MODEL.vocab_size, (ROWS, SEQ + 1), generator=gen)
+    starts = torch.zeros(ROWS, SEQ, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[0, [3, 4, 13, 29]] = True
+    starts[1, [17]] = True
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],
+            "position_ids": torch.arange(SEQ).expand(ROWS, SEQ).contiguous(), "doc_starts": starts}
+
+
+def _name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict:
+    from loongtrain.train.trainer import Trainer
+
+    out = {}
+    for hp, cp in layouts:
+        mesh = init_mesh(hp, cp)
+        cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0, clip=0.0, dtype="fp64",
+                          parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on")
+        trainer = Trainer(cfg, mesh, torch.device("cpu"), MODEL)
+        result = trainer.step([packed_batch()])
+        grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
+        out[(hp, cp)] = (result["loss"], result["attention_pairs"], grads if rank == 0 else None)
+    return out
+
+
+def _per_document_reference() -> tuple[float, dict[str, torch.Tensor]]:
+    from loongtrain.model.llama import Transformer
+
+    model = Transformer(MODEL, seed=0).double()
+    batch = packed_batch()
+    loss = torch.zeros((), dtype=torch.float64)
+    for b, cu in enumerate(cu_seqlens_from_starts(batch["doc_starts"])):
+        bounds = cu.tolist()
+        for s, e in zip(bounds, bounds[1:]):
+            logits = model(batch["input_ids"][b : b + 1, s:e])  # the document alone, positions from 0
+            loss = loss + F.cross_entropy(logits[0], batch["labels"][b, s:e], reduction="sum")
+    loss = loss / (ROWS * SEQ)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_doc_mask_step_equals_each_document_alone():
+    ref_loss, ref_grads = _per_document_reference()
+    per_rank = run_distributed(_sharded_step, 4, [(2, 2), (1, 4), (4, 1)])
+    pairs = sum(visible_pairs(cu, SEQ) for cu in cu_seqlens_from_starts(packed_batch()["doc_starts"]))
+    assert pairs < ROWS * SEQ * (SEQ + 1) // 2  # fewer than causal over the packed rows
+    for rank_out in per_rank:
+        for layout, (loss, counted, _) in rank_out.items():
+            assert abs(loss - ref_loss) < 1e-10, (layout, loss, ref_loss)
+            assert counted == pairs, (layout, counted, pairs)
+    for layout, (_, _, grads) in per_rank[0].items():
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            err = (grad - ref_grads[name]).abs().max().item()
+            assert err < 1e-10, (layout, name, err)

@@ -1,0 +1,66 @@
+"""loongtrain.attention with documents and sliding windows equals the dense masked reference (fp64, 1e-10,
+forward and dq/dk/dv) over gloo ranks: every (hp, cp) of world 4 in both placements, GQA with hp > Hkv,
+short windows (the short ring pass) and long ones; a world-8 set with double rings."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.attention_cases import check_documents, factorisations
+from tests.dist_utils import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+
+def _short(seq: int, cp: int) -> int:
+    return max(1, seq // (2 * cp) - 1)  # less than a chunk: the short pass when cp >= 4
+
+
+def _long(seq: int, cp: int) -> int:
+    return seq // cp + 3  # more than S/cp
+
+
+def test_world4_every_factorisation_both_placements():
+    configs = [dict(hp=hp, cp=cp, placement=placement) for hp, cp in factorisations(4)
+               for placement in ("head_first", "context_first") if hp * cp > 1 or placement == "head_first"]
+    # windows of 1, and longer than S/cp, run in-process in test_documents.py
+    counts = run_distributed(check_documents, 4, configs, [(4, 1), (4, 2)], [None, _short], 1e-10)
+    assert min(counts) > 0
+
+
+def test_world8_rings():
+    configs = [dict(hp=1, cp=8), dict(hp=2, cp=4), dict(hp=1, cp=8, window=2), dict(hp=1, cp=8, window=8)]
+    counts = run_distributed(check_documents, 8, configs, [(8, 2)], [None, _short, _long], 1e-10)
+    assert min(counts) > 0
+
+
+def test_short_window_sends_fewer_blocks_as_the_formulas_say():
+    from loongtrain.parallel import traffic
+    from loongtrain.parallel.layout import Layout
+    from tests.attention_cases import count_comm
+
+    configs = [dict(hp=1, cp=4), dict(hp=1, cp=4, window=4, placement="context_first")]
+    shape = dict(batch=1, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=8)
+    sliding = 3  # chunk = 4 tokens: reach 1, 2 blocks per pass instead of 3
+    per_rank = run_distributed(count_comm, 4, configs, shape, "float32", sliding)
+    for rank, results in enumerate(per_rank):
+        for cfg, res in zip(configs, results):
+            layout = Layout(world_size=4, **cfg)
+            assert traffic.ring_reach(layout, shape["seq_len"], sliding) == 1
+            for backward in (False, True):
+                want = traffic.attention_traffic(layout, rank, **shape, dtype_bytes=4, backward=backward,
+                                                 sliding_window=sliding)
+                full = traffic.attention_traffic(layout, rank, **shape, dtype_bytes=4, backward=backward)
+                for kind in ("kv", "dkv"):
+                    got = res["fwd"].bytes[kind] + (res["bwd"].bytes[kind] if backward else 0)
+                    assert got == sum(want[kind].values()), (cfg, rank, kind, backward)
+                    assert sum(full[kind].values()) == 0 or got < sum(full[kind].values())
+            ops = traffic.attention_ops(layout, seq_len=shape["seq_len"], sliding_window=sliding)
+            assert res["fwd"].ops["kv"] + res["bwd"].ops["kv"] == ops["kv"] == 4
+            assert res["bwd"].ops["dkv"] == ops["dkv"] == 2
+
+
+def test_balanced_layout_world4():
+    configs = [dict(hp=1, cp=4), dict(hp=2, cp=2, placement="context_first"), dict(hp=1, cp=2, window=2)]
+    counts = run_distributed(check_documents, 4, configs, [(4, 2)], [None, _short], 1e-10, True)
+    assert min(counts) > 0

@@ -1,0 +1,108 @@
+"""Reliability pieces without processes: the non-finite step guard, append-only metrics, choosing the
+checkpoint to resume, and edge inputs of ``loongtrain.attention``."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from loongtrain import attention
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.train.checkpoint import LATEST, STATE_FILE, newest_checkpoint, parameters_finite, resolve_checkpoint
+from loongtrain.train.config import TrainConfig
+from loongtrain.train.metrics import MetricsLogger, read_jsonl
+from loongtrain.train.synthetic import global_batch
+from loongtrain.train.trainer import Trainer
+
+MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=64)
+
+
+def _trainer(**kw) -> Trainer:
+    cfg = TrainConfig(seq_len=16, steps=4, warmup=1, parallel=ParallelConfig(), dtype="fp64", **kw)
+    return Trainer(cfg, single_process_mesh(), torch.device("cpu"), MODEL)
+
+
+def test_non_finite_step_is_skipped_without_update():
+    trainer = _trainer()
+    batch = global_batch(0, 2, 16, 64, seed=0)
+    assert trainer.step([batch])["skipped"] == 0
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    adam_steps = [s["step"].item() for s in trainer.optimizer.state.values()]
+    name, poisoned = next((n, p) for n, p in trainer.model.named_parameters() if p.dim() == 2)
+    with torch.no_grad():
+        poisoned[0, 0] = math.inf
+    lr_before = trainer.scheduler.get_last_lr()
+    result = trainer.step([batch])
+    assert result["skipped"] == 1 and not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"]))
+    for n, p in trainer.model.named_parameters():
+        if n != name:
+            assert torch.equal(p, before[n]), n  # no optimizer update
+    assert [s["step"].item() for s in trainer.optimizer.state.values()] == adam_steps
+    assert trainer.scheduler.get_last_lr() != lr_before  # the schedule follows the step count
+    assert not parameters_finite(trainer.model)
+
+
+def test_metrics_are_appended_and_redone_steps_replace_old_ones(tmp_path):
+    def run(start: int, steps: range) -> None:
+        logger = MetricsLogger(tmp_path, total_steps=9, start_step=start, tensorboard=False, progress="off")
+        for step in steps:
+            logger.log({"step": step, "total_steps": 9, "loss": float(step + 10 * start), "lr": 0.1,
+                        "tokens_per_s": 1.0, "tflops": 0.0, "mfu": 0.0, "peak_mem_gib": 0.0})
+        logger.close()
+
+    run(0, range(1, 6))  # steps 1-5, then killed; the checkpoint was at step 3
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 6, "lo')  # killed mid-line
+    run(3, range(4, 8))  # resumed from step 3
+    raw = (tmp_path / "metrics.jsonl").read_text()
+    assert raw.count('"step": 5,') == 2, "the first run's step 5 is kept in the file (nothing truncated)"
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["loss"] for r in records] == [1.0, 2.0, 3.0, 34.0, 35.0, 36.0, 37.0]
+    events = [r for r in read_jsonl(tmp_path / "metrics.jsonl", raw=True) if "event" in r]
+    assert [e["step"] for e in events] == [0, 3]
+
+
+def _ckpt(root, step: int, complete: bool = True):
+    path = root / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    if complete:
+        (path / STATE_FILE).write_text(json.dumps({"step": step, "scheduler": {}}))
+    return path
+
+
+def test_resume_auto_picks_latest_else_newest_complete(tmp_path):
+    root = tmp_path / "checkpoints"
+    assert resolve_checkpoint("auto", tmp_path) is None  # nothing yet: start fresh
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        resolve_checkpoint("latest", tmp_path)
+    _ckpt(root, 2)
+    _ckpt(root, 10)
+    _ckpt(root, 12, complete=False)
+    assert newest_checkpoint(root).name == "step_00000010"
+    (root / LATEST).write_text("step_00000002\n")
+    assert resolve_checkpoint("auto", tmp_path).name == "step_00000002"  # the pointer wins
+    (root / LATEST).write_text("step_00000012\n")  # names an incomplete one
+    assert resolve_checkpoint("auto", tmp_path).name == "step_00000010"
+
+
+@pytest.mark.parametrize("shape_q, shape_kv, scale, needle", [
+    ((1, 0, 4, 8), (1, 0, 4, 8), None, "seq"),
+    ((1, 8, 4, 0), (1, 8, 4, 0), None, "head_dim"),
+    ((1, 8, 0, 8), (1, 8, 0, 8), None, "num_heads"),
+    ((0, 8, 4, 8), (0, 8, 4, 8), None, "batch"),
+    ((1, 8, 4, 8), (1, 8, 4, 8), 0.0, "softmax_scale=0.0"),
+    ((1, 8, 4, 8), (1, 8, 4, 8), -1.0, "softmax_scale=-1.0"),
+    ((1, 8, 4, 8), (1, 8, 4, 8), math.nan, "softmax_scale=nan"),
+    ((1, 8, 4, 8), (1, 8, 4, 8), math.inf, "softmax_scale=inf"),
+])
+def test_attention_edge_inputs_raise_value_error(shape_q, shape_kv, scale, needle):
+    q = torch.randn(shape_q)
+    k, v = torch.randn(shape_kv), torch.randn(shape_kv)
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        attention(q, k, v, None, softmax_scale=scale)
