@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import pytest
+import torch
 
 from loongtrain.train.checkpoint import (
     LATEST,
     STATE_FILE,
     complete_checkpoints,
+    load_checkpoint,
     prune_checkpoints,
     remove_stale_tmp,
+    save_checkpoint,
+    verify_checkpoint,
 )
 
 
@@ -41,3 +48,31 @@ def test_stale_tmp_directories_are_removed(tmp_path):
     removed = remove_stale_tmp(tmp_path)
     assert [p.name for p in removed] == ["step_00000005.tmp"]
     assert keep.is_dir() and not (tmp_path / "step_00000005.tmp").exists()
+
+
+def _saved(tmp_path: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer, object]:
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    path = save_checkpoint(tmp_path, 3, model, optimizer, scheduler, {"micro_step": 3})
+    return path, model, optimizer, scheduler
+
+
+def test_same_size_corruption_is_named_before_loading(tmp_path):
+    path, *_ = _saved(tmp_path)
+    assert verify_checkpoint(path)["step"] == 3  # intact: passes
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(bytes(255 - b for b in shard.read_bytes()))  # same size, other bytes
+    with pytest.raises(ValueError, match=re.escape(str(shard)) + ".*corrupt"):
+        verify_checkpoint(path)
+
+
+def test_a_failed_load_names_the_checkpoint(tmp_path):
+    path, model, optimizer, scheduler = _saved(tmp_path)
+    (path / "checksums.json").unlink()  # as a checkpoint from before checksums: only the load can tell
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(bytes(255 - b for b in shard.read_bytes()))
+    with pytest.raises(RuntimeError, match=re.escape(str(path)) + ".*could not be loaded"):
+        load_checkpoint(path, model, optimizer, scheduler)

@@ -82,3 +82,60 @@ def test_doc_mask_step_equals_each_document_alone():
         for name, grad in grads.items():
             err = (grad - ref_grads[name]).abs().max().item()
             assert err < 1e-10, (layout, name, err)
+
+
+# ---- the same through a Hugging Face model (transformers' attention interface) -----------------------
+
+
+def _hf_dir(path: str) -> str:
+    """A tiny Qwen2 (qkv bias, GQA; the byte vocabulary) saved with its weights, so every rank loads the same."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=256, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=False)
+    torch.manual_seed(11)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[int, int]]) -> dict:
+    from loongtrain.train.models import model_config_for
+    from loongtrain.train.trainer import Trainer
+
+    out = {}
+    for hp, cp in layouts:
+        mesh = init_mesh(hp, cp)
+        cfg = TrainConfig(model=directory, tokenizer="byte", seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0,
+                          clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on")
+        trainer = Trainer(cfg, mesh, torch.device("cpu"), model_config_for(cfg))
+        result = trainer.step([packed_batch()])
+        grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
+        out[(hp, cp)] = (result["loss"], grads if rank == 0 else None)
+    return out
+
+
+def test_doc_mask_step_equals_each_document_alone_hf(tmp_path):
+    from loongtrain.hf import load_hf_model
+
+    directory = _hf_dir(str(tmp_path / "qwen2"))
+    model = load_hf_model(directory, dtype=torch.float64)  # stock attention, one document at a time
+    batch = packed_batch()
+    loss = torch.zeros((), dtype=torch.float64)
+    for b, cu in enumerate(cu_seqlens_from_starts(batch["doc_starts"])):
+        bounds = cu.tolist()
+        for s, e in zip(bounds, bounds[1:]):
+            logits = model(input_ids=batch["input_ids"][b : b + 1, s:e], use_cache=False).logits
+            loss = loss + F.cross_entropy(logits[0], batch["labels"][b, s:e], reduction="sum")
+    (loss / (ROWS * SEQ)).backward()
+    ref_loss = float(loss.detach()) / (ROWS * SEQ)
+    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    per_rank = run_distributed(_hf_sharded_step, 4, directory, [(2, 2), (1, 4)])
+    for rank_out in per_rank:
+        for layout, (got, _) in rank_out.items():
+            assert abs(got - ref_loss) < 1e-10, (layout, got, ref_loss)
+    for layout, (_, grads) in per_rank[0].items():
+        assert grads.keys() == ref_grads.keys(), layout
+        for name, grad in grads.items():
+            err = (grad - ref_grads[name]).abs().max().item()
+            assert err < 1e-10, (layout, name, err)

@@ -128,6 +128,27 @@ def test_single_process_short_sliding_window_matches_stock(window):
     torch.testing.assert_close(model(input_ids=inputs, position_ids=positions).logits, ref, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("family", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM"])
+def test_packed_documents_equal_each_document_alone(family):
+    # the document mask through transformers' attention interface: cu_seqlens reaches loongtrain.attention
+    inputs, _, _ = _batch(8)
+    bounds = [0, 5, 6, 19, SEQ]  # lengths 5, 1, 13, 13: a one-token document, none aligned to anything
+    overrides = dict(sliding_window=4) if family == "MistralForCausalLM" else {}
+    stock = _tiny(family, **overrides)
+    ref = torch.cat([
+        stock(input_ids=inputs[:, a:b], position_ids=torch.arange(b - a).expand(BATCH, b - a), use_cache=False).logits
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ], dim=1)
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(bounds[:-1], bounds[1:])]).expand(BATCH, SEQ)
+    cu_seqlens = [torch.tensor(bounds)] * BATCH
+    model = apply_to_hf(_tiny(family, **overrides), loongtrain.single_process_mesh())
+    out = model(input_ids=inputs, position_ids=positions, cu_seqlens=cu_seqlens).logits
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    with pytest.raises(AssertionError):  # without the boundaries, documents see each other
+        torch.testing.assert_close(model(input_ids=inputs, position_ids=torch.arange(SEQ).expand(BATCH, SEQ)).logits,
+                                   ref, rtol=0, atol=1e-6)
+
+
 def test_unsupported_inputs_raise():
     mesh = loongtrain.single_process_mesh()
     inputs, _, positions = _batch(5)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import ModelConfig, get_preset
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.traffic import message_bytes
@@ -256,3 +256,27 @@ def test_cli_json_and_errors(capsys, tmp_path):
     assert main(["--config", str(cfg), "--top", "2", "--hp", "2", "--cp", "4", "--traffic"]) == 0
     out = capsys.readouterr().out
     assert "h200" in out and "kv_cross" in out
+
+
+def test_sliding_window_attention_costs_only_visible_pairs_and_the_short_pass():
+    from dataclasses import replace
+
+    from loongtrain.parallel.traffic import ring_reach
+
+    cluster = load_cluster("h100")
+    seq, window = 131072, 4096
+    full = AttnShape(1, seq, 32, 8, 128, 2)
+    windowed = replace(full, sliding_window=window)
+    layout = Layout(16, 1, 16)  # a single ring of 16: the window reaches one neighbour each way
+    assert ring_reach(layout, seq, window) == 1
+    a, b = attention_time(layout, full, cluster), attention_time(layout, windowed, cluster)
+    pairs_full, pairs_window = seq * seq / 2, window * seq - window * (window - 1) / 2
+    assert b.compute_fwd == pytest.approx(a.compute_fwd * pairs_window / pairs_full, rel=1e-12)
+    assert b.total < a.total
+    # a window as long as the sequence changes nothing
+    assert attention_time(layout, replace(full, sliding_window=seq), cluster) == a
+    mistral = replace(get_preset("7b-gqa"), sliding_window=window)
+    kw = dict(nodes=2, seq_len=seq)
+    cfg = ParallelConfig(hp=1, cp=16, zero="full", ac_mode="selective")
+    dense = step_cost(get_preset("7b-gqa"), cfg, cluster, **kw)
+    assert step_cost(mistral, cfg, cluster, **kw).step_time < dense.step_time

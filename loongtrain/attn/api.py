@@ -82,10 +82,11 @@ def attention(
     every rank of a replica; a token attends only inside its own document (causally when ``causal``,
     bidirectionally when not). ``sliding_window=w`` (Mistral's convention): query ``i`` sees keys ``j``
     with ``i - w < j <= i`` (non-causal: ``|i - j| < w``), with or without documents. Blocks with no
-    visible pair are skipped (no kernel call), and a window shorter than ``S/cp`` shortens the ring pass
-    (docs/design.md §4). Invalid ``cu_seqlens``/``sliding_window`` raise ValueError before any data is
-    exchanged; only the once-per-signature agreement check (docs/design.md §10) runs first, so an input that
-    differs between ranks raises on every rank instead of hanging the others.
+    visible pair are skipped (no kernel call), and on a single ring a window reaching ``r`` chunks with
+    ``2 r < cp - 1`` shortens the ring pass (docs/design.md §4). Invalid ``cu_seqlens``/``sliding_window``
+    raise ValueError before any data is exchanged; only the once-per-signature agreement check
+    (docs/design.md §10) runs first, so an input that differs between ranks raises on every rank instead of
+    hanging the others.
 
     ``chunk_order``: the tokens' layout when they were sharded with ``shard_sequence(..., chunk_order=)``
     (e.g. :func:`loongtrain.balanced_chunk_order` for packed documents); default zigzag.

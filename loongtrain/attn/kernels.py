@@ -1,4 +1,4 @@
-"""Local attention kernels returning ``(out, lse)`` with an explicit backward (docs/design.md §4, §5).
+"""Local attention kernels returning ``(out, lse)`` with an explicit backward (docs/design.md §6).
 
 All tensors are ``[B, H, S, D]``, possibly non-contiguous (transposed views of ``[B, S, H, D]``, slices
 along S); ``lse`` is ``[B, H, S]`` (natural log; fp32, fp64 for the fp64 kernels). Causal masks are

@@ -6,12 +6,14 @@ replaceable ``attention_fn`` (a :class:`~loongtrain.attn.apply.MeshAttention` bo
 that loongtrain's own model uses. Every layer then calls::
 
     module.attention_fn(q [B, S_local, H, D], k, v [B, S_local, Hkv, D], causal=..., softmax_scale=...
-                        [, sliding_window=w])
+                        [, sliding_window=w] [, cu_seqlens=...])
 
 Inputs must be each rank's zigzag shard (:func:`loongtrain.shard_sequence`) of ``input_ids`` with
-the *global* ``position_ids`` of one unbroken sequence; padding masks, packed documents (position
-ids restarting), attention dropout and KV caches are rejected with a ValueError; a sliding window
-(Mistral) goes to ``loongtrain.attention(..., sliding_window=)``. Never pass
+the *global* ``position_ids`` of one unbroken sequence, or, for packed documents, the documents'
+boundaries passed to the model's forward as ``cu_seqlens=`` (loongtrain.attention's convention; the
+trainer does this under ``--doc-mask on``), with position ids that may restart per document. Padding
+masks, position ids that restart without ``cu_seqlens``, attention dropout and KV caches are rejected
+with a ValueError; a sliding window (Mistral) goes to ``loongtrain.attention(..., sliding_window=)``. Never pass
 ``labels=`` to the sharded model (HF would shift them inside the local shard): shift the labels
 of the full sequence first, shard them too, and use ``loongtrain.train.loss.sharded_cross_entropy``.
 """
@@ -68,13 +70,15 @@ def hf_attention_forward(
     # HF's window (masking_utils.sliding_window_overlay: kv_idx > q_idx - w) is loongtrain's (i - w < j <= i);
     # a window >= the sequence length is a no-op
     window = {"sliding_window": sliding_window} if sliding_window is not None and sliding_window < seq_len else {}
+    cu_seqlens = kwargs.get("cu_seqlens")  # packed documents (full-sequence boundaries, loongtrain.attention's)
+    documents = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}
     position_ids = kwargs.get("position_ids")
-    if isinstance(position_ids, Tensor) and getattr(module, "layer_idx", 0) == 0:
+    if isinstance(position_ids, Tensor) and not documents and getattr(module, "layer_idx", 0) == 0:
         _check_positions(position_ids, mesh, seq_len)
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     out = attention_fn(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=causal, softmax_scale=scaling, **window,
+        causal=causal, softmax_scale=scaling, **window, **documents,
     )
     return out, None
 
@@ -89,8 +93,8 @@ def _check_positions(position_ids: Tensor, mesh: Mesh | None, seq_len: int) -> N
     if not bool((offset == offset[..., :1]).all()):
         raise ValueError(
             "position_ids must be the global positions of one unbroken sequence, sharded like the inputs "
-            "(loongtrain.shard_sequence(arange(S), mesh, dim=-1)); restarting positions (packed documents) "
-            "need a document mask, which loongtrain attention does not support yet"
+            "(loongtrain.shard_sequence(arange(S), mesh, dim=-1)); positions that restart (packed documents) "
+            "need the documents' boundaries: pass cu_seqlens=... to the model's forward"
         )
 
 

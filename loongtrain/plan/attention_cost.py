@@ -27,7 +27,7 @@ from functools import lru_cache
 
 from loongtrain.attn.schedule import Compute, Post, pass_events
 from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.traffic import message_bytes
+from loongtrain.parallel.traffic import message_bytes, ring_reach
 from loongtrain.plan.cluster import Cluster
 
 BACKWARD_FLOPS_RATIO = 2.5
@@ -43,6 +43,7 @@ class AttnShape:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    sliding_window: int = 0  # Mistral's convention (query i sees keys i-w < j <= i); 0: none
 
     def kwargs(self) -> dict[str, int]:
         return dict(batch=self.batch, seq_len=self.seq_len, num_heads=self.num_heads,
@@ -113,8 +114,13 @@ class AttentionTime:
 
 
 def attention_flops(shape: AttnShape, sp: int) -> float:
-    """Forward FLOPs per rank of causal attention: ``2 * B * S^2 * H * D / sp``."""
-    return 2.0 * shape.batch * shape.seq_len**2 * shape.num_heads * shape.head_dim / sp
+    """Forward FLOPs per rank of causal attention: ``2 * B * S^2 * H * D / sp``; with a sliding window
+    ``w < S`` only the visible pairs ``w*S - w*(w-1)/2`` (instead of ``S^2/2``) count:
+    ``4 * B * pairs * H * D / sp``."""
+    s, w = shape.seq_len, shape.sliding_window
+    if 0 < w < s:
+        return 4.0 * shape.batch * (w * s - w * (w - 1) / 2) * shape.num_heads * shape.head_dim / sp
+    return 2.0 * shape.batch * s**2 * shape.num_heads * shape.head_dim / sp
 
 
 class _Link:
@@ -214,7 +220,13 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
         return half * max(t_in, t_out) + (inter_lat if links.a2a_cross_peers else intra_lat)
 
     a2a = a2a_call(msg["a2a_qkv"]) + a2a_call(msg["a2a_out"])  # per pass: q/k/v in, output back
-    c = attention_flops(shape, layout.sp) / layout.cp / (cluster.attention_tflops * 1e12)
+    window = shape.sliding_window if 0 < shape.sliding_window < shape.seq_len else None
+    reach = ring_reach(layout, shape.seq_len, window) if window is not None else None
+    # the pass's compute steps share the rank's work (a short window's short pass has 2r + 1 of them; a
+    # double ring keeps cp steps and skips invisible blocks, approximated as evenly lighter steps)
+    steps_run = layout.cp if reach is None else sum(isinstance(e, Compute) for e in pass_events(
+        layout.num_windows, layout.window, False, reach))
+    c = attention_flops(shape, layout.sp) / steps_run / (cluster.attention_tflops * 1e12)
     ring_fwd = ring_bwd = (0.0, 0.0)
     if layout.cp > 1:
         outer_active = layout.num_windows > 1 and links.outer_cross
@@ -230,11 +242,11 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
         exposed = []
         for compute, dkv in ((c, None), (BACKWARD_FLOPS_RATIO * c, msg["dkv"])):
             inner, outer = _Link(bw_in, lat_in, f_in), _Link(bw_out, lat_out, f_out)
-            simulate_pass(steps, compute, inner, outer, msg["kv"], dkv)
+            simulate_pass(steps, compute, inner, outer, msg["kv"], dkv, reach=reach)
             exposed.append((inner.blocked, outer.blocked))
         ring_fwd, ring_bwd = exposed
     return AttentionTime(
-        compute_fwd=layout.cp * c, compute_bwd=layout.cp * c * BACKWARD_FLOPS_RATIO,
+        compute_fwd=steps_run * c, compute_bwd=steps_run * c * BACKWARD_FLOPS_RATIO,
         a2a_fwd=a2a, a2a_bwd=a2a,
         ring_inner_fwd=ring_fwd[0], ring_outer_fwd=ring_fwd[1],
         ring_inner_bwd=ring_bwd[0], ring_outer_bwd=ring_bwd[1],

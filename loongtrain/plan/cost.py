@@ -99,7 +99,8 @@ def step_cost(
     """Predicted step time, MFU, memory and bottleneck of ``config`` on ``nodes`` nodes."""
     world = nodes * cluster.gpus_per_node
     layout = config.layout(world)
-    shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes)
+    shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
+                      model.sliding_window or 0)
     attn = attention_time(layout, shape, cluster)
     t = batch * seq_len / layout.sp
     rate = cluster.matmul_tflops * 1e12

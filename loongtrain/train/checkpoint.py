@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,7 @@ def save_checkpoint(
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
     _barrier()  # every rank's files are complete
     if rank == 0:
+        write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -195,11 +197,50 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
+CHECKSUM_FILE = "checksums.json"
+_CRC_BLOCK = 1 << 24
+
+
+def _crc32(file: Path) -> int:
+    value = 0
+    with file.open("rb") as f:
+        while block := f.read(_CRC_BLOCK):
+            value = zlib.crc32(block, value)
+    return value
+
+
+def write_checksums(path: Path) -> None:
+    """Record the size and CRC-32 of every file of the (complete, not yet renamed) checkpoint ``path``
+    (rank 0, once all ranks have written: it reads the checkpoint back once, about 1 s per GB)."""
+    sums = {f.name: [f.stat().st_size, _crc32(f)] for f in sorted(Path(path).iterdir())
+            if f.is_file() and f.name != CHECKSUM_FILE}
+    (Path(path) / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1))
+
+
+def check_checksums(path: Path) -> None:
+    """ValueError naming the first file of checkpoint ``path`` whose size or CRC-32 differs from what
+    :func:`write_checksums` recorded (checkpoints written before checksums existed pass unchecked)."""
+    record = Path(path) / CHECKSUM_FILE
+    if not record.is_file():
+        return
+    try:
+        sums = json.loads(record.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"checkpoint file {str(record)!r} is corrupt or unreadable: {exc}") from None
+    for name, (size, crc) in sorted(sums.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint file {str(file)!r} is missing")
+        if file.stat().st_size != size or _crc32(file) != crc:
+            raise ValueError(f"checkpoint file {str(file)!r} is corrupt: its contents differ from those saved "
+                             f"(size or CRC-32 mismatch)")
+
+
 def verify_checkpoint(path: Path) -> dict[str, Any]:
     """Check that checkpoint ``path`` is readable without loading it: the trainer state parses, the DCP
-    metadata loads, every file it names exists with at least the bytes it needs, and rank 0's RNG file
-    is there. Return the trainer state; raise ValueError naming the first bad file. (Contents are not
-    checksummed: a file overwritten with bytes of the same size is found only by the load.)"""
+    metadata loads, every file it names exists with at least the bytes it needs, rank 0's RNG file is
+    there, and every file matches the size and CRC-32 recorded when it was saved. Return the trainer
+    state; raise ValueError naming the first bad file."""
     path = Path(path)
     state = read_trainer_state(path)
     meta_file = path / ".metadata"
@@ -221,6 +262,7 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             raise ValueError(f"checkpoint file {str(file)!r} {what} (corrupt or truncated checkpoint)")
     if not (path / "rng_rank0.pt").is_file():
         raise ValueError(f"checkpoint file {str(path / 'rng_rank0.pt')!r} is missing")
+    check_checksums(path)
     return state
 
 
@@ -253,7 +295,12 @@ def load_checkpoint(
     to_load = {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(to_load, checkpoint_id=str(path))
+        try:
+            dcp.load(to_load, checkpoint_id=str(path))
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
+            raise RuntimeError(f"checkpoint {str(path)!r} could not be loaded (a corrupt file?): "
+                               f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
+                               ) from exc
     set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / f"rng_rank{_rank()}.pt"

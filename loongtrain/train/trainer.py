@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loongtrain.hf.families import is_hf_model
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer, initial_weight
 from loongtrain.parallel.documents import cu_seqlens_from_starts, document_position_ids, visible_pairs
@@ -122,8 +121,8 @@ class Trainer:
         """``(cu_seqlens, full position_ids)`` of a full-sequence batch: with ``--doc-mask on`` and a batch
         that marks its documents (``doc_starts``, packed corpora) the documents' boundaries and, with
         ``--position-reset``, positions restarting per document; else ``(None, batch["position_ids"])``."""
-        if self.cfg.doc_mask != "on" or "doc_starts" not in batch or is_hf_model(self.model):
-            return None, batch["position_ids"]  # (Hugging Face models: no document mask yet)
+        if self.cfg.doc_mask != "on" or "doc_starts" not in batch:
+            return None, batch["position_ids"]
         cu_seqlens = cu_seqlens_from_starts(batch["doc_starts"])
         if not self.cfg.position_reset:
             return cu_seqlens, batch["position_ids"]
