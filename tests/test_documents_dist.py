@@ -16,6 +16,10 @@ def _short(seq: int, cp: int) -> int:
     return max(1, seq // (2 * cp) - 1)  # less than a chunk: the short pass when cp >= 4
 
 
+def _between(seq: int, cp: int) -> int:
+    return seq // (2 * cp) + 2  # between one and two chunks: reach 2
+
+
 def _long(seq: int, cp: int) -> int:
     return seq // cp + 3  # more than S/cp
 
@@ -29,23 +33,31 @@ def test_world4_every_factorisation_both_placements():
 
 
 def test_world8_rings():
-    configs = [dict(hp=1, cp=8), dict(hp=2, cp=4), dict(hp=1, cp=8, window=2), dict(hp=1, cp=8, window=8)]
-    counts = run_distributed(check_documents, 8, configs, [(8, 2)], [None, _short, _long], 1e-10)
+    # the short pass on single rings (cp 8: windows 1 and 8) and double rings (windows of 2 and 4)
+    configs = [dict(hp=1, cp=8), dict(hp=2, cp=4), dict(hp=1, cp=8, window=2), dict(hp=1, cp=8, window=8),
+               dict(hp=1, cp=8, window=4, placement="context_first")]
+    counts = run_distributed(check_documents, 8, configs, [(8, 2)], [None, 1, _short, _between, _long], 1e-10)
     assert min(counts) > 0
 
 
-def test_short_window_sends_fewer_blocks_as_the_formulas_say():
+@pytest.mark.parametrize("world, configs, blocks", [
+    # chunk = 4 tokens: reach 1, 2 blocks per pass instead of 3
+    (4, [dict(hp=1, cp=4), dict(hp=1, cp=4, window=4, placement="context_first")], 2),
+    # double rings, chunk = 2 tokens: reach 1 is one outer hop each way (one for two windows) and one inner
+    # hop each way round the blocks reached: 5 blocks per pass instead of 7 (docs/design.md §4)
+    (8, [dict(hp=1, cp=8, window=2), dict(hp=1, cp=8, window=4, placement="context_first")], 5),
+])
+def test_short_window_sends_fewer_blocks_as_the_formulas_say(world, configs, blocks):
     from loongtrain.parallel import traffic
     from loongtrain.parallel.layout import Layout
     from tests.attention_cases import count_comm
 
-    configs = [dict(hp=1, cp=4), dict(hp=1, cp=4, window=4, placement="context_first")]
     shape = dict(batch=1, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=8)
-    sliding = 3  # chunk = 4 tokens: reach 1, 2 blocks per pass instead of 3
-    per_rank = run_distributed(count_comm, 4, configs, shape, "float32", sliding)
+    sliding = 3
+    per_rank = run_distributed(count_comm, world, configs, shape, "float32", sliding)
     for rank, results in enumerate(per_rank):
         for cfg, res in zip(configs, results):
-            layout = Layout(world_size=4, **cfg)
+            layout = Layout(world_size=world, **cfg)
             assert traffic.ring_reach(layout, shape["seq_len"], sliding) == 1
             for backward in (False, True):
                 want = traffic.attention_traffic(layout, rank, **shape, dtype_bytes=4, backward=backward,
@@ -56,8 +68,8 @@ def test_short_window_sends_fewer_blocks_as_the_formulas_say():
                     assert got == sum(want[kind].values()), (cfg, rank, kind, backward)
                     assert sum(full[kind].values()) == 0 or got < sum(full[kind].values())
             ops = traffic.attention_ops(layout, seq_len=shape["seq_len"], sliding_window=sliding)
-            assert res["fwd"].ops["kv"] + res["bwd"].ops["kv"] == ops["kv"] == 4
-            assert res["bwd"].ops["dkv"] == ops["dkv"] == 2
+            assert res["fwd"].ops["kv"] + res["bwd"].ops["kv"] == ops["kv"] == 2 * blocks
+            assert res["bwd"].ops["dkv"] == ops["dkv"] == blocks
 
 
 def test_balanced_layout_world4():

@@ -10,7 +10,7 @@ import torch
 
 from loongtrain.attn.kernels import Kernel, reference_forward, select_kernel
 from loongtrain.attn.ring import PostOffice, local_ring_backward, local_ring_forward
-from loongtrain.attn.schedule import Compute, DoubleRing, Post, Wait, pass_events
+from loongtrain.attn.schedule import Compute, DoubleRing, Post, Wait, pass_events, pass_reach, short_sends
 from loongtrain.parallel.sharding import shard_indices
 from loongtrain.plan.attention_cost import _Link, simulate_pass
 
@@ -143,3 +143,77 @@ def test_local_ring_equals_unsharded_attention(cp, window, causal, num_heads, nu
         for p, (g, r) in enumerate(zip(got, ref)):
             err = (g - r.reshape(g.shape)).abs().max().item()
             assert err < 1e-10, (name, cp, window, causal, p, err)
+
+
+SHORT = [(cp, w, r) for cp, w in RINGS for r in range(4)
+         if pass_reach(DoubleRing(cp // w, w), 2, 2 * r + 1) == r]
+
+
+def test_short_passes_exist_on_double_rings():
+    # r = 0 (a window of 1) on every double ring; longer reaches only where they save hops (cp = 8)
+    assert {(cp, w) for cp, w, r in SHORT if 1 < w < cp and r == 0} == {(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)}
+    assert {(cp, w, r) for cp, w, r in SHORT if 1 < w < cp and r > 0} == {(8, 2, 1), (8, 2, 2), (8, 4, 1)}
+
+
+@pytest.mark.parametrize("cp, window, reach", SHORT)
+def test_short_pass_brings_each_nearby_block_once(cp, window, reach):
+    ring = DoubleRing(cp // window, window)
+    for backward in (False, True):
+        events = pass_events(cp // window, window, backward, reach)
+        for p in range(cp):
+            held = [ring.source(p, e.outer, e.inner) for e in events if isinstance(e, Compute)]
+            assert len(held) == len(set(held)) and held[0] == p, (p, held)
+            assert {(p + d) % cp for d in range(-reach, reach + 1)} <= set(held), (p, held)
+        posts = [e for e in events if isinstance(e, Post)]
+        assert len(posts) < (cp - 1) * (2 if backward else 1)
+        for (hop, direction), count in short_sends(ring, reach).items():  # the byte formulas' route
+            assert sum(e.payload == "kv" and (e.hop, e.direction) == (hop, direction) for e in posts) == count
+            dkv = sum(e.payload == "dkv" and (e.hop, e.direction) == (hop, -direction) for e in posts)
+            assert dkv == (count if backward else 0)
+
+
+@pytest.mark.parametrize("cp, window, reach", SHORT)
+def test_executor_runs_the_planned_short_pass(cp, window, reach):
+    """Executor events == planner trace for every short pass (kernel calls aside: a window's block may
+    need several pieces or none), and the result is exact."""
+    from loongtrain.attn.masking import AttnMask
+    from tests.test_documents import dense_reference
+
+    mask = AttnMask(True, 2 * reach + 1, None)  # chunks of 2 tokens: reach ``reach``
+    q, k, v, dout = _full_inputs(cp, 2, 1, torch.float64)
+    qs, ks, vs, douts = _shards((q, k, v, dout), cp)
+    fwd, bwd = _Recorder(cp, window), _Recorder(cp, window)
+    scale = q.shape[-1] ** -0.5
+    results = local_ring_forward(qs, ks, vs, window, True, scale, None, fwd.transports, mask=mask)
+    outs, lses = [o for o, _ in results], [lse for _, lse in results]
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, window, True, scale, None, bwd.transports,
+                                mask=mask)
+    for recorder, backward in ((fwd, False), (bwd, True)):
+        planned = [op for op in _planned_trace(cp, window, backward, reach) if op[0] != "compute"]
+        for p in range(cp):
+            assert [op for who, op in recorder.log if who == p] == planned, (cp, window, backward, p)
+    want = dense_reference(q, k, v, dout, mask)
+    got = [outs, lses, *zip(*grads)]
+    for name, parts, full in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        ref = _shards((full if full.dim() == 4 else full.unsqueeze(-1),), cp)[0]
+        err = max((g - r.reshape(g.shape)).abs().max().item() for g, r in zip(parts, ref))
+        assert err < 1e-10, (name, cp, window, reach, err)
+
+
+def test_planner_runs_the_short_pass_of_a_double_ring():
+    from dataclasses import replace
+
+    from loongtrain.parallel.layout import Layout
+    from loongtrain.parallel.traffic import attention_ops, ring_reach
+    from loongtrain.plan.attention_cost import AttnShape, attention_time
+    from loongtrain.plan.cluster import load_cluster
+
+    cluster = load_cluster("h100")
+    seq, sliding = 131072, 4096  # chunk 4096 on a ring of 16: reach 1
+    full = AttnShape(1, seq, 32, 8, 128, 2)
+    layout = Layout(16, 1, 16, window=4)  # 4 windows of 4
+    assert ring_reach(layout, seq, sliding) == 1
+    assert attention_ops(layout, seq_len=seq, sliding_window=sliding)["dkv"] == 6  # 2 outer + 2 + 1 + 1 inner
+    windowed = attention_time(layout, replace(full, sliding_window=sliding), cluster)
+    long_window = attention_time(layout, replace(full, sliding_window=seq - 1), cluster)  # full pass
+    assert windowed.total < long_window.total

@@ -82,8 +82,9 @@ def attention(
     every rank of a replica; a token attends only inside its own document (causally when ``causal``,
     bidirectionally when not). ``sliding_window=w`` (Mistral's convention): query ``i`` sees keys ``j``
     with ``i - w < j <= i`` (non-causal: ``|i - j| < w``), with or without documents. Blocks with no
-    visible pair are skipped (no kernel call), and on a single ring a window reaching ``r`` chunks with
-    ``2 r < cp - 1`` shortens the ring pass (docs/design.md §4). Invalid ``cu_seqlens``/``sliding_window``
+    visible pair are skipped (no kernel call), and a window reaching ``r`` chunks shortens the ring pass
+    (single or double ring) to the hops that bring the blocks of the members at most ``r`` ring positions
+    away, when that sends fewer than ``cp - 1`` blocks (docs/design.md §4). Invalid ``cu_seqlens``/``sliding_window``
     raise ValueError before any data is exchanged; only the once-per-signature agreement check
     (docs/design.md §10) runs first, so an input that differs between ranks raises on every rank instead of
     hanging the others.

@@ -23,7 +23,8 @@ window's sum goes one outer hop. ``window - 1`` inner and ``1`` outer dK/dV hop 
 in all, like K/V.
 
 A sliding window shorter than a few chunks needs only the blocks of nearby members: the short pass
-(:func:`pass_reach`, :func:`_short_pass`) sends ``2 r`` blocks each way instead of ``cp - 1``.
+(:func:`pass_reach`, :func:`short_plan`, :func:`_short_pass`) walks K/V only the outer and inner hops
+that reach them (:func:`short_sends`; ``2 r`` on a single ring) instead of ``cp - 1``.
 """
 
 from __future__ import annotations
@@ -136,48 +137,155 @@ def pass_reach(ring: DoubleRing, chunk: int, sliding_window: int | None) -> int 
     Under zigzag (docs/design.md §3) a query sees keys at most ``w - 1`` positions away, i.e. at most
     ``r = ceil((w - 1) / chunk)`` chunks away, and those chunks belong to the ring members at most ``r``
     positions away in ring order. The short pass (:func:`pass_events` with ``reach=r``) brings exactly
-    those blocks, ``r`` hops each way: worth it when ``2 r < cp - 1``. It needs ring order to be one hop
-    class, so it runs on a single ring (one window, or windows of one member) and a double ring with
-    ``1 < window < cp`` keeps the full pass (and skips the invisible blocks' compute)."""
-    if sliding_window is None or (ring.num_windows > 1 and ring.window > 1):
+    those blocks (:func:`short_plan`): worth it when it moves fewer blocks than the full pass's ``cp - 1``."""
+    if sliding_window is None:
         return None
     r = -(-(sliding_window - 1) // chunk)
-    return r if 2 * r < ring.size - 1 else None
+    if 2 * r + 1 >= ring.size:  # every member is within reach: no pass is shorter than the full one
+        return None
+    return r if short_hops(ring, r) < ring.size - 1 else None
+
+
+def _cover(needed: frozenset[int], size: int) -> tuple[int, int]:
+    """Fewest hops ``(a, b)`` round a cycle of ``size`` (``a`` forward, ``b`` backward, ``a + b < size`` so
+    no member is visited twice) that visit every offset in ``needed`` (offset 0: where the walk starts)."""
+    for total in range(size):
+        for a, b in sorted(((a, total - a) for a in range(total + 1)), key=lambda ab: (abs(ab[0] - ab[1]), -ab[0])):
+            if all(x == 0 or x <= a or x >= size - b for x in needed):
+                return a, b
+    raise AssertionError((needed, size))
+
+
+@lru_cache(maxsize=256)
+def short_plan(num_windows: int, window: int, reach: int) -> tuple[tuple[int, int], dict[int, frozenset[int]]]:
+    """Route of the short pass: ``(a, b)`` outer hops forward/backward, and for every outer offset ``o``
+    the inner offsets ``t`` whose block ``(o, t)`` (:meth:`DoubleRing.source`) some member needs.
+
+    Member ``(j, i)`` needs the ring positions ``p - d``, ``|d| <= reach``; ``p - d`` is held at outer
+    step ``o = ceil((d - i) / window)`` and inner step ``t = d mod window``. So outer offset ``o`` (signed)
+    needs the inner offsets ``d - o * window`` for ``d`` in ``[(o-1) window + 1, (o+1) window - 1]``
+    within ``[-reach, reach]``, taken modulo the window (and ``o`` modulo the number of windows)."""
+    n, w = num_windows, window
+    needed: dict[int, set[int]] = {}
+    top = -(-reach // w)
+    for o in range(-top, top + 1):
+        lo, hi = max(-(w - 1), -reach - o * w), min(w - 1, reach - o * w)
+        if lo <= hi:
+            needed.setdefault(o % n, set()).update(t % w for t in range(lo, hi + 1))
+    outer = _cover(frozenset(needed), n)
+    return outer, {o: frozenset(ts) for o, ts in needed.items()}
+
+
+def _stages(num_windows: int, window: int, reach: int) -> list[tuple[int, tuple[int, int], frozenset[int]]]:
+    """``(signed outer offset k, inner (a, b), needed inner offsets)`` of every block the outer walk visits."""
+    (a, b), needed = short_plan(num_windows, window, reach)
+    out = []
+    for k in [0, *range(1, a + 1), *range(-1, -b - 1, -1)]:
+        ts = needed.get(k % num_windows, frozenset())
+        out.append((k, _cover(ts, window), ts))
+    return out
+
+
+def short_sends(ring: DoubleRing, reach: int) -> dict[tuple[Hop, int], int]:
+    """K/V blocks a member sends per pass of the short pass of ``reach``, by ``(hop, direction)``
+    (``+1``: to the next peer); backward, as many dK/dV partials go the opposite way."""
+    (a, b), _ = short_plan(ring.num_windows, ring.window, reach)
+    sends = {("outer", 1): a, ("outer", -1): b, ("inner", 1): 0, ("inner", -1): 0}
+    for _, (fwd, bwd), _ in _stages(ring.num_windows, ring.window, reach):
+        sends["inner", 1] += fwd
+        sends["inner", -1] += bwd
+    return sends
+
+
+def short_hops(ring: DoubleRing, reach: int) -> int:
+    """Blocks a member sends per pass in the short pass of ``reach`` (dK/dV partials backward: as many)."""
+    return sum(short_sends(ring, reach).values())
 
 
 def _short_pass(ring: DoubleRing, backward: bool, reach: int) -> tuple[Event, ...]:
-    """The pass that brings each member the blocks of the members at most ``reach`` ring positions away:
-    ``reach`` K/V hops forward and ``reach`` backward, computing each block as it arrives; backward, the
-    dK/dV partial of a block then rides ``reach`` hops back to its owner, each member adding its share.
+    """The pass that brings each member the blocks of the members at most ``reach`` ring positions away
+    (:func:`short_plan`): K/V walk ``a`` outer hops forward and ``b`` back; each block an outer walk
+    reaches (and the member's own) then walks its inner hops both ways, and every needed block is
+    computed as it arrives (a block only relayed is not). Backward, each block's dK/dV partial retraces
+    its path to the owner after the last compute, each member adding its share: inner partials into the
+    block they came from, then outer partials into the previous outer block, ending in ``dkv_own``.
 
-    Registers: ``kv_fwd``/``kv_bwd`` (the block from ``t`` members before/after), ``dkv_fwd{t}``/
-    ``dkv_bwd{t}`` (the partial for that block)."""
-    assert ring.num_windows == 1 or ring.window == 1, ring
-    assert 0 <= reach and 2 * reach < ring.size - 1, (reach, ring)
-    hop: Hop = "inner" if ring.num_windows == 1 else "outer"
-
-    def at(offset: int) -> tuple[int, int]:  # (outer, inner) of the source ``offset`` members before
-        return (0, offset % ring.size) if hop == "inner" else (offset % ring.size, 0)
-
+    Registers: ``kv_outer_f``/``kv_outer_b`` (block after ``k`` outer hops forward/back), ``kv_inner_f``/
+    ``kv_inner_b``; ``dkv_o{k}`` (partial of the block after ``k`` outer hops, ``dkv_own`` for 0) and
+    ``dkv_o{k}f{t}``/``dkv_o{k}b{t}`` (its inner walk's partials)."""
+    n, w = ring.num_windows, ring.window
+    (out_a, out_b), _ = short_plan(n, w, reach)
+    stages = {k: (inner, ts) for k, inner, ts in _stages(n, w, reach)}
+    assert short_hops(ring, reach) < ring.size - 1, (reach, ring)
     events: list[Event] = []
-    for t in range(reach + 1):
-        if t < reach:
-            events.append(Post(f"kv.fwd.{t + 1}", hop, "kv", KV_OUTER if t == 0 else "kv_fwd", 1))
-            events.append(Post(f"kv.bwd.{t + 1}", hop, "kv", KV_OUTER if t == 0 else "kv_bwd", -1))
-        if t == 0:
-            events.append(Compute(*at(0), KV_OUTER, DKV_OWN if backward else None))
-        else:
-            events.append(Compute(*at(t), "kv_fwd", f"dkv_fwd{t}" if backward else None))
-            events.append(Compute(*at(-t), "kv_bwd", f"dkv_bwd{t}" if backward else None))
-        if t < reach:
-            events.append(Wait(f"kv.fwd.{t + 1}", "kv_fwd"))
-            events.append(Wait(f"kv.bwd.{t + 1}", "kv_bwd"))
+    written: set[str] = set()
+
+    def base_dkv(k: int) -> str:
+        return DKV_OWN if k == 0 else f"dkv_o{k}"
+
+    def compute(o: int, t: int, kv: str, dkv: str) -> None:
+        events.append(Compute(o, t, kv, dkv if backward else None))
+        written.add(dkv)
+
+    def walk(k: int, base: str) -> None:  # inner hops from the block held after k outer hops
+        (a, b), ts = stages[k]
+        o = k % n
+        for t in range(max(a, b) + 1):
+            if t < a:
+                events.append(Post(f"kv.{k}.f{t + 1}", "inner", "kv", base if t == 0 else "kv_inner_f", 1))
+            if t < b:
+                events.append(Post(f"kv.{k}.b{t + 1}", "inner", "kv", base if t == 0 else "kv_inner_b", -1))
+            if t == 0:
+                if 0 in ts:
+                    compute(o, 0, base, base_dkv(k))
+            else:
+                if t <= a and t in ts:
+                    compute(o, t, "kv_inner_f", f"dkv_o{k}f{t}")
+                if t <= b and (-t) % w in ts:
+                    compute(o, (-t) % w, "kv_inner_b", f"dkv_o{k}b{t}")
+            if t < a:
+                events.append(Wait(f"kv.{k}.f{t + 1}", "kv_inner_f"))
+            if t < b:
+                events.append(Wait(f"kv.{k}.b{t + 1}", "kv_inner_b"))
+
+    def receive(transfer: str, register: str) -> None:
+        events.append(Wait(transfer, register, add=register in written))
+        written.add(register)
+
+    def walk_back(k: int) -> None:  # inner partials of stage k back into its base block's partial
+        (a, b), _ = stages[k]
+        for t in range(max(a, b), 0, -1):
+            if t <= a:
+                events.append(Post(f"dkv.{k}.f{t}", "inner", "dkv", f"dkv_o{k}f{t}", -1))
+            if t <= b:
+                events.append(Post(f"dkv.{k}.b{t}", "inner", "dkv", f"dkv_o{k}b{t}", 1))
+            if t <= a:
+                receive(f"dkv.{k}.f{t}", f"dkv_o{k}f{t - 1}" if t > 1 else base_dkv(k))
+            if t <= b:
+                receive(f"dkv.{k}.b{t}", f"dkv_o{k}b{t - 1}" if t > 1 else base_dkv(k))
+
+    if out_a:
+        events.append(Post("kv.outer.f1", "outer", "kv", KV_OUTER, 1))
+    if out_b:
+        events.append(Post("kv.outer.b1", "outer", "kv", KV_OUTER, -1))
+    walk(0, KV_OUTER)
+    for level in range(1, max(out_a, out_b) + 1):
+        for sign, limit, reg, tag in ((1, out_a, "kv_outer_f", "f"), (-1, out_b, "kv_outer_b", "b")):
+            if level <= limit:
+                events.append(Wait(f"kv.outer.{tag}{level}", reg))
+                if level < limit:
+                    events.append(Post(f"kv.outer.{tag}{level + 1}", "outer", "kv", reg, sign))
+                walk(sign * level, reg)
     if backward:
-        for t in range(reach, 0, -1):
-            events.append(Post(f"dkv.fwd.{t}", hop, "dkv", f"dkv_fwd{t}", -1))
-            events.append(Post(f"dkv.bwd.{t}", hop, "dkv", f"dkv_bwd{t}", 1))
-            events.append(Wait(f"dkv.fwd.{t}", f"dkv_fwd{t - 1}" if t > 1 else DKV_OWN, add=True))
-            events.append(Wait(f"dkv.bwd.{t}", f"dkv_bwd{t - 1}" if t > 1 else DKV_OWN, add=True))
+        for level in range(max(out_a, out_b), 0, -1):
+            sides = [(sign * level, -sign) for sign, limit in ((1, out_a), (-1, out_b)) if level <= limit]
+            for k, _ in sides:
+                walk_back(k)
+            for k, direction in sides:
+                events.append(Post(f"dkv.outer.{k}", "outer", "dkv", base_dkv(k), direction))
+            for k, direction in sides:
+                receive(f"dkv.outer.{k}", base_dkv(k + direction))
+        walk_back(0)
     return tuple(events)
 
 

@@ -18,14 +18,16 @@ all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it eac
   re-circulates the same ``cp - 1`` blocks.
 - ``dkv`` (backward only): ``cp - 1`` dK/dV partial sums of the same shape in the accumulation dtype
   (``max(4, b)`` bytes: fp32 for fp16/bf16/fp32, fp64 for fp64), same peers as ``kv``.
-- a sliding window ``w`` with ``r = ceil((w - 1) / (S / 2cp))`` and ``2 r < cp - 1`` on a single ring
-  (``window`` 1 or ``cp``): the short pass sends ``r`` blocks to each ring neighbour per pass (``2 r``
-  instead of ``cp - 1``), and as many dK/dV partials backward (:func:`ring_reach`).
+- a sliding window ``w`` with ``r = ceil((w - 1) / (S / 2cp))`` whose short pass sends fewer than ``cp - 1``
+  blocks (:func:`ring_reach`): per pass the K/V hops of its route,
+  :func:`loongtrain.attn.schedule.short_sends` (a single ring: ``r`` to each ring neighbour; ``n = 4, w = 2``
+  or ``n = 2, w = 4`` with ``r = 1``: 5), and backward as many dK/dV partials along the same links the
+  opposite way.
 """
 
 from __future__ import annotations
 
-from loongtrain.attn.schedule import DoubleRing, pass_reach
+from loongtrain.attn.schedule import DoubleRing, pass_reach, short_hops, short_sends
 from loongtrain.parallel.config import effective_kv_heads
 from loongtrain.parallel.layout import Layout
 
@@ -85,21 +87,23 @@ def attention_traffic(
         reach = ring_reach(layout, seq_len, sliding_window)
         if reach is None:
             per_pass = [(peers["inner_next"], n * (w - 1)), (peers["outer_next"], n - 1)]
-        else:  # the short pass: reach blocks to each ring neighbour (one hop class), dK/dV back the same way
-            hop = "inner" if n == 1 else "outer"
-            per_pass = [(peers[f"{hop}_next"], reach), (peers[f"{hop}_prev"], reach)]
+        else:  # the short pass: K/V along its route, dK/dV partials back the opposite way
+            sends = short_sends(DoubleRing(n, w), reach)
+            per_pass = [(peers[f"{hop}_{'next' if d == 1 else 'prev'}"], count) for (hop, d), count in sends.items()]
+            grads = [(peers[f"{hop}_{'prev' if d == 1 else 'next'}"], count) for (hop, d), count in sends.items()]
         for peer, count in per_pass:
             if count:
                 _add(out["kv"], peer, passes * count * msg["kv"])
-                if backward:
-                    _add(out["dkv"], peer, count * msg["dkv"])
+        for peer, count in per_pass if reach is None else grads:
+            if count and backward:
+                _add(out["dkv"], peer, count * msg["dkv"])
     return out
 
 
 def ring_reach(layout: Layout, seq_len: int, sliding_window: int | None) -> int | None:
     """``r`` when a sliding window this short runs the short ring pass (:func:`loongtrain.attn.schedule.pass_reach`):
-    then a pass sends ``r`` K/V blocks to each of the two ring neighbours instead of ``cp - 1`` round the ring
-    (backward: as many dK/dV partials back), ``2 r < cp - 1``; else ``None``."""
+    then a pass sends the blocks of :func:`loongtrain.attn.schedule.short_sends` (fewer than ``cp - 1``;
+    backward: as many dK/dV partials back); else ``None``."""
     if layout.cp == 1:
         return None
     return pass_reach(DoubleRing(layout.num_windows, layout.window), seq_len // (2 * layout.cp), sliding_window)
@@ -109,10 +113,10 @@ def attention_ops(layout: Layout, *, backward: bool = True, seq_len: int = 0,
                   sliding_window: int | None = None) -> dict[str, int]:
     """Communication calls per rank per attention call: a2a ``2`` (+2 backward) when ``hp > 1``;
     kv ``cp - 1`` (+ ``cp - 1`` backward); dkv ``cp - 1`` (backward only); with a short sliding window
-    (:func:`ring_reach` ``r``) ``2 r`` instead of ``cp - 1``."""
+    (:func:`ring_reach` ``r``) the short pass's hop count (``2 r`` on a single ring) instead of ``cp - 1``."""
     passes = 2 if backward else 1
     reach = ring_reach(layout, seq_len, sliding_window) if sliding_window is not None else None
-    ring = layout.cp - 1 if reach is None else 2 * reach
+    ring = layout.cp - 1 if reach is None else short_hops(DoubleRing(layout.num_windows, layout.window), reach)
     return {
         "a2a": 2 * passes if layout.hp > 1 else 0,
         "kv": passes * ring,

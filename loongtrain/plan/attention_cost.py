@@ -222,8 +222,8 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
     a2a = a2a_call(msg["a2a_qkv"]) + a2a_call(msg["a2a_out"])  # per pass: q/k/v in, output back
     window = shape.sliding_window if 0 < shape.sliding_window < shape.seq_len else None
     reach = ring_reach(layout, shape.seq_len, window) if window is not None else None
-    # the pass's compute steps share the rank's work (a short window's short pass has 2r + 1 of them; a
-    # double ring keeps cp steps and skips invisible blocks, approximated as evenly lighter steps)
+    # the pass's compute steps share the rank's work (a short window's short pass computes only the blocks
+    # within reach; a full pass with a window skips invisible blocks, approximated as evenly lighter steps)
     steps_run = layout.cp if reach is None else sum(isinstance(e, Compute) for e in pass_events(
         layout.num_windows, layout.window, False, reach))
     c = attention_flops(shape, layout.sp) / steps_run / (cluster.attention_tflops * 1e12)
