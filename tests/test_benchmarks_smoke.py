@@ -1,0 +1,43 @@
+"""The attention benchmarks run end to end at tiny sizes, so they cannot rot. Nothing here asserts a time:
+only that every case ran against its SDPA limit and that the counted work and bytes have the right order."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_documents_tiny(tmp_path):
+    out = tmp_path / "documents.json"
+    _run("documents.py", "--tiny", "--configs", "1x4", "--json", str(out))
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"docs", "docs-balanced", "causal", "window"}
+    for row in rows.values():
+        assert len(row["time"]) == len(row["limit"]) == 1 and min(row["time"] + row["limit"]) > 0
+    # --tiny: S=512 over cp=4 (chunks of 64); a window of 64 reaches only the neighbouring rank
+    assert rows["window"]["ring_bytes"] < rows["causal"]["ring_bytes"]
+    assert rows["docs-balanced"]["work_imbalance"] < rows["docs"]["work_imbalance"]
+    assert rows["docs"]["visible_fraction"] < 1 and rows["causal"]["visible_fraction"] == 1
+
+
+def test_attention_tiny(tmp_path):
+    out = tmp_path / "attention.json"
+    _run("attention.py", "--seq-len", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+         "--iters", "1", "--rounds", "1", "--configs", "2x2", "--baselines", "none", "--json", str(out))
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["error"] is None and (case["hp"], case["cp"], case["kv_heads"]) == (2, 2, 2)
+    assert len(case["total_s"]) == len(case["limit_s"]) == 1
