@@ -22,11 +22,10 @@ re-gathered at the start of the backward, so keeping them costs no extra peak.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.loss import IGNORE_INDEX
+from loongtrain.train.loss import IGNORE_INDEX, replica_mean
 
 Tensor = torch.Tensor
 
@@ -186,19 +185,6 @@ def chunked_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1), chunk_tokens, compute
     )
     return replica_mean(local_sum, (labels != IGNORE_INDEX).sum(), mesh)
-
-
-def replica_mean(local_sum: Tensor, local_count: Tensor, mesh: Mesh | None) -> tuple[Tensor, Tensor]:
-    """``(local_sum / replica_count, replica_sum / replica_count)``, the second detached.
-
-    Communication: one all-reduce (sum) of ``[sum, count]`` over ``mesh.sp_group`` when ``mesh.sp > 1``
-    (forward only; the count is a constant for the backward). An all-ignored replica gives 0.
-    """
-    stats = torch.stack([local_sum.detach(), local_count.to(local_sum.dtype)])
-    if mesh is not None and mesh.sp > 1:
-        dist.all_reduce(stats, group=mesh.sp_group)
-    replica_sum, replica_count = stats[0], stats[1].clamp(min=1)
-    return local_sum / replica_count, replica_sum / replica_count
 
 
 def chunked_loss_peak_bytes(

@@ -32,7 +32,15 @@ def sharded_cross_entropy(logits: Tensor, labels: Tensor, mesh: Mesh | None) -> 
     local_sum = F.cross_entropy(
         work.reshape(-1, vocab), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    local_count = (labels != IGNORE_INDEX).sum()
+    return replica_mean(local_sum, (labels != IGNORE_INDEX).sum(), mesh)
+
+
+def replica_mean(local_sum: Tensor, local_count: Tensor, mesh: Mesh | None) -> tuple[Tensor, Tensor]:
+    """``(local_sum / replica_count, replica_sum / replica_count)``, the second detached.
+
+    Communication: one all-reduce (sum) of ``[sum, count]`` over ``mesh.sp_group`` when ``mesh.sp > 1``
+    (forward only; the count is a constant for the backward). An all-ignored replica gives 0.
+    """
     stats = torch.stack([local_sum.detach(), local_count.to(local_sum.dtype)])
     if mesh is not None and mesh.sp > 1:
         dist.all_reduce(stats, group=mesh.sp_group)
