@@ -6,8 +6,9 @@
 Sections (each prints a summary and is written to ``--out`` JSON as soon as it is done, so a run cut
 short still reports what it measured; a section that fails records its error and the next one runs):
 
-- ``kernels``: the selected kernel's forward (out, lse) and gradients in bf16 and fp16 against fp64
-  autograd through the reference kernel (max abs error per tensor).
+- ``kernels``: every candidate kernel's forward (out, lse) and gradients in bf16 and fp16 against fp64
+  autograd through the reference kernel (max abs error per tensor), and the kernel the ring chooses
+  (``loongtrain.attn.kernel_choice.choose_kernel``: measured when several qualify).
 - ``ring``: the in-process ring (``loongtrain.attn.ring.local_ring_forward/backward``: every member in
   this process, the distributed executor's schedule, transfers as hand-offs) on zigzag shards for
   ``cp`` = 2, 4, 8 (double-ring windows included) and head splits emulated by slicing heads per head
@@ -18,7 +19,7 @@ short still reports what it measured; a section that fails records its error and
   and with ``torch.use_deterministic_algorithms(True)``, and the deterministic slowdown.
 - ``throughput``: forward+backward TFLOP/s of causal attention, D=128, against the device's dense bf16
   peak (FLOPs: forward ``2 * S^2 * H * D`` causal, backward 2.5x forward, FlashAttention's convention);
-  each kernel candidate is timed at the shortest length (the ``measure`` hook of ``select_kernel``).
+  each kernel candidate is timed at the shortest length; the points use the ring's choice.
 - ``training``: ``Trainer`` on one device under Selective Checkpoint++ at the longest sequence the
   planner says fits (halved on out-of-memory): tokens/s, MFU (model FLOPs, loongtrain.train.metrics),
   peak allocated memory after set-up against ``loongtrain.plan.memory.memory_per_rank``.
@@ -42,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from loongtrain.attn.kernels import REFERENCE, Kernel, kernel_candidates, select_kernel  # noqa: E402
+from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates  # noqa: E402
+from loongtrain.attn.kernels import REFERENCE, Kernel  # noqa: E402
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward  # noqa: E402
 from loongtrain.parallel.sharding import shard_indices  # noqa: E402
 
@@ -99,11 +101,17 @@ def check_kernels(device: torch.device, size: dict[str, Any], state: dict[str, A
         gen = torch.Generator().manual_seed(0)
         q, dout = (_bshd(b, s, h, d, dtype, device, gen) for _ in range(2))
         k, v = (_bshd(b, s, hkv, d, dtype, device, gen) for _ in range(2))
-        kernel = select_kernel(device, dtype, d)
+        kernel = choose_kernel(device, dtype, d, h, hkv, s)
         ref = reference64(q, k, v, dout, d ** -0.5)
-        got = run_kernel(kernel, q, k, v, dout, d ** -0.5)
-        errs = {name: _max_err(got[name], ref[name]) for name in ref}
-        out[str(dtype).replace("torch.", "")] = {"kernel": kernel.name, "max_abs_err": errs}
+        errs: dict[str, Any] = {}
+        for cand in kernel_candidates(device, dtype, d):
+            try:
+                got = run_kernel(cand, q, k, v, dout, d ** -0.5)
+                errs[cand.name] = {name: _max_err(got[name], ref[name]) for name in ref}
+            except Exception as exc:  # noqa: BLE001 - report a candidate that cannot run, keep going
+                errs[cand.name] = f"error: {type(exc).__name__}: {exc}"[:300]
+        out[str(dtype).replace("torch.", "")] = {"kernel": kernel.name, "max_abs_err": errs[kernel.name],
+                                                  "candidates": errs}
     return out
 
 
@@ -123,7 +131,7 @@ def _head_slice(num_heads: int, num_kv_heads: int, hp: int, j: int) -> tuple[sli
 
 
 def sharded_attention(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, hp: int, cp: int, window: int,
-                      scale: float) -> dict[str, Tensor]:
+                      scale: float, kernel: Kernel | None = None) -> dict[str, Tensor]:
     """out, dq, dk, dv of causal attention over ``hp`` head ranks x a ``cp`` ring, all in this process."""
     seq = q.shape[2]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32  # dK/dV sum over head ranks
@@ -134,9 +142,9 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, hp: int, cp
         hq, hk = _head_slice(q.shape[1], k.shape[1], hp, j)
         qs, ks, vs, douts = ([_zigzag(t[:, heads], cp, r) for r in range(cp)]
                              for t, heads in ((q, hq), (k, hk), (v, hk), (dout, hq)))
-        fwd = local_ring_forward(qs, ks, vs, window, True, scale)
+        fwd = local_ring_forward(qs, ks, vs, window, True, scale, kernel)
         outs, lses = [o for o, _ in fwd], [lse for _, lse in fwd]
-        bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, window, True, scale)
+        bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, window, True, scale, kernel)
         for r in range(cp):
             idx = shard_indices(seq, 1, cp, r, 0).to(q.device)
             res["out"][:, hq, idx] = outs[r]
@@ -157,11 +165,11 @@ def check_ring(device: torch.device, size: dict[str, Any], state: dict[str, Any]
         q, dout = (_bshd(1, s, h, d, dtype, device, gen) for _ in range(2))
         k, v = (_bshd(1, s, hkv, d, dtype, device, gen) for _ in range(2))
         ref = reference64(q, k, v, dout, d ** -0.5)
-        kernel = select_kernel(device, dtype, d)
+        kernel = choose_kernel(device, dtype, d, h, hkv, s)
         base = run_kernel(kernel, q, k, v, dout, d ** -0.5)
         base_err = {n: _max_err(base[n], ref[n]) for n in ("out", "dq", "dk", "dv")}
         for hp, cp, window in RING_CASES:
-            got = sharded_attention(q, k, v, dout, hp, cp, window, d ** -0.5)
+            got = sharded_attention(q, k, v, dout, hp, cp, window, d ** -0.5, kernel)
             case = {"dtype": str(dtype).replace("torch.", ""), "hp": hp, "cp": cp, "window": window,
                     "kernel": kernel.name, "ratio": {}, "vs_kernel": {}}
             for n in base_err:
@@ -218,13 +226,13 @@ def check_throughput(device: torch.device, size: dict[str, Any], state: dict[str
     for i, s in enumerate(size["tput_seqs"]):
         q, dout = (_bshd(1, s, h, d, dtype, device, gen) for _ in range(2))
         k, v = (_bshd(1, s, hkv, d, dtype, device, gen) for _ in range(2))
-        if i == 0:  # every candidate at the shortest length: what select_kernel's measure hook would pick
+        if i == 0:  # every candidate at the shortest length (choose_kernel measures at most 8K tokens)
             for cand in kernel_candidates(device, dtype, d):
                 try:
                     out["candidates"][cand.name] = _time(_fwd_bwd(cand, q, k, v, dout), device, 3)
                 except Exception as exc:  # noqa: BLE001 - report a candidate that cannot run, keep going
                     out["candidates"][cand.name] = f"error: {type(exc).__name__}: {exc}"[:300]
-        kernel = select_kernel(device, dtype, d)
+        kernel = choose_kernel(device, dtype, d, h, hkv, s)
         seconds = _time(_fwd_bwd(kernel, q, k, v, dout), device, 3 if s < 100_000 else 2)
         flops = 2 * s * s * h * d * (1 + 2.5)  # causal forward 2*S^2*H*D; backward 2.5x
         tflops = flops / seconds / 1e12
@@ -240,18 +248,18 @@ def check_determinism(device: torch.device, size: dict[str, Any], state: dict[st
     gen = torch.Generator().manual_seed(3)
     q, dout = (_bshd(1, s, 8, d, dtype, device, gen) for _ in range(2))
     k, v = (_bshd(1, s, 2, d, dtype, device, gen) for _ in range(2))
-    kernel = select_kernel(device, dtype, d)
-    out: dict[str, Any] = {"kernel": kernel.name, "S": s}
+    out: dict[str, Any] = {"S": s}
     before = torch.are_deterministic_algorithms_enabled()
     try:
         for flag in (False, True):
             key = "deterministic" if flag else "default"
             try:
                 torch.use_deterministic_algorithms(flag)
+                kernel = choose_kernel(device, dtype, d, 8, 2, s)  # deterministic mode: the rule's kernel
                 fn = _fwd_bwd(kernel, q, k, v, dout)
                 runs = [fn() for _ in range(3)]
                 equal = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
-                out[key] = {"bitwise_equal": equal, "seconds": _time(fn, device, 3)}
+                out[key] = {"kernel": kernel.name, "bitwise_equal": equal, "seconds": _time(fn, device, 3)}
             except Exception as exc:  # noqa: BLE001 - e.g. an op without a deterministic version
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     finally:
@@ -294,7 +302,8 @@ def _train_one(name: str, seq: int, device: torch.device, steps: int) -> dict[st
     peak = device_peak(device)
     achieved = flops_per_token(model_config, seq) * seq / dt / 1e12
     result = {"model": name, "seq_len": seq, "ac_mode": "selective", "compute_dtype": str(compute),
-              "kernel": select_kernel(device, compute, model_config.head_dim).name,
+              "kernel": choose_kernel(device, compute, model_config.head_dim, model_config.num_heads,
+                                      model_config.num_kv_heads, seq).name,
               "step_s": timed, "tokens_per_s": seq / dt, "model_tflops": achieved, "mfu": achieved / peak,
               "losses": losses, "predicted_gib": {k: v / 2**30 for k, v in predicted.items()}}
     if device.type == "cuda":

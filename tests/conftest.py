@@ -13,3 +13,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Pretend to be a CUDA build on a device of capability ``sm`` with flash attention and cuDNN 9:
+    ``gpu(sm, cudnn=version or None) -> torch.device("cuda")`` (kernel selection tests; no tensors)."""
+
+    def install(sm: tuple[int, int], cudnn: int | None = 90100) -> torch.device:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: sm)
+        monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+        monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: cudnn is not None)
+        monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+        monkeypatch.setattr(torch.version, "hip", None)
+        return torch.device("cuda")
+
+    return install

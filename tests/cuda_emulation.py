@@ -12,7 +12,12 @@ inputs, then computed with plain math in the op's own layout conventions:
   head count), causal top-left; lse fp32 ``[B, H, ceil(S/32)*32]`` with ``+inf`` padding, which the
   backward requires back in that layout; seed/offset int64 scalars;
 - cuDNN: fp16/bf16, GQA native, head dim a multiple of 8 and <= 128; lse ``[B, H, S, 1]``; the
-  backward requires dO in O's strides.
+  backward requires dO in O's strides;
+- flash varlen (``_flash_attention_forward/attn_backward`` with ``cum_seq_q/k``; FA2's ``mha_varlen_fwd/bwd``):
+  packed q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]``, ``cum_seq_*`` int32 contiguous ``[n + 1]`` from 0 to the
+  row count, ``max_q/max_k`` at least every sequence's length; sequence ``i`` attends alone, causal
+  aligned bottom-right (a query row that sees no key: out 0, lse ``+inf``); lse fp32 ``[H, Tq]``, which the
+  backward reads as a dense buffer (it makes dO and O contiguous itself).
 
 Outputs have the layouts the CUDA ops give (``[B, S, H, D]`` storage seen as ``[B, H, S, D]``).
 ``allow_fp64`` admits fp64 inputs (with an fp64 lse), which the real ops reject, so that the wrappers'
@@ -25,111 +30,30 @@ import math
 
 import torch
 
+from tests.emulation_math import (
+    attn_backward,
+    attn_forward,
+    bind,
+    like_op,
+    lse_dtype,
+    math_dtype,
+    to_bhsd,
+    to_bshd,
+)
+
 Tensor = torch.Tensor
 
 FAULTS = (
     "efficient_lse_padding_in_front",  # the forward puts the lse padding before the rows
     "flash_lse_sequence_major",  # the forward writes lse in [B, S, H] order into a [B, H, S] tensor
     "flash_backward_reads_value_as_key",  # the backward binds key and value in swapped order
+    "varlen_lse_token_major",  # the varlen forward writes lse in [Tq, H] order into the [H, Tq] tensor
+    "varlen_cum_seq_swapped",  # cum_seq_q and cum_seq_k arrive swapped (as a wrapper passing them wrongly)
 )
+VARLEN_FAULTS = tuple(f for f in FAULTS if f.startswith("varlen"))
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def bind(op_name: str, args: tuple, kwargs: dict) -> dict:
-    """Bind a call of ``torch.ops.aten.<op_name>`` to its schema the way the dispatcher does."""
-    schema = getattr(torch.ops.aten, op_name).default._schema
-    params = list(schema.arguments)
-    positional = [p for p in params if not p.kwarg_only]
-    if len(args) > len(positional):
-        raise TypeError(f"{op_name}: {len(args)} positional arguments, schema takes {len(positional)}")
-    bound = {p.name: a for p, a in zip(positional, args)}
-    for name, value in kwargs.items():
-        if name not in {p.name for p in params} or name in bound:
-            raise TypeError(f"{op_name}: unexpected or repeated keyword {name!r}")
-        bound[name] = value
-    for p in params:
-        if p.name not in bound:
-            if not p.has_default_value():
-                raise TypeError(f"{op_name}: missing argument {p.name!r}")
-            bound[p.name] = p.default_value
-        _check_kind(op_name, p.name, str(p.type), bound[p.name])
-    return bound
-
-
-def _check_kind(op_name: str, name: str, kind: str, value: object) -> None:
-    optional = kind.startswith("Optional[")
-    base = kind[len("Optional["):-1] if optional else kind
-    if value is None:
-        assert optional or base == "Tensor", f"{op_name}: {name} ({kind}) is None"
-        return
-    ok = {
-        "Tensor": lambda v: isinstance(v, Tensor),
-        "float": lambda v: isinstance(v, (float, int)) and not isinstance(v, bool),
-        "bool": lambda v: isinstance(v, bool),
-        "SymInt": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "List[bool]": lambda v: isinstance(v, (list, tuple)) and all(isinstance(x, bool) for x in v),
-    }[base]
-    assert ok(value), f"{op_name}: {name} should be {kind}, got {type(value).__name__}"
-
-
-# ---------------------------------------------------------------- math (independent of loongtrain)
-
-
-def _math_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-_lse_dtype = _math_dtype  # fp32; fp64 only for the emulation's fp64 mode
-
-
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, bottom_right: bool) -> Tensor:
-    """[B, Hq, Sq, Sk] scaled scores; query head h reads KV head h // (Hq / Hkv)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.to(_math_dtype(q.dtype))[:, torch.arange(q.shape[1]) // group]
-    s = torch.einsum("bhqd,bhkd->bhqk", q.to(k.dtype), k) * scale
-    if causal:
-        sq, sk = q.shape[2], k.shape[2]
-        shift = sk - sq if bottom_right else 0
-        allowed = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + shift
-        s = s.masked_fill(~allowed, float("-inf"))
-    return s
-
-
-def _forward(q, k, v, causal, scale, bottom_right):
-    s = _scores(q, k, causal, scale, bottom_right)
-    lse = torch.logsumexp(s, dim=-1)
-    group = q.shape[1] // v.shape[1]
-    vv = v.to(s.dtype)[:, torch.arange(q.shape[1]) // group]
-    out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(s - lse[..., None]), vv)
-    return out, lse
-
-
-def _backward(dout, q, k, v, out, lse, causal, scale, bottom_right):
-    """Gradients from the given out and lse (as a kernel would), dK/dV summed onto the KV heads."""
-    s = _scores(q, k, causal, scale, bottom_right)
-    p = torch.exp(s - lse.to(s.dtype)[..., None])
-    heads = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
-    dout, out = dout.to(s.dtype), out.to(s.dtype)
-    vv = v.to(s.dtype)[:, heads]
-    dp = torch.einsum("bhqd,bhkd->bhqk", dout, vv)
-    ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * scale
-    dq = torch.einsum("bhqk,bhkd->bhqd", ds, k.to(s.dtype)[:, heads])
-    dk_h = torch.einsum("bhqk,bhqd->bhkd", ds, q.to(s.dtype))
-    dv_h = torch.einsum("bhqk,bhqd->bhkd", p, dout)
-    dk = torch.zeros(k.shape, dtype=s.dtype).index_add_(1, heads, dk_h)
-    dv = torch.zeros(v.shape, dtype=s.dtype).index_add_(1, heads, dv_h)
-    return dq, dk, dv
-
-
-def _bshd(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x`` [B, H, S, D] copied into [B, S, H, D] storage, returned as a [B, H, S, D] view."""
-    b, h, s, d = x.shape
-    return torch.empty(b, s, h, d, dtype=dtype, device=x.device).transpose(1, 2).copy_(x)
-
-
-def _like(x: Tensor, ref: Tensor) -> Tensor:
-    return torch.empty_like(ref).copy_(x)
 
 
 # ---------------------------------------------------------------- the ops
@@ -172,7 +96,7 @@ class EmulatedAten:
 
     @staticmethod
     def _check_lse(op: str, lse: Tensor, shape: tuple[int, ...], q: Tensor) -> None:
-        want = _lse_dtype(q.dtype)
+        want = lse_dtype(q.dtype)
         assert lse.dtype == want, f"{op}: logsumexp must be {want}, got {lse.dtype}"
         assert tuple(lse.shape) == shape, f"{op}: logsumexp {tuple(lse.shape)}, expected {shape}"
 
@@ -187,13 +111,13 @@ class EmulatedAten:
         assert q.shape[3] % 8 == 0 and q.shape[3] <= 256, f"{op}: head dim {q.shape[3]}"
         assert a["dropout_p"] == 0.0 and not a["return_debug_mask"], f"{op}: emulation has no dropout"
         scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
-        out, lse = _forward(q, k, v, a["is_causal"], scale, bottom_right=True)
+        out, lse = attn_forward(q, k, v, a["is_causal"], scale, bottom_right=True)
         b, h, s = lse.shape
         if self.fault == "flash_lse_sequence_major":
             lse = lse.transpose(1, 2).contiguous().view(b, h, s)
         rng_state = torch.zeros(2, dtype=torch.uint64)
         unused = torch.zeros((), dtype=torch.uint64)
-        return (_bshd(out, q.dtype), lse.contiguous(), None, None, q.shape[2], k.shape[2],
+        return (to_bshd(out, q.dtype), lse.contiguous(), None, None, q.shape[2], k.shape[2],
                 rng_state, unused, torch.empty(0, dtype=q.dtype))
 
     def _scaled_dot_product_flash_attention_backward(self, *args, **kwargs):
@@ -215,8 +139,86 @@ class EmulatedAten:
         assert a["philox_seed"].dtype == torch.uint64 and a["philox_seed"].shape == (2,), f"{op}: rng state"
         assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
         scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
-        dq, dk, dv = _backward(a["grad_out"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=True)
-        return _bshd(dq, q.dtype), _bshd(dk, k.dtype), _bshd(dv, v.dtype)
+        dq, dk, dv = attn_backward(a["grad_out"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=True)
+        return to_bshd(dq, q.dtype), to_bshd(dk, k.dtype), to_bshd(dv, v.dtype)
+
+    # ------------------------------------------------ flash (FA2), variable length
+
+    def _check_varlen(self, op: str, a: dict) -> tuple[list[int], list[int]]:
+        """The packed-layout rules of ``mha_varlen_fwd/bwd``; returns the sequence bounds (q, k)."""
+        q, k, v = a["query"], a["key"], a["value"]
+        if self.fault == "varlen_cum_seq_swapped":
+            a["cum_seq_q"], a["cum_seq_k"] = a["cum_seq_k"], a["cum_seq_q"]
+        for name, t in (("query", q), ("key", k), ("value", v)):
+            assert t.dim() == 3, f"{op}: varlen {name} must be [total, heads, head_dim]"
+            assert t.dtype == q.dtype and t.stride(-1) == 1, f"{op}: {name} dtype or last-dim stride"
+        assert q.dtype in self._dtypes(_HALF), f"{op}: dtype {q.dtype} not supported"
+        assert k.shape == v.shape and q.shape[2] == k.shape[2], f"{op}: key/value/head dim shapes"
+        assert q.shape[1] % k.shape[1] == 0, f"{op}: {q.shape[1]} heads not a multiple of {k.shape[1]}"
+        assert q.shape[2] % 8 == 0 and q.shape[2] <= 256, f"{op}: head dim {q.shape[2]}"
+        assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
+        assert a["window_size_left"] is None and a["window_size_right"] is None, f"{op}: emulation has no window"
+        bounds = []
+        for name, total, longest in (("cum_seq_q", q.shape[0], a["max_q"]), ("cum_seq_k", k.shape[0], a["max_k"])):
+            cu = a[name]
+            assert cu is not None, f"{op}: emulation is varlen only ({name} missing)"
+            assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous(), f"{op}: {name} int32 contiguous"
+            cu = cu.tolist()
+            assert len(cu) >= 2, f"{op}: {name} needs at least one sequence"
+            lengths = [e - s for s, e in zip(cu, cu[1:])]
+            assert cu[0] == 0 and min(lengths) >= 0, f"{op}: {name} must start at 0 and not decrease"
+            assert cu[-1] == total, f"{op}: {name} ends at {cu[-1]}, rows {total} (rows past it are not written)"
+            assert longest >= max(lengths), f"{op}: max length {longest} < a sequence of {max(lengths)}"
+            bounds.append(cu)
+        assert len(bounds[0]) == len(bounds[1]) >= 2, f"{op}: cum_seq_q and cum_seq_k sizes differ"
+        return bounds[0], bounds[1]
+
+    @staticmethod
+    def _sequences(cu_q: list[int], cu_k: list[int]):
+        return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+
+    def _flash_attention_forward(self, *args, **kwargs):
+        op = "_flash_attention_forward"
+        a = bind(op, args, kwargs)
+        self.calls.append(op)
+        cu_q, cu_k = self._check_varlen(op, a)
+        assert not a["return_debug_mask"] and a["seqused_k"] is None and a["alibi_slopes"] is None, op
+        assert a["block_table"] is None and a["num_splits"] is None, f"{op}: emulation has no paged or split KV"
+        q, k, v = a["query"], a["key"], a["value"]
+        scale = a["scale"] if a["scale"] is not None else q.shape[2] ** -0.5
+        out = torch.zeros(q.shape, dtype=q.dtype)
+        lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=lse_dtype(q.dtype))
+        for rows, cols in self._sequences(cu_q, cu_k):
+            o, m = attn_forward(*(to_bhsd(t[s]) for t, s in ((q, rows), (k, cols), (v, cols))), a["is_causal"], scale,
+                            bottom_right=True)
+            seen = m[0] > float("-inf")  # [H, rows]: a query row that sees no key gets out 0, lse +inf
+            out[rows] = torch.where(seen.t()[..., None], o[0].transpose(0, 1), 0.0).to(q.dtype)
+            lse[:, rows] = torch.where(seen, m[0], float("inf"))
+        if self.fault == "varlen_lse_token_major":
+            lse = lse.t().contiguous().view(lse.shape)
+        rng_state, unused = torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64)
+        return out, lse, rng_state, unused, torch.empty(0, dtype=q.dtype)
+
+    def _flash_attention_backward(self, *args, **kwargs):
+        op = "_flash_attention_backward"
+        a = bind(op, args, kwargs)
+        self.calls.append(op)
+        cu_q, cu_k = self._check_varlen(op, a)
+        q, k, v = a["query"], a["key"], a["value"]
+        for name in ("grad_out", "out"):
+            assert a[name].shape == q.shape and a[name].dtype == q.dtype, f"{op}: {name}"
+        lse = a["logsumexp"]
+        self._check_lse(op, lse, (q.shape[1], q.shape[0]), q)
+        lse = lse.as_strided(lse.shape, (q.shape[0], 1), lse.storage_offset())  # read as a dense buffer
+        assert a["rng_state"].dtype == torch.uint64 and a["rng_state"].shape == (2,), f"{op}: rng state"
+        scale = a["scale"] if a["scale"] is not None else q.shape[2] ** -0.5
+        dq, dk, dv = (torch.zeros(t.shape, dtype=math_dtype(q.dtype)) for t in (q, k, v))
+        for rows, cols in self._sequences(cu_q, cu_k):
+            grads = attn_backward(to_bhsd(a["grad_out"][rows]), to_bhsd(q[rows]), to_bhsd(k[cols]), to_bhsd(v[cols]),
+                              to_bhsd(a["out"][rows]), lse[None, :, rows], a["is_causal"], scale, bottom_right=True)
+            for full, part, s in zip((dq, dk, dv), grads, (rows, cols, cols)):
+                full[s] = part[0].transpose(0, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     # ------------------------------------------------ memory-efficient
 
@@ -228,7 +230,7 @@ class EmulatedAten:
         self._check_qkv(op, q, k, v, (*_HALF, torch.float32), gqa=False)
         assert a["attn_bias"] is None and a["dropout_p"] == 0.0, f"{op}: emulation has no bias or dropout"
         scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
-        out, lse = _forward(q, k, v, a["is_causal"], scale, bottom_right=False)
+        out, lse = attn_forward(q, k, v, a["is_causal"], scale, bottom_right=False)
         b, h, s = lse.shape
         padded_len = math.ceil(s / 32) * 32 if a["compute_log_sumexp"] else 0
         padded = torch.full((b, h, padded_len), float("inf"), dtype=lse.dtype)
@@ -236,7 +238,7 @@ class EmulatedAten:
             rows = slice(padded_len - s, None) if self.fault == "efficient_lse_padding_in_front" else slice(0, s)
             padded[:, :, rows] = lse
         seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
-        return _bshd(out, q.dtype), padded, seed, offset
+        return to_bshd(out, q.dtype), padded, seed, offset
 
     def _scaled_dot_product_efficient_attention_backward(self, *args, **kwargs):
         op = "_scaled_dot_product_efficient_attention_backward"
@@ -256,8 +258,8 @@ class EmulatedAten:
         assert a["attn_bias"] is None and not mask[3], f"{op}: emulation has no bias"
         assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
         scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
-        dq, dk, dv = _backward(a["grad_out_"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=False)
-        return _bshd(dq, q.dtype), _bshd(dk, k.dtype), _bshd(dv, v.dtype), None
+        dq, dk, dv = attn_backward(a["grad_out_"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=False)
+        return to_bshd(dq, q.dtype), to_bshd(dk, k.dtype), to_bshd(dv, v.dtype), None
 
     # ------------------------------------------------ cuDNN
 
@@ -271,9 +273,9 @@ class EmulatedAten:
         assert a["attn_bias"] is None and a["dropout_p"] == 0.0, f"{op}: emulation has no bias or dropout"
         assert a["compute_log_sumexp"], f"{op}: training needs the logsumexp"
         scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
-        out, lse = _forward(q, k, v, a["is_causal"], scale, bottom_right=False)
+        out, lse = attn_forward(q, k, v, a["is_causal"], scale, bottom_right=False)
         seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
-        return (_like(out, q), lse.unsqueeze(-1).contiguous(), None, None, q.shape[2], k.shape[2],
+        return (like_op(out, q), lse.unsqueeze(-1).contiguous(), None, None, q.shape[2], k.shape[2],
                 seed, offset, None)
 
     def _scaled_dot_product_cudnn_attention_backward(self, *args, **kwargs):
@@ -292,8 +294,8 @@ class EmulatedAten:
         assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
         scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
         lse = a["logsumexp"].squeeze(-1)
-        dq, dk, dv = _backward(a["grad_out"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=False)
-        return _like(dq, q), _like(dk, k), _like(dv, v)
+        dq, dk, dv = attn_backward(a["grad_out"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=False)
+        return like_op(dq, q), like_op(dk, k), like_op(dv, v)
 
 
 def install(monkeypatch, **options) -> EmulatedAten:

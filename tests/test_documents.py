@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from loongtrain.attn.kernels import Kernel, reference_forward, select_kernel
+from loongtrain.attn.kernel_choice import select_kernel
+from loongtrain.attn.kernels import Kernel, reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, member_runs, visible_pieces
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.attn.schedule import DoubleRing, pass_reach

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, _expand_kv, select_kernel
+from loongtrain.attn.kernel_choice import select_kernel
+from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, _expand_kv
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -60,3 +61,14 @@ def test_cpu_flash_on_strided_ring_slices():
     assert not any(t.is_contiguous() for t in args[:6] if t is not k and t is not v)
     for got, want in zip(CPU_FLASH.backward(*args), REFERENCE.backward(*args)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_only_cuda_flash_has_a_varlen_form():
+    """The packed variable-length ops are FA2's (docs/design.md §6): every other kernel, the head-dim padded
+    flash kernel included, runs one dense call per piece."""
+    from loongtrain.attn import kernels
+
+    every = (kernels.REFERENCE, kernels.CPU_FLASH, kernels.CUDA_FLASH, kernels.CUDA_EFFICIENT, kernels.CUDA_CUDNN,
+             kernels.CUDA_FLASH_PADDED, kernels.CUDA_EFFICIENT_PADDED)
+    assert [k.name for k in every if k.varlen_forward is not None] == ["cuda_flash"]
+    assert [k.name for k in every if k.varlen_backward is not None] == ["cuda_flash"]

@@ -1,4 +1,5 @@
-"""The local launcher (run_local) and the per-layout process groups of init_mesh (docs/design.md §10)."""
+"""The local launcher (run_local; its lifeline: parallel/liveness.py) and the per-layout process groups of
+init_mesh (docs/design.md §10)."""
 
 from __future__ import annotations
 

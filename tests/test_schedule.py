@@ -8,9 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from loongtrain.attn.kernels import Kernel, reference_forward, select_kernel
+from loongtrain.attn.kernel_choice import select_kernel
+from loongtrain.attn.kernels import Kernel, reference_forward
 from loongtrain.attn.ring import PostOffice, local_ring_backward, local_ring_forward
-from loongtrain.attn.schedule import Compute, DoubleRing, Post, Wait, pass_events, pass_reach, short_sends
+from loongtrain.attn.schedule import Compute, DoubleRing, Post, Wait, pass_events
+from loongtrain.attn.short_pass import pass_reach, short_sends
 from loongtrain.parallel.sharding import shard_indices
 from loongtrain.plan.attention_cost import _Link, simulate_pass
 

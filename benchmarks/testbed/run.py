@@ -379,7 +379,7 @@ def _single_rank_flops(args: argparse.Namespace) -> float:
     """Attention FLOP/s of one process with 1 thread and nothing else of ours running."""
     code = (
         "import sys, time, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(1)\n"
-        "from loongtrain.attn.kernels import select_kernel\n"
+        "from loongtrain.attn.kernel_choice import select_kernel\n"
         "s, h, hk, d, dt, secs = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),"
         " getattr(torch, sys.argv[6]), float(sys.argv[7])\n"
         "q = torch.randn(1, h, s, d, dtype=dt); k = torch.randn(1, hk, s, d, dtype=dt)\n"

@@ -128,7 +128,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from loongtrain.attn.api import attention
-    from loongtrain.attn.kernels import select_kernel
+    from loongtrain.attn.kernel_choice import select_kernel
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.parallel.mesh import init_mesh
 

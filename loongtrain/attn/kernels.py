@@ -19,6 +19,16 @@ kernel             op (forward / backward)                                      
 
 (``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a zero-padded head dim.)
 
+Variable-length form (``Kernel.varlen_forward`` / ``varlen_backward``; ``None`` where a kernel has none):
+only ``cuda_flash``, through ``_flash_attention_forward`` / ``_flash_attention_backward`` (FA2's
+``mha_varlen_fwd`` / ``mha_varlen_bwd``) with ``cum_seq_q`` / ``cum_seq_k`` given. Tensors are packed:
+q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]`` (GQA native, unit last-dim stride), sequence ``i`` being q rows
+``[cu_q[i], cu_q[i+1])`` against k rows ``[cu_k[i], cu_k[i+1])`` (``cu_*`` int32, contiguous, ``n + 1``
+entries, starting at 0 and ending at the row count); lse comes fp32 ``[H, Tq]`` (unpadded), which the
+backward reads as a contiguous buffer; causal is aligned bottom-right per sequence (the ring packs causal
+squares, where both alignments agree, and single query rows, which so see every key). One call takes one
+causal flag for all its sequences.
+
 The memory-efficient op needs equal head counts: K/V are broadcast to the query heads (a zero-stride
 view for one KV head, a copy otherwise) and dK/dV summed back over each group. Its lse comes padded
 along S to a multiple of 32 (``+inf`` in the padding); the forward returns the ``[:S]`` view and the
@@ -28,16 +38,7 @@ layout, so both are made contiguous when their strides differ. No other input is
 strided inputs with a unit last-dim stride. lse is passed on in the dtype given (the ring accumulates it
 in fp32 for every dtype but fp64, which only the reference kernel handles on CUDA).
 
-Selection (:func:`select_kernel`, rules in :func:`kernel_candidates`, following torch's own dispatcher
-checks): CPU -> ``cpu_flash`` (all float dtypes). NVIDIA CUDA: fp16/bf16 on sm80..sm121 with head dim a
-multiple of 8 and <= 256 (not in (192, 224] on sm86-89/sm120-121, where FA2 has no backward) ->
-``cuda_flash``; fp32, and fp16/bf16 that flash cannot take -> ``cuda_efficient`` (sm50+, bf16 from sm80,
-head dim a multiple of the GEMM alignment: 8 for fp16/bf16, 4 for fp32 from sm80); a head dim that
-neither takes as it is -> the same kernel on the head dim zero-padded to a multiple of 8 (``*_padded``,
-exact); fp64 (no fused CUDA kernel takes it), ROCm and other devices -> ``reference``. On sm90/sm100
-``cuda_cudnn`` is a candidate too, chosen only through the ``measure`` hook of :func:`select_kernel`
-(time the candidates on the device, e.g. in a GPU calibration). :func:`bf16_supported` tells whether a
-device has native bf16 (for ``--dtype auto``).
+Which kernel runs where (capability rules and measurement): :mod:`loongtrain.attn.kernel_choice`.
 """
 
 from __future__ import annotations
@@ -53,11 +54,25 @@ Tensor = torch.Tensor
 _aten = torch.ops.aten
 
 
+VarlenForward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, float], tuple[Tensor, Tensor]]
+VarlenBackward = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, float],
+    tuple[Tensor, Tensor, Tensor],
+]
+
+
 @dataclass(frozen=True)
 class Kernel:
+    """A local attention kernel: ``forward(q, k, v, causal, scale) -> (out, lse)`` and ``backward(dout, q, k,
+    v, out, lse, causal, scale) -> (dq, dk, dv)`` on ``[B, H, S, D]``; optionally the packed variable-length
+    form ``varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse [H, Tq])`` and
+    ``varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)`` (module docstring)."""
+
     name: str
     forward: Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
     backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
+    varlen_forward: VarlenForward | None = None
+    varlen_backward: VarlenBackward | None = None
 
 
 def _expand_kv(k: Tensor, num_heads: int) -> Tensor:
@@ -175,6 +190,27 @@ def _cuda_flash_backward(
     return dq, dk, dv
 
 
+def _cuda_flash_varlen_forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Packed sequences (module docstring): out ``[Tq, H, D]``, lse fp32 ``[H, Tq]``."""
+    res = _aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+    return res[0], res[1]  # (out, lse, rng_state, unused, debug_attn_mask)
+
+
+def _cuda_flash_varlen_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
+    max_q: int, max_k: int, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of :func:`_cuda_flash_varlen_forward`; the op reads lse as a dense ``[H, Tq]`` buffer."""
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: not read
+    unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = _aten._flash_attention_backward(
+        dout, q, k, v, out, _dense(lse), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
+    )
+    return dq, dk, dv
+
+
 # ---------------------------------------------------------------- CUDA: memory-efficient (expands K/V)
 
 _EFFICIENT_LSE_ALIGN = 32  # the op pads lse along S to a multiple of this
@@ -251,80 +287,9 @@ def _head_dim_padded(kernel: Kernel, multiple: int) -> Kernel:
 
 REFERENCE = Kernel("reference", reference_forward, reference_backward)
 CPU_FLASH = Kernel("cpu_flash", _cpu_forward, _cpu_backward)
-CUDA_FLASH = Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward)
+CUDA_FLASH = Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward,
+                    _cuda_flash_varlen_forward, _cuda_flash_varlen_backward)
 CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
 CUDA_CUDNN = Kernel("cuda_cudnn", _cuda_cudnn_forward, _cuda_cudnn_backward)
 CUDA_FLASH_PADDED = _head_dim_padded(CUDA_FLASH, 8)
 CUDA_EFFICIENT_PADDED = _head_dim_padded(CUDA_EFFICIENT, 8)
-
-
-# ---------------------------------------------------------------- selection
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def bf16_supported(device: torch.device) -> bool:
-    """Whether ``device`` computes bf16 natively (for ``--dtype auto``): CPU yes; CUDA from sm80; else no."""
-    device = torch.device(device)
-    if device.type == "cpu":
-        return True
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 0)
-    return False
-
-
-def _flash_ok(sm: tuple[int, int], dtype: torch.dtype, head_dim: int) -> bool:
-    if dtype not in _HALF or not ((8, 0) <= sm <= (12, 1)) or head_dim % 8 or head_dim > 256:
-        return False
-    no_backward = ((8, 6) <= sm <= (8, 9) or sm >= (12, 0)) and 192 < head_dim <= 224
-    return torch.backends.cuda.is_flash_attention_available() and not no_backward
-
-
-def _efficient_alignment(sm: tuple[int, int], dtype: torch.dtype) -> int:
-    """The head-dim multiple torch's dispatcher requires of the memory-efficient op (GEMM alignment)."""
-    half = dtype in _HALF
-    tensor_cores = sm >= (8, 0) or (sm >= (7, 0) and half)
-    return max(4 if sm >= (8, 0) else 1, (8 if half else 4) if tensor_cores else 1)
-
-
-def _efficient_ok(sm: tuple[int, int], dtype: torch.dtype, head_dim: int) -> bool:
-    dtypes = (torch.float16, torch.float32, torch.bfloat16) if sm >= (8, 0) else (torch.float16, torch.float32)
-    return dtype in dtypes and (5, 0) <= sm <= (12, 1) and head_dim % _efficient_alignment(sm, dtype) == 0
-
-
-def _cudnn_ok(sm: tuple[int, int], dtype: torch.dtype, head_dim: int) -> bool:
-    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return (
-        dtype in _HALF and sm[0] in (9, 10) and head_dim % 8 == 0 and head_dim <= 128
-        and version is not None and version >= 90000
-    )
-
-
-def kernel_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[Kernel]:
-    """The kernels that can run attention of this dtype and head dim on ``device``, fastest-expected
-    first; ``[REFERENCE]`` when no fused kernel can."""
-    device = torch.device(device)
-    if device.type == "cpu" and dtype in (torch.float32, torch.float64, *_HALF):
-        return [CPU_FLASH]
-    if device.type != "cuda" or torch.version.hip is not None or dtype == torch.float64:
-        return [REFERENCE]  # fp64: no fused CUDA kernel; ROCm: rules not worked out here
-    sm = torch.cuda.get_device_capability(device)
-    checks = ((CUDA_FLASH, _flash_ok), (CUDA_CUDNN, _cudnn_ok), (CUDA_EFFICIENT, _efficient_ok))
-    exact = [kernel for kernel, ok in checks if ok(sm, dtype, head_dim)]
-    padded_dim = -(-head_dim // 8) * 8  # only when no kernel takes the head dim as it is
-    padded = [kernel for kernel, ok in ((CUDA_FLASH_PADDED, _flash_ok), (CUDA_EFFICIENT_PADDED, _efficient_ok))
-              if ok(sm, dtype, padded_dim)]
-    return exact or padded or [REFERENCE]
-
-
-def select_kernel(
-    device: torch.device, dtype: torch.dtype, head_dim: int,
-    measure: Callable[[Kernel], float] | None = None,
-) -> Kernel:
-    """The kernel the ring uses: the first of :func:`kernel_candidates`, except that ``cuda_cudnn`` is
-    only taken by measurement. ``measure(kernel) -> seconds`` (the hook for a GPU calibration): the
-    fastest candidate."""
-    candidates = kernel_candidates(device, dtype, head_dim)
-    if measure is not None and len(candidates) > 1:
-        return min(candidates, key=measure)
-    return next(k for k in candidates if k is not CUDA_CUDNN)  # efficient is eligible wherever cuDNN is

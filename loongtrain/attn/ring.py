@@ -2,7 +2,7 @@
 
 Tensors are ``[B, H, S_c, D]`` with ``S_c = S/cp`` a member's zigzag pair ``[front ; back]``. The order
 of every transfer, compute and wait comes from :func:`loongtrain.attn.schedule.pass_events`; this module
-only supplies the math of a step and moves tensors through a :class:`Transport`:
+hands each block to the step math and moves tensors through a :class:`Transport`:
 
 - :class:`DistTransport`: one member per process, hops through
   :func:`loongtrain.parallel.comm.post_exchange` (so :class:`~loongtrain.parallel.comm.CommCounter` sees
@@ -10,12 +10,13 @@ only supplies the math of a step and moves tensors through a :class:`Transport`:
 - :class:`PostOffice`: all members of a ring in one process, hops are tensor hand-offs; each event is
   applied to every member before the next one (:func:`local_ring_forward`, :func:`local_ring_backward`).
 
-Step math: which local queries see which keys of the source's block is decided from the global token
-positions of both zigzag blocks (:mod:`loongtrain.attn.masking`: causal, documents, sliding window); each
-visible piece is one kernel call, merged by log-sum-exp; a block with nothing visible costs nothing. Plain
-causal attention gives one call per step: the own block -> causal; a source before the member -> all
-local queries against the source's front half; a source after it -> the local back half against the
-whole block.
+The math of a step lives in :mod:`loongtrain.attn.step` (:class:`~loongtrain.attn.step.ForwardStep`,
+:class:`~loongtrain.attn.step.BackwardStep`): which local queries see which keys of the source's block is
+decided from the global token positions of both zigzag blocks (:mod:`loongtrain.attn.masking`: causal,
+documents, sliding window); the visible pieces become kernel calls (packed into variable-length calls where
+the kernel has them), merged by log-sum-exp; a block with nothing visible costs nothing. Plain causal
+attention gives one call per step: the own block -> causal; a source before the member -> all local queries
+against the source's front half; a source after it -> the local back half against the whole block.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from loongtrain.attn.kernels import Kernel, reference_backward, reference_forward, select_kernel
-from loongtrain.attn.masking import AttnMask, Piece, member_runs, piece_mask, visible_pieces
+from loongtrain.attn.kernel_choice import kernel_for
+from loongtrain.attn.kernels import Kernel
+from loongtrain.attn.masking import AttnMask
 from loongtrain.attn.schedule import (
     DKV_OWN,
     KV_OUTER,
@@ -42,6 +44,7 @@ from loongtrain.attn.schedule import (
     pass_events,
     pass_reach,
 )
+from loongtrain.attn.step import BackwardStep, ForwardStep
 from loongtrain.parallel.comm import Exchange, post_exchange
 
 Tensor = torch.Tensor
@@ -171,120 +174,12 @@ def run_pass(geometry: DoubleRing, members: Sequence[_Member], backward: bool, r
     assert all(not m.in_flight for m in members)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _merge(out_acc: Tensor, lse_acc: Tensor, out_blk: Tensor, lse_blk: Tensor) -> None:
-    """In place: combine two partial softmax results by their log-sum-exp, in the accumulators' dtype."""
-    lse_blk = lse_blk.to(lse_acc.dtype)
-    new_lse = torch.logaddexp(lse_acc, lse_blk)
-    out_acc.mul_(torch.exp(lse_acc - new_lse).unsqueeze(-1))
-    out_acc.add_(out_blk.to(out_acc.dtype) * torch.exp(lse_blk - new_lse).unsqueeze(-1))
-    lse_acc.copy_(new_lse)
-
-
-def _piece_forward(kernel: Kernel, piece: Piece, band: tuple[int, int], q: Tensor, k: Tensor, v: Tensor,
-                   scale: float) -> tuple[Tensor, Tensor]:
-    """(out, lse) of one piece (rows ``q``, columns ``k``/``v`` already cut out)."""
-    if piece.kind == "full":
-        return kernel.forward(q, k, v, False, scale)
-    if piece.kind == "causal":
-        return kernel.forward(q, k, v, True, scale)
-    if piece.kind == "anticausal":  # reversed on both sides, it is the top-left causal square
-        out, lse = kernel.forward(q.flip(2), k.flip(2), v.flip(2), True, scale)
-        return out.flip(2), lse.flip(-1)
-    acc = _acc_dtype(q.dtype)
-    mask = piece_mask(piece, band, q.device)
-    return reference_forward(q.to(acc), k.to(acc), v.to(acc), False, scale, mask)
-
-
-def _piece_backward(kernel: Kernel, piece: Piece, band: tuple[int, int], dout: Tensor, q: Tensor, k: Tensor,
-                    v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of one piece, given the rows' final out and lse."""
-    if piece.kind in ("full", "causal"):
-        return kernel.backward(dout, q, k, v, out, lse, piece.kind == "causal", scale)
-    if piece.kind == "anticausal":
-        dq, dk, dv = kernel.backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1),
-                                     True, scale)
-        return dq.flip(2), dk.flip(2), dv.flip(2)
-    acc = _acc_dtype(q.dtype)
-    mask = piece_mask(piece, band, q.device)
-    return reference_backward(*(t.to(acc) for t in (dout, q, k, v, out, lse)), False, scale, mask)
-
-
-class _Pieces:
-    """What a member computes against each source's block: per group of batch rows, the
-    :func:`~loongtrain.attn.masking.visible_pieces` of its runs (zigzag, or ``mask.chunk_order``) against
-    the source's."""
-
-    def __init__(self, mask: AttnMask, batch: int, block_len: int, cp: int, position: int) -> None:
-        self.mask, self.band, self.cp, self.seq_len = mask, mask.band(), cp, block_len * cp
-        self.groups = mask.row_groups(batch)
-        self.q_runs = member_runs(self.seq_len, cp, position, mask.chunk_order)
-
-    def __call__(self, src: int) -> list[tuple[slice, Piece]]:
-        k_runs = member_runs(self.seq_len, self.cp, src, self.mask.chunk_order)
-        return [(rows, piece) for rows, cu in self.groups
-                for piece in visible_pieces(self.q_runs, k_runs, cu, self.band, self.mask.causal, self.mask.tiny)]
-
-
-class _ForwardStep:
-    """Online-softmax accumulation of one member's queries over the blocks it is handed; a block none of
-    whose keys a local query sees costs nothing (no kernel call, no merge)."""
-
-    def __init__(self, q: Tensor, position: int, mask: AttnMask, cp: int, scale: float, kernel: Kernel) -> None:
-        self.q, self.scale, self.kernel = q, scale, kernel
-        self.pieces = _Pieces(mask, q.shape[0], q.shape[2], cp, position)
-        acc = _acc_dtype(q.dtype)
-        self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        self.lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-
-    def __call__(self, src: int, block: Tensor) -> None:
-        band = self.pieces.band
-        for rows, p in self.pieces(src):
-            out, lse = _piece_forward(self.kernel, p, band, self.q[rows, :, p.r0:p.r1],
-                                      block[0][rows, :, p.c0:p.c1], block[1][rows, :, p.c0:p.c1], self.scale)
-            _merge(self.out[rows, :, p.r0:p.r1], self.lse[rows, :, p.r0:p.r1], out, lse)
-
-    def result(self) -> tuple[Tensor, Tensor]:
-        return self.out.to(self.q.dtype), self.lse
-
-
-class _BackwardStep:
-    """dQ accumulation of one member; returns each block's dK/dV contribution ``[2, B, Hkv, S_c, D]``
-    (zeros, without a kernel call, for a block no local query sees)."""
-
-    def __init__(self, dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, position: int, mask: AttnMask,
-                 cp: int, scale: float, kernel: Kernel) -> None:
-        self.dout, self.q, self.out, self.lse = dout, q, out, lse
-        self.scale, self.kernel = scale, kernel
-        self.pieces = _Pieces(mask, q.shape[0], q.shape[2], cp, position)
-        self.dq = torch.zeros(q.shape, dtype=_acc_dtype(q.dtype), device=q.device)
-
-    def __call__(self, src: int, block: Tensor) -> Tensor:
-        contrib = torch.zeros(block.shape, dtype=self.dq.dtype, device=block.device)
-        band = self.pieces.band
-        for rows, p in self.pieces(src):
-            r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
-            dq, dk, dv = _piece_backward(
-                self.kernel, p, band, self.dout[rows, :, r], self.q[rows, :, r], block[0][rows, :, c],
-                block[1][rows, :, c], self.out[rows, :, r], self.lse[rows, :, r], self.scale,
-            )
-            self.dq[rows, :, r].add_(dq)
-            contrib[0, rows, :, c].add_(dk)
-            contrib[1, rows, :, c].add_(dv)
-        return contrib
-
-
-def _kernel(kernel: Kernel | None, q: Tensor) -> Kernel:
-    return kernel or select_kernel(q.device, q.dtype, q.shape[-1])
+def _kernel(kernel: Kernel | None, q: Tensor, k: Tensor) -> Kernel:
+    return kernel or kernel_for(q, k)  # the rule, or measured once per shape class (docs/design.md §6)
 
 
 def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:
-    if mask.chunk_order is not None:  # the short pass relies on zigzag's neighbourhoods
-        return None
-    return pass_reach(geometry, q.shape[2] // 2, mask.window)
+    return pass_reach(geometry, q.shape[2] // 2, mask.window, zigzag=mask.chunk_order is None)
 
 
 def ring_forward(
@@ -296,7 +191,7 @@ def ring_forward(
     short sliding window reaches). ``mask`` (documents, window) replaces ``causal`` when given."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
-    step = _ForwardStep(q, ring.position, mask, geometry.size, scale, _kernel(kernel, q))
+    step = ForwardStep(q, ring.position, mask, geometry.size, scale, _kernel(kernel, q, k))
     kv = torch.stack([k, v])
     run_pass(geometry, [_Member(geometry, ring.position, DistTransport(ring), step, kv)], False,
              _reach(geometry, q, mask))
@@ -310,7 +205,7 @@ def ring_backward(
     """dq, dk, dv (input dtype) for :func:`ring_forward`: K/V re-circulate, dK/dV ride behind to their owner."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
-    step = _BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, _kernel(kernel, q))
+    step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, _kernel(kernel, q, k))
     member = _Member(geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
     run_pass(geometry, [member], True, _reach(geometry, q, mask))
     dkv = member.registers[DKV_OWN]
@@ -341,7 +236,7 @@ def local_ring_forward(
     ``p``'s zigzag shard ``[B, H, S_c, D]``); returns each member's ``(out, lse)``. ``transports``: one per
     member (default: hand-offs through one :class:`PostOffice`)."""
     mask, cp = mask or AttnMask(causal), len(qs)
-    steps = [_ForwardStep(q, p, mask, cp, scale, _kernel(kernel, q)) for p, q in enumerate(qs)]
+    steps = [ForwardStep(q, p, mask, cp, scale, _kernel(kernel, q, ks[p])) for p, q in enumerate(qs)]
     geometry, members = _local_members(window, steps, ks, vs, transports)
     run_pass(geometry, members, False, _reach(geometry, qs[0], mask))
     return [s.result() for s in steps]
@@ -354,7 +249,7 @@ def local_ring_backward(
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`ring_backward` of all members of one ring in this process; returns each member's dq, dk, dv."""
     mask, cp = mask or AttnMask(causal), len(qs)
-    steps = [_BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q))
+    steps = [BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q, ks[p]))
              for p, q in enumerate(qs)]
     geometry, members = _local_members(window, steps, ks, vs, transports)
     run_pass(geometry, members, True, _reach(geometry, qs[0], mask))

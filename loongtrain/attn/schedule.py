@@ -23,8 +23,9 @@ window's sum goes one outer hop. ``window - 1`` inner and ``1`` outer dK/dV hop 
 in all, like K/V.
 
 A sliding window shorter than a few chunks needs only the blocks of nearby members: the short pass
-(:func:`pass_reach`, :func:`short_plan`, :func:`_short_pass`) walks K/V only the outer and inner hops
-that reach them (:func:`short_sends`; ``2 r`` on a single ring) instead of ``cp - 1``.
+walks K/V only the outer and inner hops that reach them (``2 r`` on a single ring) instead of ``cp - 1``.
+Its route (:func:`pass_reach`, :func:`short_plan`, :func:`short_sends`) is in ``attn/short_pass.py``
+(re-exported here); :func:`_short_pass` turns it into events.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
+
+from loongtrain.attn.short_pass import pass_reach, short_hops, short_plan, short_sends, short_stages
+
+__all__ = [  # the short pass's route lives in attn/short_pass.py; its names are re-exported here
+    "DKV_CHAIN", "DKV_OWN", "HOPS", "KV_INNER", "KV_OUTER", "PAYLOADS", "Compute", "DoubleRing", "Event", "Hop",
+    "Payload", "Post", "Wait", "pass_events", "pass_reach", "short_hops", "short_plan", "short_sends",
+]
 
 Hop = Literal["inner", "outer"]
 Payload = Literal["kv", "dkv"]
@@ -131,77 +139,6 @@ def _window_register(outer: int) -> str:
     return DKV_OWN if outer == 0 else f"dkv_window{outer % 2}"
 
 
-def pass_reach(ring: DoubleRing, chunk: int, sliding_window: int | None) -> int | None:
-    """``r`` when a short sliding window lets the pass stop early, else ``None`` (the full pass).
-
-    Under zigzag (docs/design.md §3) a query sees keys at most ``w - 1`` positions away, i.e. at most
-    ``r = ceil((w - 1) / chunk)`` chunks away, and those chunks belong to the ring members at most ``r``
-    positions away in ring order. The short pass (:func:`pass_events` with ``reach=r``) brings exactly
-    those blocks (:func:`short_plan`): worth it when it moves fewer blocks than the full pass's ``cp - 1``."""
-    if sliding_window is None:
-        return None
-    r = -(-(sliding_window - 1) // chunk)
-    if 2 * r + 1 >= ring.size:  # every member is within reach: no pass is shorter than the full one
-        return None
-    return r if short_hops(ring, r) < ring.size - 1 else None
-
-
-def _cover(needed: frozenset[int], size: int) -> tuple[int, int]:
-    """Fewest hops ``(a, b)`` round a cycle of ``size`` (``a`` forward, ``b`` backward, ``a + b < size`` so
-    no member is visited twice) that visit every offset in ``needed`` (offset 0: where the walk starts)."""
-    for total in range(size):
-        for a, b in sorted(((a, total - a) for a in range(total + 1)), key=lambda ab: (abs(ab[0] - ab[1]), -ab[0])):
-            if all(x == 0 or x <= a or x >= size - b for x in needed):
-                return a, b
-    raise AssertionError((needed, size))
-
-
-@lru_cache(maxsize=256)
-def short_plan(num_windows: int, window: int, reach: int) -> tuple[tuple[int, int], dict[int, frozenset[int]]]:
-    """Route of the short pass: ``(a, b)`` outer hops forward/backward, and for every outer offset ``o``
-    the inner offsets ``t`` whose block ``(o, t)`` (:meth:`DoubleRing.source`) some member needs.
-
-    Member ``(j, i)`` needs the ring positions ``p - d``, ``|d| <= reach``; ``p - d`` is held at outer
-    step ``o = ceil((d - i) / window)`` and inner step ``t = d mod window``. So outer offset ``o`` (signed)
-    needs the inner offsets ``d - o * window`` for ``d`` in ``[(o-1) window + 1, (o+1) window - 1]``
-    within ``[-reach, reach]``, taken modulo the window (and ``o`` modulo the number of windows)."""
-    n, w = num_windows, window
-    needed: dict[int, set[int]] = {}
-    top = -(-reach // w)
-    for o in range(-top, top + 1):
-        lo, hi = max(-(w - 1), -reach - o * w), min(w - 1, reach - o * w)
-        if lo <= hi:
-            needed.setdefault(o % n, set()).update(t % w for t in range(lo, hi + 1))
-    outer = _cover(frozenset(needed), n)
-    return outer, {o: frozenset(ts) for o, ts in needed.items()}
-
-
-def _stages(num_windows: int, window: int, reach: int) -> list[tuple[int, tuple[int, int], frozenset[int]]]:
-    """``(signed outer offset k, inner (a, b), needed inner offsets)`` of every block the outer walk visits."""
-    (a, b), needed = short_plan(num_windows, window, reach)
-    out = []
-    for k in [0, *range(1, a + 1), *range(-1, -b - 1, -1)]:
-        ts = needed.get(k % num_windows, frozenset())
-        out.append((k, _cover(ts, window), ts))
-    return out
-
-
-def short_sends(ring: DoubleRing, reach: int) -> dict[tuple[Hop, int], int]:
-    """K/V blocks a member sends per pass of the short pass of ``reach``, by ``(hop, direction)``
-    (``+1``: to the next peer); backward, as many dK/dV partials go the opposite way."""
-    (a, b), _ = short_plan(ring.num_windows, ring.window, reach)
-    sends = {("outer", 1): a, ("outer", -1): b, ("inner", 1): 0, ("inner", -1): 0}
-    for _, (fwd, bwd), _ in _stages(ring.num_windows, ring.window, reach):
-        sends["inner", 1] += fwd
-        sends["inner", -1] += bwd
-    return sends
-
-
-def short_hops(ring: DoubleRing, reach: int) -> int:
-    """Blocks a member sends per pass in the short pass of ``reach`` (dK/dV partials backward: as many)."""
-    return sum(short_sends(ring, reach).values())
-
-
 def _short_pass(ring: DoubleRing, backward: bool, reach: int) -> tuple[Event, ...]:
     """The pass that brings each member the blocks of the members at most ``reach`` ring positions away
     (:func:`short_plan`): K/V walk ``a`` outer hops forward and ``b`` back; each block an outer walk
@@ -215,7 +152,7 @@ def _short_pass(ring: DoubleRing, backward: bool, reach: int) -> tuple[Event, ..
     ``dkv_o{k}f{t}``/``dkv_o{k}b{t}`` (its inner walk's partials)."""
     n, w = ring.num_windows, ring.window
     (out_a, out_b), _ = short_plan(n, w, reach)
-    stages = {k: (inner, ts) for k, inner, ts in _stages(n, w, reach)}
+    stages = {k: (inner, ts) for k, inner, ts in short_stages(n, w, reach)}
     assert short_hops(ring, reach) < ring.size - 1, (reach, ring)
     events: list[Event] = []
     written: set[str] = set()

@@ -8,11 +8,45 @@ each document and are sharded like the tokens (:func:`loongtrain.shard_sequence`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
 
 from loongtrain.parallel.mesh import Mesh
 
 Tensor = torch.Tensor
+
+
+CHUNK_LAYOUTS = ("zigzag", "balanced")
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents of a batch, for the planner (docs/design.md §9): one ``cu_seqlens`` per row (a single
+    row stands for every row) and the chunk layout the tokens are sharded with: ``"zigzag"`` (the default)
+    or ``"balanced"`` (:func:`balanced_chunk_order` of this batch)."""
+
+    cu_seqlens: tuple[tuple[int, ...], ...]
+    chunk_layout: str = "zigzag"
+
+    def __post_init__(self) -> None:
+        if self.chunk_layout not in CHUNK_LAYOUTS:
+            raise ValueError(f"chunk_layout={self.chunk_layout!r} is not one of {CHUNK_LAYOUTS}")
+        if not self.cu_seqlens:
+            raise ValueError("Documents needs at least one row of cu_seqlens")
+
+    def rows(self, batch: int) -> list[tuple[int, ...]]:
+        """One ``cu_seqlens`` per batch row."""
+        if len(self.cu_seqlens) not in (1, batch):
+            raise ValueError(f"{len(self.cu_seqlens)} rows of cu_seqlens for batch={batch}: give 1 or {batch}")
+        return list(self.cu_seqlens) * (batch // len(self.cu_seqlens))
+
+    def chunk_order(self, seq_len: int, cp: int, hp: int, sliding_window: int | None) -> tuple[int, ...] | None:
+        """The ``chunk_order`` of a ``cp x hp`` layout (``None``: zigzag), for every row of the batch."""
+        if self.chunk_layout == "zigzag":
+            return None
+        return balanced_chunk_order(list(self.cu_seqlens), seq_len, cp, hp, sliding_window=sliding_window)
 
 
 def cu_seqlens_from_eos(input_ids: Tensor, eos_id: int) -> list[Tensor]:
@@ -31,6 +65,13 @@ def cu_seqlens_from_eos(input_ids: Tensor, eos_id: int) -> list[Tensor]:
     return out
 
 
+def check_cu_seqlens(cu_seqlens: list[int] | tuple[int, ...], seq_len: int) -> None:
+    """ValueError unless ``cu_seqlens`` starts at 0, ends at ``seq_len`` and strictly increases."""
+    cu = list(cu_seqlens)
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != seq_len or any(a >= b for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens={cu[:16]} must start at 0, end at seq_len={seq_len} and strictly increase")
+
+
 def document_position_ids(cu_seqlens: Tensor | list[Tensor], seq_len: int) -> Tensor:
     """Position ids ``[B, S]`` (``[S]`` for a single 1-D ``cu_seqlens``) that restart at 0 in each document."""
     rows = [cu_seqlens] if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
@@ -38,9 +79,7 @@ def document_position_ids(cu_seqlens: Tensor | list[Tensor], seq_len: int) -> Te
     for cu in rows:
         cu = cu.to(torch.int64).cpu()
         lengths = cu[1:] - cu[:-1]
-        if int(cu[-1]) != seq_len or int(cu[0]) != 0 or bool((lengths <= 0).any()):
-            raise ValueError(f"cu_seqlens={cu.tolist()} must start at 0, end at seq_len={seq_len} and strictly "
-                             f"increase")
+        check_cu_seqlens(cu.tolist(), seq_len)
         starts = torch.repeat_interleave(cu[:-1], lengths)
         positions.append(torch.arange(seq_len, dtype=torch.int64) - starts)
     stacked = torch.stack(positions)
@@ -98,6 +137,69 @@ def rank_work(cu_seqlens: list | None, seq_len: int, cp: int, *, chunk_order: tu
     rows = [None] if cu_seqlens is None else list(cu_seqlens)
     per_token = sum(visible_keys(cu, seq_len, causal=causal, sliding_window=sliding_window) for cu in rows)
     return [int(per_token[shard_indices(seq_len, 1, cp, c, 0, chunk_order)].sum()) for c in range(cp)]
+
+
+def pair_work(cu_seqlens: list | None, seq_len: int, cp: int, *, chunk_order: tuple[int, ...] | None = None,
+              causal: bool = True, sliding_window: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """``work[p][s]``: visible (query, key) pairs of context rank ``p``'s queries against rank ``s``'s keys,
+    summed over the batch's rows (``cu_seqlens`` as in :func:`rank_work`): exactly the pairs the ring's kernel
+    calls cover, counted from the executor's own pieces (:func:`loongtrain.attn.masking.visible_pieces` of
+    :func:`~loongtrain.attn.masking.member_runs`, docs/design.md §4), so ``sum(work[p]) == rank_work(...)[p]``.
+    The planner charges ring steps with it (docs/design.md §9)."""
+    rows = [None] if cu_seqlens is None else [tuple(int(x) for x in cu) for cu in cu_seqlens]
+    for cu in rows:
+        if cu is not None:
+            check_cu_seqlens(cu, seq_len)
+    counts: dict[tuple[int, ...] | None, int] = {}
+    for cu in rows:
+        counts[cu] = counts.get(cu, 0) + 1
+    return _pair_work(tuple(counts.items()), seq_len, cp, chunk_order, causal, sliding_window)
+
+
+@lru_cache(maxsize=64)
+def _pair_work(rows: tuple[tuple[tuple[int, ...] | None, int], ...], seq_len: int, cp: int,
+               chunk_order: tuple[int, ...] | None, causal: bool, window: int | None) -> tuple[tuple[int, ...], ...]:
+    from loongtrain.attn.masking import AttnMask, member_runs, visible_pieces
+
+    mask = AttnMask(causal, window, chunk_order=chunk_order)
+    band = mask.band()
+    runs = [member_runs(seq_len, cp, p, chunk_order) for p in range(cp)]
+
+    def pairs(p: int, s: int) -> int:
+        return sum(count * sum(piece_pairs(piece, band) for piece in visible_pieces(
+            runs[p], runs[s], cu, band, causal, mask.tiny)) for cu, count in rows)
+
+    return tuple(tuple(pairs(p, s) for s in range(cp)) for p in range(cp))
+
+
+def step_work(cu_seqlens: list | None, seq_len: int, num_windows: int, window: int, *,
+              chunk_order: tuple[int, ...] | None = None, causal: bool = True, sliding_window: int | None = None,
+              reach: int | None = None) -> dict[tuple[int, int], int]:
+    """Per compute step ``(outer, inner)`` of the ring pass (:func:`loongtrain.attn.schedule.pass_events`,
+    ``reach``: the short pass), the visible pairs of its busiest member: member ``p`` holds the block of
+    :meth:`~loongtrain.attn.schedule.DoubleRing.source` and computes :func:`pair_work` against it."""
+    from loongtrain.attn.schedule import Compute, DoubleRing, pass_events
+
+    ring = DoubleRing(num_windows, window)
+    work = pair_work(cu_seqlens, seq_len, ring.size, chunk_order=chunk_order, causal=causal,
+                     sliding_window=sliding_window)
+    steps = {(e.outer, e.inner) for backward in (False, True)
+             for e in pass_events(num_windows, window, backward, reach) if isinstance(e, Compute)}
+    return {(o, t): max(work[p][ring.source(p, o, t)] for p in range(ring.size)) for o, t in steps}
+
+
+def piece_pairs(piece, band: tuple[int, int]) -> int:
+    """Visible (query, key) pairs of one kernel call (:class:`loongtrain.attn.masking.Piece`): all cells of
+    a ``full`` piece, the triangle (diagonal included) of a ``causal`` or ``anticausal`` square, the mask's
+    count (:func:`~loongtrain.attn.masking.piece_mask`) of a ``masked`` one."""
+    from loongtrain.attn.masking import piece_mask
+
+    if piece.kind == "full":
+        return piece.cells
+    if piece.kind in ("causal", "anticausal"):
+        n = piece.r1 - piece.r0
+        return n * (n + 1) // 2
+    return int(piece_mask(piece, band, torch.device("cpu")).sum())
 
 
 def imbalance(work: list[int]) -> float:

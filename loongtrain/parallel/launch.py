@@ -9,20 +9,14 @@ and the calibration (docs/design.md §10). Design:
 - Results: each worker sends ``("ok", value)`` or ``("error", traceback)`` over its own pipe; the
   launcher also watches every process, so a rank that dies without reporting (killed, segfault,
   out of memory) is noticed at once and named.
-- Heartbeat: each worker's daemon thread writes a byte on its own pipe every ``heartbeat_timeout / 4``
-  seconds (at most 1 s); a rank silent for ``heartbeat_timeout`` seconds is stopped (SIGSTOP, a
-  debugger), frozen (a C call holding the GIL) or swapping, and fails the run by name. Its peers,
-  blocked in a collective waiting for it, keep beating, so the rank named is the cause.
+- Heartbeat (``parallel/liveness.py``): each worker's thread writes a byte on its own pipe every
+  ``min(1 s, heartbeat_timeout / 4)``; a rank silent for ``heartbeat_timeout`` seconds (stopped, frozen
+  or swapping) fails the run by name, while its peers, blocked waiting for it, keep beating.
 - Failure: the first failure stops the run; the other ranks are killed and :class:`WorkerError`
   carries the failing rank's number and traceback (the cause, not a peer that failed because of
   it). No result within ``timeout`` raises ``TimeoutError``.
-- Orphans: workers die with the launcher, however it ends (SIGKILL included). The launcher holds
-  the write end of a pipe that it never writes; each worker blocks a watchdog thread on the read
-  end, which reads end-of-file the moment the kernel closes the launcher's files, and exits. This
-  is plain POSIX, so it is the same on Linux and macOS, and it also covers a launcher that died
-  before the worker started. (``prctl(PR_SET_PDEATHSIG)`` would not do: a worker's parent is the
-  fork server, not the launcher, and the fork server stays alive as long as any worker does,
-  because every forkserver child inherits the fd the server watches for its clients.)
+- Orphans (``parallel/liveness.py``): workers die with the launcher, however it ends (SIGKILL
+  included): each worker's thread waits for end-of-file on a lifeline pipe that only the launcher holds.
 
 Why not ``torch.distributed.elastic.multiprocessing.start_processes``: it does return per-rank values
 and stop the other ranks on a failure, but a rank's traceback comes back only through its JSON error
@@ -38,7 +32,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +43,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from loongtrain.parallel.liveness import Heartbeats, heartbeat_period, start_worker_threads
 
 BACKENDS = ("gloo", "nccl")
 # torch._dynamo is imported by the first custom-op call (over a second): pay for it once, in the server
@@ -136,7 +131,7 @@ def run_local(
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*_PRELOAD, *preload])
     with tempfile.TemporaryDirectory(prefix="loongtrain-rdzv-") as tmp:
-        beat_s = None if heartbeat_timeout is None else min(1.0, heartbeat_timeout / 4)
+        beat_s = heartbeat_period(heartbeat_timeout)
         spec = _Spec(backend=backend, init_method=Path(tmp, "store").resolve().as_uri(), threads=threads,
                      timeout_s=collective_timeout, beat_s=beat_s, env=tuple((env or {}).items()))
         procs: list[Any] = []
@@ -180,7 +175,7 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
     results: dict[int, Any] = {}
     failures: list[tuple[bool, float, int, str]] = []  # (reported?, wall time, rank, details)
     settle = None
-    heart = _Heartbeats(beats, heartbeat_timeout)
+    heart = Heartbeats(beats, heartbeat_timeout)
     while pending:
         now = time.monotonic()
         if settle is not None and now >= settle:
@@ -217,39 +212,6 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
     return [results[rank] for rank in range(world_size)]
 
 
-class _Heartbeats:
-    """Each rank's last sign of life, read from its heartbeat pipe (no pipes when ``timeout`` is None)."""
-
-    def __init__(self, beats: list[Connection], timeout: float | None) -> None:
-        self.timeout = timeout
-        self.conns = {conn: rank for rank, conn in enumerate(beats)} if timeout is not None else {}
-        self.last = {rank: time.monotonic() for rank in range(len(beats))}
-
-    def read(self, ready: Any) -> bool:
-        """Take the bytes waiting on ``ready`` if it is a heartbeat pipe (else False)."""
-        if ready not in self.conns:
-            return False
-        self.last[self.conns[ready]] = time.monotonic()
-        try:
-            while ready.poll():
-                ready.recv_bytes()
-        except (EOFError, OSError):  # the worker ended; its sentinel or report tells how
-            del self.conns[ready]
-        return True
-
-    def silent(self, pending: dict[int, Any], now: float) -> list[tuple[int, str]]:
-        """``(rank, why)`` of the pending ranks silent for longer than the timeout."""
-        if self.timeout is None:
-            return []
-        return [(rank, f"no heartbeat for {now - self.last[rank]:.1f} s (heartbeat_timeout={self.timeout:g} s)")
-                for rank in sorted(pending) if now - self.last[rank] > self.timeout]
-
-    def next_expiry(self, pending: dict[int, Any]) -> float | None:
-        if self.timeout is None or not pending:
-            return None
-        return min(self.last[rank] for rank in pending) + self.timeout + 0.01
-
-
 def _receive(conn: Connection, proc: Any) -> tuple[str, Any, float]:
     """A rank's report ``(status, value, wall time)``, or ``("died", how, now)`` when it exited without one."""
     if conn.poll():
@@ -282,9 +244,7 @@ def _stop(procs: list[Any], grace_s: float) -> None:
 
 def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], args: tuple,
             conn: Connection, lifeline: Connection, beat: Connection) -> None:
-    threading.Thread(target=_exit_when_closed, args=(lifeline,), name="loongtrain-lifeline", daemon=True).start()
-    if spec.beat_s is not None:
-        threading.Thread(target=_beat, args=(beat, spec.beat_s), name="loongtrain-heartbeat", daemon=True).start()
+    start_worker_threads(lifeline, beat, spec.beat_s)
     _name_process(f"lt-rank{rank}")
     os.environ.update(dict(spec.env))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -337,22 +297,3 @@ def _name_process(name: str) -> None:
             ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
         except (OSError, AttributeError):
             pass
-
-
-def _beat(beat: Connection, period_s: float) -> None:
-    """Write one byte every ``period_s`` seconds until the launcher's end closes."""
-    try:
-        while True:
-            beat.send_bytes(b".")
-            time.sleep(period_s)
-    except OSError:  # the launcher is gone (the lifeline thread ends this process)
-        pass
-
-
-def _exit_when_closed(lifeline: Connection) -> None:
-    """Block until the launcher's end of ``lifeline`` closes (it never writes), then end this worker."""
-    try:
-        lifeline.recv_bytes()
-    except (EOFError, OSError):
-        pass
-    os._exit(1)

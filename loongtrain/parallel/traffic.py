@@ -100,13 +100,14 @@ def attention_traffic(
     return out
 
 
-def ring_reach(layout: Layout, seq_len: int, sliding_window: int | None) -> int | None:
+def ring_reach(layout: Layout, seq_len: int, sliding_window: int | None, zigzag: bool = True) -> int | None:
     """``r`` when a sliding window this short runs the short ring pass (:func:`loongtrain.attn.schedule.pass_reach`):
     then a pass sends the blocks of :func:`loongtrain.attn.schedule.short_sends` (fewer than ``cp - 1``;
     backward: as many dK/dV partials back); else ``None``."""
     if layout.cp == 1:
         return None
-    return pass_reach(DoubleRing(layout.num_windows, layout.window), seq_len // (2 * layout.cp), sliding_window)
+    return pass_reach(DoubleRing(layout.num_windows, layout.window), seq_len // (2 * layout.cp), sliding_window,
+                      zigzag)
 
 
 def attention_ops(layout: Layout, *, backward: bool = True, seq_len: int = 0,

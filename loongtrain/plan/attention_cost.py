@@ -15,6 +15,10 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window
   bandwidth of the link's class: intra-node, or the NIC shared by the node's devices sending across at
   once. All ranks run the same schedule, so a rank's own send stands for the block it receives, and a
   synchronous ring runs at its slowest hop: the worst rank's link decides.
+- documents (:class:`~loongtrain.parallel.documents.Documents`: packed rows, zigzag or the balanced chunk
+  layout): a compute event takes as long as its *slowest* ring member (hand-offs are synchronous), whose
+  visible pairs against the block it holds (:func:`~loongtrain.parallel.documents.step_work`: the executor's
+  own kernel pieces, windows included) cost ``4 H D / hp`` FLOPs each. Without documents: as above.
 - ``cluster.duplex = False`` (gloo over TCP): an all-to-all, and a ring hop whose next and previous
   peer are the same rank (``window == 2`` inner, two windows outer), carry both directions over one
   connection, one after the other: twice the bytes on that link.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from loongtrain.attn.schedule import Compute, Post, pass_events
+from loongtrain.parallel.documents import Documents, step_work
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.traffic import message_bytes, ring_reach
 from loongtrain.plan.cluster import Cluster
@@ -171,15 +176,16 @@ class _Link:
 
 
 def simulate_pass(
-    steps: tuple[int, int], c: float, inner: _Link, outer: _Link, kv: int, dkv: int | None,
-    trace: list[tuple] | None = None, reach: int | None = None,
+    steps: tuple[int, int], c: float | dict[tuple[int, int], float], inner: _Link, outer: _Link, kv: int,
+    dkv: int | None, trace: list[tuple] | None = None, reach: int | None = None,
 ) -> float:
     """Rank time of one pass round a double ring of ``n`` windows of ``w`` (``steps = (n, w)``): the events of
     :func:`loongtrain.attn.schedule.pass_events` (the ones ``attn/ring.py`` executes), forward when ``dkv is
     None``, else backward with ``dkv`` bytes per dK/dV hop. A post starts a transfer on its hop's link now;
-    a compute takes ``c``; a wait blocks until the transfer has arrived. ``trace`` (if given) receives
-    ``("post", hop, payload)`` (``(..., -1)`` for a post the other way round), ``("compute",)`` and
-    ``("wait", index of the awaited post)`` as simulated. ``reach``: the short pass of a short sliding window."""
+    a compute takes ``c`` (a dict: ``c[outer, inner]`` of the event); a wait blocks until the transfer has
+    arrived. ``trace`` (if given) receives ``("post", hop, payload)`` (``(..., -1)`` for a post the other way
+    round), ``("compute",)`` and ``("wait", index of the awaited post)`` as simulated. ``reach``: the short
+    pass of a short sliding window."""
     links = {"inner": inner, "outer": outer}
     nbytes = {"kv": kv, "dkv": dkv}
     t = 0.0
@@ -192,7 +198,7 @@ def simulate_pass(
             step = ("post", event.hop, event.payload) + ((event.direction,) if event.direction != 1 else ())
             posts += 1
         elif isinstance(event, Compute):
-            t += c
+            t += c[event.outer, event.inner] if isinstance(c, dict) else c
             step = ("compute",)
         else:
             link, key, index = in_flight.pop(event.transfer)
@@ -204,8 +210,29 @@ def simulate_pass(
     return t
 
 
-def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> AttentionTime:
-    """Forward and backward time of one attention call on ``cluster`` (``gpus_per_node`` ranks per node)."""
+def document_steps(layout: Layout, shape: AttnShape, documents: Documents,
+                   window: int | None) -> tuple[dict[tuple[int, int], float], int | None]:
+    """Forward FLOPs of every compute step ``(outer, inner)`` of the pass under ``documents`` (its busiest
+    member's visible pairs, :func:`~loongtrain.parallel.documents.step_work`, at ``4 H D / hp`` FLOPs a pair),
+    and the pass's ``reach`` (:func:`~loongtrain.parallel.traffic.ring_reach`, as the ring runs it)."""
+    order = documents.chunk_order(shape.seq_len, layout.cp, layout.hp, window)
+    reach = ring_reach(layout, shape.seq_len, window, zigzag=order is None)
+    work = step_work(documents.rows(shape.batch), shape.seq_len, layout.num_windows, layout.window,
+                     chunk_order=order, sliding_window=window, reach=reach)
+    per_pair = 4.0 * shape.num_heads * shape.head_dim / layout.hp
+    return {step: per_pair * pairs for step, pairs in work.items()}, reach
+
+
+def _pass_compute(layout: Layout, c: float | dict[tuple[int, int], float], reach: int | None) -> float:
+    """Compute time of one forward pass: the sum of its compute events' times."""
+    events = [e for e in pass_events(layout.num_windows, layout.window, False, reach) if isinstance(e, Compute)]
+    return sum(c[e.outer, e.inner] for e in events) if isinstance(c, dict) else len(events) * c
+
+
+def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
+                   documents: Documents | None = None) -> AttentionTime:
+    """Forward and backward time of one attention call on ``cluster`` (``gpus_per_node`` ranks per node);
+    ``documents``: packed rows and their chunk layout (module docstring)."""
     msg = message_bytes(layout, **shape.kwargs())
     links = link_stats(layout, cluster.gpus_per_node)
     intra_lat, inter_lat = cluster.intra_latency_us * 1e-6, cluster.inter_latency_us * 1e-6
@@ -221,12 +248,23 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
 
     a2a = a2a_call(msg["a2a_qkv"]) + a2a_call(msg["a2a_out"])  # per pass: q/k/v in, output back
     window = shape.sliding_window if 0 < shape.sliding_window < shape.seq_len else None
-    reach = ring_reach(layout, shape.seq_len, window) if window is not None else None
-    # the pass's compute steps share the rank's work (a short window's short pass computes only the blocks
-    # within reach; a full pass with a window skips invisible blocks, approximated as evenly lighter steps)
-    steps_run = layout.cp if reach is None else sum(isinstance(e, Compute) for e in pass_events(
-        layout.num_windows, layout.window, False, reach))
-    c = attention_flops(shape, layout.sp) / steps_run / (cluster.attention_tflops * 1e12)
+    rate = cluster.attention_tflops * 1e12
+    c: float | dict[tuple[int, int], float]
+    if documents is not None:
+        flops, reach = document_steps(layout, shape, documents, window)
+        c = {step: f / rate for step, f in flops.items()}
+        c_bwd: float | dict[tuple[int, int], float] = {step: BACKWARD_FLOPS_RATIO * x for step, x in c.items()}
+        compute_fwd = _pass_compute(layout, c, reach)
+        compute_bwd = _pass_compute(layout, c_bwd, reach)
+    else:
+        reach = ring_reach(layout, shape.seq_len, window) if window is not None else None
+        # the pass's compute steps share the rank's work (a short window's short pass computes only the blocks
+        # within reach; a full pass with a window skips invisible blocks, approximated as evenly lighter steps)
+        steps_run = layout.cp if reach is None else sum(isinstance(e, Compute) for e in pass_events(
+            layout.num_windows, layout.window, False, reach))
+        c = attention_flops(shape, layout.sp) / steps_run / rate
+        c_bwd = BACKWARD_FLOPS_RATIO * c
+        compute_fwd, compute_bwd = steps_run * c, steps_run * c * BACKWARD_FLOPS_RATIO
     ring_fwd = ring_bwd = (0.0, 0.0)
     if layout.cp > 1:
         outer_active = layout.num_windows > 1 and links.outer_cross
@@ -240,19 +278,20 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> Attent
         f_in, f_out = (half if layout.window == 2 else 1.0), (half if layout.num_windows == 2 else 1.0)
         steps = (layout.num_windows, layout.window)
         exposed = []
-        for compute, dkv in ((c, None), (BACKWARD_FLOPS_RATIO * c, msg["dkv"])):
+        for compute, dkv in ((c, None), (c_bwd, msg["dkv"])):
             inner, outer = _Link(bw_in, lat_in, f_in), _Link(bw_out, lat_out, f_out)
             simulate_pass(steps, compute, inner, outer, msg["kv"], dkv, reach=reach)
             exposed.append((inner.blocked, outer.blocked))
         ring_fwd, ring_bwd = exposed
     return AttentionTime(
-        compute_fwd=steps_run * c, compute_bwd=steps_run * c * BACKWARD_FLOPS_RATIO,
+        compute_fwd=compute_fwd, compute_bwd=compute_bwd,
         a2a_fwd=a2a, a2a_bwd=a2a,
         ring_inner_fwd=ring_fwd[0], ring_outer_fwd=ring_fwd[1],
         ring_inner_bwd=ring_bwd[0], ring_outer_bwd=ring_bwd[1],
     )
 
 
-def predict_attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> float:
+def predict_attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
+                           documents: Documents | None = None) -> float:
     """Seconds for one attention call, forward + backward (for comparing with a measured benchmark)."""
-    return attention_time(layout, shape, cluster).total
+    return attention_time(layout, shape, cluster, documents).total

@@ -1,7 +1,7 @@
 """Measure THIS machine and describe it as a one-node cluster of ``world`` ranks (a TOML file).
 
 - matmul: ``2 n^3`` FLOPs of an ``n x n`` GEMM per second (best of several runs).
-- attention: the kernel the ring uses (:func:`loongtrain.attn.kernels.select_kernel`), causal,
+- attention: the kernel the ring uses (:func:`loongtrain.attn.kernel_choice.select_kernel`), causal,
   forward + backward; rate = ``3.5 * 2 * B * S^2 * H * D / seconds`` (the cost model charges the
   forward ``2 B S^2 H D`` and the backward 2.5x at ``attention_tflops``).
 - gloo loopback: two local processes exchange a buffer both ways at once (as a ring step does);
@@ -40,7 +40,7 @@ def measure_matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32, repe
 def measure_attention_flops(
     seq: int = 1024, heads: int = 4, head_dim: int = 64, dtype: torch.dtype = torch.float32, repeats: int = 3
 ) -> float:
-    from loongtrain.attn.kernels import select_kernel
+    from loongtrain.attn.kernel_choice import select_kernel
 
     kernel = select_kernel(torch.device("cpu"), dtype, head_dim)
     q, k, v = (torch.randn(1, heads, seq, head_dim, dtype=dtype) for _ in range(3))

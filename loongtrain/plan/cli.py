@@ -25,7 +25,9 @@ from pathlib import Path
 from loongtrain._toml import tomllib
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import AC_ALIASES, AC_MODES, PLACEMENTS, ZERO_MODES
+from loongtrain.parallel.documents import Documents, balance_report, lognormal_documents
 from loongtrain.parallel.traffic import format_traffic_report, traffic_report
+from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import builtin_clusters, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.search import no_fit_message, plan, resolve_model
@@ -33,6 +35,7 @@ from loongtrain.plan.search import no_fit_message, plan, resolve_model
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FILTERS = ("sp", "hp", "cp", "window", "placement", "zero", "ac_mode")
 DEPRECATED = {"ckpt": "ac_mode"}  # old option / TOML key -> its name now
+DOC_LAYOUTS = 5  # attention layouts the --doc-median text report shows
 
 
 def parse_size(text: str | int) -> int:
@@ -70,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traffic", action="store_true",
                    help="also print the per-rank bytes of one attention layer for the best configuration")
     p.add_argument("--doc-median", type=int, default=0, metavar="TOKENS",
-                   help="also print, for the best configuration, the per-rank attention work (max/mean) of "
-                   "packed documents with lognormal lengths of this median under zigzag and the balanced layout")
+                   help="predict for packed documents with lognormal lengths of this median (seeded, one mix per "
+                   "batch row, zigzag layout), and print per attention layout the attention time without the "
+                   "document mask, with it under zigzag and under the balanced layout, and the per-rank work "
+                   "(max/mean) of both layouts")
     p.add_argument("--calibrate", action="store_true", help="measure this machine, write a cluster TOML")
     p.add_argument("--calibrate-world", type=int, default=4, help="ranks of the calibrated node")
     p.add_argument("--out", type=Path, default=Path("cluster-calibrated.toml"), help="--calibrate output")
@@ -152,6 +157,52 @@ def format_table(rows: list[tuple[Candidate, list[int]]]) -> str:
     return "\n".join(lines)
 
 
+def packed_documents(seq_len: int, median: int, batch: int) -> Documents:
+    """``--doc-median``: one seeded lognormal mix per batch row (row ``b``: seed ``b``)."""
+    return Documents(tuple(tuple(lognormal_documents(seq_len, median, seed=row)) for row in range(batch)))
+
+
+def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, s: dict,
+                    documents: Documents) -> list[dict]:
+    """Per candidate: attention seconds of one layer's call (forward + backward) without the document mask,
+    with it under zigzag and under the balanced layout (docs/design.md §9), and per-rank work max/mean."""
+    world = s["nodes"] * cluster.gpus_per_node
+    window = model.sliding_window if 0 < model.sliding_window < s["seq_len"] else None
+    shape = AttnShape(s["batch"], s["seq_len"], model.num_heads, model.num_kv_heads, model.head_dim,
+                      DTYPE_BYTES[s["dtype"]], model.sliding_window or 0)
+    out = []
+    for c, _ in rows:
+        layout = c.config.layout(world)
+        times = {"no_mask": attention_time(layout, shape, cluster).total}
+        for name in ("zigzag", "balanced"):
+            times[name] = attention_time(layout, shape, cluster, Documents(documents.cu_seqlens, name)).total
+        r = balance_report(documents.rows(s["batch"]), s["seq_len"], layout.cp, layout.hp, sliding_window=window)
+        same = abs(times["zigzag"] - times["balanced"]) <= 1e-3 * times["zigzag"]
+        faster = "same" if same else min(("zigzag", "balanced"), key=times.get)
+        out.append({"attention_s": times, "faster_layout": faster,
+                    "work_max_over_mean": {"zigzag": r["zigzag_imbalance"], "balanced": r["balanced_imbalance"]},
+                    "visible_fraction": r["visible_fraction"]})
+    return out
+
+
+def format_document_report(rows: list[tuple[Candidate, list[int]]], report: list[dict]) -> str:
+    """The ``--doc-median`` table: one line per attention layout (hp, cp, window, placement)."""
+    head = (f"{'layout':<32} {'no mask ms':>10} {'zigzag ms':>10} {'balanced ms':>11} "
+            f"{'work max/mean zigzag':>20} {'balanced':>8}  faster")
+    lines, seen = [head, "-" * len(head)], set()
+    for (c, _), r in zip(rows, report):
+        g = c.config
+        key = (g.hp, g.cp, g.window, g.placement, g.interleaved)
+        if key in seen or len(seen) == DOC_LAYOUTS:
+            continue
+        seen.add(key)
+        t, w = r["attention_s"], r["work_max_over_mean"]
+        label = f"hp={g.hp} cp={g.cp} w={g.window} {g.placement}" + (" interleaved" if g.interleaved else "")
+        lines.append(f"{label:<32} {t['no_mask'] * 1e3:>10.3f} {t['zigzag'] * 1e3:>10.3f} {t['balanced'] * 1e3:>11.3f} "
+                     f"{w['zigzag']:>20.2f} {w['balanced']:>8.2f}  {r['faster_layout']}")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         from loongtrain.plan.calibrate import calibrate
@@ -166,24 +217,32 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(s["cluster"])
     filters = {k: s[k] for k in FILTERS if s.get(k) is not None}
     kw = dict(nodes=s["nodes"], seq_len=s["seq_len"], batch=s["batch"], dtype_bytes=DTYPE_BYTES[s["dtype"]])
-    cands = plan(model, cluster, **kw, **filters)
+    documents = packed_documents(s["seq_len"], args.doc_median, s["batch"]) if args.doc_median else None
+    cands = plan(model, cluster, **kw, documents=documents, **filters)
     rows = collapse_windows(cands)
     top = len(rows) if args.all else (s.get("top") or 15)
     world = s["nodes"] * cluster.gpus_per_node
+    report = document_report(rows[:top], model, cluster, s, documents) if documents else None
     if args.json:
+        doc_fields = {} if report is None else {"documents": {
+            "median": args.doc_median, "count": [len(cu) - 1 for cu in documents.cu_seqlens],
+            "visible_fraction": report[0]["visible_fraction"] if report else None}}
         print(json.dumps({
             "model": name, "seq_len": s["seq_len"], "nodes": s["nodes"], "world_size": world,
             "cluster": cluster.name, "batch": s["batch"], "dtype": s["dtype"], "evaluated": len(cands),
-            "fits": cands[0].fits,
-            "candidates": [dict(c.to_dict(), equivalent_windows=ws) for c, ws in rows[:top]],
+            "fits": cands[0].fits, **doc_fields,
+            "candidates": [dict(c.to_dict(), equivalent_windows=ws,
+                                **({} if report is None else {"documents": report[i]}))
+                           for i, (c, ws) in enumerate(rows[:top])],
         }, indent=1))
     else:
         window = f", sliding window {model.sliding_window}" if model.sliding_window else ""
+        docs = "" if documents is None else f", packed documents (median {args.doc_median}, zigzag)"
         print(f"model {name} ({model.num_layers} layers, dim {model.dim}, {model.num_heads} heads, "
               f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}, FFN {model.ffn_dim}, "
               f"vocab {model.vocab_size}{window}), "
               f"seq_len {s['seq_len']}, {s['nodes']} nodes x {cluster.gpus_per_node} = {world} devices of "
-              f"{cluster.name}, batch {s['batch']}/replica, {s['dtype']}; {len(cands)} configurations, "
+              f"{cluster.name}, batch {s['batch']}/replica, {s['dtype']}{docs}; {len(cands)} configurations, "
               f"best {min(top, len(rows))} (rows differing only in an equally fast window merged):")
         print(format_table(rows[:top]))
     if args.traffic and not args.json:
@@ -194,15 +253,14 @@ def run(args: argparse.Namespace) -> int:
                                 dtype_bytes=DTYPE_BYTES[s["dtype"]])
         print(f"\nper-rank traffic of one attention layer (forward + backward), {best.config.label()}:")
         print(format_traffic_report(rows_t))
-    if args.doc_median and not args.json:
-        from loongtrain.parallel.documents import balance_report, lognormal_documents
-
-        best = cands[0].config
-        docs = lognormal_documents(s["seq_len"], args.doc_median)
-        r = balance_report([docs], s["seq_len"], best.cp, best.hp, sliding_window=model.sliding_window or None)
-        print(f"\npacked documents (lognormal, median {args.doc_median}, {len(docs) - 1} in {s['seq_len']} tokens), "
-              f"{best.label()}: {r['visible_fraction']:.1%} of causal attention visible; per-rank work max/mean "
-              f"{r['zigzag_imbalance']:.2f} zigzag, {r['balanced_imbalance']:.2f} balanced layout")
+    if report and not args.json:
+        counts = sorted({len(cu) - 1 for cu in documents.cu_seqlens})
+        count = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+        print(f"\npacked documents (lognormal, median {args.doc_median}, {count} in {s['seq_len']} tokens per row): "
+              f"{report[0]['visible_fraction']:.1%} of causal attention visible; one attention layer's call "
+              f"(forward + backward) without the document mask, with it under zigzag and under the balanced "
+              f"layout, and per-rank work max/mean:")
+        print(format_document_report(rows[:top], report))
     if not cands[0].fits:
         print("loongtrain plan: " + no_fit_message(model, cluster, cands, **kw, **filters), file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@
 Per layer, per device (``t = B * S / sp`` tokens, ``P_l`` layer parameters):
 
 - GEMMs: forward ``2 * P_l * t`` FLOPs at ``matmul_tflops``, backward 2x.
-- Attention: :func:`loongtrain.plan.attention_cost.attention_time` (compute, all-to-all, exposed ring).
+- Attention: :func:`loongtrain.plan.attention_cost.attention_time` (compute, all-to-all, exposed ring); with
+  packed ``documents`` each ring step costs its busiest member's visible pairs (docs/design.md §9).
 - Recompute (``ac_mode``): ``full`` re-runs the layer forward, attention and its communication
   included; ``selective`` re-runs only the GEMMs (attention output and lse were kept); ``none`` nothing.
 - ZeRO (FSDP2 as the trainer applies it: weights gathered in the compute dtype, ``w`` =
@@ -21,7 +22,8 @@ Step = ``L * max(layer compute + exposed attention comm, layer ZeRO) + head``. B
 when it does not fit; else the largest exposed communication component (a2a, ring-inner, ring-outer,
 zero) when it costs at least ``BOTTLENECK_SHARE`` of the step; else ``compute``. MFU uses the model's
 FLOPs (:func:`loongtrain.model.config.flops_per_token`, attention backward 2x): ``dp * B * S *
-flops_per_token / (step * world * peak_tflops)``.
+flops_per_token / (step * world * peak_tflops)``; with ``documents`` the visible pairs' FLOPs instead
+(:func:`loongtrain.parallel.documents.step_flops`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 from loongtrain.model.config import ModelConfig, flops_per_token
 from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.documents import Documents, step_flops, visible_pairs
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
 from loongtrain.plan.memory import layer_params, memory_per_rank
@@ -92,16 +95,26 @@ def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: 
     return shard
 
 
+def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents) -> float:
+    """Model FLOPs of one replica's step of packed ``documents``: attention counts only the visible pairs
+    (:func:`loongtrain.parallel.documents.step_flops`)."""
+    tokens = shape.batch * shape.seq_len
+    window = model.sliding_window if 0 < model.sliding_window < shape.seq_len else None
+    visible = sum(visible_pairs(cu, shape.seq_len, sliding_window=window) for cu in documents.rows(shape.batch))
+    return step_flops(model, tokens, visible)
+
+
 def step_cost(
     model: ModelConfig, config: ParallelConfig, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2,
+    dtype_bytes: int = 2, documents: Documents | None = None,
 ) -> Candidate:
-    """Predicted step time, MFU, memory and bottleneck of ``config`` on ``nodes`` nodes."""
+    """Predicted step time, MFU, memory and bottleneck of ``config`` on ``nodes`` nodes (``documents``: packed
+    rows of every replica's batch and their chunk layout)."""
     world = nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
                       model.sliding_window or 0)
-    attn = attention_time(layout, shape, cluster)
+    attn = attention_time(layout, shape, cluster, documents)
     t = batch * seq_len / layout.sp
     rate = cluster.matmul_tflops * 1e12
     p_l = layer_params(model)
@@ -134,7 +147,9 @@ def step_cost(
     )
     fits = memory["total"] <= cluster.usable_memory
     tokens = layout.dp * batch * seq_len
-    mfu = tokens * flops_per_token(model, seq_len) / (step * world * cluster.peak_tflops * 1e12)
+    model_flops = (tokens * flops_per_token(model, seq_len) if documents is None
+                   else layout.dp * document_flops(model, shape, documents))
+    mfu = model_flops / (step * world * cluster.peak_tflops * 1e12)
     comm = max(COMPONENTS[1:], key=lambda k: breakdown[k])
     bottleneck = comm if breakdown[comm] >= BOTTLENECK_SHARE * step else "compute"
     if not fits:

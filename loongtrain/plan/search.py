@@ -25,6 +25,7 @@ from loongtrain.parallel.config import (
     effective_kv_heads,
     validate_parallel,
 )
+from loongtrain.parallel.documents import Documents
 from loongtrain.plan.cluster import Cluster, load_cluster
 from loongtrain.plan.cost import Candidate, step_cost
 
@@ -139,10 +140,11 @@ def _explain_empty(model, world, seq_len, sp, hp, cp, window) -> None:
 
 def plan(
     model: str | ModelConfig, cluster: str | Cluster, *, nodes: int, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2, **filters,
+    dtype_bytes: int = 2, documents: Documents | None = None, **filters,
 ) -> list[Candidate]:
     """Every distinct valid configuration with its predicted cost, best first (see module docstring).
-    ``filters``: sp, hp, cp, window, placement, zero, ac_mode."""
+    ``documents``: packed rows of the batch, charged by visible pairs (docs/design.md §9); ``filters``:
+    sp, hp, cp, window, placement, zero, ac_mode."""
     _, cfg = resolve_model(model)
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     for name, value in (("nodes", nodes), ("seq_len", seq_len), ("batch", batch)):
@@ -150,8 +152,8 @@ def plan(
             raise ValueError(f"{name}={value!r} must be a positive integer")
     world = nodes * cl.gpus_per_node
     configs = enumerate_configs(cfg, world, cl.gpus_per_node, seq_len, **filters)
-    cands = [step_cost(cfg, c, cl, nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes)
-             for c in configs]
+    cands = [step_cost(cfg, c, cl, nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
+                       documents=documents) for c in configs]
     cands.sort(key=_rank_key)
     return cands
 

@@ -41,7 +41,7 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     without FSDP (replicated weights) it is ``torch.autocast``. Either way norms, RoPE, the softmax
     statistics and the loss are computed in fp32 by the model and loss themselves.
     """
-    from loongtrain.attn.kernels import bf16_supported
+    from loongtrain.attn.kernel_choice import bf16_supported
 
     if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and bf16_supported(device)):
         return torch.bfloat16

@@ -1,0 +1,227 @@
+"""Which kernel the ring runs on this device: capability rules, then a measurement (docs/design.md §6).
+
+Rules (:func:`kernel_candidates`, following torch's own dispatcher checks; :func:`select_kernel` takes the
+first): CPU -> ``cpu_flash`` (all float dtypes). NVIDIA CUDA: fp16/bf16 on sm80..sm121 with head dim a
+multiple of 8 and <= 256 (not in (192, 224] on sm86-89/sm120-121, where FA2 has no backward) ->
+``cuda_flash``; on sm90/sm100 with cuDNN >= 9 and head dim <= 128, ``cuda_cudnn`` too; fp32, and
+fp16/bf16 that flash cannot take -> ``cuda_efficient`` (sm50+, bf16 from sm80, head dim a multiple of
+the GEMM alignment: 8 for fp16/bf16, 4 for fp32 from sm80); a head dim that none takes as it is -> the
+same kernel on the head dim zero-padded to a multiple of 8 (``*_padded``, exact); fp64 (no fused CUDA
+kernel takes it), ROCm and other devices -> ``reference``. :func:`select_kernel` never takes
+``cuda_cudnn`` by rule (its speed against FA2 depends on device and shape; measured on an H200: 1.9x
+faster at 16K, D=128, causal) but only through its ``measure`` hook. :func:`bf16_supported` tells
+whether a device has native bf16 (for ``--dtype auto``).
+
+Measurement (:func:`choose_kernel`, what the ring calls):
+
+- CPU, other devices, and CUDA cases with a single candidate: the rule's kernel, nothing measured;
+- under ``torch.use_deterministic_algorithms(True)`` (``--deterministic``): the rule's kernel, so the
+  documented deterministic path (the flash backward's) is the one that runs;
+- otherwise, when several CUDA kernels qualify: each candidate's forward + backward is timed once on the
+  call's own head counts and head dim (sequence capped at :data:`MEASURE_SEQ_CAP` tokens), and a candidate
+  replaces the rule's kernel only when it is at least ``MARGIN`` faster, so that ranks timing the same
+  device do not flip between two kernels of equal speed. A candidate that raises is skipped.
+
+The choice is kept per process for ``(device, dtype, head dim, heads, KV heads)``
+(:func:`clear_choices` forgets it) and logged on first use with the times.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from loongtrain.attn.kernels import (
+    CPU_FLASH,
+    CUDA_CUDNN,
+    CUDA_EFFICIENT,
+    CUDA_EFFICIENT_PADDED,
+    CUDA_FLASH,
+    CUDA_FLASH_PADDED,
+    REFERENCE,
+    Kernel,
+)
+
+Tensor = torch.Tensor
+log = logging.getLogger(__name__)
+
+MARGIN = 0.10  # another kernel must be at least 10% faster than the rule's choice to replace it
+MEASURE_SEQ_CAP = 8192  # tokens per timed call (keeps the timing short and its memory small)
+
+_ChoiceKey = tuple[str, int | None, torch.dtype, int, int, int]
+_CHOICES: dict[_ChoiceKey, Kernel] = {}  # per-process cache, like cuDNN's benchmark cache
+
+
+# ---------------------------------------------------------------- rules (torch's dispatcher checks)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 natively (for ``--dtype auto``): CPU yes; CUDA from sm80; else no."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    return False
+
+
+def _flash_ok(sm: tuple[int, int], dtype: torch.dtype, head_dim: int) -> bool:
+    if dtype not in _HALF or not ((8, 0) <= sm <= (12, 1)) or head_dim % 8 or head_dim > 256:
+        return False
+    no_backward = ((8, 6) <= sm <= (8, 9) or sm >= (12, 0)) and 192 < head_dim <= 224
+    return torch.backends.cuda.is_flash_attention_available() and not no_backward
+
+
+def _efficient_alignment(sm: tuple[int, int], dtype: torch.dtype) -> int:
+    """The head-dim multiple torch's dispatcher requires of the memory-efficient op (GEMM alignment)."""
+    half = dtype in _HALF
+    tensor_cores = sm >= (8, 0) or (sm >= (7, 0) and half)
+    return max(4 if sm >= (8, 0) else 1, (8 if half else 4) if tensor_cores else 1)
+
+
+def _efficient_ok(sm: tuple[int, int], dtype: torch.dtype, head_dim: int) -> bool:
+    dtypes = (torch.float16, torch.float32, torch.bfloat16) if sm >= (8, 0) else (torch.float16, torch.float32)
+    return dtype in dtypes and (5, 0) <= sm <= (12, 1) and head_dim % _efficient_alignment(sm, dtype) == 0
+
+
+def _cudnn_ok(sm: tuple[int, int], dtype: torch.dtype, head_dim: int) -> bool:
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return (
+        dtype in _HALF and sm[0] in (9, 10) and head_dim % 8 == 0 and head_dim <= 128
+        and version is not None and version >= 90000
+    )
+
+
+def kernel_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[Kernel]:
+    """The kernels that can run attention of this dtype and head dim on ``device``, fastest-expected
+    first; ``[REFERENCE]`` when no fused kernel can."""
+    device = torch.device(device)
+    if device.type == "cpu" and dtype in (torch.float32, torch.float64, *_HALF):
+        return [CPU_FLASH]
+    if device.type != "cuda" or torch.version.hip is not None or dtype == torch.float64:
+        return [REFERENCE]  # fp64: no fused CUDA kernel; ROCm: rules not worked out here
+    sm = torch.cuda.get_device_capability(device)
+    checks = ((CUDA_FLASH, _flash_ok), (CUDA_CUDNN, _cudnn_ok), (CUDA_EFFICIENT, _efficient_ok))
+    exact = [kernel for kernel, ok in checks if ok(sm, dtype, head_dim)]
+    padded_dim = -(-head_dim // 8) * 8  # only when no kernel takes the head dim as it is
+    padded = [kernel for kernel, ok in ((CUDA_FLASH_PADDED, _flash_ok), (CUDA_EFFICIENT_PADDED, _efficient_ok))
+              if ok(sm, dtype, padded_dim)]
+    return exact or padded or [REFERENCE]
+
+
+def select_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int,
+    measure: Callable[[Kernel], float] | None = None,
+) -> Kernel:
+    """The kernel the ring uses: the first of :func:`kernel_candidates`, except that ``cuda_cudnn`` is
+    only taken by measurement. ``measure(kernel) -> seconds`` (the hook for a GPU calibration): the
+    fastest candidate."""
+    candidates = kernel_candidates(device, dtype, head_dim)
+    if measure is not None and len(candidates) > 1:
+        return min(candidates, key=measure)
+    return next(k for k in candidates if k is not CUDA_CUDNN)  # efficient is eligible wherever cuDNN is
+
+
+# ---------------------------------------------------------------- measurement
+
+
+def time_kernel(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, repeats: int = 3) -> float:
+    """Median seconds of one causal forward + backward of ``kernel`` on ``q [B, H, S, D]``, ``k``/``v``
+    ``[B, Hkv, S, D]`` (after one warm-up call), synchronising the device around each call."""
+    scale = q.shape[-1] ** -0.5
+    dout = torch.randn_like(q)
+
+    def once() -> None:
+        out, lse = kernel.forward(q, k, v, True, scale)
+        kernel.backward(dout, q, k, v, out, lse, True, scale)
+
+    def sync() -> None:
+        if q.device.type == "cuda":
+            torch.cuda.synchronize(q.device)
+
+    once()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        once()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _timer(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
+           seq_len: int) -> Callable[[Kernel], float]:
+    """Times each kernel on random inputs shaped like the call's (one batch row, capped sequence)."""
+    seq = min(seq_len, MEASURE_SEQ_CAP)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(heads: int) -> Tensor:  # [B, S, H, D] storage seen as [B, H, S, D], as the ring passes it
+        x = torch.randn(1, seq, heads, head_dim, generator=gen, device=device, dtype=torch.float32)
+        return x.to(dtype).transpose(1, 2)
+
+    inputs = (rand(num_heads), rand(num_kv_heads), rand(num_kv_heads))
+    return lambda kernel: time_kernel(kernel, *inputs)
+
+
+def pick_by_time(
+    candidates: list[Kernel], rule: Kernel, measure: Callable[[Kernel], float]
+) -> tuple[Kernel, dict[str, float]]:
+    """The fastest candidate by ``measure`` when it beats ``rule``'s time by at least :data:`MARGIN`, else
+    ``rule``; also each candidate's time (``inf`` when it raised)."""
+    times: dict[str, float] = {}
+    for kernel in candidates:
+        try:
+            times[kernel.name] = measure(kernel)
+        except Exception as exc:  # e.g. a shape the library rejects at run time: not a candidate here
+            log.warning("attention kernel %s failed while being timed (%s: %s); not used",
+                        kernel.name, type(exc).__name__, exc)
+            times[kernel.name] = float("inf")
+    fastest = min(candidates, key=lambda kernel: times[kernel.name])
+    rule_time = times.get(rule.name, float("inf"))
+    if times[fastest.name] < float("inf") and times[fastest.name] <= (1.0 - MARGIN) * rule_time:
+        return fastest, times
+    return rule, times
+
+
+def choose_kernel(
+    device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, seq_len: int,
+    measure: Callable[[Kernel], float] | None = None,
+) -> Kernel:
+    """The kernel for attention of ``num_heads`` query heads against ``num_kv_heads`` KV heads of
+    ``head_dim``, blocks of ``seq_len`` tokens, on ``device`` (module docstring). ``measure(kernel) ->
+    seconds`` replaces the timing (tests)."""
+    device = torch.device(device)
+    rule = select_kernel(device, dtype, head_dim)
+    if device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
+        return rule
+    key = (device.type, device.index, dtype, head_dim, num_heads, num_kv_heads)
+    if key in _CHOICES:
+        return _CHOICES[key]
+    candidates = kernel_candidates(device, dtype, head_dim)
+    if len(candidates) < 2:
+        choice = rule
+    else:
+        timer = measure or _timer(device, dtype, head_dim, num_heads, num_kv_heads, seq_len)
+        choice, times = pick_by_time(candidates, rule, timer)
+        shown = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items())
+        log.info("attention kernel for %s, head dim %d, %d/%d heads: %s (fwd+bwd measured: %s)",
+                 dtype, head_dim, num_heads, num_kv_heads, choice.name, shown)
+    _CHOICES[key] = choice
+    return choice
+
+
+def kernel_for(q: Tensor, k: Tensor) -> Kernel:
+    """:func:`choose_kernel` for ring blocks ``q [B, H, S_c, D]``, ``k [B, Hkv, S_c, D]``."""
+    return choose_kernel(q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], q.shape[2])
+
+
+def clear_choices() -> None:
+    """Forget every measured choice (they are re-measured on next use)."""
+    _CHOICES.clear()
