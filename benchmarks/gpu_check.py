@@ -15,6 +15,9 @@ short still reports what it measured; a section that fails records its error and
   rank (GQA, ``hp`` > ``num_kv_heads`` replicating KV heads, their gradients summed back). Per tensor:
   the error against fp64 divided by the unsharded kernel's own error (``ratio``; 1 = the sharding adds
   nothing), and the difference to the unsharded kernel.
+- ``documents``: packed documents (and documents with a sliding window) through the in-process ring for
+  cp = 2, 4, 8 (on CUDA the flash kernel packs a step's pieces into varlen calls), error ratios as in
+  ``ring``, and the masked call's time against full causal at the same S beside the visible fraction.
 - ``determinism``: the attention backward run twice on the same inputs, bitwise equal or not, without
   and with ``torch.use_deterministic_algorithms(True)``, and the deterministic slowdown.
 - ``throughput``: forward+backward TFLOP/s of causal attention, D=128, against the device's dense bf16
@@ -28,6 +31,7 @@ short still reports what it measured; a section that fails records its error and
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -45,7 +49,9 @@ if str(ROOT) not in sys.path:
 
 from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates  # noqa: E402
 from loongtrain.attn.kernels import REFERENCE, Kernel  # noqa: E402
+from loongtrain.attn.masking import AttnMask, dense_mask  # noqa: E402
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward  # noqa: E402
+from loongtrain.parallel.documents import lognormal_documents, visible_pairs  # noqa: E402
 from loongtrain.parallel.sharding import shard_indices  # noqa: E402
 
 Tensor = torch.Tensor
@@ -180,6 +186,65 @@ def check_ring(device: torch.device, size: dict[str, Any], state: dict[str, Any]
             out["cases"].append(case)
         out[f"kernel_err_{str(dtype).replace('torch.', '')}"] = base_err
     out["worst_ratio"] = worst
+    return out
+
+
+def _masked_reference64(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, scale: float,
+                        mask: AttnMask) -> dict[str, Tensor]:
+    """out, lse, dq, dk, dv under ``mask`` (documents, window) in fp64 (autograd through the reference)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    visible = dense_mask(q.shape[2], mask).to(q.device)
+    out, lse = REFERENCE.forward(q64, k64, v64, False, scale, visible)
+    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.double())
+    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def _ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, cp: int, scale: float, mask: AttnMask,
+          kernel: Kernel) -> dict[str, Tensor]:
+    """The in-process ring under ``mask`` (zigzag shards), gathered back to ``[B, H, S, D]``."""
+    shards = [[_zigzag(t, cp, r) for r in range(cp)] for t in (q, k, v, dout)]
+    fwd = local_ring_forward(*shards[:3], 1, True, scale, kernel, mask=mask)
+    outs, lses = [o for o, _ in fwd], [lse for _, lse in fwd]
+    bwd = local_ring_backward(shards[3], *shards[:3], outs, lses, 1, True, scale, kernel, mask=mask)
+    res = {n: torch.empty_like(t) for n, t in (("out", q), ("dq", q), ("dk", k), ("dv", v))}
+    for r in range(cp):
+        idx = shard_indices(q.shape[2], 1, cp, r, 0).to(q.device)
+        for name, t in zip(("out", "dq", "dk", "dv"), (outs[r], *bwd[r])):
+            res[name][:, :, idx] = t
+    return res
+
+
+def check_documents(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """Packed documents (lognormal, median S/16) and documents with a window S/8 through the in-process
+    ring (on CUDA the flash kernel packs a step's pieces into varlen calls): error against fp64 over the
+    unsharded kernel path's own error (cp=1: the same pieces in one process), and the time of the
+    masked call against full causal attention at the same S (it should track the visible fraction)."""
+    h, hkv, d = size["ring_heads"]
+    s = size["ring_seq"]
+    docs = tuple(lognormal_documents(s, max(1, s // 16)))
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    q, dout = (_bshd(1, s, h, d, dtype, device, gen) for _ in range(2))
+    k, v = (_bshd(1, s, hkv, d, dtype, device, gen) for _ in range(2))
+    kernel = choose_kernel(device, dtype, d, h, hkv, s)
+    out: dict[str, Any] = {"S": s, "H": h, "Hkv": hkv, "D": d, "documents": len(docs) - 1, "kernel": kernel.name,
+                           "cases": [], "worst_ratio": 0.0}
+    scale = d ** -0.5
+    causal_s = _time(functools.partial(_ring, q, k, v, dout, 1, scale, AttnMask(True), kernel), device, 3)
+    for window in (None, s // 8):
+        mask = AttnMask(True, window, (docs,))
+        ref = _masked_reference64(q, k, v, dout, scale, mask)
+        base = _ring(q, k, v, dout, 1, scale, mask, kernel)
+        base_err = {n: _max_err(base[n], ref[n]) for n in base}
+        for cp in (2, 4, 8):
+            got = _ring(q, k, v, dout, cp, scale, mask, kernel)
+            ratio = {n: _max_err(got[n], ref[n]) / base_err[n] if base_err[n] > 0 else 1.0 for n in got}
+            out["cases"].append({"window": window, "cp": cp, "ratio": ratio, "kernel_err": base_err})
+            out["worst_ratio"] = max(out["worst_ratio"], *ratio.values())
+        visible = visible_pairs(list(docs), s, sliding_window=window) / visible_pairs(None, s)
+        masked_s = _time(functools.partial(_ring, q, k, v, dout, 1, scale, mask, kernel), device, 3)
+        out[f"timing_window_{window}"] = {"visible_fraction": visible, "masked_s": masked_s, "causal_s": causal_s,
+                                          "speedup": causal_s / masked_s, "ideal_speedup": 1 / visible}
     return out
 
 
@@ -350,8 +415,8 @@ def check_training(device: torch.device, size: dict[str, Any], state: dict[str, 
     return out
 
 
-SECTIONS = (("kernels", check_kernels), ("ring", check_ring), ("determinism", check_determinism),
-            ("throughput", check_throughput), ("training", check_training))
+SECTIONS = (("kernels", check_kernels), ("ring", check_ring), ("documents", check_documents),
+            ("determinism", check_determinism), ("throughput", check_throughput), ("training", check_training))
 
 
 def environment(device: torch.device) -> dict[str, Any]:

@@ -38,6 +38,10 @@ def test_cpu_run_writes_every_section(gpu_check, tmp_path):
     assert len(ring["cases"]) == 2 * len(gpu_check.RING_CASES)
     assert {(c["hp"], c["cp"]) for c in ring["cases"]} >= {(1, 2), (1, 4), (1, 8), (4, 2)}
     assert ring["worst_ratio"] < 4, ring["worst_ratio"]  # the sharding adds (almost) nothing to rounding
+    docs = result["documents"]
+    assert {(c["window"], c["cp"]) for c in docs["cases"]} == {(w, cp) for w in (None, 32) for cp in (2, 4, 8)}
+    assert docs["worst_ratio"] < 4, docs["worst_ratio"]
+    assert 0 < docs["timing_window_None"]["visible_fraction"] < 0.5
     assert [p["S"] for p in result["throughput"]["points"]] == list(gpu_check.SIZES["cpu"]["tput_seqs"])
     assert all(p["tflops"] > 0 for p in result["throughput"]["points"])
     run = result["training"]["runs"][0]
