@@ -198,12 +198,13 @@ def choose_kernel(
     ``head_dim``, blocks of ``seq_len`` tokens, on ``device`` (module docstring). ``measure(kernel) ->
     seconds`` replaces the timing (tests)."""
     device = torch.device(device)
-    rule = select_kernel(device, dtype, head_dim)
-    if device.type != "cuda" or torch.are_deterministic_algorithms_enabled():
-        return rule
     key = (device.type, device.index, dtype, head_dim, num_heads, num_kv_heads)
-    if key in _CHOICES:
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if key in _CHOICES and not deterministic:
         return _CHOICES[key]
+    rule = select_kernel(device, dtype, head_dim)
+    if device.type != "cuda" or deterministic:
+        return rule
     candidates = kernel_candidates(device, dtype, head_dim)
     if len(candidates) < 2:
         choice = rule
