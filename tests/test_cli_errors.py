@@ -109,6 +109,8 @@ CASES = [
     (["--nproc", "-1"], "--nproc=-1"),
     (["--dtype", "fp8"], "fp8"),
     (["--progress", "maybe"], "maybe"),
+    (["--chunk-layout", "spiral"], "--chunk-layout='spiral'"),
+    (["--chunk-layout", "balanced", "--doc-mask", "off"], "needs --doc-mask on"),
     (["--model", "huge"], "huge"),
     (["--zero", "half"], "half"),
     (["--placement", "diagonal"], "diagonal"),

@@ -1,6 +1,6 @@
 """``--doc-mask on``: a sharded training step's loss and gradients equal one process running each packed
-document separately (fp64), with positions restarting per document; MFU's attention work counts only the
-visible pairs."""
+document separately (fp64), with positions restarting per document, under zigzag and under
+``--chunk-layout balanced``; MFU's attention work counts only the visible pairs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.parallel.documents import cu_seqlens_from_starts, visible_pairs
+from loongtrain.parallel.documents import balanced_chunk_order, cu_seqlens_from_starts, rank_work, visible_pairs
 from loongtrain.parallel.mesh import init_mesh
+from loongtrain.parallel.sharding import shard_indices
 from loongtrain.train.config import TrainConfig
 from tests.dist_utils import run_distributed
 
@@ -37,19 +38,36 @@ def _name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int]]) -> dict:
+LAYOUTS = [(2, 2, "zigzag"), (1, 4, "zigzag"), (4, 1, "zigzag"), (1, 4, "balanced"), (2, 2, "balanced")]
+
+
+def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int, str]]) -> dict:
     from loongtrain.train.trainer import Trainer
 
     out = {}
-    for hp, cp in layouts:
+    for hp, cp, chunk_layout in layouts:
         mesh = init_mesh(hp, cp)
         cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0, clip=0.0, dtype="fp64",
-                          parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on")
+                          parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on", chunk_layout=chunk_layout)
         trainer = Trainer(cfg, mesh, torch.device("cpu"), MODEL)
+        order = trainer.chunk_order(trainer.documents(packed_batch())[0], SEQ)
+        assert (order is not None) == (chunk_layout == "balanced"), (chunk_layout, order)
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
-        out[(hp, cp)] = (result["loss"], result["attention_pairs"], grads if rank == 0 else None)
+        out[(hp, cp, chunk_layout)] = (result["loss"], result["attention_pairs"], grads if rank == 0 else None)
     return out
+
+
+def test_the_balanced_layout_of_the_test_batch_is_not_zigzag():
+    """So the balanced cases below exercise another layout (and its work is more even)."""
+    cu = [c.tolist() for c in cu_seqlens_from_starts(packed_batch()["doc_starts"])]
+    for hp, cp in ((1, 4), (2, 2)):
+        order = balanced_chunk_order(cu, SEQ, cp, hp)
+        moved = [shard_indices(SEQ, hp, cp, r, 0, order).tolist() != shard_indices(SEQ, hp, cp, r, 0).tolist()
+                 for r in range(cp)]
+        assert any(moved), (hp, cp, order)
+        work = [rank_work(cu, SEQ, cp, chunk_order=layout) for layout in (None, order)]
+        assert max(work[1]) < max(work[0]), (hp, cp, work)
 
 
 def _per_document_reference() -> tuple[float, dict[str, torch.Tensor]]:
@@ -70,7 +88,7 @@ def _per_document_reference() -> tuple[float, dict[str, torch.Tensor]]:
 
 def test_doc_mask_step_equals_each_document_alone():
     ref_loss, ref_grads = _per_document_reference()
-    per_rank = run_distributed(_sharded_step, 4, [(2, 2), (1, 4), (4, 1)])
+    per_rank = run_distributed(_sharded_step, 4, LAYOUTS)
     pairs = sum(visible_pairs(cu, SEQ) for cu in cu_seqlens_from_starts(packed_batch()["doc_starts"]))
     assert pairs < ROWS * SEQ * (SEQ + 1) // 2  # fewer than causal over the packed rows
     for rank_out in per_rank:
@@ -99,19 +117,20 @@ def _hf_dir(path: str) -> str:
     return path
 
 
-def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[int, int]]) -> dict:
+def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[int, int, str]]) -> dict:
     from loongtrain.train.models import model_config_for
     from loongtrain.train.trainer import Trainer
 
     out = {}
-    for hp, cp in layouts:
+    for hp, cp, chunk_layout in layouts:
         mesh = init_mesh(hp, cp)
         cfg = TrainConfig(model=directory, tokenizer="byte", seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0,
-                          clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on")
+                          clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on",
+                          chunk_layout=chunk_layout)
         trainer = Trainer(cfg, mesh, torch.device("cpu"), model_config_for(cfg))
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
-        out[(hp, cp)] = (result["loss"], grads if rank == 0 else None)
+        out[(hp, cp, chunk_layout)] = (result["loss"], grads if rank == 0 else None)
     return out
 
 
@@ -130,7 +149,8 @@ def test_doc_mask_step_equals_each_document_alone_hf(tmp_path):
     (loss / (ROWS * SEQ)).backward()
     ref_loss = float(loss.detach()) / (ROWS * SEQ)
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
-    per_rank = run_distributed(_hf_sharded_step, 4, directory, [(2, 2), (1, 4)])
+    per_rank = run_distributed(_hf_sharded_step, 4, directory, [(2, 2, "zigzag"), (1, 4, "zigzag"),
+                                                                 (1, 4, "balanced")])
     for rank_out in per_rank:
         for layout, (got, _) in rank_out.items():
             assert abs(got - ref_loss) < 1e-10, (layout, got, ref_loss)

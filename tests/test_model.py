@@ -116,6 +116,15 @@ def _naive_attention(q, k, v, causal, scale):
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
 
 
+def test_a_chunk_order_reaching_the_unsharded_model_is_an_error():
+    from loongtrain.model.llama import Transformer
+
+    model = Transformer(ModelConfig(vocab_size=32, dim=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                                    ffn_dim=32), seed=0)
+    with pytest.raises(ValueError, match="chunk_order=\\(0, 2, 1, 3\\) describes sharded tokens"):
+        model(torch.zeros(1, 8, dtype=torch.long), chunk_order=(0, 2, 1, 3))
+
+
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_local_attention_is_exact(num_heads, num_kv_heads, causal):

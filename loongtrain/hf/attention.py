@@ -6,9 +6,10 @@ replaceable ``attention_fn`` (a :class:`~loongtrain.attn.apply.MeshAttention` bo
 that loongtrain's own model uses. Every layer then calls::
 
     module.attention_fn(q [B, S_local, H, D], k, v [B, S_local, Hkv, D], causal=..., softmax_scale=...
-                        [, sliding_window=w] [, cu_seqlens=...])
+                        [, sliding_window=w] [, cu_seqlens=...] [, chunk_order=...])
 
-Inputs must be each rank's zigzag shard (:func:`loongtrain.shard_sequence`) of ``input_ids`` with
+Inputs must be each rank's zigzag shard (:func:`loongtrain.shard_sequence`; or the layout of a
+``chunk_order=`` passed to the model's forward, e.g. the balanced one for packed documents) of ``input_ids`` with
 the *global* ``position_ids`` of one unbroken sequence, or, for packed documents, the documents'
 boundaries passed to the model's forward as ``cu_seqlens=`` (loongtrain.attention's convention; the
 trainer does this under ``--doc-mask on``), with position ids that may restart per document. Padding
@@ -72,9 +73,11 @@ def hf_attention_forward(
     window = {"sliding_window": sliding_window} if sliding_window is not None and sliding_window < seq_len else {}
     cu_seqlens = kwargs.get("cu_seqlens")  # packed documents (full-sequence boundaries, loongtrain.attention's)
     documents = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}
+    if kwargs.get("chunk_order") is not None:  # the layout the inputs were sharded with (default zigzag)
+        documents["chunk_order"] = kwargs["chunk_order"]
     position_ids = kwargs.get("position_ids")
-    if isinstance(position_ids, Tensor) and not documents and getattr(module, "layer_idx", 0) == 0:
-        _check_positions(position_ids, mesh, seq_len)
+    if isinstance(position_ids, Tensor) and "cu_seqlens" not in documents and getattr(module, "layer_idx", 0) == 0:
+        _check_positions(position_ids, mesh, seq_len, documents.get("chunk_order"))
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     out = attention_fn(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
@@ -83,12 +86,14 @@ def hf_attention_forward(
     return out, None
 
 
-def _check_positions(position_ids: Tensor, mesh: Mesh | None, seq_len: int) -> None:
-    """Raise ValueError unless each row is ``offset + (this rank's zigzag shard of arange(seq_len))``."""
+def _check_positions(position_ids: Tensor, mesh: Mesh | None, seq_len: int, chunk_order=None) -> None:
+    """Raise ValueError unless each row is ``offset + (this rank's shard of arange(seq_len))`` (zigzag, or
+    ``chunk_order``'s layout)."""
     if mesh is None or mesh.sp == 1:
         expected = torch.arange(seq_len)
     else:
-        expected = shard_indices(seq_len, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank)
+        order = tuple(chunk_order) if chunk_order is not None else None
+        expected = shard_indices(seq_len, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank, order)
     offset = position_ids - expected.to(position_ids.device)
     if not bool((offset == offset[..., :1]).all()):
         raise ValueError(

@@ -76,7 +76,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None, chunk_order: Any = None) -> Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -85,6 +85,8 @@ class Attention(nn.Module):
         masks = {}  # only what is set, so attention_fns without these keywords keep working
         if cu_seqlens is not None:
             masks["cu_seqlens"] = cu_seqlens
+        if chunk_order is not None:  # the tokens' sharded layout, for a sharded attention_fn
+            masks["chunk_order"] = chunk_order
         if self.sliding_window:
             masks["sliding_window"] = self.sliding_window
         out = self.attention_fn(q, k, v, causal=True, **masks)
@@ -114,8 +116,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_dim)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None, chunk_order: Any = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens, chunk_order)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -154,12 +156,14 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *,
-                return_hidden: bool = False, cu_seqlens: Any = None) -> Tensor:
+                return_hidden: bool = False, cu_seqlens: Any = None, chunk_order: Any = None) -> Tensor:
         """Logits ``[B, S, V]``, or with ``return_hidden`` the final normed hidden states ``[B, S, dim]``
         (the head's input: ``logits = hidden @ head_weight().T``; the trainer's chunked loss takes them).
         ``cu_seqlens``: packed documents' boundaries of the full sequence (one per row, flash-attn's
         convention; see :func:`loongtrain.attention`), handed to every ``attention_fn``: tokens attend only
-        inside their document (then pass per-document ``position_ids``, e.g. ``loongtrain.packed_inputs``)."""
+        inside their document (then pass per-document ``position_ids``, e.g. ``loongtrain.packed_inputs``).
+        ``chunk_order``: the layout the inputs were sharded with (``loongtrain.shard_sequence(...,
+        chunk_order=)``), handed to every ``attention_fn`` too (only a sharded one can take it)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
         if position_ids is None:
@@ -171,7 +175,10 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin) if cu_seqlens is None else layer(h, cos, sin, cu_seqlens)
+            if cu_seqlens is None and chunk_order is None:
+                h = layer(h, cos, sin)
+            else:
+                h = layer(h, cos, sin, cu_seqlens, chunk_order)
         h = self.norm(h)
         if return_hidden:
             return h

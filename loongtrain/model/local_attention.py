@@ -83,7 +83,7 @@ def validate_sliding_window(sliding_window: int | None) -> None:
 
 def local_attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, softmax_scale: float | None = None,
-    cu_seqlens: CuSeqlens | None = None, sliding_window: int | None = None,
+    cu_seqlens: CuSeqlens | None = None, sliding_window: int | None = None, chunk_order: object = None,
 ) -> Tensor:
     """Softmax attention over the whole (unsharded) sequence held by this process.
 
@@ -99,6 +99,9 @@ def local_attention(
         )
     if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={k.shape[2]}")
+    if chunk_order is not None:
+        raise ValueError(f"chunk_order={chunk_order!r} describes sharded tokens; this attention holds the whole "
+                         f"sequence in order (shard with loongtrain.shard_sequence and apply_2d_attention)")
     validate_sliding_window(sliding_window)
     docs = normalize_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
     if docs is None and sliding_window is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from loongtrain._toml import tomllib
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
+from loongtrain.parallel.documents import CHUNK_LAYOUTS
 
 DTYPES = ("auto", "fp32", "bf16", "fp64")
 PROGRESS = ("auto", "on", "off")
@@ -49,8 +50,12 @@ class TrainConfig:
     seq_len: int = _opt(8192, "tokens per sequence (must be divisible by 2*hp*cp)")
     doc_mask: str = _opt("on", "on: in packed corpora a token attends only inside its own document (block-"
                          "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
-                         "packed sequence. loongtrain's decoder; Hugging Face models train without it for now")
+                         "packed sequence (loongtrain's decoder and Hugging Face models)")
     position_reset: bool = _opt(True, "with --doc-mask on, position ids restart at 0 in each document")
+    chunk_layout: str = _opt("zigzag", "how each sequence is laid on the context ranks: zigzag, or balanced "
+                             "(with --doc-mask on and cp > 1: per batch, chunks go to the ranks by their "
+                             "documents' visible-pair work, so no rank waits for a busier one; batches "
+                             "without document marks stay zigzag)")
     batch_size: int = _opt(1, "sequences per data-parallel replica per micro-step")
     grad_accum: int = _opt(1, "micro-steps accumulated per optimizer step")
     # optimisation
@@ -133,6 +138,11 @@ class TrainConfig:
             raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
         if self.doc_mask not in DOC_MASK:
             raise ValueError(f"--doc-mask={self.doc_mask!r} is not one of {DOC_MASK}")
+        if self.chunk_layout not in CHUNK_LAYOUTS:
+            raise ValueError(f"--chunk-layout={self.chunk_layout!r} is not one of {CHUNK_LAYOUTS}")
+        if self.chunk_layout == "balanced" and self.doc_mask != "on":
+            raise ValueError("--chunk-layout=balanced balances packed documents' attention work and needs "
+                             f"--doc-mask on (got --doc-mask {self.doc_mask})")
 
     def _validate_ranges(self) -> None:
         """Float options: finite and inside their range (AdamW's own checks miss inf and NaN)."""

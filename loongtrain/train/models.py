@@ -154,7 +154,7 @@ def restore_hf_buffers(model: nn.Module) -> None:
 
 
 def hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
-                    cu_seqlens: Any = None) -> tuple[Tensor, Tensor]:
+                    cu_seqlens: Any = None, chunk_order: Any = None) -> tuple[Tensor, Tensor]:
     """``(hidden [B, S, dim], head_weight [V, dim])``: the final normed hidden states of one forward and
     the LM head weight (tied or not), so that ``logits = hidden @ head_weight.T``.
 
@@ -162,11 +162,13 @@ def hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
     head; with the root's ``reshard_after_forward=False`` the head is still gathered afterwards).
     loongtrain's decoder: ``return_hidden=True``; a Hugging Face causal LM: the base model's
     ``last_hidden_state``, with ``logits_to_keep`` an empty index so that no logits are computed.
-    ``cu_seqlens`` (packed documents), when given, is passed to the model's forward as a keyword.
+    ``cu_seqlens`` (packed documents) and ``chunk_order`` (the inputs' sharded layout), when given, are
+    passed to the model's forward as keywords.
     """
     from loongtrain.hf.families import is_hf_model
 
-    model_kwargs = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+    model_kwargs = {name: value for name, value in (("cu_seqlens", cu_seqlens), ("chunk_order", chunk_order))
+                    if value is not None}
     if not is_hf_model(model):
         return model(input_ids, position_ids, return_hidden=True, **model_kwargs), model.head_weight()
     captured: list[Tensor] = []

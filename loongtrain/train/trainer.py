@@ -12,7 +12,12 @@ from torch import nn
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer, initial_weight
-from loongtrain.parallel.documents import cu_seqlens_from_starts, document_position_ids, visible_pairs
+from loongtrain.parallel.documents import (
+    balanced_chunk_order,
+    cu_seqlens_from_starts,
+    document_position_ids,
+    visible_pairs,
+)
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.train import models
@@ -102,20 +107,31 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def _local(self, x: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(x, self.mesh, dim=1).to(self.device, non_blocking=True)
+    def _local(self, x: torch.Tensor, chunk_order: tuple[int, ...] | None) -> torch.Tensor:
+        return shard_sequence(x, self.mesh, dim=1, chunk_order=chunk_order).to(self.device, non_blocking=True)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
         forward to the final hidden states, then the chunked cross-entropy through the LM head (no rank
-        holds its logits; :func:`~loongtrain.train.chunked_loss.chunked_cross_entropy`'s contract)."""
-        input_ids, labels = self._local(batch["input_ids"]), self._local(batch["labels"])
+        holds its logits; :func:`~loongtrain.train.chunked_loss.chunked_cross_entropy`'s contract).
+        Tokens, labels and positions are sharded with one layout (:meth:`chunk_order`)."""
         cu_seqlens, positions = self.documents(batch)
-        position_ids = self._local(positions)
+        order = self.chunk_order(cu_seqlens, batch["input_ids"].shape[1])
+        input_ids, labels = self._local(batch["input_ids"], order), self._local(batch["labels"], order)
+        position_ids = self._local(positions, order)
         with self._autocast():
-            masks = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
-            hidden, head = hidden_and_head(self.model, input_ids, position_ids, **masks)
+            hidden, head = hidden_and_head(self.model, input_ids, position_ids, cu_seqlens, order)
             return chunked_cross_entropy(hidden, head, labels, self.mesh)
+
+    def chunk_order(self, cu_seqlens: list[torch.Tensor] | None, seq_len: int) -> tuple[int, ...] | None:
+        """The batch's sequence layout: ``None`` (zigzag), or with ``--chunk-layout balanced``, documents and
+        ``cp > 1`` the :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every
+        rank of the replica computes the same one from the same batch)."""
+        if self.cfg.chunk_layout != "balanced" or cu_seqlens is None or self.mesh.cp == 1:
+            return None
+        window = getattr(self.model_config, "sliding_window", 0) or None
+        return balanced_chunk_order([cu.tolist() for cu in cu_seqlens], seq_len, self.mesh.cp, self.mesh.hp,
+                                    sliding_window=window)
 
     def documents(self, batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
         """``(cu_seqlens, full position_ids)`` of a full-sequence batch: with ``--doc-mask on`` and a batch
