@@ -200,6 +200,7 @@ def format_document_report(rows: list[tuple[Candidate, list[int]]], report: list
         label = f"hp={g.hp} cp={g.cp} w={g.window} {g.placement}" + (" interleaved" if g.interleaved else "")
         lines.append(f"{label:<32} {t['no_mask'] * 1e3:>10.3f} {t['zigzag'] * 1e3:>10.3f} {t['balanced'] * 1e3:>11.3f} "
                      f"{w['zigzag']:>20.2f} {w['balanced']:>8.2f}  {r['faster_layout']}")
+    lines.append("(balanced: `loongtrain train --chunk-layout balanced`; the ranking above assumes zigzag)")
     return "\n".join(lines)
 
 
