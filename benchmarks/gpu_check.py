@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates  # noqa: E402
+from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates, median_seconds  # noqa: E402
 from loongtrain.attn.kernels import REFERENCE, Kernel  # noqa: E402
 from loongtrain.attn.masking import AttnMask, dense_mask  # noqa: E402
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward  # noqa: E402
@@ -86,10 +86,15 @@ def _max_err(got: Tensor, ref: Tensor) -> float:
     return float((got.double() - ref.double()).abs().max())
 
 
-def reference64(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, scale: float) -> dict[str, Tensor]:
-    """out, lse, dq, dk, dv of causal attention in fp64 (autograd through the reference kernel)."""
+def reference64(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, scale: float,
+                mask: AttnMask | None = None) -> dict[str, Tensor]:
+    """out, lse, dq, dk, dv of causal attention (or under ``mask``: documents, window) in fp64 (autograd
+    through the reference kernel)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = REFERENCE.forward(q64, k64, v64, True, scale)
+    if mask is None:
+        out, lse = REFERENCE.forward(q64, k64, v64, True, scale)
+    else:
+        out, lse = REFERENCE.forward(q64, k64, v64, False, scale, dense_mask(q.shape[2], mask).to(q.device))
     dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.double())
     return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
 
@@ -137,8 +142,9 @@ def _head_slice(num_heads: int, num_kv_heads: int, hp: int, j: int) -> tuple[sli
 
 
 def sharded_attention(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, hp: int, cp: int, window: int,
-                      scale: float, kernel: Kernel | None = None) -> dict[str, Tensor]:
-    """out, dq, dk, dv of causal attention over ``hp`` head ranks x a ``cp`` ring, all in this process."""
+                      scale: float, kernel: Kernel | None = None, mask: AttnMask | None = None) -> dict[str, Tensor]:
+    """out, dq, dk, dv of causal attention (or under ``mask``) over ``hp`` head ranks x a ``cp`` ring, all
+    in this process."""
     seq = q.shape[2]
     acc = torch.float64 if k.dtype == torch.float64 else torch.float32  # dK/dV sum over head ranks
     res = {"out": torch.empty_like(q), "dq": torch.empty_like(q),
@@ -148,9 +154,9 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, hp: int, cp
         hq, hk = _head_slice(q.shape[1], k.shape[1], hp, j)
         qs, ks, vs, douts = ([_zigzag(t[:, heads], cp, r) for r in range(cp)]
                              for t, heads in ((q, hq), (k, hk), (v, hk), (dout, hq)))
-        fwd = local_ring_forward(qs, ks, vs, window, True, scale, kernel)
+        fwd = local_ring_forward(qs, ks, vs, window, True, scale, kernel, mask=mask)
         outs, lses = [o for o, _ in fwd], [lse for _, lse in fwd]
-        bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, window, True, scale, kernel)
+        bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, window, True, scale, kernel, mask=mask)
         for r in range(cp):
             idx = shard_indices(seq, 1, cp, r, 0).to(q.device)
             res["out"][:, hq, idx] = outs[r]
@@ -189,31 +195,6 @@ def check_ring(device: torch.device, size: dict[str, Any], state: dict[str, Any]
     return out
 
 
-def _masked_reference64(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, scale: float,
-                        mask: AttnMask) -> dict[str, Tensor]:
-    """out, lse, dq, dk, dv under ``mask`` (documents, window) in fp64 (autograd through the reference)."""
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    visible = dense_mask(q.shape[2], mask).to(q.device)
-    out, lse = REFERENCE.forward(q64, k64, v64, False, scale, visible)
-    dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), dout.double())
-    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
-
-
-def _ring(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, cp: int, scale: float, mask: AttnMask,
-          kernel: Kernel) -> dict[str, Tensor]:
-    """The in-process ring under ``mask`` (zigzag shards), gathered back to ``[B, H, S, D]``."""
-    shards = [[_zigzag(t, cp, r) for r in range(cp)] for t in (q, k, v, dout)]
-    fwd = local_ring_forward(*shards[:3], 1, True, scale, kernel, mask=mask)
-    outs, lses = [o for o, _ in fwd], [lse for _, lse in fwd]
-    bwd = local_ring_backward(shards[3], *shards[:3], outs, lses, 1, True, scale, kernel, mask=mask)
-    res = {n: torch.empty_like(t) for n, t in (("out", q), ("dq", q), ("dk", k), ("dv", v))}
-    for r in range(cp):
-        idx = shard_indices(q.shape[2], 1, cp, r, 0).to(q.device)
-        for name, t in zip(("out", "dq", "dk", "dv"), (outs[r], *bwd[r])):
-            res[name][:, :, idx] = t
-    return res
-
-
 def check_documents(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     """Packed documents (lognormal, median S/16) and documents with a window S/8 through the in-process
     ring (on CUDA the flash kernel packs a step's pieces into varlen calls): error against fp64 over the
@@ -230,35 +211,23 @@ def check_documents(device: torch.device, size: dict[str, Any], state: dict[str,
     out: dict[str, Any] = {"S": s, "H": h, "Hkv": hkv, "D": d, "documents": len(docs) - 1, "kernel": kernel.name,
                            "cases": [], "worst_ratio": 0.0}
     scale = d ** -0.5
-    causal_s = _time(functools.partial(_ring, q, k, v, dout, 1, scale, AttnMask(True), kernel), device, 3)
+    unsharded = functools.partial(sharded_attention, q, k, v, dout, 1, 1, 1, scale, kernel)  # cp=1: one process
+    causal_s = median_seconds(unsharded, device, 3)
     for window in (None, s // 8):
         mask = AttnMask(True, window, (docs,))
-        ref = _masked_reference64(q, k, v, dout, scale, mask)
-        base = _ring(q, k, v, dout, 1, scale, mask, kernel)
+        ref = reference64(q, k, v, dout, scale, mask)
+        base = unsharded(mask=mask)
         base_err = {n: _max_err(base[n], ref[n]) for n in base}
         for cp in (2, 4, 8):
-            got = _ring(q, k, v, dout, cp, scale, mask, kernel)
+            got = sharded_attention(q, k, v, dout, 1, cp, 1, scale, kernel, mask)
             ratio = {n: _max_err(got[n], ref[n]) / base_err[n] if base_err[n] > 0 else 1.0 for n in got}
             out["cases"].append({"window": window, "cp": cp, "ratio": ratio, "kernel_err": base_err})
             out["worst_ratio"] = max(out["worst_ratio"], *ratio.values())
         visible = visible_pairs(list(docs), s, sliding_window=window) / visible_pairs(None, s)
-        masked_s = _time(functools.partial(_ring, q, k, v, dout, 1, scale, mask, kernel), device, 3)
+        masked_s = median_seconds(functools.partial(unsharded, mask=mask), device, 3)
         out[f"timing_window_{window}"] = {"visible_fraction": visible, "masked_s": masked_s, "causal_s": causal_s,
                                           "speedup": causal_s / masked_s, "ideal_speedup": 1 / visible}
     return out
-
-
-def _time(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
-    """Median seconds of ``fn`` after one warm-up call."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def _fwd_bwd(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> Callable[[], Any]:
@@ -294,11 +263,11 @@ def check_throughput(device: torch.device, size: dict[str, Any], state: dict[str
         if i == 0:  # every candidate at the shortest length (choose_kernel measures at most 8K tokens)
             for cand in kernel_candidates(device, dtype, d):
                 try:
-                    out["candidates"][cand.name] = _time(_fwd_bwd(cand, q, k, v, dout), device, 3)
+                    out["candidates"][cand.name] = median_seconds(_fwd_bwd(cand, q, k, v, dout), device, 3)
                 except Exception as exc:  # noqa: BLE001 - report a candidate that cannot run, keep going
                     out["candidates"][cand.name] = f"error: {type(exc).__name__}: {exc}"[:300]
         kernel = choose_kernel(device, dtype, d, h, hkv, s)
-        seconds = _time(_fwd_bwd(kernel, q, k, v, dout), device, 3 if s < 100_000 else 2)
+        seconds = median_seconds(_fwd_bwd(kernel, q, k, v, dout), device, 3 if s < 100_000 else 2)
         flops = 2 * s * s * h * d * (1 + 2.5)  # causal forward 2*S^2*H*D; backward 2.5x
         tflops = flops / seconds / 1e12
         out["points"].append({"S": s, "kernel": kernel.name, "seconds": seconds, "tflops": tflops,
@@ -324,7 +293,7 @@ def check_determinism(device: torch.device, size: dict[str, Any], state: dict[st
                 fn = _fwd_bwd(kernel, q, k, v, dout)
                 runs = [fn() for _ in range(3)]
                 equal = all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
-                out[key] = {"kernel": kernel.name, "bitwise_equal": equal, "seconds": _time(fn, device, 3)}
+                out[key] = {"kernel": kernel.name, "bitwise_equal": equal, "seconds": median_seconds(fn, device, 3)}
             except Exception as exc:  # noqa: BLE001 - e.g. an op without a deterministic version
                 out[key] = {"error": f"{type(exc).__name__}: {exc}"[:400]}
     finally:

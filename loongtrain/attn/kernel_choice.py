@@ -131,9 +131,28 @@ def select_kernel(
 # ---------------------------------------------------------------- measurement
 
 
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after one warm-up call, synchronising
+    ``device`` (when CUDA) around each timed call."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def time_kernel(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, repeats: int = 3) -> float:
-    """Median seconds of one causal forward + backward of ``kernel`` on ``q [B, H, S, D]``, ``k``/``v``
-    ``[B, Hkv, S, D]`` (after one warm-up call), synchronising the device around each call."""
+    """:func:`median_seconds` of one causal forward + backward of ``kernel`` on ``q [B, H, S, D]``,
+    ``k``/``v`` ``[B, Hkv, S, D]``."""
     scale = q.shape[-1] ** -0.5
     dout = torch.randn_like(q)
 
@@ -141,19 +160,7 @@ def time_kernel(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, repeats: int = 
         out, lse = kernel.forward(q, k, v, True, scale)
         kernel.backward(dout, q, k, v, out, lse, True, scale)
 
-    def sync() -> None:
-        if q.device.type == "cuda":
-            torch.cuda.synchronize(q.device)
-
-    once()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        once()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(once, q.device, repeats)
 
 
 def _timer(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
