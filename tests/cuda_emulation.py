@@ -72,6 +72,12 @@ class EmulatedAten:
 
     # ------------------------------------------------ shared checks
 
+    def _bind(self, op: str, args: tuple, kwargs: dict) -> dict:
+        """The call bound to ``op``'s schema (:func:`~tests.emulation_math.bind`), recorded in ``calls``."""
+        bound = bind(op, args, kwargs)
+        self.calls.append(op)
+        return bound
+
     def _dtypes(self, dtypes: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
         return (*dtypes, torch.float64) if self.allow_fp64 else dtypes
 
@@ -104,13 +110,12 @@ class EmulatedAten:
 
     def _scaled_dot_product_flash_attention(self, *args, **kwargs):
         op = "_scaled_dot_product_flash_attention"
-        a = bind(op, args, kwargs)
-        self.calls.append(op)
+        a = self._bind(op, args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         self._check_qkv(op, q, k, v, _HALF, gqa=True)
         assert q.shape[3] % 8 == 0 and q.shape[3] <= 256, f"{op}: head dim {q.shape[3]}"
         assert a["dropout_p"] == 0.0 and not a["return_debug_mask"], f"{op}: emulation has no dropout"
-        scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
+        scale = _scale(a, q.shape[-1])
         out, lse = attn_forward(q, k, v, a["is_causal"], scale, bottom_right=True)
         b, h, s = lse.shape
         if self.fault == "flash_lse_sequence_major":
@@ -122,8 +127,7 @@ class EmulatedAten:
 
     def _scaled_dot_product_flash_attention_backward(self, *args, **kwargs):
         op = "_scaled_dot_product_flash_attention_backward"
-        a = bind(op, args, kwargs)
-        self.calls.append(op)
+        a = self._bind(op, args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         if self.fault == "flash_backward_reads_value_as_key":
             k, v = v, k
@@ -138,7 +142,7 @@ class EmulatedAten:
         assert (a["max_q"], a["max_k"]) == (q.shape[2], k.shape[2]), f"{op}: max_q/max_k"
         assert a["philox_seed"].dtype == torch.uint64 and a["philox_seed"].shape == (2,), f"{op}: rng state"
         assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
-        scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
+        scale = _scale(a, q.shape[-1])
         dq, dk, dv = attn_backward(a["grad_out"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=True)
         return to_bshd(dq, q.dtype), to_bshd(dk, k.dtype), to_bshd(dv, v.dtype)
 
@@ -179,13 +183,12 @@ class EmulatedAten:
 
     def _flash_attention_forward(self, *args, **kwargs):
         op = "_flash_attention_forward"
-        a = bind(op, args, kwargs)
-        self.calls.append(op)
+        a = self._bind(op, args, kwargs)
         cu_q, cu_k = self._check_varlen(op, a)
         assert not a["return_debug_mask"] and a["seqused_k"] is None and a["alibi_slopes"] is None, op
         assert a["block_table"] is None and a["num_splits"] is None, f"{op}: emulation has no paged or split KV"
         q, k, v = a["query"], a["key"], a["value"]
-        scale = a["scale"] if a["scale"] is not None else q.shape[2] ** -0.5
+        scale = _scale(a, q.shape[-1])
         out = torch.zeros(q.shape, dtype=q.dtype)
         lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=lse_dtype(q.dtype))
         for rows, cols in self._sequences(cu_q, cu_k):
@@ -201,8 +204,7 @@ class EmulatedAten:
 
     def _flash_attention_backward(self, *args, **kwargs):
         op = "_flash_attention_backward"
-        a = bind(op, args, kwargs)
-        self.calls.append(op)
+        a = self._bind(op, args, kwargs)
         cu_q, cu_k = self._check_varlen(op, a)
         q, k, v = a["query"], a["key"], a["value"]
         for name in ("grad_out", "out"):
@@ -211,7 +213,7 @@ class EmulatedAten:
         self._check_lse(op, lse, (q.shape[1], q.shape[0]), q)
         lse = lse.as_strided(lse.shape, (q.shape[0], 1), lse.storage_offset())  # read as a dense buffer
         assert a["rng_state"].dtype == torch.uint64 and a["rng_state"].shape == (2,), f"{op}: rng state"
-        scale = a["scale"] if a["scale"] is not None else q.shape[2] ** -0.5
+        scale = _scale(a, q.shape[-1])
         dq, dk, dv = (torch.zeros(t.shape, dtype=math_dtype(q.dtype)) for t in (q, k, v))
         for rows, cols in self._sequences(cu_q, cu_k):
             grads = attn_backward(to_bhsd(a["grad_out"][rows]), to_bhsd(q[rows]), to_bhsd(k[cols]), to_bhsd(v[cols]),
@@ -224,12 +226,11 @@ class EmulatedAten:
 
     def _scaled_dot_product_efficient_attention(self, *args, **kwargs):
         op = "_scaled_dot_product_efficient_attention"
-        a = bind(op, args, kwargs)
-        self.calls.append(op)
+        a = self._bind(op, args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         self._check_qkv(op, q, k, v, (*_HALF, torch.float32), gqa=False)
         assert a["attn_bias"] is None and a["dropout_p"] == 0.0, f"{op}: emulation has no bias or dropout"
-        scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
+        scale = _scale(a, q.shape[-1])
         out, lse = attn_forward(q, k, v, a["is_causal"], scale, bottom_right=False)
         b, h, s = lse.shape
         padded_len = math.ceil(s / 32) * 32 if a["compute_log_sumexp"] else 0
@@ -242,8 +243,7 @@ class EmulatedAten:
 
     def _scaled_dot_product_efficient_attention_backward(self, *args, **kwargs):
         op = "_scaled_dot_product_efficient_attention_backward"
-        a = bind(op, args, kwargs)
-        self.calls.append(op)
+        a = self._bind(op, args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         self._check_qkv(op, q, k, v, (*_HALF, torch.float32), gqa=False)
         self._check_like(op, "grad_out_", a["grad_out_"], q)
@@ -257,7 +257,7 @@ class EmulatedAten:
         assert len(mask) == 4 and mask[:3] == [True] * 3, f"{op}: grad_input_mask {mask}"
         assert a["attn_bias"] is None and not mask[3], f"{op}: emulation has no bias"
         assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
-        scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
+        scale = _scale(a, q.shape[-1])
         dq, dk, dv = attn_backward(a["grad_out_"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=False)
         return to_bshd(dq, q.dtype), to_bshd(dk, k.dtype), to_bshd(dv, v.dtype), None
 
@@ -265,14 +265,13 @@ class EmulatedAten:
 
     def _scaled_dot_product_cudnn_attention(self, *args, **kwargs):
         op = "_scaled_dot_product_cudnn_attention"
-        a = bind(op, args, kwargs)
-        self.calls.append(op)
+        a = self._bind(op, args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         self._check_qkv(op, q, k, v, _HALF, gqa=True)
         assert q.shape[3] % 8 == 0 and q.shape[3] <= 128, f"{op}: head dim {q.shape[3]}"
         assert a["attn_bias"] is None and a["dropout_p"] == 0.0, f"{op}: emulation has no bias or dropout"
         assert a["compute_log_sumexp"], f"{op}: training needs the logsumexp"
-        scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
+        scale = _scale(a, q.shape[-1])
         out, lse = attn_forward(q, k, v, a["is_causal"], scale, bottom_right=False)
         seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
         return (like_op(out, q), lse.unsqueeze(-1).contiguous(), None, None, q.shape[2], k.shape[2],
@@ -280,8 +279,7 @@ class EmulatedAten:
 
     def _scaled_dot_product_cudnn_attention_backward(self, *args, **kwargs):
         op = "_scaled_dot_product_cudnn_attention_backward"
-        a = bind(op, args, kwargs)
-        self.calls.append(op)
+        a = self._bind(op, args, kwargs)
         q, k, v = a["query"], a["key"], a["value"]
         self._check_qkv(op, q, k, v, _HALF, gqa=True)
         self._check_like(op, "grad_out", a["grad_out"], q)
@@ -292,10 +290,15 @@ class EmulatedAten:
         assert a["attn_bias"] is None and a["cum_seq_q"] is None and a["cum_seq_k"] is None, f"{op}: dense only"
         assert (a["max_q"], a["max_k"]) == (q.shape[2], k.shape[2]), f"{op}: max_q/max_k"
         assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
-        scale = a["scale"] if a["scale"] is not None else q.shape[3] ** -0.5
+        scale = _scale(a, q.shape[-1])
         lse = a["logsumexp"].squeeze(-1)
         dq, dk, dv = attn_backward(a["grad_out"], q, k, v, a["out"], lse, a["is_causal"], scale, bottom_right=False)
         return like_op(dq, q), like_op(dk, k), like_op(dv, v)
+
+
+def _scale(a: dict, head_dim: int) -> float:
+    """The call's ``scale``, or the ops' default ``1/sqrt(head_dim)``."""
+    return a["scale"] if a["scale"] is not None else head_dim ** -0.5
 
 
 def install(monkeypatch, **options) -> EmulatedAten:
