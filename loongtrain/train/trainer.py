@@ -13,7 +13,7 @@ from torch import nn
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer, initial_weight
 from loongtrain.parallel.documents import (
-    balanced_chunk_order,
+    Documents,
     cu_seqlens_from_starts,
     document_position_ids,
     visible_pairs,
@@ -127,11 +127,11 @@ class Trainer:
         """The batch's sequence layout: ``None`` (zigzag), or with ``--chunk-layout balanced``, documents and
         ``cp > 1`` the :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every
         rank of the replica computes the same one from the same batch)."""
-        if self.cfg.chunk_layout != "balanced" or cu_seqlens is None or self.mesh.cp == 1:
+        if cu_seqlens is None or self.mesh.cp == 1:
             return None
+        documents = Documents(tuple(tuple(cu.tolist()) for cu in cu_seqlens), self.cfg.chunk_layout)
         window = getattr(self.model_config, "sliding_window", 0) or None
-        return balanced_chunk_order([cu.tolist() for cu in cu_seqlens], seq_len, self.mesh.cp, self.mesh.hp,
-                                    sliding_window=window)
+        return documents.chunk_order(seq_len, self.mesh.cp, self.mesh.hp, window)
 
     def documents(self, batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
         """``(cu_seqlens, full position_ids)`` of a full-sequence batch: with ``--doc-mask on`` and a batch
