@@ -61,7 +61,7 @@ from benchmarks.timing import (  # noqa: E402
     time_step,
     write_section,
 )
-from loongtrain.parallel.launch import run_local  # noqa: E402
+from loongtrain.parallel.workers import run_local  # noqa: E402
 
 BASELINES = ("deepspeed", "ring-attention-pytorch")
 BASELINE_TITLES = {

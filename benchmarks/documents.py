@@ -1,7 +1,7 @@
 """Packed documents and sliding windows through ``loongtrain.attention`` (forward + backward), CPU gloo ranks.
 
 Documents: one packed row of lognormal lengths (``--median``, shape ``--sigma``, ``--seed``; stated in the
-output, :func:`loongtrain.parallel.documents.lognormal_documents`). Cases, each on ``--world`` ranks
+output, :func:`loongtrain.plan.document_work.lognormal_documents`). Cases, each on ``--world`` ranks
 (1 thread per rank) for every ``hp x cp`` of the world unless ``--configs``:
 
 - ``docs``: causal attention inside each document, zigzag layout (the default);
@@ -54,8 +54,9 @@ from benchmarks.timing import (  # noqa: E402
     write_section,
 )
 from loongtrain.parallel.comm import CommCounter  # noqa: E402
-from loongtrain.parallel.documents import balanced_chunk_order, imbalance, lognormal_documents, rank_work, visible_pairs  # noqa: E402
-from loongtrain.parallel.launch import run_local  # noqa: E402
+from loongtrain.parallel.documents import balanced_chunk_order, rank_work, visible_pairs  # noqa: E402
+from loongtrain.parallel.workers import run_local  # noqa: E402
+from loongtrain.plan.document_work import imbalance, lognormal_documents  # noqa: E402
 
 CASES = ("docs", "docs-balanced", "causal", "window")
 SECTION = "benchmarks/documents.py"

@@ -25,7 +25,7 @@ short still reports what it measured; a section that fails records its error and
   each kernel candidate is timed at the shortest length; the points use the ring's choice.
 - ``training``: ``Trainer`` on one device under Selective Checkpoint++ at the longest sequence the
   planner says fits (halved on out-of-memory): tokens/s, MFU (model FLOPs, loongtrain.train.metrics),
-  peak allocated memory after set-up against ``loongtrain.plan.memory.memory_per_rank``.
+  peak allocated memory after set-up against ``loongtrain.plan.memory_model.memory_per_rank``.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates, medi
 from loongtrain.attn.kernels import REFERENCE, Kernel  # noqa: E402
 from loongtrain.attn.masking import AttnMask, dense_mask  # noqa: E402
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward  # noqa: E402
-from loongtrain.parallel.documents import lognormal_documents, visible_pairs  # noqa: E402
-from loongtrain.parallel.sharding import shard_indices  # noqa: E402
+from loongtrain.parallel.documents import visible_pairs  # noqa: E402
+from loongtrain.parallel.zigzag import shard_indices  # noqa: E402
+from loongtrain.plan.document_work import lognormal_documents  # noqa: E402
 
 Tensor = torch.Tensor
 
@@ -307,10 +308,10 @@ def _train_one(name: str, seq: int, device: torch.device, steps: int) -> dict[st
     from loongtrain.model.config import flops_per_token, get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
-    from loongtrain.plan.memory import memory_per_rank
-    from loongtrain.train.config import TrainConfig
-    from loongtrain.train.synthetic import global_batch
-    from loongtrain.train.trainer import Trainer, autocast_dtype, param_dtype
+    from loongtrain.plan.memory_model import memory_per_rank
+    from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
+    from loongtrain.train.trainer import Trainer
+    from tests.synthetic import global_batch
 
     model_config = get_preset(name)
     cfg = TrainConfig(model=name, seq_len=seq, steps=steps + 1, warmup=1, dtype="auto",
@@ -351,7 +352,7 @@ def _train_one(name: str, seq: int, device: torch.device, steps: int) -> dict[st
 def check_training(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.layout import Layout
-    from loongtrain.plan.memory import memory_per_rank
+    from loongtrain.plan.memory_model import memory_per_rank
 
     capacity = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else 8 * 2**30
     out: dict[str, Any] = {"capacity_gib": capacity / 2**30, "runs": [], "skipped": []}

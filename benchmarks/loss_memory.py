@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from loongtrain.train.chunked_loss import (  # noqa: E402
+from loongtrain.loss.chunked import (  # noqa: E402
     chunked_cross_entropy,
     chunked_loss_peak_bytes,
     default_chunk_tokens,
 )
-from loongtrain.train.loss import sharded_cross_entropy  # noqa: E402
+from loongtrain.loss.sharded import sharded_cross_entropy  # noqa: E402
 
 GIB = 2**30
 VARIANTS = ("unchunked", "chunked")

@@ -2,14 +2,14 @@
 
 Each (mode, seq_len) point runs in fresh processes (``world`` gloo ranks on CPU, or NCCL when
 ``--device cuda``) so that peak RSS belongs to that point alone. Per point and rank it records the
-tracked memory report (``loongtrain.train.memory``: parameters, gradients, optimizer state, saved
+tracked memory report (``loongtrain.train.memory_report``: parameters, gradients, optimizer state, saved
 activations), the process peak RSS (and CUDA peak allocated on GPU) and the step time (median of the
 steps after the first). ``--max-seq`` doubles the sequence from ``--min-seq`` for each mode until a run
 fails, reaches ``--seq-limit``, or the next doubling is predicted (linear growth of the memory above the
 start-up baseline) to exceed ``--mem-limit-gib`` summed over the ranks, which keeps a shared machine from
 being driven into the OOM killer. Prints markdown, starting with the command that produced it.
 
-The trainer's loss is the chunked cross-entropy (loongtrain/train/chunked_loss.py), so these runs
+The trainer's loss is the chunked cross-entropy (loongtrain/loss/chunked.py), so these runs
 include its peak; the loss's own peak, chunked against full logits, is measured in one place:
 ``benchmarks/loss_memory.py`` (figures in benchmarks/RESULTS.md, "Loss memory").
 
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from loongtrain.parallel.launch import WorkerError, run_local  # noqa: E402
+from loongtrain.parallel.workers import WorkerError, run_local  # noqa: E402
 
 # mode name -> memory options (ParallelConfig fields)
 MODES: dict[str, dict[str, Any]] = {
@@ -59,9 +59,9 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.config import TrainConfig
-    from loongtrain.train.memory import trainer_memory_report
-    from loongtrain.train.synthetic import global_batch
+    from loongtrain.train.memory_report import trainer_memory_report
     from loongtrain.train.trainer import Trainer
+    from tests.synthetic import global_batch
 
     cuda = args["device"] == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -147,7 +147,7 @@ def points_table(points: list[dict[str, Any]], cuda: bool) -> str:
             f"{_mib(t['params'])} | {_mib(t['grads'])} | {_mib(t['optimizer_state'])} | "
             f"{_mib(t['activations'])} | {_mib(t['total'])} |"
         )
-    lines.append("\nTracked columns: max over ranks of `loongtrain.train.memory.memory_report` "
+    lines.append("\nTracked columns: max over ranks of `loongtrain.train.memory_report.memory_report` "
                  "(\\* optimizer state estimated as 2 x params before the first step).")
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """loongtrain: long-sequence LLM training with 2D-Attention (head-parallel x context-parallel)."""
 
 from loongtrain.attn.api import attention
-from loongtrain.attn.apply import apply_2d_attention
+from loongtrain.hf.apply import apply_2d_attention
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.documents import (
     balanced_chunk_order,
@@ -9,10 +9,10 @@ from loongtrain.parallel.documents import (
     document_position_ids,
     packed_inputs,
 )
-from loongtrain.parallel.launch import run_local
 from loongtrain.parallel.layout import Layout
 from loongtrain.parallel.mesh import Mesh, destroy_mesh, init_mesh, single_process_mesh
 from loongtrain.parallel.sharding import gather_sequence, shard_sequence
+from loongtrain.parallel.workers import run_local
 
 __all__ = [
     "Layout",

@@ -53,7 +53,7 @@ PROOF_CASES: dict[str, dict[str, Any]] = {
 
 def _proof(mesh: Any, opts: dict[str, Any]) -> dict[str, Any]:
     from loongtrain.parallel.comm import CommCounter
-    from loongtrain.train.memory import memory_report, trainer_loss_fn
+    from loongtrain.train.memory_report import memory_report, trainer_loss_fn
     from loongtrain.train.sync import all_reduce_gradients
 
     trainer = make_trainer(mesh, **opts)

@@ -14,13 +14,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import loongtrain
-from loongtrain.train.chunked_loss import (
+from loongtrain.loss.chunked import (
     IGNORE_INDEX,
     chunked_cross_entropy,
     chunked_loss_peak_bytes,
     default_chunk_tokens,
 )
-from loongtrain.train.loss import sharded_cross_entropy
+from loongtrain.loss.sharded import sharded_cross_entropy
 from tests.dist_utils import run_distributed
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loongtrain.parallel import traffic
 from loongtrain.parallel.layout import Layout
+from loongtrain.plan import traffic
 from tests.attention_cases import count_comm
 from tests.dist_utils import run_distributed
 

@@ -19,7 +19,7 @@ from loongtrain.attn.kernels import (
     Kernel,
 )
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
-from loongtrain.parallel.sharding import shard_indices
+from loongtrain.parallel.zigzag import shard_indices
 from tests.cuda_emulation import FAULTS, VARLEN_FAULTS, install
 
 CUDA_KERNELS = [CUDA_FLASH, CUDA_EFFICIENT, CUDA_CUDNN]

@@ -11,8 +11,8 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train.config import TrainConfig, parse_args
 from loongtrain.train.loop import use_deterministic
-from loongtrain.train.synthetic import global_batch
 from loongtrain.train.trainer import Trainer
+from tests.synthetic import global_batch
 
 CONFIG = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 

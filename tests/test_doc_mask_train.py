@@ -12,7 +12,7 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import balanced_chunk_order, cu_seqlens_from_starts, rank_work, visible_pairs
 from loongtrain.parallel.mesh import init_mesh
-from loongtrain.parallel.sharding import shard_indices
+from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.train.config import TrainConfig
 from tests.dist_utils import run_distributed
 

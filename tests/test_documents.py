@@ -15,8 +15,9 @@ from loongtrain.attn.kernel_choice import select_kernel
 from loongtrain.attn.kernels import Kernel, reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, member_runs, visible_pieces
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
-from loongtrain.attn.schedule import DoubleRing, pass_reach
-from loongtrain.parallel.sharding import shard_indices
+from loongtrain.attn.short_pass import pass_reach
+from loongtrain.parallel.layout import DoubleRing
+from loongtrain.parallel.zigzag import shard_indices
 from tests.test_schedule import _planned_trace, _Recorder
 
 RINGS = [(cp, w) for cp in range(1, 9) for w in range(1, cp + 1) if cp % w == 0]
@@ -271,7 +272,8 @@ def test_single_process_api_matches_dense_reference():
 
 
 def test_work_per_rank_and_balanced_layout():
-    from loongtrain.parallel.documents import balanced_chunk_order, imbalance, rank_work, visible_keys, visible_pairs
+    from loongtrain.parallel.documents import balanced_chunk_order, rank_work, visible_keys, visible_pairs
+    from loongtrain.plan.document_work import imbalance
 
     rng = random.Random(5)
     seq, cp = 480, 4
@@ -366,8 +368,8 @@ def test_pieces_on_emulated_cuda_kernels(monkeypatch, kernel_name):
 
 
 def test_plan_reports_document_balance(capsys):
-    from loongtrain.parallel.documents import balance_report, lognormal_documents
     from loongtrain.plan.cli import main
+    from loongtrain.plan.document_work import balance_report, lognormal_documents
 
     docs = lognormal_documents(16384, 1024, seed=0)
     assert docs[0] == 0 and docs[-1] == 16384 and all(a < b for a, b in zip(docs, docs[1:]))

@@ -48,8 +48,8 @@ def test_world8_rings():
     (8, [dict(hp=1, cp=8, window=2), dict(hp=1, cp=8, window=4, placement="context_first")], 5),
 ])
 def test_short_window_sends_fewer_blocks_as_the_formulas_say(world, configs, blocks):
-    from loongtrain.parallel import traffic
     from loongtrain.parallel.layout import Layout
+    from loongtrain.plan import traffic
     from tests.attention_cases import count_comm
 
     shape = dict(batch=1, seq_len=32, num_heads=4, num_kv_heads=2, head_dim=8)

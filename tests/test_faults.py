@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.cli import main
-from loongtrain.parallel.launch import WorkerError, run_local
 from loongtrain.parallel.mesh import init_mesh
+from loongtrain.parallel.workers import WorkerError, run_local
 from loongtrain.train.metrics import read_jsonl
 
 pytestmark = [pytest.mark.distributed,

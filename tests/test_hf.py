@@ -22,8 +22,8 @@ from loongtrain.hf import (
     model_config_from_hf,
     supported_architectures,
 )
+from loongtrain.loss.sharded import sharded_cross_entropy
 from loongtrain.model import ModelConfig, Transformer
-from loongtrain.train.loss import sharded_cross_entropy
 from tests.dist_utils import run_distributed
 
 SEQ, BATCH, VOCAB = 32, 2, 64

@@ -74,10 +74,10 @@ def train_config(out_dir: Path, model: str, corpus: Path, **kw) -> TrainConfig:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_trainer_chunked_loss_equals_logits_path(tmp_path, family):
     import loongtrain
-    from loongtrain.train.loss import sharded_cross_entropy
+    from loongtrain.loss.sharded import sharded_cross_entropy
     from loongtrain.train.models import model_config_for
-    from loongtrain.train.synthetic import global_batch
     from loongtrain.train.trainer import Trainer
+    from tests.synthetic import global_batch
 
     model_dir = make_hf_dir(tmp_path / family, family)
     for model in (str(model_dir), "tiny"):
@@ -114,9 +114,9 @@ def _ring_counts(cfg: TrainConfig, mesh, ac_mode: str) -> tuple[int, int]:
 
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.train.models import model_config_for
-    from loongtrain.train.synthetic import global_batch
     from loongtrain.train.trainer import Trainer
     from tests.counting import count_ring_forward
+    from tests.synthetic import global_batch
 
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ac_mode=ac_mode))
     trainer = Trainer(cfg, mesh, torch.device("cpu"), model_config_for(cfg))

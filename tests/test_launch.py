@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loongtrain.parallel.launch import WorkerError, resolve_backend, run_local
 from loongtrain.parallel.mesh import _ROLES, destroy_all_meshes, destroy_mesh, init_mesh
+from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 
 pytestmark = pytest.mark.distributed
 
@@ -152,7 +152,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_workers_die_with_the_launcher(tmp_path, sig):
-    code = ("import sys; from loongtrain.parallel.launch import run_local; "
+    code = ("import sys; from loongtrain.parallel.workers import run_local; "
             "from tests.test_launch import _write_pid_and_sleep; "
             "run_local(_write_pid_and_sleep, 2, sys.argv[1], backend='gloo')")
     launcher = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT)

@@ -7,7 +7,7 @@ import torch
 
 import loongtrain
 from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.sharding import replica_permutation, shard_indices
+from loongtrain.parallel.zigzag import replica_permutation, shard_indices
 
 
 def test_head_first_puts_head_groups_on_consecutive_ranks():

@@ -12,7 +12,7 @@ from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train.config import parse_args
-from loongtrain.train.memory import (
+from loongtrain.train.memory_report import (
     SavedActivations,
     format_memory_table,
     memory_report,

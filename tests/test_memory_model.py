@@ -6,7 +6,7 @@
   old combination (fp32 gathered weights under bf16 autocast, whose cache keeps a bf16 copy of every
   weight until the forward ends) is measured the same way and does grow: the count can fail.
 - Meta-device start: every parameter of a sharded trainer equals the plain seeded model's, bit for bit.
-- The trainer's start-up prediction (``loongtrain.train.memory.predicted_memory``) agrees with the
+- The trainer's start-up prediction (``loongtrain.train.memory_report.predicted_memory``) agrees with the
   measured report within 15% for the tiny preset at 8K-32K tokens in every ZeRO and checkpoint mode.
 """
 
@@ -79,18 +79,18 @@ def _tiny_config(num_layers: int) -> Any:
 
 def _live_peak(mesh: Any, num_layers: int, mixed_precision: bool) -> tuple[int, int]:
     """(peak live weight bytes, bf16 bytes of one block) of one bf16 forward/backward, zero=full."""
+    from loongtrain.hf.families import decoder_layers
+    from loongtrain.loss.sharded import sharded_cross_entropy
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.plan.memory import layer_params
+    from loongtrain.plan.memory_model import layer_params
     from loongtrain.train.config import TrainConfig
-    from loongtrain.train.loss import sharded_cross_entropy
-    from loongtrain.train.parallelize import transformer_blocks
     from loongtrain.train.trainer import build_model
 
     cfg = TrainConfig(seq_len=512, dtype="bf16", parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero="full"))
     config = _tiny_config(num_layers)
     model = build_model(config, cfg, mesh, torch.device("cpu"), torch.bfloat16 if mixed_precision else None)
     counter = LiveWeightBytes(model)
-    for block in transformer_blocks(model):
+    for block in decoder_layers(model):
         block.register_forward_pre_hook(counter.sample)
         block.register_forward_hook(counter.sample)
     ids = torch.randint(0, config.vocab_size, (1, 512 // mesh.sp), generator=torch.Generator().manual_seed(0))
@@ -123,8 +123,8 @@ def _bf16_step_vs_fp64(mesh: Any) -> dict[str, float]:
     """One step of a sharded bf16 trainer (FSDP2 mixed precision) and of a replicated fp64 one."""
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.train.config import TrainConfig
-    from loongtrain.train.synthetic import global_batch
     from loongtrain.train.trainer import Trainer
+    from tests.synthetic import global_batch
 
     batch = global_batch(0, 1, 512, 128, seed=0)
     results = {}
@@ -183,9 +183,9 @@ def _prediction_worker(rank: int, world: int) -> list[dict[str, Any]]:
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.config import TrainConfig
-    from loongtrain.train.memory import compared_totals, predicted_memory, trainer_memory_report
-    from loongtrain.train.synthetic import global_batch
+    from loongtrain.train.memory_report import compared_totals, predicted_memory, trainer_memory_report
     from loongtrain.train.trainer import Trainer
+    from tests.synthetic import global_batch
 
     mesh = init_mesh(2, 2)
     out = []

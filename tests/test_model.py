@@ -15,6 +15,7 @@ from torch import nn
 
 import loongtrain
 from loongtrain.attn.apply import MeshAttention
+from loongtrain.loss.sharded import IGNORE_INDEX, sharded_cross_entropy
 from loongtrain.model import (
     PRESETS,
     ModelConfig,
@@ -26,7 +27,6 @@ from loongtrain.model import (
     num_params,
     rope_cos_sin,
 )
-from loongtrain.train.loss import IGNORE_INDEX, sharded_cross_entropy
 from tests.counting import count_ring_forward
 from tests.dist_utils import run_distributed
 

@@ -9,7 +9,6 @@ import pytest
 from loongtrain.model.config import ModelConfig, get_preset
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.traffic import message_bytes
 from loongtrain.plan.attention_cost import (
     AttnShape,
     _Link,
@@ -21,8 +20,9 @@ from loongtrain.plan.attention_cost import (
 from loongtrain.plan.cli import main, parse_size
 from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import step_cost
-from loongtrain.plan.memory import memory_per_rank
+from loongtrain.plan.memory_model import memory_per_rank
 from loongtrain.plan.search import best_fitting, plan
+from loongtrain.plan.traffic import message_bytes
 
 EPS = 1e-12  # latencies small enough to vanish
 
@@ -261,7 +261,7 @@ def test_cli_json_and_errors(capsys, tmp_path):
 def test_sliding_window_attention_costs_only_visible_pairs_and_the_short_pass():
     from dataclasses import replace
 
-    from loongtrain.parallel.traffic import ring_reach
+    from loongtrain.plan.traffic import ring_reach
 
     cluster = load_cluster("h100")
     seq, window = 131072, 4096

@@ -11,24 +11,16 @@ from dataclasses import replace
 import pytest
 
 from loongtrain.attn.masking import AttnMask, dense_mask
-from loongtrain.attn.schedule import Compute, DoubleRing, pass_events
+from loongtrain.attn.schedule import Compute, pass_events
 from loongtrain.model.config import ModelConfig, flops_per_token
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.parallel.documents import (
-    Documents,
-    balance_report,
-    balanced_chunk_order,
-    lognormal_documents,
-    pair_work,
-    rank_work,
-    step_work,
-    visible_pairs,
-)
-from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.sharding import shard_indices
+from loongtrain.parallel.documents import Documents, balanced_chunk_order, rank_work, visible_pairs
+from loongtrain.parallel.layout import DoubleRing, Layout
+from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.plan.attention_cost import AttnShape, _Link, attention_flops, attention_time, simulate_pass
 from loongtrain.plan.cli import main
 from loongtrain.plan.cost import step_cost
+from loongtrain.plan.document_work import balance_report, lognormal_documents, pair_work, step_work
 from loongtrain.plan.search import plan
 from tests.test_plan import toy_cluster  # one toy cluster for the planner tests
 

@@ -16,8 +16,8 @@ from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train.checkpoint import LATEST, STATE_FILE, newest_checkpoint, parameters_finite, resolve_checkpoint
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.metrics import MetricsLogger, read_jsonl
-from loongtrain.train.synthetic import global_batch
 from loongtrain.train.trainer import Trainer
+from tests.synthetic import global_batch
 
 MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=64)
 

@@ -11,9 +11,10 @@ import torch
 from loongtrain.attn.kernel_choice import select_kernel
 from loongtrain.attn.kernels import Kernel, reference_forward
 from loongtrain.attn.ring import PostOffice, local_ring_backward, local_ring_forward
-from loongtrain.attn.schedule import Compute, DoubleRing, Post, Wait, pass_events
+from loongtrain.attn.schedule import Compute, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach, short_sends
-from loongtrain.parallel.sharding import shard_indices
+from loongtrain.parallel.layout import DoubleRing
+from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.plan.attention_cost import _Link, simulate_pass
 
 RINGS = [(cp, w) for cp in range(1, 9) for w in range(1, cp + 1) if cp % w == 0]
@@ -206,9 +207,9 @@ def test_planner_runs_the_short_pass_of_a_double_ring():
     from dataclasses import replace
 
     from loongtrain.parallel.layout import Layout
-    from loongtrain.parallel.traffic import attention_ops, ring_reach
     from loongtrain.plan.attention_cost import AttnShape, attention_time
     from loongtrain.plan.cluster import load_cluster
+    from loongtrain.plan.traffic import attention_ops, ring_reach
 
     cluster = load_cluster("h100")
     seq, sliding = 131072, 4096  # chunk 4096 on a ring of 16: reach 1

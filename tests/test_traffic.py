@@ -1,4 +1,4 @@
-"""Byte accounting of one attention layer (loongtrain.parallel.traffic): hand-computed cases, plus one
+"""Byte accounting of one attention layer (loongtrain.plan.traffic): hand-computed cases, plus one
 gloo run checking the formulas against what the code actually sends."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.traffic import (
+from loongtrain.plan.traffic import (
     attention_ops,
     attention_traffic,
     format_traffic_report,

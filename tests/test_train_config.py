@@ -22,7 +22,7 @@ from loongtrain.train.metrics import (
     measure_cpu_tflops,
 )
 from loongtrain.train.optim import clip_grad_norm, lr_factor
-from loongtrain.train.synthetic import synthetic_source
+from tests.synthetic import synthetic_source
 
 
 def test_help_documents_every_field_with_default():

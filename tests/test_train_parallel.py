@@ -16,8 +16,8 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh, single_process_mesh
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.loop import fit
-from loongtrain.train.synthetic import synthetic_source
 from tests.dist_utils import run_distributed
+from tests.synthetic import synthetic_source
 
 pytestmark = pytest.mark.distributed
 

@@ -18,7 +18,7 @@ from loongtrain.attn.kernels import CUDA_FLASH, reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, piece_mask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.attn.step import Pieces, plan_step, varlen_flag
-from loongtrain.parallel.sharding import shard_indices
+from loongtrain.parallel.zigzag import shard_indices
 from tests.cuda_emulation import VARLEN_FAULTS, install
 
 CHUNK, HEAD_DIM = 6, 8

@@ -48,7 +48,7 @@ def make_trainer(mesh: Any, *, tied: bool = False, batch_size: int = 1, **opts: 
 
 def replica_batch(mesh: Any, step: int) -> dict[str, torch.Tensor]:
     """This rank's replica's full-sequence micro-batch of global step ``step`` (batch 1 per replica)."""
-    from loongtrain.train.synthetic import global_batch
+    from tests.synthetic import global_batch
 
     batch = global_batch(step, mesh.dp, SEQ, VOCAB, seed=0)
     return {k: v[mesh.dp_rank : mesh.dp_rank + 1] for k, v in batch.items()}
@@ -94,7 +94,7 @@ TIED = {(2, 1): False, (1, 2): True}
 def _zero_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.checkpoint import load_checkpoint, save_checkpoint
-    from loongtrain.train.memory import memory_report, startup_memory_report
+    from loongtrain.train.memory_report import memory_report, startup_memory_report
     out: dict[str, Any] = {"diff": {}, "memory": {}, "ref": {}}
     for (hp, cp), names in LAYOUT_CASES.items():
         mesh = init_mesh(hp, cp)
@@ -143,7 +143,7 @@ def test_replicated_reference_matches_single_process(zero_results: list[dict[str
     """The plain parallel run (the reference below) equals one process training the dp replicas' rows
     as one batch: gradients summed over sp ranks and averaged over dp replicas."""
     from loongtrain.parallel.mesh import single_process_mesh
-    from loongtrain.train.synthetic import global_batch
+    from tests.synthetic import global_batch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

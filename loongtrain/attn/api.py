@@ -24,7 +24,7 @@ from loongtrain.model.local_attention import CuSeqlens, normalize_cu_seqlens, va
 from loongtrain.parallel.agreement import agree_on_attention
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.mesh import Mesh, single_process_mesh
-from loongtrain.parallel.sharding import check_chunk_order
+from loongtrain.parallel.zigzag import check_chunk_order
 
 Tensor = torch.Tensor
 

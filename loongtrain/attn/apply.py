@@ -1,4 +1,6 @@
-"""``apply_2d_attention``: give any model 2D-Attention by swapping its attention core (docs/design.md §7).
+"""``bind_attention_fn``: give a model that follows the ``attention_fn`` protocol 2D-Attention by swapping its
+attention core (docs/design.md §7); :func:`loongtrain.apply_2d_attention` (``hf/apply.py``) calls it for
+every model that is not a Hugging Face one.
 
 Protocol: a model takes part when every attention module routes its core through one replaceable
 attribute ``attention_fn`` (an instance or class attribute, not a submodule), called as::
@@ -14,7 +16,7 @@ with query head ``h`` using KV head ``h // (H / Hkv)`` (GQA) and ``softmax_scale
 ``1/sqrt(D)``. Everything else in the model must be token-wise (norms, MLPs, RoPE on the given
 global ``position_ids``), so feeding each rank its zigzag shard (:func:`loongtrain.shard_sequence`)
 and these global positions gives the exact result of the unsharded model. ``loongtrain.model``'s
-decoder follows the protocol; the Hugging Face integration reuses this entry point.
+decoder follows the protocol; Hugging Face models reach it through transformers' attention interface.
 """
 
 from __future__ import annotations
@@ -68,24 +70,14 @@ class MeshAttention:
         return f"MeshAttention({self.mesh!r})"
 
 
-def apply_2d_attention(model: nn.Module, mesh: Mesh) -> nn.Module:
+def bind_attention_fn(model: nn.Module, mesh: Mesh) -> nn.Module:
     """Route every ``attention_fn`` in ``model``'s module tree through 2D-Attention on ``mesh``.
 
     Sets ``module.attention_fn = MeshAttention(mesh)`` on each module that has the attribute (see the
     module docstring for the protocol) and returns ``model`` (changed in place). Idempotent:
-    applying again, with the same or another mesh, rebinds. Raises ValueError if ``mesh`` is not a
-    :class:`~loongtrain.parallel.mesh.Mesh` or no module of ``model`` has an ``attention_fn``.
+    applying again, with the same or another mesh, rebinds. Raises ValueError if no module of ``model``
+    has an ``attention_fn``, or one that is not a plain callable.
     """
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a loongtrain Mesh (init_mesh / single_process_mesh); got {mesh!r}")
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    from loongtrain.hf.families import is_hf_model  # never imports transformers
-
-    if is_hf_model(model):  # Hugging Face causal LMs route through transformers' attention interface
-        from loongtrain.hf.attention import apply_to_hf
-
-        return apply_to_hf(model, mesh)
     targets = [m for m in model.modules() if hasattr(m, ATTENTION_FN_ATTR)]
     if not targets:
         raise ValueError(

@@ -35,7 +35,7 @@ TINY_CELLS = 32 * 32  # default: pieces up to this many (q, k) cells may use the
 @dataclass(frozen=True)
 class AttnMask:
     """The attention mask of one call: ``cu_seqlens`` per batch row (``None``: one document), and the
-    layout of the tokens (``chunk_order``, :func:`loongtrain.parallel.sharding.shard_indices`)."""
+    layout of the tokens (``chunk_order``, :func:`loongtrain.parallel.zigzag.shard_indices`)."""
 
     causal: bool = True
     window: int | None = None

@@ -31,21 +31,11 @@ import torch.distributed as dist
 from loongtrain.attn.kernel_choice import kernel_for
 from loongtrain.attn.kernels import Kernel
 from loongtrain.attn.masking import AttnMask
-from loongtrain.attn.schedule import (
-    DKV_OWN,
-    KV_OUTER,
-    Compute,
-    DoubleRing,
-    Event,
-    Hop,
-    Payload,
-    Post,
-    Wait,
-    pass_events,
-    pass_reach,
-)
+from loongtrain.attn.schedule import DKV_OWN, KV_OUTER, Compute, Event, Payload, Post, Wait, pass_events
+from loongtrain.attn.short_pass import pass_reach
 from loongtrain.attn.step import BackwardStep, ForwardStep
 from loongtrain.parallel.comm import Exchange, post_exchange
+from loongtrain.parallel.layout import DoubleRing, Hop
 
 Tensor = torch.Tensor
 

@@ -24,8 +24,8 @@ in all, like K/V.
 
 A sliding window shorter than a few chunks needs only the blocks of nearby members: the short pass
 walks K/V only the outer and inner hops that reach them (``2 r`` on a single ring) instead of ``cp - 1``.
-Its route (:func:`pass_reach`, :func:`short_plan`, :func:`short_sends`) is in ``attn/short_pass.py``
-(re-exported here); :func:`_short_pass` turns it into events.
+Its route (:func:`pass_reach`, :func:`short_plan`, :func:`short_sends`) is in ``attn/short_pass.py``;
+:func:`_short_pass` turns it into events.
 """
 
 from __future__ import annotations
@@ -34,16 +34,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
-from loongtrain.attn.short_pass import pass_reach, short_hops, short_plan, short_sends, short_stages
+from loongtrain.attn.short_pass import short_hops, short_plan, short_stages
+from loongtrain.parallel.layout import DoubleRing, Hop
 
-__all__ = [  # the short pass's route lives in attn/short_pass.py; its names are re-exported here
-    "DKV_CHAIN", "DKV_OWN", "HOPS", "KV_INNER", "KV_OUTER", "PAYLOADS", "Compute", "DoubleRing", "Event", "Hop",
-    "Payload", "Post", "Wait", "pass_events", "pass_reach", "short_hops", "short_plan", "short_sends",
-]
-
-Hop = Literal["inner", "outer"]
 Payload = Literal["kv", "dkv"]
-HOPS: tuple[Hop, ...] = ("inner", "outer")
 PAYLOADS: tuple[Payload, ...] = ("kv", "dkv")
 
 # registers a member keeps between events (names used by the events below)
@@ -51,50 +45,6 @@ KV_OUTER = "kv_outer"  # the block received by the last outer hop (at the start:
 KV_INNER = "kv_inner"  # the block received by the last inner hop
 DKV_OWN = "dkv_own"  # dK/dV of the member's own block: the pass's result
 DKV_CHAIN = "dkv_chain"  # partial dK/dV passed along a window
-
-
-@dataclass(frozen=True)
-class DoubleRing:
-    """Position arithmetic of a double ring: ``num_windows`` windows of ``window`` members."""
-
-    num_windows: int
-    window: int
-
-    def __post_init__(self) -> None:
-        assert self.num_windows >= 1 and self.window >= 1, self
-
-    @property
-    def size(self) -> int:
-        return self.num_windows * self.window
-
-    def peer(self, position: int, hop: Hop, step: int) -> int:
-        """Position ``step`` members away along ``hop`` (``+1``: next, ``-1``: previous)."""
-        j, i = divmod(position, self.window)
-        if hop == "inner":
-            i = (i + step) % self.window
-        else:
-            j = (j + step) % self.num_windows
-        return j * self.window + i
-
-    def cycle(self, position: int, hop: Hop) -> list[int]:
-        """Positions of the ``hop`` cycle through ``position`` (its window, or its column across the
-        windows), in ring order starting from the cycle's first member."""
-        n = self.window if hop == "inner" else self.num_windows
-        start = position
-        for _ in range(n):
-            prev = self.peer(start, hop, -1)
-            if prev > start:  # wrapped: ``start`` is the cycle's first member
-                break
-            start = prev
-        members = [start]
-        while len(members) < n:
-            members.append(self.peer(members[-1], hop, 1))
-        return members
-
-    def source(self, position: int, outer: int, inner: int) -> int:
-        """Position whose K/V block member ``position`` holds at step ``(outer, inner)``."""
-        j, i = divmod(position, self.window)
-        return ((j - outer) % self.num_windows) * self.window + (i - inner) % self.window
 
 
 @dataclass(frozen=True)

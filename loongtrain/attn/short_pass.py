@@ -6,16 +6,14 @@ most ``r`` positions away (:func:`pass_reach`). :func:`short_plan` finds, for ev
 inner offsets those blocks sit at and the fewest outer hops each way that visit them;
 :func:`short_sends` and :func:`short_hops` count the blocks a member sends. Pure arithmetic, like the
 rest of the schedule: :func:`loongtrain.attn.schedule.pass_events` turns the route into events (its
-``reach`` argument), ``parallel/traffic.py`` and the planner count its bytes.
+``reach`` argument), ``plan/traffic.py`` and the planner count its bytes.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: schedule.py imports this module
-    from loongtrain.attn.schedule import DoubleRing, Hop
+from loongtrain.parallel.layout import DoubleRing, Hop
 
 
 def pass_reach(ring: DoubleRing, chunk: int, sliding_window: int | None, zigzag: bool = True) -> int | None:
@@ -48,7 +46,7 @@ def _cover(needed: frozenset[int], size: int) -> tuple[int, int]:
 @lru_cache(maxsize=256)
 def short_plan(num_windows: int, window: int, reach: int) -> tuple[tuple[int, int], dict[int, frozenset[int]]]:
     """Route of the short pass: ``(a, b)`` outer hops forward/backward, and for every outer offset ``o``
-    the inner offsets ``t`` whose block ``(o, t)`` (:meth:`~loongtrain.attn.schedule.DoubleRing.source`)
+    the inner offsets ``t`` whose block ``(o, t)`` (:meth:`~loongtrain.parallel.layout.DoubleRing.source`)
     some member needs.
 
     Member ``(j, i)`` needs the ring positions ``p - d``, ``|d| <= reach``; ``p - d`` is held at outer

@@ -3,7 +3,7 @@
 ``import loongtrain.hf`` needs neither transformers nor safetensors; the functions that use them
 import them when called (``pip install loongtrain[hf]``).
 
-- :func:`apply_to_hf` (reached through :func:`loongtrain.apply_2d_attention`): route an HF model's
+- :func:`apply_to_hf` (reached through :func:`loongtrain.apply_2d_attention`, ``hf/apply.py``): route an HF model's
   attention through 2D-Attention on a mesh.
 - :func:`load_hf_model`: a supported model from a local directory (config.json + safetensors);
   :func:`read_hf_config` / :func:`check_hf_dir` validate such a directory without loading weights.

@@ -16,7 +16,7 @@ trainer does this under ``--doc-mask on``), with position ids that may restart p
 masks, position ids that restart without ``cu_seqlens``, attention dropout and KV caches are rejected
 with a ValueError; a sliding window (Mistral) goes to ``loongtrain.attention(..., sliding_window=)``. Never pass
 ``labels=`` to the sharded model (HF would shift them inside the local shard): shift the labels
-of the full sequence first, shard them too, and use ``loongtrain.train.loss.sharded_cross_entropy``.
+of the full sequence first, shard them too, and use ``loongtrain.loss.sharded.sharded_cross_entropy``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from loongtrain.attn.apply import ATTENTION_FN_ATTR, MeshAttention
-from loongtrain.hf.families import check_architecture, is_hf_model
+from loongtrain.hf.families import check_architecture, decoder_layers, is_hf_model
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.parallel.sharding import shard_indices
+from loongtrain.parallel.zigzag import shard_indices
 
 Tensor = torch.Tensor
 
@@ -135,8 +135,8 @@ def register_attention() -> None:
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention module of every decoder layer of a supported HF causal LM."""
-    layers = getattr(model.base_model, "layers", None)
-    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+    layers = decoder_layers(model)
+    if not all(hasattr(layer, "self_attn") for layer in layers):
         raise ValueError(f"{type(model).__name__} has no decoder layers with a self_attn module")
     return [layer.self_attn for layer in layers]
 

@@ -7,6 +7,8 @@ shards with global ``position_ids`` and 2D-Attention as its core is exact (docs/
 
 from __future__ import annotations
 
+from torch import nn
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -36,3 +38,15 @@ def is_hf_model(model: object) -> bool:
         cls.__name__ == "PreTrainedModel" and cls.__module__ == "transformers.modeling_utils"
         for cls in type(model).__mro__
     )
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of ``model``: ``model.layers`` (loongtrain's decoder) or ``base_model.layers``
+    (a Hugging Face causal LM). ValueError when neither is a ModuleList. The one finder that
+    checkpointing, sharding and the HF attention binding use."""
+    for owner in (model, getattr(model, "base_model", None), getattr(model, "model", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"{type(model).__name__} has neither .layers nor .base_model.layers (a ModuleList of decoder "
+                     "blocks to checkpoint/shard)")

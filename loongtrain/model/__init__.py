@@ -2,7 +2,7 @@
 
 Parallelism is applied from outside (docs/design.md §7): :func:`loongtrain.apply_2d_attention`
 replaces each attention module's ``attention_fn``; the sharded loss lives in
-:mod:`loongtrain.train.loss`.
+:mod:`loongtrain.loss.sharded`.
 """
 
 from loongtrain.model.config import PRESETS, ModelConfig, flops_per_token, get_preset, num_params

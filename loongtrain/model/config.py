@@ -117,3 +117,12 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     attended = w * (1 - w / (2 * seq_len))  # mean keys per query (S / 2 without a window)
     attn = 3 * 4 * attended * config.num_heads * config.head_dim * config.num_layers
     return float(6 * matmul_params(config) + attn)
+
+
+def step_flops(model_config, tokens: int, visible: int) -> float:
+    """Training FLOPs (forward + backward) of a step of ``tokens`` tokens whose attention computes
+    ``visible`` (query, key) pairs per layer and head (summed over rows): ``6 N_matmul`` per token as in
+    :func:`loongtrain.model.config.flops_per_token`, attention ``3 * 4 * H * D * L`` per visible pair, so
+    masked-out pairs (other documents, outside the window) are not counted."""
+    c = model_config
+    return float(6 * matmul_params(c) * tokens + 12 * c.num_heads * c.head_dim * c.num_layers * visible)

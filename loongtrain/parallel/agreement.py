@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loongtrain.parallel.runtime import is_distributed
+
 # (group name, call site, signature) already checked; group names are never reused, so entries stay true
 _CHECKED: set[tuple[str, str, tuple[tuple[str, Any], ...]]] = set()
 _MAX_CHECKED = 4096
@@ -28,7 +30,7 @@ _MAX_CHECKED = 4096
 def check_agreement(what: str, fields: Mapping[str, Any], group: dist.ProcessGroup | None = None) -> None:
     """Collective over ``group`` (default: the world): raise ValueError on every rank unless all ranks
     pass equal ``fields`` (picklable values). No-op without an initialised process group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return
     size = dist.get_world_size(group)
     if size == 1 or _same_everywhere(repr(list(fields.items())), group):
@@ -60,7 +62,7 @@ def _same_everywhere(text: str, group: dist.ProcessGroup | None) -> bool:
 def agree_once(what: str, fields: Mapping[str, Any], group: dist.ProcessGroup | None) -> None:
     """:func:`check_agreement` the first time this rank sees ``fields`` for ``what`` on ``group``; free
     afterwards. Skipped while torch.compile traces (the exchange is host-side)."""
-    if group is None or not (dist.is_available() and dist.is_initialized()) or torch.compiler.is_compiling():
+    if group is None or not is_distributed() or torch.compiler.is_compiling():
         return
     key = (group.group_name, what, tuple(fields.items()))
     if key in _CHECKED:

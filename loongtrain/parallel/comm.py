@@ -2,7 +2,7 @@
 
 Every byte the attention path puts on the wire goes through :func:`all_to_all` or
 :func:`post_exchange`, so :class:`CommCounter` sees all of it (tests assert it equals the
-formulas in :mod:`loongtrain.parallel.traffic`).
+formulas in :mod:`loongtrain.plan.traffic`).
 """
 
 from __future__ import annotations

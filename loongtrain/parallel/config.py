@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loongtrain.parallel.layout import PLACEMENTS, Layout
+from loongtrain.parallel.zigzag import check_sequence_length
 
 ZERO_MODES = ("none", "full", "hybrid")
 AC_MODES = ("none", "full", "selective")
@@ -37,7 +38,8 @@ class ParallelConfig:
     double ring, ``placement`` and ``interleaved`` (docs/design.md §2). Memory (docs/design.md §7):
     ``zero`` none / full / hybrid FSDP2 sharding over groups of ``zero_shard_size`` ranks (0: all),
     ``reshard_after_forward``, ``ac_mode`` none / full / selective (Selective Checkpoint++; the alias
-    ``selective++`` is normalised) on the first ``ac_fraction`` of the blocks.
+    ``selective++`` is normalised) on the first ``ac_fraction`` of the blocks; the offload and tiling
+    modes ``offload_activations``, ``mlp_tiles`` and ``offload_params`` (docs/design.md §7).
     """
 
     hp: int = _opt(1, "head-parallel degree (all-to-all group size)")
@@ -52,6 +54,13 @@ class ParallelConfig:
     ac_mode: str = _opt("none", "activation checkpointing: none, full, or selective (Selective "
                         "Checkpoint++: attention outputs kept, its recompute and communication skipped)")
     ac_fraction: float = _opt(1.0, "fraction of the blocks (the first ones) that are checkpointed")
+    offload_activations: bool = _opt(False, "copy the tensors kept between forward and backward (checkpointed "
+                                     "blocks' inputs, selective++'s attention outputs) to pinned host memory "
+                                     "and bring each block's back one block ahead of its backward")
+    mlp_tiles: str = _opt("1", "sequence tiles of each feed-forward (with its norm): a positive integer (1: "
+                          "untiled) or auto; the backward recomputes one tile at a time")
+    offload_params: bool = _opt(False, "FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW states on the "
+                                "host, the optimizer step on the CPU")
 
     def __post_init__(self) -> None:
         if isinstance(self.ac_mode, str):
@@ -94,8 +103,10 @@ class ParallelConfig:
         """A short one-line description (planner output and logs)."""
         shard = f"/{self.zero_shard_size}" if self.zero_shard_size else ""
         inter = " interleaved" if self.interleaved else ""
+        modes = "".join(f" {name}" for name in ("offload_activations", "offload_params") if getattr(self, name))
+        tiles = f" mlp_tiles={self.mlp_tiles}" if self.mlp_tiles != "1" else ""
         return (f"hp={self.hp} cp={self.cp} w={self.window} {self.placement}{inter} "
-                f"zero={self.zero}{shard} ac_mode={self.ac_mode}")
+                f"zero={self.zero}{shard} ac_mode={self.ac_mode}{modes}{tiles}")
 
 
 def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
@@ -150,7 +161,10 @@ def validate_parallel(
         raise ValueError(f"zero_shard_size={cfg.zero_shard_size!r} must be an integer >= 0 (0: all ranks)")
     if cfg.zero_shard_size and cfg.zero != "hybrid":
         raise ValueError(f"zero_shard_size={cfg.zero_shard_size} needs zero='hybrid' (got zero={cfg.zero!r})")
-    for name in ("interleaved", "reshard_after_forward"):
+    if not isinstance(cfg.mlp_tiles, str) or not (cfg.mlp_tiles == "auto" or (
+            cfg.mlp_tiles.isdigit() and int(cfg.mlp_tiles) >= 1)):
+        raise ValueError(f"mlp_tiles={cfg.mlp_tiles!r} must be a positive integer or 'auto'")
+    for name in ("interleaved", "reshard_after_forward", "offload_activations", "offload_params"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name}={getattr(cfg, name)!r} must be True or False")
     if cfg.ac_mode not in AC_MODES:
@@ -167,8 +181,6 @@ def validate_parallel(
     if world_size is not None:
         cfg.shard_size(world_size)
     if seq_len is not None:
-        from loongtrain.parallel.sharding import check_sequence_length  # sharding imports the mesh
-
         check_sequence_length(seq_len, cfg.hp, cfg.cp)
     if num_heads is not None:
         effective_kv_heads(num_heads, num_heads if num_kv_heads is None else num_kv_heads, cfg.hp)

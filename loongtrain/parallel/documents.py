@@ -9,11 +9,12 @@ each document and are sharded like the tokens (:func:`loongtrain.shard_sequence`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.sharding import shard_sequence
+from loongtrain.parallel.zigzag import check_chunk_order, shard_indices
 
 Tensor = torch.Tensor
 
@@ -90,8 +91,6 @@ def packed_inputs(input_ids: Tensor, eos_id: int, mesh: Mesh | None = None) -> t
     """``(cu_seqlens, position_ids)`` for a packed full-sequence batch ``input_ids [B, S]``: the boundaries
     of the full sequence (pass them to ``loongtrain.attention`` / the model as they are) and this rank's
     shard of the per-document position ids (the whole ``[B, S]`` when ``mesh`` is ``None``)."""
-    from loongtrain.parallel.sharding import shard_sequence
-
     cu = cu_seqlens_from_eos(input_ids, eos_id)
     positions = document_position_ids(cu, input_ids.shape[-1]).to(input_ids.device)
     return cu, positions if mesh is None else shard_sequence(positions, mesh, 1)
@@ -132,80 +131,9 @@ def rank_work(cu_seqlens: list | None, seq_len: int, cp: int, *, chunk_order: tu
     """Visible (query, key) pairs each context rank computes for a batch (one ``cu_seqlens`` per row, or
     ``None`` for one document per row of a single row) under ``chunk_order`` (default zigzag). Head
     ranks split a context rank's work evenly (by heads)."""
-    from loongtrain.parallel.sharding import shard_indices
-
     rows = [None] if cu_seqlens is None else list(cu_seqlens)
     per_token = sum(visible_keys(cu, seq_len, causal=causal, sliding_window=sliding_window) for cu in rows)
     return [int(per_token[shard_indices(seq_len, 1, cp, c, 0, chunk_order)].sum()) for c in range(cp)]
-
-
-def pair_work(cu_seqlens: list | None, seq_len: int, cp: int, *, chunk_order: tuple[int, ...] | None = None,
-              causal: bool = True, sliding_window: int | None = None) -> tuple[tuple[int, ...], ...]:
-    """``work[p][s]``: visible (query, key) pairs of context rank ``p``'s queries against rank ``s``'s keys,
-    summed over the batch's rows (``cu_seqlens`` as in :func:`rank_work`): exactly the pairs the ring's kernel
-    calls cover, counted from the executor's own pieces (:func:`loongtrain.attn.masking.visible_pieces` of
-    :func:`~loongtrain.attn.masking.member_runs`, docs/design.md §4), so ``sum(work[p]) == rank_work(...)[p]``.
-    The planner charges ring steps with it (docs/design.md §9)."""
-    rows = [None] if cu_seqlens is None else [tuple(int(x) for x in cu) for cu in cu_seqlens]
-    for cu in rows:
-        if cu is not None:
-            check_cu_seqlens(cu, seq_len)
-    counts: dict[tuple[int, ...] | None, int] = {}
-    for cu in rows:
-        counts[cu] = counts.get(cu, 0) + 1
-    return _pair_work(tuple(counts.items()), seq_len, cp, chunk_order, causal, sliding_window)
-
-
-@lru_cache(maxsize=64)
-def _pair_work(rows: tuple[tuple[tuple[int, ...] | None, int], ...], seq_len: int, cp: int,
-               chunk_order: tuple[int, ...] | None, causal: bool, window: int | None) -> tuple[tuple[int, ...], ...]:
-    from loongtrain.attn.masking import AttnMask, member_runs, visible_pieces
-
-    mask = AttnMask(causal, window, chunk_order=chunk_order)
-    band = mask.band()
-    runs = [member_runs(seq_len, cp, p, chunk_order) for p in range(cp)]
-
-    def pairs(p: int, s: int) -> int:
-        return sum(count * sum(piece_pairs(piece, band) for piece in visible_pieces(
-            runs[p], runs[s], cu, band, causal, mask.tiny)) for cu, count in rows)
-
-    return tuple(tuple(pairs(p, s) for s in range(cp)) for p in range(cp))
-
-
-def step_work(cu_seqlens: list | None, seq_len: int, num_windows: int, window: int, *,
-              chunk_order: tuple[int, ...] | None = None, causal: bool = True, sliding_window: int | None = None,
-              reach: int | None = None) -> dict[tuple[int, int], int]:
-    """Per compute step ``(outer, inner)`` of the ring pass (:func:`loongtrain.attn.schedule.pass_events`,
-    ``reach``: the short pass), the visible pairs of its busiest member: member ``p`` holds the block of
-    :meth:`~loongtrain.attn.schedule.DoubleRing.source` and computes :func:`pair_work` against it."""
-    from loongtrain.attn.schedule import Compute, DoubleRing, pass_events
-
-    ring = DoubleRing(num_windows, window)
-    work = pair_work(cu_seqlens, seq_len, ring.size, chunk_order=chunk_order, causal=causal,
-                     sliding_window=sliding_window)
-    steps = {(e.outer, e.inner) for backward in (False, True)
-             for e in pass_events(num_windows, window, backward, reach) if isinstance(e, Compute)}
-    return {(o, t): max(work[p][ring.source(p, o, t)] for p in range(ring.size)) for o, t in steps}
-
-
-def piece_pairs(piece, band: tuple[int, int]) -> int:
-    """Visible (query, key) pairs of one kernel call (:class:`loongtrain.attn.masking.Piece`): all cells of
-    a ``full`` piece, the triangle (diagonal included) of a ``causal`` or ``anticausal`` square, the mask's
-    count (:func:`~loongtrain.attn.masking.piece_mask`) of a ``masked`` one."""
-    from loongtrain.attn.masking import piece_mask
-
-    if piece.kind == "full":
-        return piece.cells
-    if piece.kind in ("causal", "anticausal"):
-        n = piece.r1 - piece.r0
-        return n * (n + 1) // 2
-    return int(piece_mask(piece, band, torch.device("cpu")).sum())
-
-
-def imbalance(work: list[int]) -> float:
-    """``max / mean`` of per-rank work (1.0: perfectly balanced)."""
-    mean = sum(work) / len(work)
-    return max(work) / mean if mean else 1.0
 
 
 def balanced_chunk_order(cu_seqlens: list | None, seq_len: int, cp: int, hp: int = 1, *, chunks_per_rank: int = 8,
@@ -217,8 +145,6 @@ def balanced_chunk_order(cu_seqlens: list | None, seq_len: int, cp: int, hp: int
     allows it); largest-work chunks first, each goes to the least-loaded rank with room left (``k``
     chunks per rank); a rank keeps its chunks in sequence order. Every rank of the replica must compute
     it from the same ``cu_seqlens`` (it is deterministic)."""
-    from loongtrain.parallel.sharding import check_chunk_order
-
     if chunks_per_rank < 1:
         raise ValueError(f"chunks_per_rank={chunks_per_rank} must be a positive integer")
     k = chunks_per_rank
@@ -250,41 +176,3 @@ def cu_seqlens_from_starts(doc_starts: Tensor) -> list[Tensor]:
         starts = starts[starts > 0]
         out.append(torch.cat([torch.zeros(1, dtype=torch.int64), starts, torch.tensor([seq])]))
     return out
-
-
-def step_flops(model_config, tokens: int, visible: int) -> float:
-    """Training FLOPs (forward + backward) of a step of ``tokens`` tokens whose attention computes
-    ``visible`` (query, key) pairs per layer and head (summed over rows): ``6 N_matmul`` per token as in
-    :func:`loongtrain.model.config.flops_per_token`, attention ``3 * 4 * H * D * L`` per visible pair, so
-    masked-out pairs (other documents, outside the window) are not counted."""
-    from loongtrain.model.config import matmul_params
-
-    c = model_config
-    return float(6 * matmul_params(c) * tokens + 12 * c.num_heads * c.head_dim * c.num_layers * visible)
-
-
-def lognormal_documents(seq_len: int, median: int, sigma: float = 1.0, seed: int = 0) -> list[int]:
-    """``cu_seqlens`` of one packed row of documents with lognormal lengths (``median`` tokens, shape
-    ``sigma``; at least 1 token each; the last one cut at ``seq_len``): a stated, realistic length mix."""
-    import random
-
-    if median < 1 or seq_len < 1:
-        raise ValueError(f"median={median} and seq_len={seq_len} must be positive")
-    rng = random.Random(seed)
-    bounds = [0]
-    while bounds[-1] < seq_len:
-        bounds.append(min(seq_len, bounds[-1] + max(1, round(median * rng.lognormvariate(0.0, sigma)))))
-    return bounds
-
-
-def balance_report(cu_seqlens: list, seq_len: int, cp: int, hp: int = 1, *, causal: bool = True,
-                   sliding_window: int | None = None) -> dict[str, float]:
-    """Per-rank visible-pair work (max/mean) of a batch under zigzag and under :func:`balanced_chunk_order`,
-    and the fraction of causal attention's pairs that remain visible."""
-    kw = dict(causal=causal, sliding_window=sliding_window)
-    zigzag = rank_work(cu_seqlens, seq_len, cp, **kw)
-    order = balanced_chunk_order(cu_seqlens, seq_len, cp, hp, **kw)
-    balanced = rank_work(cu_seqlens, seq_len, cp, chunk_order=order, **kw)
-    full = len(cu_seqlens) * seq_len * (seq_len + 1) // 2
-    return {"zigzag_imbalance": imbalance(zigzag), "balanced_imbalance": imbalance(balanced),
-            "visible_fraction": sum(zigzag) / full}

@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
-from loongtrain.attn.schedule import DoubleRing
+from loongtrain.parallel.zigzag import divisors
+
+Hop = Literal["inner", "outer"]
+HOPS: tuple[Hop, ...] = ("inner", "outer")
 
 PLACEMENTS = ("head_first", "context_first")
 
@@ -42,13 +46,13 @@ class Layout:
         if self.world_size % sp != 0:
             raise ValueError(
                 f"world_size={self.world_size} is not divisible by hp*cp={self.hp}*{self.cp}={sp}; "
-                f"valid hp*cp values divide the world size: {_divisors(self.world_size)}"
+                f"valid hp*cp values divide the world size: {divisors(self.world_size)}"
             )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is not one of {PLACEMENTS}")
         if self.cp % self.window != 0:
             raise ValueError(
-                f"window={self.window} must divide cp={self.cp}; valid windows: {_divisors(self.cp)}"
+                f"window={self.window} must divide cp={self.cp}; valid windows: {divisors(self.cp)}"
             )
         if self.interleaved and (self.window < 2 or self.window % 2 != 0):
             raise ValueError(
@@ -140,12 +144,52 @@ class Layout:
 
     def ring_peers(self, rank: int) -> dict[str, int]:
         """Global ranks this rank exchanges with: inner-ring next/prev and outer-ring next/prev (the ring
-        arithmetic of :class:`loongtrain.attn.schedule.DoubleRing`, docs/design.md §4)."""
+        arithmetic of :class:`loongtrain.parallel.layout.DoubleRing`, docs/design.md §4)."""
         d, c, h = self.coords(rank)
         ring = DoubleRing(self.num_windows, self.window)
         return {f"{hop}_{name}": self.grid[d][ring.peer(c, hop, step)][h]
                 for hop in ("inner", "outer") for name, step in (("next", 1), ("prev", -1))}
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@dataclass(frozen=True)
+class DoubleRing:
+    """Position arithmetic of a double ring: ``num_windows`` windows of ``window`` members."""
+
+    num_windows: int
+    window: int
+
+    def __post_init__(self) -> None:
+        assert self.num_windows >= 1 and self.window >= 1, self
+
+    @property
+    def size(self) -> int:
+        return self.num_windows * self.window
+
+    def peer(self, position: int, hop: Hop, step: int) -> int:
+        """Position ``step`` members away along ``hop`` (``+1``: next, ``-1``: previous)."""
+        j, i = divmod(position, self.window)
+        if hop == "inner":
+            i = (i + step) % self.window
+        else:
+            j = (j + step) % self.num_windows
+        return j * self.window + i
+
+    def cycle(self, position: int, hop: Hop) -> list[int]:
+        """Positions of the ``hop`` cycle through ``position`` (its window, or its column across the
+        windows), in ring order starting from the cycle's first member."""
+        n = self.window if hop == "inner" else self.num_windows
+        start = position
+        for _ in range(n):
+            prev = self.peer(start, hop, -1)
+            if prev > start:  # wrapped: ``start`` is the cycle's first member
+                break
+            start = prev
+        members = [start]
+        while len(members) < n:
+            members.append(self.peer(members[-1], hop, 1))
+        return members
+
+    def source(self, position: int, outer: int, inner: int) -> int:
+        """Position whose K/V block member ``position`` holds at step ``(outer, inner)``."""
+        j, i = divmod(position, self.window)
+        return ((j - outer) % self.num_windows) * self.window + (i - inner) % self.window

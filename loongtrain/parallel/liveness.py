@@ -1,6 +1,6 @@
 """Signs of life between the local launcher and its workers: heartbeat and lifeline (docs/design.md §10).
 
-Used by :func:`loongtrain.parallel.launch.run_local`, one pair of pipes per worker:
+Used by :func:`loongtrain.parallel.workers.run_local`, one pair of pipes per worker:
 
 - Heartbeat: each worker's daemon thread writes a byte on its own pipe every ``heartbeat_timeout / 4``
   seconds (at most 1 s, :func:`heartbeat_period`); a rank silent for ``heartbeat_timeout`` seconds is

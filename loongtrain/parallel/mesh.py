@@ -6,10 +6,12 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from loongtrain.parallel.agreement import check_agreement
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import Layout
+from loongtrain.parallel.runtime import is_distributed
 
 
 @dataclass(frozen=True)
@@ -124,14 +126,11 @@ def init_mesh(
     the head groups of every layout with the same ``hp`` and placement). :func:`destroy_mesh` frees
     them (docs/design.md §10).
     """
-    from loongtrain.parallel.agreement import check_agreement
-    from loongtrain.parallel.config import ParallelConfig  # validate_parallel: docs/design.md §8
-
     if timeout is not None and not 0 < timeout < float("inf"):
         raise ValueError(f"init_mesh: timeout={timeout} must be a positive, finite number of seconds (or None)")
     check_agreement("init_mesh", dict(hp=hp, cp=cp, window=window, placement=placement, interleaved=interleaved))
     parallel = ParallelConfig(hp=hp, cp=cp, window=window, placement=placement, interleaved=interleaved)
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return Mesh(layout=parallel.layout(1), rank=0)
     layout = parallel.layout(dist.get_world_size())
     # all-to-all concatenates in group-rank order (sorted global ranks): it must be hp_rank order
@@ -143,14 +142,14 @@ def destroy_mesh(mesh: Mesh) -> None:
     """Free ``mesh``'s process groups that no other live mesh uses and forget it (collective: every rank
     calls it for the same mesh, in the same order). Using ``mesh`` afterwards is an error; its groups'
     threads end once the last reference to it is gone. No-op for a mesh that is not live."""
-    registry = _registry() if dist.is_available() and dist.is_initialized() else None
+    registry = _registry() if is_distributed() else None
     if registry is not None and registry.meshes.get(mesh.layout) is mesh:
         registry.release(mesh.layout)
 
 
 def destroy_all_meshes() -> None:
     """:func:`destroy_mesh` for every live mesh of the current process group (collective)."""
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         registry = _registry()
         for layout in reversed(list(registry.meshes)):
             registry.release(layout)
@@ -231,17 +230,3 @@ def _registry() -> _Registry:
     if not _REGISTRIES or _REGISTRIES[0].world is not world:
         _REGISTRIES[:] = [_Registry(world)]
     return _REGISTRIES[0]
-
-
-def default_device() -> torch.device:
-    """The device this process should compute on: its local CUDA device under torchrun, else CPU."""
-    if torch.cuda.is_available():
-        import os
-
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def default_backend() -> str:
-    """NCCL when CUDA devices exist, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -10,7 +10,7 @@ Python entry points (``loongtrain train --plan auto`` uses :func:`best_fitting`)
 from loongtrain.plan.attention_cost import AttentionTime, AttnShape, attention_time, predict_attention_time
 from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
 from loongtrain.plan.cost import Candidate, step_cost
-from loongtrain.plan.memory import memory_per_rank
+from loongtrain.plan.memory_model import memory_per_rank
 from loongtrain.plan.search import best_fitting, enumerate_configs, plan
 
 __all__ = [

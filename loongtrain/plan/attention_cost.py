@@ -5,7 +5,7 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window
 - compute: forward causal FLOPs ``2 * B * S^2 * H * D / sp`` at ``attention_tflops``; backward 2.5x.
   Under zigzag every ring step does the same work, so a step costs ``c = forward / cp``.
 - all-to-all (blocking, on the critical path): per call ``max(intra bytes / intra_bw, cross bytes /
-  NIC share) + latency``; bytes from :mod:`loongtrain.parallel.traffic`.
+  NIC share) + latency``; bytes from :mod:`loongtrain.plan.traffic`.
 - ring: the pass is *simulated* event by event from the schedule the code executes
   (:func:`loongtrain.attn.schedule.pass_events`, docs/design.md §4): a post starts a transfer, a compute
   takes ``c`` (backward ``2.5 c``), a wait costs the time until the awaited transfer has arrived. Transfers of
@@ -17,7 +17,7 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window
   synchronous ring runs at its slowest hop: the worst rank's link decides.
 - documents (:class:`~loongtrain.parallel.documents.Documents`: packed rows, zigzag or the balanced chunk
   layout): a compute event takes as long as its *slowest* ring member (hand-offs are synchronous), whose
-  visible pairs against the block it holds (:func:`~loongtrain.parallel.documents.step_work`: the executor's
+  visible pairs against the block it holds (:func:`~loongtrain.plan.document_work.step_work`: the executor's
   own kernel pieces, windows included) cost ``4 H D / hp`` FLOPs each. Without documents: as above.
 - ``cluster.duplex = False`` (gloo over TCP): an all-to-all, and a ring hop whose next and previous
   peer are the same rank (``window == 2`` inner, two windows outer), carry both directions over one
@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from loongtrain.attn.schedule import Compute, Post, pass_events
-from loongtrain.parallel.documents import Documents, step_work
+from loongtrain.parallel.documents import Documents
 from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.traffic import message_bytes, ring_reach
 from loongtrain.plan.cluster import Cluster
+from loongtrain.plan.document_work import step_work
+from loongtrain.plan.traffic import message_bytes, ring_reach
 
 BACKWARD_FLOPS_RATIO = 2.5
 
@@ -213,8 +214,8 @@ def simulate_pass(
 def document_steps(layout: Layout, shape: AttnShape, documents: Documents,
                    window: int | None) -> tuple[dict[tuple[int, int], float], int | None]:
     """Forward FLOPs of every compute step ``(outer, inner)`` of the pass under ``documents`` (its busiest
-    member's visible pairs, :func:`~loongtrain.parallel.documents.step_work`, at ``4 H D / hp`` FLOPs a pair),
-    and the pass's ``reach`` (:func:`~loongtrain.parallel.traffic.ring_reach`, as the ring runs it)."""
+    member's visible pairs, :func:`~loongtrain.plan.document_work.step_work`, at ``4 H D / hp`` FLOPs a pair),
+    and the pass's ``reach`` (:func:`~loongtrain.plan.traffic.ring_reach`, as the ring runs it)."""
     order = documents.chunk_order(shape.seq_len, layout.cp, layout.hp, window)
     reach = ring_reach(layout, shape.seq_len, window, zigzag=order is None)
     work = step_work(documents.rows(shape.batch), shape.seq_len, layout.num_windows, layout.window,

@@ -75,7 +75,7 @@ def _exchange_worker(rank: int, world_size: int, nbytes: int, repeats: int) -> d
 
 def measure_gloo_loopback(nbytes: int = 32 * 2**20, repeats: int = 5) -> tuple[float, float]:
     """(bytes/s one way, latency seconds) of a simultaneous two-way exchange between 2 local processes."""
-    from loongtrain.parallel.launch import run_local
+    from loongtrain.parallel.workers import run_local
 
     times = run_local(_exchange_worker, 2, nbytes, repeats, backend="gloo", threads=1, timeout=300)[0]
     latency = times[4]

@@ -25,12 +25,13 @@ from pathlib import Path
 from loongtrain._toml import tomllib
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import AC_ALIASES, AC_MODES, PLACEMENTS, ZERO_MODES
-from loongtrain.parallel.documents import Documents, balance_report, lognormal_documents
-from loongtrain.parallel.traffic import format_traffic_report, traffic_report
+from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import builtin_clusters, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import Candidate
+from loongtrain.plan.document_work import balance_report, lognormal_documents
 from loongtrain.plan.search import no_fit_message, plan, resolve_model
+from loongtrain.plan.traffic import format_traffic_report, traffic_report
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FILTERS = ("sp", "hp", "cp", "window", "placement", "zero", "ac_mode")

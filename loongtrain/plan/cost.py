@@ -23,19 +23,19 @@ when it does not fit; else the largest exposed communication component (a2a, rin
 zero) when it costs at least ``BOTTLENECK_SHARE`` of the step; else ``compute``. MFU uses the model's
 FLOPs (:func:`loongtrain.model.config.flops_per_token`, attention backward 2x): ``dp * B * S *
 flops_per_token / (step * world * peak_tflops)``; with ``documents`` the visible pairs' FLOPs instead
-(:func:`loongtrain.parallel.documents.step_flops`).
+(:func:`loongtrain.model.config.step_flops`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from loongtrain.model.config import ModelConfig, flops_per_token
+from loongtrain.model.config import ModelConfig, flops_per_token, step_flops
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.parallel.documents import Documents, step_flops, visible_pairs
+from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
-from loongtrain.plan.memory import layer_params, memory_per_rank
+from loongtrain.plan.memory_model import layer_params, memory_per_rank
 
 GRAD_BYTES = 4
 
@@ -97,7 +97,7 @@ def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: 
 
 def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents) -> float:
     """Model FLOPs of one replica's step of packed ``documents``: attention counts only the visible pairs
-    (:func:`loongtrain.parallel.documents.step_flops`)."""
+    (:func:`loongtrain.model.config.step_flops`)."""
     tokens = shape.batch * shape.seq_len
     window = model.sliding_window if 0 < model.sliding_window < shape.seq_len else None
     visible = sum(visible_pairs(cu, shape.seq_len, sliding_window=window) for cu in documents.rows(shape.batch))

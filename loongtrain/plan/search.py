@@ -26,12 +26,9 @@ from loongtrain.parallel.config import (
     validate_parallel,
 )
 from loongtrain.parallel.documents import Documents
+from loongtrain.parallel.zigzag import divisors
 from loongtrain.plan.cluster import Cluster, load_cluster
 from loongtrain.plan.cost import Candidate, step_cost
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def head_ok(model: ModelConfig, hp: int) -> bool:

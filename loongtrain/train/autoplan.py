@@ -10,14 +10,13 @@ import logging
 
 import torch
 
-from loongtrain.parallel.mesh import default_device
+from loongtrain.parallel.runtime import default_device
 from loongtrain.plan.calibrate import calibrate
 from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
 from loongtrain.plan.search import best_fitting
-from loongtrain.train.config import TrainConfig
+from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.metrics import cluster_for_device
 from loongtrain.train.models import model_config_for
-from loongtrain.train.trainer import autocast_dtype, param_dtype
 
 log = logging.getLogger("loongtrain.train")
 

@@ -31,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from loongtrain.parallel.runtime import is_distributed
+
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 
@@ -40,7 +42,7 @@ class NonFiniteError(RuntimeError):
 
 
 def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return is_distributed()
 
 
 def _rank() -> int:

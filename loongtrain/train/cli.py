@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _summary(exc: Exception) -> str:
     """One closing line for a worker failure: the failing rank and the last line of its traceback."""
-    from loongtrain.parallel.launch import WorkerError
+    from loongtrain.parallel.workers import WorkerError
 
     if not isinstance(exc, WorkerError):
         return ""

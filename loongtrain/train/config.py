@@ -16,7 +16,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from loongtrain._toml import tomllib
+from loongtrain.attn.kernel_choice import bf16_supported
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.documents import CHUNK_LAYOUTS
 
@@ -187,6 +190,26 @@ class TrainConfig:
             return cls(**own, parallel=parallel)
         except TypeError as exc:
             raise ValueError(f"invalid TrainConfig option: {exc}") from None
+
+
+def param_dtype(cfg: TrainConfig) -> torch.dtype:
+    """Storage dtype of the weights (and optimizer state): float64 for --dtype fp64, else float32."""
+    return torch.float64 if cfg.dtype == "fp64" else torch.float32
+
+
+def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The low-precision compute dtype: bf16 for --dtype bf16, and for --dtype auto on a CUDA device
+    with native bf16 (``bf16_supported``: sm80+); None: compute in :func:`param_dtype`.
+
+    How it is applied (:class:`Trainer`): under FSDP2 the weights are gathered in bf16
+    (``MixedPrecisionPolicy``) and the forward runs WITHOUT autocast, since autocast would cache a bf16
+    copy of every gathered fp32 weight until the region ends, i.e. a whole unsharded bf16 model;
+    without FSDP (replicated weights) it is ``torch.autocast``. Either way norms, RoPE, the softmax
+    statistics and the loss are computed in fp32 by the model and loss themselves.
+    """
+    if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and bf16_supported(device)):
+        return torch.bfloat16
+    return None
 
 
 # --help sections: the option that opens each one

@@ -55,8 +55,8 @@ def _record(state: dict[str, Any]) -> dict[str, Any]:
 
 def load_trained_model(checkpoint: str | Path) -> nn.Module:
     """The model of a checkpoint with its trained weights, whole, on CPU, in the dtype it trained in."""
+    from loongtrain.train.config import param_dtype
     from loongtrain.train.models import model_from_record
-    from loongtrain.train.trainer import param_dtype
 
     path = find_checkpoint(checkpoint)
     state = read_trainer_state(path)

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loongtrain.model.config import ModelConfig, num_params
-from loongtrain.parallel.documents import step_flops
+from loongtrain.model.config import ModelConfig, num_params, step_flops
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.runtime import is_distributed
 from loongtrain.train import models
 from loongtrain.train.checkpoint import (
     NonFiniteError,
@@ -25,7 +25,7 @@ from loongtrain.train.checkpoint import (
     save_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.memory import metrics_fields, startup_memory_report
+from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import (
     MetricsLogger,
     cuda_peak_tflops,
@@ -75,7 +75,7 @@ def peak_flops_total(cfg: TrainConfig, device: torch.device, world: int) -> floa
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier()
 
 
@@ -111,7 +111,7 @@ def _chosen_checkpoint(cfg: TrainConfig, out_dir: Path, rank: int) -> Path | Non
     if rank == 0:
         found = resolve_checkpoint(cfg.resume, out_dir)
         choice = [str(found) if found is not None else ""]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed() and dist.get_world_size() > 1:
         dist.broadcast_object_list(choice, src=0)
     return Path(choice[0]) if choice[0] else None
 

@@ -8,20 +8,21 @@
   for FSDP2 with weight files, :func:`build_hf_model_on_meta` + :func:`hf_initial_weights` (one tensor
   at a time) + :func:`restore_hf_buffers`, so no rank holds the whole model.
 - :func:`hidden_and_head`: one forward to the final normed hidden states and the LM head weight, for
-  the chunked loss (:func:`loongtrain.train.chunked_loss.chunked_cross_entropy`); no logits are built.
+  the chunked loss (:func:`loongtrain.loss.chunked.chunked_cross_entropy`); no logits are built.
 - :func:`model_record` / :func:`model_from_record`: what a checkpoint records to rebuild the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from loongtrain.hf.build import hf_hidden_and_head, hf_model_from_config_dict
+from loongtrain.hf.families import is_hf_model
 from loongtrain.model.config import PRESETS, ModelConfig, get_preset
 from loongtrain.model.llama import Transformer
 from loongtrain.train.config import TrainConfig
@@ -87,72 +88,6 @@ def model_config_for(cfg: TrainConfig) -> ModelConfig:
     return config
 
 
-def build_hf_model(directory: str | Path, dtype: torch.dtype, seed: int) -> nn.Module:
-    """The HF causal LM of ``directory`` on CPU in ``dtype``: its weights, or without weight files a
-    random init from the config seeded with ``seed`` (the same on every rank)."""
-    from loongtrain.hf.load import load_hf_model
-
-    model = load_hf_model(directory, dtype=dtype, seed=seed)
-    model.config.use_cache = False
-    return model
-
-
-def hf_weight_files(directory: str | Path) -> list[Path]:
-    """The ``*.safetensors`` files of a model directory (sorted; empty: initialise from the config)."""
-    return sorted(Path(directory).glob("*.safetensors"))
-
-
-def build_hf_model_on_meta(directory: str | Path, dtype: torch.dtype) -> nn.Module:
-    """The HF causal LM of ``directory`` on the meta device (no memory), its weight files checked against
-    it; fill it after sharding with :func:`hf_initial_weights` and :func:`restore_hf_buffers`."""
-    from transformers import AutoModelForCausalLM
-
-    from loongtrain.hf.load import check_hf_dir
-
-    config = check_hf_dir(directory)
-    config.use_cache = False
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model.to(dtype)
-
-
-def hf_initial_weights(directory: str | Path) -> Callable[[str, torch.Size], Tensor]:
-    """``initial(name, shape)`` for :func:`loongtrain.train.parallelize.materialize_params`: the tensor
-    ``name`` read alone from the directory's safetensors files (a tied head reads the embedding)."""
-    from safetensors import safe_open
-
-    where: dict[str, Path] = {}
-    for file in hf_weight_files(directory):
-        with safe_open(str(file), framework="pt") as handle:
-            where.update(dict.fromkeys(handle.keys(), file))
-
-    def initial(name: str, shape: torch.Size) -> Tensor:
-        assert name in where, f"{name} is in no weight file (check_hf_dir let it through)"
-        with safe_open(str(where[name]), framework="pt") as handle:
-            tensor = handle.get_tensor(name)
-        assert tensor.shape == shape, (name, tensor.shape, shape)
-        return tensor
-
-    return initial
-
-
-@torch.no_grad()
-def restore_hf_buffers(model: nn.Module) -> None:
-    """Recompute the buffers of a model allocated with ``to_empty`` (their values are garbage): the
-    rotary embeddings' inverse frequencies, rebuilt from the config as the model's constructor does."""
-    for module in model.modules():
-        buffers = dict(module.named_buffers(recurse=False))
-        if not buffers:
-            continue
-        if not type(module).__name__.endswith("RotaryEmbedding"):
-            raise ValueError(f"{type(module).__name__} holds buffers {sorted(buffers)} that loongtrain cannot "
-                             f"rebuild after sharding on the meta device")
-        with torch.device("cpu"):
-            fresh = type(module)(config=getattr(module, "config", model.config))
-        for name, value in fresh.named_buffers(recurse=False):
-            buffers[name].copy_(value)
-
-
 def hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
                     cu_seqlens: Any = None, chunk_order: Any = None) -> tuple[Tensor, Tensor]:
     """``(hidden [B, S, dim], head_weight [V, dim])``: the final normed hidden states of one forward and
@@ -160,28 +95,16 @@ def hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
 
     The forward runs through the model's own ``__call__`` (FSDP2's root hooks gather the embedding and
     head; with the root's ``reshard_after_forward=False`` the head is still gathered afterwards).
-    loongtrain's decoder: ``return_hidden=True``; a Hugging Face causal LM: the base model's
-    ``last_hidden_state``, with ``logits_to_keep`` an empty index so that no logits are computed.
-    ``cu_seqlens`` (packed documents) and ``chunk_order`` (the inputs' sharded layout), when given, are
-    passed to the model's forward as keywords.
+    loongtrain's decoder: ``return_hidden=True``; a Hugging Face causal LM:
+    :func:`loongtrain.hf.build.hf_hidden_and_head` (no logits are computed). ``cu_seqlens`` (packed
+    documents) and ``chunk_order`` (the inputs' sharded layout), when given, are passed to the model's
+    forward as keywords.
     """
-    from loongtrain.hf.families import is_hf_model
-
     model_kwargs = {name: value for name, value in (("cu_seqlens", cu_seqlens), ("chunk_order", chunk_order))
                     if value is not None}
-    if not is_hf_model(model):
-        return model(input_ids, position_ids, return_hidden=True, **model_kwargs), model.head_weight()
-    captured: list[Tensor] = []
-    handle = model.base_model.register_forward_hook(
-        lambda _module, _args, output: captured.append(output.last_hidden_state))
-    try:
-        no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
-        model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=no_logits, use_cache=False,
-              **model_kwargs)
-    finally:
-        handle.remove()
-    assert len(captured) == 1, "the base model ran more than once"
-    return captured[0], model.get_output_embeddings().weight
+    if is_hf_model(model):
+        return hf_hidden_and_head(model, input_ids, position_ids, **model_kwargs)
+    return model(input_ids, position_ids, return_hidden=True, **model_kwargs), model.head_weight()
 
 
 def model_record(model_config: ModelConfig, cfg: TrainConfig) -> dict[str, Any]:
@@ -200,16 +123,7 @@ def model_from_record(record: dict[str, Any], dtype: torch.dtype = torch.float32
     """An unparallelized model with the structure :func:`model_record` describes (weights: a fixed init,
     to be overwritten by a checkpoint's). ValueError when ``record`` describes no model."""
     if "hf_config" in record:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        values = dict(record["hf_config"])
-        hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
-        from loongtrain.hf.families import check_architecture
-
-        for name in hf_config.architectures or []:
-            check_architecture(name)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        return model.to(dtype)
+        return hf_model_from_config_dict(record["hf_config"], dtype)
     if "model_config" in record:
         return Transformer(ModelConfig(**record["model_config"]), seed=0).to(dtype)
     raise ValueError("the checkpoint records no model (neither 'model_config' nor 'hf_config'): it was written "

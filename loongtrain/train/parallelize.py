@@ -2,7 +2,7 @@
 
 ``parallelize(model, mesh, parallel, device)`` moves the model to ``device`` and composes
 
-1. **2D-Attention**: :func:`loongtrain.attn.apply.apply_2d_attention` rebinds every ``attention_fn`` to
+1. **2D-Attention**: :func:`loongtrain.hf.apply.apply_2d_attention` rebinds every ``attention_fn`` to
    attention over ``mesh``;
 2. **activation checkpointing** of the first ``round(ac_fraction * num_layers)`` blocks:
    ``ac_mode="full"`` recomputes the whole block in backward; ``"selective"`` (Selective Checkpoint++)
@@ -10,11 +10,11 @@
    (attention output and lse) and recomputes everything else, so the recompute pass runs no attention
    and sends nothing (docs/design.md §6);
 3. **hybrid ZeRO** via FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) of every block
-   (:func:`transformer_blocks`) and then the root. The ``dp x sp`` ranks all hold
+   (:func:`decoder_layers`) and then the root. The ``dp x sp`` ranks all hold
    the same weights, so parameters, gradients and optimizer state are sharded over all of them
    (``zero="full"``) or over consecutive groups of ``zero_shard_size`` ranks, replicated across groups
    (``zero="hybrid"``: HSDP on a 2-D ``(replicate, shard)`` DeviceMesh). Each rank back-propagates
-   ``local_sum / replica_tokens`` (:func:`loongtrain.train.loss.sharded_cross_entropy`), so the exact
+   ``local_sum / replica_tokens`` (:func:`loongtrain.loss.sharded.sharded_cross_entropy`), so the exact
    gradient is the SUM over a replica's ``sp`` ranks AVERAGED over the ``dp`` replicas, i.e.
    ``sum over all ranks / dp``: the gradient divide factor is set to ``dp`` (FSDP's default would divide
    by ``dp * sp``). ``reshard_after_forward`` chooses between freeing gathered weights after each
@@ -50,8 +50,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from loongtrain.hf.apply import apply_2d_attention
+from loongtrain.hf.families import decoder_layers
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.runtime import is_distributed
 
 # --------------------------------------------------------------------------------------------------
 # Activation checkpointing
@@ -158,26 +161,15 @@ def fsdp_device_mesh(device: torch.device, world_size: int, shard_size: int) -> 
     return _DEVICE_MESHES[key]
 
 
-def transformer_blocks(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks of ``model``: ``model.layers`` (ours) or ``model.model.layers`` (Hugging Face
-    causal LMs). ValueError when neither is a ModuleList."""
-    for owner in (model, getattr(model, "model", None)):
-        layers = getattr(owner, "layers", None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise ValueError(f"{type(model).__name__} has neither .layers nor .model.layers (a ModuleList of blocks "
-                     "to checkpoint/shard)")
-
-
 def uses_fsdp(parallel: ParallelConfig) -> bool:
     """Whether :func:`parallelize` shards with FSDP2: ``zero`` is not none and the world has > 1 rank."""
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    distributed = is_distributed() and dist.get_world_size() > 1
     return parallel.zero != "none" and distributed
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device,
                param_dtype: torch.dtype | None = None) -> nn.Module:
-    """``fully_shard`` each block (:func:`transformer_blocks`) and then the root, with gradient divide
+    """``fully_shard`` each block (:func:`decoder_layers`) and then the root, with gradient divide
     factor ``dp``; with ``param_dtype``, weights are gathered in it and gradients reduced in fp32.
 
     Must run after :func:`apply_activation_checkpointing`, with the model on ``device`` or on meta.
@@ -191,7 +183,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: t
     # cast_forward_inputs=False: RoPE's cos/sin stay fp32 (the block's activations are already bf16)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
                               cast_forward_inputs=False)
-    for block in transformer_blocks(model):
+    for block in decoder_layers(model):
         fully_shard(block, mesh=device_mesh, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp)
     fully_shard(model, mesh=device_mesh, reshard_after_forward=False, mp_policy=mp)
     # gradient = sum over all dp*sp ranks / dp (see module docstring); FSDP would divide by dp*sp.
@@ -211,7 +203,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
                 param_dtype: torch.dtype | None = None) -> nn.Module:
     """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> activation checkpointing -> FSDP2.
 
-    ``model`` must have decoder blocks (:func:`transformer_blocks`). With ``zero="none"`` parameters
+    ``model`` must have decoder blocks (:func:`decoder_layers`). With ``zero="none"`` parameters
     stay plain tensors and the trainer's own gradient all-reduce applies; otherwise they become
     DTensors and the trainer must not all-reduce (``loongtrain.train.sync.needs_grad_sync`` returns
     False). Without an initialised process group (or a world of 1) ``zero`` is ignored
@@ -220,11 +212,10 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     A model on the meta device is sharded first and then allocated on ``device`` (local shards only,
     uninitialised: fill them with :func:`materialize_params`); without FSDP it is allocated whole.
     """
-    from loongtrain.attn.apply import apply_2d_attention  # attention imports the ops: only when used
 
     if not isinstance(parallel, ParallelConfig):
         raise ValueError(f"parallel must be a ParallelConfig; got {type(parallel).__name__}")
-    blocks = transformer_blocks(model)
+    blocks = decoder_layers(model)
     meta = _on_meta(model)
     model = apply_2d_attention(model if meta else model.to(device), mesh)
     apply_activation_checkpointing(blocks, parallel.ac_mode, parallel.ac_fraction)

@@ -1,6 +1,6 @@
 """Gradient synchronisation without FSDP (``--zero none``; FSDP2 reduces gradients itself).
 
-Loss convention (``loongtrain.train.loss.sharded_cross_entropy``): each rank back-propagates its
+Loss convention (``loongtrain.loss.sharded.sharded_cross_entropy``): each rank back-propagates its
 local token-loss sum divided by the replica's token count. Parameters are replicated on all
 ``world = dp * sp`` ranks, so the exact gradient of the dp-averaged loss is
 
@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain.parallel.runtime import is_distributed
+
 BUCKET_BYTES = 32 * 1024 * 1024
 
 
 def needs_grad_sync(model: nn.Module) -> bool:
     """False when gradients are already synchronised by a wrapper (FSDP2 DTensor parameters)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_distributed() or dist.get_world_size() == 1:
         return False
     return not any(type(p).__name__ == "DTensor" for p in model.parameters())
 

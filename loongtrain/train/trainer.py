@@ -10,6 +10,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain.hf.build import (
+    build_hf_model,
+    build_hf_model_on_meta,
+    hf_initial_weights,
+    hf_weight_files,
+    restore_hf_buffers,
+)
+from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer, initial_weight
 from loongtrain.parallel.documents import (
@@ -20,37 +28,13 @@ from loongtrain.parallel.documents import (
 )
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.sharding import shard_sequence
-from loongtrain.train import models
-from loongtrain.train.chunked_loss import chunked_cross_entropy
-from loongtrain.train.config import TrainConfig
+from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.models import hf_model_dir, hidden_and_head
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.parallelize import materialize_params, parallelize, uses_fsdp
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
 
 Batch = dict[str, torch.Tensor]
-
-
-def param_dtype(cfg: TrainConfig) -> torch.dtype:
-    """Storage dtype of the weights (and optimizer state): float64 for --dtype fp64, else float32."""
-    return torch.float64 if cfg.dtype == "fp64" else torch.float32
-
-
-def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """The low-precision compute dtype: bf16 for --dtype bf16, and for --dtype auto on a CUDA device
-    with native bf16 (``bf16_supported``: sm80+); None: compute in :func:`param_dtype`.
-
-    How it is applied (:class:`Trainer`): under FSDP2 the weights are gathered in bf16
-    (``MixedPrecisionPolicy``) and the forward runs WITHOUT autocast, since autocast would cache a bf16
-    copy of every gathered fp32 weight until the region ends, i.e. a whole unsharded bf16 model;
-    without FSDP (replicated weights) it is ``torch.autocast``. Either way norms, RoPE, the softmax
-    statistics and the loss are computed in fp32 by the model and loss themselves.
-    """
-    from loongtrain.attn.kernel_choice import bf16_supported
-
-    if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and bf16_supported(device)):
-        return torch.bfloat16
-    return None
 
 
 def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device: torch.device,
@@ -64,13 +48,13 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
     built whole on CPU and then parallelized."""
     directory = hf_model_dir(cfg.model)
     if directory is not None:
-        if not (uses_fsdp(cfg.parallel) and models.hf_weight_files(directory)):
-            model = models.build_hf_model(directory, param_dtype(cfg), cfg.seed)
+        if not (uses_fsdp(cfg.parallel) and hf_weight_files(directory)):
+            model = build_hf_model(directory, param_dtype(cfg), cfg.seed)
             return parallelize(model, mesh, cfg.parallel, device)
-        model = models.build_hf_model_on_meta(directory, param_dtype(cfg))
+        model = build_hf_model_on_meta(directory, param_dtype(cfg))
         model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype)
-        materialize_params(model, models.hf_initial_weights(directory))
-        models.restore_hf_buffers(model)
+        materialize_params(model, hf_initial_weights(directory))
+        restore_hf_buffers(model)
         return model
     if not uses_fsdp(cfg.parallel):
         model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
@@ -113,7 +97,7 @@ class Trainer:
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
         forward to the final hidden states, then the chunked cross-entropy through the LM head (no rank
-        holds its logits; :func:`~loongtrain.train.chunked_loss.chunked_cross_entropy`'s contract).
+        holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract).
         Tokens, labels and positions are sharded with one layout (:meth:`chunk_order`)."""
         cu_seqlens, positions = self.documents(batch)
         order = self.chunk_order(cu_seqlens, batch["input_ids"].shape[1])

@@ -27,9 +27,9 @@ all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it eac
 
 from __future__ import annotations
 
-from loongtrain.attn.schedule import DoubleRing, pass_reach, short_hops, short_sends
+from loongtrain.attn.short_pass import pass_reach, short_hops, short_sends
 from loongtrain.parallel.config import effective_kv_heads
-from loongtrain.parallel.layout import Layout
+from loongtrain.parallel.layout import DoubleRing, Layout
 
 KINDS = ("a2a", "kv", "dkv")
 

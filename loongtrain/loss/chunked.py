@@ -1,6 +1,6 @@
 """Cross-entropy from the final hidden states and the LM head, a chunk of tokens at a time.
 
-:func:`chunked_cross_entropy` has the contract of ``sharded_cross_entropy`` (loongtrain/train/loss.py)
+:func:`chunked_cross_entropy` has the contract of ``sharded_cross_entropy`` (loongtrain/loss/sharded.py)
 but takes ``hidden [..., d]`` and the head ``weight [V, d]`` (tied or not) instead of logits, so no
 rank ever holds the logits of all its tokens: the forward keeps one fp32 scalar per token (the
 log-sum-exp), the backward recomputes each chunk's logits. Peak extra memory is one chunk's working
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from loongtrain.loss.sharded import IGNORE_INDEX, replica_mean
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.loss import IGNORE_INDEX, replica_mean
 
 Tensor = torch.Tensor
 

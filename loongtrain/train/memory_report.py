@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain.parallel.runtime import is_distributed
 from loongtrain.train.parallelize import saved_output_sink
 
 log = logging.getLogger("loongtrain.train")
@@ -206,21 +207,21 @@ def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, i
     measurement (:func:`format_prediction`); returns this rank's report (see :func:`metrics_fields`)."""
     report = trainer_memory_report(trainer, batch)
     reports = log_memory_report(report)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = dist.get_rank() if is_distributed() else 0
     if rank == 0:
         batch_size, seq_len = batch["input_ids"].shape
         predicted = predicted_memory(trainer, seq_len=seq_len, batch=batch_size)
-        log.info("planner's prediction for this configuration (loongtrain.plan.memory) beside rank 0's "
+        log.info("planner's prediction for this configuration (loongtrain.plan.memory_model) beside rank 0's "
                  "measurement:\n%s", format_prediction(predicted, reports[0]))
     return report
 
 
 def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, float]:
-    """:func:`loongtrain.plan.memory.memory_per_rank` for what ``trainer`` runs: its model, layout, ZeRO
+    """:func:`loongtrain.plan.memory_model.memory_per_rank` for what ``trainer`` runs: its model, layout, ZeRO
     shard group (1 without FSDP), ``ac_mode``, ``reshard_after_forward`` and compute dtype."""
-    from loongtrain.plan.memory import memory_per_rank
+    from loongtrain.plan.memory_model import memory_per_rank
+    from loongtrain.train.config import autocast_dtype, param_dtype
     from loongtrain.train.parallelize import uses_fsdp
-    from loongtrain.train.trainer import autocast_dtype, param_dtype
 
     cfg, mesh = trainer.cfg, trainer.mesh
     parallel = cfg.parallel
@@ -266,7 +267,7 @@ def format_prediction(predicted: dict[str, float], measured: dict[str, int]) -> 
 
 def gather_reports(report: dict[str, int]) -> list[dict[str, int]]:
     """Every rank's report, by rank (collective; just ``[report]`` without torch.distributed)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_distributed() or dist.get_world_size() == 1:
         return [report]
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, report)
@@ -297,7 +298,7 @@ def format_memory_table(reports: Iterable[dict[str, int]]) -> str:
 def log_memory_report(report: dict[str, int], *, all_ranks: bool = True) -> list[dict[str, int]]:
     """Log the per-rank memory table on rank 0 (gathering every rank's report when ``all_ranks``)."""
     reports = gather_reports(report) if all_ranks else [report]
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    rank = dist.get_rank() if is_distributed() else 0
     if rank == 0:
         log.info("memory per rank (bytes counted from tensors; activations saved by one forward):\n%s",
                  format_memory_table(reports))

@@ -26,8 +26,8 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   t * a_b``; ``selective``: ``L * t * (d * r + d * b + 4H)`` (input, attention output, lse; with
   ``hp > 1`` also the all-to-alls' outputs, ``(2d + 2*He*hd) * b``: q, k, v and the attention output
   back in token layout) plus the same ``recompute``.
-- ``logits``: the peak of the chunked cross-entropy (loongtrain/train/chunked_loss.py,
-  :func:`~loongtrain.train.chunked_loss.chunked_loss_peak_bytes` with ``t`` tokens): the fp32 log-sum-exp
+- ``logits``: the peak of the chunked cross-entropy (loongtrain/loss/chunked.py,
+  :func:`~loongtrain.loss.chunked.chunked_loss_peak_bytes` with ``t`` tokens): the fp32 log-sum-exp
   per token plus one chunk's logits in the compute dtype and fp32; the head's compute-dtype copy is
   already in ``working_params``. No rank holds the logits of all its tokens.
 - ``workspace``: peak of the ring backward and the all-to-all: 3 K/V blocks and 4 dK/dV blocks
@@ -44,11 +44,11 @@ after the first: add ``4P/z`` to the first.
 
 from __future__ import annotations
 
+from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.parallel.config import AC_MODES, effective_kv_heads
 from loongtrain.parallel.layout import Layout
-from loongtrain.parallel.traffic import acc_bytes
-from loongtrain.train.chunked_loss import chunked_loss_peak_bytes
+from loongtrain.plan.traffic import acc_bytes
 
 STATE_BYTES_PER_PARAM = 16
 

@@ -48,7 +48,7 @@ from loongtrain.parallel.liveness import Heartbeats, heartbeat_period, start_wor
 
 BACKENDS = ("gloo", "nccl")
 # torch._dynamo is imported by the first custom-op call (over a second): pay for it once, in the server
-_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "loongtrain", "loongtrain.parallel.launch")
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "loongtrain", "loongtrain.parallel.workers")
 _JOIN_GRACE_S = 60.0
 _SETTLE_S = 0.5
 

@@ -1,0 +1,115 @@
+"""Building Hugging Face causal LMs for training (docs/design.md §7): whole on CPU, or on the meta device
+to be sharded and then filled one tensor at a time, and one forward to the final hidden states.
+
+- :func:`build_hf_model`: the model on CPU in the weight dtype (its weights, or a seeded random init);
+- :func:`build_hf_model_on_meta` + :func:`hf_initial_weights` (one tensor at a time) +
+  :func:`restore_hf_buffers`: for FSDP2 with weight files, so no rank holds the whole model;
+- :func:`hf_hidden_and_head`: hidden states and LM head weight for the chunked loss;
+- :func:`hf_model_from_config_dict`: the structure a checkpoint records (``loongtrain export``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loongtrain.hf.families import check_architecture
+from loongtrain.hf.load import check_hf_dir, load_hf_model
+
+Tensor = torch.Tensor
+
+
+def build_hf_model(directory: str | Path, dtype: torch.dtype, seed: int) -> nn.Module:
+    """The HF causal LM of ``directory`` on CPU in ``dtype``: its weights, or without weight files a
+    random init from the config seeded with ``seed`` (the same on every rank)."""
+    model = load_hf_model(directory, dtype=dtype, seed=seed)
+    model.config.use_cache = False
+    return model
+
+
+def hf_weight_files(directory: str | Path) -> list[Path]:
+    """The ``*.safetensors`` files of a model directory (sorted; empty: initialise from the config)."""
+    return sorted(Path(directory).glob("*.safetensors"))
+
+
+def build_hf_model_on_meta(directory: str | Path, dtype: torch.dtype) -> nn.Module:
+    """The HF causal LM of ``directory`` on the meta device (no memory), its weight files checked against
+    it; fill it after sharding with :func:`hf_initial_weights` and :func:`restore_hf_buffers`."""
+    from transformers import AutoModelForCausalLM
+
+    config = check_hf_dir(directory)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to(dtype)
+
+
+def hf_initial_weights(directory: str | Path) -> Callable[[str, torch.Size], Tensor]:
+    """``initial(name, shape)`` for :func:`loongtrain.train.parallelize.materialize_params`: the tensor
+    ``name`` read alone from the directory's safetensors files (a tied head reads the embedding)."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for file in hf_weight_files(directory):
+        with safe_open(str(file), framework="pt") as handle:
+            where.update(dict.fromkeys(handle.keys(), file))
+
+    def initial(name: str, shape: torch.Size) -> Tensor:
+        assert name in where, f"{name} is in no weight file (check_hf_dir let it through)"
+        with safe_open(str(where[name]), framework="pt") as handle:
+            tensor = handle.get_tensor(name)
+        assert tensor.shape == shape, (name, tensor.shape, shape)
+        return tensor
+
+    return initial
+
+
+@torch.no_grad()
+def restore_hf_buffers(model: nn.Module) -> None:
+    """Recompute the buffers of a model allocated with ``to_empty`` (their values are garbage): the
+    rotary embeddings' inverse frequencies, rebuilt from the config as the model's constructor does."""
+    for module in model.modules():
+        buffers = dict(module.named_buffers(recurse=False))
+        if not buffers:
+            continue
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            raise ValueError(f"{type(module).__name__} holds buffers {sorted(buffers)} that loongtrain cannot "
+                             f"rebuild after sharding on the meta device")
+        with torch.device("cpu"):
+            fresh = type(module)(config=getattr(module, "config", model.config))
+        for name, value in fresh.named_buffers(recurse=False):
+            buffers[name].copy_(value)
+
+
+def hf_hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
+                       **model_kwargs: Any) -> tuple[Tensor, Tensor]:
+    """``(last_hidden_state, lm_head weight)`` of one forward of an HF causal LM, with ``logits_to_keep`` an
+    empty index so that no logits are computed (the chunked loss builds them a chunk at a time)."""
+    captured: list[Tensor] = []
+    handle = model.base_model.register_forward_hook(
+        lambda _module, _args, output: captured.append(output.last_hidden_state))
+    try:
+        no_logits = torch.empty(0, dtype=torch.long, device=input_ids.device)
+        model(input_ids=input_ids, position_ids=position_ids, logits_to_keep=no_logits, use_cache=False,
+              **model_kwargs)
+    finally:
+        handle.remove()
+    assert len(captured) == 1, "the base model ran more than once"
+    return captured[0], model.get_output_embeddings().weight
+
+
+def hf_model_from_config_dict(values: dict[str, Any], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An HF causal LM (fixed init) from a config.json's dict, e.g. the one a checkpoint records; its
+    architectures must be supported."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = dict(values)
+    hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
+    for name in hf_config.architectures or []:
+        check_architecture(name)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    return model.to(dtype)
