@@ -8,6 +8,7 @@ SUBCOMMANDS = {
     "train": ("loongtrain.train.cli", "Train a LLaMA-style or Hugging Face model with 2D-Attention."),
     "plan": ("loongtrain.plan.cli", "Rank 2D-Attention configurations for a cluster with the cost model."),
     "export": ("loongtrain.train.export", "Write a training checkpoint as a Hugging Face model directory."),
+    "eval": ("loongtrain.eval.cli", "Evaluate long context sharded: loss by position, passkey retrieval."),
 }
 
 

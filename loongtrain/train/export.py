@@ -43,7 +43,7 @@ def find_checkpoint(path: str | Path) -> Path:
                      f"directory or run directory with a '{LATEST}' checkpoint")
 
 
-def _record(state: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_model_record(state: dict[str, Any]) -> dict[str, Any]:
     """The model record of a checkpoint; for checkpoints without one, rebuilt from the run's config."""
     from loongtrain.train import models
 
@@ -61,7 +61,7 @@ def load_trained_model(checkpoint: str | Path) -> nn.Module:
     path = find_checkpoint(checkpoint)
     state = read_trainer_state(path)
     dtype = param_dtype(TrainConfig.from_dict(state["config"]))
-    model = model_from_record(_record(state), dtype)
+    model = model_from_record(checkpoint_model_record(state), dtype)
     weights = get_model_state_dict(model)
     with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -34,6 +34,7 @@ from loongtrain.train.metrics import (
     plot_loss_curve,
 )
 from loongtrain.train.trainer import Batch, Trainer
+from loongtrain.train.validation import Validation
 
 log = logging.getLogger("loongtrain.train")
 
@@ -177,6 +178,7 @@ def fit(cfg: TrainConfig, mesh: Mesh, device: torch.device, *, model_config: Mod
         mem_fields = metrics_fields(memory)
     records: list[dict[str, Any]] = []
     ckpt_root = out_dir / "checkpoints"
+    validation = Validation(cfg, mesh, trainer.loss, trainer.model)  # --eval-interval (train/validation.py)
     reset_peak_memory(device)
     bad_steps = 0
     try:
@@ -196,9 +198,10 @@ def fit(cfg: TrainConfig, mesh: Mesh, device: torch.device, *, model_config: Mod
                 "mfu": (flops_per_step / dt / peak) if peak else float("nan"),
                 "peak_mem_gib": peak_memory_bytes(device) / 2**30, **mem_fields,
             }
+            record.update(validation.after_step(step + 1))  # {"val_loss": ...} when due, else {}
             records.append(record)
             if logger is not None and ((step + 1) % cfg.log_interval == 0 or step + 1 == end_step
-                                       or result["skipped"]):
+                                       or result["skipped"] or "val_loss" in record):
                 logger.log(record)
             if cfg.max_bad_steps and bad_steps >= cfg.max_bad_steps:
                 raise NonFiniteError(
