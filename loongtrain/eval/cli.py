@@ -58,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--doc-mask", default="", choices=("", *DOC_MASK), help="position-loss: document masking "
                    "of packed sequences (default: as trained)")
     p.add_argument("--seed", type=int, default=0, help="passkey keys")
-    for name, kind, default in (("hp", int, 1), ("cp", int, 1), ("window", int, 1), ("placement", str, "head_first"),
-                                ("zero", str, "none")):
+    for name, kind, default in (("hp", int, 1), ("cp", int, 1), ("window", int, 1), ("placement", str, "head_first")):
         p.add_argument(f"--{name}", type=kind, default=default, help=f"layout, as for train (default: {default})")
+    p.add_argument("--zero", default="", choices=("", "none", "full", "hybrid"), help="ZeRO/FSDP2 of the weights "
+                   "(default: as trained; none for a Hugging Face directory)")
     p.add_argument("--plan", default="", choices=("", "auto"), help="'auto': the planner chooses the layout")
     p.add_argument("--plan-cluster", default="auto", help="cluster for --plan auto (as for train)")
     p.add_argument("--nproc", type=int, default=0, help="local workers (0: GPUs, or hp*cp); ignored under torchrun")
@@ -72,12 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str]) -> EvalConfig:
     """EvalConfig from the command line; ValueError naming the bad value."""
     a = build_parser().parse_args(argv)
-    parallel = ParallelConfig(hp=a.hp, cp=a.cp, window=a.window, placement=a.placement, zero=a.zero)
+    parallel = ParallelConfig(hp=a.hp, cp=a.cp, window=a.window, placement=a.placement)
     return EvalConfig(
         model=a.model, task=a.task, out=a.out, seq_len=a.seq_len, docs=a.docs,
         lengths=parse_list(a.lengths, parse_size, "lengths"), depths=parse_list(a.depths, float, "depths"),
         trials=a.trials, key_digits=a.key_digits, filler=a.filler, corpus=a.corpus, tokenizer=a.tokenizer,
-        dtype=a.dtype, doc_mask=a.doc_mask, seed=a.seed, parallel=parallel, plan=a.plan,
+        dtype=a.dtype, doc_mask=a.doc_mask, seed=a.seed, parallel=parallel, zero=a.zero, plan=a.plan,
         plan_cluster=a.plan_cluster, nproc=a.nproc, threads=a.threads, timeout=a.timeout)
 
 
