@@ -225,3 +225,28 @@ def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
     rows = json.loads((out / "results.json").read_text())
     assert [(r["start"], r["end"]) for r in rows] == [(0, 8), (8, 16), (16, 32), (32, 64)]
     assert all(r["loss"] > 0 for r in rows) and (out / "position_loss.png").is_file()
+
+
+def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from loongtrain.eval.passkey import FILLER, NEEDLE_SUFFIX, QUESTION
+    from tests.test_hf_train import make_hf_dir
+
+    words = sorted(set(re.findall(r"\w+|[^\w\s]+", FILLER + NEEDLE_PREFIX + NEEDLE_SUFFIX + QUESTION)))
+    vocab = {"<unk>": 0, "</s>": 1, **{str(d): 2 + d for d in range(10)}, **{w: 12 + i for i, w in enumerate(words)}}
+    model_dir = make_hf_dir(tmp_path / "hf", vocab_size=64)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    out = tmp_path / "out"
+    assert cli.main([str(model_dir), "--lengths", "64,128", "--depths", "0,1", "--trials", "2", "--nproc", "1",
+                     "--out", str(out)]) == 0
+    cells = json.loads((out / "results.json").read_text())
+    assert [(c["length"], c["trials"], c["digits"]) for c in cells] == [(64, 2, 10), (64, 2, 10), (128, 2, 10),
+                                                                       (128, 2, 10)]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["kind"] == "hf" and meta["lengths"] == [64, 128]
+    assert "overall: " in capsys.readouterr().out

@@ -85,6 +85,10 @@ def plot(out: Path, task: str, rows: list[dict]) -> Path | None:
         grid = [[by[(n, d)]["correct"] / by[(n, d)]["trials"] if (n, d) in by else float("nan")
                  for n in lengths] for d in depths]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+        for i, d in enumerate(depths):
+            for j, n in enumerate(lengths):
+                if (n, d) in by:
+                    ax.text(j, i, f"{by[(n, d)]['correct']}/{by[(n, d)]['trials']}", ha="center", va="center")
         ax.set_xticks(range(len(lengths)), [_size(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_xlabel("context length (tokens)")
