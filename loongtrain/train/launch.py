@@ -28,7 +28,7 @@ import torch.distributed as dist
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import validate_parallel
 from loongtrain.parallel.mesh import destroy_all_meshes, init_mesh
-from loongtrain.parallel.runtime import default_backend, default_device
+from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.checkpoint import AUTO
@@ -65,10 +65,6 @@ def validate_run(cfg: TrainConfig, world: int) -> ModelConfig:
     except ValueError as exc:
         raise ValueError(f"--nproc/world size {world}, --hp {p.hp} --cp {p.cp}, --seq-len {cfg.seq_len}, "
                          f"model {cfg.model!r}: {exc}") from exc
-    unbuilt = [name for name, off in (("offload_activations", False), ("offload_params", False), ("mlp_tiles", "1"))
-               if getattr(p, name) != off]
-    if unbuilt:  # the planner knows these modes; the trainer does not run them yet
-        raise ValueError(f"--{unbuilt[0].replace('_', '-')} is not supported by the trainer yet")
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
     return model_config
@@ -131,10 +127,14 @@ def run_worker(cfg: TrainConfig, model_config: ModelConfig, rank: int, world: in
     if device.type == "cuda":
         torch.cuda.set_device(device)
     owns_group = False
-    if world > 1 and not dist.is_initialized():
+    offload_params = cfg.parallel.offload_params  # FSDP2 does it: a process group even for one rank
+    if (world > 1 or offload_params) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.timeout)
-        dist.init_process_group(default_backend(), rank=rank, world_size=world, timeout=timeout,
-                                store=torchrun_store(timeout))
+        store = torchrun_store(timeout)
+        if world == 1 and store is None and "MASTER_ADDR" not in os.environ:
+            store = dist.HashStore()  # one rank in this process: nothing to rendezvous with
+        dist.init_process_group(default_backend(host_collectives=offload_params), rank=rank, world_size=world,
+                                timeout=timeout, store=store)
         owns_group = True
     try:
         p = cfg.parallel
@@ -155,6 +155,8 @@ def _local_worker(rank: int, world: int, cfg: TrainConfig, model_config: ModelCo
 def launch(cfg: TrainConfig) -> None:
     """Validate ``cfg`` here, then train (torchrun rank, in-process single worker, or spawned workers)."""
     setup_logging(int(os.environ.get("RANK", 0)), cfg.log_all_ranks)
+    if configure_cuda_allocator():
+        log.info("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set it yourself to choose otherwise)")
     world = world_size_for(cfg)
     cfg = apply_plan(cfg, world, under_launcher=under_torchrun())
     model_config = validate_run(cfg, world)
@@ -173,6 +175,8 @@ def launch(cfg: TrainConfig) -> None:
         run_worker(cfg, model_config, 0, 1)
         return
     backend = resolve_backend(None, world)
+    if backend == "nccl" and cfg.parallel.offload_params:
+        backend = default_backend(host_collectives=True)  # FSDP2's CPU shards reduce over gloo
     if backend == "gloo" and torch.cuda.is_available():
         log.warning("%d workers but %d GPUs: training on CPU with gloo (run at most one worker per GPU "
                     "to use them)", world, torch.cuda.device_count())
