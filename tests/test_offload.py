@@ -132,3 +132,25 @@ def test_bad_modes_name_the_value(opts, seq_len, needle):
     with pytest.raises(ValueError) as err:
         validate_parallel(ParallelConfig(**opts), seq_len=seq_len)
     assert needle in str(err.value)
+
+
+def test_train_command_runs_every_mode(tmp_path):
+    """``loongtrain train`` with the offload and tiling flags on a preset and a Hugging Face directory; the
+    metrics' ``mem_activations_gib`` is what stays on the device (less than the plain run's)."""
+    from loongtrain.cli import main
+    from loongtrain.train.metrics import read_jsonl
+    from tests.test_hf_train import make_hf_dir, write_corpus
+
+    corpus = str(write_corpus(tmp_path / "corpus.txt"))
+    base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "32", "--steps", "2", "--warmup", "1",
+            "--corpus", corpus, "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot",
+            "--threads", "1", "--ac-mode", "selective"]
+    runs = {"plain": [], "offload": ["--offload-activations", "--mlp-tiles", "2"],
+            "hf": ["--model", str(make_hf_dir(tmp_path / "llama")), "--offload-activations", "--mlp-tiles", "auto",
+                   "--offload-params", "--zero", "full"]}
+    last = {}
+    for name, flags in runs.items():
+        assert main([*base, *flags, "--out-dir", str(tmp_path / name)]) == 0, name
+        last[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[-1]
+    assert 0 < last["offload"]["mem_activations_gib"] < last["plain"]["mem_activations_gib"]
+    assert last["hf"]["mem_activations_gib"] > 0
