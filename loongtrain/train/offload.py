@@ -14,6 +14,8 @@ ahead of its backward:
 - **when**: each copy is queued (on CUDA on a side stream that first waits for the compute stream; the
   device tensor is handed to the caching allocator with ``record_stream``) when the tensor is saved, i.e.
   during the block's forward; the device copy is freed as soon as the copy ends and the forward drops it.
+  Block ``i``'s forward starts only once block ``i - 2``'s copies have finished (a host-side wait that
+  costs nothing while the copies keep up), so at most two blocks' copies are in flight.
 - **back**: the backward of block ``i`` starts by unpacking its first saved tensor; that fetches block
   ``i``'s tensors (waiting only if their prefetch has not finished) and starts the copy of block
   ``i - 1``'s on the side stream, overlapping block ``i``'s recompute and backward. Device memory thus
@@ -70,12 +72,13 @@ class _Saved:
 class _Stash:
     """The tensors one block offloaded in one forward, and the stash of the block that ran before it."""
 
-    __slots__ = ("event", "index", "items", "prev")
+    __slots__ = ("copy_event", "event", "index", "items", "prev")
 
     def __init__(self, index: int, prev: _Stash | None) -> None:
         self.index, self.prev = index, prev
         self.items: list[weakref.ref[_Saved]] = []  # autograd's handles own them: freed with the graph
         self.event: Any = None  # CUDA event: this stash's fetch has been queued up to here
+        self.copy_event: Any = None  # CUDA event: its copies to the host have been queued up to here
 
 
 class ActivationOffloader:
@@ -105,6 +108,9 @@ class ActivationOffloader:
         last = self._last
         stash = _Stash(index, last if last is not None and last.index < index else None)
         self._last = stash
+        older = stash.prev.prev if stash.prev is not None else None
+        if older is not None and older.copy_event is not None:
+            older.copy_event.synchronize()  # at most two blocks' copies in flight: their device memory is bounded
         with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, stash), self._unpack):
             yield stash
 
@@ -123,6 +129,7 @@ class ActivationOffloader:
             with torch.cuda.stream(self.stream):
                 host.copy_(t.detach(), non_blocking=True)
             t.record_stream(self.stream)
+            stash.copy_event = self.stream.record_event()
         else:
             host.copy_(t.detach())
         saved = _Saved(host, stash)

@@ -1,4 +1,4 @@
-"""Parallelism applied to a plain model from outside, in three steps (docs/design.md §7):
+"""Parallelism applied to a plain model from outside, in three steps and the memory modes (docs/design.md §7):
 
 ``parallelize(model, mesh, parallel, device)`` moves the model to ``device`` and composes
 
@@ -23,6 +23,12 @@
    weight after the model's forward. With ``param_dtype`` (bf16 runs) FSDP2's
    ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` gathers bf16 weights and reduces fp32
    gradients into the fp32 shards; the trainer then runs without autocast (docs/design.md §7).
+
+The memory modes (docs/design.md §7, *Memory modes*) are steps of their own: ``mlp_tiles`` tiles every
+block's norm + MLP before checkpointing (:func:`loongtrain.train.mlp_tiles.apply_mlp_tiling`);
+``offload_activations`` runs the checkpointed blocks inside an
+:class:`~loongtrain.train.offload.ActivationOffloader` after checkpointing (their kept tensors live on the
+host, prefetched one block ahead); ``offload_params`` adds FSDP2's ``CPUOffloadPolicy`` to step 3.
 
 Sharded set-ups never hold the whole model: :func:`parallelize` takes a model built on the meta
 device, shards it, allocates only the local shards (``to_empty``), and :func:`materialize_params`
