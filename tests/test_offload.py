@@ -154,3 +154,45 @@ def test_train_command_runs_every_mode(tmp_path):
         last[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[-1]
     assert 0 < last["offload"]["mem_activations_gib"] < last["plain"]["mem_activations_gib"]
     assert last["hf"]["mem_activations_gib"] > 0
+
+
+def test_gradient_accumulation_with_offload():
+    """Two micro-batches per step: each forward's blocks link to their own backward."""
+    def trainer(**opts) -> Trainer:
+        cfg = TrainConfig(seq_len=SEQ, batch_size=1, grad_accum=2, steps=1, warmup=0, clip=0.0, dtype="fp64",
+                          doc_mask="on", parallel=ParallelConfig(hp=1, cp=1, **opts))
+        return Trainer(cfg, single_process_mesh(), torch.device("cpu"), MODEL)
+
+    micro = [{k: v[i : i + 1] for k, v in packed_batch().items()} for i in range(2)]
+    results = []
+    for opts in ({}, {"ac_mode": "selective", "offload_activations": True, "mlp_tiles": "2"}):
+        t = trainer(**opts)
+        loss = t.step(micro)["loss"]
+        results.append((loss, {n: p.grad.clone() for n, p in t.model.named_parameters()}))
+    assert_same(([results[1][0]], results[1][1]), ([results[0][0]], results[0][1]), "grad_accum")
+
+
+def test_selective_offload_needs_torchs_cache(monkeypatch):
+    """A torch whose selective checkpoint keeps no ``storage`` is named instead of silently not offloading."""
+    import loongtrain.train.offload as offload
+
+    monkeypatch.setattr(offload, "create_selective_checkpoint_contexts", lambda policy: (object(), object()))
+    offloader = offload.ActivationOffloader(torch.device("cpu"))
+    with offloader.block(0), pytest.raises(RuntimeError, match="no 'storage'"):
+        offloader.selective_contexts(lambda *a, **k: None)
+
+
+def test_cuda_runs_get_expandable_segments_and_host_collectives(monkeypatch):
+    from loongtrain.parallel import runtime
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not runtime.configure_cuda_allocator() and runtime.default_backend(host_collectives=True) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runtime.default_backend(host_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert runtime.configure_cuda_allocator()
+    assert runtime.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
+    assert not runtime.configure_cuda_allocator()  # the user's choice stays
+    assert runtime.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
