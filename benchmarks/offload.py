@@ -5,7 +5,8 @@
 
 One process trains one model with every mode (docs/design.md §7). Each round times, per mode, one step of
 the mode's baseline (the same ``--ac-mode`` without the mode) right before one step of the mode, and
-records their ratio; the table shows per mode the median ratio over rounds and its min-max spread, the
+records their ratio of wall time and of process CPU time (steadier on a shared machine: with one thread,
+the work done); the table shows per mode the median ratios over rounds and their min-max spreads, the
 median step times, the bytes offloaded per step and the saved activations left on the device (the
 trainer's start-up memory report). Parameter offload runs FSDP2 (``zero=full``) on a one-rank process
 group; its baseline is ``zero=full`` without offload. :func:`compare_modes` is also gpu_check's
@@ -61,15 +62,16 @@ def _trainer(model: ModelConfig, seq: int, device: torch.device, ac_mode: str, d
     return Trainer(cfg, single_process_mesh(), device, model)
 
 
-def _step(trainer: Trainer, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[float, int]:
-    """(seconds, peak allocated device bytes of the step: CUDA only, else 0) of one optimizer step."""
+def _step(trainer: Trainer, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[float, int, float]:
+    """(wall seconds, peak allocated device bytes: CUDA only, else 0, process CPU seconds) of one step."""
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.step([batch])
     _sync(device)
-    return time.perf_counter() - t0, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0, cpu
 
 
 def compare_modes(model: ModelConfig, seq: int, device: torch.device, *, ac_mode: str = "selective",
@@ -95,8 +97,10 @@ def compare_modes(model: ModelConfig, seq: int, device: torch.device, *, ac_mode
         before = offloader.offloaded_bytes if offloader else 0
         pairs = [(_step(base, batch, device), _step(mode, batch, device)) for _ in range(rounds)]
         ratios = [m[0] / b[0] for b, m in pairs]
+        cpu_ratios = [m[2] / b[2] for b, m in pairs]
         results[name] = {
             "ratio": statistics.median(ratios), "spread": [min(ratios), max(ratios)],
+            "cpu_ratio": statistics.median(cpu_ratios), "cpu_spread": [min(cpu_ratios), max(cpu_ratios)],
             "baseline_s": statistics.median(b[0] for b, _ in pairs),
             "mode_s": statistics.median(m[0] for _, m in pairs),
             "baseline_peak_gib": max(b[1] for b, _ in pairs) / 2**30,
@@ -109,11 +113,12 @@ def compare_modes(model: ModelConfig, seq: int, device: torch.device, *, ac_mode
 
 
 def format_table(results: dict[str, Any]) -> str:
-    lines = ["| mode | step / baseline (median) | spread | baseline s | mode s | offloaded MiB/step | "
-             "device activations MiB (baseline) | peak GiB (baseline; CUDA) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | step / baseline, wall (median) | spread | CPU time ratio (median) | spread | baseline s | "
+             "mode s | offloaded MiB/step | device activations MiB (baseline) | peak GiB (baseline; CUDA) |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['ratio']:.3f} | {r['spread'][0]:.3f}-{r['spread'][1]:.3f} | "
+                     f"{r['cpu_ratio']:.3f} | {r['cpu_spread'][0]:.3f}-{r['cpu_spread'][1]:.3f} | "
                      f"{r['baseline_s']:.3f} | {r['mode_s']:.3f} | {r['offloaded_mib_per_step']:.1f} | "
                      f"{r['device_activations_mib']:.1f} ({r['baseline_activations_mib']:.1f}) | "
                      f"{r['mode_peak_gib']:.2f} ({r['baseline_peak_gib']:.2f}) |")
