@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 from loongtrain.model.config import ModelConfig, get_preset  # noqa: E402
 from loongtrain.parallel.config import ParallelConfig  # noqa: E402
 from loongtrain.parallel.mesh import single_process_mesh  # noqa: E402
-from loongtrain.train.config import TrainConfig  # noqa: E402
+from loongtrain.train.config import Run, TrainConfig  # noqa: E402
 from loongtrain.train.memory_report import trainer_memory_report  # noqa: E402
 from loongtrain.train.offload import activation_offloader  # noqa: E402
 from loongtrain.train.trainer import Trainer  # noqa: E402
@@ -59,7 +59,7 @@ def _trainer(model: ModelConfig, seq: int, device: torch.device, ac_mode: str, d
              opts: dict[str, Any]) -> Trainer:
     cfg = TrainConfig(seq_len=seq, steps=1000, warmup=1, dtype=dtype, memory_report=False,
                       parallel=ParallelConfig(**{"ac_mode": ac_mode, **opts}))
-    return Trainer(cfg, single_process_mesh(), device, model)
+    return Trainer(Run(cfg, model), single_process_mesh(), device)
 
 
 def _step(trainer: Trainer, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[float, int, float]:

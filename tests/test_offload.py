@@ -12,7 +12,7 @@ import torch
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig, mlp_tile_count, validate_parallel
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.config import TrainConfig
+from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.memory_report import trainer_memory_report
 from loongtrain.train.models import model_config_for
 from loongtrain.train.offload import activation_offloader, pinned_memory_available
@@ -26,7 +26,7 @@ def make_trainer(model: ModelConfig | str = MODEL, **opts) -> Trainer:
     cfg = TrainConfig(model=model if isinstance(model, str) else "tiny", seq_len=SEQ, batch_size=2, steps=2,
                       warmup=0, clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=1, cp=1, **opts), doc_mask="on")
     config = model if isinstance(model, ModelConfig) else model_config_for(cfg)
-    return Trainer(cfg, single_process_mesh(), torch.device("cpu"), config)
+    return Trainer(Run(cfg, config), single_process_mesh(), torch.device("cpu"))
 
 
 def losses_and_grads(trainer: Trainer) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -139,12 +139,12 @@ def test_train_command_runs_every_mode(tmp_path):
     metrics' ``mem_activations_gib`` is what stays on the device (less than the plain run's)."""
     from loongtrain.cli import main
     from loongtrain.train.metrics import read_jsonl
-    from tests.test_hf_train import make_hf_dir, write_corpus
+    from tests.fixtures import QUIET_FLAGS, write_code_corpus
+    from tests.test_hf_train import make_hf_dir
 
-    corpus = str(write_corpus(tmp_path / "corpus.txt"))
+    corpus = write_code_corpus(tmp_path / "corpus.txt")
     base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "32", "--steps", "2", "--warmup", "1",
-            "--corpus", corpus, "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot",
-            "--threads", "1", "--ac-mode", "selective"]
+            "--corpus", corpus, *QUIET_FLAGS, "--ac-mode", "selective"]
     runs = {"plain": [], "offload": ["--offload-activations", "--mlp-tiles", "2"],
             "hf": ["--model", str(make_hf_dir(tmp_path / "llama")), "--offload-activations", "--mlp-tiles", "auto",
                    "--offload-params", "--zero", "full"]}
@@ -161,7 +161,7 @@ def test_gradient_accumulation_with_offload():
     def trainer(**opts) -> Trainer:
         cfg = TrainConfig(seq_len=SEQ, batch_size=1, grad_accum=2, steps=1, warmup=0, clip=0.0, dtype="fp64",
                           doc_mask="on", parallel=ParallelConfig(hp=1, cp=1, **opts))
-        return Trainer(cfg, single_process_mesh(), torch.device("cpu"), MODEL)
+        return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
 
     micro = [{k: v[i : i + 1] for k, v in packed_batch().items()} for i in range(2)]
     results = []

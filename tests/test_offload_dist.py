@@ -34,7 +34,7 @@ def _run(hp: int, cp: int, **opts: Any) -> dict[str, Any]:
     """Two steps on the packed test batch: losses, the second step's full gradients and the weights after."""
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.offload import activation_offloader
     from loongtrain.train.trainer import Trainer
     from tests.test_doc_mask_train import MODEL, ROWS, SEQ, packed_batch
@@ -42,7 +42,7 @@ def _run(hp: int, cp: int, **opts: Any) -> dict[str, Any]:
     mesh = init_mesh(hp, cp)
     cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, steps=2, warmup=0, clip=1.0, dtype="fp64", doc_mask="on",
                       parallel=ParallelConfig(hp=hp, cp=cp, **opts))
-    trainer = Trainer(cfg, mesh, torch.device("cpu"), MODEL)
+    trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
     if opts.get("offload_params"):
         shards = [p.to_local() for p in trainer.model.parameters()]
         assert shards and all(s.device.type == "cpu" for s in shards)
