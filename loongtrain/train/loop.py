@@ -25,6 +25,7 @@ from loongtrain.train.checkpoint import (
     save_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
+from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import (
     MetricsLogger,
@@ -181,6 +182,7 @@ def fit(cfg: TrainConfig, mesh: Mesh, device: torch.device, *, model_config: Mod
     bad_steps = 0
     try:
         for step in range(start_step, end_step):
+            kill_point(step + 1, start_step)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
             _sync(device)
             t0 = time.perf_counter()
             micro = [next(batches) for _ in range(cfg.grad_accum)]
