@@ -82,7 +82,7 @@ def _connect(timeout: datetime.timedelta) -> dist.TCPStore:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     host = not agent_store and int(os.environ["RANK"]) == 0
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=host,
-                         world_size=int(os.environ["WORLD_SIZE"]) if host else None, timeout=timeout)
+                         timeout=timeout, wait_for_workers=False)
 
 
 def join_attempt(timeout_s: float) -> Attempt:
