@@ -112,7 +112,18 @@ def test_the_node_without_an_answer_is_named(store):
     prefix.add("answers/2", 1)  # node 2's ranks failed too, and answered
     line = torchrun.missing_nodes(attempt, window_s=0.2)
     assert line is not None and line.startswith("lost node 1 (host h1, ranks 2-3):"), line
-    assert torchrun.missing_nodes(attempt, window_s=0.2) is None  # node 0 has its reporter already
+    assert torchrun.missing_nodes(attempt, window_s=0.2) == line  # node 0's next rank: the same verdict
+    prefix.add("answers/1", 1)  # a late answer does not change the verdict
+    assert torchrun.missing_nodes(attempt, window_s=0.2) == line
+
+
+def test_every_node_answered_names_none(store):
+    nodes = {0: {"host": "h0", "ranks": [0]}, 1: {"host": "h1", "ranks": [1]}}
+    prefix = dist.PrefixStore("u", _client(store))
+    prefix.multi_set(["answers/0", "answers/1"], ["0", "1"])
+    attempt = torchrun.Attempt("1.y", 1, "j", store, prefix, 0, nodes)
+    assert torchrun.missing_nodes(attempt, window_s=5.0) is None
+    assert torchrun.missing_nodes(attempt, window_s=5.0) is None
 
 
 def test_ranges():

@@ -17,7 +17,8 @@ their agent, and a lost node named (docs/design.md §10).
 - **Agent watch**. A worker whose torchrun agent died (its parent changed) exits at once, so a killed
   agent takes its node's workers with it, as a lost machine does, instead of leaving orphans.
 - **Lost nodes** (:func:`lost_nodes_named`). When training fails on a rank, the first failing rank of each
-  node counts its node in; after a short window, nodes that no rank answered for are named in one line.
+  node counts its node in; after a short window, nodes that no rank answered for are named in one line,
+  which every failing rank of that node reports.
 """
 
 from __future__ import annotations
@@ -261,13 +262,15 @@ def watch_agent(rank: int, period_s: float = 0.5) -> None:
 
 def missing_nodes(attempt: Attempt, window_s: float = ANSWER_WINDOW_S) -> str | None:
     """After a failure on this rank: one line naming the nodes none of whose ranks answered within
-    ``window_s`` (None when every node answered, or another rank of this node reports)."""
+    ``window_s`` (None when every node answered). The first failing rank of a node counts it in and
+    judges; the node's other failing ranks take its verdict."""
     node = int(os.environ.get("GROUP_RANK", "0"))
     if not agent_alive():  # this node is the lost one: it must not answer for itself
         return None
     try:
         if attempt.store.add(f"answers/{node}", 1) != 1:
-            return None
+            attempt.store.wait([f"verdict/{node}"], datetime.timedelta(seconds=window_s + 10))
+            return attempt.store.get(f"verdict/{node}").decode() or None
         keys = [f"answers/{g}" for g in attempt.nodes]
         deadline = time.monotonic() + window_s
         while True:
@@ -275,18 +278,18 @@ def missing_nodes(attempt: Attempt, window_s: float = ANSWER_WINDOW_S) -> str | 
             if all(counts) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        lost = [g for g, n in zip(attempt.nodes, counts) if n == 0]
+        names = "; ".join(f"node {g} (host {attempt.nodes[g]['host']}, ranks {_ranges(attempt.nodes[g]['ranks'])})"
+                          for g in lost)
+        line = (f"lost {names}: none of its ranks answered within {window_s:g} s of this failure (its agent or "
+                f"machine died, or its agent stopped its workers; that node's log says which)") if lost else ""
+        attempt.store.set(f"verdict/{node}", line)
+        return line or None
     except dist.DistError:
         zero = attempt.nodes.get(0, {"host": os.environ.get("MASTER_ADDR", "?"), "ranks": []})
         return (f"the job's store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} does not "
                 f"answer: node 0 (host {zero['host']}, ranks {_ranges(zero['ranks'])}), whose torchrun agent "
                 f"serves it, is lost")
-    lost = [g for g, n in zip(attempt.nodes, counts) if n == 0]
-    if not lost:
-        return None
-    names = "; ".join(f"node {g} (host {attempt.nodes[g]['host']}, ranks {_ranges(attempt.nodes[g]['ranks'])})"
-                      for g in lost)
-    return (f"lost {names}: none of its ranks answered within {window_s:g} s of this failure (its agent or "
-            f"machine died, or its agent stopped its workers; that node's log says which)")
 
 
 @contextlib.contextmanager
@@ -301,6 +304,5 @@ def lost_nodes_named() -> Iterator[None]:
         line = missing_nodes(_ATTEMPT)
         if line is None:
             raise
-        log.error("%s", line)
         raise RuntimeError(f"{line}; the failure here: {str(exc).splitlines()[0] if str(exc) else type(exc)}") \
             from exc
