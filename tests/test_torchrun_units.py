@@ -15,6 +15,7 @@ import torch.distributed as dist
 from loongtrain.train import torchrun
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.fault_injection import _parse, kill_point
+from loongtrain.train.launch import prepare_run
 
 
 @pytest.fixture
@@ -94,12 +95,14 @@ def test_restart_needs_a_later_attempt_and_this_jobs_marker(tmp_path, store):
 
 def test_rank_0_decides_run_or_user_error(tmp_path, store):
     cfg = _cfg(tmp_path)
+    run = prepare_run(cfg, 4)
     attempt = _attempt(store, 1)[0]
-    assert torchrun.decide(cfg, 1, attempt) == {"kind": "run", "resume": "", "overwrite": False}
+    assert torchrun.decide(run, 4, attempt) == {"kind": "run", "resume": "", "overwrite": False}
     assert (Path(cfg.out_dir) / torchrun.RUN_ID_FILE).is_file()
     blocked = tmp_path / "a_file"
     blocked.write_text("")
-    decision = torchrun.decide(dataclasses.replace(cfg, out_dir=str(blocked)), 1, attempt)
+    decision = torchrun.decide(dataclasses.replace(run, cfg=dataclasses.replace(cfg, out_dir=str(blocked))), 4,
+                               attempt)
     assert decision["kind"] == "error" and "is a file" in decision["text"]
     json.dumps(decision)  # it travels through the store
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from loongtrain.train.config import TrainConfig
+from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.preflight import RunComplete, check_corpus, check_out_dir, preflight
 
 log = logging.getLogger("loongtrain.train")
@@ -196,12 +196,13 @@ def write_marker(cfg: TrainConfig, attempt: Attempt) -> None:
     os.replace(tmp, out / RUN_ID_FILE)
 
 
-def decide(cfg: TrainConfig, world: int, attempt: Attempt) -> dict[str, Any]:
+def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
     """Rank 0's decision for the attempt: ``{"kind": "run", "resume": ..., "overwrite": ...}``,
     ``{"kind": "complete", "text": ...}`` or ``{"kind": "error", "text": ...}`` (a user error)."""
+    cfg = run.cfg
     restarted = is_restart(cfg, attempt)
     try:
-        resolved = preflight(cfg, world, restarted=restarted)
+        resolved = preflight(cfg, world, run.tokenizer, restarted=restarted)
     except RunComplete as exc:
         return {"kind": "complete", "text": str(exc)}
     except ValueError as exc:
@@ -213,16 +214,17 @@ def decide(cfg: TrainConfig, world: int, attempt: Attempt) -> dict[str, Any]:
     return {"kind": "run", "resume": resolved.resume, "overwrite": resolved.overwrite}
 
 
-def agree_on_start(cfg: TrainConfig, world: int) -> TrainConfig | None:
-    """Under torchrun, on every rank: the checks that need no peer (a user error exits 2 here), then join
-    the attempt and act on rank 0's one decision. Returns ``cfg`` with ``resume`` resolved, or None when
-    a restarted job is already complete; raises ValueError (the same on every rank) for a user error."""
-    check_out_dir(cfg)
-    check_corpus(cfg)
-    attempt = join_attempt(cfg.timeout)
+def agree_on_start(run: Run, world: int) -> Run | None:
+    """Under torchrun, on every rank, with ``run`` prepared (options validated): the file checks that
+    need no peer (a user error exits 2 here), then join the attempt and act on rank 0's one decision.
+    Returns ``run`` with the checkpoint to resume resolved, or None when a restarted job is already
+    complete; raises ValueError (the same on every rank) for a user error."""
+    check_out_dir(run.cfg)
+    check_corpus(run.cfg, run.tokenizer)
+    attempt = join_attempt(run.cfg.timeout)
     watch_agent(int(os.environ["RANK"]))
     if int(os.environ["RANK"]) == 0:
-        decision = decide(cfg, world, attempt)
+        decision = decide(run, world, attempt)
         attempt.store.set("start", json.dumps(decision))
     else:
         decision = json.loads(attempt.store.get("start"))
@@ -231,7 +233,8 @@ def agree_on_start(cfg: TrainConfig, world: int) -> TrainConfig | None:
     if decision["kind"] == "complete":
         log.info("torchrun attempt %d: the run is complete (%s)", attempt.number, decision["text"])
         return None
-    return dataclasses.replace(cfg, resume=decision["resume"], overwrite=decision["overwrite"])
+    cfg = dataclasses.replace(run.cfg, resume=decision["resume"], overwrite=decision["overwrite"])
+    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
 
 
 # -- liveness ----------------------------------------------------------------------------------------
