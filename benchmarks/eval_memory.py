@@ -55,13 +55,13 @@ def measure(kind: str, seq_len: int) -> dict:
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
 
     torch.set_num_threads(2)
     mesh, cpu = single_process_mesh(), torch.device("cpu")
     cfg = TrainConfig(model="tiny", seq_len=seq_len, parallel=ParallelConfig(), dtype="fp32", memory_report=False)
-    trainer = Trainer(cfg, mesh, cpu, get_preset("tiny"))
+    trainer = Trainer(Run(cfg, get_preset("tiny")), mesh, cpu)
     ids = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "position_ids": torch.arange(seq_len)[None]}
     before = _rss_bytes()

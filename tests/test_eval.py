@@ -164,7 +164,7 @@ def run_dir(tmp_path_factory):
     """A one-step training run of a small model (byte tokenizer), checkpointed."""
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.train.config import TrainConfig
-    from loongtrain.train.loop import fit
+    from tests.training import fit
 
     root = tmp_path_factory.mktemp("eval_run")
     corpus = root / "corpus.txt"

@@ -14,7 +14,7 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import destroy_mesh, init_mesh, single_process_mesh
-from loongtrain.train.config import TrainConfig
+from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.parallelize import parallelize
 from loongtrain.train.validation import validation_loss
 from tests.dist_utils import run_distributed
@@ -71,7 +71,7 @@ def _evaluate(model, mesh) -> dict:
 def _validate(parallel: ParallelConfig, mesh) -> float:
     from loongtrain.train.trainer import Trainer
 
-    trainer = Trainer(_cfg(parallel), mesh, CPU, MODEL)
+    trainer = Trainer(Run(_cfg(parallel), MODEL), mesh, CPU)
     mine = _val_batches()[mesh.dp_rank::mesh.dp]
     return validation_loss(trainer.loss, trainer.model, mine, mesh)
 
@@ -79,7 +79,7 @@ def _validate(parallel: ParallelConfig, mesh) -> float:
 def _steps(parallel: ParallelConfig, mesh, validate: bool) -> list[tuple[float, float]]:
     from loongtrain.train.trainer import Trainer
 
-    trainer = Trainer(_cfg(parallel), mesh, CPU, MODEL)
+    trainer = Trainer(Run(_cfg(parallel), MODEL), mesh, CPU)
     out = []
     for step in range(2):
         batch = global_batch(step, mesh.dp, SEQ, MODEL.vocab_size, seed=5)

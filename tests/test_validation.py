@@ -13,9 +13,9 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.config import TrainConfig
-from loongtrain.train.loop import fit
+from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.validation import tail_batches
+from tests.training import fit
 
 MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 
@@ -47,7 +47,7 @@ def test_validation_restores_the_rng_and_equals_the_tail_loss(tmp_path):
 
     cfg = _cfg(tmp_path, "direct", eval_batches=2)
     mesh = single_process_mesh()
-    trainer = Trainer(cfg, mesh, torch.device("cpu"), MODEL)
+    trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
     batches = tail_batches(cfg, mesh, 2)
     before = torch.get_rng_state()
 
@@ -65,7 +65,7 @@ def test_validation_restores_the_rng_and_equals_the_tail_loss(tmp_path):
     reference = Transformer(MODEL, seed=cfg.seed).double()
     losses = []
     for batch in batches:
-        cu, positions = trainer.documents(batch)
+        cu, positions = trainer.layout.documents(batch)
         with torch.no_grad():
             logits = reference(batch["input_ids"], positions, cu_seqlens=cu)
         losses.append(F.cross_entropy(logits.reshape(-1, 256), batch["labels"].reshape(-1)).item())

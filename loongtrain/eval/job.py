@@ -23,8 +23,9 @@ from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.zigzag import check_sequence_length
 from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.config import DOC_MASK, DTYPES, TrainConfig
-from loongtrain.train.launch import under_torchrun, world_size_for
+from loongtrain.train.launch import world_size_for
 from loongtrain.train.models import tokenizer_spec
+from loongtrain.train.torchrun import under_torchrun
 
 log = logging.getLogger("loongtrain.eval")
 

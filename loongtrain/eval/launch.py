@@ -26,8 +26,9 @@ from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import default_backend, default_device
 from loongtrain.parallel.workers import resolve_backend, run_local
 from loongtrain.train.config import autocast_dtype
-from loongtrain.train.launch import _threads, setup_logging, torchrun_store, under_torchrun
+from loongtrain.train.launch import _threads, setup_logging
 from loongtrain.train.parallelize import uses_fsdp
+from loongtrain.train.torchrun import process_group_store, under_torchrun
 
 log = logging.getLogger("loongtrain.eval")
 
@@ -55,8 +56,8 @@ def run_rank(job: Job, rank: int, world: int) -> list[dict]:
     owns_group = world > 1 and not dist.is_initialized()
     if owns_group:
         timeout = datetime.timedelta(seconds=job.run.timeout)
-        dist.init_process_group(default_backend(), rank=rank, world_size=world, timeout=timeout,
-                                store=torchrun_store(timeout))
+        store = process_group_store(timeout) if under_torchrun() else None  # run_local's workers have a group
+        dist.init_process_group(default_backend(), rank=rank, world_size=world, timeout=timeout, store=store)
     try:
         p = job.run.parallel
         mesh = init_mesh(p.hp, p.cp, window=p.window, placement=p.placement, interleaved=p.interleaved,

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.checkpoint import LATEST, STATE_FILE, read_trainer_state
+from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, read_trainer_state
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
-from loongtrain.train.export import checkpoint_model_record, find_checkpoint
+from loongtrain.train.export import checkpoint_model_record
 from loongtrain.train.models import model_from_record
 from loongtrain.train.parallelize import parallelize, uses_fsdp
 
@@ -97,7 +97,7 @@ def build_model(source: ModelSource, cfg: TrainConfig, mesh: Mesh, device: torch
     """The model of ``source`` with its weights, parallelized on ``mesh`` by ``cfg.parallel`` (collective)."""
     fsdp_dtype = autocast_dtype(cfg, device) if uses_fsdp(cfg.parallel) else None
     if source.kind == "hf":
-        from loongtrain.train.trainer import build_model as build_trained
+        from loongtrain.train.models import build_model as build_trained
 
         model = build_trained(model_config(source), cfg, mesh, device, fsdp_dtype)
     else:
