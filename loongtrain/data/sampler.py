@@ -43,9 +43,10 @@ class ReplicaSampler:
     def indices(self, step: int) -> list[int]:
         """Sample indices of this replica at global step ``step`` (pure: does not advance)."""
         first = (step * self.dp + self.dp_rank) * self.batch_size
-        return [self._sample(g) for g in range(first, first + self.batch_size)]
+        return [self.sample_at(g) for g in range(first, first + self.batch_size)]
 
-    def _sample(self, g: int) -> int:
+    def sample_at(self, g: int) -> int:
+        """The sample index of global position ``g`` (module docstring: the rule)."""
         if self.num_samples is None:
             return g
         epoch, offset = divmod(g, self.num_samples)
