@@ -239,3 +239,24 @@ def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypat
         assert cli_main(["prepare", *args, "--overwrite"]) == 0 and not (out / "notes.txt").exists()
     if case == "bad_json":
         assert not out.exists() or not any(out.iterdir())
+
+
+def test_train_from_prepared_equals_raw_and_logs_tokens_by_corpus(tmp_path, corpus):
+    """`loongtrain train --corpus DIR`: the same losses as the raw corpus; a mixture's metrics carry the
+    tokens each corpus supplied."""
+    from loongtrain.train.metrics import read_jsonl
+
+    assert cli_main(["prepare", str(corpus), "--out", str(tmp_path / "p"), "--workers", "1"]) == 0
+    base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--steps", "3", "--warmup", "1",
+            "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",
+            "--batch-size", "2", "--val-fraction", "0.2"]
+    runs = {}
+    for name, spec in (("raw", str(corpus)), ("prepared", str(tmp_path / "p")),
+                       ("mix", f"{tmp_path / 'p'}=0.5,{corpus}=0.5")):
+        report = ["--memory-report" if name == "prepared" else "--no-memory-report"]
+        assert cli_main([*base, *report, "--corpus", spec, "--out-dir", str(tmp_path / name)]) == 0
+        runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")
+    assert [r["loss"] for r in runs["raw"]] == [r["loss"] for r in runs["prepared"]]
+    assert runs["prepared"][-1][f"tokens_seen/{tmp_path / 'p'}"] == 3 * 2 * 16
+    last = runs["mix"][-1]
+    assert last[f"tokens_seen/{tmp_path / 'p'}"] + last[f"tokens_seen/{corpus}"] == 3 * 2 * 16

@@ -182,6 +182,15 @@ def verify_prepared(path: str | Path, tokenizer: Tokenizer | None = None, *, ful
     return manifest
 
 
+def check_prepared(path: str | Path, tokenizer: Tokenizer, need_tokens: int) -> Manifest:
+    """:func:`verify_prepared` (quick rule) plus: the stream holds at least ``need_tokens`` tokens."""
+    manifest = verify_prepared(path, tokenizer)
+    if manifest.num_tokens < need_tokens:
+        raise ValueError(f"{manifest.root / MANIFEST}: {manifest.num_tokens} tokens; one sample needs "
+                         f"--seq-len + 1 = {need_tokens}")
+    return manifest
+
+
 class PreparedStream:
     """A :class:`~loongtrain.data.packing.TokenStream` stand-in over a prepared directory's memory-mapped
     shards: same ``ensure``/``slice``/``total_length``/``exhausted``, nothing read until sliced.

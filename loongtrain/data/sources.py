@@ -31,18 +31,18 @@ def parse_corpus_spec(spec: str) -> list[tuple[str, float]]:
     for item in spec.split(","):
         name, sep, text = item.strip().rpartition("=")
         if not sep or not name:
-            raise ValueError(f"--corpus {spec!r}: mixture part {item!r} is not NAME=WEIGHT (e.g. a=0.7,b=0.3)")
+            raise ValueError(f"corpus mixture {spec!r}: mixture part {item!r} is not NAME=WEIGHT (e.g. a=0.7,b=0.3)")
         try:
             weight = float(text)
         except ValueError:
-            raise ValueError(f"--corpus {spec!r}: weight {text!r} of {name!r} is not a number") from None
+            raise ValueError(f"corpus mixture {spec!r}: weight {text!r} of {name!r} is not a number") from None
         if not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"--corpus {spec!r}: weight {text!r} of {name!r} must be finite and >= 0")
+            raise ValueError(f"corpus mixture {spec!r}: weight {text!r} of {name!r} must be finite and >= 0")
         if name in (n for n, _ in parts):
-            raise ValueError(f"--corpus {spec!r}: corpus {name!r} appears twice")
+            raise ValueError(f"corpus mixture {spec!r}: corpus {name!r} appears twice")
         parts.append((name, weight))
     if not any(w > 0 for _, w in parts):
-        raise ValueError(f"--corpus {spec!r}: at least one weight must be positive")
+        raise ValueError(f"corpus mixture {spec!r}: at least one weight must be positive")
     return parts
 
 

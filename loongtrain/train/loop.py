@@ -54,7 +54,7 @@ def data_batches(cfg: TrainConfig, mesh: Mesh, start_micro_step: int) -> Iterato
     tokenizer = data.build_tokenizer(models.tokenizer_spec(cfg))
     return data.build_batches(
         cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp, cfg.seed,
-        start_micro_step,
+        start_micro_step, val_fraction=cfg.val_fraction,
     )
 
 
@@ -173,7 +173,9 @@ def fit(cfg: TrainConfig, mesh: Mesh, device: torch.device, *, model_config: Mod
         batches.load_state_dict(state["data"])  # checks the global batch and seed did not change
     mem_fields: dict[str, float] = {}
     if cfg.memory_report:  # collective; a fresh batch iterator, so the training stream is unchanged
-        memory = startup_memory_report(trainer, next(batch_source(cfg, mesh, start_step * cfg.grad_accum)))
+        first = batches.batch(batches.step) if hasattr(batches, "batch") else next(  # data: read once
+            batch_source(cfg, mesh, start_step * cfg.grad_accum))
+        memory = startup_memory_report(trainer, first)
         mem_fields = metrics_fields(memory)
     records: list[dict[str, Any]] = []
     ckpt_root = out_dir / "checkpoints"
@@ -196,6 +198,8 @@ def fit(cfg: TrainConfig, mesh: Mesh, device: torch.device, *, model_config: Mod
                 "mfu": (flops_per_step / dt / peak) if peak else float("nan"),
                 "peak_mem_gib": peak_memory_bytes(device) / 2**30, **mem_fields,
             }
+            if hasattr(batches, "tokens_by_corpus"):  # data: tokens each corpus supplied so far (all replicas)
+                record.update({f"tokens_seen/{name}": n for name, n in batches.tokens_by_corpus().items()})
             records.append(record)
             if logger is not None and ((step + 1) % cfg.log_interval == 0 or step + 1 == end_step
                                        or result["skipped"]):
