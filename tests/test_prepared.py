@@ -18,7 +18,9 @@ from loongtrain.data.prepared import (
     MANIFEST,
     SAMPLE_BYTES,
     PreparedStream,
+    buffer_digests,
     document_index,
+    file_digests,
     read_manifest,
     sampled_digest,
     verify_prepared,
@@ -189,6 +191,9 @@ def test_sampled_digest_rule(tmp_path):
     corrupt(path, 40 * SAMPLE_BYTES - 1)
     corrupt(path, SAMPLE_BYTES + 5)  # between the first and second sampled blocks
     assert sampled_digest(path) == base
+    data = np.arange(40 * SAMPLE_BYTES // 2, dtype="<u2")
+    data.tofile(path)
+    assert buffer_digests(data) == file_digests(path)  # what prepare computes in memory = what verify reads
 
 
 class WorkerStarted(Exception):

@@ -37,7 +37,7 @@ from loongtrain.data.prepared import (
     INDEX_FILE,
     MANIFEST,
     SHARD_DIR,
-    file_digests,
+    buffer_digests,
     read_manifest,
     token_dtype,
     tokenizer_identity,
@@ -145,7 +145,7 @@ def prepare(
     offsets.tofile(tmp / INDEX_FILE)
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, **want, "dtype": dtype.str,
                 "num_tokens": int(offsets[-1]), "num_documents": len(lengths), "shards": shards,
-                "index": file_digests(tmp / INDEX_FILE)}
+                "index": buffer_digests(offsets)}
     os.rename(tmp, out / SHARD_DIR)
     partial = out / (MANIFEST + ".tmp")
     partial.write_text(json.dumps(manifest, indent=1))
@@ -258,4 +258,4 @@ def _tokenize_shard(task: tuple[int, list[str], str, str]) -> tuple[int, dict[st
     path = Path(tmp) / name
     tokens.tofile(path)
     return k, {"file": name, "num_tokens": int(tokens.size), "num_documents": len(docs),
-               **file_digests(path)}, lengths, sum(len(d) for d in docs)
+               **buffer_digests(tokens)}, lengths, sum(len(d) for d in docs)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,18 +80,31 @@ def file_digests(path: Path) -> dict[str, Any]:
     return {"size": path.stat().st_size, "sha256": full.hexdigest(), "sampled": sampled_digest(path)}
 
 
+def buffer_digests(data: np.ndarray) -> dict[str, Any]:
+    """:func:`file_digests` of the file ``data.tofile`` writes, computed from memory (no read back)."""
+    raw = memoryview(np.ascontiguousarray(data)).cast("B")
+    return {"size": raw.nbytes, "sha256": hashlib.sha256(raw).hexdigest(),
+            "sampled": _sampled(raw.nbytes, lambda start, length: raw[start : start + length])}
+
+
 def sampled_digest(path: Path) -> str:
     """SHA-256 of :data:`SAMPLE_BLOCKS` evenly spaced blocks of :data:`SAMPLE_BYTES` (the whole file if smaller)."""
-    size = path.stat().st_size
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
-            digest.update(f.read())
-        else:
-            last = size - SAMPLE_BYTES
-            for k in range(SAMPLE_BLOCKS):
-                f.seek(last * k // (SAMPLE_BLOCKS - 1))
-                digest.update(f.read(SAMPLE_BYTES))
+        def read(start: int, length: int) -> bytes:
+            f.seek(start)
+            return f.read(length)
+
+        return _sampled(path.stat().st_size, read)
+
+
+def _sampled(size: int, read: Callable[[int, int], Any]) -> str:
+    """The sampled digest of ``size`` bytes, ``read(start, length)`` returning a piece of them."""
+    if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+        return hashlib.sha256(read(0, size)).hexdigest()
+    digest = hashlib.sha256()
+    last = size - SAMPLE_BYTES
+    for k in range(SAMPLE_BLOCKS):
+        digest.update(read(last * k // (SAMPLE_BLOCKS - 1), SAMPLE_BYTES))
     return digest.hexdigest()
 
 
@@ -162,9 +176,11 @@ def check_tokenizer(manifest: Manifest, tokenizer: Tokenizer) -> None:
                          f"the corpus again with this tokenizer")
 
 
-def verify_prepared(path: str | Path, tokenizer: Tokenizer | None = None, *, full: bool = False) -> Manifest:
+def verify_prepared(path: str | Path, tokenizer: Tokenizer | None = None, *, full: bool = False,
+                    digests: bool = True) -> Manifest:
     """Read and check a prepared directory (module docstring: the rule); ValueError naming the first bad
-    file and what is wrong (size: the byte offset where it ends; digest mismatch)."""
+    file and what is wrong (size: the byte offset where it ends; digest mismatch). ``digests=False``
+    checks the manifest, tokenizer and sizes only (what each rank does after the launcher's check)."""
     manifest = read_manifest(path)
     if tokenizer is not None:
         check_tokenizer(manifest, tokenizer)
@@ -175,6 +191,8 @@ def verify_prepared(path: str | Path, tokenizer: Tokenizer | None = None, *, ful
         if size != record["size"]:
             raise ValueError(f"{file}: truncated or grown: {size} bytes, the manifest says {record['size']} "
                              f"(data ends at offset {min(size, record['size'])}); prepare the corpus again")
+        if not digests:
+            continue
         key, actual = ("sha256", file_digests(file)["sha256"]) if full else ("sampled", sampled_digest(file))
         if actual != record[key]:
             raise ValueError(f"{file}: corrupted ({'checksum' if full else 'sampled checksum'} differs from "

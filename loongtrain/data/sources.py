@@ -50,9 +50,10 @@ def open_stream(spec: str | Corpus, tokenizer: Tokenizer, *, text_field: str = "
                 seed: int = 0, part: str = "all") -> TokenStream | PreparedStream:
     """The token stream of ONE corpus (``part``: "all", or "train"/"validation" of the split by
     ``val_fraction`` and ``seed``; :mod:`loongtrain.data.split`). A prepared directory is checked
-    against ``tokenizer`` (and by size and sampled digest) first."""
+    against ``tokenizer`` and by file sizes (its digests: by ``loongtrain train``'s preflight, once, in
+    the launcher; :func:`~loongtrain.data.prepared.check_prepared`)."""
     if isinstance(spec, str) and is_prepared_dir(spec):
-        manifest = verify_prepared(spec, tokenizer)
+        manifest = verify_prepared(spec, tokenizer, digests=False)
         return PreparedStream(manifest, tokenizer, selected(manifest.num_documents, val_fraction, seed, part))
     corpus = build_corpus(spec, text_field)
     if selected(0, val_fraction, seed, part) is not None:  # a split applies (checks part and fraction)
