@@ -14,6 +14,7 @@
    prepared corpora of ``--sizes`` GB of tokens. The large prepared corpora are made quickly by repeating
    the prepared stdlib's token stream (shards of 2**28 tokens, a real index, manifest and digests), so
    their size, not their text, is what differs. Cases alternate in rounds; medians and min-max spreads.
+   Then, in this process, the data part alone: launcher check + ``build_batches`` + the first batch.
 
     .venv/bin/python benchmarks/data.py [--rounds 3] [--sizes 0.3,3] [--workers 0] [--json out.json]
 
@@ -121,6 +122,8 @@ def bench_prepare(work: Path, rounds: int, workers: int, bpe_mb: float, bpe_voca
 
 def synthesize(source: Path, out: Path, num_tokens: int, shard_tokens: int = 1 << 28) -> Path:
     """A prepared directory of ``num_tokens`` tokens: the source's stream repeated (whole documents)."""
+    if (out / MANIFEST).is_file() and read_manifest(out).num_tokens >= num_tokens:
+        return out  # made by an earlier run with --work
     src = read_manifest(source)
     stream = np.concatenate([np.fromfile(f, dtype=src.dtype) for f, _ in src.files()[:-1]])
     index = np.fromfile(source / SHARD_DIR / INDEX_FILE, dtype="<u8").astype(np.int64)
@@ -205,6 +208,30 @@ def bench_startup(work: Path, rounds: int, sizes: list[float], seq_len: int) -> 
     return out
 
 
+def bench_open(work: Path, rounds: int, sizes: list[float], seq_len: int) -> dict:
+    """In this process: seconds from nothing to the first batch (launcher check + ``build_batches`` +
+    one batch, as rank 0 of dp=1), raw default vs the prepared corpora made by :func:`bench_startup`."""
+    from loongtrain.data import build_batches
+    from loongtrain.data.prepared import check_prepared
+
+    corpora = {"default (stdlib, raw)": "stdlib", **{f"prepared {gb:g} G tokens": str(work / f"prep-{gb:g}GB")
+                                                     for gb in sizes}}
+    byte = build_tokenizer("byte")
+    times: dict[str, list[float]] = {name: [] for name in corpora}
+    for _ in range(rounds):
+        for name, corpus in corpora.items():
+            t0 = time.perf_counter()
+            if corpus != "stdlib":
+                check_prepared(corpus, byte, seq_len + 1)
+            next(build_batches(corpus, byte, seq_len, 1, 0, 1, 0, 0))
+            times[name].append(time.perf_counter() - t0)
+    out = {name: spread(ts) for name, ts in times.items()}
+    for name, ts in times.items():
+        print(f"open + first batch in-process, {name}: {statistics.median(ts) * 1e3:.1f} ms "
+              f"[{min(ts) * 1e3:.1f}, {max(ts) * 1e3:.1f}]", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -228,6 +255,7 @@ def main() -> None:
         if "startup" not in args.skip:
             sizes = [float(s) for s in args.sizes.split(",") if s]
             result["startup"] = bench_startup(work, args.rounds, sizes, args.seq_len)
+            result["open"] = bench_open(work, max(args.rounds, 5), sizes, args.seq_len)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)

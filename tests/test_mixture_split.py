@@ -132,3 +132,29 @@ def test_val_split_prepared_equals_raw_and_val_corpus(two):
                            ({"val_fraction": 0.01}, "less than one global batch")):
         with pytest.raises(ValueError, match=needle):
             build_val_batches(a, "byte", SEQ, 1, seed=1, **kwargs)
+
+
+def test_large_epochs_use_a_stateless_permutation():
+    """Above RANDPERM_MAX samples the sampler permutes without a table (O(1) start-up at any size);
+    the kind is in the state, and an older state without it resumes with randperm."""
+    from loongtrain.data.sampler import RANDPERM_MAX, ReplicaSampler, feistel_index
+
+    for n in (1, 2, 3, 7, 1000, 1025):
+        assert sorted(feistel_index(i, n, 5) for i in range(n)) == list(range(n))
+    assert [feistel_index(i, 1000, 5) for i in range(20)] != [feistel_index(i, 1000, 6) for i in range(20)]
+    assert ReplicaSampler(RANDPERM_MAX, 0, 1, 1).permutation == "randperm"
+    big = ReplicaSampler(10**12, 0, 2, 3, seed=4)
+    assert big.permutation == "feistel" and big._perm_cache == {}
+    first = big.indices(5)
+    assert len(set(first)) == 3 and all(0 <= i < 10**12 for i in first)
+    small = ReplicaSampler(1000, 1, 2, 4, seed=2, permutation="feistel")
+    seen = [i for step in range(125) for i in small.indices(step)]
+    other = ReplicaSampler(1000, 0, 2, 4, seed=2, permutation="feistel")
+    assert sorted(seen + [i for step in range(125) for i in other.indices(step)]) == list(range(1000))
+    state = small.state_dict()
+    assert state["permutation"] == "feistel"
+    fresh = ReplicaSampler(1000, 1, 2, 4, seed=2)
+    fresh.load_state_dict(state)
+    assert fresh.permutation == "feistel" and fresh.indices(3) == small.indices(3)
+    fresh.load_state_dict({k: v for k, v in state.items() if k != "permutation"})
+    assert fresh.permutation == "randperm"
