@@ -28,8 +28,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from loongtrain.data.corpus import FilesCorpus, build_corpus, read_jsonl
+from loongtrain.data.packing import TokenStream
+from loongtrain.data.prepared import check_prepared, is_prepared_dir
+from loongtrain.data.sources import parse_corpus_spec
+from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.train.checkpoint import AUTO, newest_checkpoint, resolve_checkpoint, verify_checkpoint
 from loongtrain.train.config import TrainConfig
+from loongtrain.train.models import build_run_tokenizer
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seed", "grad_accum", "lr", "beta1",
@@ -40,14 +46,16 @@ class RunComplete(Exception):
     """A restarted job whose newest checkpoint is already at ``--steps``: nothing is left to do."""
 
 
-def preflight(cfg: TrainConfig, world: int, *, restarted: bool = False) -> TrainConfig:
+def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, *,
+              restarted: bool = False) -> TrainConfig:
     """Check the run's files; return ``cfg`` with ``resume`` resolved to one checkpoint directory ("" for a
     fresh start). ``restarted``: a restart of a failed job (``--resume`` defaults to 'auto', and a
-    checkpoint at ``--steps`` raises :class:`RunComplete` instead of ValueError)."""
+    checkpoint at ``--steps`` raises :class:`RunComplete` instead of ValueError). ``tokenizer``: the run's
+    (built from ``--tokenizer`` when not given)."""
     if restarted and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume=AUTO, overwrite=False)
     check_out_dir(cfg)
-    check_corpus(cfg)
+    check_corpus(cfg, tokenizer or build_run_tokenizer(cfg))
     try:
         return resolve_resume(cfg, world)
     except _StepsReached as exc:
@@ -74,14 +82,10 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is not writable")
 
 
-def check_corpus(cfg: TrainConfig) -> None:
-    """Every corpus of ``--corpus`` and ``--val-corpus`` can be read and holds one sample of ``seq_len + 1``
-    tokens; a prepared one matches the run's tokenizer and passes its quick checksum check."""
-    from loongtrain.data.prepared import check_prepared, is_prepared_dir
-    from loongtrain.data.sources import parse_corpus_spec
-    from loongtrain.data.tokenizer import build_tokenizer
-    from loongtrain.train.models import tokenizer_spec
-
+def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+    """Every corpus of ``--corpus`` and ``--val-corpus`` (each part of a mixture) can be read and holds one
+    sample of ``seq_len + 1`` tokens; a prepared one matches ``tokenizer`` and passes its quick checksum
+    check (:func:`loongtrain.data.prepared.check_prepared`)."""
     for flag, spec in (("--corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus)):
         if not spec:
             continue
@@ -89,10 +93,6 @@ def check_corpus(cfg: TrainConfig) -> None:
             parts = parse_corpus_spec(spec)
         except ValueError as exc:
             raise ValueError(f"{flag} {spec!r}: {exc}") from None
-        try:
-            tokenizer = build_tokenizer(tokenizer_spec(cfg))
-        except (ImportError, OSError, ValueError) as exc:
-            raise ValueError(f"--tokenizer {cfg.tokenizer!r}: {exc}") from None
         for name, _ in parts:
             where = f"{flag} {spec!r}" if name == spec else f"{flag} {spec!r}, corpus {name!r}"
             if is_prepared_dir(name):
@@ -104,11 +104,8 @@ def check_corpus(cfg: TrainConfig) -> None:
                 check_raw_corpus(name, tokenizer, cfg.seq_len, where)
 
 
-def check_raw_corpus(spec: str, tokenizer: Any, seq_len: int, where: str) -> None:
+def check_raw_corpus(spec: str, tokenizer: Tokenizer, seq_len: int, where: str) -> None:
     """A raw corpus can be read (every ``.jsonl`` line) and holds at least ``seq_len + 1`` tokens."""
-    from loongtrain.data.corpus import FilesCorpus, build_corpus, read_jsonl
-    from loongtrain.data.packing import TokenStream
-
     try:
         corpus = build_corpus(spec)
     except (ImportError, ValueError) as exc:
