@@ -69,6 +69,7 @@ def test_format_is_the_raw_token_stream(tmp_path, corpus):
     assert not (out / IN_PROGRESS).exists() and not list(out.glob(".tmp-*"))
 
 
+@pytest.mark.distributed  # a pool of 2 worker processes
 def test_same_output_for_any_worker_count_and_idempotent(tmp_path, corpus, caplog):
     prepare([str(corpus)], tmp_path / "one", workers=1, shard_bytes=300)
     prepare([str(corpus)], tmp_path / "two", workers=2, shard_bytes=300)
@@ -122,6 +123,7 @@ def test_mmap_batches_bit_equal_to_raw_and_resume(tmp_path, corpus):
     assert torch.equal(torch.cat([h["input_ids"] for h in halves]), nxt["input_ids"])
 
 
+@pytest.mark.distributed  # a pool of 2 worker processes
 def test_hf_tokenizer_prepare_equals_raw(tmp_path, corpus):
     tokenizers = pytest.importorskip("tokenizers")
     model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
