@@ -206,13 +206,18 @@ def no_workers(task):
     raise WorkerStarted(task[0])
 
 
+def no_pool(*args):
+    raise WorkerStarted("pool")
+
+
 @pytest.mark.parametrize("case", ["nonempty", "bad_json", "other_tokenizer_dir", "newer", "no_corpus"])
 def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypatch):
     import loongtrain.data.prepare as prep
 
     monkeypatch.setattr(prep, "_tokenize_shard", no_workers)  # a shard started would raise
+    monkeypatch.setattr(prep.multiprocessing, "get_context", no_pool)  # and so would a worker pool
     out = tmp_path / "out"
-    args = [str(corpus), "--out", str(out), "--workers", "1"]
+    args = [str(corpus), "--out", str(out), "--workers", "2"]
     if case == "nonempty":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
@@ -226,6 +231,7 @@ def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypat
         monkeypatch.undo()
         prepare([str(corpus)], out, workers=1, shard_bytes=300)
         monkeypatch.setattr(prep, "_tokenize_shard", no_workers)
+        monkeypatch.setattr(prep.multiprocessing, "get_context", no_pool)
         if case == "newer":
             m = json.loads((out / MANIFEST).read_text())
             (out / MANIFEST).write_text(json.dumps({**m, "version": 99}))
@@ -243,6 +249,7 @@ def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypat
         with pytest.raises(WorkerStarted):  # --overwrite passes the check
             cli_main(["prepare", *args, "--overwrite"])
         monkeypatch.undo()
+        args[-1] = "1"  # in this process
         assert cli_main(["prepare", *args, "--overwrite"]) == 0 and not (out / "notes.txt").exists()
     if case == "bad_json":
         assert not out.exists() or not any(out.iterdir())

@@ -6,6 +6,10 @@ of text (so the output does not depend on the number of workers); worker process
 each, write it and its digests, and return its document lengths; the parent writes the document index
 and, last, the manifest.
 
+Bad input found while reading (a line that is not valid JSON, naming ``FILE:LINE``) raises ValueError:
+the workers stop and the output directory is left empty. The first shard's documents are read before
+the workers start; a bad line later in the corpus stops them after they started.
+
 Crash safety: a prepare first writes the marker :data:`~loongtrain.data.prepared.IN_PROGRESS` into the
 output directory, writes every shard into ``DIR/.tmp-<pid>/``, renames that to ``DIR/shards`` (atomic),
 then writes ``manifest.json`` (atomically, by rename) and removes the marker. A directory without the
@@ -15,6 +19,7 @@ starts again. A finished directory with the same sources, tokenizer and shard si
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import multiprocessing
@@ -198,6 +203,8 @@ def _write_shards(corpora: list[Corpus], tok: Tokenizer, tmp: Path, dtype: np.dt
                   shard_bytes: int, progress: bool, total: int | None,
                   on_shard: Callable[[int], None] | None) -> tuple[list[dict[str, Any]], np.ndarray]:
     tasks = ((k, docs, str(tmp), dtype.str) for k, docs in _shard_texts(corpora, shard_bytes))
+    # the first shard's documents are read before any worker starts (a bad line there: no worker ever ran)
+    tasks = itertools.chain([next(tasks)], tasks)
     bar = None
     if progress:
         from tqdm import tqdm
