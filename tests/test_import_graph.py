@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "loongtrain"
-FLOORS = {"_toml": 0, "model": 1, "data": 1, "parallel": 1, "loss": 2, "attn": 2, "hf": 3, "plan": 4,
+FLOORS = {"_toml": 0, "_input": 0, "model": 1, "data": 1, "parallel": 1, "loss": 2, "attn": 2, "hf": 3, "plan": 4,
           "train": 5, "eval": 6, "__init__": 9, "cli": 9}
 
 

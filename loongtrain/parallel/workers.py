@@ -14,7 +14,9 @@ and the calibration (docs/design.md §10). Design:
   or swapping) fails the run by name, while its peers, blocked waiting for it, keep beating.
 - Failure: the first failure stops the run; the other ranks are killed and :class:`WorkerError`
   carries the failing rank's number and traceback (the cause, not a peer that failed because of
-  it). No result within ``timeout`` raises ``TimeoutError``.
+  it), its cause in one line, and whether a restart could fix it (:func:`restartable`: not a user
+  error, a full disk, or an exception class marked ``restartable = False``). No result within
+  ``timeout`` raises ``TimeoutError``.
 - Orphans (``parallel/liveness.py``): workers die with the launcher, however it ends (SIGKILL
   included): each worker's thread waits for end-of-file on a lifeline pipe that only the launcher holds.
 
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from loongtrain.parallel.failures import one_line, restartable
 from loongtrain.parallel.liveness import Heartbeats, heartbeat_period, start_worker_threads
 
 BACKENDS = ("gloo", "nccl")
@@ -54,12 +57,18 @@ _SETTLE_S = 0.5
 
 
 class WorkerError(RuntimeError):
-    """A rank raised an exception or died; ``rank`` names it, ``details`` is its traceback or exit status."""
+    """A rank raised an exception or died; ``rank`` names it, ``details`` is its traceback or exit status.
 
-    def __init__(self, rank: int, world_size: int, details: str) -> None:
+    ``error``: the cause in one line (``"OSError: [Errno 28] No space left on device"``; for a death, how
+    it died); ``kind``: the cause's exception class name ("" for a death); ``restartable``: False when a
+    restart would fail the same way (:func:`restartable`)."""
+
+    def __init__(self, rank: int, world_size: int, details: str, error: str = "", kind: str = "",
+                 restartable: bool = True) -> None:
         super().__init__(f"rank {rank} of {world_size} failed:\n{details}")
-        self.rank = rank
-        self.details = details
+        self.rank, self.world_size, self.details = rank, world_size, details
+        self.error = error or (details.strip().splitlines() or ["no details"])[-1].strip()
+        self.kind, self.restartable = kind, restartable
 
 
 @dataclass(frozen=True)
@@ -174,6 +183,7 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
     pending = dict(enumerate(conns))
     results: dict[int, Any] = {}
     failures: list[tuple[bool, float, int, str]] = []  # (reported?, wall time, rank, details)
+    infos: dict[int, dict[str, Any]] = {}  # rank -> the error report's summary (see _worker)
     settle = None
     heart = Heartbeats(beats, heartbeat_timeout)
     while pending:
@@ -200,7 +210,8 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
             rank = by_sentinel[ready] if isinstance(ready, int) else by_conn[ready]
             if rank not in pending:
                 continue
-            status, value, stamp = _receive(pending.pop(rank), procs[rank])
+            status, value, stamp, *info = _receive(pending.pop(rank), procs[rank])
+            infos[rank] = info[0] if info else {}
             if status == "ok":
                 results[rank] = value
             else:
@@ -208,7 +219,9 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
                 settle = settle or time.monotonic() + _SETTLE_S
     if failures:
         _, _, rank, details = min(failures)
-        raise WorkerError(rank, world_size, details)
+        info = infos.get(rank, {})
+        raise WorkerError(rank, world_size, details, info.get("error", ""), info.get("kind", ""),
+                          info.get("restartable", True))
     return [results[rank] for rank in range(world_size)]
 
 
@@ -265,8 +278,10 @@ def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], arg
         result = fn(rank, world_size, *args)
         dist.barrier()  # nobody tears down groups a slower rank still talks on
         conn.send(("ok", result, time.time()))
-    except BaseException:  # noqa: BLE001 - every failure goes to the launcher, which stops the run
-        conn.send(("error", traceback.format_exc(), time.time()))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, which stops the run
+        again, cause = restartable(exc)
+        conn.send(("error", traceback.format_exc(), time.time(),
+                   {"error": one_line(cause), "kind": type(cause).__name__, "restartable": again}))
         conn.close()
         os._exit(1)  # skip teardown: the other ranks may be blocked in a collective
     conn.close()

@@ -52,8 +52,9 @@ def data_batches(cfg: TrainConfig, mesh: Mesh, start_micro_step: int) -> Iterato
     from loongtrain import data
 
     tokenizer = data.build_tokenizer(models.tokenizer_spec(cfg))
+    corpus = data.build_corpus(cfg.corpus, decode_errors=cfg.decode_errors)  # --decode-errors (issue 23)
     return data.build_batches(
-        cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp, cfg.seed,
+        corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp, cfg.seed,
         start_micro_step,
     )
 
