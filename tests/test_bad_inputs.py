@@ -192,6 +192,7 @@ CASES = [
     ([*PLAN, "--cluster", D + "/cluster_extra.toml"], "cluster_extra.toml': unknown key(s) ['gpus']"),
     ([*PLAN, "--cluster", D + "/cluster_bad.toml"], "cluster_bad.toml' is not valid TOML"),
     ([*PLAN, "--cluster", "h300"], "neither a built-in cluster"),
+    ([*TRAIN, "--plan", "auto", "--plan-cluster", D + "/cluster_frac.toml"], "gpus_per_node = 7.5 must be of type int"),
     (["plan", "--config", D + "/plan_frac.toml"], "plan_frac.toml': nodes = 1.5 must be of type int"),
     (["plan", "--config", D + "/plan_model.toml"], "plan_model.toml': [model]: dim = 'big' must be of type int"),
     (["plan", "--config", D + "/plan_unknown.toml"], "plan_unknown.toml': unknown keys ['gpus']"),
@@ -201,11 +202,12 @@ CASES = [
     ([*EXPORT, "--hf", D + "/x", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     ([*EXPORT, "--hf", D + "/x", "--bogus"], "unrecognized arguments: --bogus"),
     (["export", D + "/nowhere", "--hf", D + "/x"], "is not a loongtrain checkpoint"),
-    (["fly"], "unknown command 'fly'"),
+    (["fly"], "unknown command 'fly'; choose one of ['train', 'plan', 'export']"),
+    ([], "no command; choose one of ['train', 'plan', 'export']"),
 ]
 
 PREFIX = {"train": "loongtrain train: error: ", "plan": "loongtrain plan: error: ",
-          "export": "loongtrain export: error: ", "fly": "loongtrain: unknown command"}
+          "export": "loongtrain export: error: ", "fly": "loongtrain: unknown command", "": "loongtrain: error: "}
 
 
 def _fill(argv: list[str], files: dict[str, str]) -> list[str]:
@@ -234,12 +236,13 @@ def test_enough_cases():
     assert len(CASES) >= 60
 
 
-@pytest.mark.parametrize("argv, needle", CASES, ids=[" ".join(a)[-70:] for a, _ in CASES])
+@pytest.mark.parametrize("argv, needle", CASES, ids=[" ".join(a)[-70:] or "no-command" for a, _ in CASES])
 def test_bad_input_exits_2_with_one_line(argv, needle, files, capsys, no_workers):
     argv, needle = _fill(argv, files), needle.format(**files)
-    if argv[0] == "train" and "--corpus" not in argv:
+    command = argv[0] if argv else ""
+    if command == "train" and "--corpus" not in argv:
         argv += ["--corpus", files["corpus"]]
-    if argv[0] == "train" and "--out-dir" not in argv:
+    if command == "train" and "--out-dir" not in argv:
         argv += ["--out-dir", str(Path(files["dir"], "out"))]
     before = _hashes(Path(files["dir"]))
     t0 = time.perf_counter()
@@ -251,7 +254,7 @@ def test_bad_input_exits_2_with_one_line(argv, needle, files, capsys, no_workers
     assert needle in err, (needle, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith(PREFIX[argv[0]]), lines[0]
+    assert lines[0].startswith(PREFIX[command]), lines[0]
     assert _hashes(Path(files["dir"])) == before, "a file changed"
 
 

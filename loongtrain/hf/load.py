@@ -31,6 +31,9 @@ def read_hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = read_config_json(path / "config.json")
+    architectures = raw.get("architectures")
+    for name in architectures if isinstance(architectures, list) else []:
+        check_architecture(str(name))
     check_stated_sizes(raw, path / "config.json")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -69,10 +72,10 @@ def check_stated_sizes(raw: dict[str, Any], file: Path) -> None:
 
     model_type = raw.get("model_type")
     config_class = CONFIG_MAPPING[model_type] if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
-    aliases = getattr(config_class, "attribute_map", {}) or {}
+    stored_as = getattr(config_class, "attribute_map", {}) or {}  # e.g. GPT-2: hidden_size -> n_embd
     missing, bad = [], []
     for name in REQUIRED_SIZES:
-        keys = [name, *(alias for alias, target in aliases.items() if target == name)]
+        keys = [name, *([stored_as[name]] if name in stored_as else [])]
         stated = [k for k in keys if k in raw]
         if not stated:
             missing.append(name)
