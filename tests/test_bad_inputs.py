@@ -138,7 +138,7 @@ CASES = [
     ([*TRAIN, "--model", D + "/hf_novocab"], "does not state ['vocab_size']"),
     ([*TRAIN, "--model", D + "/hf_act"], "swishish"),
     (["plan", "--model", D + "/hf_act", "--seq-len", "8K", "--nodes", "1"], "swishish"),
-    ([*TRAIN, "--model", D + "/hf_strsize"], "hidden_size='32' must be positive integers"),
+    ([*TRAIN, "--model", D + "/hf_strsize"], "hidden_size='32' must be a positive integer"),
     ([*TRAIN, "--model", D + "/hf_zerolayers"], "num_hidden_layers=0"),
     ([*TRAIN, "--model", D + "/hf_heads"], "hf_heads/config.json"),
     ([*TRAIN, "--model", D + "/hf_badjson"], "hf_badjson/config.json' is not a readable JSON file"),
@@ -369,7 +369,8 @@ def test_bad_input_in_a_subprocess(argv, needle, files):
     elapsed = time.perf_counter() - t0
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert elapsed < 20, f"{elapsed:.1f} s (interpreter start and imports included)"
+    # ~3 s on 2 quiet cores (interpreter start, torch and transformers imports); generous for shared CI
+    assert elapsed < 30, f"{elapsed:.1f} s (interpreter start and imports included)"
     assert _hashes(Path(files["dir"])) == before
 
 

@@ -87,7 +87,8 @@ def check_stated_sizes(raw: dict[str, Any], file: Path) -> None:
         raise ValueError(f"{str(file)!r} does not state {missing}: the model's sizes must be given, not taken "
                          f"from transformers' defaults (a 7B model)")
     if bad:
-        raise ValueError(f"{str(file)!r}: {', '.join(bad)} must be positive integers")
+        raise ValueError(f"{str(file)!r}: {', '.join(bad)} must be "
+                         + ("positive integers" if len(bad) > 1 else "a positive integer"))
 
 
 def build_on_meta(config: Any, file: Path) -> nn.Module:
