@@ -237,6 +237,11 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         from loongtrain.plan.calibrate import calibrate
 
+        if args.out.is_dir() or not args.out.parent.is_dir():  # checked before the minutes of measuring
+            raise ValueError(f"--out {str(args.out)!r} is a directory; name the cluster TOML file to write"
+                             if args.out.is_dir() else f"--out {str(args.out)!r}: the directory "
+                             f"{str(args.out.parent)!r} does not exist")
+
         cluster = calibrate(world=args.calibrate_world)
         args.out.write_text(cluster_to_toml(cluster))
         print(cluster_to_toml(cluster))
