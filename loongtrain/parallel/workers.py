@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -213,7 +214,7 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
             status, value, stamp, *info = _receive(pending.pop(rank), procs[rank])
             infos[rank] = info[0] if info else {}
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 failures.append((status == "error", stamp, rank, value))
                 settle = settle or time.monotonic() + _SETTLE_S
@@ -277,7 +278,9 @@ def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], arg
                                 world_size=world_size, **kwargs)
         result = fn(rank, world_size, *args)
         dist.barrier()  # nobody tears down groups a slower rank still talks on
-        conn.send(("ok", result, time.time()))
+        # by value (plain pickle): torch's multiprocessing pickler would share tensor storage through a
+        # file descriptor that this process serves until it exits, a race with the launcher's unpickling
+        conn.send(("ok", pickle.dumps(result), time.time()))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, which stops the run
         again, cause = restartable(exc)
         conn.send(("error", traceback.format_exc(), time.time(),
