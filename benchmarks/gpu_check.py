@@ -309,7 +309,7 @@ def _train_one(name: str, seq: int, device: torch.device, steps: int) -> dict[st
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.plan.memory_model import memory_per_rank
-    from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
+    from loongtrain.train.config import Run, TrainConfig, autocast_dtype, param_dtype
     from loongtrain.train.trainer import Trainer
     from tests.synthetic import global_batch
 
@@ -317,7 +317,7 @@ def _train_one(name: str, seq: int, device: torch.device, steps: int) -> dict[st
     cfg = TrainConfig(model=name, seq_len=seq, steps=steps + 1, warmup=1, dtype="auto",
                       parallel=ParallelConfig(ac_mode="selective"), memory_report=False)
     mesh = single_process_mesh()
-    trainer = Trainer(cfg, mesh, device, model_config)
+    trainer = Trainer(Run(cfg, model_config), mesh, device)
     compute = autocast_dtype(cfg, device) or param_dtype(cfg)
     predicted = memory_per_rank(model_config, mesh.layout, seq_len=seq, batch=1, zero_size=1,
                                 ac_mode="selective", dtype_bytes=torch.empty((), dtype=compute).element_size())

@@ -280,6 +280,7 @@ def test_export_overwrite_replaces_the_whole_directory(files, tmp_path, capsys):
 def test_decode_errors_opt_in_and_control_bytes_warn(files, caplog):
     """--decode-errors replace reads random bytes (with a warning naming their share); the strict
     default refuses them (the table above); a corpus of control characters warns."""
+    from loongtrain.data.tokenizer import ByteTokenizer
     from loongtrain.train.config import TrainConfig
     from loongtrain.train.preflight import check_corpus
 
@@ -288,11 +289,11 @@ def test_decode_errors_opt_in_and_control_bytes_warn(files, caplog):
     for corpus, errors in (("random.txt", "replace"), ("random.txt", "ignore"), ("control.txt", "strict")):
         caplog.clear()
         cfg = TrainConfig(corpus=str(Path(files["dir"], corpus)), seq_len=16, decode_errors=errors)
-        check_corpus(cfg)
+        check_corpus(cfg, ByteTokenizer())
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1 and "% of its first" in warned[0] and corpus in warned[0], warned
     caplog.clear()
-    check_corpus(TrainConfig(corpus=files["corpus"], seq_len=16))
+    check_corpus(TrainConfig(corpus=files["corpus"], seq_len=16), ByteTokenizer())
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     logging.getLogger("loongtrain").removeHandler(caplog.handler)
 
@@ -345,7 +346,6 @@ def test_restart_rule_and_one_line_report(monkeypatch, files, capsys):
                           "OSError: [Errno 28] No space left on device", "OSError", restartable=False)
 
     monkeypatch.setattr(launch, "run_local", failing)
-    monkeypatch.setattr(launch, "preflight", lambda cfg, world, restarted=False: cfg)
     argv = ["train", *BASE, "--nproc", "2", "--hp", "2", "--max-restarts", "3", "--corpus", files["corpus"],
             "--out-dir", str(Path(files["dir"], "full"))]
     assert main(argv) == 1

@@ -110,7 +110,7 @@ def attention(
     if hp > 1:
         q, k, v = _scatter_heads(q, k, v, mesh)
     out, _ = ops.ring_attention(q, k, v, ops.ring_key(mesh), causal, scale, flatten_cu_seqlens(docs),
-                                sliding_window or 0, order)
+                                sliding_window, order)
     if hp > 1:
         out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
     return out

@@ -65,29 +65,29 @@ def ring_key(mesh: Mesh) -> str:
     return key
 
 
-def _mask(causal: bool, cu_seqlens: list[int], window: int, chunk_order: list[int]) -> AttnMask:
-    return AttnMask(causal, window or None, unflatten_cu_seqlens(cu_seqlens),
+def _mask(causal: bool, cu_seqlens: list[int], sliding_window: int | None, chunk_order: list[int]) -> AttnMask:
+    return AttnMask(causal, sliding_window, unflatten_cu_seqlens(cu_seqlens),
                     chunk_order=tuple(chunk_order) if chunk_order else None)
 
 
 @torch.library.custom_op("loongtrain::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, ring: str, causal: bool, scale: float, cu_seqlens: list[int], window: int,
-    chunk_order: list[int],
+    q: Tensor, k: Tensor, v: Tensor, ring: str, causal: bool, scale: float, cu_seqlens: list[int],
+    sliding_window: int | None, chunk_order: list[int],
 ) -> tuple[Tensor, Tensor]:
     """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the K/V ``[B, S_c, Hkv, D]``
     of every member of the ring registered as ``ring`` (:func:`ring_key`); returns out ``[B, S_c, H, D]`` and
     lse ``[B, H, S_c]``. ``cu_seqlens``: each batch row's document boundaries, rows concatenated (empty:
-    one document); ``window``: sliding window (0: none); ``chunk_order``: the tokens' layout (empty: zigzag).
-    Backward: ring backward, K/V re-circulated and
-    dK/dV returned to their owners; lse is not differentiable (docs/design.md §4, §6)."""
-    mask = _mask(causal, cu_seqlens, window, chunk_order)
+    one document); ``sliding_window``: Mistral's window (None: none); ``chunk_order``: the tokens' layout
+    (empty: zigzag). Backward: ring backward, K/V re-circulated and dK/dV returned to their owners; lse is
+    not differentiable (docs/design.md §4, §6)."""
+    mask = _mask(causal, cu_seqlens, sliding_window, chunk_order)
     out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask)
     return out.transpose(1, 2).contiguous(), lse
 
 
 @ring_attention.register_fake
-def _(q, k, v, ring, causal, scale, cu_seqlens, window, chunk_order):
+def _(q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order):
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc)
 
@@ -99,19 +99,19 @@ def _bhsd(x: Tensor) -> Tensor:
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, ring, causal, scale, cu_seqlens, window, chunk_order = inputs
+    q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (ring, causal, scale, cu_seqlens, window, chunk_order)
+    ctx.args = (ring, causal, scale, cu_seqlens, sliding_window, chunk_order)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
-    ring, causal, scale, cu_seqlens, window, chunk_order = ctx.args
+    ring, causal, scale, cu_seqlens, sliding_window, chunk_order = ctx.args
     dq, dk, dv = ring_backward(
         _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring], causal, scale,
-        mask=_mask(causal, cu_seqlens, window, chunk_order),
+        mask=_mask(causal, cu_seqlens, sliding_window, chunk_order),
     )
     return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 6
 

@@ -49,6 +49,7 @@ import torch.multiprocessing as mp
 
 from loongtrain.parallel.failures import one_line, restartable
 from loongtrain.parallel.liveness import Heartbeats, heartbeat_period, start_worker_threads
+from loongtrain.parallel.mesh import destroy_all_meshes
 
 BACKENDS = ("gloo", "nccl")
 # torch._dynamo is imported by the first custom-op call (over a second): pay for it once, in the server
@@ -214,7 +215,7 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
             status, value, stamp, *info = _receive(pending.pop(rank), procs[rank])
             infos[rank] = info[0] if info else {}
             if status == "ok":
-                results[rank] = pickle.loads(value)
+                results[rank] = value
             else:
                 failures.append((status == "error", stamp, rank, value))
                 settle = settle or time.monotonic() + _SETTLE_S
@@ -230,7 +231,7 @@ def _receive(conn: Connection, proc: Any) -> tuple[str, Any, float]:
     """A rank's report ``(status, value, wall time)``, or ``("died", how, now)`` when it exited without one."""
     if conn.poll():
         try:
-            return conn.recv()
+            return pickle.loads(conn.recv_bytes())
         except EOFError:
             pass
     proc.join(timeout=5)
@@ -278,22 +279,25 @@ def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], arg
                                 world_size=world_size, **kwargs)
         result = fn(rank, world_size, *args)
         dist.barrier()  # nobody tears down groups a slower rank still talks on
-        # by value (plain pickle): torch's multiprocessing pickler would share tensor storage through a
-        # file descriptor that this process serves until it exits, a race with the launcher's unpickling
-        conn.send(("ok", pickle.dumps(result), time.time()))
+        conn.send_bytes(_report("ok", result))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, which stops the run
         again, cause = restartable(exc)
-        conn.send(("error", traceback.format_exc(), time.time(),
-                   {"error": one_line(cause), "kind": type(cause).__name__, "restartable": again}))
+        conn.send_bytes(_report("error", traceback.format_exc(),
+                                {"error": one_line(cause), "kind": type(cause).__name__, "restartable": again}))
         conn.close()
         os._exit(1)  # skip teardown: the other ranks may be blocked in a collective
     conn.close()
     _teardown()
 
 
-def _teardown() -> None:
-    from loongtrain.parallel.mesh import destroy_all_meshes
+def _report(status: str, value: Any, info: dict[str, Any] | None = None) -> bytes:
+    """A report as plain pickle bytes: tensors travel by value. (The connection's own pickler would send
+    them as shared-memory file descriptors, which are lost when the worker exits before the launcher
+    has read them: ``ConnectionResetError`` on a busy machine.)"""
+    return pickle.dumps((status, value, time.time(), info or {}))
 
+
+def _teardown() -> None:
     destroy_all_meshes()
     dist.destroy_process_group()
 

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from loongtrain._input import one_line
+from loongtrain.parallel.workers import WorkerError
 from loongtrain.train.config import parse_args
+from loongtrain.train.launch import launch, under_torchrun
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,9 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"loongtrain train: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    from loongtrain.parallel.workers import WorkerError
-    from loongtrain.train.launch import launch
-
     try:
         with stop_on_sigterm():
             launch(cfg)
@@ -63,8 +62,6 @@ class Terminated(KeyboardInterrupt):
 def stop_on_sigterm() -> Iterator[None]:
     """While inside: SIGTERM raises :class:`Terminated` in the main thread (local launcher only; under
     torchrun its agent owns the signals). Elsewhere (a thread, torchrun): nothing changes."""
-    from loongtrain.train.launch import under_torchrun
-
     if threading.current_thread() is not threading.main_thread() or under_torchrun():
         yield
         return

@@ -32,9 +32,10 @@ from loongtrain.parallel.runtime import default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.checkpoint import AUTO
-from loongtrain.train.config import TrainConfig
-from loongtrain.train.loop import fit, model_config_for
+from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.models import build_run_tokenizer, model_config_for
 from loongtrain.train.preflight import RunComplete, preflight
+from loongtrain.train.trainer import Trainer
 
 log = logging.getLogger("loongtrain.train")
 
@@ -54,10 +55,11 @@ def world_size_for(cfg: TrainConfig) -> int:
     return cfg.parallel.sp
 
 
-def validate_run(cfg: TrainConfig, world: int) -> ModelConfig:
-    """Raise ValueError naming the offending values if ``cfg`` cannot run on ``world`` ranks."""
+def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None = None) -> ModelConfig:
+    """Raise ValueError naming the offending values if ``cfg`` cannot run on ``world`` ranks; returns the
+    model's shape (``model_config`` when given, else derived)."""
     cfg.validate()
-    model_config = model_config_for(cfg)
+    model_config = model_config or model_config_for(cfg)
     p = cfg.parallel
     try:
         validate_parallel(p, world, seq_len=cfg.seq_len, num_heads=model_config.num_heads,
@@ -122,8 +124,23 @@ def _threads(cfg: TrainConfig, world_local: int) -> int:
     return 1 if world_local > 1 else (os.cpu_count() or 1)
 
 
-def run_worker(cfg: TrainConfig, model_config: ModelConfig, rank: int, world: int) -> list[dict]:
-    """One rank: join the process group (unless the launcher already did), build the mesh, train, leave."""
+def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False) -> Run:
+    """Everything the workers need, derived once here before any worker starts: the planned layout, the
+    tokenizer, the model's shape, and the checkpoint to resume (:func:`~loongtrain.train.preflight.preflight`).
+    ValueError for a user error; :class:`~loongtrain.train.preflight.RunComplete` when a restarted job has
+    nothing left to train."""
+    tokenizer = build_run_tokenizer(cfg)
+    model_config = model_config_for(cfg, tokenizer)
+    cfg = apply_plan(cfg, world, under_launcher=under_torchrun(), model_config=model_config)
+    validate_run(cfg, world, model_config)
+    cfg = preflight(cfg, world, tokenizer, restarted=restarted)
+    return Run(cfg, model_config, tokenizer, resume=cfg.resume)
+
+
+def run_worker(rank: int, world: int, run: Run) -> list[dict]:
+    """One rank: join the process group (unless the launcher already did), build the mesh, train, leave.
+    (The worker function of :func:`~loongtrain.parallel.workers.run_local`, and the torchrun rank's.)"""
+    cfg = run.cfg
     setup_logging(rank, cfg.log_all_ranks)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(_threads(cfg, local_world))
@@ -140,37 +157,31 @@ def run_worker(cfg: TrainConfig, model_config: ModelConfig, rank: int, world: in
         p = cfg.parallel
         mesh = init_mesh(p.hp, p.cp, window=p.window, placement=p.placement, interleaved=p.interleaved,
                          timeout=cfg.timeout)
-        return fit(cfg, mesh, device, model_config=model_config)
+        return Trainer(run, mesh, device).train()
     finally:
         if owns_group and dist.is_initialized():
             destroy_all_meshes()
             dist.destroy_process_group()
 
 
-def _local_worker(rank: int, world: int, cfg: TrainConfig, model_config: ModelConfig) -> None:
-    """A worker started by :func:`~loongtrain.parallel.workers.run_local` (inside its process group)."""
-    run_worker(cfg, model_config, rank, world)
-
-
 def launch(cfg: TrainConfig) -> None:
     """Validate ``cfg`` here, then train (torchrun rank, in-process single worker, or spawned workers)."""
     setup_logging(int(os.environ.get("RANK", 0)), cfg.log_all_ranks)
     world = world_size_for(cfg)
-    cfg = apply_plan(cfg, world, under_launcher=under_torchrun())
-    model_config = validate_run(cfg, world)
     try:
-        cfg = preflight(cfg, world, restarted=torchrun_restart(cfg))
+        run = resolve_run(cfg, world, restarted=torchrun_restart(cfg))
     except RunComplete as exc:
         log.info("restart %s: the run is complete (%s)", os.environ["TORCHELASTIC_RESTART_COUNT"], exc)
         return
+    cfg = run.cfg
     if under_torchrun() and int(os.environ["RANK"]) == 0 and "TORCHELASTIC_RUN_ID" in os.environ:
         Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)  # this torchrun job owns the directory now
         Path(cfg.out_dir, RUN_ID_FILE).write_text(os.environ["TORCHELASTIC_RUN_ID"] + "\n")
     if under_torchrun():
-        run_worker(cfg, model_config, int(os.environ["RANK"]), world)
+        run_worker(int(os.environ["RANK"]), world, run)
         return
     if world == 1:
-        run_worker(cfg, model_config, 0, 1)
+        run_worker(0, 1, run)
         return
     backend = resolve_backend(None, world)
     if backend == "gloo" and torch.cuda.is_available():
@@ -178,16 +189,17 @@ def launch(cfg: TrainConfig) -> None:
                     "to use them)", world, torch.cuda.device_count())
     log.info("starting %d local workers (hp=%d, cp=%d, dp=%d)", world, cfg.parallel.hp, cfg.parallel.cp,
              world // cfg.parallel.sp)
-    _run_local_with_restarts(cfg, model_config, world, backend)
+    _run_local_with_restarts(run, world, backend)
 
 
-def _run_local_with_restarts(cfg: TrainConfig, model_config: ModelConfig, world: int, backend: str) -> None:
+def _run_local_with_restarts(run: Run, world: int, backend: str) -> None:
     """Local workers; after a worker failure, up to ``--max-restarts`` new attempts resume from the newest
     checkpoint (a deterministic failure, e.g. too many NaN steps, fails every attempt alike)."""
+    cfg = run.cfg
     for attempt in range(cfg.max_restarts + 1):
         try:
             # the training stack is imported once, by the fork server (docs/design.md §10)
-            run_local(_local_worker, world, cfg, model_config, backend=backend, threads=None, timeout=None,
+            run_local(run_worker, world, run, backend=backend, threads=None, timeout=None,
                       collective_timeout=cfg.timeout, heartbeat_timeout=cfg.heartbeat_timeout,
                       preload=["loongtrain.train.launch"])
             return
@@ -200,6 +212,8 @@ def _run_local_with_restarts(cfg: TrainConfig, model_config: ModelConfig, world:
             log.warning("attempt %d of %d failed (%s); restarting from the newest checkpoint",
                         attempt + 1, cfg.max_restarts + 1, str(exc).splitlines()[0])
             try:
-                cfg = preflight(dataclasses.replace(cfg, resume=AUTO, overwrite=False), world, restarted=True)
+                cfg = preflight(dataclasses.replace(cfg, resume=AUTO, overwrite=False), world, run.tokenizer,
+                                restarted=True)
+                run = dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
             except RunComplete:
                 return  # the failure came after the last checkpoint: nothing left to train
