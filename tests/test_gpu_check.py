@@ -48,6 +48,11 @@ def test_cpu_run_writes_every_section(gpu_check, tmp_path):
     assert run["model"] == "tiny" and run["tokens_per_s"] > 0 and run["mfu"] > 0
     assert run["predicted_gib"]["total"] > 0
     assert result["determinism"]["deterministic"]["bitwise_equal"]
+    offload = result["offload"]["modes"]
+    assert set(offload) == set(gpu_check.SIZES["cpu"]["offload"][3])
+    assert all(r["ratio"] > 0 and r["tokens_per_s"] > 0 for r in offload.values())
+    moved = offload["offload activations + mlp tiles auto"]
+    assert moved["offloaded_mib_per_step"] > 0 and moved["device_activations_mib"] < moved["baseline_activations_mib"]
 
 
 def test_sharded_attention_matches_the_unsharded_kernel_exactly_in_fp64(gpu_check):

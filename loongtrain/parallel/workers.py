@@ -51,7 +51,7 @@ from loongtrain.parallel.failures import one_line, restartable
 from loongtrain.parallel.liveness import Heartbeats, heartbeat_period, start_worker_threads
 from loongtrain.parallel.mesh import destroy_all_meshes
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")  # the last: NCCL, and gloo for host tensors
 # torch._dynamo is imported by the first custom-op call (over a second): pay for it once, in the server
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "loongtrain", "loongtrain.parallel.workers")
 _JOIN_GRACE_S = 60.0
@@ -95,7 +95,7 @@ def resolve_backend(backend: str | None, world_size: int) -> str:
         return "nccl" if gpus >= world_size else "gloo"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
-    if backend == "nccl" and gpus < world_size:
+    if backend != "gloo" and gpus < world_size:
         raise ValueError(f"backend='nccl' with world_size={world_size} needs one GPU per rank; "
                          f"this machine has {gpus} (use backend='gloo' or fewer ranks)")
     return backend
@@ -272,7 +272,7 @@ def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], arg
         kwargs: dict[str, Any] = {}
         if spec.timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=spec.timeout_s)
-        if spec.backend == "nccl":
+        if spec.backend != "gloo":
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)  # binds the group to this rank's GPU
         dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,

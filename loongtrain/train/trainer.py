@@ -31,6 +31,7 @@ from loongtrain.parallel.runtime import is_distributed
 from loongtrain.train.batch import Batch, BatchLayout
 from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
+from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
 from loongtrain.train.models import build_model, hidden_and_head, model_record
@@ -113,6 +114,7 @@ class Trainer:
         bad_steps = 0
         try:
             for step in range(start, end):
+                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
                 record = self._timed_step(step, batches, peak, mem_fields)
                 records.append(record)
                 bad_steps = self._count_bad_step(record, bad_steps)
