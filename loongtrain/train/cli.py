@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loongtrain train: rank {exc.rank} failed: {exc.error}", file=sys.stderr)
         return 1
     except Exception as exc:  # noqa: BLE001 - the run failed in this process: report it, exit non-zero
-        print(f"loongtrain train: training failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"loongtrain train: training failed: {exc}", file=sys.stderr)
         return 1
     return 0
 
