@@ -68,6 +68,7 @@ def build_batches(
     shuffle: bool = True,
     text_field: str = "text",
     val_fraction: float = 0.0,
+    decode_errors: str = "strict",
 ) -> Batches:
     """Batches for replica ``dp_rank`` of ``dp`` from global step ``start_step`` (infinite; wraps epochs).
 
@@ -80,12 +81,14 @@ def build_batches(
     mixture ``a=0.7,b=0.3`` of them (:mod:`loongtrain.data.sources`). The same corpus prepared or raw
     gives bit-identical batches. ``val_fraction`` > 0 leaves out the validation documents
     (:mod:`loongtrain.data.split`; their batches: :func:`loongtrain.data.validation.build_val_batches`).
+    ``decode_errors``: raw corpora's non-UTF-8 bytes (``--decode-errors``: strict, replace or ignore).
     """
     tok = build_tokenizer(tokenizer)
     parts = [(corpus_spec, 1.0)] if isinstance(corpus_spec, Corpus) else parse_corpus_spec(str(corpus_spec))
     part = "train" if val_fraction else "all"
     datasets = [PackedDataset(open_stream(spec, tok, text_field=text_field, val_fraction=val_fraction,
-                                          seed=seed, part=part), seq_len) for spec, _ in parts]
+                                          seed=seed, part=part, decode_errors=decode_errors), seq_len)
+                for spec, _ in parts]
     if len(datasets) == 1:
         dataset: PackedDataset | MixtureDataset = datasets[0]
         num_samples = datasets[0].num_samples() if shuffle else None

@@ -47,15 +47,16 @@ def parse_corpus_spec(spec: str) -> list[tuple[str, float]]:
 
 
 def open_stream(spec: str | Corpus, tokenizer: Tokenizer, *, text_field: str = "text", val_fraction: float = 0.0,
-                seed: int = 0, part: str = "all") -> TokenStream | PreparedStream:
+                seed: int = 0, part: str = "all", decode_errors: str = "strict") -> TokenStream | PreparedStream:
     """The token stream of ONE corpus (``part``: "all", or "train"/"validation" of the split by
     ``val_fraction`` and ``seed``; :mod:`loongtrain.data.split`). A prepared directory is checked
     against ``tokenizer`` and by file sizes (its digests: by ``loongtrain train``'s preflight, once, in
-    the launcher; :func:`~loongtrain.data.prepared.check_prepared`)."""
+    the launcher; :func:`~loongtrain.data.prepared.check_prepared`). ``decode_errors``: how a raw corpus's
+    bytes that are not UTF-8 are read (``--decode-errors``)."""
     if isinstance(spec, str) and is_prepared_dir(spec):
         manifest = verify_prepared(spec, tokenizer, digests=False)
         return PreparedStream(manifest, tokenizer, selected(manifest.num_documents, val_fraction, seed, part))
-    corpus = build_corpus(spec, text_field)
+    corpus = build_corpus(spec, text_field, decode_errors=decode_errors)
     if selected(0, val_fraction, seed, part) is not None:  # a split applies (checks part and fraction)
         corpus = SplitCorpus(corpus, val_fraction, seed, part)
     return TokenStream(corpus, tokenizer)

@@ -79,7 +79,10 @@ class HFTokenizer(Tokenizer):
         except ImportError:
             tokenizers = None
         if tokenizers is not None and file.is_file():
-            self._tok = tokenizers.Tokenizer.from_file(str(file))
+            try:
+                self._tok = tokenizers.Tokenizer.from_file(str(file))
+            except BaseException as exc:  # tokenizers raises Exception, or pyo3's PanicException
+                _reraise_unless_library_error(exc, file)
             vocab = self._tok.get_vocab(with_added_tokens=True)
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         else:
@@ -92,7 +95,10 @@ class HFTokenizer(Tokenizer):
                 ) from None
             if not path.is_dir():
                 raise ValueError(f"tokenizer path {str(path)!r} is neither tokenizer.json nor a directory")
-            self._hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            try:
+                self._hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except BaseException as exc:
+                _reraise_unless_library_error(exc, path)
             vocab = self._hf.get_vocab()
             self.vocab_size = len(self._hf)
             eos_default = self._hf.eos_token
@@ -121,6 +127,17 @@ class HFTokenizer(Tokenizer):
         if self._tok is not None:
             return self._tok.decode(values, skip_special_tokens=False)
         return self._hf.decode(values, skip_special_tokens=False)
+
+
+def _reraise_unless_library_error(exc: BaseException, file: Path) -> None:
+    """A tokenizer library's failure to read ``file`` as ValueError naming it (whatever its class: the
+    Rust ``tokenizers`` raise ``Exception`` or a ``PanicException`` deriving from BaseException);
+    interrupts and exits propagate as they are."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise exc
+    text = str(exc).strip().splitlines()
+    raise ValueError(f"tokenizer file {str(file)!r} cannot be loaded: {type(exc).__name__}: "
+                     f"{text[0] if text else 'no details'}") from None
 
 
 def build_tokenizer(name_or_path: str | Tokenizer = "byte") -> Tokenizer:

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from loongtrain._toml import tomllib
+from loongtrain._input import OneLineParser, check_value, read_toml
 from loongtrain.attn.kernel_choice import bf16_supported
+from loongtrain.data.corpus import DECODE_ERRORS
 from loongtrain.data.split import check_fraction
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.config import ModelConfig
@@ -57,6 +58,8 @@ class TrainConfig:
     tokenizer: str = _opt("auto", "tokenizer: 'auto' (the --model directory's Hugging Face tokenizer when it "
                           "has one, else 'byte'), 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
                           "tokenizer path")
+    decode_errors: str = _opt("strict", "corpus bytes that are not UTF-8: strict (an error naming the file and "
+                              "byte offset), replace (U+FFFD) or ignore (dropped)")
     seq_len: int = _opt(8192, "tokens per sequence (must be divisible by 2*hp*cp)")
     doc_mask: str = _opt("on", "on: in packed corpora a token attends only inside its own document (block-"
                          "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
@@ -149,6 +152,8 @@ class TrainConfig:
             raise ValueError(f"--dtype={self.dtype!r} is not one of {DTYPES}")
         if self.progress not in PROGRESS:
             raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
+        if self.decode_errors not in DECODE_ERRORS:
+            raise ValueError(f"--decode-errors={self.decode_errors!r} is not one of {DECODE_ERRORS}")
         if self.doc_mask not in DOC_MASK:
             raise ValueError(f"--doc-mask={self.doc_mask!r} is not one of {DOC_MASK}")
         if self.chunk_layout not in CHUNK_LAYOUTS:
@@ -265,21 +270,13 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ValueError with its one-line message (the option, the value and the expected
-    type or choices) instead of printing the whole usage and exiting."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser generated from :class:`TrainConfig`; every option shows its default.
 
     Defaults are suppressed in the parsed namespace so that only options given on the command line
     override the TOML file.
     """
-    parser = _Parser(
+    parser = OneLineParser(
         prog="loongtrain train",
         description="Train a LLaMA-style model with 2D-Attention (hp x cp sequence parallelism, dp "
         "replicas on top). Options may also be set in a TOML file (--config) with the same names "
@@ -308,13 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of options (flat keys; ``[train]`` and ``[parallel]`` tables are also accepted)
     as a flat dict of option names with checked types."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    data = read_toml(path)
     for table in ("train", "parallel"):
         if isinstance(data.get(table), dict):
             data = {**{k: v for k, v in data.items() if k != table}, **data[table]}
@@ -324,14 +315,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"config file {str(path)!r}: unknown option {key!r}; valid: {sorted(known)}")
-        kind = known[name]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(
-                f"config file {str(path)!r}: {key} = {value!r} must be of type {kind.__name__}"
-            )
-        out[name] = value
+        out[name] = check_value(f"config file {str(path)!r}", key, value, known[name])
     return out
 
 

@@ -183,6 +183,9 @@ def _run_local_with_restarts(run: Run, world: int, backend: str) -> None:
         except WorkerError as exc:
             if attempt == cfg.max_restarts:
                 raise
+            if not exc.restartable:  # a user error, a full disk, NaN training: every attempt fails alike
+                log.warning("not restarting: rank %d failed with %s, which a restart cannot fix", exc.rank, exc.error)
+                raise
             log.warning("attempt %d of %d failed (%s); restarting from the newest checkpoint",
                         attempt + 1, cfg.max_restarts + 1, str(exc).splitlines()[0])
             try:

@@ -232,7 +232,8 @@ class Trainer:
         tokenizer = self.run.tokenizer
         assert tokenizer is not None, "a corpus run needs the tokenizer the launcher resolved (Run.tokenizer)"
         return build_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp, cfg.seed,
-                             start_micro_step, val_fraction=cfg.val_fraction)
+                             start_micro_step, val_fraction=cfg.val_fraction,
+                             decode_errors=cfg.decode_errors)
 
     def _tidy_out_dir(self, *, resumed: bool) -> None:
         """Rank 0: ``--overwrite`` deletes old checkpoints of a fresh start; saves that died half-way go."""
