@@ -41,3 +41,13 @@ def test_attention_tiny(tmp_path):
     (case,) = json.loads(out.read_text())["cases"]
     assert case["error"] is None and (case["hp"], case["cp"], case["kv_heads"]) == (2, 2, 2)
     assert len(case["total_s"]) == len(case["limit_s"]) == 1
+
+
+def test_agreement_tiny():
+    """benchmarks/agreement.py: the per-call check against the once-per-signature one (issue 23)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "agreement.py"), "--hp", "1", "--cp", "2",
+                           "--seq-lens", "64", "--iters", "1", "--rounds", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    row = proc.stdout.strip().splitlines()[-1]
+    assert row.startswith("| 64 |") and row.endswith(" us |"), proc.stdout

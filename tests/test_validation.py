@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -21,18 +22,20 @@ MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_he
 
 
 def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
-    corpus = tmp_path / "corpus.txt"
+    corpus = tmp_path / "corpus.jsonl"
     if not corpus.exists():
-        corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60)))
+        corpus.write_text("".join(json.dumps({"text": f"line {i}: the quick brown fox jumps over the lazy dog."}) + "\n"
+                                  for i in range(60)))
     return TrainConfig(corpus=str(corpus), seq_len=32, steps=4, warmup=1, lr=1e-2, dtype="fp64",
                        parallel=ParallelConfig(), out_dir=str(tmp_path / name), peak_tflops=1.0, tensorboard=False,
                        plot=False, progress="off", memory_report=False, **kw)
 
 
-def test_training_is_bit_identical_with_validation(tmp_path):
+@pytest.mark.parametrize("split", [{}, {"val_fraction": 0.25}], ids=["corpus-tail", "val-fraction"])
+def test_training_is_bit_identical_with_validation(tmp_path, split):
     mesh, cpu = single_process_mesh(), torch.device("cpu")
-    plain = fit(_cfg(tmp_path, "plain"), mesh, cpu, model_config=MODEL)
-    checked = fit(_cfg(tmp_path, "eval", eval_interval=2, eval_batches=3), mesh, cpu, model_config=MODEL)
+    plain = fit(_cfg(tmp_path, "plain", **split), mesh, cpu, model_config=MODEL)
+    checked = fit(_cfg(tmp_path, "eval", eval_interval=2, eval_batches=3, **split), mesh, cpu, model_config=MODEL)
     keys = ("loss", "grad_norm", "lr")
     assert [[r[k] for k in keys] for r in plain] == [[r[k] for k in keys] for r in checked]
     assert [r["step"] for r in checked if "val_loss" in r] == [2, 4]

@@ -85,9 +85,9 @@ def attention(
     visible pair are skipped (no kernel call), and a window reaching ``r`` chunks shortens the ring pass
     (single or double ring) to the hops that bring the blocks of the members at most ``r`` ring positions
     away, when that sends fewer than ``cp - 1`` blocks (docs/design.md §4). Invalid ``cu_seqlens``/``sliding_window``
-    raise ValueError before any data is exchanged; only the once-per-signature agreement check
-    (docs/design.md §10) runs first, so an input that differs between ranks raises on every rank instead of
-    hanging the others.
+    raise ValueError before any data is exchanged; only the agreement check (docs/design.md §10: a
+    digest of the arguments exchanged on every call) runs first, so an input that differs between ranks
+    raises on every rank instead of hanging the others, however many agreed calls came before.
 
     ``chunk_order``: the tokens' layout when they were sharded with ``shard_sequence(..., chunk_order=)``
     (e.g. :func:`loongtrain.balanced_chunk_order` for packed documents); default zigzag.

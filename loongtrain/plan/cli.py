@@ -22,7 +22,7 @@ import re
 import sys
 from pathlib import Path
 
-from loongtrain._toml import tomllib
+from loongtrain._input import OneLineParser, check_fields, one_line, read_toml
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import AC_ALIASES, AC_MODES, PLACEMENTS, ZERO_MODES
 from loongtrain.parallel.documents import Documents
@@ -51,7 +51,7 @@ def parse_size(text: str | int) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loongtrain plan", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="loongtrain plan", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", help=f"preset {sorted(PRESETS)}, or a local Hugging Face model directory or its "
                    "config.json (Llama, Mistral, Qwen2, Qwen3)")
     p.add_argument("--seq-len", help="sequence length per sample, e.g. 131072, 128K, 1M")
@@ -85,24 +85,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: TOML keys of ``--config`` and their types (a table for ``model`` is checked against ModelConfig)
+CONFIG_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str, dict), "seq_len": (int, str), "nodes": (int,), "cluster": (str,), "batch": (int,),
+    "dtype": (str,), "top": (int,), "sp": (int,), "hp": (int,), "cp": (int,), "window": (int,),
+    "placement": (str,), "zero": (str,), "ac_mode": (str,),
+}
+#: integer settings and their least valid value
+AT_LEAST = {"nodes": 1, "batch": 1, "top": 1, "sp": 1, "hp": 1, "cp": 1, "window": 1, "doc_median": 0,
+            "calibrate_world": 1}
+
+
 def _load_config(path: Path) -> dict:
-    if not path.is_file():
-        raise ValueError(f"--config {str(path)!r} is not a file")
-    with path.open("rb") as f:
-        data = tomllib.load(f)
+    where = f"--config {str(path)!r}"
+    data = read_toml(path, "--config")
     for old, new in DEPRECATED.items():
         if old in data:
             data.setdefault(new, data.pop(old))
-    known = {"model", "seq_len", "nodes", "cluster", "batch", "dtype", "top", *FILTERS}
-    unknown = sorted(set(data) - known)
+    unknown = sorted(set(data) - set(CONFIG_TYPES))
     if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; known keys: {sorted(known)}")
+        raise ValueError(f"{where}: unknown keys {unknown}; known keys: {sorted(CONFIG_TYPES)}")
+    for key, value in data.items():
+        kinds = CONFIG_TYPES[key]
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            names = " or ".join("table" if k is dict else k.__name__ for k in kinds)
+            raise ValueError(f"{where}: {key} = {value!r} must be of type {names}")
     if isinstance(data.get("model"), dict):
+        values = check_fields(f"{where}: [model]", data["model"], ModelConfig)
         try:
-            data["model"] = ModelConfig(**data["model"])
-        except TypeError as exc:
-            raise ValueError(f"{path}: [model]: {exc}") from None
+            data["model"] = ModelConfig(**values)
+        except ValueError as exc:
+            raise ValueError(f"{where}: [model]: {exc}") from None
     return data
+
+
+def _check_settings(s: dict) -> None:
+    """Integer settings in range, choices among the valid ones (the same messages from a TOML file as
+    from the command line)."""
+    for key, low in AT_LEAST.items():
+        value = s.get(key)
+        if value is not None and value < low:
+            raise ValueError(f"--{key.replace('_', '-')}={value} must be >= {low}")
+    for key, allowed in (("placement", PLACEMENTS), ("zero", ZERO_MODES), ("ac_mode", [*AC_MODES, *AC_ALIASES])):
+        if s.get(key) is not None and s[key] not in allowed:
+            raise ValueError(f"--{key.replace('_', '-')}={s[key]!r} is not one of {list(allowed)}")
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -114,6 +140,7 @@ def _settings(args: argparse.Namespace) -> dict:
     if missing:
         names = ", ".join("--" + m.replace("_", "-") for m in missing)
         raise ValueError(f"missing {names} (or --config FILE)")
+    _check_settings(s)
     s["seq_len"] = parse_size(s["seq_len"])
     s.setdefault("cluster", "a100")
     s.setdefault("batch", 1)
@@ -207,7 +234,13 @@ def format_document_report(rows: list[tuple[Candidate, list[int]]], report: list
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_settings({k: getattr(args, k) for k in ("doc_median", "calibrate_world")})
     if args.calibrate:
+        if args.out.is_dir() or not args.out.parent.is_dir():  # checked before the minutes of measuring
+            raise ValueError(f"--out {str(args.out)!r} is a directory; name the cluster TOML file to write"
+                             if args.out.is_dir() else f"--out {str(args.out)!r}: the directory "
+                             f"{str(args.out.parent)!r} does not exist")
+
         cluster = calibrate(world=args.calibrate_world)
         args.out.write_text(cluster_to_toml(cluster))
         print(cluster_to_toml(cluster))
@@ -272,12 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2)
+    except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    except ValueError as exc:  # a usage error: one line
+        print(f"loongtrain plan: error: {one_line(exc)}", file=sys.stderr)
+        return 2
     try:
         return run(args)
     except ValueError as exc:
-        print(f"loongtrain plan: error: {exc}", file=sys.stderr)
+        print(f"loongtrain plan: error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

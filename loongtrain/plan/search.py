@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loongtrain.hf.convert import shape_config_from_hf
-from loongtrain.hf.load import read_hf_config
+from loongtrain.hf.load import check_hf_dir
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import (
     AC_ALIASES,
@@ -55,7 +55,7 @@ def resolve_model(model: str | Path | ModelConfig) -> tuple[str, ModelConfig]:
         directory = path if path.is_dir() else path.parent
         if path.is_file() and path.name != "config.json":
             raise ValueError(f"model {str(path)!r}: a Hugging Face config file must be named config.json")
-        return str(path), shape_config_from_hf(read_hf_config(directory))
+        return str(path), shape_config_from_hf(check_hf_dir(directory))  # built on meta: every config error
     raise ValueError(f"unknown model {str(model)!r}; presets: {sorted(PRESETS)}, or a local Hugging Face model "
                      f"directory (or its config.json)")
 

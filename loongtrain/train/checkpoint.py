@@ -40,6 +40,8 @@ STATE_FILE = "trainer_state.json"
 class NonFiniteError(RuntimeError):
     """The run produced NaN or inf where it must not (parameters, or too many skipped steps)."""
 
+    restartable = False  # a restart replays the same steps (parallel/failures.py)
+
 
 def _rank() -> int:
     return dist.get_rank() if is_distributed() else 0

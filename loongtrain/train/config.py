@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
-from loongtrain._toml import tomllib
+from loongtrain._input import OneLineParser, check_value, read_toml
 from loongtrain.attn.kernel_choice import bf16_supported
+from loongtrain.data.corpus import DECODE_ERRORS
+from loongtrain.data.split import check_fraction
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
@@ -47,11 +49,17 @@ class TrainConfig:
                       "directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)")
     corpus: str = _opt(
         "stdlib", "corpus: 'stdlib' (this Python's standard-library sources, no download), a .txt/.jsonl "
-        "file, a directory of them, or a saved Hugging Face dataset"
+        "file, a directory of them, a saved Hugging Face dataset, a directory made by `loongtrain prepare` "
+        "(memory-mapped), or a mixture NAME=WEIGHT,... of these (e.g. a=0.7,b=0.3)"
     )
+    val_fraction: float = _opt(0.0, "hold out this fraction of the corpus's documents for validation, chosen "
+                               "by a hash of the document number and --seed (0: none; else in (0, 1))")
+    val_corpus: str = _opt("", "validation corpus of its own (any --corpus form; instead of --val-fraction)")
     tokenizer: str = _opt("auto", "tokenizer: 'auto' (the --model directory's Hugging Face tokenizer when it "
                           "has one, else 'byte'), 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
                           "tokenizer path")
+    decode_errors: str = _opt("strict", "corpus bytes that are not UTF-8: strict (an error naming the file and "
+                              "byte offset), replace (U+FFFD) or ignore (dropped)")
     seq_len: int = _opt(8192, "tokens per sequence (must be divisible by 2*hp*cp)")
     doc_mask: str = _opt("on", "on: in packed corpora a token attends only inside its own document (block-"
                          "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
@@ -115,8 +123,8 @@ class TrainConfig:
                              "after a worker failure")
     log_interval: int = _opt(1, "log metrics every N steps")
     eval_interval: int = _opt(0, "validation loss (forward only, the run's layout) every N optimizer steps, "
-                              "logged as val_loss (0: never); until --val-fraction exists the validation "
-                              "batches are the corpus's last packed samples (docs/design.md §12)")
+                              "logged as val_loss (0: never), on --val-fraction / --val-corpus, or without "
+                              "them the corpus's last packed samples (docs/design.md §13)")
     eval_batches: int = _opt(4, "batches (of --batch-size sequences per replica) per validation")
     peak_tflops: float = _opt(
         0.0, "peak TFLOP/s of one device for MFU (0: table by CUDA device name; on CPU measured)"
@@ -140,10 +148,16 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
         self._validate_ranges()
+        check_fraction(self.val_fraction)
+        if self.val_fraction and self.val_corpus:
+            raise ValueError(f"--val-fraction={self.val_fraction} and --val-corpus={self.val_corpus!r}: give "
+                             f"one of them")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype={self.dtype!r} is not one of {DTYPES}")
         if self.progress not in PROGRESS:
             raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
+        if self.decode_errors not in DECODE_ERRORS:
+            raise ValueError(f"--decode-errors={self.decode_errors!r} is not one of {DECODE_ERRORS}")
         if self.doc_mask not in DOC_MASK:
             raise ValueError(f"--doc-mask={self.doc_mask!r} is not one of {DOC_MASK}")
         if self.chunk_layout not in CHUNK_LAYOUTS:
@@ -260,21 +274,13 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ValueError with its one-line message (the option, the value and the expected
-    type or choices) instead of printing the whole usage and exiting."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser generated from :class:`TrainConfig`; every option shows its default.
 
     Defaults are suppressed in the parsed namespace so that only options given on the command line
     override the TOML file.
     """
-    parser = _Parser(
+    parser = OneLineParser(
         prog="loongtrain train",
         description="Train a LLaMA-style model with 2D-Attention (hp x cp sequence parallelism, dp "
         "replicas on top). Options may also be set in a TOML file (--config) with the same names "
@@ -303,13 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of options (flat keys; ``[train]`` and ``[parallel]`` tables are also accepted)
     as a flat dict of option names with checked types."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    data = read_toml(path)
     for table in ("train", "parallel"):
         if isinstance(data.get(table), dict):
             data = {**{k: v for k, v in data.items() if k != table}, **data[table]}
@@ -319,14 +319,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"config file {str(path)!r}: unknown option {key!r}; valid: {sorted(known)}")
-        kind = known[name]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(
-                f"config file {str(path)!r}: {key} = {value!r} must be of type {kind.__name__}"
-            )
-        out[name] = value
+        out[name] = check_value(f"config file {str(path)!r}", key, value, known[name])
     return out
 
 

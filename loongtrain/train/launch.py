@@ -35,8 +35,7 @@ from loongtrain.train.checkpoint import AUTO
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.models import build_run_tokenizer, model_config_for
 from loongtrain.train.preflight import RunComplete, preflight
-from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, under_torchrun
-from loongtrain.train.torchrun import process_group_store as torchrun_store
+from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.train.trainer import Trainer
 
 log = logging.getLogger("loongtrain.train")
@@ -125,7 +124,7 @@ def run_worker(rank: int, world: int, run: Run) -> list[dict]:
     offload_params = cfg.parallel.offload_params  # FSDP2 does it: a process group even for one rank
     if (world > 1 or offload_params) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.timeout)
-        store = torchrun_store(timeout)
+        store = process_group_store(timeout) if under_torchrun() else None
         if world == 1 and store is None and "MASTER_ADDR" not in os.environ:
             store = dist.HashStore()  # one rank in this process: nothing to rendezvous with
         dist.init_process_group(default_backend(host_collectives=offload_params), rank=rank, world_size=world,
@@ -183,6 +182,9 @@ def _run_local_with_restarts(run: Run, world: int, backend: str) -> None:
             return
         except WorkerError as exc:
             if attempt == cfg.max_restarts:
+                raise
+            if not exc.restartable:  # a user error, a full disk, NaN training: every attempt fails alike
+                log.warning("not restarting: rank %d failed with %s, which a restart cannot fix", exc.rank, exc.error)
                 raise
             log.warning("attempt %d of %d failed (%s); restarting from the newest checkpoint",
                         attempt + 1, cfg.max_restarts + 1, str(exc).splitlines()[0])

@@ -1,4 +1,4 @@
-"""Validation during training (``--eval-interval N --eval-batches K``, docs/design.md §12).
+"""Validation during training (``--eval-interval N --eval-batches K``, docs/design.md §13).
 
 - :func:`validation_loss`: the mean loss of K full-sequence batches, forward only under
   ``torch.no_grad()`` (no activations kept, no checkpoint recompute), with the run's own layout and loss
@@ -6,16 +6,18 @@
   over the dp replicas. It touches no optimizer or scheduler state, no gradient, no data position of the
   training stream, and restores the torch RNG states afterwards, so a run with validation trains bit for
   bit like one without (tests/test_validation.py).
-- :func:`tail_batches`: the validation batches until the data split (``--val-fraction`` /
-  ``--val-corpus``) exists: the LAST ``K * dp * batch_size`` packed samples of the corpus, replica ``d``
-  taking its own rows. The training stream samples the whole corpus, so this tail is held out of
-  nothing yet: it measures the same distribution, not unseen text. A corpus shorter than the tail
-  wraps around (one warning).
+- :func:`validation_batches`: with ``--val-fraction`` or ``--val-corpus``, the first K batches of the
+  held-out data (:func:`loongtrain.data.validation.build_val_batches`: documents the training stream never
+  contains); without either, :func:`tail_batches`: the LAST ``K * dp * batch_size`` packed samples of the
+  corpus, replica ``d`` taking its own rows. The training stream samples the whole corpus, so that tail
+  is held out of nothing: it measures the same distribution, not unseen text (a corpus shorter than the
+  tail wraps around, with one warning).
 - :class:`Validation`: the training loop's hook, ``record.update(validation.after_step(step))``.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -33,6 +35,18 @@ log = logging.getLogger("loongtrain.train")
 Batch = dict[str, torch.Tensor]
 #: ``batch -> (loss_for_backward, replica loss value)``, e.g. ``Trainer.loss``
 LossFn = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
+
+
+def validation_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
+    """This replica's ``count`` validation batches (fewer when the held-out data has fewer): the held-out
+    split when the run has one, else the corpus's tail (module docstring)."""
+    if not (cfg.val_fraction or cfg.val_corpus):
+        return tail_batches(cfg, mesh, count)
+    from loongtrain.data.validation import build_val_batches
+
+    held_out = build_val_batches(cfg.corpus, models.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
+                                 mesh.dp, seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus)
+    return list(itertools.islice(held_out, count))
 
 
 def tail_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
@@ -98,7 +112,7 @@ class Validation:
                  batches: Sequence[Batch] | None = None) -> None:
         self.interval, self.mesh, self.loss_fn, self.model = cfg.eval_interval, mesh, loss_fn, model
         self.batches = list(batches) if batches is not None else (
-            tail_batches(cfg, mesh, cfg.eval_batches) if self.interval else [])
+            validation_batches(cfg, mesh, cfg.eval_batches) if self.interval else [])
 
     def after_step(self, step: int) -> dict[str, float]:
         """``{"val_loss": loss}`` after optimizer step ``step`` (1-based) when it is due, else ``{}``."""
