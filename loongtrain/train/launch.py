@@ -32,6 +32,7 @@ from loongtrain.parallel.runtime import default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.checkpoint import AUTO
+from loongtrain.train.compile import check_compile_backend
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.loop import fit, model_config_for
 from loongtrain.train.preflight import RunComplete, preflight
@@ -69,6 +70,7 @@ def validate_run(cfg: TrainConfig, world: int) -> ModelConfig:
                if getattr(p, name) != off]
     if unbuilt:  # the planner knows these modes; the trainer does not run them yet
         raise ValueError(f"--{unbuilt[0].replace('_', '-')} is not supported by the trainer yet")
+    check_compile_backend(cfg.compile, default_device().type)  # --compile on without a working compiler: exit 2
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
     return model_config

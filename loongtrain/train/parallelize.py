@@ -9,7 +9,9 @@
    saves the outputs of ``torch.ops.loongtrain.head_all_to_all`` and ``torch.ops.loongtrain.ring_attention``
    (attention output and lse) and recomputes everything else, so the recompute pass runs no attention
    and sends nothing (docs/design.md §6);
-3. **hybrid ZeRO** via FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) of every block
+3. **compiled blocks** (``compile=True``): :func:`loongtrain.train.compile.compile_blocks` replaces each
+   block's (checkpointed) ``forward`` by a ``torch.compile``-d one (docs/design.md §12);
+4. **hybrid ZeRO** via FSDP2 (:func:`torch.distributed.fsdp.fully_shard`) of every block
    (:func:`decoder_layers`) and then the root. The ``dp x sp`` ranks all hold
    the same weights, so parameters, gradients and optimizer state are sharded over all of them
    (``zero="full"``) or over consecutive groups of ``zero_shard_size`` ranks, replicated across groups
@@ -55,6 +57,7 @@ from loongtrain.hf.families import decoder_layers
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
+from loongtrain.train.compile import compile_blocks
 
 # --------------------------------------------------------------------------------------------------
 # Activation checkpointing
@@ -98,7 +101,7 @@ class saved_output_sink:  # noqa: N801 - used like a function-style context mana
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective Checkpoint++: MUST_SAVE the attention all-to-alls and ring attention, recompute the rest."""
     if op in _attention_ops():
-        if not ctx.is_recompute:
+        if not ctx.is_recompute and not torch.compiler.is_compiling():  # compiled: saved as graph outputs
             _record_saved_output(getattr(ctx, "op_output", None))
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -200,8 +203,9 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device, *,
-                param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> activation checkpointing -> FSDP2.
+                param_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
+    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> activation checkpointing -> (with
+    ``compile``) compiled blocks -> FSDP2.
 
     ``model`` must have decoder blocks (:func:`decoder_layers`). With ``zero="none"`` parameters
     stay plain tensors and the trainer's own gradient all-reduce applies; otherwise they become
@@ -219,6 +223,8 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     meta = _on_meta(model)
     model = apply_2d_attention(model if meta else model.to(device), mesh)
     apply_activation_checkpointing(blocks, parallel.ac_mode, parallel.ac_fraction)
+    if compile:
+        compile_blocks(model, blocks)
     if uses_fsdp(parallel):
         apply_fsdp(model, mesh, parallel, device, param_dtype)
     if meta:

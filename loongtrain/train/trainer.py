@@ -28,6 +28,7 @@ from loongtrain.parallel.documents import (
 )
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.sharding import shard_sequence
+from loongtrain.train.compile import compile_enabled
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.models import hf_model_dir, hidden_and_head
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
@@ -47,21 +48,22 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
     tensor at a time; without FSDP2, or without weight files (a seeded init from the config), it is
     built whole on CPU and then parallelized."""
     directory = hf_model_dir(cfg.model)
+    compiled = compile_enabled(cfg.compile, device)  # --compile: docs/design.md §12
     if directory is not None:
         if not (uses_fsdp(cfg.parallel) and hf_weight_files(directory)):
             model = build_hf_model(directory, param_dtype(cfg), cfg.seed)
-            return parallelize(model, mesh, cfg.parallel, device)
+            return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
         model = build_hf_model_on_meta(directory, param_dtype(cfg))
-        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype)
+        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
         materialize_params(model, hf_initial_weights(directory))
         restore_hf_buffers(model)
         return model
     if not uses_fsdp(cfg.parallel):
         model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
-        return parallelize(model, mesh, cfg.parallel, device)
+        return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
     with torch.device("meta"):
         model = Transformer(model_config, seed=None).to(param_dtype(cfg))
-    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype)
+    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
     materialize_params(model, lambda name, shape: initial_weight(name, shape, cfg.seed))
     return model
 
