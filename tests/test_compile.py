@@ -177,3 +177,32 @@ def test_compile_failure_names_block_and_op():
     compile_step.compile_block(model.layers[1], "layers.1", backend=failing_backend)
     with pytest.raises(compile_step.CompileError, match=r"decoder block layers\.1 at op aten\.\w+.*--compile off"):
         model(torch.randint(0, MODEL.vocab_size, (1, SEQ)))
+
+
+def test_compile_on_end_to_end_trains_like_eager(tmp_path):
+    from loongtrain.cli import main
+    from loongtrain.train.metrics import read_jsonl
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)))
+    losses = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        argv = ["train", "--model", "tiny", "--nproc", "1", "--hp", "1", "--cp", "1", "--steps", "3",
+                "--warmup", "1", "--seq-len", "64", "--corpus", str(corpus), "--out-dir", str(out),
+                "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",
+                "--no-memory-report", "--compile", mode]
+        assert main(argv) == 0
+        losses[mode] = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert len(losses["on"]) == 3 and losses["on"] == pytest.approx(losses["off"], rel=1e-6, abs=1e-6), losses
+    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+
+
+def test_compile_on_without_a_compiler_exits_2_before_any_worker(monkeypatch, tmp_path, capsys):
+    from loongtrain.cli import main
+
+    monkeypatch.setattr(compile_step, "BACKEND", "inductor")
+    monkeypatch.setattr(compile_step.shutil, "which", lambda name: None)
+    assert main(["train", "--compile", "on", "--nproc", "4", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--compile on" in err and "C++ compiler" in err, err
