@@ -2,7 +2,8 @@
 (FSDP2), Selective Checkpoint++, packed documents and the balanced chunk layout, compiled training equals
 eager training (fp64, 3 AdamW steps, losses and parameters to 1e-10), and under compile Selective++ still
 runs ring attention once per layer in forward and never in backward, sending exactly the backward traffic of
-no checkpointing (the assertion of tests/test_checkpointing.py). Compiles with ``aot_eager``."""
+no checkpointing (the assertion of tests/test_checkpointing.py). Compiles with ``aot_eager``. Also: a measured
+attention-kernel choice that differs between ranks becomes rank 0's on every rank."""
 
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     with CommCounter() as comm:
         loss.backward()
     out["plain_backward_bytes"] = dict(comm.bytes)
+    # the measured kernel choice is rank 0's on every rank (loongtrain.attn.kernel_choice.agree_across_ranks)
+    from loongtrain.attn.kernel_choice import agree_across_ranks
+    from loongtrain.attn.kernels import CUDA_CUDNN, CUDA_FLASH
+
+    out["kernel"] = agree_across_ranks(CUDA_CUDNN if rank == 0 else CUDA_FLASH, [CUDA_FLASH, CUDA_CUDNN]).name
     return out
 
 
@@ -63,6 +69,10 @@ def results() -> list[dict[str, Any]]:
 def test_compiled_training_equals_eager_on_four_ranks(results: list[dict[str, Any]]) -> None:
     for rank, result in enumerate(results):
         assert result["diff"]["loss"] < TOL and result["diff"]["param"] < TOL, (rank, result["diff"])
+
+
+def test_measured_kernel_choice_is_rank_0s_on_every_rank(results: list[dict[str, Any]]) -> None:
+    assert [r["kernel"] for r in results] == ["cuda_cudnn"] * 4
 
 
 def test_selective_checkpoint_under_compile_recomputes_no_attention_and_sends_nothing_more(
