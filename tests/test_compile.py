@@ -110,11 +110,11 @@ def test_hf_decoder_layer_compiles_without_graph_breaks():
     x = torch.randn(1, SEQ, dim)
     positions = torch.arange(SEQ)[None]
     emb = model.model.rotary_emb(x, positions)
-    args, kwargs = compile_step.block_inputs(compile_step.inspect.signature(layer.forward), (x,),
-                                             {"position_embeddings": emb, "position_ids": positions,
-                                              "cu_seqlens": [torch.tensor([0, 7, SEQ])]})
-    explained = torch._dynamo.explain(layer.forward)(*args, **kwargs)
-    assert explained.graph_break_count == 0, explained.break_reasons
+    for documents in ({"cu_seqlens": [torch.tensor([0, 7, SEQ])]}, {}):
+        args, kwargs = compile_step.block_inputs(compile_step.inspect.signature(layer.forward), (x,),
+                                                 {"position_embeddings": emb, "position_ids": positions, **documents})
+        explained = torch._dynamo.explain(layer.forward)(*args, **kwargs)
+        assert explained.graph_break_count == 0, (documents, explained.break_reasons)
 
 
 @pytest.mark.parametrize("masks", [

@@ -4,6 +4,9 @@ Being custom ops (not plain autograd Functions) lets selective activation checkp
 outputs (``CheckpointPolicy.MUST_SAVE`` on ``torch.ops.loongtrain.*``), so a recompute pass re-runs
 neither attention nor any of its communication (Selective Checkpoint++; docs/design.md §6). Process
 groups travel as their registered names, a context ring as the key of its registered :class:`Ring`.
+To ``torch.compile`` they are opaque nodes (docs/design.md §12): the ring backward is an op of its own,
+document boundaries and chunk orders are CPU int64 tensors (data, not constants of a graph), and the
+fake implementations' shapes depend on q/k/v alone.
 """
 
 from __future__ import annotations
