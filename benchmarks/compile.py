@@ -46,11 +46,12 @@ def doc_batch(step: int, seq_len: int, vocab: int, max_docs: int = 8) -> dict[st
 
 
 def make_trainer(model: ModelConfig, compile: str, seq_len: int, dtype: str, ac_mode: str, device: torch.device):
+    from loongtrain.train.config import Run
     from loongtrain.train.trainer import Trainer
 
     cfg = TrainConfig(seq_len=seq_len, steps=1000, warmup=1, dtype=dtype, compile=compile, doc_mask="on",
                       parallel=ParallelConfig(ac_mode=ac_mode))
-    return Trainer(cfg, single_process_mesh(), device, model)
+    return Trainer(Run(cfg, model), single_process_mesh(), device)
 
 
 def timed_step(trainer, batch, device: torch.device) -> tuple[float, dict]:

@@ -53,11 +53,12 @@ def doc_batch(step: int, rows: int = 1) -> dict[str, torch.Tensor]:
 
 
 def trainer(compile: str, ac_mode: str = "selective"):
+    from loongtrain.train.config import Run
     from loongtrain.train.trainer import Trainer
 
     cfg = TrainConfig(seq_len=SEQ, steps=20, warmup=1, dtype="fp64", parallel=ParallelConfig(ac_mode=ac_mode),
                       doc_mask="on", compile=compile)
-    return Trainer(cfg, single_process_mesh(), torch.device("cpu"), MODEL)
+    return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
 
 
 def test_compiled_training_equals_eager_with_changing_documents_and_compiles_each_block_at_most_twice():
@@ -120,8 +121,8 @@ def test_hf_decoder_layer_compiles_without_graph_breaks():
 @pytest.mark.parametrize("masks", [
     {},
     {"cu_seqlens": [0, 3, 20, SEQ, 0, SEQ]},
-    {"cu_seqlens": [0, 9, SEQ, 0, 1, SEQ], "window": 5},
-    {"chunk_order": [1, 0], "window": 7},
+    {"cu_seqlens": [0, 9, SEQ, 0, 1, SEQ], "sliding_window": 5},
+    {"chunk_order": [1, 0], "sliding_window": 7},
     {"cu_seqlens": [0, 2, SEQ, 0, 30, SEQ], "chunk_order": [1, 0]},
 ])
 def test_attention_ops_fakes_match_real_for_every_input_form(masks):
@@ -132,13 +133,13 @@ def test_attention_ops_fakes_match_real_for_every_input_form(masks):
     cu = ops.as_index_tensor(masks.get("cu_seqlens"))
     order = ops.as_index_tensor(masks.get("chunk_order"))
     key = ops.ring_key(single_process_mesh())
-    args = (q, k, v, key, True, 0.3, cu, masks.get("window", 0), order)
+    args = (q, k, v, key, True, 0.3, cu, masks.get("sliding_window"), order)
     torch.library.opcheck(ops.ring_attention, args, test_utils=("test_schema", "test_faketensor",
                                                                 "test_autograd_registration"))
     out, lse = ops.ring_attention(*args)
     dout = torch.randn_like(out)
     bwd = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, key, True, 0.3, cu,
-           masks.get("window", 0), order)
+           masks.get("sliding_window"), order)
     torch.library.opcheck(ops.ring_attention_backward, bwd, test_utils=("test_schema", "test_faketensor"))
 
 

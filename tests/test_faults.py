@@ -32,10 +32,8 @@ COMMON = ["--seq-len", "32", "--steps", str(STEPS), "--warmup", "1", "--progress
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("faults") / "corpus.txt"
-    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(200)))
-    return str(path)
+def corpus(code_corpus) -> str:
+    return code_corpus
 
 
 def _ppid(pid: int) -> int | None:

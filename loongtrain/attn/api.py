@@ -120,7 +120,7 @@ def attention(
         v = v.repeat_interleave(hp // num_kv_heads, dim=2)
     if hp > 1:
         q, k, v = _scatter_heads(q, k, v, mesh)
-    out, _ = ops.ring_attention(q, k, v, key, causal, scale, cu, sliding_window or 0, order)
+    out, _ = ops.ring_attention(q, k, v, key, causal, scale, cu, sliding_window, order)
     if hp > 1:
         out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
     return out

@@ -72,8 +72,8 @@ def ring_key(mesh: Mesh) -> str:
     return key
 
 
-def _mask(causal: bool, cu_seqlens: Tensor | None, window: int, chunk_order: Tensor | None, q: Tensor,
-          cp: int) -> AttnMask:
+def _mask(causal: bool, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
+          q: Tensor, cp: int) -> AttnMask:
     """The mask of one op call, from its tensor arguments (host-side int64 values; checked here too, since a
     compiled block reaches the op without :func:`loongtrain.attention`'s value checks)."""
     batch, seq = q.shape[0], q.shape[1] * cp
@@ -87,7 +87,7 @@ def _mask(causal: bool, cu_seqlens: Tensor | None, window: int, chunk_order: Ten
     if chunk_order is not None:
         order = tuple(int(x) for x in chunk_order.tolist())
         check_chunk_order(order, seq, 1, cp)  # hp | S/cp already holds: the shards have equal shapes
-    return AttnMask(causal, window or None, documents, chunk_order=order)
+    return AttnMask(causal, sliding_window, documents, chunk_order=order)
 
 
 def as_index_tensor(values: Sequence[int] | Tensor | None) -> Tensor | None:
@@ -103,22 +103,22 @@ def as_index_tensor(values: Sequence[int] | Tensor | None) -> Tensor | None:
 @torch.library.custom_op("loongtrain::ring_attention", mutates_args=())
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, ring: str, causal: bool, scale: float, cu_seqlens: Tensor | None,
-    window: int, chunk_order: Tensor | None,
+    sliding_window: int | None, chunk_order: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the K/V ``[B, S_c, Hkv, D]``
     of every member of the ring registered as ``ring`` (:func:`ring_key`); returns out ``[B, S_c, H, D]`` and
     lse ``[B, H, S_c]``. ``cu_seqlens``: each batch row's document boundaries, rows concatenated (each starts
-    at 0; None: one document), a CPU int64 tensor (:func:`as_index_tensor`); ``window``: sliding window (0:
-    none); ``chunk_order``: the tokens' layout (None: zigzag), a CPU int64 tensor.
+    at 0; None: one document), a CPU int64 tensor (:func:`as_index_tensor`); ``sliding_window``: Mistral's
+    window (None: none); ``chunk_order``: the tokens' layout (None: zigzag), a CPU int64 tensor.
     Backward: :func:`ring_attention_backward` (ring backward, K/V re-circulated and dK/dV returned to their
     owners); lse is not differentiable (docs/design.md §4, §6)."""
-    mask = _mask(causal, cu_seqlens, window, chunk_order, q, len(_RINGS[ring].ranks))
+    mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
     out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask)
     return out.transpose(1, 2).contiguous(), lse
 
 
 @ring_attention.register_fake
-def _(q, k, v, ring, causal, scale, cu_seqlens, window, chunk_order):
+def _(q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order):
     # shapes depend on q alone, whatever the documents, window or chunk order
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc)
@@ -127,19 +127,19 @@ def _(q, k, v, ring, causal, scale, cu_seqlens, window, chunk_order):
 @torch.library.custom_op("loongtrain::ring_attention_backward", mutates_args=())
 def ring_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: str, causal: bool,
-    scale: float, cu_seqlens: Tensor | None, window: int, chunk_order: Tensor | None,
+    scale: float, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """Forward: dq ``[B, S_c, H, D]`` and dK/dV ``[2, B, S_c, Hkv, D]`` (input dtypes) of :func:`ring_attention`
     for ``dout``, K/V re-circulated round the ring and dK/dV returned to their owners. An op of its own, so a
     compiled block's backward calls it as one opaque node. Backward: none (no double backward)."""
-    mask = _mask(causal, cu_seqlens, window, chunk_order, q, len(_RINGS[ring].ranks))
+    mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
     dq, dkv = ring_backward_packed(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring],
                                    causal, scale, mask=mask)
     return dq.transpose(1, 2), dkv.transpose(2, 3)
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, ring, causal, scale, cu_seqlens, window, chunk_order):
+def _(dout, q, k, v, out, lse, ring, causal, scale, cu_seqlens, sliding_window, chunk_order):
     # the real results are [.., heads, S_c, D] tensors seen as [.., S_c, heads, D]: the same strides here
     b, s, h, d = q.shape
     hkv = k.shape[2]
@@ -153,18 +153,18 @@ def _bhsd(x: Tensor) -> Tensor:
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, ring, causal, scale, cu_seqlens, window, chunk_order = inputs
+    q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, chunk_order)  # tensors saved as such (compile traces it)
-    ctx.args = (ring, causal, scale, window)
+    ctx.args = (ring, causal, scale, sliding_window)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     q, k, v, out, lse, cu_seqlens, chunk_order = ctx.saved_tensors
-    ring, causal, scale, window = ctx.args
-    dq, dkv = ring_attention_backward(dout.contiguous(), q, k, v, out, lse, ring, causal, scale, cu_seqlens, window,
-                                      chunk_order)
+    ring, causal, scale, sliding_window = ctx.args
+    dq, dkv = ring_attention_backward(dout.contiguous(), q, k, v, out, lse, ring, causal, scale, cu_seqlens,
+                                      sliding_window, chunk_order)
     return (dq, dkv[0], dkv[1]) + (None,) * 6
 
 

@@ -169,7 +169,7 @@ def _kernel(kernel: Kernel | None, q: Tensor, k: Tensor) -> Kernel:
 
 
 def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:
-    return pass_reach(geometry, q.shape[2] // 2, mask.window, zigzag=mask.chunk_order is None)
+    return pass_reach(geometry, q.shape[2] // 2, mask.sliding_window, zigzag=mask.chunk_order is None)
 
 
 def ring_forward(

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -45,8 +46,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from loongtrain.parallel.liveness import Heartbeats, heartbeat_period, start_worker_threads
+from loongtrain.parallel.mesh import destroy_all_meshes
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")  # the last: NCCL, and gloo for host tensors
 # torch._dynamo is imported by the first custom-op call (over a second): pay for it once, in the server
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "loongtrain", "loongtrain.parallel.workers")
 _JOIN_GRACE_S = 60.0
@@ -84,7 +86,7 @@ def resolve_backend(backend: str | None, world_size: int) -> str:
         return "nccl" if gpus >= world_size else "gloo"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
-    if backend == "nccl" and gpus < world_size:
+    if backend != "gloo" and gpus < world_size:
         raise ValueError(f"backend='nccl' with world_size={world_size} needs one GPU per rank; "
                          f"this machine has {gpus} (use backend='gloo' or fewer ranks)")
     return backend
@@ -216,7 +218,7 @@ def _receive(conn: Connection, proc: Any) -> tuple[str, Any, float]:
     """A rank's report ``(status, value, wall time)``, or ``("died", how, now)`` when it exited without one."""
     if conn.poll():
         try:
-            return conn.recv()
+            return pickle.loads(conn.recv_bytes())
         except EOFError:
             pass
     proc.join(timeout=5)
@@ -257,25 +259,30 @@ def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], arg
         kwargs: dict[str, Any] = {}
         if spec.timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=spec.timeout_s)
-        if spec.backend == "nccl":
+        if spec.backend != "gloo":
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)  # binds the group to this rank's GPU
         dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
                                 world_size=world_size, **kwargs)
         result = fn(rank, world_size, *args)
         dist.barrier()  # nobody tears down groups a slower rank still talks on
-        conn.send(("ok", result, time.time()))
+        conn.send_bytes(_report("ok", result))
     except BaseException:  # noqa: BLE001 - every failure goes to the launcher, which stops the run
-        conn.send(("error", traceback.format_exc(), time.time()))
+        conn.send_bytes(_report("error", traceback.format_exc()))
         conn.close()
         os._exit(1)  # skip teardown: the other ranks may be blocked in a collective
     conn.close()
     _teardown()
 
 
-def _teardown() -> None:
-    from loongtrain.parallel.mesh import destroy_all_meshes
+def _report(status: str, value: Any) -> bytes:
+    """A report as plain pickle bytes: tensors travel by value. (The connection's own pickler would send
+    them as shared-memory file descriptors, which are lost when the worker exits before the launcher
+    has read them: ``ConnectionResetError`` on a busy machine.)"""
+    return pickle.dumps((status, value, time.time()))
 
+
+def _teardown() -> None:
     destroy_all_meshes()
     dist.destroy_process_group()
 

@@ -27,6 +27,7 @@ from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import AC_ALIASES, AC_MODES, PLACEMENTS, ZERO_MODES
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
+from loongtrain.plan.calibrate import calibrate
 from loongtrain.plan.cluster import builtin_clusters, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.document_work import balance_report, lognormal_documents
@@ -168,9 +169,9 @@ def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, s: 
     """Per candidate: attention seconds of one layer's call (forward + backward) without the document mask,
     with it under zigzag and under the balanced layout (docs/design.md §9), and per-rank work max/mean."""
     world = s["nodes"] * cluster.gpus_per_node
-    window = model.sliding_window if 0 < model.sliding_window < s["seq_len"] else None
+    window = model.sliding_window if model.sliding_window and model.sliding_window < s["seq_len"] else None
     shape = AttnShape(s["batch"], s["seq_len"], model.num_heads, model.num_kv_heads, model.head_dim,
-                      DTYPE_BYTES[s["dtype"]], model.sliding_window or 0)
+                      DTYPE_BYTES[s["dtype"]], model.sliding_window)
     out = []
     for c, _ in rows:
         layout = c.config.layout(world)
@@ -207,8 +208,6 @@ def format_document_report(rows: list[tuple[Candidate, list[int]]], report: list
 
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
-        from loongtrain.plan.calibrate import calibrate
-
         cluster = calibrate(world=args.calibrate_world)
         args.out.write_text(cluster_to_toml(cluster))
         print(cluster_to_toml(cluster))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from loongtrain.parallel.workers import WorkerError
 from loongtrain.train.config import parse_args
+from loongtrain.train.launch import launch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,8 +20,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"loongtrain train: error: {exc}", file=sys.stderr)
         return 2
-    from loongtrain.train.launch import launch
-
     try:
         launch(cfg)
     except ValueError as exc:
@@ -39,8 +39,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _summary(exc: Exception) -> str:
     """One closing line for a worker failure: the failing rank and the last line of its traceback."""
-    from loongtrain.parallel.workers import WorkerError
-
     if not isinstance(exc, WorkerError):
         return ""
     lines = [line for line in exc.details.strip().splitlines() if line.strip()]

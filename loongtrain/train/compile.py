@@ -105,6 +105,25 @@ def check_compile_backend(mode: str, device_type: str) -> None:
         raise ValueError(f"--compile {mode}: {missing}; run with --compile off")
 
 
+def check_compile_options(parallel: Any) -> None:
+    """ValueError unless the memory modes of ``parallel`` (a ParallelConfig) compose with compiled blocks:
+    activation offload (saved-tensor hooks around each block) and MLP tiles (a Python autograd Function per
+    tile) have not been verified under torch.compile, so they run eager only."""
+    if parallel.offload_activations:
+        raise ValueError("--compile on with --offload-activations is not supported yet: use --compile off")
+    if str(parallel.mlp_tiles) != "1":
+        raise ValueError(f"--compile on with --mlp-tiles {parallel.mlp_tiles} is not supported yet: use "
+                         f"--compile off or --mlp-tiles 1")
+
+
+def check_compile_run(mode: str, parallel: Any, device_type: str) -> None:
+    """The launcher's check of ``--compile`` (before any worker starts): :func:`check_compile_backend`, and
+    when it compiles, :func:`check_compile_options`."""
+    check_compile_backend(mode, device_type)
+    if mode == "on" or (mode == "auto" and device_type == "cuda" and bool(COMPILE_FASTER_ON)):
+        check_compile_options(parallel)
+
+
 def block_inputs(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
     """``args, kwargs`` of a block call with ``cu_seqlens`` (a list of per-row CPU int64 tensors, lengths
     marked dynamic) and ``chunk_order`` (one CPU int64 tensor) as tensors, wherever they are passed

@@ -20,7 +20,9 @@ import torch
 
 from loongtrain._toml import tomllib
 from loongtrain.attn.kernel_choice import bf16_supported
-from loongtrain.parallel.config import ParallelConfig, validate_parallel
+from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import CHUNK_LAYOUTS
 
 DTYPES = ("auto", "fp32", "bf16", "fp64")
@@ -126,9 +128,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices)."""
-        if not isinstance(self.parallel, ParallelConfig):
+        if not isinstance(self.parallel, ParallelConfig):  # a ParallelConfig validated itself when built
             raise ValueError(f"parallel={self.parallel!r} must be a ParallelConfig")
-        validate_parallel(self.parallel)
         positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval")
         for name in positive:
             value = getattr(self, name)
@@ -196,6 +197,18 @@ class TrainConfig:
             return cls(**own, parallel=parallel)
         except TypeError as exc:
             raise ValueError(f"invalid TrainConfig option: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run resolved once by the launcher before any worker starts (docs/design.md §10): the options, the
+    model's shape, the tokenizer (None: the batch source needs none) and the checkpoint to resume from
+    ("" for a fresh start). :class:`~loongtrain.train.trainer.Trainer` is built from it."""
+
+    cfg: TrainConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None = None
+    resume: str = ""
 
 
 def param_dtype(cfg: TrainConfig) -> torch.dtype:

@@ -22,31 +22,17 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from loongtrain.train.checkpoint import LATEST, STATE_FILE, read_trainer_state
-from loongtrain.train.config import TrainConfig
+from loongtrain.hf.convert import export_hf
+from loongtrain.train import models
+from loongtrain.train.checkpoint import find_checkpoint, read_trainer_state
+from loongtrain.train.config import TrainConfig, param_dtype
+from loongtrain.train.models import model_from_record
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or the ``latest`` of a checkpoints root or of a
-    run's ``--out-dir``. ValueError when there is none."""
-    path = Path(path)
-    for root in (path, path / "checkpoints"):
-        if (root / STATE_FILE).is_file():
-            return root
-        if (root / LATEST).is_file():
-            target = root / (root / LATEST).read_text().strip()
-            if (target / STATE_FILE).is_file():
-                return target
-    raise ValueError(f"{str(path)!r} is not a loongtrain checkpoint (no {STATE_FILE}), nor a checkpoints "
-                     f"directory or run directory with a '{LATEST}' checkpoint")
-
-
 def _record(state: dict[str, Any]) -> dict[str, Any]:
     """The model record of a checkpoint; for checkpoints without one, rebuilt from the run's config."""
-    from loongtrain.train import models
-
     if "model_config" in state or "hf_config" in state:
         return state
     cfg = TrainConfig.from_dict(state["config"])
@@ -55,9 +41,6 @@ def _record(state: dict[str, Any]) -> dict[str, Any]:
 
 def load_trained_model(checkpoint: str | Path) -> nn.Module:
     """The model of a checkpoint with its trained weights, whole, on CPU, in the dtype it trained in."""
-    from loongtrain.train.config import param_dtype
-    from loongtrain.train.models import model_from_record
-
     path = find_checkpoint(checkpoint)
     state = read_trainer_state(path)
     dtype = param_dtype(TrainConfig.from_dict(state["config"]))
@@ -73,8 +56,6 @@ def load_trained_model(checkpoint: str | Path) -> nn.Module:
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
     """Write the checkpoint's model as a Hugging Face directory ``out_dir`` (``dtype``: the tensors' dtype,
     default as trained); returns ``out_dir``."""
-    from loongtrain.hf.convert import export_hf
-
     model = load_trained_model(checkpoint)
     if dtype is not None:
         model = model.to(dtype)

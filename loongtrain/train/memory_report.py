@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain.parallel.runtime import is_distributed
-from loongtrain.train.parallelize import saved_output_sink
+from loongtrain.plan.memory_model import memory_per_rank
+from loongtrain.train.config import autocast_dtype, param_dtype
+from loongtrain.train.parallelize import saved_output_sink, uses_fsdp
 
 log = logging.getLogger("loongtrain.train")
 
@@ -227,10 +229,6 @@ def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, i
 def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, float]:
     """:func:`loongtrain.plan.memory_model.memory_per_rank` for what ``trainer`` runs: its model, layout, ZeRO
     shard group (1 without FSDP), ``ac_mode``, ``reshard_after_forward`` and compute dtype."""
-    from loongtrain.plan.memory_model import memory_per_rank
-    from loongtrain.train.config import autocast_dtype, param_dtype
-    from loongtrain.train.parallelize import uses_fsdp
-
     cfg, mesh = trainer.cfg, trainer.mesh
     parallel = cfg.parallel
     zero_size = parallel.shard_size(mesh.world_size) if uses_fsdp(parallel) else 1

@@ -25,8 +25,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from loongtrain.data.corpus import FilesCorpus, build_corpus, read_jsonl
+from loongtrain.data.packing import TokenStream
+from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.train.checkpoint import AUTO, newest_checkpoint, resolve_checkpoint, verify_checkpoint
 from loongtrain.train.config import TrainConfig
+from loongtrain.train.models import build_run_tokenizer
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 MUST_MATCH = ("model", "tokenizer", "corpus", "seq_len", "seed", "grad_accum", "lr", "beta1", "beta2", "eps",
@@ -37,14 +41,16 @@ class RunComplete(Exception):
     """A restarted job whose newest checkpoint is already at ``--steps``: nothing is left to do."""
 
 
-def preflight(cfg: TrainConfig, world: int, *, restarted: bool = False) -> TrainConfig:
+def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, *,
+              restarted: bool = False) -> TrainConfig:
     """Check the run's files; return ``cfg`` with ``resume`` resolved to one checkpoint directory ("" for a
     fresh start). ``restarted``: a restart of a failed job (``--resume`` defaults to 'auto', and a
-    checkpoint at ``--steps`` raises :class:`RunComplete` instead of ValueError)."""
+    checkpoint at ``--steps`` raises :class:`RunComplete` instead of ValueError). ``tokenizer``: the run's
+    (built from ``--tokenizer`` when not given)."""
     if restarted and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume=AUTO, overwrite=False)
     check_out_dir(cfg)
-    check_corpus(cfg)
+    check_corpus(cfg, tokenizer or build_run_tokenizer(cfg))
     try:
         return resolve_resume(cfg, world)
     except _StepsReached as exc:
@@ -71,21 +77,12 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is not writable")
 
 
-def check_corpus(cfg: TrainConfig) -> None:
+def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
     """The corpus can be read and holds at least one sample of ``seq_len + 1`` tokens."""
-    from loongtrain.data.corpus import FilesCorpus, build_corpus, read_jsonl
-    from loongtrain.data.packing import TokenStream
-    from loongtrain.data.tokenizer import build_tokenizer
-    from loongtrain.train.models import tokenizer_spec
-
     try:
         corpus = build_corpus(cfg.corpus)
     except (ImportError, ValueError) as exc:
         raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
-    try:
-        tokenizer = build_tokenizer(tokenizer_spec(cfg))
-    except (ImportError, OSError, ValueError) as exc:
-        raise ValueError(f"--tokenizer {cfg.tokenizer!r}: {exc}") from None
     if isinstance(corpus, FilesCorpus) and cfg.corpus != "stdlib":
         if all(f.stat().st_size == 0 for f in corpus.files):
             raise ValueError(f"--corpus {cfg.corpus!r} is empty (every file has 0 bytes)")
