@@ -151,6 +151,11 @@ def test_compile_modes():
         compile_step.compile_enabled("fast", cpu)
     with pytest.raises(ValueError, match="--compile='fast'"):
         TrainConfig(compile="fast").validate()
+    compile_step.check_compile_options(ParallelConfig())
+    with pytest.raises(ValueError, match="--offload-activations.*--compile off"):
+        compile_step.check_compile_options(ParallelConfig(ac_mode="selective", offload_activations=True))
+    with pytest.raises(ValueError, match="--mlp-tiles 4"):
+        compile_step.check_compile_run("on", ParallelConfig(mlp_tiles="4"), "cpu")
 
 
 def test_missing_compiler_is_named(monkeypatch):
