@@ -1,5 +1,5 @@
 """Training tokens/s with compiled decoder blocks against eager, side by side in one process (``--compile``,
-docs/design.md §12).
+docs/design.md §13).
 
 Two :class:`~loongtrain.train.trainer.Trainer` s with the same seed, one with ``compile="off"`` and one with
 ``compile="on"`` (inductor unless ``--backend``), take the same synthetic batches (packed documents whose mix

@@ -8,6 +8,7 @@ SUBCOMMANDS = {
     "train": ("loongtrain.train.cli", "Train a LLaMA-style or Hugging Face model with 2D-Attention."),
     "plan": ("loongtrain.plan.cli", "Rank 2D-Attention configurations for a cluster with the cost model."),
     "export": ("loongtrain.train.export", "Write a training checkpoint as a Hugging Face model directory."),
+    "prepare": ("loongtrain.data.prepare_cli", "Tokenize corpora once into a memory-mapped training directory."),
 }
 
 

@@ -1,4 +1,4 @@
-"""``--compile``: compiled decoder blocks (docs/design.md §12), single process.
+"""``--compile``: compiled decoder blocks (docs/design.md §13), single process.
 
 Compiled training equals eager training (fp64, 1e-10, documents and a sliding window, Selective
 Checkpoint++) over 20 steps whose document mix changes every step, with at most two compilations per block

@@ -1,4 +1,4 @@
-"""``--compile on`` on 4 gloo ranks (docs/design.md §12), one spawn: on ``(hp=2, cp=2)`` with full ZeRO
+"""``--compile on`` on 4 gloo ranks (docs/design.md §13), one spawn: on ``(hp=2, cp=2)`` with full ZeRO
 (FSDP2), Selective Checkpoint++, packed documents and the balanced chunk layout, compiled training equals
 eager training (fp64, 3 AdamW steps, losses and parameters to 1e-10), and under compile Selective++ still
 runs ring attention once per layer in forward and never in backward, sending exactly the backward traffic of

@@ -92,7 +92,7 @@ def attention(
     ``chunk_order``: the tokens' layout when they were sharded with ``shard_sequence(..., chunk_order=)``
     (e.g. :func:`loongtrain.balanced_chunk_order` for packed documents); default zigzag.
 
-    Inside a ``torch.compile``-d block (docs/design.md §12) the shape checks are traced, while the values of
+    Inside a ``torch.compile``-d block (docs/design.md §13) the shape checks are traced, while the values of
     ``cu_seqlens`` and ``chunk_order`` are checked by the ops when they run (give them as tensors, or each
     new value is a new graph) and the agreement exchange is skipped.
     """

@@ -4,7 +4,7 @@ Being custom ops (not plain autograd Functions) lets selective activation checkp
 outputs (``CheckpointPolicy.MUST_SAVE`` on ``torch.ops.loongtrain.*``), so a recompute pass re-runs
 neither attention nor any of its communication (Selective Checkpoint++; docs/design.md §6). Process
 groups travel as their registered names, a context ring as the key of its registered :class:`Ring`.
-To ``torch.compile`` they are opaque nodes (docs/design.md §12): the ring backward is an op of its own,
+To ``torch.compile`` they are opaque nodes (docs/design.md §13): the ring backward is an op of its own,
 document boundaries and chunk orders are CPU int64 tensors (data, not constants of a graph), and the
 fake implementations' shapes depend on q/k/v alone.
 """
@@ -94,7 +94,7 @@ def as_index_tensor(values: Sequence[int] | Tensor | None) -> Tensor | None:
     """``cu_seqlens`` (flattened) or ``chunk_order`` as the ops take them: a CPU int64 tensor (None stays None).
 
     As tensors they are data to a compiled block, not constants: a new document mix or chunk order reuses
-    the compiled graph instead of recompiling it (docs/design.md §12)."""
+    the compiled graph instead of recompiling it (docs/design.md §13)."""
     if values is None or isinstance(values, Tensor):
         return values if values is None else values.to(device="cpu", dtype=torch.int64)
     return torch.tensor(list(values), dtype=torch.int64)

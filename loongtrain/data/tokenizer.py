@@ -27,6 +27,10 @@ class Tokenizer:
         """``encode`` as a 1-D int64 tensor (subclasses may return a narrower integer dtype)."""
         return torch.tensor(self.encode(text), dtype=torch.int64)
 
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode`` of each text as a 1-D integer array (the tokenizer's batch path where it has one)."""
+        return [self.encode_tensor(t).numpy() for t in texts]
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens (vocab 256). End of document = byte 0 (NUL, which text files do not contain)."""
@@ -41,6 +45,9 @@ class ByteTokenizer(Tokenizer):
     def encode_tensor(self, text: str) -> torch.Tensor:
         data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
         return torch.from_numpy(data)
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Invalid UTF-8 (e.g. a sequence cut mid-character) decodes to U+FFFD."""
@@ -103,6 +110,11 @@ class HFTokenizer(Tokenizer):
 
     def encode_tensor(self, text: str) -> torch.Tensor:
         return torch.tensor(self.encode(text), dtype=torch.int32)
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        if self._tok is None:
+            return super().encode_many(texts)
+        return [np.array(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)

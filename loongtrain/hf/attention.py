@@ -77,7 +77,7 @@ def hf_attention_forward(
         documents["chunk_order"] = kwargs["chunk_order"]
     position_ids = kwargs.get("position_ids")
     check = isinstance(position_ids, Tensor) and "cu_seqlens" not in documents and getattr(module, "layer_idx", 0) == 0
-    if check and not torch.compiler.is_compiling():  # a value check (host-side): eager only (docs/design.md §12)
+    if check and not torch.compiler.is_compiling():  # a value check (host-side): eager only (docs/design.md §13)
         _check_positions(position_ids, mesh, seq_len, documents.get("chunk_order"))
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     out = attention_fn(

@@ -1,4 +1,4 @@
-"""``--compile off|on|auto``: ``torch.compile`` of each decoder block (docs/design.md §12).
+"""``--compile off|on|auto``: ``torch.compile`` of each decoder block (docs/design.md §13).
 
 :func:`compile_blocks` is the compile step of :func:`loongtrain.train.parallelize.parallelize`, after
 activation checkpointing and before FSDP2: each block's ``forward`` (already the checkpointed one, if any) is

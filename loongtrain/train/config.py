@@ -20,6 +20,7 @@ import torch
 
 from loongtrain._toml import tomllib
 from loongtrain.attn.kernel_choice import bf16_supported
+from loongtrain.data.split import check_fraction
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
@@ -48,8 +49,12 @@ class TrainConfig:
                       "directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)")
     corpus: str = _opt(
         "stdlib", "corpus: 'stdlib' (this Python's standard-library sources, no download), a .txt/.jsonl "
-        "file, a directory of them, or a saved Hugging Face dataset"
+        "file, a directory of them, a saved Hugging Face dataset, a directory made by `loongtrain prepare` "
+        "(memory-mapped), or a mixture NAME=WEIGHT,... of these (e.g. a=0.7,b=0.3)"
     )
+    val_fraction: float = _opt(0.0, "hold out this fraction of the corpus's documents for validation, chosen "
+                               "by a hash of the document number and --seed (0: none; else in (0, 1))")
+    val_corpus: str = _opt("", "validation corpus of its own (any --corpus form; instead of --val-fraction)")
     tokenizer: str = _opt("auto", "tokenizer: 'auto' (the --model directory's Hugging Face tokenizer when it "
                           "has one, else 'byte'), 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
                           "tokenizer path")
@@ -140,6 +145,10 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
         self._validate_ranges()
+        check_fraction(self.val_fraction)
+        if self.val_fraction and self.val_corpus:
+            raise ValueError(f"--val-fraction={self.val_fraction} and --val-corpus={self.val_corpus!r}: give "
+                             f"one of them")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype={self.dtype!r} is not one of {DTYPES}")
         if self.progress not in PROGRESS:

@@ -36,8 +36,7 @@ from loongtrain.train.compile import check_compile_run
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.models import build_run_tokenizer, model_config_for
 from loongtrain.train.preflight import RunComplete, preflight
-from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, under_torchrun
-from loongtrain.train.torchrun import process_group_store as torchrun_store
+from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.train.trainer import Trainer
 
 log = logging.getLogger("loongtrain.train")
@@ -127,7 +126,7 @@ def run_worker(rank: int, world: int, run: Run) -> list[dict]:
     offload_params = cfg.parallel.offload_params  # FSDP2 does it: a process group even for one rank
     if (world > 1 or offload_params) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.timeout)
-        store = torchrun_store(timeout)
+        store = process_group_store(timeout) if under_torchrun() else None
         if world == 1 and store is None and "MASTER_ADDR" not in os.environ:
             store = dist.HashStore()  # one rank in this process: nothing to rendezvous with
         dist.init_process_group(default_backend(host_collectives=offload_params), rank=rank, world_size=world,

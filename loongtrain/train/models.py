@@ -150,7 +150,7 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
     tensor at a time; without FSDP2, or without weight files (a seeded init from the config), it is
     built whole on CPU and then parallelized."""
     directory = hf_model_dir(cfg.model)
-    compiled = compile_enabled(cfg.compile, device)  # --compile: docs/design.md §12
+    compiled = compile_enabled(cfg.compile, device)  # --compile: docs/design.md §13
     if directory is not None:
         if not (uses_fsdp(cfg.parallel) and hf_weight_files(directory)):
             model = build_hf_model(directory, param_dtype(cfg), cfg.seed)

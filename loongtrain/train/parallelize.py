@@ -24,7 +24,7 @@
    ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` gathers bf16 weights and reduces fp32
    gradients into the fp32 shards; the trainer then runs without autocast (docs/design.md §7).
 
-Compiled blocks (``compile=True``, ``--compile``; docs/design.md §12) are a step of their own after
+Compiled blocks (``compile=True``, ``--compile``; docs/design.md §13) are a step of their own after
 checkpointing and before FSDP2: :func:`loongtrain.train.compile.compile_blocks` replaces each block's
 (checkpointed) ``forward`` by a ``torch.compile``-d one.
 
@@ -262,7 +262,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     if offloader is not None:  # the checkpointed blocks' kept tensors live on the host (train/offload.py)
         offload_blocks(blocks, chosen, offloader)
         model.__dict__[OFFLOADER_ATTR] = offloader
-    if compile:  # docs/design.md §12 (not with activation offload or MLP tiles: check_compile_options)
+    if compile:  # docs/design.md §13 (not with activation offload or MLP tiles: check_compile_options)
         check_compile_options(parallel)
         compile_blocks(model, blocks)
     if uses_fsdp(parallel):

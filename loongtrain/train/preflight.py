@@ -5,14 +5,17 @@ exits 2 within seconds instead of failing inside the workers. It checks:
 
 - the output directory: not a file, writable; a directory that already holds checkpoints needs
   ``--resume`` (continue) or ``--overwrite`` (start afresh);
-- the corpus: exists, every ``.jsonl`` line is a JSON object with a string ``text`` field, and it holds
-  at least ``seq_len + 1`` tokens (one sample);
+- the corpus (and ``--val-corpus``), each corpus of a mixture (weights parse, >= 0, one > 0): a raw
+  corpus exists, every ``.jsonl`` line is a JSON object with a string ``text`` field, and it holds at
+  least ``seq_len + 1`` tokens (one sample); a prepared directory has a manifest of a format this
+  version reads, was made with the run's tokenizer, and its files pass the quick size + sampled-digest
+  check (:func:`loongtrain.data.prepared.verify_prepared`);
 - ``--resume``: the checkpoint's files are readable (the bad file is named), its step is below
   ``--steps``, and the run is compatible with it (:data:`MUST_MATCH`).
 
 Resume rule: the data stream and the optimizer state must continue unchanged, so the model preset,
-tokenizer, corpus, ``--seq-len``, ``--seed``, ``--grad-accum``, the global batch (``dp * batch_size``)
-and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
+tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seed``, ``--grad-accum``, the global batch
+(``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
 ``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout
 (``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of ranks at the
 same global batch), ``--steps``, ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
@@ -27,14 +30,16 @@ from typing import Any
 
 from loongtrain.data.corpus import FilesCorpus, build_corpus, read_jsonl
 from loongtrain.data.packing import TokenStream
+from loongtrain.data.prepared import check_prepared, is_prepared_dir
+from loongtrain.data.sources import parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.train.checkpoint import AUTO, newest_checkpoint, resolve_checkpoint, verify_checkpoint
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.models import build_run_tokenizer
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
-MUST_MATCH = ("model", "tokenizer", "corpus", "seq_len", "seed", "grad_accum", "lr", "beta1", "beta2", "eps",
-              "weight_decay")
+MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seed", "grad_accum", "lr", "beta1",
+              "beta2", "eps", "weight_decay")
 
 
 class RunComplete(Exception):
@@ -78,28 +83,50 @@ def check_out_dir(cfg: TrainConfig) -> None:
 
 
 def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
-    """The corpus can be read and holds at least one sample of ``seq_len + 1`` tokens."""
+    """Every corpus of ``--corpus`` and ``--val-corpus`` (each part of a mixture) can be read and holds one
+    sample of ``seq_len + 1`` tokens; a prepared one matches ``tokenizer`` and passes its quick checksum
+    check (:func:`loongtrain.data.prepared.check_prepared`)."""
+    for flag, spec in (("--corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus)):
+        if not spec:
+            continue
+        try:
+            parts = parse_corpus_spec(spec)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {spec!r}: {exc}") from None
+        for name, _ in parts:
+            where = f"{flag} {spec!r}" if name == spec else f"{flag} {spec!r}, corpus {name!r}"
+            if is_prepared_dir(name):
+                try:
+                    check_prepared(name, tokenizer, cfg.seq_len + 1)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+            else:
+                check_raw_corpus(name, tokenizer, cfg.seq_len, where)
+
+
+def check_raw_corpus(spec: str, tokenizer: Tokenizer, seq_len: int, where: str) -> None:
+    """A raw corpus can be read (every ``.jsonl`` line) and holds at least ``seq_len + 1`` tokens."""
     try:
-        corpus = build_corpus(cfg.corpus)
+        corpus = build_corpus(spec)
     except (ImportError, ValueError) as exc:
-        raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
-    if isinstance(corpus, FilesCorpus) and cfg.corpus != "stdlib":
+        raise ValueError(f"{where}: {exc}") from None
+    if isinstance(corpus, FilesCorpus) and spec != "stdlib":
         if all(f.stat().st_size == 0 for f in corpus.files):
-            raise ValueError(f"--corpus {cfg.corpus!r} is empty (every file has 0 bytes)")
+            raise ValueError(f"{where} is empty (every file has 0 bytes)")
         for file in corpus.files:
             if file.suffix == ".jsonl":
                 try:
                     for _ in read_jsonl(file, corpus.text_field):  # every line, not just the first sample's
                         pass
                 except (ValueError, UnicodeDecodeError) as exc:
-                    raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
-    need = cfg.seq_len + 1
+                    raise ValueError(f"{where}: {exc}") from None
+    need = seq_len + 1
     try:
         have = TokenStream(corpus, tokenizer).ensure(need)
     except (ValueError, UnicodeDecodeError, OSError) as exc:
-        raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
     if have < need:
-        raise ValueError(f"--corpus {cfg.corpus!r} holds {have} tokens; one sample needs --seq-len + 1 = {need}")
+        raise ValueError(f"{where} holds {have} tokens; one sample needs --seq-len + 1 = {need}")
 
 
 def resolve_resume(cfg: TrainConfig, world: int) -> TrainConfig:

@@ -232,7 +232,7 @@ class Trainer:
         tokenizer = self.run.tokenizer
         assert tokenizer is not None, "a corpus run needs the tokenizer the launcher resolved (Run.tokenizer)"
         return build_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp, cfg.seed,
-                             start_micro_step)
+                             start_micro_step, val_fraction=cfg.val_fraction)
 
     def _tidy_out_dir(self, *, resumed: bool) -> None:
         """Rank 0: ``--overwrite`` deletes old checkpoints of a fresh start; saves that died half-way go."""
@@ -278,10 +278,12 @@ class Trainer:
         dt = time.perf_counter() - t0
         # attention FLOPs of the visible (query, key) pairs only (documents, sliding window)
         flops = step_flops(self.model_config, self.tokens_per_step, result["attention_pairs"])
+        seen = getattr(batches, "tokens_by_corpus", None)  # data: tokens each corpus supplied (all replicas)
         return {"step": step + 1, "total_steps": self.cfg.steps, **result, "step_time_s": dt,
                 "tokens_per_s": self.tokens_per_step / dt, "tflops": flops / dt / 1e12,
                 "mfu": (flops / dt / peak) if peak else float("nan"),
-                "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields}
+                "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
+                **({f"tokens_seen/{name}": n for name, n in seen().items()} if seen else {})}
 
     def _count_bad_step(self, record: dict[str, Any], bad_steps: int) -> int:
         """Consecutive skipped (non-finite) steps after this one; logs each skip."""
