@@ -1,4 +1,4 @@
-"""Evaluation memory per rank vs training memory per rank (docs/design.md §13).
+"""Evaluation memory per rank vs training memory per rank (docs/design.md §14).
 
 1. **Model** (the planner's memory model, ``loongtrain/plan/memory_model.py``): a training step's
    per-rank peak for each activation-checkpointing mode, and an upper bound of the forward-only

@@ -1,4 +1,4 @@
-"""Does a short training on passkey-rich text raise the tiny preset's passkey accuracy? (docs/design.md §13)
+"""Does a short training on passkey-rich text raise the tiny preset's passkey accuracy? (docs/design.md §14)
 
 1. Writes a corpus of passkey documents (``loongtrain.eval.passkey.build_prompt`` with random keys and
    depths, decoded by the byte tokenizer: each document is one prompt of ``--doc-len`` tokens plus its

@@ -1,4 +1,4 @@
-"""``loongtrain eval``: long-context evaluation under the training layout (docs/design.md §13).
+"""``loongtrain eval``: long-context evaluation under the training layout (docs/design.md §14).
 
 :mod:`~loongtrain.eval.job` (options, checks), :mod:`~loongtrain.eval.source` (MODEL: run, checkpoint or
 HF directory), :mod:`~loongtrain.eval.forward` (one sharded forward), the tasks

@@ -1,4 +1,4 @@
-"""``loongtrain eval MODEL --task passkey|position-loss ...`` (docs/design.md §13). Exit codes: 0 ok, 2 bad
+"""``loongtrain eval MODEL --task passkey|position-loss ...`` (docs/design.md §14). Exit codes: 0 ok, 2 bad
 input (one line, before any worker starts), 1 a worker failed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One sharded, forward-only pass of an evaluation sequence (docs/design.md §13).
+"""One sharded, forward-only pass of an evaluation sequence (docs/design.md §14).
 
 :func:`sharded_forward` shards a full-sequence batch over the replica in the zigzag layout
 (:func:`~loongtrain.parallel.sharding.shard_sequence`), runs the model to its final hidden states under

@@ -1,5 +1,5 @@
 """An evaluation's options (:class:`EvalConfig`) and :func:`prepare`, which checks them in the launcher
-before any worker starts and resolves them into a :class:`Job` (docs/design.md §13).
+before any worker starts and resolves them into a :class:`Job` (docs/design.md §14).
 
 Every user error is a ValueError naming the value: a MODEL that is none of the three kinds; lengths not
 divisible by ``2*hp*cp``; depths outside [0, 1]; a tokenizer that cannot encode the key's digits; an

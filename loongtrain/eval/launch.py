@@ -1,4 +1,4 @@
-"""``loongtrain eval``'s processes, on ``train``'s launcher (docs/design.md §10, §13): under torchrun this
+"""``loongtrain eval``'s processes, on ``train``'s launcher (docs/design.md §10, §14): under torchrun this
 process is one rank; otherwise ``--nproc`` local workers (:func:`~loongtrain.parallel.workers.run_local`),
 or this process alone for one rank. Everything is checked by :func:`~loongtrain.eval.job.prepare` first.
 

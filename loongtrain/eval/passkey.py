@@ -1,4 +1,4 @@
-"""``loongtrain eval --task passkey``: a random key hidden in filler, asked for at the end (docs/design.md §13).
+"""``loongtrain eval --task passkey``: a random key hidden in filler, asked for at the end (docs/design.md §14).
 
 A prompt of length ``L`` is built from token ids, each piece tokenized once, so no tokenizer merge
 across a boundary can shift the key::

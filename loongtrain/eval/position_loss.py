@@ -1,4 +1,4 @@
-"""``loongtrain eval --task position-loss``: mean loss per position bucket (docs/design.md §13).
+"""``loongtrain eval --task position-loss``: mean loss per position bucket (docs/design.md §14).
 
 Buckets are powers of two, ``[0, b0), [b0, 2 b0), [2 b0, 4 b0) ... [.., seq_len)``, with ``b0 = 1024``
 from ``seq_len >= 8192`` and ``2**floor(log2 seq_len) / 8`` below (so a short evaluation still has four

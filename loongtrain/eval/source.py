@@ -1,4 +1,4 @@
-"""What ``loongtrain eval MODEL`` evaluates (docs/design.md §13): a run directory (its
+"""What ``loongtrain eval MODEL`` evaluates (docs/design.md §14): a run directory (its
 ``checkpoints/latest``), a checkpoint directory, or a Hugging Face model directory.
 
 - :func:`resolve_model` (launcher, before any worker): the kind, the checkpoint or directory, and the

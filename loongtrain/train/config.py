@@ -30,6 +30,7 @@ from loongtrain.parallel.documents import CHUNK_LAYOUTS
 DTYPES = ("auto", "fp32", "bf16", "fp64")
 PROGRESS = ("auto", "on", "off")
 DOC_MASK = ("on", "off")
+COMPILE = ("off", "on", "auto")  # the modes of loongtrain.train.compile
 #: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1)
 DEFAULT_PARALLEL = ParallelConfig(hp=2, cp=2)
 PARALLEL_FIELDS = {f.name: f for f in fields(ParallelConfig)}
@@ -85,6 +86,9 @@ class TrainConfig:
         "auto", "compute dtype: auto (bf16 on CUDA devices with native bf16, else fp32), fp32, bf16 (fp32 "
         "weights, bf16 compute: FSDP2 gathers bf16 weights under ZeRO, autocast otherwise), fp64"
     )
+    compile: str = _opt("auto", "torch.compile each decoder block: on, off, or auto (on a CUDA device on which "
+                        "a GPU run measured it faster, train/compile.py COMPILE_FASTER_ON; none has yet, so "
+                        "auto is off everywhere; CPU compiles only with on)")
     seed: int = _opt(0, "seed for weights, data order and torch RNGs")
     deterministic: bool = _opt(False, "torch.use_deterministic_algorithms(True): bit-identical reruns and "
                                "resumes on the same GPUs and layout, at some speed (README: Determinism)")
@@ -124,7 +128,7 @@ class TrainConfig:
     log_interval: int = _opt(1, "log metrics every N steps")
     eval_interval: int = _opt(0, "validation loss (forward only, the run's layout) every N optimizer steps, "
                               "logged as val_loss (0: never), on --val-fraction / --val-corpus, or without "
-                              "them the corpus's last packed samples (docs/design.md §13)")
+                              "them the corpus's last packed samples (docs/design.md §14)")
     eval_batches: int = _opt(4, "batches (of --batch-size sequences per replica) per validation")
     peak_tflops: float = _opt(
         0.0, "peak TFLOP/s of one device for MFU (0: table by CUDA device name; on CPU measured)"
@@ -158,6 +162,8 @@ class TrainConfig:
             raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
         if self.decode_errors not in DECODE_ERRORS:
             raise ValueError(f"--decode-errors={self.decode_errors!r} is not one of {DECODE_ERRORS}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"--compile={self.compile!r} is not one of {COMPILE}")
         if self.doc_mask not in DOC_MASK:
             raise ValueError(f"--doc-mask={self.doc_mask!r} is not one of {DOC_MASK}")
         if self.chunk_layout not in CHUNK_LAYOUTS:

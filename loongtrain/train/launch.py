@@ -32,6 +32,7 @@ from loongtrain.parallel.runtime import configure_cuda_allocator, default_backen
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.checkpoint import AUTO
+from loongtrain.train.compile import check_compile_run
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.models import build_run_tokenizer, model_config_for
 from loongtrain.train.preflight import RunComplete, preflight
@@ -64,6 +65,7 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
     except ValueError as exc:
         raise ValueError(f"--nproc/world size {world}, --hp {p.hp} --cp {p.cp}, --seq-len {cfg.seq_len}, "
                          f"model {cfg.model!r}: {exc}") from exc
+    check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
     return model_config

@@ -101,10 +101,13 @@ class SavedActivations:
         self.tensors = 0
         self._storages: dict[int, int] = {}
         self._params: dict[int, Tensor] = {}
+        self._modules: dict[int, nn.Module] = {}
         self._stack = contextlib.ExitStack()
 
-    def _note_params(self, module: nn.Module, _args: Any) -> None:
-        for p in module.parameters(recurse=False):
+    def _note_params(self, module: nn.Module, _args: Any, recurse: bool = False) -> None:
+        if not recurse:
+            self._modules[id(module)] = module
+        for p in module.parameters(recurse=recurse):
             if type(p).__name__ == "DTensor":
                 continue
             ptr = p.untyped_storage().data_ptr()
@@ -113,6 +116,10 @@ class SavedActivations:
 
     def _is_param_storage(self, ptr: int) -> bool:
         p = self._params.get(ptr)
+        if p is None:  # a compiled block runs its submodules without hooks: look at their weights now
+            for module in self._modules.values():
+                self._note_params(module, (), recurse=True)
+            p = self._params.get(ptr)
         return p is not None and p.untyped_storage().data_ptr() == ptr
 
     def _add(self, t: Any) -> None:
@@ -147,6 +154,7 @@ class SavedActivations:
         self.bytes = sum(self._storages.values())
         self.tensors = len(self._storages)
         self._params.clear()
+        self._modules.clear()
 
 
 def memory_report(

@@ -35,6 +35,7 @@ from loongtrain.hf.load import check_hf_dir, read_hf_config
 from loongtrain.model.config import PRESETS, ModelConfig, get_preset
 from loongtrain.model.llama import Transformer, initial_weight
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.train.compile import compile_enabled
 from loongtrain.train.config import TrainConfig, param_dtype
 from loongtrain.train.parallelize import materialize_params, parallelize, uses_fsdp
 
@@ -149,20 +150,21 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
     tensor at a time; without FSDP2, or without weight files (a seeded init from the config), it is
     built whole on CPU and then parallelized."""
     directory = hf_model_dir(cfg.model)
+    compiled = compile_enabled(cfg.compile, device)  # --compile: docs/design.md §13
     if directory is not None:
         if not (uses_fsdp(cfg.parallel) and hf_weight_files(directory)):
             model = build_hf_model(directory, param_dtype(cfg), cfg.seed)
-            return parallelize(model, mesh, cfg.parallel, device)
+            return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
         model = build_hf_model_on_meta(directory, param_dtype(cfg))
-        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype)
+        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
         materialize_params(model, hf_initial_weights(directory))
         restore_hf_buffers(model)
         return model
     if not uses_fsdp(cfg.parallel):
         model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
-        return parallelize(model, mesh, cfg.parallel, device)
+        return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
     with torch.device("meta"):
         model = Transformer(model_config, seed=None).to(param_dtype(cfg))
-    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype)
+    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
     materialize_params(model, lambda name, shape: initial_weight(name, shape, cfg.seed))
     return model

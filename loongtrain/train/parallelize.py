@@ -24,6 +24,10 @@
    ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` gathers bf16 weights and reduces fp32
    gradients into the fp32 shards; the trainer then runs without autocast (docs/design.md §7).
 
+Compiled blocks (``compile=True``, ``--compile``; docs/design.md §13) are a step of their own after
+checkpointing and before FSDP2: :func:`loongtrain.train.compile.compile_blocks` replaces each block's
+(checkpointed) ``forward`` by a ``torch.compile``-d one.
+
 The memory modes (docs/design.md §7, *Memory modes*) are steps of their own: ``mlp_tiles`` tiles every
 block's norm + MLP before checkpointing (:func:`loongtrain.train.mlp_tiles.apply_mlp_tiling`);
 ``offload_activations`` runs the checkpointed blocks inside an
@@ -61,6 +65,7 @@ from loongtrain.hf.families import decoder_layers
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
+from loongtrain.train.compile import check_compile_options, compile_blocks
 from loongtrain.train.mlp_tiles import apply_mlp_tiling
 from loongtrain.train.offload import OFFLOADER_ATTR, ActivationOffloader, offload_blocks, pinned_memory_available
 
@@ -106,7 +111,7 @@ class saved_output_sink:  # noqa: N801 - used like a function-style context mana
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective Checkpoint++: MUST_SAVE the attention all-to-alls and ring attention, recompute the rest."""
     if op in selective_saved_ops():
-        if not ctx.is_recompute:
+        if not ctx.is_recompute and not torch.compiler.is_compiling():  # compiled: saved as graph outputs
             _record_saved_output(getattr(ctx, "op_output", None))
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
@@ -230,9 +235,9 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device, *,
-                param_dtype: torch.dtype | None = None) -> nn.Module:
+                param_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
     """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> MLP tiling -> activation checkpointing
-    -> activation offload -> FSDP2 (with ``offload_params``, CPU offload).
+    -> activation offload -> (with ``compile``) compiled blocks -> FSDP2 (with ``offload_params``, CPU offload).
 
     ``model`` must have decoder blocks (:func:`decoder_layers`). With ``zero="none"`` parameters
     stay plain tensors and the trainer's own gradient all-reduce applies; otherwise they become
@@ -257,6 +262,9 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     if offloader is not None:  # the checkpointed blocks' kept tensors live on the host (train/offload.py)
         offload_blocks(blocks, chosen, offloader)
         model.__dict__[OFFLOADER_ATTR] = offloader
+    if compile:  # docs/design.md §13 (not with activation offload or MLP tiles: check_compile_options)
+        check_compile_options(parallel)
+        compile_blocks(model, blocks)
     if uses_fsdp(parallel):
         apply_fsdp(model, mesh, parallel, device, param_dtype)
     if meta:

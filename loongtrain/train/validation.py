@@ -1,4 +1,4 @@
-"""Validation during training (``--eval-interval N --eval-batches K``, docs/design.md §13).
+"""Validation during training (``--eval-interval N --eval-batches K``, docs/design.md §14).
 
 - :func:`validation_loss`: the mean loss of K full-sequence batches, forward only under
   ``torch.no_grad()`` (no activations kept, no checkpoint recompute), with the run's own layout and loss
