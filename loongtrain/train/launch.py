@@ -71,16 +71,31 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
     return model_config
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (not the stream of the first call,
+    which may since have been closed or replaced, e.g. by a test's capture)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(rank: int, log_all_ranks: bool) -> None:
-    """INFO from rank 0 (or every rank with --log-all-ranks), warnings only from the others."""
+    """INFO from rank 0 (or every rank with --log-all-ranks), warnings only from the others; lines carry
+    the rank."""
     level = logging.INFO if rank == 0 or log_all_ranks else logging.WARNING
     logger = logging.getLogger("loongtrain")
     logger.setLevel(level)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", "%H:%M:%S"))
+    handler = next((h for h in logger.handlers if isinstance(h, _StderrHandler)), None)
+    if handler is None:
+        handler = _StderrHandler()
         logger.addHandler(handler)
         logger.propagate = False
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s", "%H:%M:%S"))
 
 
 def _threads(cfg: TrainConfig, world_local: int) -> int:
