@@ -23,7 +23,7 @@ def test_plan_auto_takes_the_best_fitting_configuration():
 def test_plan_options_are_checked():
     with pytest.raises(ValueError, match="--plan='best' is not one of"):
         apply_plan(TrainConfig(plan="best"), 4, under_launcher=False)
-    with pytest.raises(ValueError, match="not a whole number of a100 nodes"):
+    with pytest.raises(ValueError, match="neither part of one a100 node nor a whole number"):
         apply_plan(TrainConfig(plan="auto", plan_cluster="a100"), 12, under_launcher=True)
     assert apply_plan(TrainConfig(), 4, under_launcher=False) == TrainConfig()
 

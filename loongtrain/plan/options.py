@@ -1,0 +1,161 @@
+"""``PlanConfig``: every ``loongtrain plan`` option, one field each; the parser and the TOML keys are
+generated from it (as ``loongtrain train``'s are from ``TrainConfig``, docs/design.md §8), with
+``train``'s names (``--batch-size``, ``--ac-mode``, ``--offload-activations``, ...) and its size parser
+(``--seq-len 128K``). The configuration filters take their help from
+:class:`~loongtrain.parallel.config.ParallelConfig`'s own fields. Old names stay as aliases:
+``--batch`` (= ``--batch-size``), ``--ckpt`` (= ``--ac-mode``, deprecated), and ``--plan-cluster``
+(``train``'s name, = ``--cluster``). Precedence: field default < TOML file (``--config``) < command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from loongtrain._sizes import parse_size, size_argument
+from loongtrain._toml import tomllib
+from loongtrain.model.config import PRESETS, ModelConfig
+from loongtrain.parallel.config import AC_ALIASES, AC_MODES, PLACEMENTS, ZERO_MODES, ParallelConfig
+from loongtrain.plan.cluster import builtin_clusters
+from loongtrain.plan.search import MODE_SEARCH
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: old option / TOML key -> its name now (each still accepted)
+ALIASES = {"batch": "batch_size", "ckpt": "ac_mode", "plan_cluster": "cluster"}
+_PARALLEL_HELP = {f.name: f.metadata["help"] for f in fields(ParallelConfig)}
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+def _filter(name: str, kind: type, **extra: Any) -> Any:
+    """A configuration filter (None: any value): ``ParallelConfig.<name>``'s help."""
+    return _opt(None, f"only configurations with this {name}: {_PARALLEL_HELP[name]}", kind=kind, **extra)
+
+
+@dataclass
+class PlanConfig:
+    """Every option of ``loongtrain plan``: one field = one ``--option`` = one TOML key."""
+
+    model: str = _opt("", f"preset {sorted(PRESETS)}, or a local Hugging Face model directory or its config.json "
+                      "(Llama, Mistral, Qwen2, Qwen3); in --config also a [model] table of ModelConfig fields")
+    seq_len: int = _opt(0, "tokens per sequence, e.g. 131072, 128K, 1M", size=True)
+    max_seq_len: bool = _opt(False, "instead of ranking at --seq-len: bisect the longest sequence that fits "
+                             "(device and host memory) and print it with its best configuration")
+    gpus: int = _opt(0, "devices to plan for: part of one node (1, 2, 4, ...) or whole nodes (0: --nodes)")
+    nodes: int = _opt(0, "whole nodes to plan for (0: --gpus)")
+    cluster: str = _opt("a100", f"built-in {builtin_clusters()} or a TOML file (alias --plan-cluster)")
+    batch_size: int = _opt(1, "sequences per data-parallel replica per step (alias --batch)")
+    dtype: str = _opt("bf16", "compute dtype", choices=tuple(DTYPE_BYTES))
+    sp: int | None = _opt(None, "only configurations with this sequence-parallel degree hp*cp", kind=int)
+    hp: int | None = _filter("hp", int)
+    cp: int | None = _filter("cp", int)
+    window: int | None = _filter("window", int)
+    placement: str | None = _filter("placement", str, choices=PLACEMENTS)
+    zero: str | None = _filter("zero", str, choices=ZERO_MODES)
+    ac_mode: str | None = _filter("ac_mode", str, choices=(*AC_MODES, *AC_ALIASES))
+    offload_activations: bool | None = _filter("offload_activations", bool)
+    mlp_tiles: str | None = _filter("mlp_tiles", str)
+    offload_params: bool | None = _filter("offload_params", bool)
+    modes: str = _opt("auto", "offload and tiling modes to consider: off, auto (only when nothing fits without "
+                      "them), on", choices=MODE_SEARCH)
+    simulate: bool = _opt(False, "also run the trainer's step for the best configuration under fake tensors "
+                          "(memory at full size without the hardware) and print its peak beside the prediction")
+    top: int = _opt(15, "rows to print")
+    all: bool = _opt(False, "print every configuration")
+    json: bool = _opt(False, "machine-readable output")
+    traffic: bool = _opt(False, "also print the per-rank bytes of one attention layer for the best configuration")
+    doc_median: int = _opt(0, "predict for packed documents with lognormal lengths of this median (seeded, one "
+                           "mix per batch row, zigzag layout), and print per attention layout the attention time "
+                           "without the document mask, with it under zigzag and under the balanced layout, and "
+                           "the per-rank work (max/mean) of both layouts", metavar="TOKENS")
+    calibrate: bool = _opt(False, "measure this machine, write a cluster TOML")
+    calibrate_world: int = _opt(4, "ranks of the calibrated node")
+    out: str = _opt("cluster-calibrated.toml", "--calibrate output")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def filters(self) -> dict[str, Any]:
+        """The configuration filters that are set (``search.plan``'s keyword arguments)."""
+        names = ("sp", "hp", "cp", "window", "placement", "zero", "ac_mode", "offload_activations", "mlp_tiles",
+                 "offload_params")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    def devices(self) -> dict[str, int]:
+        """``nodes=`` and/or ``gpus=`` as given (``search.world_size`` checks them against the cluster)."""
+        out = {k: getattr(self, k) for k in ("nodes", "gpus") if getattr(self, k)}
+        if not out:
+            raise ValueError("missing --gpus N or --nodes N (or --config FILE)")
+        return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse raising ValueError with its one-line message instead of printing usage and exiting 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser generated from :class:`PlanConfig` (defaults suppressed in the namespace, so only
+    options given on the command line override the TOML file)."""
+    parser = _Parser(prog="loongtrain plan", argument_default=argparse.SUPPRESS, allow_abbrev=False,
+                     description="Rank 2D-Attention configurations for a model, sequence length and cluster "
+                     "with the cost model (docs/design.md §9).")
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of these options (same names)")
+    aliases = {new: old for old, new in ALIASES.items()}
+    for f in fields(PlanConfig):
+        flags = [_flag(f.name)] + ([_flag(aliases[f.name])] if f.name in aliases else [])
+        help_text = f.metadata["help"] + ("" if f.default in (None, "", 0, False) else f" (default: {f.default!r})")
+        kind = f.metadata.get("kind", type(f.default))
+        if kind is bool:
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif f.metadata.get("size"):
+            parser.add_argument(*flags, dest=f.name, type=size_argument, metavar="N", help=help_text)
+        else:
+            parser.add_argument(*flags, dest=f.name, type=kind, choices=f.metadata.get("choices"),
+                                metavar=f.metadata.get("metavar"), help=help_text)
+    return parser
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"--config {str(path)!r} is not a file")
+    with path.open("rb") as f:
+        data = tomllib.load(f)
+    known = {f.name for f in fields(PlanConfig)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        name = ALIASES.get(name, name)
+        if name not in known:
+            raise ValueError(f"{path}: unknown key {key!r}; known keys: {sorted(known | set(ALIASES))}")
+        out[name] = value
+    if isinstance(out.get("model"), dict):
+        try:
+            out["model"] = ModelConfig(**out["model"])
+        except TypeError as exc:
+            raise ValueError(f"{path}: [model]: {exc}") from None
+    if "seq_len" in out:
+        out["seq_len"] = parse_size(out["seq_len"])
+    return out
+
+
+def parse_plan_args(argv: list[str]) -> PlanConfig:
+    """PlanConfig from command-line arguments (and the TOML file they name). Raises ValueError."""
+    given = vars(build_parser().parse_args(argv))
+    values = _load_toml(Path(given.pop("config"))) if "config" in given else {}
+    values.update(given)
+    cfg = PlanConfig(**values)
+    if cfg.dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype={cfg.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    return cfg
