@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from loongtrain._sizes import parse_size, size_argument
 from loongtrain._toml import tomllib
 from loongtrain.attn.kernel_choice import bf16_supported
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
@@ -50,7 +51,8 @@ class TrainConfig:
     tokenizer: str = _opt("auto", "tokenizer: 'auto' (the --model directory's Hugging Face tokenizer when it "
                           "has one, else 'byte'), 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
                           "tokenizer path")
-    seq_len: int = _opt(8192, "tokens per sequence (must be divisible by 2*hp*cp)")
+    seq_len: int = _opt(8192, "tokens per sequence, e.g. 131072, 128K, 1M (must be divisible by 2*hp*cp)",
+                        size=True)
     doc_mask: str = _opt("on", "on: in packed corpora a token attends only inside its own document (block-"
                          "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
                          "packed sequence (loongtrain's decoder and Hugging Face models)")
@@ -279,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(flag, dest=f.name, nargs="?", const=f.metadata["const"], type=kind,
                                metavar=f.name.upper(), help=help_text)
         else:
+            kind = size_argument if f.metadata.get("size") else kind  # 128K, 1M: the one size parser
             group.add_argument(flag, dest=f.name, type=kind, metavar=f.name.upper(), help=help_text)
     return parser
 
@@ -297,12 +300,15 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         if isinstance(data.get(table), dict):
             data = {**{k: v for k, v in data.items() if k != table}, **data[table]}
     known = {f.name: type(default) for f, default in options()}
+    sizes = {f.name for f, _ in options() if f.metadata.get("size")}
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"config file {str(path)!r}: unknown option {key!r}; valid: {sorted(known)}")
         kind = known[name]
+        if name in sizes and isinstance(value, str):
+            value = parse_size(value, name)
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
