@@ -71,8 +71,10 @@ def main() -> None:
                 for fraction in args.fractions:
                     r = row(name, model, cluster, gpus, modes, fraction, not args.no_simulate)
                     rows.append(r)
-                    sim = (f"simulated {r['simulated_device_gib']:.2f} GiB (pred/sim {r['predicted_over_simulated']:.3f})"
-                           if "simulated_device_gib" in r else r.get("why", ""))
+                    sim = r.get("why", "")
+                    if "simulated_device_gib" in r:
+                        sim = (f"simulated {r['simulated_device_gib']:.2f} GiB "
+                               f"(pred/sim {r['predicted_over_simulated']:.3f})")
                     print(f"{name:10s} gpus={gpus:<3d} modes={modes:<4s} seq={r['seq_len']:>10d} "
                           f"({r['seq_len'] / 2**20:6.2f}M) {r['configuration']}: predicted "
                           f"{r['predicted_device_gib']:.2f} GiB/device, host {r['predicted_host_gib_per_node']:.1f} "

@@ -85,7 +85,7 @@ def test_host_memory_decides_fit_and_the_message_names_it():
     # offload 86.9 MiB and 34.8 MiB of host memory per node; on 90 MiB devices with 1 KiB of host memory
     # nothing fits, and the message says it is the host memory
     small = toy_cluster(memory_gib=90 / 1024, host_memory_gib=1e-6)
-    with pytest.raises(ValueError, match="fits on the device but needs 0.0 GiB of host memory per node"):
+    with pytest.raises(ValueError, match="fits on the device but needs 0.0339 GiB of host memory per node"):
         best_fitting(SMALL4, small, nodes=1, seq_len=65536, modes="auto")
     assert load_cluster("h200").host_memory_gib == 2048 and load_cluster("h200").usable_host_memory > 0
 

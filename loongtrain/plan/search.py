@@ -241,8 +241,8 @@ def no_fit_message(model, cluster, cands: list[Candidate], *, nodes: int | None,
         f"({least.config.label()}) needs {least.memory['total'] / 2**30:.1f} GiB per device."
     ]
     if least.memory["total"] <= cl.usable_memory:
-        lines.append(f"it fits on the device but needs {least.host_per_node / 2**30:.1f} GiB of host memory per "
-                     f"node ({cl.usable_host_memory / 2**30:.1f} GiB usable of host_memory_gib="
+        lines.append(f"it fits on the device but needs {least.host_per_node / 2**30:.3g} GiB of host memory per "
+                     f"node ({cl.usable_host_memory / 2**30:.3g} GiB usable of host_memory_gib="
                      f"{cl.host_memory_gib:g})")
     for more in (2, 4, 8, 16, 32, 64):
         bigger = dict(gpus=gpus * more) if gpus is not None else dict(nodes=nodes * more)
