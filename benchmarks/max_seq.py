@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from loongtrain.plan.cluster import load_cluster
-from loongtrain.plan.search import max_seq_len, plan, resolve_model
+from loongtrain.plan.max_seq import max_seq_len
+from loongtrain.plan.search import plan, resolve_model
 from loongtrain.train.simulate import check_simulable, simulate_step
 
 LLAMA3_8B = str(Path(__file__).with_name("data") / "llama3-8b" / "config.json")

@@ -31,8 +31,9 @@ from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.document_work import balance_report, lognormal_documents
+from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.options import DTYPE_BYTES, PlanConfig, parse_plan_args
-from loongtrain.plan.search import max_seq_len, no_fit_message, plan, resolve_model, world_size
+from loongtrain.plan.search import no_fit_message, plan, resolve_model, world_size
 from loongtrain.plan.traffic import format_traffic_report, traffic_report
 
 __all__ = ["DTYPE_BYTES", "main", "parse_size", "run"]
