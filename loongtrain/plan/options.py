@@ -47,8 +47,8 @@ class PlanConfig:
                              "(device and host memory) and print it with its best configuration")
     gpus: int = _opt(0, "devices to plan for: part of one node (1, 2, 4, ...) or whole nodes (0: --nodes)")
     nodes: int = _opt(0, "whole nodes to plan for (0: --gpus)")
-    cluster: str = _opt("a100", f"built-in {builtin_clusters()} or a TOML file (alias --plan-cluster)")
-    batch_size: int = _opt(1, "sequences per data-parallel replica per step (alias --batch)")
+    cluster: str = _opt("a100", f"built-in {builtin_clusters()} or a TOML file")
+    batch_size: int = _opt(1, "sequences per data-parallel replica per step")
     dtype: str = _opt("bf16", "compute dtype", choices=tuple(DTYPE_BYTES))
     sp: int | None = _opt(None, "only configurations with this sequence-parallel degree hp*cp", kind=int)
     hp: int | None = _filter("hp", int)
@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(PlanConfig):
         flags = [_flag(f.name)] + ([_flag(aliases[f.name])] if f.name in aliases else [])
         help_text = f.metadata["help"] + ("" if f.default in (None, "", 0, False) else f" (default: {f.default!r})")
+        if f.name in aliases:
+            help_text += f"; {flags[1]}: {'deprecated ' if f.name == 'ac_mode' else ''}alias"
         kind = f.metadata.get("kind", type(f.default))
         if kind is bool:
             parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
