@@ -179,11 +179,11 @@ def run(cfg: PlanConfig, simulate: Simulator | None = None) -> int:
         window = f", sliding window {model.sliding_window}" if model.sliding_window else ""
         docs = "" if documents is None else f", packed documents (median {cfg.doc_median}, zigzag)"
         whole = world % cluster.gpus_per_node == 0
-        devices_text = f"{nodes} nodes x {cluster.gpus_per_node}" if whole else "part of a node:"
+        devices_text = f"{nodes} nodes x {cluster.gpus_per_node} = {world}" if whole else f"{world} (part of a node)"
         print(f"model {name} ({model.num_layers} layers, dim {model.dim}, {model.num_heads} heads, "
               f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}, FFN {model.ffn_dim}, "
               f"vocab {model.vocab_size}{window}), "
-              f"seq_len {cfg.seq_len}, {devices_text} = {world} devices of "
+              f"seq_len {cfg.seq_len}, {devices_text} devices of "
               f"{cluster.name}, batch {cfg.batch_size}/replica, {cfg.dtype}{docs}; {len(cands)} configurations, "
               f"best {min(top, len(rows))} (rows differing only in an equally fast window merged):")
         print(format_table(rows[:top]))
