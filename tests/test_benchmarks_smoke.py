@@ -41,3 +41,11 @@ def test_attention_tiny(tmp_path):
     (case,) = json.loads(out.read_text())["cases"]
     assert case["error"] is None and (case["hp"], case["cp"], case["kv_heads"]) == (2, 2, 2)
     assert len(case["total_s"]) == len(case["limit_s"]) == 1
+
+
+def test_max_seq_planner_rows(tmp_path):
+    out = tmp_path / "max_seq.json"
+    _run("max_seq.py", "--models", "1b", "--gpus", "1", "--no-simulate", "--out", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["modes"] for r in rows] == ["off", "auto"] and all(r["fits"] for r in rows)
+    assert rows[1]["planner_max_seq_len"] >= rows[0]["planner_max_seq_len"] > 0
