@@ -23,9 +23,19 @@ short still reports what it measured; a section that fails records its error and
 - ``throughput``: forward+backward TFLOP/s of causal attention, D=128, against the device's dense bf16
   peak (FLOPs: forward ``2 * S^2 * H * D`` causal, backward 2.5x forward, FlashAttention's convention);
   each kernel candidate is timed at the shortest length; the points use the ring's choice.
+- ``kernel_choice``, ``loss``, ``compile`` (``benchmarks/gpu_speed.py``): each candidate kernel's forward
+  and backward time on dense calls and on packed documents beside the kernel chosen; the fused chunked
+  loss against the unchunked one; eager against compiled training (tokens/s, MFU, warm-up, graphs).
 - ``training``: ``Trainer`` on one device under Selective Checkpoint++ at the longest sequence the
-  planner says fits (halved on out-of-memory): tokens/s, MFU (model FLOPs, loongtrain.train.metrics),
-  peak allocated memory after set-up against ``loongtrain.plan.memory_model.memory_per_rank``.
+  planner says fits (halved on out-of-memory), and at 64K when that is shorter: tokens/s, MFU (model
+  FLOPs, loongtrain.train.metrics), peak allocated memory after set-up against
+  ``loongtrain.plan.memory_model.memory_per_rank``.
+- ``offload``: ``benchmarks/offload.py``'s modes (activation offload, tiled MLP, parameter offload) on
+  1b at the longest of 256K/128K/64K tokens that runs: each mode's step time against its baseline timed
+  right before it, tokens/s, peak allocated memory of both, bytes offloaded per step.
+
+On one H200 the sections before ``offload`` are meant to take at most 8 minutes together (``--budget-s``
+bounds the training section; ``--sections`` picks sections).
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu_speed import SPEED_SECTIONS, SPEED_SIZES  # noqa: E402
 from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates, median_seconds  # noqa: E402
 from loongtrain.attn.kernels import REFERENCE, Kernel  # noqa: E402
 from loongtrain.attn.masking import AttnMask, dense_mask  # noqa: E402
@@ -61,10 +72,12 @@ SIZES: dict[str, dict[str, Any]] = {
     "gpu": {"exact": (1, 4096, 8, 2, 128), "ring_seq": 8192, "ring_heads": (8, 2, 128),
             "tput_seqs": (16384, 65536, 131072), "tput_heads": (32, 8), "det_seq": 8192,
             "models": ("1b", "7b-gqa"), "train_seqs": (131072, 98304, 65536, 49152, 32768, 16384, 8192),
-            "steps": 3},
+            "train_mid": 65536, "steps": 3, "offload": ("1b", (262144, 131072, 65536), 2, None)},
     "cpu": {"exact": (1, 256, 4, 2, 32), "ring_seq": 256, "ring_heads": (4, 2, 32),
             "tput_seqs": (512, 1024), "tput_heads": (4, 2), "det_seq": 256,
-            "models": ("tiny",), "train_seqs": (2048, 1024), "steps": 2},
+            "models": ("tiny",), "train_seqs": (1024, 512), "train_mid": 512, "steps": 2,
+            "offload": ("cpu-small", (128,), 1,
+                        ("offload activations + mlp tiles auto", "offload params (zero full)"))},
 }
 RING_CASES = ((1, 2, 1), (1, 4, 1), (1, 4, 2), (1, 8, 1), (1, 8, 4), (2, 4, 2), (4, 2, 1))  # (hp, cp, window)
 
@@ -309,7 +322,7 @@ def _train_one(name: str, seq: int, device: torch.device, steps: int) -> dict[st
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.plan.memory_model import memory_per_rank
-    from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
+    from loongtrain.train.config import Run, TrainConfig, autocast_dtype, param_dtype
     from loongtrain.train.trainer import Trainer
     from tests.synthetic import global_batch
 
@@ -317,7 +330,7 @@ def _train_one(name: str, seq: int, device: torch.device, steps: int) -> dict[st
     cfg = TrainConfig(model=name, seq_len=seq, steps=steps + 1, warmup=1, dtype="auto",
                       parallel=ParallelConfig(ac_mode="selective"), memory_report=False)
     mesh = single_process_mesh()
-    trainer = Trainer(cfg, mesh, device, model_config)
+    trainer = Trainer(Run(cfg, model_config), mesh, device)
     compute = autocast_dtype(cfg, device) or param_dtype(cfg)
     predicted = memory_per_rank(model_config, mesh.layout, seq_len=seq, batch=1, zero_size=1,
                                 ac_mode="selective", dtype_bytes=torch.empty((), dtype=compute).element_size())
@@ -370,6 +383,10 @@ def check_training(device: torch.device, size: dict[str, Any], state: dict[str, 
             try:
                 out["runs"].append(_train_one(name, seq, device, size["steps"]))
                 state["flush"]()
+                mid = size["train_mid"]
+                if mid in fits and mid < seq and time.monotonic() < deadline - 100:  # also at 64K
+                    out["runs"].append(_train_one(name, mid, device, size["steps"]))
+                    state["flush"]()
                 break
             except torch.OutOfMemoryError as exc:
                 out["skipped"].append(f"{name} S={seq}: out of memory ({str(exc)[:160]})")
@@ -385,8 +402,46 @@ def check_training(device: torch.device, size: dict[str, Any], state: dict[str, 
     return out
 
 
+def check_offload(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """benchmarks/offload.py's side-by-side step times of the memory modes (Selective Checkpoint++ beside
+    each) at the first length that runs without running out of memory, on a one-rank process group."""
+    import torch.distributed as dist
+
+    from benchmarks.offload import MODES, compare_modes
+    from loongtrain.model.config import ModelConfig, get_preset
+
+    name, seqs, rounds, names = size["offload"]
+    modes = {n: MODES[n] for n in names} if names else MODES
+    model = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64) \
+        if name == "cpu-small" else get_preset(name)
+    out: dict[str, Any] = {"model": name, "skipped": []}
+    owns = not dist.is_initialized()
+    if owns:
+        backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for seq in seqs:
+            try:
+                out["modes"] = compare_modes(model, seq, device, rounds=rounds, modes=modes)
+                out["seq_len"] = seq
+                for r in out["modes"].values():
+                    r["tokens_per_s"], r["baseline_tokens_per_s"] = seq / r["mode_s"], seq / r["baseline_s"]
+                break
+            except torch.OutOfMemoryError as exc:
+                out["skipped"].append(f"S={seq}: out of memory ({str(exc)[:160]})")
+            finally:
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        if owns:
+            dist.destroy_process_group()
+    return out
+
+
 SECTIONS = (("kernels", check_kernels), ("ring", check_ring), ("documents", check_documents),
-            ("determinism", check_determinism), ("throughput", check_throughput), ("training", check_training))
+            ("determinism", check_determinism), ("throughput", check_throughput), *SPEED_SECTIONS,
+            ("training", check_training), ("offload", check_offload))
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -403,13 +458,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="tiny sizes on CPU (the test of this script)")
     parser.add_argument("--out", default="benchmarks/gpu_check.json", help="JSON output path")
-    parser.add_argument("--budget-s", type=float, default=240.0, help="skip later models past this wall time")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="skip later models past this wall time")
     parser.add_argument("--sections", default=",".join(n for n, _ in SECTIONS), help="comma-separated sections")
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device: pass --cpu for the tiny CPU run")
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    size = SIZES["cpu" if args.cpu else "gpu"]
+    size = {**SIZES["cpu" if args.cpu else "gpu"], **SPEED_SIZES["cpu" if args.cpu else "gpu"]}
     state: dict[str, Any] = {"deadline": time.monotonic() + args.budget_s}
     results: dict[str, Any] = {"command": " ".join(["python3 benchmarks/gpu_check.py", *(argv or sys.argv[1:])]),
                                "environment": environment(device)}

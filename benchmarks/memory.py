@@ -58,7 +58,7 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.memory_report import trainer_memory_report
     from loongtrain.train.trainer import Trainer
     from tests.synthetic import global_batch
@@ -71,7 +71,7 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     parallel = ParallelConfig(hp=args["hp"], cp=args["cp"], **MODES[args["mode"]])
     cfg = TrainConfig(model=args["model"], seq_len=args["seq"], steps=args["steps"], warmup=1,
                       parallel=parallel, dtype=args["dtype"], seed=0)
-    trainer = Trainer(cfg, mesh, device, model_config)
+    trainer = Trainer(Run(cfg, model_config), mesh, device)
 
     def batch(step: int) -> dict[str, torch.Tensor]:
         full = global_batch(step, mesh.dp, args["seq"], model_config.vocab_size, seed=0)

@@ -8,20 +8,25 @@ SUBCOMMANDS = {
     "train": ("loongtrain.train.cli", "Train a LLaMA-style or Hugging Face model with 2D-Attention."),
     "plan": ("loongtrain.plan.cli", "Rank 2D-Attention configurations for a cluster with the cost model."),
     "export": ("loongtrain.train.export", "Write a training checkpoint as a Hugging Face model directory."),
+    "prepare": ("loongtrain.data.prepare_cli", "Tokenize corpora once into a memory-mapped training directory."),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
         print("usage: loongtrain {" + ",".join(SUBCOMMANDS) + "} [options]\n")
         for name, (_, text) in SUBCOMMANDS.items():
             print(f"  {name:8s} {text}")
         print("\nRun `loongtrain <command> --help` for the options of a command.")
-        return 0 if argv else 2
+        return 0
+    if not argv:
+        print(f"loongtrain: error: no command; choose one of {list(SUBCOMMANDS)} (run `loongtrain --help`)",
+              file=sys.stderr)
+        return 2
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
-        print(f"loongtrain: unknown command {name!r}; choose one of {sorted(SUBCOMMANDS)}", file=sys.stderr)
+        print(f"loongtrain: unknown command {name!r}; choose one of {list(SUBCOMMANDS)}", file=sys.stderr)
         return 2
     import importlib
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.fixtures import tiny_model, write_code_corpus, write_line_corpus
+
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -13,6 +15,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tiny_model_config():
+    """The tests' tiny decoder (:func:`tests.fixtures.tiny_model`)."""
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def code_corpus(tmp_path_factory) -> str:
+    """Path of a small Python-like text corpus, one per test module."""
+    return write_code_corpus(tmp_path_factory.mktemp("code_corpus") / "corpus.txt")
+
+
+@pytest.fixture(scope="module")
+def line_corpus(tmp_path_factory) -> str:
+    """Path of a small English-like text corpus, one per test module."""
+    return write_line_corpus(tmp_path_factory.mktemp("line_corpus") / "corpus.txt")
 
 
 @pytest.fixture

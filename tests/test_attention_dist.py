@@ -21,13 +21,15 @@ def test_float64_every_factorisation(world_size):
 
 def test_float32_world4():
     configs = [dict(hp=hp, cp=cp) for hp, cp in factorisations(4)]
-    run_distributed(check_exact, 4, configs, [(8, 2)], [64], "float32", 1e-5)
+    counts = run_distributed(check_exact, 4, configs, [(8, 2)], [64], "float32", 1e-5)
+    assert min(counts) == 2 * len(configs), counts  # every rank compared every layout, causal and not
 
 
 def test_bfloat16_world4():
     # bf16 inputs, fp32 lse merge; compared with float64 math on the same (bf16-rounded) inputs.
     configs = [dict(hp=2, cp=2), dict(hp=1, cp=4), dict(hp=4, cp=1)]
-    run_distributed(check_exact, 4, configs, [(8, 2)], [64], "bfloat16", 5e-2)
+    counts = run_distributed(check_exact, 4, configs, [(8, 2)], [64], "bfloat16", 5e-2)
+    assert min(counts) == 2 * len(configs), counts  # every rank compared every layout, causal and not
 
 
 def test_shard_gather_roundtrip():

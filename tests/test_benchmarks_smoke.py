@@ -43,6 +43,16 @@ def test_attention_tiny(tmp_path):
     assert len(case["total_s"]) == len(case["limit_s"]) == 1
 
 
+def test_agreement_tiny():
+    """benchmarks/agreement.py: the per-call check against the once-per-signature one (issue 23)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "agreement.py"), "--hp", "1", "--cp", "2",
+                           "--seq-lens", "64", "--iters", "1", "--rounds", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    row = proc.stdout.strip().splitlines()[-1]
+    assert row.startswith("| 64 |") and row.endswith(" us |"), proc.stdout
+
+
 def test_max_seq_planner_rows(tmp_path):
     out = tmp_path / "max_seq.json"
     _run("max_seq.py", "--models", "1b", "--gpus", "1", "--no-simulate", "--out", str(out))

@@ -41,6 +41,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (d / "bad.toml").write_text("lr = [unclosed\n")
     (d / "unknown.toml").write_text("learning_rate = 0.1\n")
     (d / "wrongtype.toml").write_text('steps = "ten"\n')
+    _prepared_dirs(d)
     run = d / "run"
     corpus = str(d / "corpus.txt")
     assert main(["train", *BASE, "--corpus", corpus, "--out-dir", str(run)]) == 0
@@ -55,6 +56,31 @@ def files(tmp_path_factory) -> dict[str, str]:
         (copy.parent / "latest").write_text("step_00000002\n")
         damage(copy)
     return {"dir": str(d), "corpus": corpus, "run": str(run)}
+
+
+def _prepared_dirs(d: Path) -> None:
+    """Prepared corpora (loongtrain prepare): good, and damaged copies; a tokenizer that is not byte."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from loongtrain.data.prepare import prepare
+
+    prepare([str(d / "corpus.txt")], d / "prep", workers=1)
+    for name in ("prep_trunc", "prep_corrupt", "prep_newer", "prep_partial"):
+        shutil.copytree(d / "prep", d / name)
+    _truncate(d / "prep_trunc" / "shards" / "tokens-00000.bin")
+    shard = d / "prep_corrupt" / "shards" / "tokens-00000.bin"
+    shard.write_bytes(b"\xff" + shard.read_bytes()[1:])
+    manifest = json.loads((d / "prep" / "manifest.json").read_text())
+    (d / "prep_newer" / "manifest.json").write_text(json.dumps({**manifest, "version": 99}))
+    (d / "prep_partial" / "manifest.json").unlink()
+    (d / "prep_partial" / ".prepare-in-progress").write_text("{}")
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["the quick brown fox"] * 5, trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tok.json"))
 
 
 def _truncate(path: Path) -> None:
@@ -118,6 +144,11 @@ CASES = [
     (["--nproc", "3", "--hp", "2"], "3"),
     (["--nproc", "4", "--hp", "2", "--cp", "2", "--seq-len", "100"], "100"),
     (["--nproc", "8", "--hp", "8"], "hp=8"),
+    (["--mlp-tiles", "0"], "mlp_tiles='0'"),
+    (["--mlp-tiles", "3"], "mlp_tiles=3 must divide the 16 local tokens"),
+    (["--nproc", "4", "--hp", "2", "--cp", "2", "--seq-len", "32", "--mlp-tiles", "16"], "mlp_tiles=16"),
+    (["--offload-activations"], "--ac-mode none"),
+    (["--offload-params"], "needs --zero full or hybrid; got --zero none"),
     (["--config", D + "/missing.toml"], "missing.toml"),
     (["--config", D + "/bad.toml"], "bad.toml"),
     (["--config", D + "/unknown.toml"], "learning_rate"),
@@ -133,6 +164,23 @@ CASES = [
     (["--corpus", D + "/data.csv"], "data.csv"),
     (["--corpus", D + "/emptydir"], "emptydir"),
     (["--corpus", "{corpus}", "--tokenizer", D + "/no_tokenizer"], "no_tokenizer"),
+    # prepared corpora, mixtures, validation split
+    (["--corpus", D + "/prep", "--tokenizer", D + "/tok.json"], "prep/manifest.json: prepared with tokenizer 'byte'"),
+    (["--corpus", D + "/prep_trunc"], "prep_trunc/shards/tokens-00000.bin: truncated or grown"),
+    (["--corpus", D + "/prep_corrupt"], "prep_corrupt/shards/tokens-00000.bin: corrupted"),
+    (["--corpus", D + "/prep_newer"], "prep_newer/manifest.json: format version 99 is newer"),
+    (["--corpus", D + "/prep_partial"], "interrupted `loongtrain prepare`"),
+    (["--corpus", "{corpus}=x," + D + "/other.txt=1"], "weight 'x' of"),
+    (["--corpus", "{corpus}=-1," + D + "/other.txt=1"], "must be finite and >= 0"),
+    (["--corpus", "{corpus}=0," + D + "/other.txt=0"], "at least one weight must be positive"),
+    (["--corpus", D + "/prep=0.5," + D + "/invalid.jsonl=0.5"], "invalid.jsonl:2: invalid JSON"),
+    (["--corpus", D + "/prep=0.5," + D + "/prep_corrupt=0.5"], "tokens-00000.bin: corrupted"),
+    (["--val-fraction", "1.5"], "--val-fraction=1.5 must be in (0, 1)"),
+    (["--val-fraction", "-0.1"], "--val-fraction=-0.1"),
+    (["--val-fraction", "1"], "--val-fraction=1.0"),
+    (["--val-fraction", "nan"], "--val-fraction=nan"),
+    (["--val-fraction", "0.1", "--val-corpus", "{corpus}"], "give one of them"),
+    (["--val-corpus", D + "/invalid.jsonl"], "--val-corpus '{dir}/invalid.jsonl': {dir}/invalid.jsonl:2: invalid JSON"),
     # output directory and resume
     (["--corpus", "{corpus}", "--out-dir", D + "/afile"], "is a file"),
     (["--corpus", "{corpus}", "--out-dir", D + "/afile/sub"], "is a file"),
@@ -145,6 +193,7 @@ CASES = [
     ([*RUN, "--batch-size", "2"], "global batch"),
     ([*RUN, "--grad-accum", "2"], "--grad-accum=2"),
     ([*RUN, "--lr", "0.001"], "--lr=0.001"),
+    ([*RUN, "--val-fraction", "0.5"], "--val-fraction=0.5"),
     ([*RUN, "--model", "1b"], "--model='1b'"),
     ([*RUN[2:], "--corpus", D + "/other.txt"], "other.txt' differs from the checkpoint's"),
     ([*RUN[2:], "--corpus", "{corpus}", "--out-dir", D + "/badstate"], "trainer_state.json"),
@@ -175,10 +224,6 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 def _fill(args: list[str], files: dict[str, str]) -> list[str]:
     return [a.format(**files) for a in args]
-
-
-def test_enough_cases():
-    assert len(CASES) >= 60
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

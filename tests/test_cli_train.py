@@ -9,18 +9,16 @@ import pytest
 
 from loongtrain.cli import main
 from loongtrain.train.metrics import read_jsonl
+from tests.fixtures import QUIET_FLAGS
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(400)))
-    return str(path)
+def corpus(line_corpus):
+    return line_corpus
 
 
 def _common(out_dir, corpus) -> list[str]:
-    return ["--corpus", corpus, "--seq-len", "64", "--out-dir", str(out_dir), "--progress", "off",
-            "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1"]
+    return ["--corpus", corpus, "--seq-len", "64", "--out-dir", str(out_dir), *QUIET_FLAGS]
 
 
 @pytest.mark.distributed

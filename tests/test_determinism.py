@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import torch
 
-from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.config import TrainConfig, parse_args
-from loongtrain.train.loop import use_deterministic
-from loongtrain.train.trainer import Trainer
+from loongtrain.train.config import Run, TrainConfig, parse_args
+from loongtrain.train.trainer import Trainer, use_deterministic
+from tests.fixtures import tiny_model
 from tests.synthetic import global_batch
 
-CONFIG = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
+CONFIG = tiny_model()
 
 
 def _two_steps(ac_mode: str) -> tuple[list[float], list[torch.Tensor]]:
     cfg = TrainConfig(seq_len=64, warmup=1, parallel=ParallelConfig(ac_mode=ac_mode), deterministic=True)
-    trainer = Trainer(cfg, single_process_mesh(), torch.device("cpu"), CONFIG)
+    trainer = Trainer(Run(cfg, CONFIG), single_process_mesh(), torch.device("cpu"))
     losses = [trainer.step([global_batch(s, 1, 64, 64, seed=0)])["loss"] for s in range(2)]
     return losses, [p.detach().clone() for p in trainer.params]
 

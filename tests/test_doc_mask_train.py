@@ -8,17 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import balanced_chunk_order, cu_seqlens_from_starts, rank_work, visible_pairs
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.train.config import TrainConfig
 from tests.dist_utils import run_distributed
+from tests.fixtures import tiny_model
 
 pytestmark = pytest.mark.distributed
 
-MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
+MODEL = tiny_model()
 SEQ, ROWS = 32, 2
 
 
@@ -42,6 +42,7 @@ LAYOUTS = [(2, 2, "zigzag"), (1, 4, "zigzag"), (4, 1, "zigzag"), (1, 4, "balance
 
 
 def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int, str]]) -> dict:
+    from loongtrain.train.config import Run
     from loongtrain.train.trainer import Trainer
 
     out = {}
@@ -49,8 +50,8 @@ def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int, str]]) ->
         mesh = init_mesh(hp, cp)
         cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0, clip=0.0, dtype="fp64",
                           parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on", chunk_layout=chunk_layout)
-        trainer = Trainer(cfg, mesh, torch.device("cpu"), MODEL)
-        order = trainer.chunk_order(trainer.documents(packed_batch())[0], SEQ)
+        trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
+        order = trainer.layout.chunk_order(trainer.layout.documents(packed_batch())[0], SEQ)
         assert (order is not None) == (chunk_layout == "balanced"), (chunk_layout, order)
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
@@ -118,6 +119,7 @@ def _hf_dir(path: str) -> str:
 
 
 def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[int, int, str]]) -> dict:
+    from loongtrain.train.config import Run
     from loongtrain.train.models import model_config_for
     from loongtrain.train.trainer import Trainer
 
@@ -127,7 +129,7 @@ def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[
         cfg = TrainConfig(model=directory, tokenizer="byte", seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0,
                           clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on",
                           chunk_layout=chunk_layout)
-        trainer = Trainer(cfg, mesh, torch.device("cpu"), model_config_for(cfg))
+        trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
         out[(hp, cp, chunk_layout)] = (result["loss"], grads if rank == 0 else None)
@@ -135,6 +137,7 @@ def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[
 
 
 def test_doc_mask_step_equals_each_document_alone_hf(tmp_path):
+    pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
     from loongtrain.hf import load_hf_model
 
     directory = _hf_dir(str(tmp_path / "qwen2"))

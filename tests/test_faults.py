@@ -32,10 +32,8 @@ COMMON = ["--seq-len", "32", "--steps", str(STEPS), "--warmup", "1", "--progress
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("faults") / "corpus.txt"
-    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(200)))
-    return str(path)
+def corpus(code_corpus) -> str:
+    return code_corpus
 
 
 def _ppid(pid: int) -> int | None:
@@ -185,8 +183,8 @@ def _mismatched_calls(rank: int, world_size: int) -> list[str]:
     q, k, v = (torch.randn(1, 32, 4, 8, generator=gen, dtype=torch.float64) for _ in range(3))
     local = [shard_sequence(t, mesh, dim=1) for t in (q, k, v)]
     # each mismatch at the first call of a signature on every rank (a fresh softmax_scale per case), as
-    # when ranks run different configurations; a later divergence from an already checked signature is
-    # the documented limit of loongtrain.parallel.agreement
+    # when ranks run different configurations; a later divergence from an already agreed signature:
+    # tests/test_bad_inputs.py::test_a_later_disagreement_raises_on_every_rank
     bad_calls = {
         "causal": lambda: attention(*local, mesh, causal=rank != 3, softmax_scale=0.31),
         "seq": lambda: attention(*(t[:, : 4 if rank == 2 else 8] for t in local), mesh, softmax_scale=0.32),
@@ -199,7 +197,7 @@ def _mismatched_calls(rank: int, world_size: int) -> list[str]:
             fn()
         except ValueError as exc:
             errors.append(str(exc))
-    good = attention(*local, mesh)  # agreed: checked once, then free
+    good = attention(*local, mesh)  # agreed: runs
     assert torch.equal(good, attention(*local, mesh))
     return [*errors, f"{time.monotonic() - t0:.2f}"]
 

@@ -48,6 +48,19 @@ def test_cpu_run_writes_every_section(gpu_check, tmp_path):
     assert run["model"] == "tiny" and run["tokens_per_s"] > 0 and run["mfu"] > 0
     assert run["predicted_gib"]["total"] > 0
     assert result["determinism"]["deterministic"]["bitwise_equal"]
+    choice = result["kernel_choice"]
+    assert choice["chosen"] in choice["candidates"] and choice["fastest_documents"] in choice["candidates"]
+    assert all(t["dense_forward_s"] > 0 and t["documents_backward_s"] > 0 for t in choice["candidates"].values())
+    assert result["loss"]["ratio"] > 0
+    compiled = result["compile"]
+    assert compiled["max_loss_diff"] < 1e-4 and 1 <= compiled["graphs"] <= 2 * 2, compiled  # tiny: 2 blocks
+    assert compiled["eager_mfu"] > 0 and compiled["compiled_tokens_per_s"] > 0
+    assert [r["seq_len"] for r in result["training"]["runs"]] == [1024, 512]  # the longest, and the mid length
+    offload = result["offload"]["modes"]
+    assert set(offload) == set(gpu_check.SIZES["cpu"]["offload"][3])
+    assert all(r["ratio"] > 0 and r["tokens_per_s"] > 0 for r in offload.values())
+    moved = offload["offload activations + mlp tiles auto"]
+    assert moved["offloaded_mib_per_step"] > 0 and moved["device_activations_mib"] < moved["baseline_activations_mib"]
 
 
 def test_sharded_attention_matches_the_unsharded_kernel_exactly_in_fp64(gpu_check):

@@ -26,6 +26,8 @@ from loongtrain.loss.sharded import sharded_cross_entropy
 from loongtrain.model import ModelConfig, Transformer
 from tests.dist_utils import run_distributed
 
+pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+
 SEQ, BATCH, VOCAB = 32, 2, 64
 # 4 query heads, 2 KV heads: hp=4 replicates KV heads (hp > num_kv_heads)
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -24,6 +24,8 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.config import TrainConfig
 from tests.dist_utils import run_distributed
 
+pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+
 SEQ, VOCAB = 64, 256  # byte tokenizer: vocab 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2)
@@ -75,6 +77,7 @@ def train_config(out_dir: Path, model: str, corpus: Path, **kw) -> TrainConfig:
 def test_trainer_chunked_loss_equals_logits_path(tmp_path, family):
     import loongtrain
     from loongtrain.loss.sharded import sharded_cross_entropy
+    from loongtrain.train.config import Run
     from loongtrain.train.models import model_config_for
     from loongtrain.train.trainer import Trainer
     from tests.synthetic import global_batch
@@ -83,7 +86,7 @@ def test_trainer_chunked_loss_equals_logits_path(tmp_path, family):
     for model in (str(model_dir), "tiny"):
         cfg = train_config(tmp_path / "out", model, tmp_path / "unused.txt", parallel=ParallelConfig(hp=1, cp=1))
         mesh = loongtrain.single_process_mesh()
-        trainer = Trainer(cfg, mesh, torch.device("cpu"), model_config_for(cfg))
+        trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
         batch = global_batch(0, 1, SEQ, VOCAB, seed=1)
         batch["labels"] = batch["labels"].clone()
         batch["labels"][0, 5:9] = -100
@@ -113,13 +116,14 @@ def _ring_counts(cfg: TrainConfig, mesh, ac_mode: str) -> tuple[int, int]:
     import dataclasses
 
     from loongtrain.parallel.comm import CommCounter
+    from loongtrain.train.config import Run
     from loongtrain.train.models import model_config_for
     from loongtrain.train.trainer import Trainer
     from tests.counting import count_ring_forward
     from tests.synthetic import global_batch
 
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ac_mode=ac_mode))
-    trainer = Trainer(cfg, mesh, torch.device("cpu"), model_config_for(cfg))
+    trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
     loss, _ = trainer.loss(global_batch(0, 1, SEQ, VOCAB, seed=2))
     with count_ring_forward() as calls, CommCounter() as comm:
         loss.backward()
@@ -128,7 +132,7 @@ def _ring_counts(cfg: TrainConfig, mesh, ac_mode: str) -> tuple[int, int]:
 
 def _train_worker(rank: int, world: int, tmp: str, model_dir: str, tied_dir: str, corpus: str) -> dict:
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train.loop import fit
+    from tests.training import fit
 
     tmp, corpus_path = Path(tmp), Path(corpus)
     mesh = init_mesh(2, 2)
@@ -154,11 +158,12 @@ def _sharded_build_matches(tmp: Path, model_dir: str, corpus: Path, mesh) -> boo
     """FSDP2 builds the HF model on meta and reads each shard from the files: the same weights and
     buffers as ``load_hf_model`` (a tied head stays tied)."""
     from loongtrain.hf import load_hf_model
+    from loongtrain.train.config import Run
     from loongtrain.train.models import model_config_for
     from loongtrain.train.trainer import Trainer
 
     cfg = train_config(tmp / "unused", model_dir, corpus, parallel=ParallelConfig(hp=2, cp=2, zero="full"))
-    model = Trainer(cfg, mesh, torch.device("cpu"), model_config_for(cfg)).model
+    model = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu")).model
     ref = load_hf_model(model_dir, dtype=torch.float64)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     same = set(full) == set(dict(ref.named_parameters())) and all(
@@ -334,7 +339,7 @@ def test_plan_reads_every_family(tmp_path, capsys, family):
         assert (config.num_layers, config.dim, config.num_heads, config.num_kv_heads, config.vocab_size,
                 config.ffn_dim) == (3, 32, 4, 1, VOCAB, 48)
         assert config.head_dim == (16 if family == "Qwen3ForCausalLM" else 8)
-        assert config.sliding_window == (1024 if window else 0)
+        assert config.sliding_window == (1024 if window else None)
         assert config.tie_embeddings == (family == "Qwen2ForCausalLM")
     rc = cli_main(["plan", "--model", str(model_dir), "--seq-len", "8K", "--nodes", "1", "--cluster", "h100",
                    "--json"])

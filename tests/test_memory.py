@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 import torch
 
-from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
@@ -25,8 +24,9 @@ from loongtrain.train.parallelize import (
     parallelize,
 )
 from tests.counting import count_ring_forward
+from tests.fixtures import tiny_model
 
-CONFIG = ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=64)
+CONFIG = tiny_model(num_layers=4)
 SEQ = 32
 
 

@@ -108,12 +108,12 @@ def _init_matches_plain(mesh: Any) -> float:
     """Max |difference| between a sharded trainer's parameters and the plain seeded model's."""
     from loongtrain.model.llama import Transformer
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
 
     config = _tiny_config(2)
     cfg = TrainConfig(seq_len=512, dtype="bf16", seed=3, parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero="full"))
-    sharded = Trainer(cfg, mesh, torch.device("cpu"), config).model
+    sharded = Trainer(Run(cfg, config), mesh, torch.device("cpu")).model
     plain = dict(Transformer(config, seed=3).named_parameters())
     assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
     return max((p.full_tensor() - plain[n]).abs().max().item() for n, p in sharded.named_parameters())
@@ -122,7 +122,7 @@ def _init_matches_plain(mesh: Any) -> float:
 def _bf16_step_vs_fp64(mesh: Any) -> dict[str, float]:
     """One step of a sharded bf16 trainer (FSDP2 mixed precision) and of a replicated fp64 one."""
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
     from tests.synthetic import global_batch
 
@@ -130,7 +130,7 @@ def _bf16_step_vs_fp64(mesh: Any) -> dict[str, float]:
     results = {}
     for dtype, zero in (("bf16", "full"), ("fp64", "none")):
         cfg = TrainConfig(seq_len=512, dtype=dtype, parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero=zero))
-        trainer = Trainer(cfg, mesh, torch.device("cpu"), _tiny_config(2))
+        trainer = Trainer(Run(cfg, _tiny_config(2)), mesh, torch.device("cpu"))
         assert trainer.amp_dtype is None  # bf16 under FSDP2: bf16 gathered weights, no autocast
         results[dtype] = trainer.step([batch])
     return {"loss": abs(results["bf16"]["loss"] - results["fp64"]["loss"]),
@@ -182,7 +182,7 @@ def _prediction_worker(rank: int, world: int) -> list[dict[str, Any]]:
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.memory_report import compared_totals, predicted_memory, trainer_memory_report
     from loongtrain.train.trainer import Trainer
     from tests.synthetic import global_batch
@@ -192,7 +192,8 @@ def _prediction_worker(rank: int, world: int) -> list[dict[str, Any]]:
     for zero, ac_mode, seq in PREDICTION_CASES:
         shard = {"zero_shard_size": 2} if zero == "hybrid" else {}
         parallel = ParallelConfig(hp=2, cp=2, zero=zero, ac_mode=ac_mode, **shard)
-        trainer = Trainer(TrainConfig(seq_len=seq, parallel=parallel), mesh, torch.device("cpu"), get_preset("tiny"))
+        run = Run(TrainConfig(seq_len=seq, parallel=parallel), get_preset("tiny"))
+        trainer = Trainer(run, mesh, torch.device("cpu"))
         batch = global_batch(0, 1, seq, 256, seed=0)
         measured = trainer_memory_report(trainer, batch)
         predicted, got = compared_totals(predicted_memory(trainer, seq_len=seq, batch=1), measured)

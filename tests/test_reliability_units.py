@@ -10,21 +10,29 @@ import pytest
 import torch
 
 from loongtrain import attention
-from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.checkpoint import LATEST, STATE_FILE, newest_checkpoint, parameters_finite, resolve_checkpoint
-from loongtrain.train.config import TrainConfig
+from loongtrain.train.checkpoint import (
+    LATEST,
+    STATE_FILE,
+    find_checkpoint,
+    newest_checkpoint,
+    parameters_finite,
+    read_latest,
+    resolve_checkpoint,
+)
+from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.metrics import MetricsLogger, read_jsonl
 from loongtrain.train.trainer import Trainer
+from tests.fixtures import tiny_model
 from tests.synthetic import global_batch
 
-MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=64)
+MODEL = tiny_model(num_layers=1, num_kv_heads=4)
 
 
 def _trainer(**kw) -> Trainer:
     cfg = TrainConfig(seq_len=16, steps=4, warmup=1, parallel=ParallelConfig(), dtype="fp64", **kw)
-    return Trainer(cfg, single_process_mesh(), torch.device("cpu"), MODEL)
+    return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
 
 
 def test_non_finite_step_is_skipped_without_update():
@@ -106,3 +114,23 @@ def test_attention_edge_inputs_raise_value_error(shape_q, shape_kv, scale, needl
     k, v = torch.randn(shape_kv), torch.randn(shape_kv)
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         attention(q, k, v, None, softmax_scale=scale)
+
+
+def test_one_latest_reader_serves_resume_and_export_paths(tmp_path):
+    """``latest`` is read in one place: resume's 'latest', a checkpoints root, a run directory and the
+    pointer file itself all name the same checkpoint (``loongtrain export runs/x/checkpoints/latest``)."""
+    root = tmp_path / "run" / "checkpoints"
+    for step in (1, 2):
+        (root / f"step_{step:08d}").mkdir(parents=True)
+        (root / f"step_{step:08d}" / STATE_FILE).write_text(json.dumps({"step": step, "scheduler": {}}))
+    (root / LATEST).write_text("step_00000001\n")  # latest need not be the newest
+    want = root / "step_00000001"
+    assert read_latest(root) == want and read_latest(tmp_path) is None
+    for spec in (root / LATEST, root, tmp_path / "run", want):
+        assert find_checkpoint(spec) == want, spec
+    assert resolve_checkpoint("latest", tmp_path / "run") == want
+    assert resolve_checkpoint(str(root / LATEST), tmp_path / "elsewhere") == want
+    with pytest.raises(ValueError, match="not a loongtrain checkpoint"):
+        find_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="--resume='latest'"):
+        resolve_checkpoint("latest", tmp_path)

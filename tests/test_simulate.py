@@ -31,7 +31,7 @@ def test_simulation_matches_real_tensors(world, parallel):
 
 
 def test_modes_the_trainer_lacks_are_refused():
-    with pytest.raises(ValueError, match="offload_activations=True is not implemented by the trainer"):
+    with pytest.raises(ValueError, match="offload_activations=True cannot be simulated yet"):
         check_simulable(ParallelConfig(ac_mode="full", offload_activations=True))
 
 

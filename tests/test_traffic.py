@@ -83,7 +83,7 @@ def test_ops_and_report():
 def test_invalid_heads():
     with pytest.raises(ValueError, match="hp=3"):
         attention_traffic(Layout(3, 3, 1), 0, **dict(SHAPE, seq_len=66, num_heads=6, num_kv_heads=2))
-    with pytest.raises(ValueError, match="seq_len=60"):
+    with pytest.raises(ValueError, match=r"sequence length 60 must be divisible by 2\*cp\*hp"):
         attention_traffic(Layout(8, 2, 4), 0, **dict(SHAPE, seq_len=60))
 
 

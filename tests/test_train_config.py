@@ -8,13 +8,11 @@ from dataclasses import fields
 import pytest
 import torch
 
-from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.plan.cluster import builtin_clusters, load_cluster
 from loongtrain.train.checkpoint import resolve_checkpoint
 from loongtrain.train.config import TrainConfig, build_parser, options, parse_args
-from loongtrain.train.loop import fit
 from loongtrain.train.metrics import (
     CUDA_PEAK_TFLOPS,
     cluster_for_device,
@@ -22,7 +20,9 @@ from loongtrain.train.metrics import (
     measure_cpu_tflops,
 )
 from loongtrain.train.optim import clip_grad_norm, lr_factor
+from tests.fixtures import tiny_model
 from tests.synthetic import synthetic_source
+from tests.training import fit
 
 
 def test_help_documents_every_field_with_default():
@@ -115,7 +115,7 @@ def test_clip_grad_norm():
 
 
 def test_checkpoint_pointer_is_atomic_and_resume_is_exact(tmp_path):
-    model = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=4, ffn_dim=64)
+    model = tiny_model(num_layers=1, num_kv_heads=4)
     base = dict(seq_len=16, batch_size=2, steps=4, warmup=1, parallel=ParallelConfig(), peak_tflops=1.0,
                 tensorboard=False, plot=False, progress="off", out_dir=str(tmp_path))
     source = synthetic_source(64)

@@ -11,17 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh, single_process_mesh
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.loop import fit
 from tests.dist_utils import run_distributed
+from tests.fixtures import tiny_model
 from tests.synthetic import synthetic_source
+from tests.training import fit
 
 pytestmark = pytest.mark.distributed
 
-MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
+MODEL = tiny_model()
 RTOL, ATOL = 1e-9, 1e-11
 
 

@@ -13,17 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.loop import fit
 from loongtrain.train.metrics import read_jsonl
 from tests.dist_utils import run_distributed
+from tests.fixtures import tiny_model, write_code_corpus
+from tests.training import fit
 
 pytestmark = pytest.mark.distributed
 
-MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
+MODEL = tiny_model(vocab_size=256)
 
 
 def _cfg(out_dir: Path, corpus: Path, hp: int, cp: int, **kw) -> TrainConfig:
@@ -51,9 +51,7 @@ def _worker(rank: int, world: int, tmp: str, corpus: str):
 
 
 def test_resume_exact_and_across_layouts(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(300))
-    corpus.write_text(text)
+    corpus = write_code_corpus(tmp_path / "corpus.txt", functions=300)
     results = run_distributed(_worker, 4, str(tmp_path), str(corpus))
     full, first, second, moved = results[0]
     assert all(r == results[0] for r in results), "ranks disagree on the logged losses"

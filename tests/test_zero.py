@@ -34,16 +34,18 @@ def model_config(tied: bool = False) -> Any:
                        tie_embeddings=tied)
 
 
-def make_trainer(mesh: Any, *, tied: bool = False, batch_size: int = 1, **opts: Any) -> Any:
-    """A float64 Trainer on CPU whose ``cfg.parallel`` has ``mesh``'s degrees and the memory options ``opts``."""
+def make_trainer(mesh: Any, *, tied: bool = False, batch_size: int = 1, train_opts: dict | None = None,
+                 **opts: Any) -> Any:
+    """A float64 Trainer on CPU whose ``cfg.parallel`` has ``mesh``'s degrees and the memory options ``opts``
+    (``train_opts``: further TrainConfig fields)."""
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
 
     parallel = ParallelConfig(hp=mesh.hp, cp=mesh.cp, **opts)
     cfg = TrainConfig(seq_len=SEQ, steps=STEPS, warmup=1, parallel=parallel, dtype="fp64", seed=0,
-                      batch_size=batch_size)
-    return Trainer(cfg, mesh, torch.device("cpu"), model_config(tied))
+                      batch_size=batch_size, **(train_opts or {}))
+    return Trainer(Run(cfg, model_config(tied)), mesh, torch.device("cpu"))
 
 
 def replica_batch(mesh: Any, step: int) -> dict[str, torch.Tensor]:

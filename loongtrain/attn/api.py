@@ -85,35 +85,77 @@ def attention(
     visible pair are skipped (no kernel call), and a window reaching ``r`` chunks shortens the ring pass
     (single or double ring) to the hops that bring the blocks of the members at most ``r`` ring positions
     away, when that sends fewer than ``cp - 1`` blocks (docs/design.md §4). Invalid ``cu_seqlens``/``sliding_window``
-    raise ValueError before any data is exchanged; only the once-per-signature agreement check
-    (docs/design.md §10) runs first, so an input that differs between ranks raises on every rank instead of
-    hanging the others.
+    raise ValueError before any data is exchanged; only the agreement check (docs/design.md §10: a
+    digest of the arguments exchanged on every call) runs first, so an input that differs between ranks
+    raises on every rank instead of hanging the others, however many agreed calls came before.
 
     ``chunk_order``: the tokens' layout when they were sharded with ``shard_sequence(..., chunk_order=)``
     (e.g. :func:`loongtrain.balanced_chunk_order` for packed documents); default zigzag.
+
+    Inside a ``torch.compile``-d block (docs/design.md §13) the shape checks are traced, while the values of
+    ``cu_seqlens`` and ``chunk_order`` are checked by the ops when they run (give them as tensors, or each
+    new value is a new graph) and the agreement exchange is skipped.
     """
     mesh = mesh or single_process_mesh()
-    agree_on_attention(mesh, q, k, v, causal, softmax_scale, cu_seqlens, sliding_window, chunk_order)  # §10
-    validate_attention_inputs(q, k, v, mesh, softmax_scale=softmax_scale)
-    batch, seq, num_heads, head_dim = q.shape
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        agree_on_attention(mesh, q, k, v, causal, softmax_scale, cu_seqlens, sliding_window, chunk_order)  # §10
+    validate_attention_inputs(q, k, v, mesh, softmax_scale=softmax_scale)  # shapes: traced, checked at trace time
     validate_sliding_window(sliding_window)
-    docs = normalize_cu_seqlens(cu_seqlens, batch, seq * mesh.sp)
-    order = list(chunk_order) if chunk_order is not None else []
-    if order:
-        check_chunk_order(tuple(order), seq * mesh.sp, mesh.hp, mesh.cp)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    if compiling:  # traced inside a compiled block: document boundaries and chunk order are data, not constants
+        cu, order = _traced_masks(cu_seqlens, chunk_order)
+        key = _ring_key(mesh)
+    else:
+        docs = normalize_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1] * mesh.sp)
+        order_ints = _ints(chunk_order)
+        if order_ints is not None:
+            check_chunk_order(order_ints, q.shape[1] * mesh.sp, mesh.hp, mesh.cp)
+        cu = ops.as_index_tensor(flatten_cu_seqlens(docs)) if docs is not None else None
+        order, key = ops.as_index_tensor(order_ints), ops.ring_key(mesh)
     num_kv_heads = k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     hp = mesh.hp
     if hp > num_kv_heads:  # each head rank needs exactly one KV head: replicate, grads sum back
         k = k.repeat_interleave(hp // num_kv_heads, dim=2)
         v = v.repeat_interleave(hp // num_kv_heads, dim=2)
     if hp > 1:
         q, k, v = _scatter_heads(q, k, v, mesh)
-    out, _ = ops.ring_attention(q, k, v, ops.ring_key(mesh), causal, scale, flatten_cu_seqlens(docs),
-                                sliding_window or 0, order)
+    out, _ = ops.ring_attention(q, k, v, key, causal, scale, cu, sliding_window, order)
     if hp > 1:
         out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
     return out
+
+
+def _ints(values: Sequence[int] | Tensor | None) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    return tuple(int(x) for x in (values.tolist() if isinstance(values, Tensor) else values))
+
+
+@torch.compiler.assume_constant_result
+def _ring_key(mesh: Mesh) -> str:
+    """:func:`~loongtrain.attn.ops.ring_key`, run at trace time (host-side; its result is a constant of the graph)."""
+    return ops.ring_key(mesh)
+
+
+def _traced_masks(cu_seqlens: CuSeqlens | None, chunk_order: Sequence[int] | Tensor | None
+                  ) -> tuple[Tensor | None, Tensor | None]:
+    """The ops' tensor forms of the masks while a compiled block is traced. Tensors stay graph inputs (their
+    values are never guarded: :func:`loongtrain.train.compile.compile_blocks` hands blocks tensors); Python
+    ints would become constants of the graph (correct, but a new value recompiles). The ops check the
+    values when they run (``ops._mask``); the once-per-signature agreement (§10) does not run here."""
+    cu = None
+    if cu_seqlens is not None:
+        rows = [cu_seqlens] if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else list(cu_seqlens)
+        if rows and not isinstance(rows[0], (Tensor, Sequence)):  # one row given as ints
+            rows = [rows]
+        cu = torch.cat([r.to(torch.int64) if isinstance(r, Tensor) else torch.tensor(list(r), dtype=torch.int64)
+                        for r in rows])
+    order = None
+    if chunk_order is not None:
+        order = (chunk_order.to(torch.int64) if isinstance(chunk_order, Tensor)
+                 else torch.tensor(list(chunk_order), dtype=torch.int64))
+    return cu, order
 
 
 def _scatter_heads(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh) -> tuple[Tensor, Tensor, Tensor]:

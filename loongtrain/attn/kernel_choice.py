@@ -20,7 +20,9 @@ Measurement (:func:`choose_kernel`, what the ring calls):
 - otherwise, when several CUDA kernels qualify: each candidate's forward + backward is timed once on the
   call's own head counts and head dim (sequence capped at :data:`MEASURE_SEQ_CAP` tokens), and a candidate
   replaces the rule's kernel only when it is at least ``MARGIN`` faster, so that ranks timing the same
-  device do not flip between two kernels of equal speed. A candidate that raises is skipped.
+  device do not flip between two kernels of equal speed. A candidate that raises is skipped. Distributed,
+  every rank then takes rank 0's choice (:func:`agree_across_ranks`), so no two ranks run different
+  numerics.
 
 The choice is kept per process for ``(device, dtype, head dim, heads, KV heads)``
 (:func:`clear_choices` forgets it) and logged on first use with the times.
@@ -34,6 +36,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from loongtrain.attn.kernels import (
     CPU_FLASH,
@@ -218,11 +221,26 @@ def choose_kernel(
     else:
         timer = measure or _timer(device, dtype, head_dim, num_heads, num_kv_heads, seq_len)
         choice, times = pick_by_time(candidates, rule, timer)
+        choice = agree_across_ranks(choice, candidates)
         shown = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items())
         log.info("attention kernel for %s, head dim %d, %d/%d heads: %s (fwd+bwd measured: %s)",
                  dtype, head_dim, num_heads, num_kv_heads, choice.name, shown)
     _CHOICES[key] = choice
     return choice
+
+
+def agree_across_ranks(choice: Kernel, candidates: list[Kernel]) -> Kernel:
+    """Collective over the world (when distributed with more than one rank): every rank takes rank 0's
+    measured choice, so all ranks run the same numerics (timings differ between devices); a rank whose own
+    measurement differed logs it. One ``all_gather_object`` per measured choice (rare: once per key)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return choice
+    names: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, choice.name)
+    if names[0] != choice.name:
+        log.warning("attention kernel: this rank measured %s fastest, rank 0 %s; every rank runs %s (choices by "
+                    "rank: %s)", choice.name, names[0], names[0], names)
+    return next(k for k in candidates if k.name == names[0])
 
 
 def kernel_for(q: Tensor, k: Tensor) -> Kernel:

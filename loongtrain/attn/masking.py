@@ -5,7 +5,7 @@ Visibility of query ``i`` and key ``j`` (global token positions of the replica's
 - documents (``cu_seqlens``, flash-attn's convention: ``0 = c_0 < c_1 < ... < c_n = S``): ``i`` and ``j``
   lie in the same document ``[c_d, c_{d+1})``;
 - ``causal``: ``j <= i``;
-- ``window = w`` (Mistral's convention): ``i - w < j <= i`` when causal; ``|i - j| < w`` when not.
+- ``sliding_window = w`` (Mistral's convention): ``i - w < j <= i`` when causal; ``|i - j| < w`` when not.
 
 Inside one document visibility depends only on ``d = j - i``: ``lo <= d <= hi`` (:meth:`AttnMask.band`).
 
@@ -38,14 +38,14 @@ class AttnMask:
     layout of the tokens (``chunk_order``, :func:`loongtrain.parallel.zigzag.shard_indices`)."""
 
     causal: bool = True
-    window: int | None = None
+    sliding_window: int | None = None
     cu_seqlens: tuple[tuple[int, ...], ...] | None = None
     tiny: int = TINY_CELLS
     chunk_order: tuple[int, ...] | None = None  # the sequence layout (None: zigzag)
 
     def band(self) -> tuple[int, int]:
         """``(lo, hi)``: inside a document, ``j`` is visible from ``i`` iff ``lo <= j - i <= hi``."""
-        w = self.window
+        w = self.sliding_window
         lo = -(w - 1) if w is not None else -UNBOUNDED
         hi = 0 if self.causal else (w - 1 if w is not None else UNBOUNDED)
         return lo, hi

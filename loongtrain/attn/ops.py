@@ -4,16 +4,23 @@ Being custom ops (not plain autograd Functions) lets selective activation checkp
 outputs (``CheckpointPolicy.MUST_SAVE`` on ``torch.ops.loongtrain.*``), so a recompute pass re-runs
 neither attention nor any of its communication (Selective Checkpoint++; docs/design.md §6). Process
 groups travel as their registered names, a context ring as the key of its registered :class:`Ring`.
+To ``torch.compile`` they are opaque nodes (docs/design.md §13): the ring backward is an op of its own,
+document boundaries and chunk orders are CPU int64 tensors (data, not constants of a graph), and the
+fake implementations' shapes depend on q/k/v alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from loongtrain.attn.masking import AttnMask, unflatten_cu_seqlens
-from loongtrain.attn.ring import Ring, ring_backward, ring_forward
+from loongtrain.attn.ring import Ring, ring_backward_packed, ring_forward
+from loongtrain.model.local_attention import normalize_cu_seqlens
 from loongtrain.parallel.comm import all_to_all, resolve_group
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.zigzag import check_chunk_order
 
 Tensor = torch.Tensor
 
@@ -65,31 +72,78 @@ def ring_key(mesh: Mesh) -> str:
     return key
 
 
-def _mask(causal: bool, cu_seqlens: list[int], window: int, chunk_order: list[int]) -> AttnMask:
-    return AttnMask(causal, window or None, unflatten_cu_seqlens(cu_seqlens),
-                    chunk_order=tuple(chunk_order) if chunk_order else None)
+def _mask(causal: bool, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
+          q: Tensor, cp: int) -> AttnMask:
+    """The mask of one op call, from its tensor arguments (host-side int64 values; checked here too, since a
+    compiled block reaches the op without :func:`loongtrain.attention`'s value checks)."""
+    batch, seq = q.shape[0], q.shape[1] * cp
+    documents = None
+    if cu_seqlens is not None:
+        flat = [int(x) for x in cu_seqlens.tolist()]
+        if not flat or flat[0] != 0:
+            raise ValueError(f"cu_seqlens rows must each start at 0 (flash-attn convention); got {flat[:16]}")
+        documents = normalize_cu_seqlens(unflatten_cu_seqlens(flat), batch, seq)
+    order = None
+    if chunk_order is not None:
+        order = tuple(int(x) for x in chunk_order.tolist())
+        check_chunk_order(order, seq, 1, cp)  # hp | S/cp already holds: the shards have equal shapes
+    return AttnMask(causal, sliding_window, documents, chunk_order=order)
+
+
+def as_index_tensor(values: Sequence[int] | Tensor | None) -> Tensor | None:
+    """``cu_seqlens`` (flattened) or ``chunk_order`` as the ops take them: a CPU int64 tensor (None stays None).
+
+    As tensors they are data to a compiled block, not constants: a new document mix or chunk order reuses
+    the compiled graph instead of recompiling it (docs/design.md §13)."""
+    if values is None or isinstance(values, Tensor):
+        return values if values is None else values.to(device="cpu", dtype=torch.int64)
+    return torch.tensor(list(values), dtype=torch.int64)
 
 
 @torch.library.custom_op("loongtrain::ring_attention", mutates_args=())
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, ring: str, causal: bool, scale: float, cu_seqlens: list[int], window: int,
-    chunk_order: list[int],
+    q: Tensor, k: Tensor, v: Tensor, ring: str, causal: bool, scale: float, cu_seqlens: Tensor | None,
+    sliding_window: int | None, chunk_order: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the K/V ``[B, S_c, Hkv, D]``
     of every member of the ring registered as ``ring`` (:func:`ring_key`); returns out ``[B, S_c, H, D]`` and
-    lse ``[B, H, S_c]``. ``cu_seqlens``: each batch row's document boundaries, rows concatenated (empty:
-    one document); ``window``: sliding window (0: none); ``chunk_order``: the tokens' layout (empty: zigzag).
-    Backward: ring backward, K/V re-circulated and
-    dK/dV returned to their owners; lse is not differentiable (docs/design.md §4, §6)."""
-    mask = _mask(causal, cu_seqlens, window, chunk_order)
+    lse ``[B, H, S_c]``. ``cu_seqlens``: each batch row's document boundaries, rows concatenated (each starts
+    at 0; None: one document), a CPU int64 tensor (:func:`as_index_tensor`); ``sliding_window``: Mistral's
+    window (None: none); ``chunk_order``: the tokens' layout (None: zigzag), a CPU int64 tensor.
+    Backward: :func:`ring_attention_backward` (ring backward, K/V re-circulated and dK/dV returned to their
+    owners); lse is not differentiable (docs/design.md §4, §6)."""
+    mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
     out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask)
     return out.transpose(1, 2).contiguous(), lse
 
 
 @ring_attention.register_fake
-def _(q, k, v, ring, causal, scale, cu_seqlens, window, chunk_order):
+def _(q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order):
+    # shapes depend on q alone, whatever the documents, window or chunk order
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc)
+
+
+@torch.library.custom_op("loongtrain::ring_attention_backward", mutates_args=())
+def ring_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: str, causal: bool,
+    scale: float, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Forward: dq ``[B, S_c, H, D]`` and dK/dV ``[2, B, S_c, Hkv, D]`` (input dtypes) of :func:`ring_attention`
+    for ``dout``, K/V re-circulated round the ring and dK/dV returned to their owners. An op of its own, so a
+    compiled block's backward calls it as one opaque node. Backward: none (no double backward)."""
+    mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
+    dq, dkv = ring_backward_packed(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring],
+                                   causal, scale, mask=mask)
+    return dq.transpose(1, 2), dkv.transpose(2, 3)
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, ring, causal, scale, cu_seqlens, sliding_window, chunk_order):
+    # the real results are [.., heads, S_c, D] tensors seen as [.., S_c, heads, D]: the same strides here
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    return q.new_empty((b, h, s, d)).transpose(1, 2), k.new_empty((2, b, hkv, s, d)).transpose(2, 3)
 
 
 def _bhsd(x: Tensor) -> Tensor:
@@ -99,21 +153,19 @@ def _bhsd(x: Tensor) -> Tensor:
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, ring, causal, scale, cu_seqlens, window, chunk_order = inputs
+    q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (ring, causal, scale, cu_seqlens, window, chunk_order)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, chunk_order)  # tensors saved as such (compile traces it)
+    ctx.args = (ring, causal, scale, sliding_window)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    q, k, v, out, lse = ctx.saved_tensors
-    ring, causal, scale, cu_seqlens, window, chunk_order = ctx.args
-    dq, dk, dv = ring_backward(
-        _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring], causal, scale,
-        mask=_mask(causal, cu_seqlens, window, chunk_order),
-    )
-    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 6
+    q, k, v, out, lse, cu_seqlens, chunk_order = ctx.saved_tensors
+    ring, causal, scale, sliding_window = ctx.args
+    dq, dkv = ring_attention_backward(dout.contiguous(), q, k, v, out, lse, ring, causal, scale, cu_seqlens,
+                                      sliding_window, chunk_order)
+    return (dq, dkv[0], dkv[1]) + (None,) * 6
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)

@@ -169,7 +169,7 @@ def _kernel(kernel: Kernel | None, q: Tensor, k: Tensor) -> Kernel:
 
 
 def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:
-    return pass_reach(geometry, q.shape[2] // 2, mask.window, zigzag=mask.chunk_order is None)
+    return pass_reach(geometry, q.shape[2] // 2, mask.sliding_window, zigzag=mask.chunk_order is None)
 
 
 def ring_forward(
@@ -193,13 +193,21 @@ def ring_backward(
     causal: bool, scale: float, kernel: Kernel | None = None, *, mask: AttnMask | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (input dtype) for :func:`ring_forward`: K/V re-circulate, dK/dV ride behind to their owner."""
+    dq, dkv = ring_backward_packed(dout, q, k, v, out, lse, ring, causal, scale, kernel, mask=mask)
+    return dq, dkv[0], dkv[1]
+
+
+def ring_backward_packed(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: Ring,
+    causal: bool, scale: float, kernel: Kernel | None = None, *, mask: AttnMask | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`ring_backward` with dK and dV as one ``[2, B, Hkv, S_c, D]`` tensor (k's dtype)."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
     step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, _kernel(kernel, q, k))
     member = _Member(geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
     run_pass(geometry, [member], True, _reach(geometry, q, mask))
-    dkv = member.registers[DKV_OWN]
-    return step.dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return step.dq.to(q.dtype), member.registers[DKV_OWN].to(k.dtype)
 
 
 def _local_members(

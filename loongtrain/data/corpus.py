@@ -5,6 +5,8 @@
   ``site-packages``/``dist-packages`` (machine-specific) and test directories (``test``, ``tests``,
   ``idle_test``; they hold odd encodings and generated data). About 12 MB on CPython 3.11.
 - a ``.txt`` file: ONE document per file (the whole file).
+- text files are UTF-8: other bytes are a ValueError naming the file and the byte offset, unless
+  ``decode_errors`` is "replace" or "ignore" (``--decode-errors``; :func:`decode_text`).
 - a ``.jsonl`` file: one document per non-blank line, the string field ``text_field`` (default "text").
 - a directory of ``.txt``/``.jsonl`` files: all of them, recursively, in sorted path order.
 - a Hugging Face dataset saved with ``save_to_disk`` (directory with ``dataset_dict.json`` or
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,24 +35,56 @@ class Corpus:
         raise NotImplementedError
 
 
-class FilesCorpus(Corpus):
-    """Documents from a sorted list of files (``.txt``/``.py``: whole file; ``.jsonl``: one per line)."""
+#: ``--decode-errors``: how bytes that are not UTF-8 are handled (Python's codec error handlers)
+DECODE_ERRORS = ("strict", "replace", "ignore")
 
-    def __init__(self, files: list[Path], name: str, text_field: str = "text") -> None:
+
+def decode_text(data: bytes, file: Path | str, errors: str = "strict", offset: int = 0) -> str:
+    """``data`` (bytes of ``file`` from byte ``offset``) as UTF-8. ``errors="strict"``: bytes that are
+    not UTF-8 raise ValueError naming the file and the byte offset; "replace" (U+FFFD) and "ignore"
+    (dropped) opt in to reading them anyway."""
+    if errors not in DECODE_ERRORS:
+        raise ValueError(f"decode_errors={errors!r} is not one of {DECODE_ERRORS}")
+    try:
+        return data.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{file}: not valid UTF-8 text at byte {offset + exc.start} ({exc.reason}); is it a "
+                         f"text file? (--decode-errors replace|ignore reads it anyway)") from None
+
+
+_NON_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f\ufffd]")
+
+
+def non_text_chars(text: str) -> int:
+    """Characters of ``text`` that text does not hold: C0/C1 control characters other than tab, newline,
+    carriage return, vertical tab and form feed, and U+FFFD (an undecodable byte, replaced)."""
+    return len(_NON_TEXT.findall(text))
+
+
+class FilesCorpus(Corpus):
+    """Documents from a sorted list of files (``.txt``/``.py``: whole file; ``.jsonl``: one per line),
+    decoded as UTF-8 with ``decode_errors`` (:func:`decode_text`; stdlib sources: "replace")."""
+
+    def __init__(self, files: list[Path], name: str, text_field: str = "text", decode_errors: str = "strict") -> None:
         self.files, self.name, self.text_field = files, name, text_field
+        decode_text(b"", name, decode_errors)  # checks the choice
+        self.decode_errors = decode_errors
 
     def __iter__(self) -> Iterator[str]:
         for file in self.files:
             if file.suffix == ".jsonl":
-                yield from read_jsonl(file, self.text_field)
+                yield from read_jsonl(file, self.text_field, self.decode_errors)
             else:
-                yield file.read_text(encoding="utf-8", errors="replace")
+                yield decode_text(file.read_bytes(), file, self.decode_errors)
 
 
-def read_jsonl(path: Path, text_field: str = "text") -> Iterator[str]:
-    """The ``text_field`` string of every non-blank line of a JSON-lines file."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+def read_jsonl(path: Path, text_field: str = "text", decode_errors: str = "strict") -> Iterator[str]:
+    """The ``text_field`` string of every non-blank line of a JSON-lines file (UTF-8: :func:`decode_text`)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = decode_text(raw, path, decode_errors, offset)
+            offset += len(raw)
             if not line.strip():
                 continue
             try:
@@ -104,21 +139,23 @@ def _is_hf_dataset_dir(path: Path) -> bool:
     return any((path / m).exists() for m in markers) or (path / f"{path.name}.py").exists()
 
 
-def build_corpus(spec: str | Path | Corpus = "stdlib", text_field: str = "text") -> Corpus:
-    """A :class:`Corpus` from ``"stdlib"`` or a local path (see the module docstring for formats)."""
+def build_corpus(spec: str | Path | Corpus = "stdlib", text_field: str = "text",
+                 decode_errors: str = "strict") -> Corpus:
+    """A :class:`Corpus` from ``"stdlib"`` or a local path (see the module docstring for formats);
+    ``decode_errors``: for text files (:func:`decode_text`)."""
     if isinstance(spec, Corpus):
         return spec
     if spec == "stdlib":
         files = stdlib_files()
         if not files:
             raise ValueError(f"no standard-library sources found under {sysconfig.get_paths()['stdlib']!r}")
-        return FilesCorpus(files, "stdlib")
+        return FilesCorpus(files, "stdlib", decode_errors="replace")  # a few sources hold odd bytes
     path = Path(spec)
     if not path.exists():
         raise ValueError(f"corpus {str(spec)!r} is neither 'stdlib' nor an existing path")
     if path.is_file():
         if path.suffix in (".txt", ".jsonl"):
-            return FilesCorpus([path], str(path), text_field)
+            return FilesCorpus([path], str(path), text_field, decode_errors)
         if path.suffix == ".py":
             return HFDatasetCorpus(path, text_field)
         raise ValueError(f"corpus file {str(path)!r} must end in .txt or .jsonl (or be a dataset script .py)")
@@ -127,4 +164,4 @@ def build_corpus(spec: str | Path | Corpus = "stdlib", text_field: str = "text")
     files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
     if not files:
         raise ValueError(f"corpus directory {str(path)!r} holds no .txt or .jsonl files")
-    return FilesCorpus(files, str(path), text_field)
+    return FilesCorpus(files, str(path), text_field, decode_errors)

@@ -7,9 +7,11 @@ from pathlib import Path
 
 import torch
 
-from loongtrain.data.corpus import Corpus, build_corpus
-from loongtrain.data.packing import PackedDataset, TokenStream
+from loongtrain.data.corpus import Corpus
+from loongtrain.data.mixture import MixtureDataset
+from loongtrain.data.packing import PackedDataset
 from loongtrain.data.sampler import ReplicaSampler
+from loongtrain.data.sources import open_stream, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -22,7 +24,7 @@ class Batches:
     resume exactly.
     """
 
-    def __init__(self, dataset: PackedDataset, sampler: ReplicaSampler) -> None:
+    def __init__(self, dataset: PackedDataset | MixtureDataset, sampler: ReplicaSampler) -> None:
         self.dataset, self.sampler = dataset, sampler
 
     @property
@@ -45,6 +47,13 @@ class Batches:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.load_state_dict(state)
 
+    def tokens_by_corpus(self) -> dict[str, int]:
+        """Input tokens each corpus has supplied to ALL replicas before step ``self.step`` (global)."""
+        positions = self.sampler.step * self.sampler.dp * self.sampler.batch_size
+        if isinstance(self.dataset, MixtureDataset):
+            return self.dataset.tokens_by_corpus(positions)
+        return {self.dataset.stream.corpus.name: positions * self.dataset.seq_len}
+
 
 def build_batches(
     corpus_spec: str | Path | Corpus = "stdlib",
@@ -58,6 +67,8 @@ def build_batches(
     *,
     shuffle: bool = True,
     text_field: str = "text",
+    val_fraction: float = 0.0,
+    decode_errors: str = "strict",
 ) -> Batches:
     """Batches for replica ``dp_rank`` of ``dp`` from global step ``start_step`` (infinite; wraps epochs).
 
@@ -65,10 +76,26 @@ def build_batches(
     ``loongtrain.shard_sequence(x, mesh, dim=1)``. ``shuffle=True`` reorders samples per epoch with
     ``seed`` and therefore tokenizes the whole corpus once up front (well under a second for "stdlib"
     with the byte tokenizer); ``shuffle=False`` streams samples in corpus order, tokenizing lazily.
+
+    ``corpus_spec``: a prepared directory (memory-mapped, nothing read up front), a raw corpus, or a
+    mixture ``a=0.7,b=0.3`` of them (:mod:`loongtrain.data.sources`). The same corpus prepared or raw
+    gives bit-identical batches. ``val_fraction`` > 0 leaves out the validation documents
+    (:mod:`loongtrain.data.split`; their batches: :func:`loongtrain.data.validation.build_val_batches`).
+    ``decode_errors``: raw corpora's non-UTF-8 bytes (``--decode-errors``: strict, replace or ignore).
     """
     tok = build_tokenizer(tokenizer)
-    dataset = PackedDataset(TokenStream(build_corpus(corpus_spec, text_field), tok), seq_len)
-    num_samples = dataset.num_samples() if shuffle else None
+    parts = [(corpus_spec, 1.0)] if isinstance(corpus_spec, Corpus) else parse_corpus_spec(str(corpus_spec))
+    part = "train" if val_fraction else "all"
+    datasets = [PackedDataset(open_stream(spec, tok, text_field=text_field, val_fraction=val_fraction,
+                                          seed=seed, part=part, decode_errors=decode_errors), seq_len)
+                for spec, _ in parts]
+    if len(datasets) == 1:
+        dataset: PackedDataset | MixtureDataset = datasets[0]
+        num_samples = datasets[0].num_samples() if shuffle else None
+    else:
+        dataset = MixtureDataset(datasets, [str(s) for s, _ in parts], [w for _, w in parts], seed,
+                                 shuffle=shuffle)
+        num_samples = None  # the mixture maps every global position itself
     sampler = ReplicaSampler(
         num_samples, dp_rank, dp, batch_size, seed, shuffle=shuffle, start_step=start_step
     )

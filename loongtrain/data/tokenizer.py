@@ -27,6 +27,10 @@ class Tokenizer:
         """``encode`` as a 1-D int64 tensor (subclasses may return a narrower integer dtype)."""
         return torch.tensor(self.encode(text), dtype=torch.int64)
 
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode`` of each text as a 1-D integer array (the tokenizer's batch path where it has one)."""
+        return [self.encode_tensor(t).numpy() for t in texts]
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens (vocab 256). End of document = byte 0 (NUL, which text files do not contain)."""
@@ -41,6 +45,9 @@ class ByteTokenizer(Tokenizer):
     def encode_tensor(self, text: str) -> torch.Tensor:
         data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
         return torch.from_numpy(data)
+
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Invalid UTF-8 (e.g. a sequence cut mid-character) decodes to U+FFFD."""
@@ -72,7 +79,10 @@ class HFTokenizer(Tokenizer):
         except ImportError:
             tokenizers = None
         if tokenizers is not None and file.is_file():
-            self._tok = tokenizers.Tokenizer.from_file(str(file))
+            try:
+                self._tok = tokenizers.Tokenizer.from_file(str(file))
+            except BaseException as exc:  # tokenizers raises Exception, or pyo3's PanicException
+                _reraise_unless_library_error(exc, file)
             vocab = self._tok.get_vocab(with_added_tokens=True)
             self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         else:
@@ -85,7 +95,10 @@ class HFTokenizer(Tokenizer):
                 ) from None
             if not path.is_dir():
                 raise ValueError(f"tokenizer path {str(path)!r} is neither tokenizer.json nor a directory")
-            self._hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            try:
+                self._hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            except BaseException as exc:
+                _reraise_unless_library_error(exc, path)
             vocab = self._hf.get_vocab()
             self.vocab_size = len(self._hf)
             eos_default = self._hf.eos_token
@@ -104,11 +117,27 @@ class HFTokenizer(Tokenizer):
     def encode_tensor(self, text: str) -> torch.Tensor:
         return torch.tensor(self.encode(text), dtype=torch.int32)
 
+    def encode_many(self, texts: list[str]) -> list[np.ndarray]:
+        if self._tok is None:
+            return super().encode_many(texts)
+        return [np.array(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
         if self._tok is not None:
             return self._tok.decode(values, skip_special_tokens=False)
         return self._hf.decode(values, skip_special_tokens=False)
+
+
+def _reraise_unless_library_error(exc: BaseException, file: Path) -> None:
+    """A tokenizer library's failure to read ``file`` as ValueError naming it (whatever its class: the
+    Rust ``tokenizers`` raise ``Exception`` or a ``PanicException`` deriving from BaseException);
+    interrupts and exits propagate as they are."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        raise exc
+    text = str(exc).strip().splitlines()
+    raise ValueError(f"tokenizer file {str(file)!r} cannot be loaded: {type(exc).__name__}: "
+                     f"{text[0] if text else 'no details'}") from None
 
 
 def build_tokenizer(name_or_path: str | Tokenizer = "byte") -> Tokenizer:

@@ -76,7 +76,8 @@ def hf_attention_forward(
     if kwargs.get("chunk_order") is not None:  # the layout the inputs were sharded with (default zigzag)
         documents["chunk_order"] = kwargs["chunk_order"]
     position_ids = kwargs.get("position_ids")
-    if isinstance(position_ids, Tensor) and "cu_seqlens" not in documents and getattr(module, "layer_idx", 0) == 0:
+    check = isinstance(position_ids, Tensor) and "cu_seqlens" not in documents and getattr(module, "layer_idx", 0) == 0
+    if check and not torch.compiler.is_compiling():  # a value check (host-side): eager only (docs/design.md §13)
         _check_positions(position_ids, mesh, seq_len, documents.get("chunk_order"))
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     out = attention_fn(

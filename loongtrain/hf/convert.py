@@ -92,10 +92,10 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         check_architecture(name)
     rope = getattr(hf_config, "rope_parameters", None) or {}
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    window = getattr(hf_config, "sliding_window", None) or 0
+    window = getattr(hf_config, "sliding_window", None) or None  # HF: None (or 0) for none
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
-        window = 0
+        window = None
     return ModelConfig(
         vocab_size=hf_config.vocab_size,
         dim=hf_config.hidden_size,
@@ -107,7 +107,7 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         norm_eps=float(hf_config.rms_norm_eps),
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         head_dim=int(head_dim),
-        sliding_window=int(window),
+        sliding_window=None if window is None else int(window),
     )
 
 

@@ -30,15 +30,77 @@ def read_hf_config(path: str | Path) -> Any:
         raise ValueError(f"{str(path)!r} is not a Hugging Face model directory: it has no config.json")
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    raw = read_config_json(path / "config.json")
+    architectures = raw.get("architectures")
+    for name in architectures if isinstance(architectures, list) else []:
+        check_architecture(str(name))
+    check_stated_sizes(raw, path / "config.json")
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"{str(path / 'config.json')!r} is not a config transformers can read: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the file is the problem
+        raise ValueError(f"{str(path / 'config.json')!r} is not a config transformers can read: "
+                         f"{type(exc).__name__}: {exc}") from None
     for name in getattr(config, "architectures", None) or []:
         check_architecture(name)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     check_architecture(getattr(model_class, "__name__", f"{type(config).__name__} (no causal LM class)"))
     return config
+
+
+#: sizes a config.json must state itself: transformers' defaults for them describe a 7B model
+REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def read_config_json(file: Path) -> dict[str, Any]:
+    """The raw JSON object of a config.json; ValueError naming the file when it is not one."""
+    import json
+
+    try:
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{str(file)!r} is not a readable JSON file: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(file)!r} must hold a JSON object; it holds a {type(raw).__name__}")
+    return raw
+
+
+def check_stated_sizes(raw: dict[str, Any], file: Path) -> None:
+    """ValueError unless the raw config.json states every size in :data:`REQUIRED_SIZES` (under its
+    name or an alias of its ``model_type``'s ``attribute_map``) as a positive integer, naming the
+    missing keys: a size transformers would fill in from its defaults is not the user's model."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = raw.get("model_type")
+    config_class = CONFIG_MAPPING[model_type] if isinstance(model_type, str) and model_type in CONFIG_MAPPING else None
+    stored_as = getattr(config_class, "attribute_map", {}) or {}  # e.g. GPT-2: hidden_size -> n_embd
+    missing, bad = [], []
+    for name in REQUIRED_SIZES:
+        keys = [name, *([stored_as[name]] if name in stored_as else [])]
+        stated = [k for k in keys if k in raw]
+        if not stated:
+            missing.append(name)
+            continue
+        value = raw[stated[0]]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            bad.append(f"{stated[0]}={value!r}")
+    if missing:
+        raise ValueError(f"{str(file)!r} does not state {missing}: the model's sizes must be given, not taken "
+                         f"from transformers' defaults (a 7B model)")
+    if bad:
+        raise ValueError(f"{str(file)!r}: {', '.join(bad)} must be "
+                         + ("positive integers" if len(bad) > 1 else "a positive integer"))
+
+
+def build_on_meta(config: Any, file: Path) -> nn.Module:
+    """The causal LM of ``config`` on the meta device (no memory), so that every error of the config
+    (an unknown ``hidden_act``, sizes that do not divide) surfaces here, as ValueError naming ``file``."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - any failure to build is the config's
+        raise ValueError(f"{str(file)!r}: the model cannot be built from it: {type(exc).__name__}: {exc}") from None
 
 
 def check_hf_dir(path: str | Path) -> Any:
@@ -47,13 +109,10 @@ def check_hf_dir(path: str | Path) -> Any:
     Besides :func:`read_hf_config`'s checks, the names and shapes in the ``*.safetensors`` headers must
     be exactly the tensors of the model built from config.json (ValueError naming the tensor otherwise).
     """
-    from transformers import AutoModelForCausalLM
-
     config = read_hf_config(path)
+    model = build_on_meta(config, Path(path) / "config.json")  # with or without weights (docs/design.md §10)
     files = sorted(Path(path).glob("*.safetensors"))
     if files:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
         _check_weights(model, _read_shapes(files))
     return config
 
@@ -91,15 +150,40 @@ def _read_shapes(files: list[Path]) -> dict[str, torch.Size]:
 
     shapes: dict[str, torch.Size] = {}
     for file in files:
+        check_safetensors_size(file)
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
                     if name in shapes:
                         raise ValueError(f"tensor {name!r} appears in more than one weight file (second: {file.name})")
                     shapes[name] = torch.Size(handle.get_slice(name).get_shape())
-        except (OSError, RuntimeError) as exc:  # safetensors raises SafetensorError (a RuntimeError kind)
-            raise ValueError(f"weight file {str(file)!r} is not a readable safetensors file: {exc}") from None
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error class derives from Exception
+            raise ValueError(f"weight file {str(file)!r} is not a readable safetensors file: "
+                             f"{type(exc).__name__}: {exc}") from None
     return shapes
+
+
+def check_safetensors_size(file: Path) -> None:
+    """ValueError naming ``file`` unless its header parses and its length is exactly the 8-byte header
+    size, the header and the tensor bytes the header places (a cut or padded file fails here)."""
+    import json
+
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as handle:
+            head = handle.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < header_len <= size - 8:
+                raise ValueError(f"a header of {header_len} bytes in a file of {size}")
+            header = json.loads(handle.read(header_len).decode("utf-8"))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except Exception as exc:  # noqa: BLE001 - any failure to read the header is a corrupt file
+        raise ValueError(f"weight file {str(file)!r} is not a readable safetensors file (header: {exc})") from None
+    if size != 8 + header_len + end:
+        raise ValueError(f"weight file {str(file)!r} has {size} bytes but its header needs {8 + header_len + end} "
+                         f"(truncated or corrupt)")
 
 
 def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
@@ -107,7 +191,12 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        for name, tensor in load_file(str(file)).items():
+        try:
+            tensors = load_file(str(file))
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error class derives from Exception
+            raise ValueError(f"weight file {str(file)!r} is not a readable safetensors file: "
+                             f"{type(exc).__name__}: {exc}") from None
+        for name, tensor in tensors.items():
             if name in state:
                 raise ValueError(f"tensor {name!r} appears in more than one weight file (second: {file.name})")
             state[name] = tensor

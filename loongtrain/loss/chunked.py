@@ -2,10 +2,13 @@
 
 :func:`chunked_cross_entropy` has the contract of ``sharded_cross_entropy`` (loongtrain/loss/sharded.py)
 but takes ``hidden [..., d]`` and the head ``weight [V, d]`` (tied or not) instead of logits, so no
-rank ever holds the logits of all its tokens: the forward keeps one fp32 scalar per token (the
-log-sum-exp), the backward recomputes each chunk's logits. Peak extra memory is one chunk's working
-set, ``chunk_tokens * V * (bytes(compute) + bytes(stats))``, plus the head cast to the compute dtype,
-instead of about fourteen bytes per logit of all tokens (:func:`chunked_loss_peak_bytes` term by term).
+rank ever holds the logits of all its tokens: one pass per chunk computes its logits, their
+log-sum-exp, and (when gradients are wanted) the chunk's gradients for ``hidden``, the head and its bias
+at once, so the logits are never recomputed (three matmuls per chunk, as many as the unchunked loss;
+the backward only scales the gradients by the upstream gradient). Peak extra memory is one chunk's
+working set, ``chunk_tokens * V * (bytes(compute) + bytes(stats))``, plus the head cast to the compute
+dtype, instead of about fourteen bytes per logit of all tokens (:func:`chunked_loss_peak_bytes` term by
+term); the gradients it returns exist from the forward on.
 
 Precision: logits in the compute dtype (the autocast dtype when autocast is on for the inputs'
 device, else the promoted dtype of ``hidden`` and ``weight``), soft-max statistics in float32 (float64
@@ -75,60 +78,56 @@ def _targets(labels: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """forward: ``sum over valid tokens of (lse - target logit)`` (a stats-dtype scalar); saves the
-    per-token ``lse`` (the only new memory kept). backward: ``grad * (softmax - onehot)`` per valid
-    token, pushed through the head chunk by chunk (logits recomputed)."""
+    """forward: ``sum over valid tokens of (lse - target logit)`` (a stats-dtype scalar). With ``fused``
+    (gradients wanted) the same pass over each chunk's logits also turns them into ``softmax - onehot``
+    (0 for ignored tokens) and pushes that through the head: the gradients for a unit upstream gradient,
+    kept on ``ctx`` (they are the gradients the backward returns, computed early, not activations).
+    backward: those gradients times the upstream gradient, in place. One matmul per chunk fewer than
+    recomputing the logits in backward (three instead of four: as many as the unchunked loss)."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-                chunk_tokens: int, compute: torch.dtype) -> Tensor:
+                chunk_tokens: int, compute: torch.dtype, fused: bool) -> Tensor:
         stats = _stats_dtype(compute)
-        lse = torch.empty(hidden.shape[0], dtype=stats, device=hidden.device)
+        need_h, need_w, need_b = (fused and t is not None and t.requires_grad for t in (hidden, weight, bias))
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros_like(weight) if need_w else None
+        grad_bias = torch.zeros_like(bias) if need_b else None
         local_sum = torch.zeros((), dtype=stats, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute)
             for start, stop in _chunks(hidden.shape[0], chunk_tokens):
                 valid, safe = _targets(labels[start:stop])
-                z = _chunk_logits(hidden[start:stop], w, bias, compute).to(stats)
+                h = hidden[start:stop].to(compute)
+                z = _chunk_logits(h, w, bias, compute).to(stats)
                 target = z.gather(1, safe[:, None]).squeeze(1)
                 peak = z.amax(dim=1)
                 # in place: z becomes exp(z - max), so the chunk never needs a second [c, V] buffer
                 total = z.sub_(peak[:, None]).exp_().sum(dim=1)
-                del z
-                lse[start:stop] = peak + total.log()
-                local_sum += torch.where(valid, lse[start:stop] - target, 0).sum()
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.chunk_tokens, ctx.compute = chunk_tokens, compute
-        return local_sum
-
-    @staticmethod
-    def backward(ctx, grad_sum: Tensor):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = torch.zeros_like(weight) if need_w else None
-        grad_bias = torch.zeros_like(bias) if need_b else None
-        grad_sum = grad_sum.to(lse.dtype)
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(ctx.compute)
-            for start, stop in _chunks(hidden.shape[0], ctx.chunk_tokens):
-                valid, safe = _targets(labels[start:stop])
-                h = hidden[start:stop].to(ctx.compute)
-                z = _chunk_logits(h, w, bias, ctx.compute).to(lse.dtype)
-                # in place, z becomes d(local_sum)/d(logits) = grad * (softmax - onehot), 0 if ignored
-                z.sub_(lse[start:stop, None]).exp_()
+                local_sum += torch.where(valid, peak + total.log() - target, 0).sum()
+                if not (need_h or need_w or need_b):
+                    continue
+                # in place, z becomes d(local_sum)/d(logits) = softmax - onehot, 0 if ignored
+                z.div_(total[:, None])
                 z[torch.arange(stop - start, device=z.device), safe] -= 1
-                z.mul_(torch.where(valid, grad_sum, 0)[:, None])
-                grad_z = z.to(ctx.compute)
+                z.mul_(valid[:, None])
+                grad_z = z.to(compute)
                 del z
                 if need_h:
                     grad_hidden[start:stop] = grad_z @ w
                 if need_w:
                     _accumulate(grad_weight, grad_z.T, h)
                 if need_b:
-                    grad_bias += grad_z.sum(dim=0, dtype=lse.dtype).to(grad_bias.dtype)
+                    grad_bias += grad_z.sum(dim=0, dtype=stats).to(grad_bias.dtype)
                 del grad_z  # before the next chunk's logits exist
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        return local_sum
+
+    @staticmethod
+    def backward(ctx, grad_sum: Tensor):
+        grads, ctx.grads = ctx.grads, None
+        out = tuple(g.mul_(grad_sum.to(g.dtype)) if g is not None else None for g in grads)
+        return (*out, None, None, None, None)
 
 
 def _accumulate(out: Tensor, a: Tensor, b: Tensor) -> None:
@@ -181,8 +180,9 @@ def chunked_cross_entropy(
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     compute = _compute_dtype(hidden, weight)
+    fused = torch.is_grad_enabled()  # the forward computes the gradients only when a backward may follow
     local_sum = _ChunkedCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1), chunk_tokens, compute
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1), chunk_tokens, compute, fused
     )
     return replica_mean(local_sum, (labels != IGNORE_INDEX).sum(), mesh)
 
@@ -194,10 +194,11 @@ def chunked_loss_peak_bytes(
     """Predicted peak bytes the chunked loss allocates beyond its inputs and the gradients it returns.
 
     With ``c = min(tokens, chunk_tokens)``, ``b`` compute, ``s`` stats and ``w`` weight bytes:
-    ``tokens * s`` (the saved log-sum-exp) + ``[b != w] * V * d * b`` (the weight cast to the compute
-    dtype, live through the forward and again through the backward) + ``c * V * (b + s)`` (one chunk's
-    logits and their stats copy; ``c * V * s`` when ``b == s``). The backward's other chunk stage (the
-    logit gradient and a weight-gradient block, ``<= 2 * c * V * b``) is never larger when ``b <= s``.
+    ``tokens * s`` (a per-token log-sum-exp: the fused pass keeps none, so this term is a small
+    over-estimate, kept so that the bound is unchanged) + ``[b != w] * V * d * b`` (the weight cast to the
+    compute dtype, live through the forward) + ``c * V * (b + s)`` (one chunk's logits and their stats copy;
+    ``c * V * s`` when ``b == s``). The chunk's other stage (the logit gradient and a weight-gradient block,
+    ``<= 2 * c * V * b``) is never larger when ``b <= s``.
     """
     chunk = min(tokens, chunk_tokens or default_chunk_tokens(vocab_size))
     weight_copy = vocab_size * dim * compute_bytes if compute_bytes != weight_bytes else 0

@@ -20,18 +20,21 @@ class ModelConfig:
     tie_embeddings: bool = False
     #: width of one attention head; 0 means ``dim // num_heads`` (set explicitly, e.g. Qwen3, it may differ)
     head_dim: int = 0
-    #: each token attends to at most this many tokens (itself included); 0 means no window
-    sliding_window: int = 0
+    #: each token attends to at most this many tokens (itself included); None: no window
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
-        for name in ("head_dim", "sliding_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a non-negative integer (0: default)")
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 0:
+            raise ValueError(f"head_dim={self.head_dim!r} must be a non-negative integer (0: dim // num_heads)")
+        if self.sliding_window == 0:  # model records written before sliding_window became None-for-none
+            object.__setattr__(self, "sliding_window", None)
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window={window!r} must be None (no window) or a positive integer")
         if self.head_dim == 0:
             if self.dim % self.num_heads != 0:
                 raise ValueError(f"dim={self.dim} must be divisible by num_heads={self.num_heads} "

@@ -70,7 +70,7 @@ class Attention(nn.Module):
             config.num_heads, config.num_kv_heads, config.head_dim,
         )
         self.attention_fn: AttentionFn = local_attention
-        self.sliding_window = config.sliding_window or None  # Mistral's convention: i - w < j <= i
+        self.sliding_window = config.sliding_window  # Mistral's convention: i - w < j <= i
         self.wq = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)

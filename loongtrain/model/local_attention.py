@@ -13,6 +13,7 @@ which the model passes only when set) and return the same shape; query head ``h`
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -44,9 +45,10 @@ def normalize_cu_seqlens(cu_seqlens: CuSeqlens | None, batch: int, seq_len: int)
     ``batch == 1``, else a list of ``batch`` of them."""
     if cu_seqlens is None:
         return None
-    single = isinstance(cu_seqlens, Tensor) or (
-        isinstance(cu_seqlens, Sequence) and all(isinstance(x, int) for x in cu_seqlens)
-    )
+    if not isinstance(cu_seqlens, (Tensor, Sequence)) or isinstance(cu_seqlens, (str, bytes)):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a list of ints (one per batch row: a list "
+                         f"of them); got {type(cu_seqlens).__name__}")
+    single = isinstance(cu_seqlens, Tensor) or all(_is_number(x) for x in cu_seqlens)
     rows = [cu_seqlens] if single else list(cu_seqlens)
     if len(rows) != batch:
         raise ValueError(
@@ -55,11 +57,7 @@ def normalize_cu_seqlens(cu_seqlens: CuSeqlens | None, batch: int, seq_len: int)
         )
     out = []
     for b, row in enumerate(rows):
-        if isinstance(row, Tensor):
-            if row.dim() != 1 or row.is_floating_point() or row.is_complex():
-                raise ValueError(f"cu_seqlens[{b}] must be a 1-D integer tensor; got {row.dtype} {tuple(row.shape)}")
-            row = row.tolist()
-        row = tuple(int(x) for x in row)
+        row = _integer_row(row, b)
         where = f"cu_seqlens[{b}]={list(row)}" if len(row) <= 16 else f"cu_seqlens[{b}] (length {len(row)})"
         if len(row) < 2 or row[0] != 0:
             raise ValueError(f"{where} must start at 0 (flash-attn convention: 0 = c_0 < c_1 < ... < c_n = S)")
@@ -71,6 +69,29 @@ def normalize_cu_seqlens(cu_seqlens: CuSeqlens | None, batch: int, seq_len: int)
                              f"({row[bad - 1]})")
         out.append(row)
     return tuple(out)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float, numbers.Number)) and not isinstance(x, Tensor)
+
+
+def _integer_row(row: Any, b: int) -> tuple[int, ...]:
+    """One row of document boundaries as ints; ValueError for floats, bools, the meta device, or
+    anything that is not a 1-D integer sequence."""
+    if isinstance(row, Tensor):
+        if row.dim() != 1 or row.is_floating_point() or row.is_complex() or row.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens[{b}] must be a 1-D integer tensor; got {row.dtype} {tuple(row.shape)}")
+        if row.device.type == "meta":
+            raise ValueError(f"cu_seqlens[{b}] is on the meta device (no values): pass it on the CPU or the "
+                             f"inputs' device")
+        return tuple(row.tolist())
+    if not isinstance(row, Sequence) or isinstance(row, (str, bytes)):
+        raise ValueError(f"cu_seqlens[{b}] must be a 1-D integer tensor or a list of ints; got {type(row).__name__}")
+    for i, x in enumerate(row):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise ValueError(f"cu_seqlens[{b}][{i}] = {x!r} ({type(x).__name__}): document boundaries must be "
+                             f"integers")
+    return tuple(int(x) for x in row)
 
 
 def validate_sliding_window(sliding_window: int | None) -> None:

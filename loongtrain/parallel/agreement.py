@@ -4,11 +4,16 @@ Collectives called with different shapes, dtypes or flags on different ranks eit
 the backend with a message that names nothing, or (a different ``causal`` flag) complete with wrong
 results. :func:`check_agreement` compares the arguments with one all-reduce of a digest; only when they
 differ does it gather them (one ``all_gather_object``) and raise the same ValueError on every rank,
-naming each field that differs and which ranks hold which value. :func:`agree_once` does it once per
-distinct call signature and group, so a steady-state call costs a set lookup.
+naming each field that differs and which ranks hold which value.
 
-Limit: a rank that reaches a signature the others have already checked calls the exchange alone; it
-then waits for the process group's timeout instead of failing at once.
+:func:`agree_on_attention` checks EVERY call (:data:`ATTENTION_CHECK` = "every"): a digest of the
+arguments (shapes, dtypes, causal, scale, document boundaries, window, chunk order), one all-reduce of
+two int64 on the replica's ranks, so a rank that changes its arguments after any number of agreed calls
+fails with its peers instead of hanging them. Under NCCL the digest travels on a gloo group of the same
+ranks (``Mesh.check_group``): no device synchronisation. Its cost is measured in
+``benchmarks/agreement.py`` (benchmarks/RESULTS.md). :func:`agree_once` (the "once" mode) checks once per
+distinct signature and group, a set lookup afterwards; its limit: a rank that reaches a signature the
+others have already checked calls the exchange alone and waits for the process group's timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +26,21 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.parallel.runtime import is_distributed
+
+#: "every": :func:`agree_on_attention` checks every call; "once": once per signature (:func:`agree_once`)
+ATTENTION_CHECKS = ("every", "once")
+ATTENTION_CHECK = "every"
+
+
+def set_attention_check(mode: str) -> str:
+    """Set how often attention arguments are checked across ranks (:data:`ATTENTION_CHECKS`); return
+    the previous mode. Every rank must use the same mode."""
+    global ATTENTION_CHECK
+    if mode not in ATTENTION_CHECKS:
+        raise ValueError(f"attention check mode {mode!r} is not one of {ATTENTION_CHECKS}")
+    previous, ATTENTION_CHECK = ATTENTION_CHECK, mode
+    return previous
+
 
 # (group name, call site, signature) already checked; group names are never reused, so entries stay true
 _CHECKED: set[tuple[str, str, tuple[tuple[str, Any], ...]]] = set()
@@ -75,12 +95,12 @@ def agree_once(what: str, fields: Mapping[str, Any], group: dist.ProcessGroup | 
 
 def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, cu_seqlens: Any,
                        sliding_window: Any, chunk_order: Any) -> None:
-    """:func:`agree_once` over ``mesh``'s replica (sp) group for the arguments of one ``loongtrain.attention``
-    call, taken as given (before validation, so a rank whose arguments are invalid and differ from its
-    peers' does not leave them waiting): the shapes of q, k, v (batch, S, heads, KV heads, head dim),
-    dtypes, causal, softmax_scale, sliding window, document boundaries and chunk order. Documents change
-    with every batch, so packed-document training pays one small exchange per batch (the first layer's
-    call; the other layers repeat its signature)."""
+    """Collective over ``mesh``'s replica ranks: ValueError on every rank, naming the field, unless all
+    pass the same arguments to this ``loongtrain.attention`` call, taken as given (before validation, so
+    a rank whose arguments are invalid and differ from its peers' does not leave them waiting): the
+    shapes of q, k, v (batch, S, heads, KV heads, head dim), dtypes, causal, softmax_scale, sliding
+    window, document boundaries and chunk order. Every call (:data:`ATTENTION_CHECK`): one all-reduce of
+    a digest on ``mesh.check_group`` (gloo under NCCL) or the sp group."""
     if mesh.sp_group is None or torch.compiler.is_compiling():
         return
     fields: dict[str, Any] = {"q": _describe(q)}
@@ -91,13 +111,18 @@ def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, causal: Any, softmax_s
     fields.update(k=_describe(k), v=_describe(v), causal=_describe(causal),
                   softmax_scale=_describe(softmax_scale), sliding_window=_describe(sliding_window),
                   documents=_describe(cu_seqlens), chunk_order=_describe(chunk_order))
-    agree_once("attention", fields, mesh.sp_group)
+    if ATTENTION_CHECK == "once":
+        agree_once("attention", fields, mesh.sp_group)
+    else:
+        check_agreement("attention", fields, getattr(mesh, "check_group", None) or mesh.sp_group)
 
 
 def _describe(value: Any) -> Any:
     """A hashable, comparable stand-in: a tensor's shape and dtype (its values for a 1-D integer tensor,
     i.e. document boundaries), sequences as tuples, scalars as they are."""
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":  # no values to compare (and invalid input: raised after agreeing)
+            return ("meta", tuple(value.shape), str(value.dtype))
         if value.dim() <= 1 and not value.is_floating_point():
             return tuple(value.tolist()) if value.dim() == 1 else value.item()
         return (tuple(value.shape), str(value.dtype))

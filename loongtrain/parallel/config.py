@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loongtrain.parallel.layout import PLACEMENTS, Layout
-from loongtrain.parallel.zigzag import check_sequence_length
+from loongtrain.parallel.zigzag import check_sequence_length, divisors
 
 ZERO_MODES = ("none", "full", "hybrid")
 AC_MODES = ("none", "full", "selective")
@@ -22,7 +22,7 @@ AC_ALIASES = {"selective++": "selective", "sac": "selective"}
 
 __all__ = [
     "AC_ALIASES", "AC_MODES", "PLACEMENTS", "ZERO_MODES", "ParallelConfig", "effective_kv_heads",
-    "validate_parallel",
+    "mlp_tile_count", "validate_parallel",
 ]
 
 
@@ -137,6 +137,28 @@ def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
     return hp
 
 
+def mlp_tile_count(mlp_tiles: str, local_tokens: int, dim: int, ffn_dim: int, *, strict: bool = True) -> int:
+    """Tiles of a rank's ``local_tokens`` for the sequence-tiled MLP (docs/design.md §7).
+
+    ``"N"``: ``N`` (with ``strict``, ValueError unless it divides ``local_tokens``). ``"auto"``: the smallest
+    divisor ``N`` of ``local_tokens`` with ``N * dim >= ffn_dim``, so that one tile's ``[local_tokens / N,
+    ffn_dim]`` intermediate is at most the size of the block's hidden input ``[local_tokens, dim]``
+    (``local_tokens`` when no divisor is that large; 1 when ``ffn_dim <= dim``).
+    """
+    if mlp_tiles == "auto":
+        need = -(-ffn_dim // dim)
+        return next((n for n in range(max(1, need), local_tokens + 1) if local_tokens % n == 0), local_tokens)
+    if not (isinstance(mlp_tiles, str) and mlp_tiles.isdigit() and int(mlp_tiles) >= 1):
+        raise ValueError(f"mlp_tiles={mlp_tiles!r} must be a positive integer or 'auto'")
+    tiles = int(mlp_tiles)
+    if strict and local_tokens % tiles:
+        valid = divisors(local_tokens)
+        shown = valid if len(valid) <= 24 else [*valid[:12], "...", *valid[-4:]]
+        raise ValueError(f"mlp_tiles={tiles} must divide the {local_tokens} local tokens of a rank (seq_len / "
+                         f"(hp*cp)); valid: {shown} or 'auto'")
+    return tiles
+
+
 def validate_parallel(
     cfg: ParallelConfig,
     world_size: int | None = None,
@@ -172,6 +194,7 @@ def validate_parallel(
     if isinstance(cfg.ac_fraction, bool) or not isinstance(cfg.ac_fraction, (int, float)) \
             or not 0.0 <= cfg.ac_fraction <= 1.0:
         raise ValueError(f"ac_fraction={cfg.ac_fraction!r} must be a number in [0, 1]")
+    _check_offload(cfg)
     for name in ("hp", "cp", "window"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -182,6 +205,18 @@ def validate_parallel(
         cfg.shard_size(world_size)
     if seq_len is not None:
         check_sequence_length(seq_len, cfg.hp, cfg.cp)
+        if cfg.mlp_tiles != "auto":
+            mlp_tile_count(cfg.mlp_tiles, seq_len // cfg.sp, 1, 1)
     if num_heads is not None:
         effective_kv_heads(num_heads, num_heads if num_kv_heads is None else num_kv_heads, cfg.hp)
     return layout if world_size is not None else None
+
+
+def _check_offload(cfg: ParallelConfig) -> None:
+    """The offload modes' prerequisites: what they move must exist (docs/design.md §7)."""
+    if cfg.offload_activations and (cfg.ac_mode == "none" or cfg.ac_fraction == 0):
+        raise ValueError(f"--offload-activations moves what checkpointed blocks keep: it needs --ac-mode full or "
+                         f"selective and --ac-fraction > 0; got --ac-mode {cfg.ac_mode}, --ac-fraction "
+                         f"{cfg.ac_fraction}")
+    if cfg.offload_params and cfg.zero == "none":
+        raise ValueError("--offload-params (FSDP2's CPUOffloadPolicy) needs --zero full or hybrid; got --zero none")

@@ -23,6 +23,8 @@ class Mesh:
     operations of one group): ``inner_group`` / ``outer_group`` carry K/V inside a double-ring window /
     between windows, ``inner_grad_group`` / ``outer_grad_group`` carry dK/dV on the same paths.
     ``sp_group``: the replica's ``hp*cp`` ranks. ``dp_group``: same coordinates across replicas.
+    ``check_group``: under NCCL, a gloo group of the replica's ranks for the per-call agreement digest
+    (``parallel/agreement.py``; CPU tensors, no device synchronisation); ``None`` under gloo (the sp group serves).
     A ring group of one rank is ``None`` (never used); every group is ``None`` on a single-process mesh.
     """
 
@@ -36,6 +38,7 @@ class Mesh:
     outer_grad_group: dist.ProcessGroup | None = None
     sp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    check_group: dist.ProcessGroup | None = None
 
     @property
     def hp(self) -> int:
@@ -159,7 +162,8 @@ def destroy_all_meshes() -> None:
 # operations of one group); meshes of different layouts share a role's groups when the role partitions
 # the ranks alike.
 _ROLES = ("hp_group", "cp_group", "inner_group", "outer_group", "inner_grad_group", "outer_grad_group",
-          "sp_group", "dp_group")
+          "sp_group", "dp_group", "check_group")
+_GLOO_ROLES = ("check_group",)  # made with backend="gloo", and only when the default backend is NCCL
 
 
 def _partitions(layout: Layout) -> dict[str, list[list[int]]]:
@@ -171,9 +175,12 @@ def _partitions(layout: Layout) -> dict[str, list[list[int]]]:
         "inner_group": rings["inner"], "outer_group": rings["outer"],
         "inner_grad_group": rings["inner"], "outer_grad_group": rings["outer"],
         "sp_group": layout.replica_groups(), "dp_group": layout.dp_groups(),
+        "check_group": layout.replica_groups(),
     }
+    nccl = dist.get_backend() == "nccl"
     return {role: parts[role] for role in _ROLES
-            if not (role.startswith(("inner", "outer")) and len(parts[role][0]) == 1)}
+            if not (role.startswith(("inner", "outer")) and len(parts[role][0]) == 1)
+            and (nccl or role not in _GLOO_ROLES)}
 
 
 @dataclass
@@ -204,7 +211,9 @@ class _Registry:
             # new_group's global synchronisation, group names come from a counter that never repeats,
             # so a group made after another was destroyed cannot meet that one's stale store keys;
             # sharing whole partitions keeps every rank's number of groups equal
-            extra = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+            extra: dict[str, Any] = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+            if role in _GLOO_ROLES:
+                extra["backend"] = "gloo"
             made = [dist.new_group(ranks=ranks, **extra) for ranks in partition]
             (mine,) = [group for group, ranks in zip(made, partition) if rank in ranks]
             self.groups[key] = [mine, 0]

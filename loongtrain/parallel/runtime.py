@@ -30,6 +30,25 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def default_backend() -> str:
-    """NCCL when CUDA devices exist, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(*, host_collectives: bool = False) -> str:
+    """NCCL when CUDA devices exist, gloo otherwise. ``host_collectives``: on CUDA
+    ``"cuda:nccl,cpu:gloo"``, so collectives on host tensors work too (``--offload-params``: FSDP2's
+    gradient-norm reduction and checkpoints then run on CPU shards)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_collectives else "nccl"
+
+
+ALLOC_CONF = "expandable_segments:True"
+
+
+def configure_cuda_allocator() -> bool:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` for a CUDA run unless the user set an
+    allocator configuration (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``): segments grow in
+    place instead of fragmenting the cache as long-sequence activations change size (docs/design.md §7).
+    Must run before the first CUDA allocation (workers inherit it); returns whether it was set."""
+    if not torch.cuda.is_available() or "PYTORCH_CUDA_ALLOC_CONF" in os.environ \
+            or "PYTORCH_ALLOC_CONF" in os.environ:
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+    return True

@@ -14,7 +14,9 @@ and the calibration (docs/design.md §10). Design:
   or swapping) fails the run by name, while its peers, blocked waiting for it, keep beating.
 - Failure: the first failure stops the run; the other ranks are killed and :class:`WorkerError`
   carries the failing rank's number and traceback (the cause, not a peer that failed because of
-  it). No result within ``timeout`` raises ``TimeoutError``.
+  it), its cause in one line, and whether a restart could fix it (:func:`restartable`: not a user
+  error, a full disk, or an exception class marked ``restartable = False``). No result within
+  ``timeout`` raises ``TimeoutError``.
 - Orphans (``parallel/liveness.py``): workers die with the launcher, however it ends (SIGKILL
   included): each worker's thread waits for end-of-file on a lifeline pipe that only the launcher holds.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -44,9 +47,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from loongtrain.parallel.failures import one_line, restartable
 from loongtrain.parallel.liveness import Heartbeats, heartbeat_period, start_worker_threads
+from loongtrain.parallel.mesh import destroy_all_meshes
 
-BACKENDS = ("gloo", "nccl")
+BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")  # the last: NCCL, and gloo for host tensors
 # torch._dynamo is imported by the first custom-op call (over a second): pay for it once, in the server
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "loongtrain", "loongtrain.parallel.workers")
 _JOIN_GRACE_S = 60.0
@@ -54,12 +59,18 @@ _SETTLE_S = 0.5
 
 
 class WorkerError(RuntimeError):
-    """A rank raised an exception or died; ``rank`` names it, ``details`` is its traceback or exit status."""
+    """A rank raised an exception or died; ``rank`` names it, ``details`` is its traceback or exit status.
 
-    def __init__(self, rank: int, world_size: int, details: str) -> None:
+    ``error``: the cause in one line (``"OSError: [Errno 28] No space left on device"``; for a death, how
+    it died); ``kind``: the cause's exception class name ("" for a death); ``restartable``: False when a
+    restart would fail the same way (:func:`restartable`)."""
+
+    def __init__(self, rank: int, world_size: int, details: str, error: str = "", kind: str = "",
+                 restartable: bool = True) -> None:
         super().__init__(f"rank {rank} of {world_size} failed:\n{details}")
-        self.rank = rank
-        self.details = details
+        self.rank, self.world_size, self.details = rank, world_size, details
+        self.error = error or (details.strip().splitlines() or ["no details"])[-1].strip()
+        self.kind, self.restartable = kind, restartable
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,7 @@ def resolve_backend(backend: str | None, world_size: int) -> str:
         return "nccl" if gpus >= world_size else "gloo"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
-    if backend == "nccl" and gpus < world_size:
+    if backend != "gloo" and gpus < world_size:
         raise ValueError(f"backend='nccl' with world_size={world_size} needs one GPU per rank; "
                          f"this machine has {gpus} (use backend='gloo' or fewer ranks)")
     return backend
@@ -174,6 +185,7 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
     pending = dict(enumerate(conns))
     results: dict[int, Any] = {}
     failures: list[tuple[bool, float, int, str]] = []  # (reported?, wall time, rank, details)
+    infos: dict[int, dict[str, Any]] = {}  # rank -> the error report's summary (see _worker)
     settle = None
     heart = Heartbeats(beats, heartbeat_timeout)
     while pending:
@@ -200,7 +212,8 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
             rank = by_sentinel[ready] if isinstance(ready, int) else by_conn[ready]
             if rank not in pending:
                 continue
-            status, value, stamp = _receive(pending.pop(rank), procs[rank])
+            status, value, stamp, *info = _receive(pending.pop(rank), procs[rank])
+            infos[rank] = info[0] if info else {}
             if status == "ok":
                 results[rank] = value
             else:
@@ -208,7 +221,9 @@ def _collect(procs: list[Any], conns: list[Connection], timeout: float | None, b
                 settle = settle or time.monotonic() + _SETTLE_S
     if failures:
         _, _, rank, details = min(failures)
-        raise WorkerError(rank, world_size, details)
+        info = infos.get(rank, {})
+        raise WorkerError(rank, world_size, details, info.get("error", ""), info.get("kind", ""),
+                          info.get("restartable", True))
     return [results[rank] for rank in range(world_size)]
 
 
@@ -216,7 +231,7 @@ def _receive(conn: Connection, proc: Any) -> tuple[str, Any, float]:
     """A rank's report ``(status, value, wall time)``, or ``("died", how, now)`` when it exited without one."""
     if conn.poll():
         try:
-            return conn.recv()
+            return pickle.loads(conn.recv_bytes())
         except EOFError:
             pass
     proc.join(timeout=5)
@@ -257,25 +272,32 @@ def _worker(rank: int, world_size: int, spec: _Spec, fn: Callable[..., Any], arg
         kwargs: dict[str, Any] = {}
         if spec.timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=spec.timeout_s)
-        if spec.backend == "nccl":
+        if spec.backend != "gloo":
             torch.cuda.set_device(rank)
             kwargs["device_id"] = torch.device("cuda", rank)  # binds the group to this rank's GPU
         dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
                                 world_size=world_size, **kwargs)
         result = fn(rank, world_size, *args)
         dist.barrier()  # nobody tears down groups a slower rank still talks on
-        conn.send(("ok", result, time.time()))
-    except BaseException:  # noqa: BLE001 - every failure goes to the launcher, which stops the run
-        conn.send(("error", traceback.format_exc(), time.time()))
+        conn.send_bytes(_report("ok", result))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher, which stops the run
+        again, cause = restartable(exc)
+        conn.send_bytes(_report("error", traceback.format_exc(),
+                                {"error": one_line(cause), "kind": type(cause).__name__, "restartable": again}))
         conn.close()
         os._exit(1)  # skip teardown: the other ranks may be blocked in a collective
     conn.close()
     _teardown()
 
 
-def _teardown() -> None:
-    from loongtrain.parallel.mesh import destroy_all_meshes
+def _report(status: str, value: Any, info: dict[str, Any] | None = None) -> bytes:
+    """A report as plain pickle bytes: tensors travel by value. (The connection's own pickler would send
+    them as shared-memory file descriptors, which are lost when the worker exits before the launcher
+    has read them: ``ConnectionResetError`` on a busy machine.)"""
+    return pickle.dumps((status, value, time.time(), info or {}))
 
+
+def _teardown() -> None:
     destroy_all_meshes()
     dist.destroy_process_group()
 

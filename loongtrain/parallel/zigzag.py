@@ -20,10 +20,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def valid_sequence_length(seq_len: int, hp: int, cp: int) -> bool:
+    """The sequence-length rule: ``seq_len`` is divisible by ``2 * cp * hp`` (``2 cp`` zigzag chunks, each
+    split evenly over ``hp`` head ranks)."""
+    return seq_len % (2 * cp * hp) == 0
+
+
 def check_sequence_length(seq_len: int, hp: int, cp: int) -> None:
-    """Raise ValueError unless ``seq_len`` is divisible by ``2 * cp * hp``."""
+    """Raise ValueError naming the nearest valid lengths unless :func:`valid_sequence_length`."""
     unit = 2 * cp * hp
-    if seq_len % unit != 0:
+    if not valid_sequence_length(seq_len, hp, cp):
         lower, upper = (seq_len // unit) * unit, (seq_len // unit + 1) * unit
         raise ValueError(
             f"sequence length {seq_len} must be divisible by 2*cp*hp = 2*{cp}*{hp} = {unit} "

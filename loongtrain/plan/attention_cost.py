@@ -49,7 +49,7 @@ class AttnShape:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
-    sliding_window: int = 0  # Mistral's convention (query i sees keys i-w < j <= i); 0: none
+    sliding_window: int | None = None  # Mistral's convention (query i sees keys i-w < j <= i); None: none
 
     def kwargs(self) -> dict[str, int]:
         return dict(batch=self.batch, seq_len=self.seq_len, num_heads=self.num_heads,
@@ -124,7 +124,7 @@ def attention_flops(shape: AttnShape, sp: int) -> float:
     ``w < S`` only the visible pairs ``w*S - w*(w-1)/2`` (instead of ``S^2/2``) count:
     ``4 * B * pairs * H * D / sp``."""
     s, w = shape.seq_len, shape.sliding_window
-    if 0 < w < s:
+    if w is not None and w < s:
         return 4.0 * shape.batch * (w * s - w * (w - 1) / 2) * shape.num_heads * shape.head_dim / sp
     return 2.0 * shape.batch * s**2 * shape.num_heads * shape.head_dim / sp
 
@@ -248,7 +248,7 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
         return half * max(t_in, t_out) + (inter_lat if links.a2a_cross_peers else intra_lat)
 
     a2a = a2a_call(msg["a2a_qkv"]) + a2a_call(msg["a2a_out"])  # per pass: q/k/v in, output back
-    window = shape.sliding_window if 0 < shape.sliding_window < shape.seq_len else None
+    window = shape.sliding_window if shape.sliding_window and shape.sliding_window < shape.seq_len else None
     rate = cluster.attention_tflops * 1e12
     c: float | dict[tuple[int, int], float]
     if documents is not None:

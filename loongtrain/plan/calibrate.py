@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from loongtrain.attn.kernel_choice import select_kernel
+from loongtrain.parallel.workers import run_local
 from loongtrain.plan.cluster import Cluster
 
 
@@ -40,8 +42,6 @@ def measure_matmul_flops(n: int = 1024, dtype: torch.dtype = torch.float32, repe
 def measure_attention_flops(
     seq: int = 1024, heads: int = 4, head_dim: int = 64, dtype: torch.dtype = torch.float32, repeats: int = 3
 ) -> float:
-    from loongtrain.attn.kernel_choice import select_kernel
-
     kernel = select_kernel(torch.device("cpu"), dtype, head_dim)
     q, k, v = (torch.randn(1, heads, seq, head_dim, dtype=dtype) for _ in range(3))
     scale = head_dim**-0.5
@@ -75,8 +75,6 @@ def _exchange_worker(rank: int, world_size: int, nbytes: int, repeats: int) -> d
 
 def measure_gloo_loopback(nbytes: int = 32 * 2**20, repeats: int = 5) -> tuple[float, float]:
     """(bytes/s one way, latency seconds) of a simultaneous two-way exchange between 2 local processes."""
-    from loongtrain.parallel.workers import run_local
-
     times = run_local(_exchange_worker, 2, nbytes, repeats, backend="gloo", threads=1, timeout=300)[0]
     latency = times[4]
     return nbytes / max(times[nbytes] - latency, 1e-9), latency

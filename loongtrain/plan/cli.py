@@ -25,9 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loongtrain._sizes import parse_size
+from loongtrain._input import one_line, parse_size
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
+from loongtrain.plan.calibrate import calibrate
 from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.document_work import balance_report, lognormal_documents
@@ -96,9 +97,9 @@ def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, cfg
                     documents: Documents) -> list[dict]:
     """Per candidate: attention seconds of one layer's call (forward + backward) without the document mask,
     with it under zigzag and under the balanced layout (docs/design.md §9), and per-rank work max/mean."""
-    window = model.sliding_window if 0 < model.sliding_window < cfg.seq_len else None
+    window = model.sliding_window if model.sliding_window and model.sliding_window < cfg.seq_len else None
     shape = AttnShape(cfg.batch_size, cfg.seq_len, model.num_heads, model.num_kv_heads, model.head_dim,
-                      cfg.dtype_bytes, model.sliding_window or 0)
+                      cfg.dtype_bytes, model.sliding_window)
     out = []
     for c, _ in rows:
         layout = c.config.layout(c.world_size)
@@ -136,15 +137,17 @@ def format_document_report(rows: list[tuple[Candidate, list[int]]], report: list
 def run(cfg: PlanConfig, simulate: Simulator | None = None) -> int:
     """Carry out one ``loongtrain plan`` request; the exit code (ValueError for a bad request)."""
     if cfg.calibrate:
-        from loongtrain.plan.calibrate import calibrate
-
+        out = Path(cfg.out)
+        if out.is_dir() or not out.parent.is_dir():  # checked before the minutes of measuring
+            raise ValueError(f"--out {str(out)!r} is a directory; name the cluster TOML file to write"
+                             if out.is_dir() else f"--out {str(out)!r}: the directory "
+                             f"{str(out.parent)!r} does not exist")
         cluster = calibrate(world=cfg.calibrate_world)
         Path(cfg.out).write_text(cluster_to_toml(cluster))
         print(cluster_to_toml(cluster))
         print(f"wrote {cfg.out}  (use: loongtrain plan --cluster {cfg.out} ...)")
         return 0
-    if not cfg.model:
-        raise ValueError("missing --model (or --config FILE)")
+    cfg.check_complete()
     name, model = resolve_model(cfg.model)
     cluster = load_cluster(cfg.cluster)
     devices = cfg.devices()
@@ -153,8 +156,6 @@ def run(cfg: PlanConfig, simulate: Simulator | None = None) -> int:
         raise ValueError("--simulate runs the trainer: use the `loongtrain plan` command (loongtrain.cli)")
     if cfg.max_seq_len:
         return _run_max_seq_len(cfg, name, model, cluster, devices, simulate)
-    if not cfg.seq_len:
-        raise ValueError("missing --seq-len (or --max-seq-len, or --config FILE)")
     kw = dict(seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, **devices)
     documents = packed_documents(cfg.seq_len, cfg.doc_median, cfg.batch_size) if cfg.doc_median else None
     cands = plan(model, cluster, **kw, documents=documents, **cfg.filters())
@@ -253,12 +254,12 @@ def main(argv: list[str] | None = None, simulate: Simulator | None = None) -> in
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except ValueError as exc:
-        print(f"loongtrain plan: error: {exc}", file=sys.stderr)
+        print(f"loongtrain plan: error: {one_line(exc)}", file=sys.stderr)
         return 2
     try:
         return run(cfg, simulate)
     except ValueError as exc:
-        print(f"loongtrain plan: error: {exc}", file=sys.stderr)
+        print(f"loongtrain plan: error: {one_line(exc)}", file=sys.stderr)
         return 2
 
 

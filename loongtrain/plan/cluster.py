@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from loongtrain._toml import tomllib
+from loongtrain._input import check_fields, read_toml
 
 CLUSTER_DIR = Path(__file__).with_name("clusters")
 
@@ -101,20 +101,18 @@ def load_cluster(name_or_path: str | Path) -> Cluster:
             f"cluster {str(name_or_path)!r} is neither a built-in cluster {builtin_clusters()} "
             "nor a TOML file"
         )
-    with path.open("rb") as f:
-        data = tomllib.load(f)
-    data = data.get("cluster", data)
-    known = {f.name for f in dataclasses.fields(Cluster)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown cluster keys {unknown}; known keys: {sorted(known)}")
+    data = read_toml(path, "cluster file")
+    where = f"cluster file {str(path)!r}"
+    if "cluster" in data:
+        if not isinstance(data["cluster"], dict) or len(data) > 1:
+            raise ValueError(f"{where}: [cluster] must be the file's only table")
+        data = data["cluster"]
     data.setdefault("name", path.stem)
-    if isinstance(data.get("device_names"), list):
-        data["device_names"] = tuple(data["device_names"])
+    values = check_fields(where, data, Cluster)
     try:
-        return Cluster(**data)
-    except TypeError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        return Cluster(**values)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def cluster_to_toml(cluster: Cluster) -> str:

@@ -37,8 +37,9 @@ def pair_work(cu_seqlens: list | None, seq_len: int, cp: int, *, chunk_order: tu
 
 @lru_cache(maxsize=64)
 def _pair_work(rows: tuple[tuple[tuple[int, ...] | None, int], ...], seq_len: int, cp: int,
-               chunk_order: tuple[int, ...] | None, causal: bool, window: int | None) -> tuple[tuple[int, ...], ...]:
-    mask = AttnMask(causal, window, chunk_order=chunk_order)
+               chunk_order: tuple[int, ...] | None, causal: bool,
+               sliding_window: int | None) -> tuple[tuple[int, ...], ...]:
+    mask = AttnMask(causal, sliding_window, chunk_order=chunk_order)
     band = mask.band()
     runs = [member_runs(seq_len, cp, p, chunk_order) for p in range(cp)]
 

@@ -10,12 +10,12 @@ generated from it (as ``loongtrain train``'s are from ``TrainConfig``, docs/desi
 from __future__ import annotations
 
 import argparse
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from loongtrain._sizes import parse_size, size_argument
-from loongtrain._toml import tomllib
+from loongtrain._input import OneLineParser, check_fields, check_value, parse_size, read_toml, size_argument
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import AC_ALIASES, AC_MODES, PLACEMENTS, ZERO_MODES, ParallelConfig
 from loongtrain.plan.cluster import builtin_clusters
@@ -88,17 +88,16 @@ class PlanConfig:
 
     def devices(self) -> dict[str, int]:
         """``nodes=`` and/or ``gpus=`` as given (``search.world_size`` checks them against the cluster)."""
-        out = {k: getattr(self, k) for k in ("nodes", "gpus") if getattr(self, k)}
-        if not out:
-            raise ValueError("missing --gpus N or --nodes N (or --config FILE)")
-        return out
+        return {k: getattr(self, k) for k in ("nodes", "gpus") if getattr(self, k)}
 
-
-class _Parser(argparse.ArgumentParser):
-    """argparse raising ValueError with its one-line message instead of printing usage and exiting 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(message)
+    def check_complete(self) -> None:
+        """ValueError naming what a planning request lacks: the model, the length, the devices."""
+        missing = [name for name, absent in (("--model", not self.model),
+                                             ("--seq-len", not self.seq_len and not self.max_seq_len),
+                                             ("--nodes", not self.devices())) if absent]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}{' (or --gpus)' if '--nodes' in missing else ''} "
+                             "(or --config FILE)")
 
 
 def _flag(name: str) -> str:
@@ -108,7 +107,7 @@ def _flag(name: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser generated from :class:`PlanConfig` (defaults suppressed in the namespace, so only
     options given on the command line override the TOML file)."""
-    parser = _Parser(prog="loongtrain plan", argument_default=argparse.SUPPRESS, allow_abbrev=False,
+    parser = OneLineParser(prog="loongtrain plan", argument_default=argparse.SUPPRESS, allow_abbrev=False,
                      description="Rank 2D-Attention configurations for a model, sequence length and cluster "
                      "with the cost model (docs/design.md §9).")
     parser.add_argument("--config", metavar="FILE", help="TOML file with any of these options (same names)")
@@ -129,27 +128,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: integer options and their least valid value (checked when given, from the command line or the file)
+AT_LEAST = {"gpus": 1, "nodes": 1, "batch_size": 1, "top": 1, "sp": 1, "hp": 1, "cp": 1, "window": 1,
+            "doc_median": 0, "calibrate_world": 1}
+
+
 def _load_toml(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"--config {str(path)!r} is not a file")
-    with path.open("rb") as f:
-        data = tomllib.load(f)
-    known = {f.name for f in fields(PlanConfig)}
+    where = f"--config {str(path)!r}"
+    data = read_toml(path, "--config")
+    hints = typing.get_type_hints(PlanConfig)
     out: dict[str, Any] = {}
     for key, value in data.items():
-        name = key.replace("-", "_")
-        name = ALIASES.get(name, name)
-        if name not in known:
-            raise ValueError(f"{path}: unknown key {key!r}; known keys: {sorted(known | set(ALIASES))}")
-        out[name] = value
-    if isinstance(out.get("model"), dict):
-        try:
-            out["model"] = ModelConfig(**out["model"])
-        except TypeError as exc:
-            raise ValueError(f"{path}: [model]: {exc}") from None
-    if "seq_len" in out:
-        out["seq_len"] = parse_size(out["seq_len"])
+        name = ALIASES.get(key.replace("-", "_"), key.replace("-", "_"))
+        if name not in hints:
+            raise ValueError(f"{where}: unknown keys {[key]}; known keys: {sorted(set(hints) | set(ALIASES))}")
+        if name == "model" and isinstance(value, dict):
+            values = check_fields(f"{where}: [model]", value, ModelConfig)
+            try:
+                out[name] = ModelConfig(**values)
+            except ValueError as exc:
+                raise ValueError(f"{where}: [model]: {exc}") from None
+            continue
+        if name == "seq_len" and isinstance(value, str):
+            value = parse_size(value)
+        out[name] = check_value(where, key, value, hints[name])
     return out
+
+
+def _check(values: dict[str, Any]) -> None:
+    """Ranges and choices of the given options (the same messages from a TOML file as from the command line)."""
+    for key, low in AT_LEAST.items():
+        if values.get(key) is not None and values[key] < low:
+            raise ValueError(f"--{key.replace('_', '-')}={values[key]} must be >= {low}")
+    for f in fields(PlanConfig):
+        allowed = f.metadata.get("choices")
+        if allowed and values.get(f.name) is not None and values[f.name] not in allowed:
+            raise ValueError(f"--{f.name.replace('_', '-')}={values[f.name]!r} is not one of {list(allowed)}")
 
 
 def parse_plan_args(argv: list[str]) -> PlanConfig:
@@ -157,7 +171,5 @@ def parse_plan_args(argv: list[str]) -> PlanConfig:
     given = vars(build_parser().parse_args(argv))
     values = _load_toml(Path(given.pop("config"))) if "config" in given else {}
     values.update(given)
-    cfg = PlanConfig(**values)
-    if cfg.dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={cfg.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-    return cfg
+    _check(values)
+    return PlanConfig(**values)

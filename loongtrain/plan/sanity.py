@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from loongtrain._sizes import parse_size
+from loongtrain._input import parse_size
 from loongtrain.model.config import PRESETS
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.search import best_fitting

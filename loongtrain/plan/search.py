@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loongtrain.hf.convert import shape_config_from_hf
+from loongtrain.hf.load import check_hf_dir
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import (
     AC_ALIASES,
@@ -30,7 +32,7 @@ from loongtrain.parallel.config import (
     validate_parallel,
 )
 from loongtrain.parallel.documents import Documents
-from loongtrain.parallel.zigzag import divisors
+from loongtrain.parallel.zigzag import divisors, valid_sequence_length
 from loongtrain.plan.cluster import Cluster, load_cluster
 from loongtrain.plan.cost import Candidate, step_cost
 
@@ -54,13 +56,10 @@ def resolve_model(model: str | Path | ModelConfig) -> tuple[str, ModelConfig]:
         return str(model), PRESETS[str(model)]
     path = Path(model)
     if path.is_dir() or (path.is_file() and path.name.endswith(".json")):
-        from loongtrain.hf.convert import shape_config_from_hf
-        from loongtrain.hf.load import read_hf_config
-
         directory = path if path.is_dir() else path.parent
         if path.is_file() and path.name != "config.json":
             raise ValueError(f"model {str(path)!r}: a Hugging Face config file must be named config.json")
-        return str(path), shape_config_from_hf(read_hf_config(directory))
+        return str(path), shape_config_from_hf(check_hf_dir(directory))  # built on meta: every config error
     raise ValueError(f"unknown model {str(model)!r}; presets: {sorted(PRESETS)}, or a local Hugging Face model "
                      f"directory (or its config.json)")
 
@@ -112,7 +111,7 @@ def enumerate_configs(
     multi_node = world > gpus_per_node >= 2
     configs = []
     for s in sps:
-        if seq_len % (2 * s):
+        if not valid_sequence_length(seq_len, s, 1):
             continue
         for h in divisors(s):
             c = s // h
@@ -141,7 +140,7 @@ def enumerate_configs(
 def _explain_empty(model, world, seq_len, sp, hp, cp, window) -> None:
     if window is not None and cp is not None and cp % window:
         raise ValueError(f"window={window} must divide cp={cp}; valid windows: {divisors(cp)}")
-    valid_sp = [s for s in divisors(world) if seq_len % (2 * s) == 0]
+    valid_sp = [s for s in divisors(world) if valid_sequence_length(seq_len, s, 1)]
     if not valid_sp or (sp is not None and sp not in valid_sp):
         unit = 2 * (sp or world)
         lower, upper = seq_len // unit * unit, (seq_len // unit + 1) * unit

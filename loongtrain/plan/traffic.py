@@ -30,6 +30,7 @@ from __future__ import annotations
 from loongtrain.attn.short_pass import pass_reach, short_hops, short_sends
 from loongtrain.parallel.config import effective_kv_heads
 from loongtrain.parallel.layout import DoubleRing, Layout
+from loongtrain.parallel.zigzag import check_sequence_length
 
 KINDS = ("a2a", "kv", "dkv")
 
@@ -46,8 +47,7 @@ def message_bytes(
     """Bytes of one message of each kind: ``a2a_qkv`` / ``a2a_out`` (per peer per call), ``kv``, ``dkv``."""
     hp, cp, sp = layout.hp, layout.cp, layout.sp
     he = effective_kv_heads(num_heads, num_kv_heads, hp)
-    if seq_len % (2 * sp) != 0:
-        raise ValueError(f"seq_len={seq_len} must be divisible by 2*hp*cp={2 * sp}")
+    check_sequence_length(seq_len, hp, cp)
     local = batch * (seq_len // sp) * head_dim  # elements per head of the local shard
     ring_tokens = batch * (seq_len // cp) * head_dim
     block = 2 * (he // hp) * ring_tokens

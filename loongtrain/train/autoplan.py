@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.runtime import default_device
 from loongtrain.plan.calibrate import calibrate
 from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
@@ -43,10 +44,11 @@ def plan_cluster(cfg: TrainConfig, world: int, under_launcher: bool) -> Cluster:
     return calibrate(world=world, threads=1)
 
 
-def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool) -> TrainConfig:
+def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool,
+               model_config: ModelConfig | None = None) -> TrainConfig:
     """``cfg`` with ``parallel`` = the planner's best fitting configuration for ``world`` ranks (all of
     it: what the cost model predicted, so --reshard-after-forward and --ac-fraction take the planner's
-    values too); unchanged without --plan."""
+    values too); unchanged without --plan. ``model_config``: the run's shape when the caller has it."""
     if cfg.plan not in PLAN_CHOICES:
         raise ValueError(f"--plan={cfg.plan!r} is not one of {PLAN_CHOICES} ('' = use the options as given)")
     if not cfg.plan:
@@ -57,8 +59,8 @@ def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool) -> TrainCo
                          f"number of them ({cluster.gpus_per_node} devices each)")
     compute_dtype = autocast_dtype(cfg, default_device()) or param_dtype(cfg)  # what the trainer will use
     try:
-        best = best_fitting(model_config_for(cfg), cluster, gpus=world, seq_len=cfg.seq_len, batch=cfg.batch_size,
-                            dtype_bytes=compute_dtype.itemsize, modes="auto")
+        best = best_fitting(model_config or model_config_for(cfg), cluster, gpus=world, seq_len=cfg.seq_len,
+                            batch=cfg.batch_size, dtype_bytes=compute_dtype.itemsize, modes="auto")
     except ValueError as exc:
         raise ValueError(f"--plan auto on {cluster.name}: {exc}") from None
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, %.1f GiB host "

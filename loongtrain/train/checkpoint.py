@@ -40,17 +40,15 @@ STATE_FILE = "trainer_state.json"
 class NonFiniteError(RuntimeError):
     """The run produced NaN or inf where it must not (parameters, or too many skipped steps)."""
 
-
-def _dist() -> bool:
-    return is_distributed()
+    restartable = False  # a restart replays the same steps (parallel/failures.py)
 
 
 def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
+    return dist.get_rank() if is_distributed() else 0
 
 
 def _barrier() -> None:
-    if _dist():
+    if is_distributed():
         dist.barrier()
 
 
@@ -132,12 +130,19 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def read_latest(root: Path) -> Path | None:
+    """The checkpoint directory the ``latest`` pointer of checkpoints root ``root`` names (None without a
+    pointer). The one reader of ``latest``: resume, pruning and ``loongtrain export`` all use it."""
+    pointer = Path(root) / LATEST
+    return Path(root) / pointer.read_text().strip() if pointer.is_file() else None
+
+
 def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     """Delete all but the ``keep`` newest complete checkpoints (by step, not by name), never the one
     ``latest`` names; return the deleted directories."""
     root = Path(root)
-    pointer = root / LATEST
-    protected = (root / pointer.read_text().strip()).resolve() if pointer.is_file() else None
+    latest = read_latest(root)
+    protected = latest.resolve() if latest is not None else None
     done = complete_checkpoints(root)
     deleted = [p for p in done[: max(0, len(done) - keep)] if p.resolve() != protected]
     for old in deleted:
@@ -161,30 +166,38 @@ def newest_checkpoint(root: Path) -> Path | None:
     """The checkpoint to continue from under ``root``: ``latest``'s target when it is complete, else the
     complete checkpoint of the highest step; None when there is none."""
     root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if _step_of(target) is not None and (target / STATE_FILE).is_file():
-            return target
+    target = read_latest(root)
+    if target is not None and _step_of(target) is not None and (target / STATE_FILE).is_file():
+        return target
     done = complete_checkpoints(root) if root.is_dir() else []
     return done[-1] if done else None
 
 
-def resolve_checkpoint(spec: str, out_dir: Path) -> Path | None:
-    """The checkpoint directory named by ``--resume``: 'latest', 'auto', a checkpoints root, or a checkpoint.
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory ``path`` names: a checkpoint itself, a checkpoints root's or a run
+    directory's ``latest``, or the ``latest`` pointer file itself. ValueError when there is none."""
+    path = Path(path)
+    roots = [path.parent] if path.name == LATEST and path.is_file() else [path, path / "checkpoints"]
+    for root in roots:
+        if (root / STATE_FILE).is_file():
+            return root
+        target = read_latest(root)
+        if target is not None and (target / STATE_FILE).is_file():
+            return target
+    raise ValueError(f"{str(path)!r} is not a loongtrain checkpoint (no {STATE_FILE}), nor a checkpoints "
+                     f"directory or run directory with a complete '{LATEST}' checkpoint")
 
-    'auto' returns None when ``OUT_DIR/checkpoints`` holds no complete checkpoint (start fresh); the
-    other forms raise ValueError then.
-    """
+
+def resolve_checkpoint(spec: str, out_dir: Path) -> Path | None:
+    """The checkpoint directory named by ``--resume``: 'latest' (``OUT_DIR/checkpoints/latest``), 'auto'
+    (the newest complete checkpoint, None when there is none: start fresh), or any path
+    :func:`find_checkpoint` accepts. ValueError naming ``--resume`` when there is none."""
     if spec == AUTO:
         return newest_checkpoint(Path(out_dir) / "checkpoints")
-    root = Path(out_dir) / "checkpoints" if spec == LATEST else Path(spec)
-    if (root / LATEST).is_file():
-        name = (root / LATEST).read_text().strip()
-        root = root / name
-    if not (root / STATE_FILE).is_file():
-        raise ValueError(f"--resume={spec!r}: no complete checkpoint found at {str(root)!r}")
-    return root
+    try:
+        return find_checkpoint(Path(out_dir) / "checkpoints" if spec == LATEST else Path(spec))
+    except ValueError as exc:
+        raise ValueError(f"--resume={spec!r}: no complete checkpoint found ({exc})") from None
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
@@ -276,7 +289,7 @@ def parameters_finite(model: nn.Module) -> bool:
         if not bool(torch.isfinite(local.detach()).all()):
             bad.fill_(1.0)
             break
-    if _dist():
+    if is_distributed():
         device = next(model.parameters()).device
         flag = bad.to(device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -18,15 +18,19 @@ from typing import Any
 
 import torch
 
-from loongtrain._sizes import parse_size, size_argument
-from loongtrain._toml import tomllib
+from loongtrain._input import OneLineParser, check_value, parse_size, read_toml, size_argument
 from loongtrain.attn.kernel_choice import bf16_supported
-from loongtrain.parallel.config import ParallelConfig, validate_parallel
+from loongtrain.data.corpus import DECODE_ERRORS
+from loongtrain.data.split import check_fraction
+from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import CHUNK_LAYOUTS
 
 DTYPES = ("auto", "fp32", "bf16", "fp64")
 PROGRESS = ("auto", "on", "off")
 DOC_MASK = ("on", "off")
+COMPILE = ("off", "on", "auto")  # the modes of loongtrain.train.compile
 #: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1)
 DEFAULT_PARALLEL = ParallelConfig(hp=2, cp=2)
 PARALLEL_FIELDS = {f.name: f for f in fields(ParallelConfig)}
@@ -46,11 +50,17 @@ class TrainConfig:
                       "directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)")
     corpus: str = _opt(
         "stdlib", "corpus: 'stdlib' (this Python's standard-library sources, no download), a .txt/.jsonl "
-        "file, a directory of them, or a saved Hugging Face dataset"
+        "file, a directory of them, a saved Hugging Face dataset, a directory made by `loongtrain prepare` "
+        "(memory-mapped), or a mixture NAME=WEIGHT,... of these (e.g. a=0.7,b=0.3)"
     )
+    val_fraction: float = _opt(0.0, "hold out this fraction of the corpus's documents for validation, chosen "
+                               "by a hash of the document number and --seed (0: none; else in (0, 1))")
+    val_corpus: str = _opt("", "validation corpus of its own (any --corpus form; instead of --val-fraction)")
     tokenizer: str = _opt("auto", "tokenizer: 'auto' (the --model directory's Hugging Face tokenizer when it "
                           "has one, else 'byte'), 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
                           "tokenizer path")
+    decode_errors: str = _opt("strict", "corpus bytes that are not UTF-8: strict (an error naming the file and "
+                              "byte offset), replace (U+FFFD) or ignore (dropped)")
     seq_len: int = _opt(8192, "tokens per sequence, e.g. 131072, 128K, 1M (must be divisible by 2*hp*cp)",
                         size=True)
     doc_mask: str = _opt("on", "on: in packed corpora a token attends only inside its own document (block-"
@@ -77,6 +87,9 @@ class TrainConfig:
         "auto", "compute dtype: auto (bf16 on CUDA devices with native bf16, else fp32), fp32, bf16 (fp32 "
         "weights, bf16 compute: FSDP2 gathers bf16 weights under ZeRO, autocast otherwise), fp64"
     )
+    compile: str = _opt("auto", "torch.compile each decoder block: on, off, or auto (on a CUDA device on which "
+                        "a GPU run measured it faster, train/compile.py COMPILE_FASTER_ON; none has yet, so "
+                        "auto is off everywhere; CPU compiles only with on)")
     seed: int = _opt(0, "seed for weights, data order and torch RNGs")
     deterministic: bool = _opt(False, "torch.use_deterministic_algorithms(True): bit-identical reruns and "
                                "resumes on the same GPUs and layout, at some speed (README: Determinism)")
@@ -124,9 +137,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices)."""
-        if not isinstance(self.parallel, ParallelConfig):
+        if not isinstance(self.parallel, ParallelConfig):  # a ParallelConfig validated itself when built
             raise ValueError(f"parallel={self.parallel!r} must be a ParallelConfig")
-        validate_parallel(self.parallel)
         positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval")
         for name in positive:
             value = getattr(self, name)
@@ -137,10 +149,18 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
         self._validate_ranges()
+        check_fraction(self.val_fraction)
+        if self.val_fraction and self.val_corpus:
+            raise ValueError(f"--val-fraction={self.val_fraction} and --val-corpus={self.val_corpus!r}: give "
+                             f"one of them")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype={self.dtype!r} is not one of {DTYPES}")
         if self.progress not in PROGRESS:
             raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
+        if self.decode_errors not in DECODE_ERRORS:
+            raise ValueError(f"--decode-errors={self.decode_errors!r} is not one of {DECODE_ERRORS}")
+        if self.compile not in COMPILE:
+            raise ValueError(f"--compile={self.compile!r} is not one of {COMPILE}")
         if self.doc_mask not in DOC_MASK:
             raise ValueError(f"--doc-mask={self.doc_mask!r} is not one of {DOC_MASK}")
         if self.chunk_layout not in CHUNK_LAYOUTS:
@@ -194,6 +214,18 @@ class TrainConfig:
             raise ValueError(f"invalid TrainConfig option: {exc}") from None
 
 
+@dataclass(frozen=True)
+class Run:
+    """A run resolved once by the launcher before any worker starts (docs/design.md §10): the options, the
+    model's shape, the tokenizer (None: the batch source needs none) and the checkpoint to resume from
+    ("" for a fresh start). :class:`~loongtrain.train.trainer.Trainer` is built from it."""
+
+    cfg: TrainConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None = None
+    resume: str = ""
+
+
 def param_dtype(cfg: TrainConfig) -> torch.dtype:
     """Storage dtype of the weights (and optimizer state): float64 for --dtype fp64, else float32."""
     return torch.float64 if cfg.dtype == "fp64" else torch.float32
@@ -245,21 +277,13 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises ValueError with its one-line message (the option, the value and the expected
-    type or choices) instead of printing the whole usage and exiting."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(message)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """An argparse parser generated from :class:`TrainConfig`; every option shows its default.
 
     Defaults are suppressed in the parsed namespace so that only options given on the command line
     override the TOML file.
     """
-    parser = _Parser(
+    parser = OneLineParser(
         prog="loongtrain train",
         description="Train a LLaMA-style model with 2D-Attention (hp x cp sequence parallelism, dp "
         "replicas on top). Options may also be set in a TOML file (--config) with the same names "
@@ -289,13 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML file of options (flat keys; ``[train]`` and ``[parallel]`` tables are also accepted)
     as a flat dict of option names with checked types."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
+    data = read_toml(path)
     for table in ("train", "parallel"):
         if isinstance(data.get(table), dict):
             data = {**{k: v for k, v in data.items() if k != table}, **data[table]}
@@ -306,16 +324,9 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"config file {str(path)!r}: unknown option {key!r}; valid: {sorted(known)}")
-        kind = known[name]
         if name in sizes and isinstance(value, str):
             value = parse_size(value, name)
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(
-                f"config file {str(path)!r}: {key} = {value!r} must be of type {kind.__name__}"
-            )
-        out[name] = value
+        out[name] = check_value(f"config file {str(path)!r}", key, value, known[name])
     return out
 
 

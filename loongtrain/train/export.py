@@ -7,11 +7,19 @@ its weights are read with ``torch.distributed.checkpoint`` in this one process (
 and :func:`loongtrain.hf.export_hf` writes ``config.json`` + ``model.safetensors``, which
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads. Native presets become
 ``LlamaForCausalLM`` with ``rms_norm_eps`` written explicitly. Exit codes: 0 ok, 2 bad input.
+
+Nothing of the user's is destroyed (docs/design.md §10): the checkpoint is verified first (checksums,
+as ``train --resume`` does); ``--hf`` must not be empty, a file, or inside the run's checkpoints (nor
+hold the checkpoint); an existing non-empty ``--hf`` is refused unless ``--overwrite``, which replaces
+it whole (nothing of the old directory stays behind). The result is written next to the target and
+renamed into place, so a failed export leaves the target as it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -22,31 +30,18 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from loongtrain.train.checkpoint import LATEST, STATE_FILE, read_trainer_state
-from loongtrain.train.config import TrainConfig
+from loongtrain._input import OneLineParser, one_line
+from loongtrain.hf.convert import export_hf
+from loongtrain.train import models
+from loongtrain.train.checkpoint import find_checkpoint, verify_checkpoint
+from loongtrain.train.config import TrainConfig, param_dtype
+from loongtrain.train.models import model_from_record
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-def find_checkpoint(path: str | Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or the ``latest`` of a checkpoints root or of a
-    run's ``--out-dir``. ValueError when there is none."""
-    path = Path(path)
-    for root in (path, path / "checkpoints"):
-        if (root / STATE_FILE).is_file():
-            return root
-        if (root / LATEST).is_file():
-            target = root / (root / LATEST).read_text().strip()
-            if (target / STATE_FILE).is_file():
-                return target
-    raise ValueError(f"{str(path)!r} is not a loongtrain checkpoint (no {STATE_FILE}), nor a checkpoints "
-                     f"directory or run directory with a '{LATEST}' checkpoint")
-
-
 def _record(state: dict[str, Any]) -> dict[str, Any]:
     """The model record of a checkpoint; for checkpoints without one, rebuilt from the run's config."""
-    from loongtrain.train import models
-
     if "model_config" in state or "hf_config" in state:
         return state
     cfg = TrainConfig.from_dict(state["config"])
@@ -55,51 +50,88 @@ def _record(state: dict[str, Any]) -> dict[str, Any]:
 
 def load_trained_model(checkpoint: str | Path) -> nn.Module:
     """The model of a checkpoint with its trained weights, whole, on CPU, in the dtype it trained in."""
-    from loongtrain.train.config import param_dtype
-    from loongtrain.train.models import model_from_record
-
     path = find_checkpoint(checkpoint)
-    state = read_trainer_state(path)
+    state = verify_checkpoint(path)  # the checks of train --resume: state, metadata, sizes, checksums
     dtype = param_dtype(TrainConfig.from_dict(state["config"]))
     model = model_from_record(_record(state), dtype)
     weights = get_model_state_dict(model)
     with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": weights}, checkpoint_id=str(path))
+        try:
+            dcp.load({"model": weights}, checkpoint_id=str(path))
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"checkpoint {str(path)!r} could not be loaded (a corrupt file?): {last}") from None
     set_model_state_dict(model, weights)
     return model
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-    """Write the checkpoint's model as a Hugging Face directory ``out_dir`` (``dtype``: the tensors' dtype,
-    default as trained); returns ``out_dir``."""
-    from loongtrain.hf.convert import export_hf
+def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = False) -> Path:
+    """The export directory ``out_dir``, checked: not empty text, not a file, not inside the run's
+    checkpoints directory nor holding the checkpoint, and, unless ``overwrite``, not an existing
+    non-empty directory. ValueError naming the rule otherwise."""
+    if not str(out_dir).strip():
+        raise ValueError("--hf '' is empty: name the output directory")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--hf {str(out)!r} is a file; it must be a directory (or not exist yet)")
+    target, ckpt = out.resolve(), Path(checkpoint).resolve()
+    root = ckpt.parent  # the run's checkpoints directory
+    if target == root or root in target.parents:
+        raise ValueError(f"--hf {str(out)!r} lies inside the run's checkpoints {str(root)!r}; export elsewhere")
+    if target in ckpt.parents:
+        raise ValueError(f"--hf {str(out)!r} holds the checkpoint {str(ckpt)!r}; export elsewhere")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"--hf {str(out)!r} exists and is not empty; pass --overwrite to replace it (its "
+                         f"files are deleted) or choose a new directory")
+    return out
 
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None,
+                      overwrite: bool = False) -> Path:
+    """Write the checkpoint's model as a Hugging Face directory ``out_dir`` (``dtype``: the tensors' dtype,
+    default as trained); returns ``out_dir``. An existing non-empty ``out_dir`` is a ValueError unless
+    ``overwrite`` (then it is replaced whole); see :func:`check_target`."""
+    out = check_target(out_dir, find_checkpoint(checkpoint), overwrite=overwrite)
     model = load_trained_model(checkpoint)
     if dtype is not None:
         model = model.to(dtype)
-    return export_hf(model, None, out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging, old = out.with_name(f".{out.name}.export-tmp"), out.with_name(f".{out.name}.export-old")
+    for leftover in (staging, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        export_hf(model, None, staging)
+        if out.exists():
+            os.replace(out, old)  # kept until the new directory is in place
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loongtrain export", description="Write a training checkpoint's model as a "
-                                "Hugging Face directory (config.json + model.safetensors) for from_pretrained.")
+    p = OneLineParser(prog="loongtrain export", allow_abbrev=False,
+                      description="Write a training checkpoint's model as a Hugging Face directory (config.json + "
+                      "model.safetensors) for from_pretrained.")
     p.add_argument("checkpoint", help="checkpoint directory (OUT_DIR/checkpoints/step_N), checkpoints root or "
                    "run directory (its latest checkpoint)")
     p.add_argument("--hf", required=True, metavar="OUT", help="output Hugging Face model directory")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written tensors (default: as trained)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --hf directory "
+                   "(its files are deleted)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2)
+        out = export_checkpoint(args.checkpoint, args.hf, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
+    except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    try:
-        out = export_checkpoint(args.checkpoint, args.hf, dtype=DTYPES.get(args.dtype))
     except ValueError as exc:
-        print(f"loongtrain export: error: {exc}", file=sys.stderr)
+        print(f"loongtrain export: error: {one_line(exc)}", file=sys.stderr)
         return 2
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
     return 0

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain.parallel.runtime import is_distributed
-from loongtrain.train.parallelize import saved_output_sink
+from loongtrain.plan.memory_model import memory_per_rank
+from loongtrain.train.config import autocast_dtype, param_dtype
+from loongtrain.train.parallelize import saved_output_sink, uses_fsdp
 
 log = logging.getLogger("loongtrain.train")
 
@@ -99,10 +101,13 @@ class SavedActivations:
         self.tensors = 0
         self._storages: dict[int, int] = {}
         self._params: dict[int, Tensor] = {}
+        self._modules: dict[int, nn.Module] = {}
         self._stack = contextlib.ExitStack()
 
-    def _note_params(self, module: nn.Module, _args: Any) -> None:
-        for p in module.parameters(recurse=False):
+    def _note_params(self, module: nn.Module, _args: Any, recurse: bool = False) -> None:
+        if not recurse:
+            self._modules[id(module)] = module
+        for p in module.parameters(recurse=recurse):
             if type(p).__name__ == "DTensor":
                 continue
             ptr = p.untyped_storage().data_ptr()
@@ -111,6 +116,10 @@ class SavedActivations:
 
     def _is_param_storage(self, ptr: int) -> bool:
         p = self._params.get(ptr)
+        if p is None:  # a compiled block runs its submodules without hooks: look at their weights now
+            for module in self._modules.values():
+                self._note_params(module, (), recurse=True)
+            p = self._params.get(ptr)
         return p is not None and p.untyped_storage().data_ptr() == ptr
 
     def _add(self, t: Any) -> None:
@@ -145,6 +154,7 @@ class SavedActivations:
         self.bytes = sum(self._storages.values())
         self.tensors = len(self._storages)
         self._params.clear()
+        self._modules.clear()
 
 
 def memory_report(
@@ -219,10 +229,6 @@ def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, i
 def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, float]:
     """:func:`loongtrain.plan.memory_model.memory_per_rank` for what ``trainer`` runs: its model, layout, ZeRO
     shard group (1 without FSDP), ``ac_mode``, ``reshard_after_forward`` and compute dtype."""
-    from loongtrain.plan.memory_model import memory_per_rank
-    from loongtrain.train.config import autocast_dtype, param_dtype
-    from loongtrain.train.parallelize import uses_fsdp
-
     cfg, mesh = trainer.cfg, trainer.mesh
     parallel = cfg.parallel
     zero_size = parallel.shard_size(mesh.world_size) if uses_fsdp(parallel) else 1

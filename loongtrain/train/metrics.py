@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
+from loongtrain.train.config import TrainConfig
 
 log = logging.getLogger("loongtrain.train")
 
@@ -220,3 +221,19 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path) -> bool:
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return True
+
+
+def peak_flops_total(cfg: TrainConfig, device: torch.device, world: int) -> float | None:
+    """Peak FLOP/s of the whole job for MFU (see loongtrain.train.metrics); None when unknown."""
+    if cfg.peak_tflops > 0:
+        per_device = cfg.peak_tflops
+    elif device.type == "cuda":
+        per_device = cuda_peak_tflops(device)
+        if per_device is None:
+            log.warning("unknown CUDA device %r: pass --peak-tflops for MFU", torch.cuda.get_device_name())
+            return None
+    else:
+        per_device = measure_cpu_tflops()
+        log.info("CPU peak for MFU: measured %.4f TFLOP/s per single-thread worker", per_device)
+    devices = world if device.type == "cuda" or cfg.peak_tflops > 0 else min(world, os.cpu_count() or 1)
+    return per_device * 1e12 * devices

@@ -4,11 +4,9 @@
 - :func:`tokenizer_spec`: ``--tokenizer auto`` resolved (the model directory's tokenizer when it has one).
 - :func:`model_config_for`: the :class:`ModelConfig` shape of the run (FLOPs, planning, head rules), with
   the model's vocabulary checked against (presets: widened to) the tokenizer's.
-- :func:`build_hf_model`: the HF model on CPU in the weight dtype (its weights, or a seeded random init);
-  for FSDP2 with weight files, :func:`build_hf_model_on_meta` + :func:`hf_initial_weights` (one tensor
-  at a time) + :func:`restore_hf_buffers`, so no rank holds the whole model.
 - :func:`hidden_and_head`: one forward to the final normed hidden states and the LM head weight, for
   the chunked loss (:func:`loongtrain.loss.chunked.chunked_cross_entropy`); no logits are built.
+- :func:`build_model`: the run's model, parallelized (sharded on the meta device under FSDP2).
 - :func:`model_record` / :func:`model_from_record`: what a checkpoint records to rebuild the model.
 """
 
@@ -21,11 +19,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from loongtrain.hf.build import hf_hidden_and_head, hf_model_from_config_dict
+from loongtrain.data.tokenizer import Tokenizer, build_tokenizer
+from loongtrain.hf.build import (
+    build_hf_model,
+    build_hf_model_on_meta,
+    hf_hidden_and_head,
+    hf_initial_weights,
+    hf_model_from_config_dict,
+    hf_weight_files,
+    restore_hf_buffers,
+)
+from loongtrain.hf.convert import shape_config_from_hf
 from loongtrain.hf.families import is_hf_model
+from loongtrain.hf.load import check_hf_dir, read_hf_config
 from loongtrain.model.config import PRESETS, ModelConfig, get_preset
-from loongtrain.model.llama import Transformer
-from loongtrain.train.config import TrainConfig
+from loongtrain.model.llama import Transformer, initial_weight
+from loongtrain.parallel.mesh import Mesh
+from loongtrain.train.compile import compile_enabled
+from loongtrain.train.config import TrainConfig, param_dtype
+from loongtrain.train.parallelize import materialize_params, parallelize, uses_fsdp
 
 Tensor = torch.Tensor
 
@@ -62,25 +74,25 @@ def tokenizer_spec(cfg: TrainConfig) -> str:
     return "byte"
 
 
-def tokenizer_vocab_size(cfg: TrainConfig) -> int:
-    from loongtrain import data
+def build_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    """The run's tokenizer (:func:`tokenizer_spec` built); ValueError naming ``--tokenizer`` when it can't
+    be loaded."""
+    try:
+        return build_tokenizer(tokenizer_spec(cfg))
+    except (ImportError, OSError, ValueError) as exc:
+        raise ValueError(f"--tokenizer {cfg.tokenizer!r}: {exc}") from None
 
-    return int(data.build_tokenizer(tokenizer_spec(cfg)).vocab_size)
 
-
-def model_config_for(cfg: TrainConfig) -> ModelConfig:
+def model_config_for(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> ModelConfig:
     """The shape of the model ``cfg`` trains. A preset is widened to the tokenizer's vocabulary if that
     is larger; a Hugging Face directory is validated (:func:`loongtrain.hf.check_hf_dir`: config.json,
     a supported architecture, weights matching it) and must hold the tokenizer's vocabulary. ValueError
     naming the problem otherwise."""
     directory = hf_model_dir(cfg.model)
-    vocab = tokenizer_vocab_size(cfg)
+    vocab = int((tokenizer or build_run_tokenizer(cfg)).vocab_size)
     if directory is None:
         config = get_preset(cfg.model)
         return get_preset(cfg.model, vocab_size=vocab) if vocab > config.vocab_size else config
-    from loongtrain.hf.convert import shape_config_from_hf
-    from loongtrain.hf.load import check_hf_dir
-
     config = shape_config_from_hf(check_hf_dir(directory))
     if vocab > config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer_spec(cfg)!r} has {vocab} tokens but the model {cfg.model!r} has a "
@@ -114,8 +126,6 @@ def model_record(model_config: ModelConfig, cfg: TrainConfig) -> dict[str, Any]:
     directory = hf_model_dir(cfg.model)
     if directory is None:
         return {"model_config": dataclasses.asdict(model_config)}
-    from loongtrain.hf.load import read_hf_config
-
     return {"hf_config": read_hf_config(directory).to_dict()}
 
 
@@ -128,3 +138,33 @@ def model_from_record(record: dict[str, Any], dtype: torch.dtype = torch.float32
         return Transformer(ModelConfig(**record["model_config"]), seed=0).to(dtype)
     raise ValueError("the checkpoint records no model (neither 'model_config' nor 'hf_config'): it was written "
                      "by an older loongtrain; pass the model")
+
+
+def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device: torch.device,
+                fsdp_param_dtype: torch.dtype | None = None) -> nn.Module:
+    """The seeded :class:`Transformer`, parallelized. Under FSDP2 it is built on the meta device,
+    sharded, and each rank fills its shards from the parameters' full initial values (one parameter at
+    a time, on CPU): no rank holds the whole model, and the weights equal ``Transformer(seed=cfg.seed)``
+    bit for bit. ``fsdp_param_dtype``: FSDP2's gathered-weight dtype. A Hugging Face model directory
+    (``--model DIR``) with weight files is sharded the same way, each shard read from the files one
+    tensor at a time; without FSDP2, or without weight files (a seeded init from the config), it is
+    built whole on CPU and then parallelized."""
+    directory = hf_model_dir(cfg.model)
+    compiled = compile_enabled(cfg.compile, device)  # --compile: docs/design.md §13
+    if directory is not None:
+        if not (uses_fsdp(cfg.parallel) and hf_weight_files(directory)):
+            model = build_hf_model(directory, param_dtype(cfg), cfg.seed)
+            return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
+        model = build_hf_model_on_meta(directory, param_dtype(cfg))
+        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
+        materialize_params(model, hf_initial_weights(directory))
+        restore_hf_buffers(model)
+        return model
+    if not uses_fsdp(cfg.parallel):
+        model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
+        return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
+    with torch.device("meta"):
+        model = Transformer(model_config, seed=None).to(param_dtype(cfg))
+    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
+    materialize_params(model, lambda name, shape: initial_weight(name, shape, cfg.seed))
+    return model

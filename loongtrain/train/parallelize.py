@@ -1,4 +1,4 @@
-"""Parallelism applied to a plain model from outside, in three steps (docs/design.md §7):
+"""Parallelism applied to a plain model from outside, in three steps and the memory modes (docs/design.md §7):
 
 ``parallelize(model, mesh, parallel, device)`` moves the model to ``device`` and composes
 
@@ -23,6 +23,16 @@
    weight after the model's forward. With ``param_dtype`` (bf16 runs) FSDP2's
    ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` gathers bf16 weights and reduces fp32
    gradients into the fp32 shards; the trainer then runs without autocast (docs/design.md §7).
+
+Compiled blocks (``compile=True``, ``--compile``; docs/design.md §13) are a step of their own after
+checkpointing and before FSDP2: :func:`loongtrain.train.compile.compile_blocks` replaces each block's
+(checkpointed) ``forward`` by a ``torch.compile``-d one.
+
+The memory modes (docs/design.md §7, *Memory modes*) are steps of their own: ``mlp_tiles`` tiles every
+block's norm + MLP before checkpointing (:func:`loongtrain.train.mlp_tiles.apply_mlp_tiling`);
+``offload_activations`` runs the checkpointed blocks inside an
+:class:`~loongtrain.train.offload.ActivationOffloader` after checkpointing (their kept tensors live on the
+host, prefetched one block ahead); ``offload_params`` adds FSDP2's ``CPUOffloadPolicy`` to step 3.
 
 Sharded set-ups never hold the whole model: :func:`parallelize` takes a model built on the meta
 device, shards it, allocates only the local shards (``to_empty``), and :func:`materialize_params`
@@ -55,12 +65,15 @@ from loongtrain.hf.families import decoder_layers
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
+from loongtrain.train.compile import check_compile_options, compile_blocks
+from loongtrain.train.mlp_tiles import apply_mlp_tiling
+from loongtrain.train.offload import OFFLOADER_ATTR, ActivationOffloader, offload_blocks, pinned_memory_available
 
 # --------------------------------------------------------------------------------------------------
 # Activation checkpointing
 
 @functools.cache
-def _attention_ops() -> tuple[torch._ops.OpOverload, ...]:
+def selective_saved_ops() -> tuple[torch._ops.OpOverload, ...]:
     """Ops whose outputs Selective Checkpoint++ keeps from the first forward."""
     import loongtrain.attn.ops  # noqa: F401 - registers torch.ops.loongtrain.*
 
@@ -97,22 +110,30 @@ class saved_output_sink:  # noqa: N801 - used like a function-style context mana
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective Checkpoint++: MUST_SAVE the attention all-to-alls and ring attention, recompute the rest."""
-    if op in _attention_ops():
-        if not ctx.is_recompute:
+    if op in selective_saved_ops():
+        if not ctx.is_recompute and not torch.compiler.is_compiling():  # compiled: saved as graph outputs
             _record_saved_output(getattr(ctx, "op_output", None))
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def offloaded_selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """:func:`selective_policy` for offloaded blocks: the saved outputs go to the host, so none is
+    reported as kept on the device (the offloader reports nothing either: see ``train/offload.py``)."""
+    return CheckpointPolicy.MUST_SAVE if op in selective_saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 #: ``context_fn`` of ``torch.utils.checkpoint`` for Selective Checkpoint++.
 selective_context_fn = partial(create_selective_checkpoint_contexts, selective_policy)
 
 
-def _checkpointed_forward(forward: Callable[..., Any], mode: str, *args: Any, **kwargs: Any) -> Any:
+def _checkpointed_forward(forward: Callable[..., Any], mode: str, context_fn: Callable[[], Any] | None,
+                          *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     if mode == "selective":
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=selective_context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn or selective_context_fn,
+                          **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
@@ -121,11 +142,13 @@ def checkpointed_layers(num_layers: int, fraction: float) -> list[int]:
     return list(range(int(round(fraction * num_layers))))
 
 
-def apply_activation_checkpointing(layers: nn.ModuleList, mode: str, fraction: float = 1.0) -> list[int]:
+def apply_activation_checkpointing(layers: nn.ModuleList, mode: str, fraction: float = 1.0, *,
+                                   selective_context: Callable[[], Any] | None = None) -> list[int]:
     """Checkpoint the first ``round(fraction * len(layers))`` blocks in ``mode``; return their indices.
 
     The block's ``forward`` is replaced on the instance (module names and parameters are unchanged);
     forward hooks (FSDP's gather/reshard) still run around the checkpointed region.
+    ``selective_context``: the ``context_fn`` of selective blocks (default :data:`selective_context_fn`).
     """
     cfg = ParallelConfig(ac_mode=mode, ac_fraction=fraction)  # validates; 'selective++' -> 'selective'
     if cfg.ac_mode == "none":
@@ -135,7 +158,7 @@ def apply_activation_checkpointing(layers: nn.ModuleList, mode: str, fraction: f
         block = layers[i]
         original = block.__dict__.get("_loongtrain_forward", block.forward)
         block._loongtrain_forward = original
-        block.forward = partial(_checkpointed_forward, original, cfg.ac_mode)
+        block.forward = partial(_checkpointed_forward, original, cfg.ac_mode, selective_context)
     return chosen
 
 
@@ -162,8 +185,9 @@ def fsdp_device_mesh(device: torch.device, world_size: int, shard_size: int) -> 
 
 
 def uses_fsdp(parallel: ParallelConfig) -> bool:
-    """Whether :func:`parallelize` shards with FSDP2: ``zero`` is not none and the world has > 1 rank."""
-    distributed = is_distributed() and dist.get_world_size() > 1
+    """Whether :func:`parallelize` shards with FSDP2: ``zero`` is not none and the world has > 1 rank
+    (or, with ``offload_params``, a process group of any size: FSDP2 does the offload)."""
+    distributed = is_distributed() and (dist.get_world_size() > 1 or parallel.offload_params)
     return parallel.zero != "none" and distributed
 
 
@@ -183,9 +207,10 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: t
     # cast_forward_inputs=False: RoPE's cos/sin stay fp32 (the block's activations are already bf16)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None,
                               cast_forward_inputs=False)
+    opts = {"mesh": device_mesh, "mp_policy": mp, **param_offload_options(parallel, device)}
     for block in decoder_layers(model):
-        fully_shard(block, mesh=device_mesh, reshard_after_forward=parallel.reshard_after_forward, mp_policy=mp)
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(block, reshard_after_forward=parallel.reshard_after_forward, **opts)
+    fully_shard(model, reshard_after_forward=False, **opts)
     # gradient = sum over all dp*sp ranks / dp (see module docstring); FSDP would divide by dp*sp.
     force_sum = device.type != "cuda"  # gloo has neither AVG nor PREMUL_SUM: SUM, then divide
     for module in model.modules():
@@ -195,13 +220,24 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: t
     return model
 
 
+def param_offload_options(parallel: ParallelConfig, device: torch.device) -> dict[str, Any]:
+    """``fully_shard`` options of ``--offload-params``: FSDP2's ``CPUOffloadPolicy`` (sharded parameters,
+    gradients and so AdamW's states and step on the host; pinned on CUDA when the machine supports it)."""
+    if not parallel.offload_params:
+        return {}
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda" and pinned_memory_available())}
+
+
 def _on_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
 
 def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device, *,
-                param_dtype: torch.dtype | None = None) -> nn.Module:
-    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> activation checkpointing -> FSDP2.
+                param_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
+    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> MLP tiling -> activation checkpointing
+    -> activation offload -> (with ``compile``) compiled blocks -> FSDP2 (with ``offload_params``, CPU offload).
 
     ``model`` must have decoder blocks (:func:`decoder_layers`). With ``zero="none"`` parameters
     stay plain tensors and the trainer's own gradient all-reduce applies; otherwise they become
@@ -218,7 +254,17 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     blocks = decoder_layers(model)
     meta = _on_meta(model)
     model = apply_2d_attention(model if meta else model.to(device), mesh)
-    apply_activation_checkpointing(blocks, parallel.ac_mode, parallel.ac_fraction)
+    apply_mlp_tiling(model, parallel.mlp_tiles)
+    offloader = ActivationOffloader(device, _record_saved_output) if parallel.offload_activations else None
+    selective = partial(offloader.selective_contexts, offloaded_selective_policy) if offloader else None
+    chosen = apply_activation_checkpointing(blocks, parallel.ac_mode, parallel.ac_fraction,
+                                            selective_context=selective)
+    if offloader is not None:  # the checkpointed blocks' kept tensors live on the host (train/offload.py)
+        offload_blocks(blocks, chosen, offloader)
+        model.__dict__[OFFLOADER_ATTR] = offloader
+    if compile:  # docs/design.md §13 (not with activation offload or MLP tiles: check_compile_options)
+        check_compile_options(parallel)
+        compile_blocks(model, blocks)
     if uses_fsdp(parallel):
         apply_fsdp(model, mesh, parallel, device, param_dtype)
     if meta:

@@ -5,14 +5,17 @@ exits 2 within seconds instead of failing inside the workers. It checks:
 
 - the output directory: not a file, writable; a directory that already holds checkpoints needs
   ``--resume`` (continue) or ``--overwrite`` (start afresh);
-- the corpus: exists, every ``.jsonl`` line is a JSON object with a string ``text`` field, and it holds
-  at least ``seq_len + 1`` tokens (one sample);
+- the corpus (and ``--val-corpus``), each corpus of a mixture (weights parse, >= 0, one > 0): a raw
+  corpus exists, every ``.jsonl`` line is a JSON object with a string ``text`` field, and it holds at
+  least ``seq_len + 1`` tokens (one sample); a prepared directory has a manifest of a format this
+  version reads, was made with the run's tokenizer, and its files pass the quick size + sampled-digest
+  check (:func:`loongtrain.data.prepared.verify_prepared`);
 - ``--resume``: the checkpoint's files are readable (the bad file is named), its step is below
   ``--steps``, and the run is compatible with it (:data:`MUST_MATCH`).
 
 Resume rule: the data stream and the optimizer state must continue unchanged, so the model preset,
-tokenizer, corpus, ``--seq-len``, ``--seed``, ``--grad-accum``, the global batch (``dp * batch_size``)
-and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
+tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seed``, ``--grad-accum``, the global batch
+(``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
 ``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout
 (``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of ranks at the
 same global batch), ``--steps``, ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
@@ -21,30 +24,48 @@ same global batch), ``--steps``, ``--warmup``, ``--min-lr-ratio``, ``--clip``, l
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from loongtrain.train.checkpoint import AUTO, newest_checkpoint, resolve_checkpoint, verify_checkpoint
+from loongtrain.data.corpus import FilesCorpus, build_corpus, non_text_chars
+from loongtrain.data.packing import TokenStream
+from loongtrain.data.prepared import check_prepared, is_prepared_dir
+from loongtrain.data.sources import parse_corpus_spec
+from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.train.checkpoint import (
+    AUTO,
+    LATEST,
+    STATE_FILE,
+    newest_checkpoint,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from loongtrain.train.config import TrainConfig
+from loongtrain.train.models import build_run_tokenizer
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
-MUST_MATCH = ("model", "tokenizer", "corpus", "seq_len", "seed", "grad_accum", "lr", "beta1", "beta2", "eps",
-              "weight_decay")
+log = logging.getLogger("loongtrain.train")
+
+MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seed", "grad_accum", "lr", "beta1",
+              "beta2", "eps", "weight_decay")
 
 
 class RunComplete(Exception):
     """A restarted job whose newest checkpoint is already at ``--steps``: nothing is left to do."""
 
 
-def preflight(cfg: TrainConfig, world: int, *, restarted: bool = False) -> TrainConfig:
+def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, *,
+              restarted: bool = False) -> TrainConfig:
     """Check the run's files; return ``cfg`` with ``resume`` resolved to one checkpoint directory ("" for a
     fresh start). ``restarted``: a restart of a failed job (``--resume`` defaults to 'auto', and a
-    checkpoint at ``--steps`` raises :class:`RunComplete` instead of ValueError)."""
+    checkpoint at ``--steps`` raises :class:`RunComplete` instead of ValueError). ``tokenizer``: the run's
+    (built from ``--tokenizer`` when not given)."""
     if restarted and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume=AUTO, overwrite=False)
     check_out_dir(cfg)
-    check_corpus(cfg)
+    check_corpus(cfg, tokenizer or build_run_tokenizer(cfg))
     try:
         return resolve_resume(cfg, world)
     except _StepsReached as exc:
@@ -58,8 +79,15 @@ class _StepsReached(ValueError):
 
 
 def check_out_dir(cfg: TrainConfig) -> None:
-    """``--out-dir`` is (or can become) a writable directory."""
+    """``--out-dir`` is (or can become) a writable directory, and not inside a run's checkpoints."""
+    if not cfg.out_dir.strip():
+        raise ValueError("--out-dir '' is empty: name the run's directory")
     out = Path(cfg.out_dir)
+    for place in (out.resolve(), *out.resolve().parents):
+        if (place.name.startswith("step_") and (place / STATE_FILE).is_file()) or (
+                place.name == "checkpoints" and (place / LATEST).is_file()):
+            raise ValueError(f"--out-dir {cfg.out_dir!r} lies inside the checkpoints {str(place)!r} of a run; "
+                             f"choose a directory of its own")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out-dir {cfg.out_dir!r} is a file; it must be a directory (or not exist yet)")
     probe = out
@@ -71,38 +99,79 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is not writable")
 
 
-def check_corpus(cfg: TrainConfig) -> None:
-    """The corpus can be read and holds at least one sample of ``seq_len + 1`` tokens."""
-    from loongtrain.data.corpus import FilesCorpus, build_corpus, read_jsonl
-    from loongtrain.data.packing import TokenStream
-    from loongtrain.data.tokenizer import build_tokenizer
-    from loongtrain.train.models import tokenizer_spec
-
-    try:
-        corpus = build_corpus(cfg.corpus)
-    except (ImportError, ValueError) as exc:
-        raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
-    try:
-        tokenizer = build_tokenizer(tokenizer_spec(cfg))
-    except (ImportError, OSError, ValueError) as exc:
-        raise ValueError(f"--tokenizer {cfg.tokenizer!r}: {exc}") from None
-    if isinstance(corpus, FilesCorpus) and cfg.corpus != "stdlib":
-        if all(f.stat().st_size == 0 for f in corpus.files):
-            raise ValueError(f"--corpus {cfg.corpus!r} is empty (every file has 0 bytes)")
-        for file in corpus.files:
-            if file.suffix == ".jsonl":
+def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+    """Every corpus of ``--corpus`` and ``--val-corpus`` (each part of a mixture) can be read and holds one
+    sample of ``seq_len + 1`` tokens; a raw one is text (:func:`check_text`), a prepared one matches
+    ``tokenizer`` and passes its quick checksum check (:func:`loongtrain.data.prepared.check_prepared`)."""
+    for flag, spec in (("--corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus)):
+        if not spec:
+            continue
+        try:
+            parts = parse_corpus_spec(spec)
+        except ValueError as exc:
+            raise ValueError(f"{flag} {spec!r}: {exc}") from None
+        for name, _ in parts:
+            where = f"{flag} {spec!r}" if name == spec else f"{flag} {spec!r}, corpus {name!r}"
+            if is_prepared_dir(name):
                 try:
-                    for _ in read_jsonl(file, corpus.text_field):  # every line, not just the first sample's
-                        pass
-                except (ValueError, UnicodeDecodeError) as exc:
-                    raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
-    need = cfg.seq_len + 1
+                    check_prepared(name, tokenizer, cfg.seq_len + 1)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+            else:
+                check_raw_corpus(name, tokenizer, cfg.seq_len, where, cfg.decode_errors)
+
+
+def check_raw_corpus(spec: str, tokenizer: Tokenizer, seq_len: int, where: str, decode_errors: str = "strict") -> None:
+    """A raw corpus can be read as text (every document of its files) and holds at least ``seq_len + 1``
+    tokens."""
+    try:
+        corpus = build_corpus(spec, decode_errors=decode_errors)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if isinstance(corpus, FilesCorpus) and spec != "stdlib":
+        if all(f.stat().st_size == 0 for f in corpus.files):
+            raise ValueError(f"{where} is empty (every file has 0 bytes)")
+        check_text(corpus, tokenizer, where, decode_errors)
+    need = seq_len + 1
     try:
         have = TokenStream(corpus, tokenizer).ensure(need)
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
-        raise ValueError(f"--corpus {cfg.corpus!r}: {exc}") from None
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
     if have < need:
-        raise ValueError(f"--corpus {cfg.corpus!r} holds {have} tokens; one sample needs --seq-len + 1 = {need}")
+        raise ValueError(f"{where} holds {have} tokens; one sample needs --seq-len + 1 = {need}")
+
+
+#: a corpus whose first characters are more than this share control characters or U+FFFD gets a warning
+NON_TEXT_WARNING = 0.3
+_SAMPLE_CHARS = 1 << 22
+
+
+def check_text(corpus: FilesCorpus, tokenizer: Tokenizer, where: str, decode_errors: str = "strict") -> None:
+    """Read every document of a files corpus once (every line of every file is decoded and parsed, so a
+    bad byte or line anywhere is found now): ValueError when no document holds a token; a warning when
+    the first 4 Mi characters are mostly control characters or replaced bytes (U+FFFD)."""
+    has_tokens = False
+    try:
+        for doc in corpus:
+            if not has_tokens and doc:
+                has_tokens = len(tokenizer.encode(doc[:4096])) > 0
+        sampled = non_text = 0  # the share of non-text, whatever --decode-errors drops or replaces
+        for doc in FilesCorpus(corpus.files, corpus.name, corpus.text_field, decode_errors="replace"):
+            part = doc[: _SAMPLE_CHARS - sampled]
+            sampled, non_text = sampled + len(part), non_text + non_text_chars(part)
+            if sampled >= _SAMPLE_CHARS:
+                break
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if not has_tokens:
+        raise ValueError(f"{where}: its documents hold no tokens (every document is empty after tokenization "
+                         f"with {tokenizer.name!r})")
+    if sampled and non_text / sampled > NON_TEXT_WARNING:
+        log.warning("%s: %.0f%% of its first %d characters are control characters or undecodable bytes "
+                    "(U+FFFD): is it text?", where, 100 * non_text / sampled, sampled)
+    if decode_errors != "strict":
+        log.info("%s, --decode-errors %s: bytes that are not UTF-8 are %s", where, decode_errors,
+                 "replaced by U+FFFD" if decode_errors == "replace" else "dropped")
 
 
 def resolve_resume(cfg: TrainConfig, world: int) -> TrainConfig:

@@ -1,149 +1,160 @@
-"""One optimizer step of a 2D-Attention model: sharded forward/backward, gradient sync, clip, AdamW."""
+"""The training run of one rank (docs/design.md §10): ``Trainer(run, mesh, device).train()``.
+
+:meth:`Trainer.train` is the whole run in named steps: :meth:`~Trainer.resume` (load the checkpoint the
+launcher chose), :meth:`~Trainer.open_data`, the optional start-up memory report, then per optimizer
+step :meth:`~Trainer.step` (forward/backward of every micro-batch, gradient sync, clip, AdamW),
+:meth:`~Trainer.log` and :meth:`~Trainer.save`, and :meth:`~Trainer.finish` (plot and summary).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from loongtrain.hf.build import (
-    build_hf_model,
-    build_hf_model_on_meta,
-    hf_initial_weights,
-    hf_weight_files,
-    restore_hf_buffers,
-)
+from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
-from loongtrain.model.config import ModelConfig
-from loongtrain.model.llama import Transformer, initial_weight
-from loongtrain.parallel.documents import (
-    Documents,
-    cu_seqlens_from_starts,
-    document_position_ids,
-    visible_pairs,
-)
+from loongtrain.model.config import num_params, step_flops
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.parallel.sharding import shard_sequence
-from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
-from loongtrain.train.models import hf_model_dir, hidden_and_head
+from loongtrain.parallel.runtime import is_distributed
+from loongtrain.train.batch import Batch, BatchLayout
+from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
+from loongtrain.train.config import Run, TrainConfig, autocast_dtype
+from loongtrain.train.fault_injection import kill_point
+from loongtrain.train.memory_report import metrics_fields, startup_memory_report
+from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
+from loongtrain.train.models import build_model, hidden_and_head, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
-from loongtrain.train.parallelize import materialize_params, parallelize, uses_fsdp
+from loongtrain.train.parallelize import uses_fsdp
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
 
-Batch = dict[str, torch.Tensor]
+log = logging.getLogger("loongtrain.train")
+
+#: (cfg, mesh, start_micro_step) -> iterator of this replica's full-sequence micro-batches
+BatchSource = Callable[[TrainConfig, Mesh, int], Iterator[Batch]]
 
 
-def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device: torch.device,
-                fsdp_param_dtype: torch.dtype | None = None) -> nn.Module:
-    """The seeded :class:`Transformer`, parallelized. Under FSDP2 it is built on the meta device,
-    sharded, and each rank fills its shards from the parameters' full initial values (one parameter at
-    a time, on CPU): no rank holds the whole model, and the weights equal ``Transformer(seed=cfg.seed)``
-    bit for bit. ``fsdp_param_dtype``: FSDP2's gathered-weight dtype. A Hugging Face model directory
-    (``--model DIR``) with weight files is sharded the same way, each shard read from the files one
-    tensor at a time; without FSDP2, or without weight files (a seeded init from the config), it is
-    built whole on CPU and then parallelized."""
-    directory = hf_model_dir(cfg.model)
-    if directory is not None:
-        if not (uses_fsdp(cfg.parallel) and hf_weight_files(directory)):
-            model = build_hf_model(directory, param_dtype(cfg), cfg.seed)
-            return parallelize(model, mesh, cfg.parallel, device)
-        model = build_hf_model_on_meta(directory, param_dtype(cfg))
-        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype)
-        materialize_params(model, hf_initial_weights(directory))
-        restore_hf_buffers(model)
-        return model
-    if not uses_fsdp(cfg.parallel):
-        model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
-        return parallelize(model, mesh, cfg.parallel, device)
-    with torch.device("meta"):
-        model = Transformer(model_config, seed=None).to(param_dtype(cfg))
-    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype)
-    materialize_params(model, lambda name, shape: initial_weight(name, shape, cfg.seed))
-    return model
+def use_deterministic(device: torch.device) -> None:
+    """``torch.use_deterministic_algorithms(True)`` (errors on ops without a deterministic version); on
+    CUDA also cuBLAS's fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, read when cuBLAS starts) and no
+    cuDNN autotuning. The flash attention backward then takes its deterministic (slower) path."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
+def _barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Trainer:
-    """Model, optimizer and schedule of one rank, and :meth:`step` (one optimizer step).
+    """Model, optimizer, schedule and data of one rank, and the run loop (:meth:`train`).
 
-    ``step`` takes ``grad_accum`` micro-batches of this replica's *full* sequences
-    (``input_ids``, ``labels``, ``position_ids`` of shape ``[batch, seq_len]``); each rank keeps its
-    2D zigzag shard (:func:`loongtrain.shard_sequence`), so the trainer is layout-agnostic.
+    :meth:`step` takes ``grad_accum`` micro-batches of this replica's *full* sequences; each rank keeps its
+    2D zigzag shard (:class:`~loongtrain.train.batch.BatchLayout`), so the trainer is layout-agnostic.
+    ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`.
     """
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, device: torch.device,
-                 model_config: ModelConfig) -> None:
-        self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.model_config = model_config  # the shape (FLOPs, memory prediction); an HF model keeps its own config
+    def __init__(self, run: Run, mesh: Mesh, device: torch.device, batches: BatchSource | None = None) -> None:
+        cfg = run.cfg
+        self.run, self.cfg, self.mesh, self.device = run, cfg, mesh, device
+        self.model_config = run.model_config  # the shape (FLOPs, memory prediction); HF models keep their own
+        if cfg.deterministic:
+            use_deterministic(device)
+        torch.manual_seed(cfg.seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed_all(cfg.seed)
         compute = autocast_dtype(cfg, device)
         sharded = uses_fsdp(cfg.parallel)
-        self.model: nn.Module = build_model(model_config, cfg, mesh, device, compute if sharded else None)
+        self.model: nn.Module = build_model(self.model_config, cfg, mesh, device, compute if sharded else None)
         self.params = [p for _, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0])]
         self.grad_sync = needs_grad_sync(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
-        self.amp_dtype = None if sharded else compute  # FSDP2 casts the weights: no autocast (see above)
+        self.amp_dtype = None if sharded else compute  # FSDP2 casts the weights: no autocast (autocast_dtype)
+        self.layout = BatchLayout(cfg, mesh, self.model_config, device)
+        self.batch_source = batches or self._corpus_batches
+        self.out_dir = Path(cfg.out_dir)
+        self.tokens_per_step = mesh.dp * cfg.batch_size * cfg.grad_accum * cfg.seq_len
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+    # -- the run ---------------------------------------------------------------------------------------
 
-    def _local(self, x: torch.Tensor, chunk_order: tuple[int, ...] | None) -> torch.Tensor:
-        return shard_sequence(x, self.mesh, dim=1, chunk_order=chunk_order).to(self.device, non_blocking=True)
+    def train(self) -> list[dict[str, Any]]:
+        """Train for ``cfg.steps`` optimizer steps (or resume and finish them); return the step records.
 
-    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
-        forward to the final hidden states, then the chunked cross-entropy through the LM head (no rank
-        holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract).
-        Tokens, labels and positions are sharded with one layout (:meth:`chunk_order`)."""
-        cu_seqlens, positions = self.documents(batch)
-        order = self.chunk_order(cu_seqlens, batch["input_ids"].shape[1])
-        input_ids, labels = self._local(batch["input_ids"], order), self._local(batch["labels"], order)
-        position_ids = self._local(positions, order)
-        with self._autocast():
-            hidden, head = hidden_and_head(self.model, input_ids, position_ids, cu_seqlens, order)
-            return chunked_cross_entropy(hidden, head, labels, self.mesh)
+        Every rank calls this (collective). Rank 0 writes ``metrics.jsonl``, TensorBoard events, the
+        checkpoints' shared files and ``loss_curve.png`` into ``cfg.out_dir``."""
+        cfg = self.cfg
+        start, state = self.resume()
+        self._tidy_out_dir(resumed=bool(state))
+        batches = self.open_data(start, state)
+        mem_fields = self._memory_report(batches, start) if cfg.memory_report else {}
+        peak = self._peak_flops()
+        logger = self._logger(start)
+        end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
+        records: list[dict[str, Any]] = []
+        reset_peak_memory(self.device)
+        bad_steps = 0
+        try:
+            for step in range(start, end):
+                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
+                record = self._timed_step(step, batches, peak, mem_fields)
+                records.append(record)
+                bad_steps = self._count_bad_step(record, bad_steps)
+                self.log(logger, record, last=step + 1 == end)
+                self._stop_after_bad_steps(record, bad_steps)
+                self.save(step + 1, batches, last=step + 1 == end)
+        finally:
+            if logger is not None:
+                logger.close()
+        self.finish(records, logger)
+        return records
 
-    def chunk_order(self, cu_seqlens: list[torch.Tensor] | None, seq_len: int) -> tuple[int, ...] | None:
-        """The batch's sequence layout: ``None`` (zigzag), or with ``--chunk-layout balanced``, documents and
-        ``cp > 1`` the :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every
-        rank of the replica computes the same one from the same batch)."""
-        if cu_seqlens is None or self.mesh.cp == 1:
-            return None
-        documents = Documents(tuple(tuple(cu.tolist()) for cu in cu_seqlens), self.cfg.chunk_layout)
-        window = getattr(self.model_config, "sliding_window", 0) or None
-        return documents.chunk_order(seq_len, self.mesh.cp, self.mesh.hp, window)
+    def resume(self) -> tuple[int, dict[str, Any]]:
+        """Load the checkpoint the launcher chose (``run.resume``; rank 0's choice on every rank, so ranks
+        never continue from different steps); ``(start_step, trainer_state)``, ``(0, {})`` when fresh."""
+        choice = [self.run.resume]
+        if is_distributed() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(choice, src=0)
+        if not choice[0]:
+            if self.cfg.resume:
+                log.info("--resume %s: no checkpoint in %s yet; starting fresh", self.cfg.resume,
+                         self.out_dir / "checkpoints")
+            return 0, {}
+        state = load_checkpoint(Path(choice[0]), self.model, self.optimizer, self.scheduler)
+        log.info("resumed from %s at step %d", choice[0], int(state["step"]))
+        return int(state["step"]), state
 
-    def documents(self, batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
-        """``(cu_seqlens, full position_ids)`` of a full-sequence batch: with ``--doc-mask on`` and a batch
-        that marks its documents (``doc_starts``, packed corpora) the documents' boundaries and, with
-        ``--position-reset``, positions restarting per document; else ``(None, batch["position_ids"])``."""
-        if self.cfg.doc_mask != "on" or "doc_starts" not in batch:
-            return None, batch["position_ids"]
-        cu_seqlens = cu_seqlens_from_starts(batch["doc_starts"])
-        if not self.cfg.position_reset:
-            return cu_seqlens, batch["position_ids"]
-        return cu_seqlens, document_position_ids(cu_seqlens, batch["input_ids"].shape[1])
-
-    def visible_pairs(self, batch: Batch) -> int:
-        """Attention (query, key) pairs the batch's rows compute (per layer and head), for FLOP counts."""
-        cu_seqlens, _ = self.documents(batch)
-        rows, seq = batch["input_ids"].shape
-        window = getattr(self.model_config, "sliding_window", 0) or None
-        return sum(visible_pairs(cu_seqlens[b] if cu_seqlens is not None else None, seq, sliding_window=window)
-                   for b in range(rows))
+    def open_data(self, start_step: int, state: dict[str, Any]) -> Iterator[Batch]:
+        """This replica's batch stream from ``start_step`` (its saved position checked and restored)."""
+        batches = self.batch_source(self.cfg, self.mesh, start_step * self.cfg.grad_accum)
+        if state.get("data") is not None and hasattr(batches, "load_state_dict"):
+            batches.load_state_dict(state["data"])  # checks the global batch and seed did not change
+        return batches
 
     def step(self, micro_batches: list[Batch]) -> dict[str, Any]:
         """Forward/backward every micro-batch, synchronise and clip gradients, apply AdamW.
 
-        Returns ``loss`` (mean over micro-batches and dp replicas, identical on every rank),
-        ``grad_norm`` (before clipping), ``lr`` (the rate used for this step), ``skipped`` (1 when the
-        loss or gradient norm was NaN/inf: the optimizer did not update, every rank alike) and
-        ``attention_pairs`` (visible (query, key) pairs of all replicas' rows, per layer and head: the
-        attention work that FLOP counts use).
+        Returns ``loss`` (mean over micro-batches and dp replicas, identical on every rank), ``grad_norm``
+        (before clipping), ``lr`` (the rate used for this step), ``skipped`` (1 when the loss or gradient
+        norm was NaN/inf: the optimizer did not update, every rank alike) and ``attention_pairs`` (visible
+        (query, key) pairs of all replicas' rows, per layer and head: the work that FLOP counts use).
         """
         assert len(micro_batches) == self.cfg.grad_accum
         self.model.train()
@@ -158,7 +169,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
         loss_value = loss_sum / len(micro_batches)
-        pairs = torch.tensor(float(sum(self.visible_pairs(b) for b in micro_batches)), dtype=torch.float64,
+        pairs = torch.tensor(float(sum(self.layout.visible_pairs(b) for b in micro_batches)), dtype=torch.float64,
                              device=self.device)
         if self.mesh.dp > 1:  # one all-reduce for the loss and the replicas' attention pairs
             both = torch.stack([loss_value, pairs])
@@ -173,3 +184,132 @@ class Trainer:
         self.scheduler.step()
         return {"loss": float(loss_value), "grad_norm": grad_norm, "lr": float(lr), "skipped": int(skipped),
                 "attention_pairs": int(pairs)}
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
+        forward to the final hidden states, then the chunked cross-entropy through the LM head (no rank
+        holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
+        local = self.layout.local(batch)
+        with self._autocast():
+            hidden, head = hidden_and_head(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
+                                           local.chunk_order)
+            return chunked_cross_entropy(hidden, head, local.labels, self.mesh)
+
+    def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
+        """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end and for every skipped step."""
+        if logger is not None and (record["step"] % self.cfg.log_interval == 0 or last or record["skipped"]):
+            logger.log(record)
+
+    def save(self, done: int, batches: Iterator[Batch], *, last: bool) -> None:
+        """Checkpoint after step ``done`` every ``--ckpt-interval`` steps and at the end (collective)."""
+        cfg, mesh = self.cfg, self.mesh
+        if not ((cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or last):
+            return
+        data_state = batches.state_dict() if hasattr(batches, "state_dict") else None
+        save_checkpoint(self.out_dir / "checkpoints", done, self.model, self.optimizer, self.scheduler,
+                        {"micro_step": done * cfg.grad_accum, "data": data_state, "config": cfg.to_dict(),
+                         **model_record(self.model_config, cfg),
+                         "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp}},
+                        keep=cfg.keep_checkpoints)
+
+    def finish(self, records: list[dict[str, Any]], logger: MetricsLogger | None) -> None:
+        """Rank 0: the loss plot and the closing summary line; then every rank waits for the others."""
+        if logger is not None and records:
+            if self.cfg.plot:
+                plot_loss_curve(logger.jsonl_path, self.out_dir / "loss_curve.png")
+            tail = records[-min(10, len(records)):]
+            timed = records[1:] or records
+            log.info("done: steps %d-%d, loss %.4f -> %.4f (mean of the last %d: %.4f), %.0f tokens/s "
+                     "(mean after the first step); metrics in %s", records[0]["step"], records[-1]["step"],
+                     records[0]["loss"], records[-1]["loss"], len(tail), sum(r["loss"] for r in tail) / len(tail),
+                     sum(r["tokens_per_s"] for r in timed) / len(timed), self.out_dir / "metrics.jsonl")
+        _barrier()
+
+    # -- pieces of the run -----------------------------------------------------------------------------
+
+    def _corpus_batches(self, cfg: TrainConfig, mesh: Mesh, start_micro_step: int) -> Iterator[Batch]:
+        """Batches from ``loongtrain.data`` for this rank's dp replica (the run's tokenizer, built once)."""
+        tokenizer = self.run.tokenizer
+        assert tokenizer is not None, "a corpus run needs the tokenizer the launcher resolved (Run.tokenizer)"
+        return build_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp, cfg.seed,
+                             start_micro_step, val_fraction=cfg.val_fraction,
+                             decode_errors=cfg.decode_errors)
+
+    def _tidy_out_dir(self, *, resumed: bool) -> None:
+        """Rank 0: ``--overwrite`` deletes old checkpoints of a fresh start; saves that died half-way go."""
+        if self.mesh.rank != 0:
+            return
+        root = self.out_dir / "checkpoints"
+        if self.cfg.overwrite and not resumed and root.is_dir():
+            log.warning("--overwrite: deleting the checkpoints in %s", root)
+            shutil.rmtree(root)
+        for stale in remove_stale_tmp(root):
+            log.warning("removed the incomplete checkpoint %s", stale)
+
+    def _memory_report(self, batches: Iterator[Batch], start: int) -> dict[str, float]:
+        """The start-up memory report (collective) on the first batch this run trains: a pure peek
+        (``Batches.batch``) where the source has one, so the training stream is unchanged and the corpus
+        is not read twice; else the first batch of a fresh source."""
+        micro = start * self.cfg.grad_accum
+        peek = getattr(batches, "batch", None)
+        first = peek(micro) if peek is not None else next(self.batch_source(self.cfg, self.mesh, micro))
+        return metrics_fields(startup_memory_report(self, first))
+
+    def _peak_flops(self) -> float | None:
+        _barrier()  # rank 0 measures the CPU peak while the other ranks wait idle
+        peak = peak_flops_total(self.cfg, self.device, self.mesh.world_size) if self.mesh.rank == 0 else None
+        _barrier()
+        if self.mesh.rank == 0:
+            log.info("model %s: %.2fM parameters; %s; %d tokens per step", self.cfg.model,
+                     num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step)
+        return peak
+
+    def _logger(self, start: int) -> MetricsLogger | None:
+        if self.mesh.rank != 0:
+            return None
+        return MetricsLogger(self.out_dir, total_steps=self.cfg.steps, start_step=start,
+                             tensorboard=self.cfg.tensorboard, progress=self.cfg.progress)
+
+    def _timed_step(self, step: int, batches: Iterator[Batch], peak: float | None,
+                    mem_fields: dict[str, float]) -> dict[str, Any]:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        result = self.step([next(batches) for _ in range(self.cfg.grad_accum)])
+        _sync(self.device)
+        dt = time.perf_counter() - t0
+        # attention FLOPs of the visible (query, key) pairs only (documents, sliding window)
+        flops = step_flops(self.model_config, self.tokens_per_step, result["attention_pairs"])
+        seen = getattr(batches, "tokens_by_corpus", None)  # data: tokens each corpus supplied (all replicas)
+        return {"step": step + 1, "total_steps": self.cfg.steps, **result, "step_time_s": dt,
+                "tokens_per_s": self.tokens_per_step / dt, "tflops": flops / dt / 1e12,
+                "mfu": (flops / dt / peak) if peak else float("nan"),
+                "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
+                **({f"tokens_seen/{name}": n for name, n in seen().items()} if seen else {})}
+
+    def _count_bad_step(self, record: dict[str, Any], bad_steps: int) -> int:
+        """Consecutive skipped (non-finite) steps after this one; logs each skip."""
+        if not record["skipped"]:
+            return 0
+        log.warning("step %d skipped: loss %s, gradient norm %s (not finite); %d consecutive (--max-bad-steps=%d)",
+                    record["step"], record["loss"], record["grad_norm"], bad_steps + 1, self.cfg.max_bad_steps)
+        return bad_steps + 1
+
+    def _stop_after_bad_steps(self, record: dict[str, Any], bad_steps: int) -> None:
+        if self.cfg.max_bad_steps and bad_steps >= self.cfg.max_bad_steps:
+            raise NonFiniteError(
+                f"stopping at step {record['step']}: {bad_steps} consecutive steps had a NaN/inf loss or "
+                f"gradient norm (--max-bad-steps={self.cfg.max_bad_steps}); lower --lr or check the data; "
+                f"the checkpoints written so far are kept")
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak-memory count afresh (CUDA), so ``peak_mem_gib`` excludes set-up (model build,
+    checkpoint load, start-up report). CPU reports the process's peak RSS, which cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)

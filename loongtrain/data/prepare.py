@@ -1,0 +1,268 @@
+"""``loongtrain prepare``'s work: tokenize corpora once into a prepared directory (format:
+:mod:`loongtrain.data.prepared`; docs/design.md §12).
+
+The parent reads the documents in corpus order and cuts them into shards of about ``shard_bytes`` bytes
+of text (so the output does not depend on the number of workers); worker processes tokenize a shard
+each, write it and its digests, and return its document lengths; the parent writes the document index
+and, last, the manifest.
+
+Bad input found while reading (a line that is not valid JSON, naming ``FILE:LINE``) raises ValueError:
+the workers stop and the output directory is left empty. The first shard's documents are read before
+the workers start; a bad line later in the corpus stops them after they started.
+
+Crash safety: a prepare first writes the marker :data:`~loongtrain.data.prepared.IN_PROGRESS` into the
+output directory, writes every shard into ``DIR/.tmp-<pid>/``, renames that to ``DIR/shards`` (atomic),
+then writes ``manifest.json`` (atomically, by rename) and removes the marker. A directory without the
+manifest is never read as a corpus; a rerun finds the marker, removes the interrupted run's files and
+starts again. A finished directory with the same sources, tokenizer and shard size is left as it is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loongtrain.data.corpus import Corpus, FilesCorpus, build_corpus
+from loongtrain.data.prepared import (
+    FORMAT,
+    FORMAT_VERSION,
+    IN_PROGRESS,
+    INDEX_FILE,
+    MANIFEST,
+    SHARD_DIR,
+    buffer_digests,
+    read_manifest,
+    token_dtype,
+    tokenizer_identity,
+)
+from loongtrain.data.tokenizer import Tokenizer, build_tokenizer
+
+log = logging.getLogger("loongtrain.data")
+
+DEFAULT_SHARD_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """What :func:`prepare` did: ``"prepared"`` or ``"unchanged"`` (already finished), and the counts."""
+
+    status: str
+    out: Path
+    num_tokens: int
+    num_documents: int
+    seconds: float
+
+
+def request(sources: list[str], tokenizer: Tokenizer, text_field: str, shard_bytes: int) -> dict[str, Any]:
+    """What identifies a prepare: the manifest's fields a rerun must match to count as already done."""
+    resolved = [s if s == "stdlib" else str(Path(s).resolve()) for s in sources]
+    return {"sources": resolved, "text_field": text_field, "shard_bytes": shard_bytes,
+            "tokenizer": {"name": tokenizer.name, "identity": tokenizer_identity(tokenizer),
+                          "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}}
+
+
+def check_out_dir(out: Path, want: dict[str, Any], overwrite: bool) -> str:
+    """``"done"`` (a finished prepare of the same request), ``"fresh"`` (empty or absent) or ``"restart"``
+    (an interrupted prepare, or ``overwrite``); ValueError for anything else."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file; it must be a directory (or not exist yet)")
+    if not out.exists() or not any(out.iterdir()):
+        return "fresh"
+    if (out / MANIFEST).is_file() and not overwrite:
+        manifest = read_manifest(out)  # a newer format raises here
+        have = {k: manifest.data.get(k) for k in want}
+        if have == want:
+            return "done"
+        diff = [k for k in want if have[k] != want[k]]
+        raise ValueError(f"--out {str(out)!r} holds a prepared corpus with another {', '.join(diff)} "
+                         f"({out / MANIFEST}); pass --overwrite to replace it, or choose another --out")
+    if (out / IN_PROGRESS).exists() or overwrite:
+        return "restart"
+    raise ValueError(f"--out {str(out)!r} is a non-empty directory that is not a prepared corpus; pass "
+                     f"--overwrite to delete its contents, or choose an empty or new directory")
+
+
+def prepare(
+    sources: list[str],
+    out: str | Path,
+    tokenizer: str | Tokenizer = "byte",
+    *,
+    workers: int = 0,
+    overwrite: bool = False,
+    text_field: str = "text",
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool | None = None,
+    on_shard: Callable[[int], None] | None = None,
+) -> PrepareResult:
+    """Tokenize ``sources`` (any ``--corpus`` spec each, concatenated in order) into directory ``out``.
+
+    ``workers``: processes (0: the cores; 1: in this process). ``progress``: a tqdm bar on stderr (None:
+    when tqdm is installed and stderr is a terminal). ``on_shard(k)`` is called after shard ``k`` is
+    written (tests use it to simulate a crash). Raises ValueError for bad input (module docstring:
+    which directories are accepted)."""
+    t0 = time.perf_counter()
+    if not sources:
+        raise ValueError("prepare needs at least one corpus")
+    if shard_bytes < 1:
+        raise ValueError(f"--shard-bytes={shard_bytes} must be positive")
+    if workers < 0:
+        raise ValueError(f"--workers={workers} must be >= 0 (0: one per core)")
+    tok = build_tokenizer(tokenizer)
+    corpora = [build_corpus(s, text_field) for s in sources]
+    out = Path(out)
+    want = request(sources, tok, text_field, shard_bytes)
+    state = check_out_dir(out, want, overwrite)
+    if state == "done":
+        manifest = read_manifest(out)
+        log.info("%s is already prepared (%d tokens, %d documents): nothing to do", out,
+                 manifest.num_tokens, manifest.num_documents)
+        return PrepareResult("unchanged", out, manifest.num_tokens, manifest.num_documents,
+                             time.perf_counter() - t0)
+    if state == "restart":
+        log.warning("%s: removing %s", out, "its contents (--overwrite)" if overwrite else
+                    "the files of an interrupted prepare")
+        _clear(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / IN_PROGRESS).write_text(json.dumps(want))
+    tmp = out / f".tmp-{os.getpid()}"
+    tmp.mkdir()
+    dtype = token_dtype(tok.vocab_size)
+    try:
+        shards, lengths = _write_shards(corpora, tok, tmp, dtype, workers or os.cpu_count() or 1, shard_bytes,
+                                        _want_progress(progress), _total_bytes(corpora), on_shard)
+    except (ValueError, UnicodeDecodeError):  # bad input (e.g. a JSON line): leave DIR empty, as it was
+        _clear(out)
+        raise
+    offsets = np.zeros(len(lengths) + 1, dtype="<u8")
+    np.cumsum(lengths, out=offsets[1:])
+    offsets.tofile(tmp / INDEX_FILE)
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, **want, "dtype": dtype.str,
+                "num_tokens": int(offsets[-1]), "num_documents": len(lengths), "shards": shards,
+                "index": buffer_digests(offsets)}
+    os.rename(tmp, out / SHARD_DIR)
+    partial = out / (MANIFEST + ".tmp")
+    partial.write_text(json.dumps(manifest, indent=1))
+    os.replace(partial, out / MANIFEST)
+    (out / IN_PROGRESS).unlink()
+    seconds = time.perf_counter() - t0
+    log.info("prepared %s: %d tokens, %d documents, %d shards in %.1f s (%.3g tokens/s)", out,
+             manifest["num_tokens"], len(lengths), len(shards), seconds, manifest["num_tokens"] / seconds)
+    return PrepareResult("prepared", out, manifest["num_tokens"], len(lengths), seconds)
+
+
+def _clear(out: Path) -> None:
+    for entry in out.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _want_progress(progress: bool | None) -> bool:
+    try:
+        import tqdm  # noqa: F401
+    except ImportError:
+        return False
+    return sys.stderr.isatty() if progress is None else progress
+
+
+def _total_bytes(corpora: list[Corpus]) -> int | None:
+    if all(isinstance(c, FilesCorpus) for c in corpora):
+        return sum(f.stat().st_size for c in corpora for f in c.files)  # type: ignore[attr-defined]
+    return None
+
+
+def _shard_texts(corpora: list[Corpus], shard_bytes: int) -> Iterator[tuple[int, list[str]]]:
+    """(shard number, its documents): consecutive documents of about ``shard_bytes`` characters."""
+    batch: list[str] = []
+    size, k = 0, 0
+    for corpus in corpora:
+        for doc in corpus:
+            batch.append(doc)
+            size += len(doc)
+            if size >= shard_bytes:
+                yield k, batch
+                batch, size, k = [], 0, k + 1
+    if batch or k == 0:
+        yield k, batch
+
+
+def _write_shards(corpora: list[Corpus], tok: Tokenizer, tmp: Path, dtype: np.dtype, workers: int,
+                  shard_bytes: int, progress: bool, total: int | None,
+                  on_shard: Callable[[int], None] | None) -> tuple[list[dict[str, Any]], np.ndarray]:
+    tasks = ((k, docs, str(tmp), dtype.str) for k, docs in _shard_texts(corpora, shard_bytes))
+    # the first shard's documents are read before any worker starts (a bad line there: no worker ever ran)
+    tasks = itertools.chain([next(tasks)], tasks)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr)
+    shards: list[dict[str, Any]] = []
+    lengths: list[np.ndarray] = []
+    pool = None
+    try:
+        if workers > 1:
+            context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                                  else "spawn")
+            pool = context.Pool(workers, initializer=_init_worker, initargs=(tok,))
+            results = pool.imap(_tokenize_shard, tasks)
+        else:
+            _init_worker(tok, parallel_tokenizer=True)
+            results = map(_tokenize_shard, tasks)
+        for k, record, doc_lengths, text_bytes in results:
+            shards.append(record)
+            lengths.append(doc_lengths)
+            if bar is not None:
+                bar.update(text_bytes)
+            if on_shard is not None:
+                on_shard(k)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if bar is not None:
+            bar.close()
+    return shards, np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+
+
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def _init_worker(tok: Tokenizer, parallel_tokenizer: bool = False) -> None:
+    global _WORKER_TOKENIZER
+    if not parallel_tokenizer:  # one process per core already: no tokenizer thread pool on top
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        os.environ["RAYON_NUM_THREADS"] = "1"
+    _WORKER_TOKENIZER = tok
+
+
+def _tokenize_shard(task: tuple[int, list[str], str, str]) -> tuple[int, dict[str, Any], np.ndarray, int]:
+    """Tokenize one shard's documents (EOS after each), write ``tokens-<k>.bin``; return its record."""
+    k, docs, tmp, dtype = task
+    tok = _WORKER_TOKENIZER
+    assert tok is not None
+    encoded = tok.encode_many(docs)
+    lengths = np.fromiter((e.size + 1 for e in encoded), dtype=np.int64, count=len(encoded))
+    tokens = np.empty(int(lengths.sum()), dtype=np.dtype(dtype))
+    ends = np.cumsum(lengths)
+    for e, end in zip(encoded, ends):
+        tokens[end - e.size - 1 : end - 1] = e
+    tokens[ends - 1] = tok.eos_id
+    name = f"tokens-{k:05d}.bin"
+    path = Path(tmp) / name
+    tokens.tofile(path)
+    return k, {"file": name, "num_tokens": int(tokens.size), "num_documents": len(docs),
+               **buffer_digests(tokens)}, lengths, sum(len(d) for d in docs)

@@ -1,0 +1,96 @@
+"""Validation batches: the held-out documents (``--val-fraction``) or a corpus of their own
+(``--val-corpus``), for the evaluation loop (docs/design.md §12).
+
+API for the evaluation loop::
+
+    val = build_val_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp,
+                            seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus)
+    for name, batch in val.named():   # or: for batch in val
+        ...                           # batch: {input_ids, labels, position_ids, doc_starts}, [B, S]
+
+- Every replica gets ``len(val)`` batches (the same number on every replica, so collectives line up),
+  each ``batch_size`` full sequences; sp ranks of a replica shard them as training batches.
+- Order: corpus by corpus (a mixture's corpora in the order given; weights do not apply), each
+  corpus's validation samples in stream order (no shuffle), sample ``j`` of a corpus on replica
+  ``(j // batch_size) % dp``; the samples past the last whole global batch are left out.
+- Deterministic and re-iterable: every pass yields the same batches (read lazily; prepared
+  directories by memory map).
+- With ``val_fraction``, the sequences are packed from held-out documents only, which the training
+  stream (:func:`~loongtrain.data.pipeline.build_batches` with the same ``val_fraction`` and ``seed``)
+  never contains: no token of a validation document is trained on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from loongtrain.data.packing import PackedDataset
+from loongtrain.data.sampler import ReplicaSampler
+from loongtrain.data.sources import open_stream, parse_corpus_spec
+from loongtrain.data.split import check_fraction
+from loongtrain.data.tokenizer import Tokenizer, build_tokenizer
+
+
+class ValBatches:
+    """This replica's validation batches (module docstring: order and guarantees)."""
+
+    def __init__(self, parts: list[tuple[str, PackedDataset, ReplicaSampler, int]]) -> None:
+        self._parts = parts  # (corpus name, dataset, sampler, batches per replica)
+
+    def __len__(self) -> int:
+        return sum(n for *_, n in self._parts)
+
+    def named(self) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+        """(corpus name, batch) pairs."""
+        for name, dataset, sampler, count in self._parts:
+            for step in range(count):
+                samples = [dataset[i] for i in sampler.indices(step)]
+                yield name, {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return (batch for _, batch in self.named())
+
+    def tokens(self) -> int:
+        """Input tokens of this replica's validation batches."""
+        return sum(n * sampler.batch_size * dataset.seq_len for _, dataset, sampler, n in self._parts)
+
+
+def build_val_batches(
+    corpus_spec: str | Path,
+    tokenizer: str | Tokenizer,
+    seq_len: int,
+    batch_size: int = 1,
+    dp_rank: int = 0,
+    dp: int = 1,
+    *,
+    seed: int = 0,
+    val_fraction: float = 0.0,
+    val_corpus: str = "",
+    text_field: str = "text",
+) -> ValBatches:
+    """The validation batches of replica ``dp_rank`` of ``dp``: the documents of ``corpus_spec`` held out
+    by ``val_fraction`` (> 0) and ``seed``, or all of ``val_corpus`` (exactly one of the two).
+
+    ValueError when neither or both are given, when the fraction is outside (0, 1), or when the
+    validation data holds less than one global batch (``dp * batch_size`` sequences)."""
+    check_fraction(val_fraction)
+    if bool(val_fraction) == bool(val_corpus):
+        raise ValueError(f"validation needs exactly one of --val-fraction (got {val_fraction}) and "
+                         f"--val-corpus (got {val_corpus!r})")
+    tok = build_tokenizer(tokenizer)
+    spec, part = (val_corpus, "all") if val_corpus else (str(corpus_spec), "validation")
+    parts = []
+    for name, _ in parse_corpus_spec(spec):
+        dataset = PackedDataset(open_stream(name, tok, text_field=text_field, val_fraction=val_fraction,
+                                            seed=seed, part=part), seq_len)
+        available = (dataset.stream.total_length() - 1) // seq_len
+        count = max(available, 0) // (dp * batch_size)
+        parts.append((name, dataset, ReplicaSampler(None, dp_rank, dp, batch_size, seed, shuffle=False), count))
+    if not any(n for *_, n in parts):
+        raise ValueError(f"the validation data of {spec!r} ({'held-out documents' if part != 'all' else 'all'}) "
+                         f"holds less than one global batch of dp*batch_size = {dp * batch_size} sequences of "
+                         f"{seq_len + 1} tokens; raise --val-fraction or shorten --seq-len")
+    return ValBatches(parts)

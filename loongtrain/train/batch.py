@@ -1,0 +1,75 @@
+"""How one full-sequence micro-batch is laid on this rank (docs/design.md §3): its packed documents, the
+chunk order it is sharded with, this rank's shard of tokens, labels and positions, and the attention
+work its rows compute (for FLOP counts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.documents import Documents, cu_seqlens_from_starts, document_position_ids, visible_pairs
+from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.sharding import shard_sequence
+from loongtrain.train.config import TrainConfig
+
+Batch = dict[str, torch.Tensor]
+ChunkOrder = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    """This rank's shard of a micro-batch, with what attention needs to mask it."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: list[torch.Tensor] | None
+    chunk_order: ChunkOrder | None
+
+
+class BatchLayout:
+    """The run's rules for laying a full-sequence batch (``input_ids``, ``labels``, ``position_ids`` of
+    shape ``[batch, seq_len]``, and ``doc_starts`` for packed corpora) on ``mesh``."""
+
+    def __init__(self, cfg: TrainConfig, mesh: Mesh, model_config: ModelConfig, device: torch.device) -> None:
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        self.sliding_window = getattr(model_config, "sliding_window", None)
+
+    def documents(self, batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
+        """``(cu_seqlens, full position_ids)``: with ``--doc-mask on`` and a batch that marks its documents
+        (``doc_starts``, packed corpora) the documents' boundaries and, with ``--position-reset``, positions
+        restarting per document; else ``(None, batch["position_ids"])``."""
+        if self.cfg.doc_mask != "on" or "doc_starts" not in batch:
+            return None, batch["position_ids"]
+        cu_seqlens = cu_seqlens_from_starts(batch["doc_starts"])
+        if not self.cfg.position_reset:
+            return cu_seqlens, batch["position_ids"]
+        return cu_seqlens, document_position_ids(cu_seqlens, batch["input_ids"].shape[1])
+
+    def chunk_order(self, cu_seqlens: list[torch.Tensor] | None, seq_len: int) -> ChunkOrder | None:
+        """``None`` (zigzag), or with ``--chunk-layout balanced``, documents and ``cp > 1`` the
+        :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every rank of the
+        replica computes the same one from the same batch)."""
+        if cu_seqlens is None or self.mesh.cp == 1:
+            return None
+        documents = Documents(tuple(tuple(cu.tolist()) for cu in cu_seqlens), self.cfg.chunk_layout)
+        return documents.chunk_order(seq_len, self.mesh.cp, self.mesh.hp, self.sliding_window)
+
+    def local(self, batch: Batch) -> LocalBatch:
+        """This rank's shard: tokens, labels and positions sharded with one layout (:meth:`chunk_order`)."""
+        cu_seqlens, positions = self.documents(batch)
+        order = self.chunk_order(cu_seqlens, batch["input_ids"].shape[1])
+
+        def shard(x: torch.Tensor) -> torch.Tensor:
+            return shard_sequence(x, self.mesh, dim=1, chunk_order=order).to(self.device, non_blocking=True)
+
+        return LocalBatch(shard(batch["input_ids"]), shard(batch["labels"]), shard(positions), cu_seqlens, order)
+
+    def visible_pairs(self, batch: Batch) -> int:
+        """Attention (query, key) pairs the batch's rows compute (per layer and head), for FLOP counts."""
+        cu_seqlens, _ = self.documents(batch)
+        rows, seq = batch["input_ids"].shape
+        return sum(visible_pairs(cu_seqlens[b] if cu_seqlens is not None else None, seq,
+                                 sliding_window=self.sliding_window) for b in range(rows))

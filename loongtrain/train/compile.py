@@ -1,0 +1,209 @@
+"""``--compile off|on|auto``: ``torch.compile`` of each decoder block (docs/design.md §13).
+
+:func:`compile_blocks` is the compile step of :func:`loongtrain.train.parallelize.parallelize`, after
+activation checkpointing and before FSDP2: each block's ``forward`` (already the checkpointed one, if any) is
+replaced on the instance by a compiled one, so FSDP2's gather/reshard hooks stay eager around it, parameter
+names are unchanged, and Selective Checkpoint++'s policy is traced with the block (the compiler saves the
+outputs of the attention ops and recomputes the rest, as in eager). 2D-Attention's communication and ring
+run inside the ``torch.ops.loongtrain.*`` custom ops, which stay opaque to the compiler (their fake
+implementations give the output shapes); the block compiles to one graph.
+
+Document boundaries (``cu_seqlens``) and the chunk order reach the compiled block as CPU int64 tensors
+(:func:`block_inputs`; the boundaries' lengths marked dynamic), never as Python ints: a new document mix or
+balanced layout is new data for the same graph, not a new graph. A block compiles at most twice: for its
+first inputs, and once more if a batch without documents follows batches with them (or the reverse).
+
+``auto`` compiles on a CUDA device whose name matches :data:`COMPILE_FASTER_ON`, the devices on which a
+GPU run (``benchmarks/gpu_check.py``, recorded in ``benchmarks/RESULTS.md``) measured compiled training
+faster than eager; it is empty until such a run exists, so ``auto`` is eager everywhere for now. CPU runs
+compile only with ``--compile on``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import re
+import shutil
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from loongtrain.train.config import COMPILE
+
+log = logging.getLogger("loongtrain.train")
+
+COMPILE_MODES = COMPILE  # TrainConfig's choices for --compile
+
+#: CUDA device-name substrings on which a gpu_check run measured compiled blocks faster than eager
+#: (benchmarks/RESULTS.md, section "compiled blocks"). Empty: no GPU run has measured it yet, so
+#: ``--compile auto`` runs eager everywhere. Add a device here with the run's figures in RESULTS.md.
+COMPILE_FASTER_ON: tuple[str, ...] = ()
+
+#: torch.compile backend of the compile step (tests use "aot_eager": the same graphs, no code generation)
+BACKEND = "inductor"
+
+_MASK_ARGS = ("cu_seqlens", "chunk_order")
+
+
+class CompileError(RuntimeError):
+    """torch.compile failed on a decoder block (the message names the block, the op, and ``--compile off``)."""
+
+
+def compile_enabled(mode: str, device: torch.device) -> bool:
+    """Whether ``--compile mode`` compiles on ``device`` (module docstring); ValueError for an unknown mode."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile={mode!r} is not one of {COMPILE_MODES}")
+    if mode == "auto":
+        if device.type != "cuda":
+            return False
+        name = torch.cuda.get_device_name(device)
+        return any(sub in name for sub in COMPILE_FASTER_ON)
+    return mode == "on"
+
+
+def missing_compiler(device_type: str, backend: str | None = None) -> str | None:
+    """What ``torch.compile`` with ``backend`` lacks on ``device_type`` (a sentence), or None. Cheap: no
+    compilation, only the pieces it needs: dynamo on this Python, and for inductor a C++ compiler (CPU) or
+    Triton (CUDA)."""
+    backend = backend or BACKEND
+    import torch._dynamo
+
+    if not torch._dynamo.is_dynamo_supported():
+        return (f"torch._dynamo does not support Python {sys.version_info.major}.{sys.version_info.minor} with "
+                f"torch {torch.__version__}")
+    if backend != "inductor":
+        return None
+    if device_type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "the inductor backend needs Triton on CUDA, and the 'triton' package is not installed"
+        return None
+    from torch._inductor import config as inductor_config
+
+    cxx = inductor_config.cpp.cxx
+    names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c] or ["g++"]
+    if not any(shutil.which(str(c)) for c in names):
+        return (f"the inductor backend needs a C++ compiler on CPU, and none of {names} is on PATH "
+                f"(install g++ or set CXX)")
+    return None
+
+
+def check_compile_backend(mode: str, device_type: str) -> None:
+    """Launcher validation: ValueError naming the missing piece if ``--compile mode`` would compile on
+    ``device_type`` and torch cannot (:func:`missing_compiler`)."""
+    wants = mode == "on" or (mode == "auto" and device_type == "cuda" and bool(COMPILE_FASTER_ON))
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"--compile={mode!r} is not one of {COMPILE_MODES}")
+    if not wants:
+        return
+    missing = missing_compiler(device_type)
+    if missing:
+        raise ValueError(f"--compile {mode}: {missing}; run with --compile off")
+
+
+def check_compile_options(parallel: Any) -> None:
+    """ValueError unless the memory modes of ``parallel`` (a ParallelConfig) compose with compiled blocks:
+    activation offload (saved-tensor hooks around each block) and MLP tiles (a Python autograd Function per
+    tile) have not been verified under torch.compile, so they run eager only."""
+    if parallel.offload_activations:
+        raise ValueError("--compile on with --offload-activations is not supported yet: use --compile off")
+    if str(parallel.mlp_tiles) != "1":
+        raise ValueError(f"--compile on with --mlp-tiles {parallel.mlp_tiles} is not supported yet: use "
+                         f"--compile off or --mlp-tiles 1")
+
+
+def check_compile_run(mode: str, parallel: Any, device_type: str) -> None:
+    """The launcher's check of ``--compile`` (before any worker starts): :func:`check_compile_backend`, and
+    when it compiles, :func:`check_compile_options`."""
+    check_compile_backend(mode, device_type)
+    if mode == "on" or (mode == "auto" and device_type == "cuda" and bool(COMPILE_FASTER_ON)):
+        check_compile_options(parallel)
+
+
+def block_inputs(signature: inspect.Signature, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """``args, kwargs`` of a block call with ``cu_seqlens`` (a list of per-row CPU int64 tensors, lengths
+    marked dynamic) and ``chunk_order`` (one CPU int64 tensor) as tensors, wherever they are passed
+    (positionally, by name, or inside ``**kwargs`` as transformers' layers take them)."""
+    bound = signature.bind_partial(*args, **kwargs)
+    params = signature.parameters
+    extra = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    for name in _MASK_ARGS:
+        holder = bound.arguments
+        if name not in holder and extra is not None and name in holder.get(extra, {}):
+            holder = holder[extra]
+        if holder.get(name) is not None:
+            holder[name] = _as_tensors(name, holder[name])
+    return bound.args, bound.kwargs
+
+
+def _as_tensors(name: str, value: Any) -> Any:
+    if name == "chunk_order":
+        return (value if isinstance(value, torch.Tensor) else torch.tensor(list(value))).to("cpu", torch.int64)
+    single = isinstance(value, torch.Tensor) and value.dim() == 1
+    if not single and value and all(isinstance(x, int) for x in value):
+        single = True
+    rows = [value] if single else list(value)
+    out = []
+    for row in rows:
+        t = (row if isinstance(row, torch.Tensor) else torch.tensor(list(row))).to("cpu", torch.int64)
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        out.append(t)
+    return out
+
+
+def compile_block(block: nn.Module, name: str, backend: str | None = None) -> None:
+    """Replace ``block.forward`` by its compiled version (module docstring)."""
+    forward = block.forward
+    original = block.__dict__.get("_loongtrain_forward", forward)
+    signature = inspect.signature(original)
+    compiled = torch.compile(forward, backend=backend or BACKEND)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = block_inputs(signature, args, kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            raise CompileError(compile_failure(name, exc)) from exc
+
+    block._loongtrain_compiled = compiled
+    block.forward = run
+
+
+def compile_failure(name: str, exc: BaseException) -> str:
+    """One message for a failed compile: the block, the op (the first ``aten.*``/``loongtrain.*`` name in the
+    error, else the failing source line) and the way out."""
+    text = str(exc)
+    op = re.search(r"\b(?:aten|loongtrain|prims)\.\w+(?:\.\w+)?", text)
+    where = op.group(0) if op else _user_frame(exc)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return (f"torch.compile failed on decoder block {name} at op {where}: {type(exc).__name__}: {first}; "
+            f"run with --compile off")
+
+
+def _user_frame(exc: BaseException) -> str:
+    stack = getattr(exc, "real_stack", None)
+    if stack:
+        frame = stack[-1]
+        return f"{frame.filename}:{frame.lineno} ({frame.line})"
+    return "unknown"
+
+
+def compile_blocks(model: nn.Module, layers: list[nn.Module], backend: str | None = None) -> list[str]:
+    """The compile step: :func:`compile_block` on each decoder block of ``model``; returns their names."""
+    names = {id(m): n for n, m in model.named_modules()}
+    compiled = []
+    for block in layers:
+        name = names.get(id(block), type(block).__name__)
+        compile_block(block, name, backend)
+        compiled.append(name)
+    log.info("compiled %d decoder blocks with torch.compile (backend %s)", len(compiled), backend or BACKEND)
+    return compiled
+
+
+def compiled_forward(block: nn.Module) -> Callable[..., Any] | None:
+    """The ``torch.compile`` object of a compiled block (None: not compiled)."""
+    return block.__dict__.get("_loongtrain_compiled")

@@ -1,0 +1,265 @@
+"""Activation offload: what checkpointed blocks keep for backward lives on the host (docs/design.md §7).
+
+``--offload-activations`` moves the tensors a checkpointed block keeps between its forward and its
+backward to host memory (pinned when the machine supports it), and brings each block's back one block
+ahead of its backward:
+
+- **what moves**: the block's checkpointed inputs that require grad (the hidden states entering the
+  block; torch's checkpoint saves them through :func:`torch.autograd.graph.saved_tensors_hooks`, which
+  :meth:`ActivationOffloader.block` installs around the block) and, under Selective Checkpoint++, the
+  outputs of the attention ops the policy saves (torch keeps those in the selective-checkpoint cache,
+  not through the hooks: :meth:`ActivationOffloader.selective_contexts` gives that cache a storage
+  whose tensors live on the host). Tensors that need no grad (RoPE tables, masks: shared by every
+  block) and parameters stay where they are, by reference.
+- **when**: each copy is queued (on CUDA on a side stream that first waits for the compute stream; the
+  device tensor is handed to the caching allocator with ``record_stream``) when the tensor is saved, i.e.
+  during the block's forward; the device copy is freed as soon as the copy ends and the forward drops it.
+  Block ``i``'s forward starts only once block ``i - 2``'s copies have finished (a host-side wait that
+  costs nothing while the copies keep up), so at most two blocks' copies are in flight.
+- **back**: the backward of block ``i`` starts by unpacking its first saved tensor; that fetches block
+  ``i``'s tensors (waiting only if their prefetch has not finished) and starts the copy of block
+  ``i - 1``'s on the side stream, overlapping block ``i``'s recompute and backward. Device memory thus
+  holds at most two blocks' offloaded tensors whatever the depth (:attr:`ActivationOffloader.peak_device_bytes`).
+
+Without a GPU the same code runs: the host copy is a distinct CPU tensor (no stream), and the "device"
+copy brought back is another one, so tests count what stays on the device. On a machine without pinned
+memory a warning is logged once and pageable memory is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+log = logging.getLogger("loongtrain.train")
+
+Tensor = torch.Tensor
+
+
+@functools.cache
+def pinned_memory_available() -> bool:
+    """Whether this machine can allocate pinned host memory; logs a warning (once per process) if not."""
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError as exc:
+        log.warning("pinned host memory is not available here (%s): offloading to pageable host memory "
+                    "(slower host<->device copies on GPUs)", str(exc).splitlines()[0])
+        return False
+
+
+class _Saved:
+    """One offloaded tensor: its host copy and, between a fetch and its unpack, its device copy."""
+
+    __slots__ = ("__weakref__", "device_copy", "fetched", "host", "stash")
+
+    def __init__(self, host: Tensor, stash: _Stash) -> None:
+        self.host, self.stash = host, stash
+        self.device_copy: Tensor | None = None
+        self.fetched = False  # a device copy was made (it may since have been handed to autograd)
+
+
+class _Stash:
+    """The tensors one block offloaded in one forward, and the stash of the block that ran before it."""
+
+    __slots__ = ("copy_event", "event", "index", "items", "prev")
+
+    def __init__(self, index: int, prev: _Stash | None) -> None:
+        self.index, self.prev = index, prev
+        self.items: list[weakref.ref[_Saved]] = []  # autograd's handles own them: freed with the graph
+        self.event: Any = None  # CUDA event: this stash's fetch has been queued up to here
+        self.copy_event: Any = None  # CUDA event: its copies to the host have been queued up to here
+
+
+class ActivationOffloader:
+    """Moves checkpointed blocks' saved tensors to the host and back, one block ahead (module docstring).
+
+    Counters (bytes): ``offloaded_bytes`` (copied to the host, total), ``host_bytes`` / ``peak_host_bytes``
+    (live host copies) and ``device_bytes`` / ``peak_device_bytes`` (live device copies brought back).
+    ``on_kept(t)`` is called for each saved tensor left on the device (by reference).
+    """
+
+    def __init__(self, device: torch.device, on_kept: Callable[[Tensor], None] | None = None) -> None:
+        self.device = torch.device(device)
+        self.on_kept = on_kept  # told of each saved tensor left on the device (the memory report counts it)
+        cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.pin = pinned_memory_available() and cuda
+        self._last: _Stash | None = None
+        self.offloaded_bytes = self.host_bytes = self.peak_host_bytes = 0
+        self.device_bytes = self.peak_device_bytes = 0
+
+    # ----------------------------------------------------------------------------------------------
+    # forward: to the host
+
+    @contextlib.contextmanager
+    def block(self, index: int) -> Iterator[_Stash]:
+        """Run block ``index``'s forward with its saved tensors offloaded (blocks enter in forward order)."""
+        last = self._last
+        stash = _Stash(index, last if last is not None and last.index < index else None)
+        self._last = stash
+        older = stash.prev.prev if stash.prev is not None else None
+        if older is not None and older.copy_event is not None:
+            older.copy_event.synchronize()  # at most two blocks' copies in flight: their device memory is bounded
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, stash), self._unpack):
+            yield stash
+
+    def _pack(self, stash: _Stash, t: Tensor) -> Any:
+        if not t.requires_grad or isinstance(t, nn.Parameter):
+            if self.on_kept is not None:
+                self.on_kept(t)
+            return t  # shared inputs that need no grad (RoPE tables, masks) and weights stay
+        return self.offload(stash, t)
+
+    def offload(self, stash: _Stash, t: Tensor) -> _Saved:
+        """Queue the copy of ``t`` to a new host tensor; the handle that brings it back."""
+        host = torch.empty_like(t, device="cpu", pin_memory=self.pin)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(t.detach(), non_blocking=True)
+            t.record_stream(self.stream)
+            stash.copy_event = self.stream.record_event()
+        else:
+            host.copy_(t.detach())
+        saved = _Saved(host, stash)
+        stash.items.append(weakref.ref(saved))
+        nbytes = host.numel() * host.element_size()
+        self.offloaded_bytes += nbytes
+        self._count("host_bytes", host, nbytes)
+        return saved
+
+    # ----------------------------------------------------------------------------------------------
+    # backward: back to the device, one block ahead
+
+    def _unpack(self, packed: Any) -> Any:
+        return self.restore(packed) if isinstance(packed, _Saved) else packed
+
+    def restore(self, saved: _Saved) -> Tensor:
+        """The device tensor of ``saved``: fetch its block (if not prefetched), prefetch the previous one."""
+        stash = saved.stash
+        self._fetch(stash)
+        if stash.prev is not None:
+            self._fetch(stash.prev)
+        if saved.device_copy is None:  # unpacked a second time (retain_graph): fetch it again
+            self._fetch_one(saved)
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(stash.event)
+            saved.device_copy.record_stream(current)
+        out, saved.device_copy = saved.device_copy, None
+        return out
+
+    def _fetch(self, stash: _Stash) -> None:
+        for ref in stash.items:
+            saved = ref()
+            if saved is not None and not saved.fetched:
+                self._fetch_one(saved)
+
+    def _fetch_one(self, saved: _Saved) -> None:
+        if self.stream is None:
+            dev = saved.host.to(self.device, copy=True)
+        else:
+            with torch.cuda.stream(self.stream):
+                dev = saved.host.to(self.device, non_blocking=True)
+            saved.stash.event = self.stream.record_event()
+        saved.device_copy, saved.fetched = dev, True
+        self._count("device_bytes", dev, dev.numel() * dev.element_size())
+
+    def _count(self, name: str, t: Tensor, nbytes: int) -> None:
+        setattr(self, name, getattr(self, name) + nbytes)
+        peak = f"peak_{name}"
+        setattr(self, peak, max(getattr(self, peak), getattr(self, name)))
+        weakref.finalize(t, self._uncount, name, nbytes)
+
+    def _uncount(self, name: str, nbytes: int) -> None:
+        setattr(self, name, getattr(self, name) - nbytes)
+
+    def reset_peaks(self) -> None:
+        """Start the peak counters afresh (from what is live now)."""
+        self.peak_host_bytes, self.peak_device_bytes = self.host_bytes, self.device_bytes
+
+    # ----------------------------------------------------------------------------------------------
+    # Selective Checkpoint++'s cache
+
+    def selective_contexts(self, policy: Callable[..., Any]) -> tuple[Any, Any]:
+        """``context_fn`` result for ``torch.utils.checkpoint``: selective checkpointing under ``policy``
+        whose cached op outputs are offloaded into the current block's stash (call inside :meth:`block`)."""
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        if not (hasattr(caching, "storage") and hasattr(cached, "storage")):
+            raise RuntimeError(f"torch {torch.__version__}: selective checkpointing keeps no 'storage' that "
+                               "activation offload can move; run without --offload-activations")
+        assert self._last is not None, "selective_contexts() must be called inside block()"
+        caching.storage = cached.storage = _OffloadedCache(self, self._last)
+        return caching, cached
+
+
+class _OffloadedCache(defaultdict):
+    """Selective checkpointing's cache (op -> {call index -> saved outputs}) with its tensors on the host.
+
+    torch wraps each cached tensor in an object with ``val`` and ``version`` (its mutation check); the
+    tensor is replaced by a host handle when cached and restored when the recompute reads it.
+    """
+
+    def __init__(self, offloader: ActivationOffloader, stash: _Stash) -> None:
+        super().__init__(lambda: _OffloadedEntries(offloader, stash))
+
+
+class _OffloadedEntries(dict):
+    def __init__(self, offloader: ActivationOffloader, stash: _Stash) -> None:
+        super().__init__()
+        self.offloader, self.stash = offloader, stash
+
+    def _to_host(self, wrapper: Any) -> Any:
+        if isinstance(getattr(wrapper, "val", None), Tensor):
+            wrapper.val = self.offloader.offload(self.stash, wrapper.val)
+        return wrapper
+
+    def _to_device(self, wrapper: Any) -> Any:
+        if isinstance(getattr(wrapper, "val", None), _Saved):
+            wrapper.val = self.offloader.restore(wrapper.val)
+            wrapper.version = wrapper.val._version  # a fresh copy: nothing has mutated it
+        return wrapper
+
+    def __setitem__(self, index: int, entry: Any) -> None:
+        super().__setitem__(index, tree_map(self._to_host, entry))
+
+    def get(self, index: int, default: Any = None) -> Any:
+        entry = super().get(index, default)
+        return tree_map(self._to_device, entry)
+
+
+def offload_blocks(layers: nn.ModuleList, indices: list[int], offloader: ActivationOffloader) -> None:
+    """Run the (already checkpointed) blocks ``indices`` of ``layers`` inside ``offloader.block(i)``.
+
+    The block's ``forward`` is replaced on the instance, as checkpointing does (names unchanged).
+    """
+    for i in indices:
+        block = layers[i]
+        block.forward = functools.partial(_offloaded_forward, offloader, i, block.forward)
+
+
+def _offloaded_forward(offloader: ActivationOffloader, index: int, forward: Callable[..., Any],
+                       *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    with offloader.block(index):
+        return forward(*args, **kwargs)
+
+
+OFFLOADER_ATTR = "_loongtrain_activation_offloader"
+
+
+def activation_offloader(model: nn.Module) -> ActivationOffloader | None:
+    """The :class:`ActivationOffloader` that ``parallelize`` attached to ``model`` (None: no offload)."""
+    return model.__dict__.get(OFFLOADER_ATTR)

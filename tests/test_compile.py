@@ -1,0 +1,214 @@
+"""``--compile``: compiled decoder blocks (docs/design.md §13), single process.
+
+Compiled training equals eager training (fp64, 1e-10, documents and a sliding window, Selective
+Checkpoint++) over 20 steps whose document mix changes every step, with at most two compilations per block
+(dynamo's counters); blocks (native and Hugging Face) compile without graph breaks; the attention ops' fake
+implementations agree with the real ones for every input form (``torch.library.opcheck``); the memory
+report counts what compiled blocks save; bad input and compile failures are named. Compiles with
+``aot_eager`` (the same graphs as inductor, no code generation: fast on CPU); ``benchmarks/compile.py``
+runs inductor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from loongtrain.attn import ops
+from loongtrain.model.config import ModelConfig
+from loongtrain.model.llama import Transformer, rope_cos_sin
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.train import compile as compile_step
+from loongtrain.train.config import TrainConfig
+from loongtrain.train.memory_report import trainer_memory_report
+from loongtrain.train.parallelize import parallelize
+
+TOL = 1e-10
+SEQ = 32
+MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64,
+                    sliding_window=12)
+
+
+@pytest.fixture(autouse=True)
+def aot_eager(monkeypatch):
+    monkeypatch.setattr(compile_step, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def doc_batch(step: int, rows: int = 1) -> dict[str, torch.Tensor]:
+    """Random tokens with a different document mix at every step (1 to 5 documents per row)."""
+    gen = torch.Generator().manual_seed(step)
+    tokens = torch.randint(0, MODEL.vocab_size, (rows, SEQ + 1), generator=gen)
+    starts = torch.zeros(rows, SEQ, dtype=torch.bool)
+    starts[:, 0] = True
+    for r in range(rows):
+        starts[r, torch.randperm(SEQ - 1, generator=gen)[: (step + r) % 5].add(1)] = True
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:],
+            "position_ids": torch.arange(SEQ).expand(rows, SEQ).contiguous(), "doc_starts": starts}
+
+
+def trainer(compile: str, ac_mode: str = "selective"):
+    from loongtrain.train.config import Run
+    from loongtrain.train.trainer import Trainer
+
+    cfg = TrainConfig(seq_len=SEQ, steps=20, warmup=1, dtype="fp64", parallel=ParallelConfig(ac_mode=ac_mode),
+                      doc_mask="on", compile=compile)
+    return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
+
+
+def test_compiled_training_equals_eager_with_changing_documents_and_compiles_each_block_at_most_twice():
+    eager, compiled = trainer("off"), trainer("on")
+    for step in range(20):
+        batch = [doc_batch(step)]
+        a, b = eager.step(batch), compiled.step(batch)
+        assert abs(a["loss"] - b["loss"]) < TOL and abs(a["grad_norm"] - b["grad_norm"]) < TOL, (step, a, b)
+    for (name, p), q in zip(eager.model.named_parameters(), compiled.model.parameters()):
+        assert (p - q).abs().max().item() < TOL, name
+    graphs = counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 2 * MODEL.num_layers, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # the memory report counts what the compiled blocks save: under Selective++ eager's activations (the
+    # weights a compiled block saves are parameters, not activations), up to one more copy of the
+    # documents' int64 boundaries per layer
+    eager_bytes, compiled_bytes = (trainer_memory_report(t, doc_batch(0))["activations"] for t in (eager, compiled))
+    assert eager_bytes > 0 and abs(compiled_bytes - eager_bytes) <= 8 * SEQ * MODEL.num_layers, (eager_bytes,
+                                                                                                 compiled_bytes)
+    assert counters["stats"]["unique_graphs"] == graphs  # no new compilation for the report either
+
+
+def _block_inputs():
+    x = torch.randn(1, SEQ, MODEL.dim, dtype=torch.float64)
+    cos, sin = rope_cos_sin(torch.arange(SEQ)[None], MODEL.head_dim, MODEL.rope_theta, x.dtype)
+    return x, cos, sin
+
+
+def test_native_block_compiles_to_one_graph_with_documents_window_and_selective_checkpointing():
+    model = parallelize(Transformer(MODEL).double(), single_process_mesh(), ParallelConfig(ac_mode="selective"),
+                        torch.device("cpu"))
+    block = model.layers[0]
+    x, cos, sin = _block_inputs()
+    args, kwargs = compile_step.block_inputs(compile_step.inspect.signature(block._loongtrain_forward),
+                                             (x.requires_grad_(), cos, sin, [torch.tensor([0, 5, SEQ])]), {})
+    explained = torch._dynamo.explain(block.forward)(*args, **kwargs)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+    targets = {str(n.target) for g in explained.graphs for n in g.graph.nodes}
+    assert "higher_order.tag_activation_checkpoint" in "".join(targets) or any("checkpoint" in t for t in targets)
+
+
+def test_hf_decoder_layer_compiles_without_graph_breaks():
+    from loongtrain.hf.apply import apply_2d_attention
+    from loongtrain.hf.families import decoder_layers
+    from tests.test_hf import _tiny
+
+    model = apply_2d_attention(_tiny("MistralForCausalLM", sliding_window=12), single_process_mesh())
+    layer = decoder_layers(model)[0]
+    dim = model.config.hidden_size
+    x = torch.randn(1, SEQ, dim)
+    positions = torch.arange(SEQ)[None]
+    emb = model.model.rotary_emb(x, positions)
+    for documents in ({"cu_seqlens": [torch.tensor([0, 7, SEQ])]}, {}):
+        args, kwargs = compile_step.block_inputs(compile_step.inspect.signature(layer.forward), (x,),
+                                                 {"position_embeddings": emb, "position_ids": positions, **documents})
+        explained = torch._dynamo.explain(layer.forward)(*args, **kwargs)
+        assert explained.graph_break_count == 0, (documents, explained.break_reasons)
+
+
+@pytest.mark.parametrize("masks", [
+    {},
+    {"cu_seqlens": [0, 3, 20, SEQ, 0, SEQ]},
+    {"cu_seqlens": [0, 9, SEQ, 0, 1, SEQ], "sliding_window": 5},
+    {"chunk_order": [1, 0], "sliding_window": 7},
+    {"cu_seqlens": [0, 2, SEQ, 0, 30, SEQ], "chunk_order": [1, 0]},
+])
+def test_attention_ops_fakes_match_real_for_every_input_form(masks):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, SEQ, 4, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(2, SEQ, 2, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(2, SEQ, 2, 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    cu = ops.as_index_tensor(masks.get("cu_seqlens"))
+    order = ops.as_index_tensor(masks.get("chunk_order"))
+    key = ops.ring_key(single_process_mesh())
+    args = (q, k, v, key, True, 0.3, cu, masks.get("sliding_window"), order)
+    torch.library.opcheck(ops.ring_attention, args, test_utils=("test_schema", "test_faketensor",
+                                                                "test_autograd_registration"))
+    out, lse = ops.ring_attention(*args)
+    dout = torch.randn_like(out)
+    bwd = (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, key, True, 0.3, cu,
+           masks.get("sliding_window"), order)
+    torch.library.opcheck(ops.ring_attention_backward, bwd, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compile_modes():
+    cpu = torch.device("cpu")
+    assert compile_step.compile_enabled("on", cpu) and not compile_step.compile_enabled("off", cpu)
+    assert not compile_step.compile_enabled("auto", cpu)  # CPU compiles only when asked
+    with pytest.raises(ValueError, match="'fast'.*off"):
+        compile_step.compile_enabled("fast", cpu)
+    with pytest.raises(ValueError, match="--compile='fast'"):
+        TrainConfig(compile="fast").validate()
+    compile_step.check_compile_options(ParallelConfig())
+    with pytest.raises(ValueError, match="--offload-activations.*--compile off"):
+        compile_step.check_compile_options(ParallelConfig(ac_mode="selective", offload_activations=True))
+    with pytest.raises(ValueError, match="--mlp-tiles 4"):
+        compile_step.check_compile_run("on", ParallelConfig(mlp_tiles="4"), "cpu")
+
+
+def test_missing_compiler_is_named(monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(compile_step, "BACKEND", "inductor")
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match="C\\+\\+ compiler.*--compile off"):
+        compile_step.check_compile_backend("on", "cpu")
+    compile_step.check_compile_backend("off", "cpu")  # nothing to compile: nothing missing
+    compile_step.check_compile_backend("auto", "cpu")
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    with pytest.raises(ValueError, match="torch._dynamo does not support Python"):
+        compile_step.check_compile_backend("on", "cpu")
+
+
+def test_compile_failure_names_block_and_op():
+    def failing_backend(gm, example_inputs):
+        op = next(n.target for n in gm.graph.nodes if n.op == "call_function" and "mm" in str(n.target)
+                  or n.op == "call_function")
+        raise NotImplementedError(f"no lowering for aten.{getattr(op, '__name__', op)}")
+
+    model = parallelize(Transformer(MODEL).double(), single_process_mesh(), ParallelConfig(),
+                        torch.device("cpu"))
+    compile_step.compile_block(model.layers[1], "layers.1", backend=failing_backend)
+    with pytest.raises(compile_step.CompileError, match=r"decoder block layers\.1 at op aten\.\w+.*--compile off"):
+        model(torch.randint(0, MODEL.vocab_size, (1, SEQ)))
+
+
+def test_compile_on_end_to_end_trains_like_eager(tmp_path):
+    from loongtrain.cli import main
+    from loongtrain.train.metrics import read_jsonl
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)))
+    losses = {}
+    for mode in ("off", "on"):
+        out = tmp_path / mode
+        argv = ["train", "--model", "tiny", "--nproc", "1", "--hp", "1", "--cp", "1", "--steps", "3",
+                "--warmup", "1", "--seq-len", "64", "--corpus", str(corpus), "--out-dir", str(out),
+                "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",
+                "--no-memory-report", "--compile", mode]
+        assert main(argv) == 0
+        losses[mode] = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+    assert len(losses["on"]) == 3 and losses["on"] == pytest.approx(losses["off"], rel=1e-6, abs=1e-6), losses
+    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+
+
+def test_compile_on_without_a_compiler_exits_2_before_any_worker(monkeypatch, tmp_path, capsys):
+    from loongtrain.cli import main
+
+    monkeypatch.setattr(compile_step, "BACKEND", "inductor")
+    monkeypatch.setattr(compile_step.shutil, "which", lambda name: None)
+    assert main(["train", "--compile", "on", "--nproc", "4", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--compile on" in err and "C++ compiler" in err, err

@@ -1,0 +1,198 @@
+"""Activation offload and the sequence-tiled MLP in one process (docs/design.md §7): exact against the plain
+run (fp64, documents on), device activation memory independent of depth, the bad-input rules.
+The sharded runs (world 4, and parameter offload) are in tests/test_offload_dist.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.config import ParallelConfig, mlp_tile_count, validate_parallel
+from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.memory_report import trainer_memory_report
+from loongtrain.train.models import model_config_for
+from loongtrain.train.offload import activation_offloader, pinned_memory_available
+from loongtrain.train.trainer import Trainer
+from tests.test_doc_mask_train import MODEL, SEQ, packed_batch
+
+TOL = 1e-10
+
+
+def make_trainer(model: ModelConfig | str = MODEL, **opts) -> Trainer:
+    cfg = TrainConfig(model=model if isinstance(model, str) else "tiny", seq_len=SEQ, batch_size=2, steps=2,
+                      warmup=0, clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=1, cp=1, **opts), doc_mask="on")
+    config = model if isinstance(model, ModelConfig) else model_config_for(cfg)
+    return Trainer(Run(cfg, config), single_process_mesh(), torch.device("cpu"))
+
+
+def losses_and_grads(trainer: Trainer) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two optimizer steps' losses, then the second step's gradients."""
+    losses = [trainer.step([packed_batch()])["loss"] for _ in range(2)]
+    return losses, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+
+
+def assert_same(got: tuple[list[float], dict], ref: tuple[list[float], dict], case: object) -> None:
+    assert max(abs(a - b) for a, b in zip(got[0], ref[0], strict=True)) < TOL, (case, got[0], ref[0])
+    for name, grad in ref[1].items():
+        assert (got[1][name] - grad).abs().max().item() < TOL, (case, name)
+
+
+CASES = {
+    "offload full": {"ac_mode": "full", "offload_activations": True},
+    "offload selective": {"ac_mode": "selective", "offload_activations": True},
+    "tiles 4": {"mlp_tiles": "4"},
+    "tiles auto, offload selective, half the blocks": {"mlp_tiles": "auto", "ac_mode": "selective",
+                                                       "ac_fraction": 0.5, "offload_activations": True},
+}
+
+
+def test_every_mode_equals_the_plain_run():
+    ref = losses_and_grads(make_trainer())
+    for case, opts in CASES.items():
+        trainer = make_trainer(**opts)
+        assert_same(losses_and_grads(trainer), ref, case)
+        offloader = activation_offloader(trainer.model)
+        assert (offloader is not None) == opts.get("offload_activations", False), case
+        if offloader is not None:  # something moved, and nothing is left on either side after backward
+            assert offloader.offloaded_bytes > 0 and offloader.host_bytes == offloader.device_bytes == 0, case
+
+
+def test_hf_mlp_is_tiled_exactly(tmp_path):
+    from tests.test_hf_train import make_hf_dir
+
+    model_dir = str(make_hf_dir(tmp_path / "qwen3", "Qwen3ForCausalLM"))
+    ref = losses_and_grads(make_trainer(model_dir))
+    trainer = make_trainer(model_dir, mlp_tiles="2", ac_mode="selective", offload_activations=True)
+    from loongtrain.hf.families import decoder_layers
+
+    assert all(layer.mlp.__dict__.get("_loongtrain_tiles") == "2" for layer in decoder_layers(trainer.model))
+    assert_same(losses_and_grads(trainer), ref, "hf")
+
+
+def _device_activations(layers: int, offload: bool) -> tuple[int, int]:
+    """(saved activation bytes left on the device after a forward, peak bytes brought back in backward)."""
+    config = ModelConfig(vocab_size=64, dim=32, num_layers=layers, num_heads=4, num_kv_heads=2, ffn_dim=64)
+    trainer = make_trainer(config, ac_mode="full", offload_activations=offload)
+    report = trainer_memory_report(trainer, packed_batch())
+    offloader = activation_offloader(trainer.model)
+    return report["activations"], offloader.peak_device_bytes if offloader else 0
+
+
+def test_offloaded_device_activations_do_not_grow_with_depth():
+    kept2, back2 = _device_activations(2, True)
+    kept8, back8 = _device_activations(8, True)
+    plain2, _ = _device_activations(2, False)
+    plain8, _ = _device_activations(8, False)
+    block = 2 * SEQ * MODEL.dim * 8  # one block's checkpointed input: [2, 32, 32] float64
+    assert plain8 - plain2 == 6 * block  # without offload: one more block input per layer
+    assert kept8 == kept2 == plain2 - 2 * block  # with it: no block input stays
+    assert back8 == back2 == 2 * block  # backward: the block being recomputed and the one prefetched
+
+
+def test_mem_activations_counts_only_device_bytes():
+    from loongtrain.train.memory_report import metrics_fields
+
+    plain = trainer_memory_report(make_trainer(ac_mode="selective"), packed_batch())
+    offloaded = trainer_memory_report(make_trainer(ac_mode="selective", offload_activations=True), packed_batch())
+    assert 0 < offloaded["activations"] < plain["activations"]
+    assert metrics_fields(offloaded)["mem_activations_gib"] == offloaded["activations"] / 2**30
+
+
+def test_no_pinned_memory_warns_once(caplog):
+    pinned_memory_available.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="loongtrain.train"):
+        first = pinned_memory_available()
+        assert pinned_memory_available() == first
+    warned = [r for r in caplog.records if "pinned host memory" in r.getMessage()]
+    assert len(warned) == (0 if first else 1)
+    assert first == torch.cuda.is_available()  # this suite's CPU machines: not available
+
+
+def test_auto_tile_rule():
+    assert mlp_tile_count("auto", 8192, 4096, 14336) == 4  # ceil(14336 / 4096) = 4 divides 8192
+    assert mlp_tile_count("auto", 96, 32, 160) == 6  # 5 does not divide 96: the next divisor
+    assert mlp_tile_count("auto", 8, 32, 64) == 2 and mlp_tile_count("auto", 8, 64, 64) == 1
+    assert mlp_tile_count("auto", 3, 8, 1000) == 3  # no divisor is large enough: one token per tile
+    assert mlp_tile_count("3", 12, 1, 1) == 3
+
+
+@pytest.mark.parametrize("opts, seq_len, needle", [
+    ({"mlp_tiles": "0"}, None, "mlp_tiles='0'"),
+    ({"mlp_tiles": "x"}, None, "mlp_tiles='x'"),
+    ({"mlp_tiles": "3", "hp": 2, "cp": 2}, 32, "mlp_tiles=3 must divide the 8 local tokens"),
+    ({"offload_activations": True}, None, "--ac-mode none"),
+    ({"offload_activations": True, "ac_mode": "full", "ac_fraction": 0.0}, None, "--ac-fraction 0"),
+    ({"offload_params": True}, None, "--offload-params (FSDP2's CPUOffloadPolicy) needs --zero full or hybrid"),
+])
+def test_bad_modes_name_the_value(opts, seq_len, needle):
+    with pytest.raises(ValueError) as err:
+        validate_parallel(ParallelConfig(**opts), seq_len=seq_len)
+    assert needle in str(err.value)
+
+
+def test_train_command_runs_every_mode(tmp_path):
+    """``loongtrain train`` with the offload and tiling flags on a preset and a Hugging Face directory; the
+    metrics' ``mem_activations_gib`` is what stays on the device (less than the plain run's)."""
+    from loongtrain.cli import main
+    from loongtrain.train.metrics import read_jsonl
+    from tests.fixtures import QUIET_FLAGS, write_code_corpus
+    from tests.test_hf_train import make_hf_dir
+
+    corpus = write_code_corpus(tmp_path / "corpus.txt")
+    base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "32", "--steps", "2", "--warmup", "1",
+            "--corpus", corpus, *QUIET_FLAGS, "--ac-mode", "selective"]
+    runs = {"plain": [], "offload": ["--offload-activations", "--mlp-tiles", "2"],
+            "hf": ["--model", str(make_hf_dir(tmp_path / "llama")), "--offload-activations", "--mlp-tiles", "auto",
+                   "--offload-params", "--zero", "full"]}
+    last = {}
+    for name, flags in runs.items():
+        assert main([*base, *flags, "--out-dir", str(tmp_path / name)]) == 0, name
+        last[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[-1]
+    assert 0 < last["offload"]["mem_activations_gib"] < last["plain"]["mem_activations_gib"]
+    assert last["hf"]["mem_activations_gib"] > 0
+
+
+def test_gradient_accumulation_with_offload():
+    """Two micro-batches per step: each forward's blocks link to their own backward."""
+    def trainer(**opts) -> Trainer:
+        cfg = TrainConfig(seq_len=SEQ, batch_size=1, grad_accum=2, steps=1, warmup=0, clip=0.0, dtype="fp64",
+                          doc_mask="on", parallel=ParallelConfig(hp=1, cp=1, **opts))
+        return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
+
+    micro = [{k: v[i : i + 1] for k, v in packed_batch().items()} for i in range(2)]
+    results = []
+    for opts in ({}, {"ac_mode": "selective", "offload_activations": True, "mlp_tiles": "2"}):
+        t = trainer(**opts)
+        loss = t.step(micro)["loss"]
+        results.append((loss, {n: p.grad.clone() for n, p in t.model.named_parameters()}))
+    assert_same(([results[1][0]], results[1][1]), ([results[0][0]], results[0][1]), "grad_accum")
+
+
+def test_selective_offload_needs_torchs_cache(monkeypatch):
+    """A torch whose selective checkpoint keeps no ``storage`` is named instead of silently not offloading."""
+    import loongtrain.train.offload as offload
+
+    monkeypatch.setattr(offload, "create_selective_checkpoint_contexts", lambda policy: (object(), object()))
+    offloader = offload.ActivationOffloader(torch.device("cpu"))
+    with offloader.block(0), pytest.raises(RuntimeError, match="no 'storage'"):
+        offloader.selective_contexts(lambda *a, **k: None)
+
+
+def test_cuda_runs_get_expandable_segments_and_host_collectives(monkeypatch):
+    from loongtrain.parallel import runtime
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not runtime.configure_cuda_allocator() and runtime.default_backend(host_collectives=True) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert runtime.default_backend(host_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert runtime.configure_cuda_allocator()
+    assert runtime.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
+    assert not runtime.configure_cuda_allocator()  # the user's choice stays
+    assert runtime.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"

@@ -1,0 +1,276 @@
+"""Prepared corpora: the on-disk format, `loongtrain prepare` (idempotence, interruption, bad input),
+and memory-mapped batches bit-identical to the raw read (docs/design.md §12)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from loongtrain.cli import main as cli_main
+from loongtrain.data import build_batches, build_tokenizer
+from loongtrain.data.prepare import prepare
+from loongtrain.data.prepared import (
+    FORMAT_VERSION,
+    IN_PROGRESS,
+    MANIFEST,
+    SAMPLE_BYTES,
+    PreparedStream,
+    buffer_digests,
+    document_index,
+    file_digests,
+    read_manifest,
+    sampled_digest,
+    verify_prepared,
+)
+
+
+def write_jsonl(path, docs):
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def make_docs(n=120, seed=0):
+    rng = np.random.default_rng(seed)
+    return [f"doc {i}: " + "xyzäb✓ "[i % 7] * int(rng.integers(0, 40)) for i in range(n)]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_jsonl(tmp_path / "c.jsonl", make_docs())
+
+
+def equal_batches(a, b, steps):
+    for _ in range(steps):
+        x, y = next(a), next(b)
+        assert x.keys() == y.keys()
+        for key in x:
+            assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), key
+
+
+def test_format_is_the_raw_token_stream(tmp_path, corpus):
+    docs = make_docs()
+    out = tmp_path / "p"
+    result = prepare([str(corpus)], out, "byte", workers=1, shard_bytes=300)
+    manifest = read_manifest(out)
+    assert result.status == "prepared" and manifest.data["version"] == FORMAT_VERSION
+    assert manifest.dtype == np.dtype("<u2") and manifest.tokenizer["identity"] == "byte"
+    assert len(manifest.data["shards"]) > 3  # several shards, cut at document boundaries
+    expected = b"".join(d.encode() + b"\0" for d in docs)
+    stream = PreparedStream(manifest, build_tokenizer("byte"))
+    assert manifest.num_tokens == len(expected) == len(stream) and manifest.num_documents == len(docs)
+    assert stream.slice(0, len(expected)).tolist() == list(expected)  # across every shard boundary
+    index = np.asarray(document_index(manifest))
+    lengths = [len(d.encode()) + 1 for d in docs]
+    assert index.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    assert sum(s["num_documents"] for s in manifest.data["shards"]) == len(docs)
+    assert not (out / IN_PROGRESS).exists() and not list(out.glob(".tmp-*"))
+
+
+@pytest.mark.distributed  # a pool of 2 worker processes
+def test_same_output_for_any_worker_count_and_idempotent(tmp_path, corpus, caplog):
+    prepare([str(corpus)], tmp_path / "one", workers=1, shard_bytes=300)
+    prepare([str(corpus)], tmp_path / "two", workers=2, shard_bytes=300)
+    files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
+    for f in files:
+        assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
+    before = {f: (tmp_path / "one" / f).stat().st_mtime_ns for f in files}
+    with caplog.at_level("INFO", logger="loongtrain"):
+        again = prepare([str(corpus)], tmp_path / "one", workers=2, shard_bytes=300)
+    assert again.status == "unchanged" and "nothing to do" in caplog.text
+    assert before == {f: (tmp_path / "one" / f).stat().st_mtime_ns for f in files}
+
+
+def test_interrupted_prepare_is_never_read_and_restarts_cleanly(tmp_path, corpus):
+    out = tmp_path / "p"
+
+    def crash(k):
+        if k == 2:
+            raise RuntimeError("simulated crash between shards")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        prepare([str(corpus)], out, workers=1, shard_bytes=300, on_shard=crash)
+    assert (out / IN_PROGRESS).exists() and not (out / MANIFEST).exists()
+    assert list(out.glob(".tmp-*/tokens-00002.bin"))  # the crash left written shards behind
+    with pytest.raises(ValueError, match="interrupted"):
+        build_batches(str(out), "byte", seq_len=16)
+    assert prepare([str(corpus)], out, workers=1, shard_bytes=300).status == "prepared"
+    prepare([str(corpus)], tmp_path / "clean", workers=1, shard_bytes=300)
+    assert not list(out.glob(".tmp-*")) and not (out / IN_PROGRESS).exists()
+    assert json.loads((out / MANIFEST).read_text())["shards"] == json.loads(
+        (tmp_path / "clean" / MANIFEST).read_text())["shards"]
+
+
+def test_mmap_batches_bit_equal_to_raw_and_resume(tmp_path, corpus):
+    prepare([str(corpus)], tmp_path / "p", workers=1, shard_bytes=300)
+    for dp_rank, dp, shuffle in ((0, 1, True), (1, 2, True), (0, 1, False)):
+        raw = build_batches(str(corpus), "byte", 24, 3, dp_rank, dp, 7, 0, shuffle=shuffle)
+        mm = build_batches(str(tmp_path / "p"), "byte", 24, 3, dp_rank, dp, 7, 0, shuffle=shuffle)
+        equal_batches(raw, mm, 40)  # past an epoch: wraps identically
+    # resume into another dp at the same global batch: the replicas' union is the same sequence
+    one = build_batches(str(tmp_path / "p"), "byte", 24, 4, 0, 1, 7, 0)
+    for _ in range(5):
+        next(one)
+    state = one.state_dict()
+    halves = []
+    for rank in range(2):
+        b = build_batches(str(tmp_path / "p"), "byte", 24, 2, rank, 2, 7, 0)
+        b.load_state_dict(state)
+        halves.append(next(b))
+    nxt = next(one)
+    assert torch.equal(torch.cat([h["input_ids"] for h in halves]), nxt["input_ids"])
+
+
+@pytest.mark.distributed  # a pool of 2 worker processes
+def test_hf_tokenizer_prepare_equals_raw(tmp_path, corpus):
+    tokenizers = pytest.importorskip("tokenizers")
+    model = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    model.train_from_iterator(make_docs(), trainer=trainer)
+    model.save(str(tmp_path / "tok.json"))
+    tok = build_tokenizer(str(tmp_path / "tok.json"))
+    prepare([str(corpus)], tmp_path / "p", tok, workers=2, shard_bytes=500)
+    assert read_manifest(tmp_path / "p").tokenizer["identity"].startswith("sha256:")
+    equal_batches(build_batches(str(corpus), tok, 16, 2, 0, 1, 3, 0),
+                  build_batches(str(tmp_path / "p"), tok, 16, 2, 0, 1, 3, 0), 30)
+    with pytest.raises(ValueError, match=r"manifest.json: prepared with tokenizer .*tok.json"):
+        build_batches(str(tmp_path / "p"), "byte", 16)
+
+
+def test_startup_reads_no_tokens(tmp_path, corpus, monkeypatch):
+    """A prepared corpus opens without reading its shards (only the manifest and sampled blocks)."""
+    prepare([str(corpus)], tmp_path / "p", workers=1, shard_bytes=300)
+    import loongtrain.data.prepared as prepared
+
+    touched = []
+    real = prepared.PreparedStream._physical
+    def spy(self, a, b):
+        touched.append((a, b))
+        return real(self, a, b)
+
+    monkeypatch.setattr(prepared.PreparedStream, "_physical", spy)
+    batches = build_batches(str(tmp_path / "p"), "byte", 24, 2, 0, 1, 0, 0)
+    assert touched == []
+    next(batches)
+    assert sum(b - a for a, b in touched) == 2 * 25  # two samples of seq_len + 1 tokens
+
+
+def corrupt(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_catches_truncation_corruption_and_newer_format(tmp_path, corpus):
+    out = tmp_path / "p"
+    prepare([str(corpus)], out, workers=1, shard_bytes=300)
+    shard = out / "shards" / "tokens-00001.bin"
+    corrupt(shard, 0)
+    with pytest.raises(ValueError, match=r"tokens-00001.bin: corrupted \(sampled checksum"):
+        verify_prepared(out)
+    corrupt(shard, 0)
+    verify_prepared(out, full=True)
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ValueError, match=r"tokens-00001.bin: truncated .* offset"):
+        verify_prepared(out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps({**manifest, "version": FORMAT_VERSION + 1}))
+    with pytest.raises(ValueError, match=r"manifest.json: format version 2 is newer"):
+        verify_prepared(out)
+
+
+def test_sampled_digest_rule(tmp_path):
+    """Large files: the sampled digest sees the first and last blocks, not the bytes between blocks."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(40 * SAMPLE_BYTES))
+    base = sampled_digest(path)
+    corrupt(path, 40 * SAMPLE_BYTES - 1)
+    assert sampled_digest(path) != base
+    corrupt(path, 40 * SAMPLE_BYTES - 1)
+    corrupt(path, SAMPLE_BYTES + 5)  # between the first and second sampled blocks
+    assert sampled_digest(path) == base
+    data = np.arange(40 * SAMPLE_BYTES // 2, dtype="<u2")
+    data.tofile(path)
+    assert buffer_digests(data) == file_digests(path)  # what prepare computes in memory = what verify reads
+
+
+class WorkerStarted(Exception):
+    pass
+
+
+def no_workers(task):
+    raise WorkerStarted(task[0])
+
+
+def no_pool(*args):
+    raise WorkerStarted("pool")
+
+
+@pytest.mark.parametrize("case", ["nonempty", "bad_json", "other_tokenizer_dir", "newer", "no_corpus"])
+def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypatch):
+    import loongtrain.data.prepare as prep
+
+    monkeypatch.setattr(prep, "_tokenize_shard", no_workers)  # a shard started would raise
+    monkeypatch.setattr(prep.multiprocessing, "get_context", no_pool)  # and so would a worker pool
+    out = tmp_path / "out"
+    args = [str(corpus), "--out", str(out), "--workers", "2"]
+    if case == "nonempty":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        needle = "not a prepared corpus; pass --overwrite"
+    elif case == "bad_json":
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"text": "ok"}\n{oops\n')
+        args[0], needle = str(bad), "bad.jsonl:2: invalid JSON"
+        args += ["--shard-bytes", "1000000"]  # the bad line is read before the first shard is full
+    elif case in ("other_tokenizer_dir", "newer"):
+        monkeypatch.undo()
+        prepare([str(corpus)], out, workers=1, shard_bytes=300)
+        monkeypatch.setattr(prep, "_tokenize_shard", no_workers)
+        monkeypatch.setattr(prep.multiprocessing, "get_context", no_pool)
+        if case == "newer":
+            m = json.loads((out / MANIFEST).read_text())
+            (out / MANIFEST).write_text(json.dumps({**m, "version": 99}))
+            needle = "format version 99 is newer"
+        else:
+            args += ["--shard-bytes", "1000"]
+            needle = "another shard_bytes"
+    else:
+        args, needle = ["--out", str(out)], "at least one CORPUS"
+    assert cli_main(["prepare", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    if case == "nonempty":
+        assert (out / "notes.txt").read_text() == "mine"
+        with pytest.raises(WorkerStarted):  # --overwrite passes the check
+            cli_main(["prepare", *args, "--overwrite"])
+        monkeypatch.undo()
+        args[-1] = "1"  # in this process
+        assert cli_main(["prepare", *args, "--overwrite"]) == 0 and not (out / "notes.txt").exists()
+    if case == "bad_json":
+        assert not out.exists() or not any(out.iterdir())
+
+
+def test_train_from_prepared_equals_raw_and_logs_tokens_by_corpus(tmp_path, corpus):
+    """`loongtrain train --corpus DIR`: the same losses as the raw corpus; a mixture's metrics carry the
+    tokens each corpus supplied."""
+    from loongtrain.train.metrics import read_jsonl
+
+    assert cli_main(["prepare", str(corpus), "--out", str(tmp_path / "p"), "--workers", "1"]) == 0
+    base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--steps", "3", "--warmup", "1",
+            "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",
+            "--batch-size", "2", "--val-fraction", "0.2"]
+    runs = {}
+    for name, spec in (("raw", str(corpus)), ("prepared", str(tmp_path / "p")),
+                       ("mix", f"{tmp_path / 'p'}=0.5,{corpus}=0.5")):
+        report = ["--memory-report" if name == "prepared" else "--no-memory-report"]
+        assert cli_main([*base, *report, "--corpus", spec, "--out-dir", str(tmp_path / name)]) == 0
+        runs[name] = read_jsonl(tmp_path / name / "metrics.jsonl")
+    assert [r["loss"] for r in runs["raw"]] == [r["loss"] for r in runs["prepared"]]
+    assert runs["prepared"][-1][f"tokens_seen/{tmp_path / 'p'}"] == 3 * 2 * 16
+    last = runs["mix"][-1]
+    assert last[f"tokens_seen/{tmp_path / 'p'}"] + last[f"tokens_seen/{corpus}"] == 3 * 2 * 16

@@ -1,0 +1,25 @@
+"""Train in this process the way a worker does (tests): the run resolved as the launcher would, then
+``Trainer(run, mesh, device, batches).train()``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.mesh import Mesh
+from loongtrain.train.checkpoint import resolve_checkpoint
+from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.models import build_run_tokenizer, model_config_for
+from loongtrain.train.trainer import BatchSource, Trainer
+
+
+def fit(cfg: TrainConfig, mesh: Mesh, device: torch.device, *, model_config: ModelConfig | None = None,
+        batch_source: BatchSource | None = None) -> list[dict[str, Any]]:
+    """The step records of ``cfg`` trained on ``mesh`` (every rank calls it); ``--resume`` resolved here."""
+    tokenizer = build_run_tokenizer(cfg)
+    resume = resolve_checkpoint(cfg.resume, Path(cfg.out_dir)) if cfg.resume else None
+    run = Run(cfg, model_config or model_config_for(cfg, tokenizer), tokenizer, str(resume or ""))
+    return Trainer(run, mesh, device, batch_source).train()
