@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "plan": ("loongtrain.plan.cli", "Rank 2D-Attention configurations for a cluster with the cost model."),
     "export": ("loongtrain.train.export", "Write a training checkpoint as a Hugging Face model directory."),
     "prepare": ("loongtrain.data.prepare_cli", "Tokenize corpora once into a memory-mapped training directory."),
+    "eval": ("loongtrain.eval.cli", "Evaluate long context sharded: loss by position, passkey retrieval."),
 }
 
 

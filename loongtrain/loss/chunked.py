@@ -204,3 +204,32 @@ def chunked_loss_peak_bytes(
     weight_copy = vocab_size * dim * compute_bytes if compute_bytes != weight_bytes else 0
     per_logit = stats_bytes + (compute_bytes if compute_bytes != stats_bytes else 0)
     return tokens * stats_bytes + weight_copy + chunk * vocab_size * per_logit
+
+
+@torch.no_grad()
+def chunked_token_losses(
+    hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_tokens: int | None = None, bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(loss, argmax)`` per token of this rank's ``hidden [..., d]`` through the head ``weight [V, d]``:
+    forward only (no graph, nothing saved), a chunk of tokens at a time, in the precision of
+    :func:`chunked_cross_entropy` (logits in the compute dtype, statistics in float32, float64 for
+    float64 inputs). ``loss [...]`` is ``lse - logit[label]`` (0 where the label is ``IGNORE_INDEX``),
+    ``argmax [...]`` the greedy token (teacher-forced). Communication: none (the caller reduces)."""
+    if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)} and weight "
+                         f"{tuple(weight.shape)} must be [..., d], [...] and (vocab, d)")
+    compute = _compute_dtype(hidden, weight)
+    stats = _stats_dtype(compute)
+    flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    losses = torch.empty(flat.shape[0], dtype=stats, device=hidden.device)
+    argmax = torch.empty(flat.shape[0], dtype=torch.int64, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        w = weight.to(compute)
+        for start, stop in _chunks(flat.shape[0], chunk_tokens):
+            valid, safe = _targets(flat_labels[start:stop])
+            z = _chunk_logits(flat[start:stop], w, bias, compute).to(stats)
+            argmax[start:stop] = z.argmax(dim=1)
+            target = z.gather(1, safe[:, None]).squeeze(1)
+            losses[start:stop] = torch.where(valid, torch.logsumexp(z, dim=1) - target, 0)
+    return losses.reshape(labels.shape), argmax.reshape(labels.shape)

@@ -127,6 +127,10 @@ class TrainConfig:
     max_restarts: int = _opt(0, "local workers: restart the job from its newest checkpoint up to N times "
                              "after a worker failure")
     log_interval: int = _opt(1, "log metrics every N steps")
+    eval_interval: int = _opt(0, "validation loss (forward only, the run's layout) every N optimizer steps, "
+                              "logged as val_loss (0: never), on --val-fraction / --val-corpus, or without "
+                              "them the corpus's last packed samples (docs/design.md §14)")
+    eval_batches: int = _opt(4, "batches (of --batch-size sequences per replica) per validation")
     peak_tflops: float = _opt(
         0.0, "peak TFLOP/s of one device for MFU (0: table by CUDA device name; on CPU measured)"
     )
@@ -139,13 +143,13 @@ class TrainConfig:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices)."""
         if not isinstance(self.parallel, ParallelConfig):  # a ParallelConfig validated itself when built
             raise ValueError(f"parallel={self.parallel!r} must be a ParallelConfig")
-        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval")
+        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval", "eval_batches")
         for name in positive:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"--{_flag(name)}={value} must be a positive integer")
         for name in ("warmup", "nproc", "threads", "ckpt_interval", "keep_checkpoints", "stop_after",
-                     "max_bad_steps", "max_restarts"):
+                     "max_bad_steps", "max_restarts", "eval_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
         self._validate_ranges()

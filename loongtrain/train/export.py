@@ -40,7 +40,7 @@ from loongtrain.train.models import model_from_record
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-def _record(state: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_model_record(state: dict[str, Any]) -> dict[str, Any]:
     """The model record of a checkpoint; for checkpoints without one, rebuilt from the run's config."""
     if "model_config" in state or "hf_config" in state:
         return state
@@ -53,7 +53,7 @@ def load_trained_model(checkpoint: str | Path) -> nn.Module:
     path = find_checkpoint(checkpoint)
     state = verify_checkpoint(path)  # the checks of train --resume: state, metadata, sizes, checksums
     dtype = param_dtype(TrainConfig.from_dict(state["config"]))
-    model = model_from_record(_record(state), dtype)
+    model = model_from_record(checkpoint_model_record(state), dtype)
     weights = get_model_state_dict(model)
     with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -155,12 +155,14 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(f"train/{key}", value, step)
+                    self._tb.add_scalar("val/loss" if key == "val_loss" else f"train/{key}", value, step)
         summary = (
             f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s | "
             f"{record['tflops']:.3f} TFLOP/s | MFU {100 * record['mfu']:.1f}% | "
             f"mem {record['peak_mem_gib']:.2f} GiB"
         )
+        if "val_loss" in record:
+            summary += f" | val_loss {record['val_loss']:.4f}"
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix_str(summary, refresh=True)
@@ -212,10 +214,14 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path) -> bool:
     if not records:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".")
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label="train")
+    validated = [r for r in records if "val_loss" in r]
+    if validated:
+        ax.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], marker="o", label="validation")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("training loss")
+    ax.set_title("training loss" + (" and validation loss" if validated else ""))
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)

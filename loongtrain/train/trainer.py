@@ -37,6 +37,7 @@ from loongtrain.train.models import build_model, hidden_and_head, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.parallelize import uses_fsdp
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
+from loongtrain.train.validation import Validation
 
 log = logging.getLogger("loongtrain.train")
 
@@ -109,12 +110,14 @@ class Trainer:
         logger = self._logger(start)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
+        validation = Validation(cfg, self.mesh, self.loss, self.model)  # --eval-interval (train/validation.py)
         reset_peak_memory(self.device)
         bad_steps = 0
         try:
             for step in range(start, end):
                 kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
                 record = self._timed_step(step, batches, peak, mem_fields)
+                record.update(validation.after_step(step + 1))  # {"val_loss": ...} when due, else {}
                 records.append(record)
                 bad_steps = self._count_bad_step(record, bad_steps)
                 self.log(logger, record, last=step + 1 == end)
@@ -197,7 +200,8 @@ class Trainer:
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
         """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end and for every skipped step."""
-        if logger is not None and (record["step"] % self.cfg.log_interval == 0 or last or record["skipped"]):
+        if logger is not None and (record["step"] % self.cfg.log_interval == 0 or last or record["skipped"]
+                                   or "val_loss" in record):
             logger.log(record)
 
     def save(self, done: int, batches: Iterator[Batch], *, last: bool) -> None:

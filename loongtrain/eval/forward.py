@@ -1,0 +1,81 @@
+"""One sharded, forward-only pass of an evaluation sequence (docs/design.md §14).
+
+:func:`sharded_forward` shards a full-sequence batch over the replica in the zigzag layout
+(:func:`~loongtrain.parallel.sharding.shard_sequence`), runs the model to its final hidden states under
+``torch.no_grad()`` (nothing kept for a backward) and returns this rank's hidden states, the LM head,
+its labels, and the *global* position of each of its tokens
+(:func:`~loongtrain.parallel.zigzag.shard_indices`), so that the tasks score tokens where they live and
+reduce only counts and sums. ``--doc-mask`` follows training: with ``doc_mask == "on"`` and a batch that
+marks its documents, attention stays inside each document and, with ``position_reset``, positions
+restart per document (the trainer's rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loongtrain.parallel.documents import cu_seqlens_from_starts, document_position_ids
+from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.sharding import shard_sequence
+from loongtrain.parallel.zigzag import shard_indices
+from loongtrain.train.models import hidden_and_head
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class LocalTokens:
+    """This rank's tokens of one forward: ``hidden [B, S/sp, d]``, ``head [V, d]``, ``labels [B, S/sp]``,
+    ``index [S/sp]`` (global sequence index of each local token) and ``positions [B, S/sp]`` (their
+    position ids: the index, or the position inside its document with ``--position-reset``)."""
+
+    hidden: torch.Tensor
+    head: torch.Tensor
+    labels: torch.Tensor
+    index: torch.Tensor
+    positions: torch.Tensor
+
+
+@torch.no_grad()
+def sharded_forward(model: nn.Module, batch: Batch, mesh: Mesh, device: torch.device, *,
+                    amp_dtype: torch.dtype | None = None, doc_mask: str = "off",
+                    position_reset: bool = True) -> LocalTokens:
+    """Forward ``batch`` (full sequences ``[B, S]``) on this rank's shard; see the module docstring.
+    Collective over the replica (the model's attention communication)."""
+    seq_len = batch["input_ids"].shape[1]
+    cu_seqlens, positions = None, batch["position_ids"]
+    if doc_mask == "on" and "doc_starts" in batch:
+        cu_seqlens = cu_seqlens_from_starts(batch["doc_starts"])
+        if position_reset:
+            positions = document_position_ids(cu_seqlens, seq_len)
+
+    def local(x: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(x, mesh, dim=1).to(device)
+
+    input_ids, labels, position_ids = local(batch["input_ids"]), local(batch["labels"]), local(positions)
+    autocast = (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None
+                else contextlib.nullcontext())
+    with autocast:
+        hidden, head = hidden_and_head(model, input_ids, position_ids, cu_seqlens)
+    index = shard_indices(seq_len, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank).to(device)
+    return LocalTokens(hidden, head, labels, index, position_ids)
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over every rank (in place; identity without torch.distributed). Forward only:
+    one all-reduce (sum) over the default group."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def replica_items(count: int, mesh: Mesh) -> list[int | None]:
+    """The work items (prompts, documents) of this dp replica: ``i`` with ``i % dp == dp_rank``, padded
+    with None so every replica runs the same number of forwards (FSDP2 gathers over all ranks)."""
+    rounds = -(-count // mesh.dp)
+    return [i if i < count else None for i in range(mesh.dp_rank, rounds * mesh.dp, mesh.dp)]

@@ -1,0 +1,200 @@
+"""An evaluation's options (:class:`EvalConfig`) and :func:`prepare`, which checks them in the launcher
+before any worker starts and resolves them into a :class:`Job` (docs/design.md §14).
+
+Every user error is a ValueError naming the value: a MODEL that is none of the three kinds; lengths not
+divisible by ``2*hp*cp``; depths outside [0, 1]; a tokenizer that cannot encode the key's digits; an
+eval corpus shorter than the longest length; a layout the model's heads or the world size do not allow.
+A length past the model's ``max_position_embeddings`` (or trained ``--seq-len``) is allowed, with one
+warning naming both numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from loongtrain.eval.passkey import PasskeyTokens, passkey_tokens
+from loongtrain.eval.position_loss import corpus_batches
+from loongtrain.eval.source import ModelSource, model_config, resolve_model, trained_length
+from loongtrain.parallel.config import ParallelConfig, validate_parallel
+from loongtrain.parallel.zigzag import check_sequence_length
+from loongtrain.train.autoplan import apply_plan
+from loongtrain.train.config import DOC_MASK, DTYPES, TrainConfig
+from loongtrain.train.launch import world_size_for
+from loongtrain.train.models import tokenizer_spec
+from loongtrain.train.torchrun import under_torchrun
+
+log = logging.getLogger("loongtrain.eval")
+
+TASKS = ("passkey", "position-loss")
+FILLERS = ("text", "corpus")
+
+
+@dataclass
+class EvalConfig:
+    """Every option of ``loongtrain eval`` (``""`` / 0: take the value the model was trained with)."""
+
+    model: str
+    task: str = "passkey"
+    out: str = "runs/eval"
+    seq_len: int = 0
+    lengths: tuple[int, ...] = (4096, 16384)
+    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    trials: int = 3
+    docs: int = 4
+    key_digits: int = 5
+    filler: str = "text"
+    corpus: str = ""
+    tokenizer: str = ""
+    dtype: str = ""
+    doc_mask: str = ""
+    seed: int = 0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: str = ""
+    plan: str = ""
+    plan_cluster: str = "auto"
+    nproc: int = 0
+    threads: int = 0
+    timeout: float = 600.0
+
+    def validate(self) -> None:
+        """ValueError for values that are wrong whatever the model (choices, ranges)."""
+        choices = (("task", TASKS), ("filler", FILLERS), ("dtype", ("", *DTYPES)), ("doc_mask", ("", *DOC_MASK)))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{_flag(name)}={getattr(self, name)!r} is not one of {allowed}")
+        bad_depths = [d for d in self.depths if not (math.isfinite(d) and 0.0 <= d <= 1.0)]
+        if bad_depths or not self.depths:
+            raise ValueError(f"--depths {bad_depths or '(none)'}: every depth must be in [0, 1]")
+        bad_lengths = [n for n in self.lengths if n < 1]
+        if bad_lengths or not self.lengths:
+            raise ValueError(f"--lengths {bad_lengths or '(none)'}: every length must be a positive integer")
+        for name in ("trials", "docs", "key_digits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be a positive integer")
+        for name in ("seq_len", "nproc", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+@dataclass
+class Job:
+    """A checked evaluation: the options, the model, the run config it evaluates under (its tokenizer,
+    corpus, dtype, ``--doc-mask``, the layout, ``seq_len`` = the longest length), the world size, the
+    lengths, and the task's inputs (passkey prompt pieces, or position-loss batches)."""
+
+    options: EvalConfig
+    source: ModelSource
+    run: TrainConfig
+    world: int
+    lengths: tuple[int, ...]
+    tokens: PasskeyTokens | None = None
+    batches: list[Any] = field(default_factory=list)
+
+
+def prepare(options: EvalConfig) -> Job:
+    """Check ``options`` and resolve them into a :class:`Job` (in the launcher; ValueError on bad input)."""
+    options.validate()
+    source = resolve_model(options.model)
+    lengths = _lengths(options, source)
+    run = _run_config(options, source, max(lengths))
+    world = world_size_for(run)
+    run = apply_plan(run, world, under_launcher=under_torchrun())
+    run = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, ac_mode="none"))
+    _check_layout(run, source, world, lengths)
+    from loongtrain import data
+
+    tokenizer = data.build_tokenizer(tokenizer_spec(run))
+    vocab = model_config(source).vocab_size
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the model has a "
+                         f"vocabulary of {vocab}: pass a --tokenizer that fits the model")
+    job = Job(options, source, run, world, lengths)
+    longest = max(lengths)
+    if options.task == "passkey":
+        filler = _corpus_tokens(run, tokenizer, longest + 1, "length") if options.filler == "corpus" else None
+        job.tokens = passkey_tokens(tokenizer, filler)
+        shortest = job.tokens.overhead(options.key_digits)
+        if min(lengths) < shortest:
+            raise ValueError(f"--lengths {min(lengths)}: a passkey prompt needs at least {shortest} tokens with "
+                             f"this tokenizer (needle, question and a {options.key_digits}-digit answer)")
+    else:
+        stream = _stream(run, tokenizer)
+        have = stream.ensure(options.docs * longest + 1)
+        _check_corpus_length(run, have, longest + 1, "--seq-len")
+        if have < options.docs * longest + 1:
+            raise ValueError(f"eval corpus {run.corpus!r} holds {have} tokens: --docs {options.docs} sequences of "
+                             f"--seq-len {longest} need {options.docs * longest + 1}; lower --docs")
+        job.batches = corpus_batches(stream, longest, options.docs)
+    _warn_past_trained(source, longest)
+    return job
+
+
+def _lengths(options: EvalConfig, source: ModelSource) -> tuple[int, ...]:
+    if options.task == "passkey":
+        return tuple(options.lengths)
+    if options.seq_len:
+        return (options.seq_len,)
+    if source.kind == "checkpoint":
+        return (source.run.seq_len,)
+    raise ValueError("--task position-loss on a Hugging Face directory needs --seq-len")
+
+
+def _run_config(options: EvalConfig, source: ModelSource, seq_len: int) -> TrainConfig:
+    run = source.run
+    zero = {"zero": options.zero} if options.zero else {  # default: the weights sharded as in training
+        name: getattr(run.parallel, name) for name in ("zero", "zero_shard_size", "reshard_after_forward")}
+    parallel = dataclasses.replace(options.parallel, **zero)
+    return dataclasses.replace(
+        run, seq_len=seq_len, batch_size=1, grad_accum=1, tokenizer=options.tokenizer or run.tokenizer,
+        corpus=options.corpus or run.corpus, dtype=options.dtype or run.dtype,
+        doc_mask=options.doc_mask or run.doc_mask, parallel=parallel, plan=options.plan,
+        plan_cluster=options.plan_cluster, nproc=options.nproc, threads=options.threads,
+        timeout=options.timeout, memory_report=False, chunk_layout="zigzag")
+
+
+def _check_layout(run: TrainConfig, source: ModelSource, world: int, lengths: tuple[int, ...]) -> None:
+    p, shape = run.parallel, model_config(source)
+    try:
+        validate_parallel(p, world, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads)
+    except ValueError as exc:
+        raise ValueError(f"--nproc/world size {world}, --hp {p.hp} --cp {p.cp}: {exc}") from None
+    for n in lengths:
+        try:
+            check_sequence_length(n, p.hp, p.cp)
+        except ValueError as exc:
+            raise ValueError(f"length {n}: {exc}") from None
+
+
+def _stream(run: TrainConfig, tokenizer):
+    from loongtrain import data
+
+    try:
+        return data.TokenStream(data.build_corpus(run.corpus), tokenizer)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"--corpus {run.corpus!r}: {exc}") from None
+
+
+def _check_corpus_length(run: TrainConfig, have: int, need: int, what: str) -> None:
+    if have < need:
+        raise ValueError(f"eval corpus {run.corpus!r} holds {have} tokens, shorter than the longest length "
+                         f"({what} {need - 1} needs {need})")
+
+
+def _corpus_tokens(run: TrainConfig, tokenizer, need: int, what: str) -> list[int]:
+    stream = _stream(run, tokenizer)
+    _check_corpus_length(run, stream.ensure(need), need, what)
+    return stream.slice(0, need).tolist()
+
+
+def _warn_past_trained(source: ModelSource, longest: int) -> None:
+    limit, what = trained_length(source)
+    if longest > limit:
+        log.warning("length %d is past the model's %s %d: measuring beyond the trained length", longest, what, limit)

@@ -1,0 +1,116 @@
+"""What ``loongtrain eval MODEL`` evaluates (docs/design.md §14): a run directory (its
+``checkpoints/latest``), a checkpoint directory, or a Hugging Face model directory.
+
+- :func:`resolve_model` (launcher, before any worker): the kind, the checkpoint or directory, and the
+  :class:`~loongtrain.train.config.TrainConfig` the model came with (a checkpoint's recorded run config,
+  or ``TrainConfig(model=DIR)``): its tokenizer, corpus, dtype and ``--doc-mask`` are the evaluation's
+  defaults. ValueError naming the path when it is none of the three kinds.
+- :func:`build_model` (every rank): the model with its weights under the evaluation's layout. A
+  checkpoint: :func:`~loongtrain.train.models.model_from_record` (whole, on CPU), then
+  :func:`~loongtrain.train.parallelize.parallelize` (2D-Attention, FSDP2 with ``--zero``), then the
+  weights read with ``torch.distributed.checkpoint`` into whatever shards the rank holds (any training
+  layout). A Hugging Face directory: the trainer's own builder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallel.mesh import Mesh
+from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, read_trainer_state
+from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
+from loongtrain.train.export import checkpoint_model_record
+from loongtrain.train.models import model_from_record
+from loongtrain.train.parallelize import parallelize, uses_fsdp
+
+KINDS = ("run directory (OUT_DIR with checkpoints/latest)", "checkpoint directory (with trainer_state.json)",
+         "Hugging Face model directory (with config.json)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """``kind``: "checkpoint" or "hf"; ``path``: the checkpoint or HF directory; ``run``: the model's
+    run config; ``record``: a checkpoint's model record (None for an HF directory)."""
+
+    kind: str
+    path: Path
+    run: TrainConfig
+    record: dict[str, Any] | None = None
+
+
+def resolve_model(model: str) -> ModelSource:
+    """The :class:`ModelSource` that ``model`` names; ValueError naming it and the three kinds otherwise."""
+    path = Path(model)
+    is_checkpoint = path.is_dir() and any((root / name).is_file() for root in (path, path / "checkpoints")
+                                          for name in (STATE_FILE, LATEST))
+    if is_checkpoint:
+        checkpoint = find_checkpoint(path)
+        state = read_trainer_state(checkpoint)
+        run = TrainConfig.from_dict(state.get("config") or {})
+        return ModelSource("checkpoint", checkpoint, run, checkpoint_model_record(state))
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource("hf", path, TrainConfig(model=str(path)))
+    raise ValueError(f"MODEL {model!r} is none of: {'; '.join(KINDS)}")
+
+
+def model_config(source: ModelSource) -> ModelConfig:
+    """The model's shape (heads for the layout rules, vocabulary, sliding window)."""
+    from loongtrain.hf.convert import shape_config_from_hf
+
+    if source.kind == "hf":
+        from loongtrain.hf.load import check_hf_dir
+
+        return shape_config_from_hf(check_hf_dir(source.path))
+    assert source.record is not None
+    if "model_config" in source.record:
+        return ModelConfig(**source.record["model_config"])
+    from transformers import AutoConfig
+
+    values = dict(source.record["hf_config"])
+    return shape_config_from_hf(AutoConfig.for_model(values.pop("model_type"), **values))
+
+
+def trained_length(source: ModelSource) -> tuple[int, str]:
+    """``(length, what)``: the model's ``max_position_embeddings`` (HF) or the ``--seq-len`` it trained at."""
+    values: dict[str, Any] = {}
+    if source.kind == "hf":
+        import json
+
+        values = json.loads((source.path / "config.json").read_text())
+    elif source.record is not None and "hf_config" in source.record:
+        values = source.record["hf_config"]
+    if values.get("max_position_embeddings"):
+        return int(values["max_position_embeddings"]), "max_position_embeddings"
+    return source.run.seq_len, "trained --seq-len"
+
+
+def build_model(source: ModelSource, cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module:
+    """The model of ``source`` with its weights, parallelized on ``mesh`` by ``cfg.parallel`` (collective)."""
+    fsdp_dtype = autocast_dtype(cfg, device) if uses_fsdp(cfg.parallel) else None
+    if source.kind == "hf":
+        from loongtrain.train.models import build_model as build_trained
+
+        model = build_trained(model_config(source), cfg, mesh, device, fsdp_dtype)
+    else:
+        model = model_from_record(source.record, param_dtype(cfg))
+        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_dtype)
+        load_weights(model, source.path)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, checkpoint: Path) -> None:
+    """Read the model weights of ``checkpoint`` (DCP) into ``model``'s parameters, whole or sharded."""
+    weights = get_model_state_dict(model)
+    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": weights}, checkpoint_id=str(checkpoint))
+    set_model_state_dict(model, weights)

@@ -1,0 +1,252 @@
+"""``loongtrain eval`` in one process: position buckets, the per-token loss, passkey prompts and scoring (a
+perfect retriever scores 100%, a random model at chance), and the bad inputs that exit 2 before any worker."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loongtrain.data import ByteTokenizer
+from loongtrain.eval import cli
+from loongtrain.eval.passkey import (
+    NEEDLE_PREFIX,
+    build_prompt,
+    digit_ids,
+    draw_key,
+    passkey,
+    passkey_tokens,
+)
+from loongtrain.eval.position_loss import bucket_edges, bucket_sums, position_loss
+from loongtrain.loss.chunked import chunked_token_losses
+from loongtrain.model.config import ModelConfig
+from loongtrain.model.llama import Transformer
+from loongtrain.parallel.mesh import single_process_mesh
+
+CPU = torch.device("cpu")
+SMALL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
+
+
+def test_bucket_edges_are_powers_of_two_up_to_the_length():
+    assert bucket_edges(8192) == [0, 1024, 2048, 4096, 8192]
+    assert bucket_edges(65536) == [0, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+    assert bucket_edges(4096) == [0, 512, 1024, 2048, 4096]  # short: a smaller first bucket
+    assert bucket_edges(6000) == [0, 512, 1024, 2048, 4096, 6000]
+    assert bucket_edges(256) == [0, 32, 64, 128, 256]
+
+
+def test_bucket_sums_match_a_loop():
+    gen = torch.Generator().manual_seed(0)
+    losses = torch.rand(3, 50, generator=gen, dtype=torch.float64)
+    positions = torch.randint(0, 256, (3, 50), generator=gen)
+    valid = torch.rand(3, 50, generator=gen) > 0.2
+    edges = bucket_edges(256)
+    sums = bucket_sums(losses, positions, valid, edges)
+    for b, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        inside = valid & (positions >= lo) & (positions < hi)
+        assert sums[0, b].item() == pytest.approx(losses[inside].sum().item(), rel=1e-12)
+        assert sums[1, b].item() == inside.sum().item()
+
+
+def test_token_losses_equal_cross_entropy_and_argmax():
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 37, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(11, 8, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 11, (2, 37), generator=gen)
+    labels[0, 3] = -100
+    losses, argmax = chunked_token_losses(hidden, weight, labels, chunk_tokens=5)
+    logits = hidden @ weight.T
+    want = F.cross_entropy(logits.reshape(-1, 11), labels.reshape(-1), reduction="none").reshape(2, 37)
+    torch.testing.assert_close(losses, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(argmax, logits.argmax(-1))
+
+
+def test_prompt_hides_the_key_at_its_depth_and_asks_for_it():
+    tok = ByteTokenizer()
+    tokens = passkey_tokens(tok)
+    key = draw_key(0, 512, 2, 1, 5)
+    assert key == draw_key(0, 512, 2, 1, 5) and key != draw_key(0, 512, 2, 2, 5)
+    for depth in (0.0, 0.5, 1.0):
+        batch = build_prompt(tokens, 512, depth, key)
+        assert batch["input_ids"].shape == batch["labels"].shape == (1, 512)
+        text = tok.decode(batch["input_ids"][0])
+        digits = "".join(map(str, key))
+        assert text.count(NEEDLE_PREFIX + digits) == 1
+        where = text.index(NEEDLE_PREFIX) / (512 - tokens.overhead(5))
+        assert abs(where - depth) < 0.05, (depth, where)
+        assert tok.decode(batch["labels"][0, batch["answer"]]) == digits  # the answer is the key
+        assert torch.equal(batch["input_ids"][0, 1:], batch["labels"][0, :-1])
+
+
+def test_digits_must_be_single_tokens(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from loongtrain.data import HFTokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate("The pass key is".split())}}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="cannot encode the key's digit '0'"):
+        digit_ids(HFTokenizer(tmp_path / "tokenizer.json"))
+    digits = {str(d): 100 + d for d in range(10)}
+    hf = Tokenizer(models.WordLevel({**vocab, **digits}, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    assert digit_ids(HFTokenizer(tmp_path / "tokenizer.json")) == tuple(range(100, 110))
+
+
+class Retriever(nn.Module):
+    """Copies the key: after the question, predicts the token that followed the needle's prefix, digit by
+    digit (one-hot hidden states through an identity head). A model that retrieves perfectly."""
+
+    def __init__(self, prefix: list[int], question: list[int], vocab: int) -> None:
+        super().__init__()
+        self.prefix, self.question, self.vocab = prefix, question, vocab
+        self.layers = nn.ModuleList()
+
+    def head_weight(self) -> torch.Tensor:
+        return torch.eye(self.vocab, dtype=torch.float64)
+
+    def forward(self, input_ids, position_ids, return_hidden=True, **_):
+        ids = input_ids[0].tolist()
+        key_at = _find(ids, self.prefix) + len(self.prefix)
+        asked = _find(ids, self.question, last=True) + len(self.question)
+        target = torch.zeros(len(ids), dtype=torch.int64)
+        for t in range(asked - 1, len(ids)):  # the token at t predicts t + 1
+            target[t] = ids[key_at + t - (asked - 1)]
+        return F.one_hot(target, self.vocab).to(torch.float64)[None]
+
+
+def _find(ids: list[int], pattern: list[int], last: bool = False) -> int:
+    hits = [i for i in range(len(ids) - len(pattern) + 1) if ids[i:i + len(pattern)] == pattern]
+    return hits[-1] if last else hits[0]
+
+
+def test_passkey_tells_a_retriever_from_a_random_model():
+    tokens = passkey_tokens(ByteTokenizer())
+    lengths, depths = (256, 512), (0.0, 0.5, 1.0)
+    oracle = Retriever(list(tokens.prefix), list(tokens.question), 256)
+    cells = passkey(oracle, tokens, lengths, depths, 3, single_process_mesh(), CPU)
+    assert len(cells) == 6 and all(c["correct"] == c["trials"] == 3 for c in cells)
+    assert all(c["digits_correct"] == c["digits"] == 15 for c in cells)
+    random_model = Transformer(SMALL, seed=0).double()
+    cells = passkey(random_model, tokens, lengths, depths, 3, single_process_mesh(), CPU)
+    # chance: a 5-digit key is right with probability 1e-5 per trial, a digit 1/10
+    assert sum(c["correct"] for c in cells) == 0
+    assert sum(c["digits_correct"] for c in cells) <= 0.3 * sum(c["digits"] for c in cells)
+
+
+def test_position_loss_is_the_mean_of_each_bucket():
+    model = Transformer(SMALL, seed=0).double()
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 256, (2, 65), generator=gen)
+    batches = [{"input_ids": ids[i:i + 1, :-1], "labels": ids[i:i + 1, 1:],
+                "position_ids": torch.arange(64)[None]} for i in range(2)]
+    rows = position_loss(model, batches, single_process_mesh(), CPU, 64)
+    with torch.no_grad():
+        logits = model(ids[:, :-1], torch.arange(64).expand(2, 64))
+    per_token = F.cross_entropy(logits.reshape(-1, 256), ids[:, 1:].reshape(-1), reduction="none").reshape(2, 64)
+    assert [(r["start"], r["end"]) for r in rows] == [(0, 8), (8, 16), (16, 32), (32, 64)]
+    for r in rows:
+        assert r["tokens"] == 2 * (r["end"] - r["start"])
+        assert r["loss"] == pytest.approx(per_token[:, r["start"]:r["end"]].mean().item(), rel=1e-10)
+
+
+# --------------------------------------------------------------------------------------------------
+# The command line: outputs, and bad input (exit 2, one line, no worker started)
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A one-step training run of a small model (byte tokenizer), checkpointed."""
+    from loongtrain.parallel.config import ParallelConfig
+    from loongtrain.train.config import TrainConfig
+    from tests.training import fit
+
+    root = tmp_path_factory.mktemp("eval_run")
+    corpus = root / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    cfg = TrainConfig(corpus=str(corpus), seq_len=64, steps=1, warmup=0, parallel=ParallelConfig(),
+                      out_dir=str(root / "run"), peak_tflops=1.0, tensorboard=False, plot=False, progress="off",
+                      memory_report=False)
+    fit(cfg, single_process_mesh(), CPU, model_config=SMALL)
+    return root
+
+
+def _no_workers(monkeypatch):
+    import loongtrain.eval.launch as launch
+
+    monkeypatch.setattr(launch, "launch", lambda job: pytest.fail("a worker was started"))
+
+
+@pytest.mark.parametrize("case, args, message", [
+    ("model", ["{root}/nothing"], r"MODEL '.*nothing' is none of: run directory"),
+    ("lengths", ["{run}", "--hp", "2", "--cp", "2", "--nproc", "4", "--lengths", "64,100"],
+     r"length 100: sequence length 100 must be divisible by 2\*cp\*hp = 2\*2\*2 = 8"),
+    ("depths", ["{run}", "--depths", "0,1.5"], r"--depths \[1.5\]: every depth must be in \[0, 1\]"),
+    ("digits", ["{run}", "--tokenizer", "{root}/tok.json"], r"cannot encode the key's digit '0'"),
+    ("corpus", ["{run}", "--task", "position-loss", "--seq-len", "4096"],
+     r"eval corpus '.*corpus.txt' holds \d+ tokens, shorter than the longest length"),
+    ("filler", ["{run}", "--filler", "corpus", "--lengths", "4K"], r"eval corpus .* shorter than the longest"),
+])
+def test_bad_input_exits_2_before_any_worker(run_dir, monkeypatch, capsys, case, args, message):
+    if case == "digits":
+        from tokenizers import Tokenizer, models
+
+        Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>")).save(str(run_dir / "tok.json"))
+    _no_workers(monkeypatch)
+    argv = [a.format(root=run_dir, run=run_dir / "run") for a in args]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("loongtrain eval: error: ")
+    import re
+
+    assert re.search(message, err), err
+
+
+def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
+    out = run_dir / "pk"
+    with caplog.at_level("WARNING", logger="loongtrain"):
+        assert cli.main([str(run_dir / "run"), "--lengths", "128,256", "--depths", "0,1", "--trials", "1",
+                         "--nproc", "1", "--out", str(out)]) == 0
+    warned = [r.getMessage() for r in caplog.records if "past the model" in r.getMessage()]
+    assert warned == ["length 256 is past the model's trained --seq-len 64: measuring beyond the trained length"]
+    cells = json.loads((out / "results.json").read_text())
+    assert [(c["length"], c["depth"], c["trials"]) for c in cells] == [(128, 0.0, 1), (128, 1.0, 1), (256, 0.0, 1),
+                                                                       (256, 1.0, 1)]
+    assert all(0 <= c["correct"] <= c["trials"] for c in cells)
+    assert (out / "passkey.png").is_file()
+    out = run_dir / "pl"
+    assert cli.main([str(run_dir / "run"), "--task", "position-loss", "--docs", "2", "--nproc", "1",
+                     "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert [(r["start"], r["end"]) for r in rows] == [(0, 8), (8, 16), (16, 32), (32, 64)]
+    assert all(r["loss"] > 0 for r in rows) and (out / "position_loss.png").is_file()
+
+
+def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):
+    import re
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from loongtrain.eval.passkey import FILLER, NEEDLE_SUFFIX, QUESTION
+    from tests.test_hf_train import make_hf_dir
+
+    words = sorted(set(re.findall(r"\w+|[^\w\s]+", FILLER + NEEDLE_PREFIX + NEEDLE_SUFFIX + QUESTION)))
+    vocab = {"<unk>": 0, "</s>": 1, **{str(d): 2 + d for d in range(10)}, **{w: 12 + i for i, w in enumerate(words)}}
+    model_dir = make_hf_dir(tmp_path / "hf", vocab_size=64)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    out = tmp_path / "out"
+    assert cli.main([str(model_dir), "--lengths", "64,128", "--depths", "0,1", "--trials", "2", "--nproc", "1",
+                     "--out", str(out)]) == 0
+    cells = json.loads((out / "results.json").read_text())
+    assert [(c["length"], c["trials"], c["digits"]) for c in cells] == [(64, 2, 10), (64, 2, 10), (128, 2, 10),
+                                                                       (128, 2, 10)]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["kind"] == "hf" and meta["lengths"] == [64, 128]
+    assert "overall: " in capsys.readouterr().out

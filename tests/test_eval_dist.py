@@ -1,0 +1,124 @@
+"""Sharded evaluation equals unsharded evaluation (fp64, world 4, one launch for every layout): per-bucket
+losses and validation losses to 1e-10, the same passkey decisions; and a training step after a
+validation is bit-identical to one without, under FSDP2 with two replicas."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongtrain.data import ByteTokenizer
+from loongtrain.eval.passkey import passkey, passkey_tokens
+from loongtrain.eval.position_loss import position_loss
+from loongtrain.model.config import ModelConfig
+from loongtrain.model.llama import Transformer
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.mesh import destroy_mesh, init_mesh, single_process_mesh
+from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.parallelize import parallelize
+from loongtrain.train.validation import validation_loss
+from tests.dist_utils import run_distributed
+from tests.synthetic import global_batch
+
+pytestmark = pytest.mark.distributed
+
+MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64,
+                    tie_embeddings=True)
+LAYOUTS = [dict(hp=2, cp=2), dict(hp=1, cp=4), dict(hp=4, cp=1), dict(hp=1, cp=4, window=2),
+           dict(hp=2, cp=1, zero="full")]  # the last: dp = 2 replicas, FSDP2
+SEQ, LENGTHS, DEPTHS, TRIALS = 64, (96, 128), (0.0, 0.5, 1.0), 1
+CPU = torch.device("cpu")
+
+
+def _model() -> torch.nn.Module:
+    """A seeded model whose blocks barely change the residual stream (tied head): it mostly predicts the
+    current token, so some passkey digits (a key digit after an equal one) are right, some wrong."""
+    model = Transformer(MODEL, seed=0).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                p.mul_(0.05)
+    return model
+
+
+def _documents() -> list[dict[str, torch.Tensor]]:
+    """Three sequences (an odd count: the two replicas pad) with packed-document marks."""
+    out = []
+    for i in range(3):
+        batch = global_batch(i, 1, SEQ, MODEL.vocab_size, seed=3)
+        starts = torch.zeros(1, SEQ, dtype=torch.bool)
+        starts[0, [0, 40 + i]] = True
+        out.append({**batch, "doc_starts": starts})
+    return out
+
+
+def _val_batches() -> list[dict[str, torch.Tensor]]:
+    return [global_batch(10 + i, 1, SEQ, MODEL.vocab_size, seed=4) for i in range(4)]
+
+
+def _cfg(parallel: ParallelConfig) -> TrainConfig:
+    return TrainConfig(seq_len=SEQ, dtype="fp64", parallel=parallel, steps=3, warmup=1, lr=1e-2, memory_report=False)
+
+
+def _evaluate(model, mesh) -> dict:
+    tokens = passkey_tokens(ByteTokenizer())
+    return {
+        "buckets": position_loss(model, _documents(), mesh, CPU, SEQ, doc_mask="on"),
+        "passkey": passkey(model, tokens, LENGTHS, DEPTHS, TRIALS, mesh, CPU, seed=1),
+    }
+
+
+def _validate(parallel: ParallelConfig, mesh) -> float:
+    from loongtrain.train.trainer import Trainer
+
+    trainer = Trainer(Run(_cfg(parallel), MODEL), mesh, CPU)
+    mine = _val_batches()[mesh.dp_rank::mesh.dp]
+    return validation_loss(trainer.loss, trainer.model, mine, mesh)
+
+
+def _steps(parallel: ParallelConfig, mesh, validate: bool) -> list[tuple[float, float]]:
+    from loongtrain.train.trainer import Trainer
+
+    trainer = Trainer(Run(_cfg(parallel), MODEL), mesh, CPU)
+    out = []
+    for step in range(2):
+        batch = global_batch(step, mesh.dp, SEQ, MODEL.vocab_size, seed=5)
+        result = trainer.step([{k: v[mesh.dp_rank:mesh.dp_rank + 1] for k, v in batch.items()}])
+        out.append((result["loss"], result["grad_norm"]))
+        if validate and step == 0:
+            validation_loss(trainer.loss, trainer.model, _val_batches()[:1], mesh)
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    results = {}
+    for layout in LAYOUTS:
+        parallel = ParallelConfig(**layout)
+        mesh = init_mesh(parallel.hp, parallel.cp, window=parallel.window)
+        model = parallelize(_model(), mesh, parallel, CPU)
+        results[str(layout)] = {**_evaluate(model, mesh), "val_loss": _validate(parallel, mesh)}
+        if parallel.zero != "none":
+            results[str(layout)]["steps"] = (_steps(parallel, mesh, True), _steps(parallel, mesh, False))
+        destroy_mesh(mesh)
+    return results
+
+
+def test_sharded_eval_equals_unsharded():
+    reference = _evaluate(_model(), single_process_mesh())
+    reference_val = _validate(ParallelConfig(), single_process_mesh())
+    decisions = sum(c["digits_correct"] for c in reference["passkey"])
+    assert 0 < decisions < sum(c["digits"] for c in reference["passkey"])  # a mix of right and wrong digits
+    by_rank = run_distributed(_worker, 4)
+    for layout in LAYOUTS:
+        for rank, results in enumerate(by_rank):
+            got = results[str(layout)]
+            where = f"{layout} rank {rank}"
+            assert [(b["start"], b["end"], b["tokens"]) for b in got["buckets"]] == \
+                [(b["start"], b["end"], b["tokens"]) for b in reference["buckets"]], where
+            for mine, ref in zip(got["buckets"], reference["buckets"]):
+                assert abs(mine["loss"] - ref["loss"]) < 1e-10, (where, mine, ref)
+            assert got["passkey"] == reference["passkey"], where
+            assert abs(got["val_loss"] - reference_val) < 1e-10, (where, got["val_loss"], reference_val)
+            if "steps" in got:
+                with_validation, without = got["steps"]
+                assert with_validation == without, where  # bit for bit
