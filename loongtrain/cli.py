@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     module = importlib.import_module(SUBCOMMANDS[name][0])
+    if name == "plan":  # plan sits below train: the trainer's step for --simulate is handed down from here
+        from loongtrain.train.simulate import simulate_candidate
+
+        return int(module.main(rest, simulate=simulate_candidate) or 0)
     return int(module.main(rest) or 0)
 
 

@@ -23,7 +23,7 @@ def test_plan_auto_takes_the_best_fitting_configuration():
 def test_plan_options_are_checked():
     with pytest.raises(ValueError, match="--plan='best' is not one of"):
         apply_plan(TrainConfig(plan="best"), 4, under_launcher=False)
-    with pytest.raises(ValueError, match="not a whole number of a100 nodes"):
+    with pytest.raises(ValueError, match="neither part of one a100 node nor a whole number"):
         apply_plan(TrainConfig(plan="auto", plan_cluster="a100"), 12, under_launcher=True)
     assert apply_plan(TrainConfig(), 4, under_launcher=False) == TrainConfig()
 
@@ -32,3 +32,22 @@ def test_plan_auto_on_cpu_under_torchrun_needs_a_cluster(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(ValueError, match="pass --plan-cluster"):
         apply_plan(TrainConfig(plan="auto"), 4, under_launcher=True)
+
+
+def test_plan_auto_picks_offload_when_needed_and_reports_a_host_shortfall(tmp_path):
+    """tiny at 64K on 4 fp32 CPU ranks: 202.0 MiB per device at best without host memory (tiled MLP), 200.8
+    MiB with parameter offload (6.5 MiB of host memory per node). On 201 MiB devices only the offload fits;
+    with 1 KiB of host memory nothing does, and --plan auto says so before any worker starts."""
+    from dataclasses import replace
+
+    from loongtrain.plan.cluster import cluster_to_toml
+    from tests.test_plan import toy_cluster
+
+    path = tmp_path / "c.toml"
+    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=201 / 1024, host_memory_gib=1.0)))
+    cfg = TrainConfig(model="tiny", seq_len=65536, plan="auto", plan_cluster=str(path))
+    assert apply_plan(cfg, 4, under_launcher=True).parallel.offload_params
+    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=201 / 1024, host_memory_gib=1e-6)))
+    shortfall = r"(?s)--plan auto on toy: nothing fits.*needs 0.00636 GiB of host memory per node"
+    with pytest.raises(ValueError, match=shortfall):
+        apply_plan(cfg, 4, under_launcher=True)

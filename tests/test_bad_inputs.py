@@ -95,7 +95,7 @@ def files(tmp_path_factory) -> dict[str, str]:
                            ("negbw", "nic_gbit_s = ", "nic_gbit_s = -"),
                            ("strbw", "intra_node_gbyte_s = ", "intra_node_gbyte_s = '"),
                            ("boolgpu", "gpus_per_node = 8", "gpus_per_node = true"),
-                           ("nomem", "memory_gib = ", "# memory_gib = "),
+                           ("nomem", "\nmemory_gib = ", "\n# memory_gib = "),
                            ("extra", "gpus_per_node = 8", "gpus_per_node = 8\ngpus = 8")]:
         text = good.replace(old, new)
         if name == "strbw":
@@ -107,7 +107,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (d / "plan_frac.toml").write_text('model = "tiny"\nseq_len = "8K"\nnodes = 1.5\n')
     (d / "plan_model.toml").write_text('seq_len = 4096\nnodes = 1\n[model]\nvocab_size = 256\ndim = "big"\n'
                                        'num_layers = 2\nnum_heads = 4\nnum_kv_heads = 4\nffn_dim = 64\n')
-    (d / "plan_unknown.toml").write_text('model = "tiny"\nseq_len = 4096\nnodes = 1\ngpus = 4\n')
+    (d / "plan_unknown.toml").write_text('model = "tiny"\nseq_len = 4096\nnodes = 1\nbogus = 4\n')
     (d / "plan_bad.toml").write_text('model = "tiny\n')
     # --- a finished run to export, and a damaged copy of it
     run = d / "run"
@@ -181,7 +181,7 @@ CASES = [
     ([*PLAN, "--bogus"], "unrecognized arguments: --bogus"),
     (["plan", "--seq-len", "8K"], "missing --model, --nodes"),
     ([*PLAN, "--nodes", "0"], "--nodes=0 must be >= 1"),
-    ([*PLAN, "--batch", "-1"], "--batch=-1 must be >= 1"),
+    ([*PLAN, "--batch", "-1"], "--batch-size=-1 must be >= 1"),
     ([*PLAN, "--doc-median", "-5"], "--doc-median=-5 must be >= 0"),
     ([*PLAN, "--seq-len", "lots"], "seq_len='lots'"),
     ([*PLAN, "--cluster", D + "/cluster_frac.toml"], "cluster_frac.toml': gpus_per_node = 7.5 must be of type int"),
@@ -195,7 +195,7 @@ CASES = [
     ([*TRAIN, "--plan", "auto", "--plan-cluster", D + "/cluster_frac.toml"], "gpus_per_node = 7.5 must be of type int"),
     (["plan", "--config", D + "/plan_frac.toml"], "plan_frac.toml': nodes = 1.5 must be of type int"),
     (["plan", "--config", D + "/plan_model.toml"], "plan_model.toml': [model]: dim = 'big' must be of type int"),
-    (["plan", "--config", D + "/plan_unknown.toml"], "plan_unknown.toml': unknown keys ['gpus']"),
+    (["plan", "--config", D + "/plan_unknown.toml"], "plan_unknown.toml': unknown keys ['bogus']"),
     (["plan", "--config", D + "/plan_bad.toml"], "plan_bad.toml' is not valid TOML"),
     (["plan", "--config", D + "/missing.toml"], "missing.toml' does not exist"),
     (["plan", "--calibrate", "--out", D], "is a directory; name the cluster TOML file"),

@@ -51,3 +51,11 @@ def test_agreement_tiny():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     row = proc.stdout.strip().splitlines()[-1]
     assert row.startswith("| 64 |") and row.endswith(" us |"), proc.stdout
+
+
+def test_max_seq_planner_rows(tmp_path):
+    out = tmp_path / "max_seq.json"
+    _run("max_seq.py", "--models", "1b", "--gpus", "1", "--no-simulate", "--out", str(out))
+    rows = json.loads(out.read_text())
+    assert [r["modes"] for r in rows] == ["off", "auto"] and all(r["fits"] for r in rows)
+    assert rows[1]["planner_max_seq_len"] >= rows[0]["planner_max_seq_len"] > 0

@@ -96,7 +96,7 @@ CASES = [
     (["--no-such-option", "3"], "--no-such-option"),
     (["--lr", "abc"], "argument --lr: invalid float value: 'abc'"),
     (["--steps", "1.5"], "argument --steps: invalid int value: '1.5'"),
-    (["--seq-len", "x"], "argument --seq-len: invalid int value: 'x'"),
+    (["--seq-len", "x"], "argument --seq-len: seq_len='x' is not a length like 131072, 128K or 1M"),
     (["--lr", "nan"], "--lr=nan"),
     (["--lr", "inf"], "--lr=inf"),
     (["--lr", "-1"], "--lr=-1"),

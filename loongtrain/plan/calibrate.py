@@ -100,6 +100,7 @@ def calibrate(world: int = 4, threads: int = 1, name: str = "calibrated") -> Clu
         peak_tflops=mm / 1e12, matmul_tflops=mm / 1e12, attention_tflops=attn / 1e12,
         intra_node_gbyte_s=bw / 1e9, nic_gbit_s=bw * 8 / 1e9, nics_per_node=world, link_efficiency=1.0,
         intra_latency_us=latency * 1e6, inter_latency_us=latency * 1e6, usable_memory_fraction=0.9,
+        host_memory_gib=round(mem_gib, 3),
         duplex=False,  # gloo over TCP
         description=f"this machine, {world} local ranks x {threads} thread(s) on {os.cpu_count()} CPUs "
                     f"(FLOP rates x {share:.2f} for sharing), gloo loopback (measured)",

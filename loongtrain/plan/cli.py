@@ -3,151 +3,45 @@
 Examples::
 
     loongtrain plan --model 7b-gqa --seq-len 1M --nodes 8 --cluster a100
+    loongtrain plan --model 7b-gqa --gpus 1 --cluster h200 --max-seq-len --json
+    loongtrain plan --model 1b --gpus 8 --cluster h200 --seq-len 256K --simulate --json
     loongtrain plan --config my_plan.toml --json
     loongtrain plan --model path/to/hf_model --seq-len 128K --nodes 4 --cluster h100
     loongtrain plan --calibrate --calibrate-world 4 --out this_machine.toml
 
-``--config FILE`` is a TOML file whose keys are the long option names with ``_`` for ``-`` (``model``,
-``seq_len``, ``nodes``, ``cluster``, ...); ``model`` may be a preset name, a Hugging Face model
-directory or config.json, or a table of :class:`~loongtrain.model.config.ModelConfig` fields. Options
-given on the command line win.
+The options are the fields of :class:`~loongtrain.plan.options.PlanConfig` (train's names; old ones kept
+as aliases). ``--config FILE`` is a TOML file whose keys are the option names with ``_`` for ``-``;
+``model`` may be a preset name, a Hugging Face model directory or config.json, or a table of
+:class:`~loongtrain.model.config.ModelConfig` fields. Options given on the command line win.
 Exit codes: 0 ok, 2 invalid request or nothing fits (the message names the value and alternatives).
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
-import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from loongtrain._input import OneLineParser, check_fields, one_line, read_toml
-from loongtrain.model.config import PRESETS, ModelConfig
-from loongtrain.parallel.config import AC_ALIASES, AC_MODES, PLACEMENTS, ZERO_MODES
+from loongtrain._input import one_line, parse_size
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.calibrate import calibrate
-from loongtrain.plan.cluster import builtin_clusters, cluster_to_toml, load_cluster
+from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.document_work import balance_report, lognormal_documents
-from loongtrain.plan.search import no_fit_message, plan, resolve_model
+from loongtrain.plan.max_seq import max_seq_len
+from loongtrain.plan.options import DTYPE_BYTES, PlanConfig, parse_plan_args
+from loongtrain.plan.search import no_fit_message, plan, resolve_model, world_size
 from loongtrain.plan.traffic import format_traffic_report, traffic_report
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-FILTERS = ("sp", "hp", "cp", "window", "placement", "zero", "ac_mode")
-DEPRECATED = {"ckpt": "ac_mode"}  # old option / TOML key -> its name now
+__all__ = ["DTYPE_BYTES", "main", "parse_size", "run"]
 DOC_LAYOUTS = 5  # attention layouts the --doc-median text report shows
-
-
-def parse_size(text: str | int) -> int:
-    """``131072``, ``128K`` or ``1M`` (binary: K = 1024, M = 1024**2) -> int."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
-    if not m:
-        raise ValueError(f"seq_len={text!r} is not a length like 131072, 128K or 1M")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2}[m.group(2).lower()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="loongtrain plan", description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--model", help=f"preset {sorted(PRESETS)}, or a local Hugging Face model directory or its "
-                   "config.json (Llama, Mistral, Qwen2, Qwen3)")
-    p.add_argument("--seq-len", help="sequence length per sample, e.g. 131072, 128K, 1M")
-    p.add_argument("--nodes", type=int)
-    p.add_argument("--cluster", help=f"built-in {builtin_clusters()} or a TOML file (default a100)")
-    p.add_argument("--batch", type=int, help="sequences per replica per step (default 1)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="compute dtype (default bf16)")
-    p.add_argument("--config", type=Path, help="TOML file with any of these options")
-    for name in ("sp", "hp", "cp", "window"):
-        p.add_argument(f"--{name}", type=int, help=f"only configurations with this {name}")
-    p.add_argument("--placement", choices=PLACEMENTS)
-    p.add_argument("--zero", choices=ZERO_MODES,
-                   help="none | hybrid (shard inside each node) | full (all dp*sp ranks)")
-    modes = [*AC_MODES, *AC_ALIASES]
-    p.add_argument("--ac-mode", choices=modes, help="activation checkpointing: none | full | selective "
-                   "(Selective Checkpoint++; alias selective++)")
-    p.add_argument("--ckpt", dest="ac_mode", choices=modes, help="deprecated alias of --ac-mode")
-    p.add_argument("--top", type=int, default=None, help="rows to print (default 15)")
-    p.add_argument("--all", action="store_true", help="print every configuration")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--traffic", action="store_true",
-                   help="also print the per-rank bytes of one attention layer for the best configuration")
-    p.add_argument("--doc-median", type=int, default=0, metavar="TOKENS",
-                   help="predict for packed documents with lognormal lengths of this median (seeded, one mix per "
-                   "batch row, zigzag layout), and print per attention layout the attention time without the "
-                   "document mask, with it under zigzag and under the balanced layout, and the per-rank work "
-                   "(max/mean) of both layouts")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine, write a cluster TOML")
-    p.add_argument("--calibrate-world", type=int, default=4, help="ranks of the calibrated node")
-    p.add_argument("--out", type=Path, default=Path("cluster-calibrated.toml"), help="--calibrate output")
-    return p
-
-
-#: TOML keys of ``--config`` and their types (a table for ``model`` is checked against ModelConfig)
-CONFIG_TYPES: dict[str, tuple[type, ...]] = {
-    "model": (str, dict), "seq_len": (int, str), "nodes": (int,), "cluster": (str,), "batch": (int,),
-    "dtype": (str,), "top": (int,), "sp": (int,), "hp": (int,), "cp": (int,), "window": (int,),
-    "placement": (str,), "zero": (str,), "ac_mode": (str,),
-}
-#: integer settings and their least valid value
-AT_LEAST = {"nodes": 1, "batch": 1, "top": 1, "sp": 1, "hp": 1, "cp": 1, "window": 1, "doc_median": 0,
-            "calibrate_world": 1}
-
-
-def _load_config(path: Path) -> dict:
-    where = f"--config {str(path)!r}"
-    data = read_toml(path, "--config")
-    for old, new in DEPRECATED.items():
-        if old in data:
-            data.setdefault(new, data.pop(old))
-    unknown = sorted(set(data) - set(CONFIG_TYPES))
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown}; known keys: {sorted(CONFIG_TYPES)}")
-    for key, value in data.items():
-        kinds = CONFIG_TYPES[key]
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            names = " or ".join("table" if k is dict else k.__name__ for k in kinds)
-            raise ValueError(f"{where}: {key} = {value!r} must be of type {names}")
-    if isinstance(data.get("model"), dict):
-        values = check_fields(f"{where}: [model]", data["model"], ModelConfig)
-        try:
-            data["model"] = ModelConfig(**values)
-        except ValueError as exc:
-            raise ValueError(f"{where}: [model]: {exc}") from None
-    return data
-
-
-def _check_settings(s: dict) -> None:
-    """Integer settings in range, choices among the valid ones (the same messages from a TOML file as
-    from the command line)."""
-    for key, low in AT_LEAST.items():
-        value = s.get(key)
-        if value is not None and value < low:
-            raise ValueError(f"--{key.replace('_', '-')}={value} must be >= {low}")
-    for key, allowed in (("placement", PLACEMENTS), ("zero", ZERO_MODES), ("ac_mode", [*AC_MODES, *AC_ALIASES])):
-        if s.get(key) is not None and s[key] not in allowed:
-            raise ValueError(f"--{key.replace('_', '-')}={s[key]!r} is not one of {list(allowed)}")
-
-
-def _settings(args: argparse.Namespace) -> dict:
-    s = _load_config(args.config) if args.config else {}
-    for key in ("model", "seq_len", "nodes", "cluster", "batch", "dtype", "top", *FILTERS):
-        if getattr(args, key) is not None:
-            s[key] = getattr(args, key)
-    missing = [k for k in ("model", "seq_len", "nodes") if k not in s]
-    if missing:
-        names = ", ".join("--" + m.replace("_", "-") for m in missing)
-        raise ValueError(f"missing {names} (or --config FILE)")
-    _check_settings(s)
-    s["seq_len"] = parse_size(s["seq_len"])
-    s.setdefault("cluster", "a100")
-    s.setdefault("batch", 1)
-    dtype = s.setdefault("dtype", "bf16")
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-    return s
+#: ``simulate(model, candidate, cfg) -> dict`` with ``simulated_device_gib``: the trainer's step under fake
+#: tensors (loongtrain.train.simulate, which the top-level ``loongtrain`` command passes in: plan sits below train)
+Simulator = Callable[[Any, Candidate, PlanConfig], dict]
 
 
 def collapse_windows(cands: list[Candidate]) -> list[tuple[Candidate, list[int]]]:
@@ -173,17 +67,25 @@ def _windows(ws: list[int]) -> str:
 
 
 def format_table(rows: list[tuple[Candidate, list[int]]]) -> str:
+    modes = any(_modes(c.config) for c, _ in rows)  # the column only when some row uses them
     head = (f"{'#':>3} {'hp':>3} {'cp':>3} {'win':>5} {'placement':<13} {'zero':<6} {'ac_mode':<9} {'dp':>3} "
-            f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':<4} bottleneck")
+            f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':<4} bottleneck" + ("   offload/tiling" if modes else ""))
     lines = [head, "-" * len(head)]
     for i, (c, ws) in enumerate(rows, 1):
         g = c.config
         lines.append(
             f"{i:>3} {g.hp:>3} {g.cp:>3} {_windows(ws):>5} {g.placement:<13} {g.zero:<6} {g.ac_mode:<9} "
             f"{c.dp:>3} {c.step_time:>9.3f} {c.mfu:>6.1%} {c.memory['total'] / 2**30:>8.1f} "
-            f"{'yes' if c.fits else 'NO':<4} {c.bottleneck}"
+            f"{'yes' if c.fits else 'NO':<4} {c.bottleneck}" + (f"{'':<4} {_modes(g) or '-'}" if modes else "")
         )
     return "\n".join(lines)
+
+
+def _modes(g) -> str:
+    """The offload and tiling modes of a configuration, short (``acts+params tiles=auto``)."""
+    names = [n for n, on in (("acts", g.offload_activations), ("params", g.offload_params)) if on]
+    tiles = f"tiles={g.mlp_tiles}" if g.mlp_tiles != "1" else ""
+    return " ".join(filter(None, ["+".join(names), tiles]))
 
 
 def packed_documents(seq_len: int, median: int, batch: int) -> Documents:
@@ -191,21 +93,20 @@ def packed_documents(seq_len: int, median: int, batch: int) -> Documents:
     return Documents(tuple(tuple(lognormal_documents(seq_len, median, seed=row)) for row in range(batch)))
 
 
-def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, s: dict,
+def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, cfg: PlanConfig,
                     documents: Documents) -> list[dict]:
     """Per candidate: attention seconds of one layer's call (forward + backward) without the document mask,
     with it under zigzag and under the balanced layout (docs/design.md §9), and per-rank work max/mean."""
-    world = s["nodes"] * cluster.gpus_per_node
-    window = model.sliding_window if model.sliding_window and model.sliding_window < s["seq_len"] else None
-    shape = AttnShape(s["batch"], s["seq_len"], model.num_heads, model.num_kv_heads, model.head_dim,
-                      DTYPE_BYTES[s["dtype"]], model.sliding_window)
+    window = model.sliding_window if model.sliding_window and model.sliding_window < cfg.seq_len else None
+    shape = AttnShape(cfg.batch_size, cfg.seq_len, model.num_heads, model.num_kv_heads, model.head_dim,
+                      cfg.dtype_bytes, model.sliding_window)
     out = []
     for c, _ in rows:
-        layout = c.config.layout(world)
+        layout = c.config.layout(c.world_size)
         times = {"no_mask": attention_time(layout, shape, cluster).total}
         for name in ("zigzag", "balanced"):
             times[name] = attention_time(layout, shape, cluster, Documents(documents.cu_seqlens, name)).total
-        r = balance_report(documents.rows(s["batch"]), s["seq_len"], layout.cp, layout.hp, sliding_window=window)
+        r = balance_report(documents.rows(cfg.batch_size), cfg.seq_len, layout.cp, layout.hp, sliding_window=window)
         same = abs(times["zigzag"] - times["balanced"]) <= 1e-3 * times["zigzag"]
         faster = "same" if same else min(("zigzag", "balanced"), key=times.get)
         out.append({"attention_s": times, "faster_layout": faster,
@@ -233,37 +134,43 @@ def format_document_report(rows: list[tuple[Candidate, list[int]]], report: list
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    _check_settings({k: getattr(args, k) for k in ("doc_median", "calibrate_world")})
-    if args.calibrate:
-        if args.out.is_dir() or not args.out.parent.is_dir():  # checked before the minutes of measuring
-            raise ValueError(f"--out {str(args.out)!r} is a directory; name the cluster TOML file to write"
-                             if args.out.is_dir() else f"--out {str(args.out)!r}: the directory "
-                             f"{str(args.out.parent)!r} does not exist")
-
-        cluster = calibrate(world=args.calibrate_world)
-        args.out.write_text(cluster_to_toml(cluster))
+def run(cfg: PlanConfig, simulate: Simulator | None = None) -> int:
+    """Carry out one ``loongtrain plan`` request; the exit code (ValueError for a bad request)."""
+    if cfg.calibrate:
+        out = Path(cfg.out)
+        if out.is_dir() or not out.parent.is_dir():  # checked before the minutes of measuring
+            raise ValueError(f"--out {str(out)!r} is a directory; name the cluster TOML file to write"
+                             if out.is_dir() else f"--out {str(out)!r}: the directory "
+                             f"{str(out.parent)!r} does not exist")
+        cluster = calibrate(world=cfg.calibrate_world)
+        Path(cfg.out).write_text(cluster_to_toml(cluster))
         print(cluster_to_toml(cluster))
-        print(f"wrote {args.out}  (use: loongtrain plan --cluster {args.out} ...)")
+        print(f"wrote {cfg.out}  (use: loongtrain plan --cluster {cfg.out} ...)")
         return 0
-    s = _settings(args)
-    name, model = resolve_model(s["model"])
-    cluster = load_cluster(s["cluster"])
-    filters = {k: s[k] for k in FILTERS if s.get(k) is not None}
-    kw = dict(nodes=s["nodes"], seq_len=s["seq_len"], batch=s["batch"], dtype_bytes=DTYPE_BYTES[s["dtype"]])
-    documents = packed_documents(s["seq_len"], args.doc_median, s["batch"]) if args.doc_median else None
-    cands = plan(model, cluster, **kw, documents=documents, **filters)
+    cfg.check_complete()
+    name, model = resolve_model(cfg.model)
+    cluster = load_cluster(cfg.cluster)
+    devices = cfg.devices()
+    world, nodes = world_size(cluster, **devices)
+    if cfg.simulate and simulate is None:
+        raise ValueError("--simulate runs the trainer: use the `loongtrain plan` command (loongtrain.cli)")
+    if cfg.max_seq_len:
+        return _run_max_seq_len(cfg, name, model, cluster, devices, simulate)
+    kw = dict(seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, **devices)
+    documents = packed_documents(cfg.seq_len, cfg.doc_median, cfg.batch_size) if cfg.doc_median else None
+    cands = plan(model, cluster, **kw, documents=documents, **cfg.filters())
+    if simulate is not None and cfg.simulate:
+        return _print_simulation(cfg, name, model, cands[0], simulate)
     rows = collapse_windows(cands)
-    top = len(rows) if args.all else (s.get("top") or 15)
-    world = s["nodes"] * cluster.gpus_per_node
-    report = document_report(rows[:top], model, cluster, s, documents) if documents else None
-    if args.json:
+    top = len(rows) if cfg.all else cfg.top
+    report = document_report(rows[:top], model, cluster, cfg, documents) if documents else None
+    if cfg.json:
         doc_fields = {} if report is None else {"documents": {
-            "median": args.doc_median, "count": [len(cu) - 1 for cu in documents.cu_seqlens],
+            "median": cfg.doc_median, "count": [len(cu) - 1 for cu in documents.cu_seqlens],
             "visible_fraction": report[0]["visible_fraction"] if report else None}}
         print(json.dumps({
-            "model": name, "seq_len": s["seq_len"], "nodes": s["nodes"], "world_size": world,
-            "cluster": cluster.name, "batch": s["batch"], "dtype": s["dtype"], "evaluated": len(cands),
+            "model": name, "seq_len": cfg.seq_len, "nodes": nodes, "world_size": world,
+            "cluster": cluster.name, "batch": cfg.batch_size, "dtype": cfg.dtype, "evaluated": len(cands),
             "fits": cands[0].fits, **doc_fields,
             "candidates": [dict(c.to_dict(), equivalent_windows=ws,
                                 **({} if report is None else {"documents": report[i]}))
@@ -271,47 +178,86 @@ def run(args: argparse.Namespace) -> int:
         }, indent=1))
     else:
         window = f", sliding window {model.sliding_window}" if model.sliding_window else ""
-        docs = "" if documents is None else f", packed documents (median {args.doc_median}, zigzag)"
+        docs = "" if documents is None else f", packed documents (median {cfg.doc_median}, zigzag)"
+        whole = world % cluster.gpus_per_node == 0
+        devices_text = f"{nodes} nodes x {cluster.gpus_per_node} = {world}" if whole else f"{world} (part of a node)"
         print(f"model {name} ({model.num_layers} layers, dim {model.dim}, {model.num_heads} heads, "
               f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}, FFN {model.ffn_dim}, "
               f"vocab {model.vocab_size}{window}), "
-              f"seq_len {s['seq_len']}, {s['nodes']} nodes x {cluster.gpus_per_node} = {world} devices of "
-              f"{cluster.name}, batch {s['batch']}/replica, {s['dtype']}{docs}; {len(cands)} configurations, "
+              f"seq_len {cfg.seq_len}, {devices_text} devices of "
+              f"{cluster.name}, batch {cfg.batch_size}/replica, {cfg.dtype}{docs}; {len(cands)} configurations, "
               f"best {min(top, len(rows))} (rows differing only in an equally fast window merged):")
         print(format_table(rows[:top]))
-    if args.traffic and not args.json:
+    if cfg.traffic and not cfg.json:
         best = cands[0]
-        rows_t = traffic_report(best.config.layout(world), cluster.gpus_per_node, batch=s["batch"],
-                                seq_len=s["seq_len"], num_heads=model.num_heads,
+        rows_t = traffic_report(best.config.layout(world), cluster.gpus_per_node, batch=cfg.batch_size,
+                                seq_len=cfg.seq_len, num_heads=model.num_heads,
                                 num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                                dtype_bytes=DTYPE_BYTES[s["dtype"]])
+                                dtype_bytes=cfg.dtype_bytes)
         print(f"\nper-rank traffic of one attention layer (forward + backward), {best.config.label()}:")
         print(format_traffic_report(rows_t))
-    if report and not args.json:
+    if report and not cfg.json:
         counts = sorted({len(cu) - 1 for cu in documents.cu_seqlens})
         count = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-        print(f"\npacked documents (lognormal, median {args.doc_median}, {count} in {s['seq_len']} tokens per row): "
+        print(f"\npacked documents (lognormal, median {cfg.doc_median}, {count} in {cfg.seq_len} tokens per row): "
               f"{report[0]['visible_fraction']:.1%} of causal attention visible; one attention layer's call "
               f"(forward + backward) without the document mask, with it under zigzag and under the balanced "
               f"layout, and per-rank work max/mean:")
         print(format_document_report(rows[:top], report))
     if not cands[0].fits:
-        print("loongtrain plan: " + no_fit_message(model, cluster, cands, **kw, **filters), file=sys.stderr)
+        print("loongtrain plan: " + no_fit_message(model, cluster, cands, **kw, **cfg.filters()), file=sys.stderr)
         return 2
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def _run_max_seq_len(cfg: PlanConfig, name: str, model, cluster: Cluster, devices: dict,
+                     simulate: Simulator | None) -> int:
+    """``--max-seq-len``: the bisected length and its best configuration (text or JSON)."""
+    length, best = max_seq_len(model, cluster, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes,
+                               modes=cfg.modes, **devices, **cfg.filters())
+    if simulate is not None and cfg.simulate:
+        return _print_simulation(dataclasses.replace(cfg, seq_len=length), name, model, best, simulate)
+    if cfg.json:
+        print(json.dumps({"model": name, "cluster": cluster.name, "world_size": best.world_size,
+                          "max_seq_len": length, "dtype": cfg.dtype, "batch": cfg.batch_size,
+                          "configuration": best.config.label(), "candidate": best.to_dict()}, indent=1))
+    else:
+        print(f"longest sequence for {name} on {best.world_size} devices of {cluster.name}: {length} tokens "
+              f"({length / 2**20:.2f}M), {best.config.label()}: {best.memory['total'] / 2**30:.1f} GiB per device "
+              f"(usable {cluster.usable_memory / 2**30:.1f}), host {best.host_per_node / 2**30:.1f} GiB per node "
+              f"(usable {cluster.usable_host_memory / 2**30:.1f}), step {best.step_time:.2f} s, MFU {best.mfu:.1%}")
+    return 0
+
+
+def _print_simulation(cfg: PlanConfig, name: str, model, best: Candidate, simulate: Simulator) -> int:
+    """``--simulate``: the best configuration's predicted and simulated busiest-rank peak."""
+    result = {"model": name, "seq_len": cfg.seq_len, "world_size": best.world_size,
+              "configuration": best.config.label(), "fits": best.fits,
+              "predicted_device_gib": best.memory["total"] / 2**30,
+              "predicted_host_gib_per_rank": best.memory.get("host", 0.0) / 2**30,
+              "predicted_host_gib_per_node": best.host_per_node / 2**30,
+              **simulate(model, best, cfg)}
+    result["device_ratio"] = result["predicted_device_gib"] / result["simulated_device_gib"]
+    if cfg.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{name}, seq_len {cfg.seq_len}, {best.world_size} devices, {best.config.label()}: predicted "
+              f"{result['predicted_device_gib']:.2f} GiB per device, simulated {result['simulated_device_gib']:.2f} "
+              f"GiB (predicted/simulated {result['device_ratio']:.3f})")
+    return 0
+
+
+def main(argv: list[str] | None = None, simulate: Simulator | None = None) -> int:
+    """``loongtrain plan``; ``simulate``: the trainer-side step for ``--simulate`` (given by loongtrain.cli)."""
     try:
-        args = parser.parse_args(argv)
+        cfg = parse_plan_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
-    except ValueError as exc:  # a usage error: one line
+    except ValueError as exc:
         print(f"loongtrain plan: error: {one_line(exc)}", file=sys.stderr)
         return 2
     try:
-        return run(args)
+        return run(cfg, simulate)
     except ValueError as exc:
         print(f"loongtrain plan: error: {one_line(exc)}", file=sys.stderr)
         return 2

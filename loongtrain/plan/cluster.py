@@ -1,8 +1,9 @@
 """Cluster descriptions for the cost model: TOML files, by name (``loongtrain/plan/clusters/<name>.toml``)
 or by path (copy one and edit it).
 
-Units in the files: memory in GiB per device, FLOP rates in TFLOP/s per device, intra-node bandwidth in
-GB/s per device one direction, NIC bandwidth in Gbit/s per NIC one direction, latencies in microseconds.
+Units in the files: memory in GiB per device (host memory in GiB per node), FLOP rates in TFLOP/s per
+device, intra-node and host-link bandwidth in GB/s per device one direction, NIC bandwidth in Gbit/s per
+NIC one direction, latencies in microseconds.
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ class Cluster:
     # False when one connection moves one direction at a time (measured for gloo over TCP): an exchange
     # whose send and receive peer are the same rank, and every all-to-all pair, then take twice as long
     duplex: bool = True
+    # host side of the offload modes (docs/design.md §9): pinned host memory per node, the achieved fraction
+    # of it left to training, the host link per device (PCIe, GB/s one direction, x link_efficiency), and
+    # the CPU AdamW rate of a node (billions of parameters per second, shared by its ranks)
+    host_memory_gib: float = 1024.0
+    usable_host_fraction: float = 0.9
+    host_link_gbyte_s: float = 32.0
+    cpu_adam_gparams_s: float = 1.0
     description: str = ""
     # substrings of torch.cuda.get_device_name() of the devices this preset describes: the one table
     # that --plan auto and the trainer's MFU peak (loongtrain.train.metrics) look devices up in
@@ -46,7 +54,7 @@ class Cluster:
             value = getattr(self, f.name)
             if f.type in ("int", "float") and not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"cluster {self.name!r}: {f.name}={value!r} must be a positive number")
-        if self.link_efficiency > 1 or self.usable_memory_fraction > 1:
+        if self.link_efficiency > 1 or self.usable_memory_fraction > 1 or self.usable_host_fraction > 1:
             raise ValueError(f"cluster {self.name!r}: efficiencies and fractions must be <= 1")
 
     @property
@@ -67,6 +75,16 @@ class Cluster:
     @property
     def usable_memory(self) -> float:
         return self.memory_gib * 2**30 * self.usable_memory_fraction
+
+    @property
+    def usable_host_memory(self) -> float:
+        """Bytes of host memory per node left to training (the offload modes' pinned buffers)."""
+        return self.host_memory_gib * 2**30 * self.usable_host_fraction
+
+    @property
+    def host_bw(self) -> float:
+        """Achieved bytes/s between one device and the host, one direction."""
+        return self.host_link_gbyte_s * 1e9 * self.link_efficiency
 
 
 def builtin_clusters() -> list[str]:

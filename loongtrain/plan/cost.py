@@ -18,6 +18,13 @@ Per layer, per device (``t = B * S / sp`` tokens, ``P_l`` layer parameters):
   ``2 * (W-1)/W * P_l * 4``. A collective spanning nodes runs at the NIC share, else intra-node.
 - LM head: ``2 * V * d * t`` forward, 2x backward; its ZeRO traffic is counted as exposed.
 
+- Offload and tiling modes (docs/design.md §9), over the host link ``host_bw`` per device: activation
+  offload copies each block's kept set ``K`` out in forward and back in backward, ``2 * K / host_bw``
+  hidden behind the layer's busy time, the excess exposed (``offload``); parameter offload moves the
+  fp32 shards in for both gathers and the gradient shard out, ``12 * P_l / z / host_bw`` per layer, hidden
+  the same way, plus the CPU AdamW step, ``P / z`` parameters at the node's ``cpu_adam_gparams_s`` shared
+  by its ranks; a tiled MLP recomputes its tiles in backward, one more MLP forward (``6 * d * f * t``).
+
 Step = ``L * max(layer compute + exposed attention comm, layer ZeRO) + head``. Bottleneck: ``memory``
 when it does not fit; else the largest exposed communication component (a2a, ring-inner, ring-outer,
 zero) when it costs at least ``BOTTLENECK_SHARE`` of the step; else ``compute``. MFU uses the model's
@@ -30,12 +37,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from loongtrain.model.config import ModelConfig, flops_per_token, step_flops
+from loongtrain.model.config import ModelConfig, flops_per_token, num_params, step_flops
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
-from loongtrain.plan.memory_model import layer_params, memory_per_rank
+from loongtrain.plan.memory_model import STATE_BYTES_PER_PARAM, layer_params, memory_per_rank
 
 GRAD_BYTES = 4
 
@@ -46,7 +53,7 @@ def param_bytes(dtype_bytes: int) -> int:
     return min(dtype_bytes, 4)
 
 
-COMPONENTS = ("compute", "a2a", "ring-inner", "ring-outer", "zero")
+COMPONENTS = ("compute", "a2a", "ring-inner", "ring-outer", "zero", "offload")
 BOTTLENECK_SHARE = 0.1
 
 
@@ -65,13 +72,15 @@ class Candidate:
     fits: bool
     bottleneck: str
     breakdown: dict[str, float] = field(default_factory=dict)
+    host_per_node: float = 0.0  # bytes of pinned host memory per node (the offload modes)
 
     def to_dict(self) -> dict:
         """The configuration's fields (``hp``, ..., ``ac_mode``, ``ac_fraction``) and the prediction."""
         return {
             **asdict(self.config), "dp": self.dp, "world_size": self.world_size,
             "step_time_s": self.step_time, "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
-            "memory_gib": self.memory["total"] / 2**30, "fits": self.fits, "bottleneck": self.bottleneck,
+            "memory_gib": self.memory["total"] / 2**30, "host_gib_per_rank": self.memory.get("host", 0.0) / 2**30,
+            "host_gib_per_node": self.host_per_node / 2**30, "fits": self.fits, "bottleneck": self.bottleneck,
             "breakdown_s": dict(self.breakdown),
             "memory_parts_gib": {k: v / 2**30 for k, v in self.memory.items()},
         }
@@ -106,11 +115,12 @@ def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents) -
 
 def step_cost(
     model: ModelConfig, config: ParallelConfig, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2, documents: Documents | None = None,
+    dtype_bytes: int = 2, documents: Documents | None = None, world: int | None = None,
 ) -> Candidate:
     """Predicted step time, MFU, memory and bottleneck of ``config`` on ``nodes`` nodes (``documents``: packed
-    rows of every replica's batch and their chunk layout)."""
-    world = nodes * cluster.gpus_per_node
+    rows of every replica's batch and their chunk layout); ``world``: the devices used when fewer than
+    ``nodes`` whole nodes (one partial node)."""
+    world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
                       model.sliding_window)
@@ -140,18 +150,46 @@ def step_cost(
     breakdown = {k: model.num_layers * v for k, v in per_layer.items()}
     breakdown["compute"] += head_compute
     breakdown["zero"] = model.num_layers * zero_exposed + head_zero
-    step = sum(breakdown.values())
     memory = memory_per_rank(
         model, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, ac_mode=config.ac_mode,
         zero_size=config.shard_size(world), reshard_after_forward=config.reshard_after_forward,
+        offload_activations=config.offload_activations, mlp_tiles=config.mlp_tiles,
+        offload_params=config.offload_params,
     )
-    fits = memory["total"] <= cluster.usable_memory
+    if config.offload_activations or config.offload_params or config.mlp_tiles != "1":
+        breakdown["offload"] = offload_time(model, config, cluster, world, t, memory, layer_busy)
+        breakdown["compute"] += mlp_recompute_time(model, config, t, rate)
+    step = sum(breakdown.values())
+    host_per_node = memory["host"] * min(world, cluster.gpus_per_node)
+    fits = memory["total"] <= cluster.usable_memory and host_per_node <= cluster.usable_host_memory
     tokens = layout.dp * batch * seq_len
     model_flops = (tokens * flops_per_token(model, seq_len) if documents is None
                    else layout.dp * document_flops(model, shape, documents))
     mfu = model_flops / (step * world * cluster.peak_tflops * 1e12)
-    comm = max(COMPONENTS[1:], key=lambda k: breakdown[k])
-    bottleneck = comm if breakdown[comm] >= BOTTLENECK_SHARE * step else "compute"
+    comm = max(COMPONENTS[1:], key=lambda k: breakdown.get(k, 0.0))
+    bottleneck = comm if breakdown.get(comm, 0.0) >= BOTTLENECK_SHARE * step else "compute"
     if not fits:
         bottleneck = "memory"
-    return Candidate(config, world, layout.dp, step, mfu, tokens / step, memory, fits, bottleneck, breakdown)
+    return Candidate(config, world, layout.dp, step, mfu, tokens / step, memory, fits, bottleneck, breakdown,
+                     host_per_node)
+
+
+def offload_time(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int, tokens: float,
+                 memory: dict[str, float], layer_busy: float) -> float:
+    """Exposed seconds per step of the host copies and the CPU AdamW step (module docstring)."""
+    L, z = model.num_layers, config.shard_size(world)
+    states = STATE_BYTES_PER_PARAM * num_params(model) / z if config.offload_params else 0.0
+    per_layer = 2 * (memory["host"] - states) / L / cluster.host_bw  # activations out and back
+    if config.offload_params:
+        per_layer += 12 * layer_params(model) / z / cluster.host_bw
+    exposed = L * max(0.0, per_layer - layer_busy)
+    if config.offload_params:
+        ranks = min(world, cluster.gpus_per_node)
+        exposed += num_params(model) / z / (cluster.cpu_adam_gparams_s * 1e9 / ranks)
+    return exposed
+
+
+def mlp_recompute_time(model: ModelConfig, config: ParallelConfig, tokens: float, rate: float) -> float:
+    """Seconds of the tiled MLP's recompute in backward: one more MLP forward per layer (``mlp_tiles > 1``)."""
+    tiled = config.mlp_tiles == "auto" or int(config.mlp_tiles) > 1
+    return model.num_layers * 2 * 3 * model.dim * model.ffn_dim * tokens / rate if tiled else 0.0

@@ -35,6 +35,22 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   kernel's dK/dV and their accumulator), an fp32 dQ accumulator ``4 * t * d``, and, with ``hp > 1``, the
   packed all-to-all send and receive buffers ``2 * b * t * (d + 2*He*hd)``.
 
+Offload and tiling modes (docs/design.md §9; :class:`~loongtrain.parallel.config.ParallelConfig`'s
+``offload_activations``, ``mlp_tiles``, ``offload_params``), each changing only its own terms; ``host``
+is the pinned host memory per rank they need (0 without them):
+
+- ``mlp_tiles = n > 1``: the feed-forward runs over ``n`` tiles of the local sequence and the backward
+  recomputes one tile at a time, so of SwiGLU's ``4f * b`` bytes per token only one tile's exist:
+  ``a_b - 4f * b * (1 - 1/n)`` in the full layer's set (``recompute``, and ``activations`` without
+  checkpointing). ``auto`` (:func:`mlp_tile_count`): the fewest tiles whose intermediates are at most the
+  block's hidden input (``t * d * r``), i.e. ``ceil(4f * b / (d * r))``, raised to a divisor of ``t``.
+- ``offload_activations``: each block's kept set ``K`` (the per-block part of ``activations``) is copied to
+  the host when its forward ends and brought back one block ahead of its backward: the device holds
+  ``min(L, 2) * K`` (the block being computed and the one in flight), the host ``L * K``.
+- ``offload_params`` (FSDP2 ``CPUOffloadPolicy``, so FSDP2's bf16 gathering even when ``z = 1``): the fp32
+  shards, their gradients and AdamW's m, v (``states``, ``16 * P / z``) live on the host, the AdamW step
+  runs there; the device keeps ``working_params`` (the gathered blocks and their unsharded gradients).
+
 ``total`` is the step's peak, not the sum of the parts (:func:`peak_bytes`): the fp32 gradients
 (``4P/z`` of ``states``) are allocated while backward frees the activations, so the peak is the larger
 of backward's start (states without gradients + activations + logits + the transient parts) and its end
@@ -58,15 +74,29 @@ def layer_params(model: ModelConfig) -> int:
     return (num_params(model, include_embeddings=False) - model.dim) // model.num_layers
 
 
-def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharded: bool) -> float:
+def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharded: bool,
+                           mlp_tiles: int = 1) -> float:
     """``a_b``: bytes saved per token per layer without checkpointing (module docstring); ``sharded``:
-    bf16 through FSDP2's gathered weights rather than autocast."""
+    bf16 through FSDP2's gathered weights rather than autocast; ``mlp_tiles``: SwiGLU's intermediates
+    exist for one tile of the sequence at a time."""
     b, d = dtype_bytes, model.dim
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
-    rest = (2 * he * model.head_dim + 4 * model.ffn_dim) * b + 4 * model.num_heads + 8
+    mlp = 4 * model.ffn_dim * b if mlp_tiles == 1 else 4 * model.ffn_dim * b / mlp_tiles
+    rest = 2 * he * model.head_dim * b + mlp + 4 * model.num_heads + 8
     if b >= 4:
         return 8 * d * b + rest
     return (2 * d * 4 + 6 * d * b if sharded else 4 * d * 4 + 7 * d * b) + rest
+
+
+def mlp_tile_count(model: ModelConfig, tokens: int, mlp_tiles: str, dtype_bytes: int, sharded: bool) -> int:
+    """Tiles of the feed-forward for ``mlp_tiles`` ("1", a positive integer, or "auto") over ``tokens``
+    local tokens. ``auto``: the fewest tiles whose SwiGLU intermediates (``4f * b`` bytes per token) are at
+    most the block's hidden input (``d * r``), raised to the nearest divisor of ``tokens``."""
+    if mlp_tiles != "auto":
+        return int(mlp_tiles)
+    r = residual_bytes(dtype_bytes, sharded)
+    need = max(1, -(-4 * model.ffn_dim * dtype_bytes // (model.dim * r)))
+    return next(n for n in range(min(need, tokens), tokens + 1) if tokens % n == 0)
 
 
 def residual_bytes(dtype_bytes: int, sharded: bool) -> int:
@@ -83,11 +113,12 @@ def final_norm_bytes(dim: int, dtype_bytes: int, sharded: bool) -> float:
 
 
 def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_bytes: int,
-                        reshard_after_forward: bool = True) -> float:
-    """Bytes of gathered weights, their unsharded gradients and autocast copies (``working_params``)."""
+                        reshard_after_forward: bool = True, fsdp: bool | None = None) -> float:
+    """Bytes of gathered weights, their unsharded gradients and autocast copies (``working_params``);
+    ``fsdp``: whether FSDP2 gathers the weights (default ``zero_size > 1``)."""
     p_l, d, L = layer_params(model), model.dim, model.num_layers
     head = model.vocab_size * d
-    if zero_size > 1:
+    if zero_size > 1 if fsdp is None else fsdp:
         w = min(dtype_bytes, 4)
         root = head * (1 if model.tie_embeddings else 2) + d
         in_flight = 2 if reshard_after_forward else L
@@ -118,10 +149,12 @@ def peak_bytes(parts: dict[str, float], gradient_bytes: float) -> float:
 
 def memory_per_rank(
     model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, ac_mode: str,
-    dtype_bytes: int = 2, reshard_after_forward: bool = True,
+    dtype_bytes: int = 2, reshard_after_forward: bool = True, offload_activations: bool = False,
+    mlp_tiles: str = "1", offload_params: bool = False,
 ) -> dict[str, float]:
     """Bytes per device by part (``states``, ``working_params``, ``activations``, ``recompute``, ``logits``,
-    ``workspace``) and the step's peak ``total`` (:func:`peak_bytes`)."""
+    ``workspace``), the step's peak ``total`` (:func:`peak_bytes`) and the pinned ``host`` bytes per rank
+    of the offload modes (module docstring)."""
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} is not one of {AC_MODES}")
     if zero_size < 1 or layout.world_size % zero_size:
@@ -130,8 +163,9 @@ def memory_per_rank(
     p = num_params(model)
     t = batch * seq_len / layout.sp
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
-    sharded = zero_size > 1
-    full_layer = t * layer_activation_bytes(model, layout.hp, b, sharded)
+    sharded = zero_size > 1 or offload_params  # offload_params is FSDP2's, even on one rank
+    tiles = mlp_tile_count(model, int(t), mlp_tiles, b, sharded)
+    full_layer = t * layer_activation_bytes(model, layout.hp, b, sharded, tiles)
     r = residual_bytes(b, sharded)
     if ac_mode == "none":
         acts, recompute = L * full_layer, 0.0
@@ -140,8 +174,12 @@ def memory_per_rank(
     else:  # input, ring output and lse; with hp > 1 also the all-to-alls' outputs (q, k, v; attention out)
         kept = d * b + (2 * d + 2 * he * model.head_dim) * b * (layout.hp > 1)
         acts, recompute = L * t * (d * r + kept + 4 * model.num_heads), full_layer
+    host = 0.0
+    if offload_activations:  # the block being computed and the one in flight stay; every block's copy on the host
+        host = acts
+        acts = acts / L * min(L, 2)
     acts += t * final_norm_bytes(d, b, sharded)
-    working = working_param_bytes(model, zero_size, ac_mode, b, reshard_after_forward)
+    working = working_param_bytes(model, zero_size, ac_mode, b, reshard_after_forward, fsdp=sharded)
     kv_elems = 2 * t * he * model.head_dim
     parts = {
         "states": STATE_BYTES_PER_PARAM * p / zero_size,
@@ -153,5 +191,9 @@ def memory_per_rank(
         "workspace": ring_workspace_bytes(kv_elems, b, layout.cp) + 4 * t * d
         + 2 * b * t * (d + 2 * he * model.head_dim) * (layout.hp > 1),
     }
-    parts["total"] = peak_bytes(parts, gradient_bytes=4 * p / zero_size)
+    if offload_params:
+        host += parts["states"]
+        parts["states"] = 0.0
+    parts["total"] = peak_bytes(parts, gradient_bytes=0.0 if offload_params else 4 * p / zero_size)
+    parts["host"] = float(host)
     return parts

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
+from loongtrain._input import parse_size
 from loongtrain.model.config import PRESETS
-from loongtrain.plan.cli import parse_size
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.search import best_fitting
 

@@ -7,7 +7,11 @@ would favour small ``sp`` with many replicas) rounded to 0.1 point, then by memo
 by memory. Equivalent points
 are listed once: with ``hp == 1`` or ``cp == 1`` both placements are the same ranks; ``window == cp``
 is the same ring as ``window == 1`` (listed as the latter unless asked for); ``zero="hybrid"`` on one
-node is ``zero="full"`` (and needs two devices per node). Every candidate passes
+node is ``zero="full"`` (and needs two devices per node). The offload and tiling modes
+(``offload_activations`` with ``ac_mode`` full or selective, ``mlp_tiles`` "1" or "auto", ``offload_params``
+with ZeRO) are enumerated with ``modes="on"``, or with ``modes="auto"`` only when nothing fits without
+them (docs/design.md §9). ``gpus`` plans any device count: part of one node (1, 2, 4, ...) or whole
+nodes (:func:`world_size`). Every candidate passes
 :func:`~loongtrain.parallel.config.validate_parallel` for the world size, sequence length and heads.
 """
 
@@ -65,13 +69,29 @@ def _check_choice(name: str, value, allowed: list) -> None:
         raise ValueError(f"{name}={value!r} is not valid here; valid values: {allowed}")
 
 
+MODE_SEARCH = ("off", "auto", "on")
+
+
+def mode_choices(ac_mode: str, zero: str, modes: bool, offload_activations: bool | None = None,
+                 mlp_tiles: str | None = None, offload_params: bool | None = None) -> list[dict]:
+    """The offload/tiling settings to try with one (ac_mode, zero): the defaults only, unless ``modes``;
+    a given filter fixes its mode. Activation offload needs checkpointing, parameter offload FSDP2."""
+    acts = [offload_activations] if offload_activations is not None else [False, True] if modes else [False]
+    tiles = [mlp_tiles] if mlp_tiles is not None else ["1", "auto"] if modes else ["1"]
+    params = [offload_params] if offload_params is not None else [False, True] if modes else [False]
+    return [dict(offload_activations=a, mlp_tiles=m, offload_params=o) for o in params for a in acts
+            for m in tiles if not (a and ac_mode == "none") and not (o and zero == "none")]
+
+
 def enumerate_configs(
     model: ModelConfig, world: int, gpus_per_node: int, seq_len: int, *, sp: int | None = None,
     hp: int | None = None, cp: int | None = None, window: int | None = None, placement: str | None = None,
-    zero: str | None = None, ac_mode: str | None = None,
+    zero: str | None = None, ac_mode: str | None = None, modes: bool = False,
+    offload_activations: bool | None = None, mlp_tiles: str | None = None, offload_params: bool | None = None,
 ) -> list[ParallelConfig]:
-    """All distinct valid configurations matching the given filters (``None`` = any). Raises ValueError
-    naming the offending value and the valid alternatives when a filter cannot be met."""
+    """All distinct valid configurations matching the given filters (``None`` = any), with the offload and
+    tiling modes when ``modes`` (:func:`mode_choices`). Raises ValueError naming the offending value and
+    the valid alternatives when a filter cannot be met."""
     ac_mode = AC_ALIASES.get(ac_mode, ac_mode) if ac_mode else ac_mode
     _check_choice("placement", placement, list(PLACEMENTS))
     _check_choice("zero", zero, list(ZERO_MODES))
@@ -104,13 +124,14 @@ def enumerate_configs(
                 for p in places if placement is None else [placement]:
                     for z in zeros if zero is None else [zero]:
                         for k in AC_MODES if ac_mode is None else [ac_mode]:
-                            config = ParallelConfig(
-                                hp=h, cp=c, window=w, placement=p, zero=z, ac_mode=k,
-                                zero_shard_size=gpus_per_node if z == "hybrid" else 0,
-                            )
-                            validate_parallel(config, world, seq_len=seq_len, num_heads=model.num_heads,
-                                              num_kv_heads=model.num_kv_heads)
-                            configs.append(config)
+                            for m in mode_choices(k, z, modes, offload_activations, mlp_tiles, offload_params):
+                                config = ParallelConfig(
+                                    hp=h, cp=c, window=w, placement=p, zero=z, ac_mode=k,
+                                    zero_shard_size=gpus_per_node if z == "hybrid" else 0, **m,
+                                )
+                                validate_parallel(config, world, seq_len=seq_len, num_heads=model.num_heads,
+                                                  num_kv_heads=model.num_kv_heads)
+                                configs.append(config)
     if not configs:
         _explain_empty(model, world, seq_len, sp, hp, cp, window)
     return configs
@@ -134,23 +155,52 @@ def _explain_empty(model, world, seq_len, sp, hp, cp, window) -> None:
     )
 
 
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def world_size(cluster: Cluster, nodes: int | None = None, gpus: int | None = None) -> tuple[int, int]:
+    """``(devices, nodes)`` of a request by whole ``nodes`` or by ``gpus``: part of one node (up to
+    ``gpus_per_node``) or a whole number of nodes. ValueError naming the value otherwise."""
+    g = cluster.gpus_per_node
+    if gpus is None:
+        if nodes is None:
+            raise ValueError("give the devices to plan for: nodes or gpus")
+        _positive("nodes", nodes)
+        return nodes * g, nodes
+    _positive("gpus", gpus)
+    if nodes is not None and nodes * g != gpus and not (nodes == 1 and gpus <= g):
+        raise ValueError(f"gpus={gpus} and nodes={nodes} disagree ({cluster.name}: {g} devices per node)")
+    if gpus > g and gpus % g:
+        raise ValueError(f"gpus={gpus} does not fit {cluster.name} nodes of {g} devices: use 1-{g} (part of one "
+                         f"node) or a multiple of {g}, e.g. {gpus // g * g} or {(gpus // g + 1) * g}")
+    return gpus, -(-gpus // g)
+
+
 def plan(
-    model: str | ModelConfig, cluster: str | Cluster, *, nodes: int, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2, documents: Documents | None = None, **filters,
+    model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, seq_len: int, batch: int = 1,
+    dtype_bytes: int = 2, documents: Documents | None = None, gpus: int | None = None, modes: str = "off",
+    **filters,
 ) -> list[Candidate]:
-    """Every distinct valid configuration with its predicted cost, best first (see module docstring).
-    ``documents``: packed rows of the batch, charged by visible pairs (docs/design.md §9); ``filters``:
-    sp, hp, cp, window, placement, zero, ac_mode."""
+    """Every distinct valid configuration with its predicted cost, best first (see module docstring), on
+    ``nodes`` whole nodes or ``gpus`` devices. ``documents``: packed rows of the batch, charged by visible
+    pairs (docs/design.md §9); ``modes``: off | auto | on (the offload and tiling modes: never, only when
+    nothing fits without them, always); ``filters``: sp, hp, cp, window, placement, zero, ac_mode,
+    offload_activations, mlp_tiles, offload_params."""
     _, cfg = resolve_model(model)
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
-    for name, value in (("nodes", nodes), ("seq_len", seq_len), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    world = nodes * cl.gpus_per_node
-    configs = enumerate_configs(cfg, world, cl.gpus_per_node, seq_len, **filters)
-    cands = [step_cost(cfg, c, cl, nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                       documents=documents) for c in configs]
-    cands.sort(key=_rank_key)
+    _check_choice("modes", modes, list(MODE_SEARCH))
+    _positive("seq_len", seq_len)
+    _positive("batch", batch)
+    world, nodes = world_size(cl, nodes, gpus)
+    kw = dict(nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, documents=documents,
+              world=world if gpus is not None else None)
+    configs = enumerate_configs(cfg, world, cl.gpus_per_node, seq_len, modes=modes == "on", **filters)
+    cands = sorted((step_cost(cfg, c, cl, **kw) for c in configs), key=_rank_key)
+    if modes == "auto" and not cands[0].fits:
+        configs = enumerate_configs(cfg, world, cl.gpus_per_node, seq_len, modes=True, **filters)
+        cands = sorted((step_cost(cfg, c, cl, **kw) for c in configs), key=_rank_key)
     return cands
 
 
@@ -163,42 +213,52 @@ def _rank_key(c: Candidate) -> tuple:
 
 
 def best_fitting(
-    model: str | ModelConfig, cluster: str | Cluster, *, nodes: int, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2, **filters,
+    model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, seq_len: int, batch: int = 1,
+    dtype_bytes: int = 2, gpus: int | None = None, modes: str = "off", **filters,
 ) -> Candidate:
-    """The best configuration that fits in memory (for ``loongtrain train --plan auto``); ValueError
-    naming the closest feasible alternatives when none fits."""
-    cands = plan(model, cluster, nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                 **filters)
+    """The best configuration that fits in device and host memory (for ``loongtrain train --plan auto``,
+    with ``modes="auto"``); ValueError naming the closest feasible alternatives when none fits."""
+    kw = dict(seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, gpus=gpus, modes=modes, **filters)
+    cands = plan(model, cluster, nodes=nodes, **kw)
     if cands[0].fits:
         return cands[0]
-    raise ValueError(no_fit_message(model, cluster, cands, nodes=nodes, seq_len=seq_len, batch=batch,
-                                    dtype_bytes=dtype_bytes, **filters))
+    raise ValueError(no_fit_message(model, cluster, cands, nodes=nodes, **kw))
 
 
-def no_fit_message(model, cluster, cands: list[Candidate], *, nodes: int, seq_len: int, **kw) -> str:
-    """Why nothing fits, and the closest feasible requests: more nodes, or a shorter sequence."""
+def no_fit_message(model, cluster, cands: list[Candidate], *, nodes: int | None, seq_len: int,
+                   gpus: int | None = None, **kw) -> str:
+    """Why nothing fits (device or host memory), and the closest feasible requests: more devices, or a
+    shorter sequence."""
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    world, nodes = world_size(cl, nodes, gpus)
+    where = f"gpus={gpus}" if gpus is not None else f"nodes={nodes}"
     least = min(cands, key=lambda c: c.memory["total"])
     lines = [
-        f"nothing fits in memory: seq_len={seq_len} on nodes={nodes} ({nodes * cl.gpus_per_node} devices of "
+        f"nothing fits in memory: seq_len={seq_len} on {where} ({world} devices of "
         f"{cl.memory_gib:g} GiB, {cl.usable_memory / 2**30:.1f} GiB usable); the smallest configuration "
         f"({least.config.label()}) needs {least.memory['total'] / 2**30:.1f} GiB per device."
     ]
+    if least.memory["total"] <= cl.usable_memory:
+        lines.append(f"it fits on the device but needs {least.host_per_node / 2**30:.3g} GiB of host memory per "
+                     f"node ({cl.usable_host_memory / 2**30:.3g} GiB usable of host_memory_gib="
+                     f"{cl.host_memory_gib:g})")
     for more in (2, 4, 8, 16, 32, 64):
+        bigger = dict(gpus=gpus * more) if gpus is not None else dict(nodes=nodes * more)
         try:
-            if plan(model, cl, nodes=nodes * more, seq_len=seq_len, **kw)[0].fits:
-                lines.append(f"closest alternative: --nodes {nodes * more} fits seq_len={seq_len}")
+            if plan(model, cl, seq_len=seq_len, **bigger, **kw)[0].fits:
+                name, value = next(iter(bigger.items()))
+                lines.append(f"closest alternative: --{name} {value} fits seq_len={seq_len}")
                 break
         except ValueError:
             continue
     shorter = seq_len // 2
     while shorter >= 2:
         try:
-            if plan(model, cl, nodes=nodes, seq_len=shorter, **kw)[0].fits:
-                lines.append(f"closest alternative: --seq-len {shorter} fits on nodes={nodes}")
+            if plan(model, cl, nodes=nodes, gpus=gpus, seq_len=shorter, **kw)[0].fits:
+                lines.append(f"closest alternative: --seq-len {shorter} fits on {where}")
                 break
         except ValueError:
             pass
         shorter //= 2
     return "\n".join(lines)
+

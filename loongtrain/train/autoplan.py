@@ -1,5 +1,7 @@
 """``loongtrain train --plan auto``: the planner's best :class:`~loongtrain.parallel.config.ParallelConfig`
-becomes the run's ``cfg.parallel`` (hp, cp, window, placement, ZeRO and activation checkpointing). The
+becomes the run's ``cfg.parallel`` (hp, cp, window, placement, ZeRO and activation checkpointing, and the
+offload and tiling modes when nothing fits without them). A plan that fits nowhere, on the device or in
+the host memory the cluster file states, is a ValueError here, before any worker starts. The
 model planned is the one the run trains (:func:`loongtrain.train.models.model_config_for`: a preset, or a
 Hugging Face directory's shape)."""
 
@@ -52,13 +54,16 @@ def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool,
     if not cfg.plan:
         return cfg
     cluster = plan_cluster(cfg, world, under_launcher)
-    if world % cluster.gpus_per_node != 0:
-        raise ValueError(f"--plan auto: world size {world} is not a whole number of {cluster.name} nodes "
-                         f"({cluster.gpus_per_node} devices each)")
+    if world > cluster.gpus_per_node and world % cluster.gpus_per_node != 0:
+        raise ValueError(f"--plan auto: world size {world} is neither part of one {cluster.name} node nor a whole "
+                         f"number of them ({cluster.gpus_per_node} devices each)")
     compute_dtype = autocast_dtype(cfg, default_device()) or param_dtype(cfg)  # what the trainer will use
-    best = best_fitting(model_config or model_config_for(cfg), cluster, nodes=world // cluster.gpus_per_node,
-                        seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=compute_dtype.itemsize)
-    log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, bottleneck %s)",
-             cluster.name, best.config.label(), best.step_time, 100 * best.mfu,
-             best.memory["total"] / 2**30, best.bottleneck)
+    try:
+        best = best_fitting(model_config or model_config_for(cfg), cluster, gpus=world, seq_len=cfg.seq_len,
+                            batch=cfg.batch_size, dtype_bytes=compute_dtype.itemsize, modes="auto")
+    except ValueError as exc:
+        raise ValueError(f"--plan auto on {cluster.name}: {exc}") from None
+    log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, %.1f GiB host "
+             "per node, bottleneck %s)", cluster.name, best.config.label(), best.step_time, 100 * best.mfu,
+             best.memory["total"] / 2**30, best.host_per_node / 2**30, best.bottleneck)
     return dataclasses.replace(cfg, plan="", parallel=best.config)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from loongtrain._input import OneLineParser, check_value, read_toml
+from loongtrain._input import OneLineParser, check_value, parse_size, read_toml, size_argument
 from loongtrain.attn.kernel_choice import bf16_supported
 from loongtrain.data.corpus import DECODE_ERRORS
 from loongtrain.data.split import check_fraction
@@ -61,7 +61,8 @@ class TrainConfig:
                           "tokenizer path")
     decode_errors: str = _opt("strict", "corpus bytes that are not UTF-8: strict (an error naming the file and "
                               "byte offset), replace (U+FFFD) or ignore (dropped)")
-    seq_len: int = _opt(8192, "tokens per sequence (must be divisible by 2*hp*cp)")
+    seq_len: int = _opt(8192, "tokens per sequence, e.g. 131072, 128K, 1M (must be divisible by 2*hp*cp)",
+                        size=True)
     doc_mask: str = _opt("on", "on: in packed corpora a token attends only inside its own document (block-"
                          "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
                          "packed sequence (loongtrain's decoder and Hugging Face models)")
@@ -308,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(flag, dest=f.name, nargs="?", const=f.metadata["const"], type=kind,
                                metavar=f.name.upper(), help=help_text)
         else:
+            kind = size_argument if f.metadata.get("size") else kind  # 128K, 1M: the one size parser
             group.add_argument(flag, dest=f.name, type=kind, metavar=f.name.upper(), help=help_text)
     return parser
 
@@ -320,11 +322,14 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         if isinstance(data.get(table), dict):
             data = {**{k: v for k, v in data.items() if k != table}, **data[table]}
     known = {f.name: type(default) for f, default in options()}
+    sizes = {f.name for f, _ in options() if f.metadata.get("size")}
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"config file {str(path)!r}: unknown option {key!r}; valid: {sorted(known)}")
+        if name in sizes and isinstance(value, str):
+            value = parse_size(value, name)
         out[name] = check_value(f"config file {str(path)!r}", key, value, known[name])
     return out
 
