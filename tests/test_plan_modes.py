@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.config import ParallelConfig, mlp_tile_count
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.cli import main
 from loongtrain.plan.cluster import load_cluster
 from loongtrain.plan.cost import step_cost
 from loongtrain.plan.max_seq import max_seq_len
-from loongtrain.plan.memory_model import memory_per_rank, mlp_tile_count
+from loongtrain.plan.memory_model import memory_per_rank
 from loongtrain.plan.options import parse_plan_args
 from loongtrain.plan.search import best_fitting, plan, world_size
 from tests.test_plan import SMALL, toy_cluster
@@ -35,11 +35,9 @@ def test_mlp_tiles_keep_one_tile_of_the_intermediates():
     assert tiled["recompute"] == plain["recompute"] - 128 * 4 * 128 * 2 / 2
     assert {k: v for k, v in tiled.items() if k not in ("recompute", "total")} == \
         {k: v for k, v in plain.items() if k not in ("recompute", "total")}
-    # auto: 4 f b / (d r) = 4 * 128 * 2 / (64 * 2) = 8 tiles (a divisor of 128); autocast r = 4: 4 tiles
-    assert mlp_tile_count(SMALL, 128, "auto", 2, sharded=True) == 8
-    assert mlp_tile_count(SMALL, 128, "auto", 2, sharded=False) == 4
-    assert mlp_tile_count(SMALL, 12, "auto", 2, sharded=True) == 12  # raised to a divisor of the tokens
-    assert mlp_tile_count(SMALL, 128, "3", 2, sharded=True) == 3
+    # auto is the trainer's rule (parallel.config.mlp_tile_count): ceil(f / d) = 2 tiles of the 128 tokens
+    auto = memory_per_rank(SMALL, layout, ac_mode="full", mlp_tiles="auto", **kw)
+    assert mlp_tile_count("auto", 128, SMALL.dim, SMALL.ffn_dim) == 2 and auto == tiled
 
 
 def test_activation_offload_keeps_two_blocks_on_the_device():
@@ -82,10 +80,10 @@ def test_host_memory_decides_fit_and_the_message_names_it():
     busy = (slow.breakdown["compute"] - 6 * 256 * 64 * 64 / 2048 + slow.breakdown["ring-outer"]) / 4
     assert slow.breakdown["offload"] == 4 * (2 * 64 * 64 * 2 - busy) > 0
     assert fast.breakdown["offload"] == 0 and fast.step_time < slow.step_time
-    # 64K tokens: the smallest configuration without host memory needs 91.4 MiB per device (tiled MLP), with
-    # offload 86.9 MiB and 34.8 MiB of host memory per node; on 90 MiB devices with 1 KiB of host memory
+    # 64K tokens: the smallest configuration without host memory needs 97.4 MiB per device (tiled MLP), with
+    # offload 92.9 MiB and 34.8 MiB of host memory per node; on 95 MiB devices with 1 KiB of host memory
     # nothing fits, and the message says it is the host memory
-    small = toy_cluster(memory_gib=90 / 1024, host_memory_gib=1e-6)
+    small = toy_cluster(memory_gib=95 / 1024, host_memory_gib=1e-6)
     with pytest.raises(ValueError, match="fits on the device but needs 0.0339 GiB of host memory per node"):
         best_fitting(SMALL4, small, nodes=1, seq_len=65536, modes="auto")
     assert load_cluster("h200").host_memory_gib == 2048 and load_cluster("h200").usable_host_memory > 0

@@ -42,8 +42,9 @@ is the pinned host memory per rank they need (0 without them):
 - ``mlp_tiles = n > 1``: the feed-forward runs over ``n`` tiles of the local sequence and the backward
   recomputes one tile at a time, so of SwiGLU's ``4f * b`` bytes per token only one tile's exist:
   ``a_b - 4f * b * (1 - 1/n)`` in the full layer's set (``recompute``, and ``activations`` without
-  checkpointing). ``auto`` (:func:`mlp_tile_count`): the fewest tiles whose intermediates are at most the
-  block's hidden input (``t * d * r``), i.e. ``ceil(4f * b / (d * r))``, raised to a divisor of ``t``.
+  checkpointing). ``auto`` is the trainer's own rule (:func:`loongtrain.parallel.config.mlp_tile_count`):
+  the fewest tiles ``n >= ceil(f / d)`` that divide ``t``, so that one tile's ``[t/n, f]`` intermediate is at
+  most the block's hidden input ``[t, d]`` in elements.
 - ``offload_activations``: each block's kept set ``K`` (the per-block part of ``activations``) is copied to
   the host when its forward ends and brought back one block ahead of its backward: the device holds
   ``min(L, 2) * K`` (the block being computed and the one in flight), the host ``L * K``.
@@ -62,7 +63,7 @@ from __future__ import annotations
 
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, num_params
-from loongtrain.parallel.config import AC_MODES, effective_kv_heads
+from loongtrain.parallel.config import AC_MODES, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.traffic import acc_bytes
 
@@ -86,17 +87,6 @@ def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharde
     if b >= 4:
         return 8 * d * b + rest
     return (2 * d * 4 + 6 * d * b if sharded else 4 * d * 4 + 7 * d * b) + rest
-
-
-def mlp_tile_count(model: ModelConfig, tokens: int, mlp_tiles: str, dtype_bytes: int, sharded: bool) -> int:
-    """Tiles of the feed-forward for ``mlp_tiles`` ("1", a positive integer, or "auto") over ``tokens``
-    local tokens. ``auto``: the fewest tiles whose SwiGLU intermediates (``4f * b`` bytes per token) are at
-    most the block's hidden input (``d * r``), raised to the nearest divisor of ``tokens``."""
-    if mlp_tiles != "auto":
-        return int(mlp_tiles)
-    r = residual_bytes(dtype_bytes, sharded)
-    need = max(1, -(-4 * model.ffn_dim * dtype_bytes // (model.dim * r)))
-    return next(n for n in range(min(need, tokens), tokens + 1) if tokens % n == 0)
 
 
 def residual_bytes(dtype_bytes: int, sharded: bool) -> int:
@@ -164,7 +154,7 @@ def memory_per_rank(
     t = batch * seq_len / layout.sp
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     sharded = zero_size > 1 or offload_params  # offload_params is FSDP2's, even on one rank
-    tiles = mlp_tile_count(model, int(t), mlp_tiles, b, sharded)
+    tiles = mlp_tile_count(mlp_tiles, int(t), d, model.ffn_dim, strict=False)  # the trainer's own rule
     full_layer = t * layer_activation_bytes(model, layout.hp, b, sharded, tiles)
     r = residual_bytes(b, sharded)
     if ac_mode == "none":
