@@ -27,7 +27,7 @@ TOLERANCE = 0.15
 # (zero, ac_mode, seq_len): every ZeRO x checkpoint mode at 8K and one at 32K (time budget of the suite;
 # predicted/measured was 0.95-0.99 in all 12 cases of 8K x 9 modes, 16K, 32K full and selective)
 PREDICTION_CASES = [(z, ac, 8192) for z in ("none", "full", "hybrid") for ac in ("none", "full", "selective")]
-PREDICTION_CASES += [("hybrid", "selective", 32768)]
+PREDICTION_CASES += [("hybrid", "selective", 16384)]  # longer: activations dominate
 
 
 class LiveWeightBytes:
