@@ -48,6 +48,7 @@ from loongtrain.attn.kernels import (
     REFERENCE,
     Kernel,
 )
+from loongtrain.parallel.runtime import is_distributed
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ def agree_across_ranks(choice: Kernel, candidates: list[Kernel]) -> Kernel:
     """Collective over the world (when distributed with more than one rank): every rank takes rank 0's
     measured choice, so all ranks run the same numerics (timings differ between devices); a rank whose own
     measurement differed logs it. One ``all_gather_object`` per measured choice (rare: once per key)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not is_distributed() or dist.get_world_size() == 1:
         return choice
     names: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(names, choice.name)

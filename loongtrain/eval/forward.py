@@ -7,7 +7,7 @@ its labels, and the *global* position of each of its tokens
 (:func:`~loongtrain.parallel.zigzag.shard_indices`), so that the tasks score tokens where they live and
 reduce only counts and sums. ``--doc-mask`` follows training: with ``doc_mask == "on"`` and a batch that
 marks its documents, attention stays inside each document and, with ``position_reset``, positions
-restart per document (the trainer's rule).
+restart per document (the trainer's own rule, :func:`loongtrain.train.batch.batch_documents`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loongtrain.parallel.documents import cu_seqlens_from_starts, document_position_ids
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.runtime import is_distributed
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.parallel.zigzag import shard_indices
+from loongtrain.train.batch import batch_documents
 from loongtrain.train.models import hidden_and_head
 
 Batch = dict[str, torch.Tensor]
@@ -48,11 +49,7 @@ def sharded_forward(model: nn.Module, batch: Batch, mesh: Mesh, device: torch.de
     """Forward ``batch`` (full sequences ``[B, S]``) on this rank's shard; see the module docstring.
     Collective over the replica (the model's attention communication)."""
     seq_len = batch["input_ids"].shape[1]
-    cu_seqlens, positions = None, batch["position_ids"]
-    if doc_mask == "on" and "doc_starts" in batch:
-        cu_seqlens = cu_seqlens_from_starts(batch["doc_starts"])
-        if position_reset:
-            positions = document_position_ids(cu_seqlens, seq_len)
+    cu_seqlens, positions = batch_documents(batch, doc_mask, position_reset)
 
     def local(x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, mesh, dim=1).to(device)
@@ -69,7 +66,7 @@ def sharded_forward(model: nn.Module, batch: Batch, mesh: Mesh, device: torch.de
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """``x`` summed over every rank (in place; identity without torch.distributed). Forward only:
     one all-reduce (sum) over the default group."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed() and dist.get_world_size() > 1:
         dist.all_reduce(x)
     return x
 

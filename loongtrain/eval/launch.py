@@ -8,13 +8,11 @@ models); :func:`run_rank` builds the mesh and the model, evaluates, and rank 0 w
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from loongtrain.eval.job import Job
@@ -22,13 +20,12 @@ from loongtrain.eval.passkey import passkey
 from loongtrain.eval.position_loss import position_loss
 from loongtrain.eval.report import plot, table, write_results
 from loongtrain.eval.source import build_model
-from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
-from loongtrain.parallel.runtime import default_backend, default_device
+from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.workers import resolve_backend, run_local
 from loongtrain.train.config import autocast_dtype
-from loongtrain.train.launch import _threads, setup_logging
+from loongtrain.train.launch import rank_mesh
 from loongtrain.train.parallelize import uses_fsdp
-from loongtrain.train.torchrun import process_group_store, under_torchrun
+from loongtrain.train.torchrun import under_torchrun
 
 log = logging.getLogger("loongtrain.eval")
 
@@ -46,31 +43,14 @@ def evaluate(job: Job, model: nn.Module, mesh: Mesh, device: torch.device) -> li
 
 
 def run_rank(job: Job, rank: int, world: int) -> list[dict]:
-    """One rank: join the process group (unless the launcher did), build the mesh and model, evaluate;
-    rank 0 writes results.json, the table and the plot."""
-    setup_logging(rank, False)
-    torch.set_num_threads(_threads(job.run, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    device = default_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    owns_group = world > 1 and not dist.is_initialized()
-    if owns_group:
-        timeout = datetime.timedelta(seconds=job.run.timeout)
-        store = process_group_store(timeout) if under_torchrun() else None  # run_local's workers have a group
-        dist.init_process_group(default_backend(), rank=rank, world_size=world, timeout=timeout, store=store)
-    try:
-        p = job.run.parallel
-        mesh = init_mesh(p.hp, p.cp, window=p.window, placement=p.placement, interleaved=p.interleaved,
-                         timeout=job.run.timeout)
+    """One rank: the training's own set-up (:func:`~loongtrain.train.launch.rank_mesh`), then build the
+    model and evaluate; rank 0 writes results.json, the table and the plot."""
+    with rank_mesh(rank, world, job.run) as (mesh, device):
         model = build_model(job.source, job.run, mesh, device)
         rows = evaluate(job, model, mesh, device)
         if rank == 0:
             _write(job, rows, mesh)
         return rows
-    finally:
-        if owns_group and dist.is_initialized():
-            destroy_all_meshes()
-            dist.destroy_process_group()
 
 
 def _write(job: Job, rows: list[dict], mesh: Mesh) -> None:

@@ -29,6 +29,20 @@ class LocalBatch:
     chunk_order: ChunkOrder | None
 
 
+def batch_documents(batch: Batch, doc_mask: str, position_reset: bool) -> tuple[list[torch.Tensor] | None,
+                                                                              torch.Tensor]:
+    """``(cu_seqlens, full position_ids)`` of a full-sequence batch: with ``doc_mask == "on"`` and a batch
+    that marks its documents (``doc_starts``, packed corpora) the documents' boundaries and, with
+    ``position_reset``, positions restarting per document; else ``(None, batch["position_ids"])``. The one
+    document rule of training, validation and ``loongtrain eval``."""
+    if doc_mask != "on" or "doc_starts" not in batch:
+        return None, batch["position_ids"]
+    cu_seqlens = cu_seqlens_from_starts(batch["doc_starts"])
+    if not position_reset:
+        return cu_seqlens, batch["position_ids"]
+    return cu_seqlens, document_position_ids(cu_seqlens, batch["input_ids"].shape[1])
+
+
 class BatchLayout:
     """The run's rules for laying a full-sequence batch (``input_ids``, ``labels``, ``position_ids`` of
     shape ``[batch, seq_len]``, and ``doc_starts`` for packed corpora) on ``mesh``."""
@@ -38,15 +52,8 @@ class BatchLayout:
         self.sliding_window = getattr(model_config, "sliding_window", None)
 
     def documents(self, batch: Batch) -> tuple[list[torch.Tensor] | None, torch.Tensor]:
-        """``(cu_seqlens, full position_ids)``: with ``--doc-mask on`` and a batch that marks its documents
-        (``doc_starts``, packed corpora) the documents' boundaries and, with ``--position-reset``, positions
-        restarting per document; else ``(None, batch["position_ids"])``."""
-        if self.cfg.doc_mask != "on" or "doc_starts" not in batch:
-            return None, batch["position_ids"]
-        cu_seqlens = cu_seqlens_from_starts(batch["doc_starts"])
-        if not self.cfg.position_reset:
-            return cu_seqlens, batch["position_ids"]
-        return cu_seqlens, document_position_ids(cu_seqlens, batch["input_ids"].shape[1])
+        """:func:`batch_documents` under ``--doc-mask`` and ``--position-reset``."""
+        return batch_documents(batch, self.cfg.doc_mask, self.cfg.position_reset)
 
     def chunk_order(self, cu_seqlens: list[torch.Tensor] | None, seq_len: int) -> ChunkOrder | None:
         """``None`` (zigzag), or with ``--chunk-layout balanced``, documents and ``cp > 1`` the

@@ -13,7 +13,7 @@ import functools
 import os
 import signal
 
-import torch.distributed as dist
+from loongtrain.parallel import runtime
 
 ENV = "LOONGTRAIN_KILL_AT"
 
@@ -36,7 +36,7 @@ def kill_point(step: int, start_step: int) -> None:
     if not spec or start_step != 0:
         return
     rank, at, agent = _parse(spec)
-    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    me = runtime.rank()
     if step == at and me == rank:
         if agent:
             os.kill(os.getppid(), signal.SIGKILL)

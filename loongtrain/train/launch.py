@@ -16,18 +16,20 @@ and which checkpoint every rank resumes from (:mod:`loongtrain.train.torchrun`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import validate_parallel
-from loongtrain.parallel.mesh import destroy_all_meshes, init_mesh
+from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.autoplan import apply_plan
@@ -127,21 +129,22 @@ def prepare_run(cfg: TrainConfig, world: int) -> Run:
     return Run(cfg, model_config, tokenizer)
 
 
-def run_worker(rank: int, world: int, run: Run) -> list[dict]:
-    """One rank: join the process group (unless the launcher already did), build the mesh, train, leave.
-    (The worker function of :func:`~loongtrain.parallel.workers.run_local`, and the torchrun rank's.)"""
-    cfg = run.cfg
+@contextlib.contextmanager
+def rank_mesh(rank: int, world: int, cfg: TrainConfig) -> Iterator[tuple[Mesh, torch.device]]:
+    """One rank's set-up for ``cfg``'s layout, shared by training and ``loongtrain eval``: logging, threads,
+    the device, the process group (joined here unless the launcher already did; one rank gets its own
+    with ``--offload-params``, which FSDP2 needs) and the mesh; yields ``(mesh, device)`` and leaves the
+    group it joined on exit."""
     setup_logging(rank, cfg.log_all_ranks)
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(_threads(cfg, local_world))
+    torch.set_num_threads(_threads(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     device = default_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     owns_group = False
-    offload_params = cfg.parallel.offload_params  # FSDP2 does it: a process group even for one rank
+    offload_params = cfg.parallel.offload_params
     if (world > 1 or offload_params) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=cfg.timeout)
-        store = process_group_store(timeout) if under_torchrun() else None
+        store = process_group_store(timeout) if under_torchrun() else None  # run_local's workers have a group
         if world == 1 and store is None and "MASTER_ADDR" not in os.environ:
             store = dist.HashStore()  # one rank in this process: nothing to rendezvous with
         dist.init_process_group(default_backend(host_collectives=offload_params), rank=rank, world_size=world,
@@ -149,13 +152,19 @@ def run_worker(rank: int, world: int, run: Run) -> list[dict]:
         owns_group = True
     try:
         p = cfg.parallel
-        mesh = init_mesh(p.hp, p.cp, window=p.window, placement=p.placement, interleaved=p.interleaved,
-                         timeout=cfg.timeout)
-        return Trainer(run, mesh, device).train()
+        yield init_mesh(p.hp, p.cp, window=p.window, placement=p.placement, interleaved=p.interleaved,
+                        timeout=cfg.timeout), device
     finally:
         if owns_group and dist.is_initialized():
             destroy_all_meshes()
             dist.destroy_process_group()
+
+
+def run_worker(rank: int, world: int, run: Run) -> list[dict]:
+    """One rank: :func:`rank_mesh`, then train. (The worker function of
+    :func:`~loongtrain.parallel.workers.run_local`, and the torchrun rank's.)"""
+    with rank_mesh(rank, world, run.cfg) as (mesh, device):
+        return Trainer(run, mesh, device).train()
 
 
 def launch(cfg: TrainConfig) -> None:
