@@ -7,10 +7,11 @@ For each model (a Llama-3-8B-shaped config.json, 7b-gqa, 1b) and GPU count (1, 8
   node;
 - the simulation (``loongtrain.train.simulate.simulate_step``: the trainer's step under FakeTensorMode with
   the fake process group, MemTracker's peak for one rank) of the best configuration at the planner's
-  maximum (and at ``--fractions`` of it), beside the prediction. Configurations with modes the trainer
-  does not run yet are reported as not simulable.
+  maximum (and at ``--fractions`` of it), beside the prediction: device GiB per rank and, with the
+  offload modes, host GiB per rank (the planner's ``host``; the simulation's host peak).
 
-Run: ``PYTHONPATH=. python benchmarks/max_seq.py [--models ...] [--gpus 1 8 64] [--out max_seq.json]``.
+Run: ``PYTHONPATH=. python benchmarks/max_seq.py [--models ...] [--gpus 1 8 64] [--modes off auto]
+[--out max_seq.json]``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from loongtrain.plan.cluster import load_cluster
 from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.search import plan, resolve_model
-from loongtrain.train.simulate import check_simulable, simulate_step
+from loongtrain.train.simulate import simulate_step
 
 LLAMA3_8B = str(Path(__file__).with_name("data") / "llama3-8b" / "config.json")
 MODELS = {"llama3-8b": LLAMA3_8B, "7b-gqa": "7b-gqa", "1b": "1b"}
@@ -36,13 +37,11 @@ def row(name: str, model, cluster, gpus: int, modes: str, fraction: float, simul
     out = {"model": name, "gpus": gpus, "modes": modes, "planner_max_seq_len": length, "seq_len": seq,
            "configuration": cand.config.label(), "fits": cand.fits,
            "predicted_device_gib": cand.memory["total"] / 2**30,
-           "predicted_host_gib_per_node": cand.host_per_node / 2**30}
+           "predicted_host_gib_per_rank": cand.memory["host"] / 2**30,
+           "predicted_host_gib_per_node": cand.host_per_node / 2**30,
+           "predicted_parts_gib": {k: v / 2**30 for k, v in cand.memory.items()}}
     if not simulate:
         return out
-    try:
-        check_simulable(cand.config)
-    except ValueError as exc:
-        return dict(out, simulated="no", why=str(exc))
     start = time.perf_counter()
     sim = simulate_step(model, cand.config, gpus, seq_len=seq)
     out.update(sim.to_dict(), simulate_s=time.perf_counter() - start)
@@ -59,6 +58,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--gpus", nargs="+", type=int, default=[1, 8, 64])
     p.add_argument("--cluster", default="h200")
+    p.add_argument("--modes", nargs="+", default=["off", "auto"], choices=["off", "auto", "on"])
     p.add_argument("--fractions", nargs="+", type=float, default=[1.0])
     p.add_argument("--no-simulate", action="store_true", help="planner only")
     p.add_argument("--out", default="max_seq.json")
@@ -68,14 +68,15 @@ def main() -> None:
     for name in args.models:
         _, model = resolve_model(MODELS[name])
         for gpus in args.gpus:
-            for modes in ("off", "auto"):
+            for modes in args.modes:
                 for fraction in args.fractions:
                     r = row(name, model, cluster, gpus, modes, fraction, not args.no_simulate)
                     rows.append(r)
                     sim = r.get("why", "")
                     if "simulated_device_gib" in r:
                         sim = (f"simulated {r['simulated_device_gib']:.2f} GiB "
-                               f"(pred/sim {r['predicted_over_simulated']:.3f})")
+                               f"(pred/sim {r['predicted_over_simulated']:.3f}), host per rank predicted "
+                               f"{r['predicted_host_gib_per_rank']:.1f} simulated {r['simulated_host_gib']:.1f} GiB")
                     print(f"{name:10s} gpus={gpus:<3d} modes={modes:<4s} seq={r['seq_len']:>10d} "
                           f"({r['seq_len'] / 2**20:6.2f}M) {r['configuration']}: predicted "
                           f"{r['predicted_device_gib']:.2f} GiB/device, host {r['predicted_host_gib_per_node']:.1f} "

@@ -139,6 +139,7 @@ def test_memory_report_counts_params_grads_optimizer_and_activations() -> None:
     assert table.count("\n| ") == 2 and "estimated" in table
     assert set(metrics_fields(reports["none"])) == {
         "mem_params_gib", "mem_grads_gib", "mem_optimizer_state_gib", "mem_activations_gib", "mem_total_gib",
+        "mem_host_gib",
     }
 
 

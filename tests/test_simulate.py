@@ -1,38 +1,106 @@
 """The full-size memory simulation (docs/design.md §9) checked where real tensors fit: the trainer's step
 under FakeTensorMode peaks within 5% of the same step on real CPU tensors (both counted by torch's
-MemTracker, storage by storage), on one rank and as one rank of four with the fake process group; and
-``loongtrain plan --simulate --json`` prints the simulated and predicted peaks side by side."""
+MemTracker, storage by storage, host memory apart from the device's), on one rank and as one rank of four
+with the fake process group, with and without the offload and tiling modes; the host side against an
+independent count (the offloaded block inputs, the offloaded states); activation offload's device
+memory independent of depth; the start-up memory report's device/host split under ``--offload-params``;
+and ``loongtrain plan --simulate --json`` prints the simulated and predicted peaks side by side."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from loongtrain.cli import main as loongtrain_main
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.train.simulate import check_simulable, simulate_step
+from loongtrain.train.simulate import simulate_step
 
 MODEL = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=192)
 TOLERANCE = 0.05
+SEQ = 512
 
 
 @pytest.mark.parametrize("world, parallel", [
     (1, ParallelConfig(ac_mode="full")),
     (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="selective")),
     (4, ParallelConfig(hp=1, cp=2, zero="none", ac_mode="none")),  # dp = 2: the gradient all-reduce too
+    (1, ParallelConfig(ac_mode="selective", offload_activations=True, mlp_tiles="auto")),
+    (1, ParallelConfig(zero="full", ac_mode="full", offload_params=True)),  # FSDP2 on a one-rank (fake) group
+    (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="full", offload_activations=True, offload_params=True,
+                       mlp_tiles="2")),
 ])
 def test_simulation_matches_real_tensors(world, parallel):
-    fake = simulate_step(MODEL, parallel, world, seq_len=512, dtype="bf16")
-    real = simulate_step(MODEL, parallel, world, seq_len=512, dtype="bf16", fake=False)
+    fake = simulate_step(MODEL, parallel, world, seq_len=SEQ, dtype="bf16")
+    real = simulate_step(MODEL, parallel, world, seq_len=SEQ, dtype="bf16", fake=False)
     assert real.peak_bytes > 0 and real.parts["activation"] > 0  # the step ran and was counted
     assert abs(fake.peak_bytes - real.peak_bytes) <= TOLERANCE * real.peak_bytes, (fake, real)
+    offloads = parallel.offload_activations or parallel.offload_params
+    assert (real.host_bytes > 0) == offloads, real
+    assert abs(fake.host_bytes - real.host_bytes) <= TOLERANCE * real.host_bytes, (fake, real)
 
 
-def test_modes_the_trainer_lacks_are_refused():
-    with pytest.raises(ValueError, match="offload_activations=True cannot be simulated yet"):
-        check_simulable(ParallelConfig(ac_mode="full", offload_activations=True))
+def test_host_bytes_are_what_the_offload_modes_move():
+    # activation offload, full checkpointing: every block's input (fp32 residual stream under autocast)
+    acts = simulate_step(MODEL, ParallelConfig(ac_mode="full", offload_activations=True), 1, seq_len=SEQ,
+                         fake=False)
+    assert acts.host_bytes == MODEL.num_layers * SEQ * MODEL.dim * 4
+    assert acts.host_parts["activation"] == acts.host_bytes
+    # parameter offload: fp32 parameters, gradients and AdamW's m, v on the host (plus the host step's
+    # temporaries: a few fp32 tensors of one parameter's size at a time); none of them on the device
+    params = simulate_step(MODEL, ParallelConfig(zero="full", ac_mode="full", offload_params=True), 1,
+                           seq_len=SEQ)
+    states = 16 * num_params(MODEL)
+    largest = 4 * MODEL.vocab_size * MODEL.dim  # fp32 bytes of the embedding (or the head)
+    assert states <= params.host_bytes <= states + 4 * largest, params
+    assert params.parts["optstate"] == 0 and params.host_parts["optstate"] >= 8 * num_params(MODEL)
+    plain = simulate_step(MODEL, ParallelConfig(zero="full", ac_mode="full"), 1, seq_len=SEQ)
+    assert plain.host_bytes == 0 and params.peak_bytes < plain.peak_bytes
+
+
+def _offloaded(layers: int):
+    model = ModelConfig(vocab_size=64, dim=32, num_layers=layers, num_heads=4, num_kv_heads=2, ffn_dim=64)
+    return simulate_step(model, ParallelConfig(ac_mode="full", offload_activations=True), 1, seq_len=4096)
+
+
+def test_simulated_device_activations_do_not_grow_with_depth():
+    two, eight = _offloaded(2), _offloaded(8)
+    block = 4096 * 32 * 4  # one block's checkpointed input, fp32 under autocast
+    assert eight.parts["activation"] == two.parts["activation"]  # device: the same blocks' worth
+    assert (two.host_bytes, eight.host_bytes) == (2 * block, 8 * block)  # host: every block's input
+
+
+def test_mlp_tiles_lower_the_simulated_peak():
+    plain = simulate_step(MODEL, ParallelConfig(ac_mode="full"), 1, seq_len=SEQ)
+    tiled = simulate_step(MODEL, ParallelConfig(ac_mode="full", mlp_tiles="auto"), 1, seq_len=SEQ)
+    swiglu = 4 * MODEL.ffn_dim * 2 * SEQ * (1 - 1 / 3)  # auto: 3 tiles; 2 of 3 tiles' bf16 intermediates
+    assert plain.peak_bytes - tiled.peak_bytes >= swiglu and tiled.host_bytes == 0
+
+
+def test_startup_report_counts_offloaded_states_on_the_host():
+    from loongtrain.parallel.mesh import init_mesh
+    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.train.memory_report import metrics_fields, trainer_memory_report
+    from loongtrain.train.simulate import fake_ranks
+    from loongtrain.train.trainer import Trainer
+
+    cfg = TrainConfig(model="tiny", seq_len=64, batch_size=1, dtype="fp32", memory_report=False,
+                      parallel=ParallelConfig(zero="full", ac_mode="full", offload_params=True,
+                                              offload_activations=True))
+    ids = torch.randint(0, MODEL.vocab_size, (1, 64))
+    batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(64)[None]}
+    with fake_ranks(1):  # FSDP2's CPUOffloadPolicy on a one-rank group, in this process
+        trainer = Trainer(Run(cfg, MODEL), init_mesh(1, 1), torch.device("cpu"), batches=lambda *a: iter(()))
+        report = trainer_memory_report(trainer, batch)
+    shards = sum(p.to_local().numel() * 4 for p in trainer.model.parameters())
+    assert report["params"] == report["grads"] == report["optimizer_state"] == 0  # nothing of them on the device
+    assert report["host_states"] == 4 * shards  # parameters, gradients (their size), AdamW's two moments
+    assert report["host_activations"] == MODEL.num_layers * 64 * MODEL.dim * 4  # the offloaded block inputs
+    fields = metrics_fields(report)
+    assert fields["mem_host_gib"] == (report["host_states"] + report["host_activations"]) / 2**30
+    assert fields["mem_total_gib"] == report["activations"] / 2**30
 
 
 def test_plan_simulate_json(tmp_path, capsys):
@@ -40,8 +108,11 @@ def test_plan_simulate_json(tmp_path, capsys):
     config.write_text("[model]\nvocab_size = 256\ndim = 64\nnum_layers = 2\nnum_heads = 4\nnum_kv_heads = 2\n"
                       "ffn_dim = 192\n")
     argv = ["plan", "--config", str(config), "--gpus", "1", "--cluster", "h200", "--seq-len", "1K", "--simulate",
-            "--json", "--modes", "off"]
+            "--json", "--modes", "on", "--offload-activations", "--offload-params", "--mlp-tiles", "auto"]
     assert loongtrain_main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["simulated_device_gib"] > 0 and out["predicted_device_gib"] > 0 and out["world_size"] == 1
+    assert "offload_activations offload_params mlp_tiles=auto" in out["configuration"] and out["world_size"] == 1
+    assert out["simulated_device_gib"] > 0 and out["predicted_device_gib"] > 0
+    assert out["simulated_host_gib"] > 0 and out["predicted_host_gib_per_rank"] > 0
     assert out["device_ratio"] == pytest.approx(out["predicted_device_gib"] / out["simulated_device_gib"])
+    assert out["host_ratio"] == pytest.approx(out["predicted_host_gib_per_rank"] / out["simulated_host_gib"])

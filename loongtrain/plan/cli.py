@@ -238,12 +238,16 @@ def _print_simulation(cfg: PlanConfig, name: str, model, best: Candidate, simula
               "predicted_host_gib_per_node": best.host_per_node / 2**30,
               **simulate(model, best, cfg)}
     result["device_ratio"] = result["predicted_device_gib"] / result["simulated_device_gib"]
+    if result.get("simulated_host_gib"):
+        result["host_ratio"] = result["predicted_host_gib_per_rank"] / result["simulated_host_gib"]
     if cfg.json:
         print(json.dumps(result, indent=1))
     else:
         print(f"{name}, seq_len {cfg.seq_len}, {best.world_size} devices, {best.config.label()}: predicted "
               f"{result['predicted_device_gib']:.2f} GiB per device, simulated {result['simulated_device_gib']:.2f} "
-              f"GiB (predicted/simulated {result['device_ratio']:.3f})")
+              f"GiB (predicted/simulated {result['device_ratio']:.3f}); host per rank predicted "
+              f"{result['predicted_host_gib_per_rank']:.2f} GiB, simulated "
+              f"{result.get('simulated_host_gib', 0.0):.2f} GiB")
     return 0
 
 

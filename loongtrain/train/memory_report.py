@@ -7,6 +7,13 @@ mechanism is added explicitly (a checkpointed block's inputs are saved through t
 ``torch.utils.checkpoint`` itself; the outputs Selective Checkpoint++ caches are reported by its policy).
 Tensors are counted once per underlying storage, and storages of parameters (weights saved by
 matmuls, possibly FSDP's gathered copies) are excluded.
+
+Device and host are reported apart (docs/design.md §7, *Memory modes*): ``params``, ``grads``,
+``optimizer_state`` and ``activations`` count only what is on the device, ``host`` what the offload
+modes keep on the host: under ``--offload-params`` (FSDP2's ``CPUOffloadPolicy``) the parameter and
+gradient shards and AdamW's states (``host_states``), under ``--offload-activations`` the saved tensors
+the offloader holds on the host at the end of the forward (``host_activations``; the saved tensors it
+moves are not in ``activations``, which counts those left on the device).
 """
 
 from __future__ import annotations
@@ -23,13 +30,14 @@ from torch import nn
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.plan.memory_model import memory_per_rank
 from loongtrain.train.config import autocast_dtype, param_dtype
+from loongtrain.train.offload import activation_offloader
 from loongtrain.train.parallelize import saved_output_sink, uses_fsdp
 
 log = logging.getLogger("loongtrain.train")
 
 Tensor = torch.Tensor
 
-REPORT_KEYS = ("params", "grads", "optimizer_state", "activations", "total")
+REPORT_KEYS = ("params", "grads", "optimizer_state", "activations", "total", "host")
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -161,21 +169,30 @@ def memory_report(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     loss_fn: Callable[[], Tensor] | None = None,
+    *,
+    states_on_host: bool = False,
 ) -> dict[str, int]:
-    """This rank's memory in bytes: ``params``, ``grads``, ``optimizer_state``, ``activations``, ``total``.
+    """This rank's memory in bytes: on the device ``params``, ``grads``, ``optimizer_state``,
+    ``activations`` and their ``total``; on the host ``host`` = ``host_states + host_activations``.
 
     ``loss_fn`` runs one forward and returns a scalar loss; the tensors saved for backward during it are
-    measured (``activations``, and ``activation_tensors`` = unique storages). Its backward is then run
-    so that the graph (and FSDP's per-iteration state) is released, and gradients are reset to None.
-    Without ``loss_fn``, ``activations`` is 0. ``optimizer_state_estimated`` is 1 when the optimizer had
-    no state yet and Adam's two moments were estimated (see :func:`optimizer_state_bytes`).
+    measured (``activations``, and ``activation_tensors`` = unique storages; with ``model``'s activation
+    offloader, the bytes it holds on the host after that forward are ``host_activations``). Its backward
+    is then run so that the graph (and FSDP's per-iteration state) is released, and gradients are reset
+    to None. Without ``loss_fn``, ``activations`` is 0. ``states_on_host``: the parameters, gradients and
+    optimizer state live on the host (``--offload-params``), so they count in ``host_states``, not on
+    the device. ``optimizer_state_estimated`` is 1 when the optimizer had no state yet and Adam's two
+    moments were estimated (see :func:`optimizer_state_bytes`).
     """
-    activations, tensors = 0, 0
+    activations, tensors, host_activations = 0, 0, 0
     if loss_fn is not None:
         counter = SavedActivations()
+        offloader = activation_offloader(model)
         with counter:
             loss = loss_fn()
         activations, tensors = counter.bytes, counter.tensors
+        if offloader is not None:
+            host_activations = offloader.host_bytes
         loss.backward()
         del loss
         if optimizer is not None:
@@ -188,7 +205,13 @@ def memory_report(
         "optimizer_state": opt_bytes,
         "activations": activations,
     }
+    host_states = 0
+    if states_on_host:
+        host_states = report["params"] + report["grads"] + report["optimizer_state"]
+        report.update(params=0, grads=0, optimizer_state=0)
     report["total"] = sum(report.values())
+    report["host_states"], report["host_activations"] = host_states, host_activations
+    report["host"] = host_states + host_activations
     report["activation_tensors"] = tensors
     report["optimizer_state_estimated"] = int(estimated)
     return report
@@ -207,8 +230,11 @@ def trainer_loss_fn(trainer: Any, batch: dict[str, Tensor]) -> Callable[[], Tens
 
 
 def trainer_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, int]:
-    """:func:`memory_report` of a ``loongtrain.train.trainer.Trainer`` on one full-sequence micro-batch."""
-    return memory_report(trainer.model, trainer.optimizer, trainer_loss_fn(trainer, batch))
+    """:func:`memory_report` of a ``loongtrain.train.trainer.Trainer`` on one full-sequence micro-batch
+    (with ``--offload-params``, the states on the host once FSDP2 offloads them)."""
+    states_on_host = trainer.cfg.parallel.offload_params and uses_fsdp(trainer.cfg.parallel)
+    return memory_report(trainer.model, trainer.optimizer, trainer_loss_fn(trainer, batch),
+                         states_on_host=states_on_host)
 
 
 def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, int]:
@@ -228,7 +254,7 @@ def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, i
 
 def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, float]:
     """:func:`loongtrain.plan.memory_model.memory_per_rank` for what ``trainer`` runs: its model, layout, ZeRO
-    shard group (1 without FSDP), ``ac_mode``, ``reshard_after_forward`` and compute dtype."""
+    shard group (1 without FSDP), ``ac_mode``, ``reshard_after_forward``, compute dtype and memory modes."""
     cfg, mesh = trainer.cfg, trainer.mesh
     parallel = cfg.parallel
     zero_size = parallel.shard_size(mesh.world_size) if uses_fsdp(parallel) else 1
@@ -236,7 +262,8 @@ def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, flo
     return memory_per_rank(
         trainer.model_config, mesh.layout, seq_len=seq_len, batch=batch, zero_size=zero_size,
         ac_mode=parallel.ac_mode, dtype_bytes=torch.empty((), dtype=compute).element_size(),
-        reshard_after_forward=parallel.reshard_after_forward,
+        reshard_after_forward=parallel.reshard_after_forward, offload_activations=parallel.offload_activations,
+        mlp_tiles=parallel.mlp_tiles, offload_params=parallel.offload_params,
     )
 
 
@@ -245,6 +272,9 @@ COMPARED_PARTS = {
     "params + grads + optimizer state": (("states",), ("params", "grads", "optimizer_state")),
     "saved activations": (("activations",), ("activations",)),
 }
+
+#: the host side (offload modes): planner's ``host`` against the report's ``host``
+HOST_PARTS = {"host (offload modes)": (("host",), ("host",))}
 
 
 def compared_totals(predicted: dict[str, float], measured: dict[str, int]) -> tuple[float, float]:
@@ -265,7 +295,11 @@ def format_prediction(predicted: dict[str, float], measured: dict[str, int]) -> 
     pred, meas = compared_totals(predicted, measured)
     ratio = pred / meas if meas else float("nan")
     lines.append(f"| compared total | {_mib(int(pred))} | {_mib(int(meas))} (predicted/measured {ratio:.3f}) |")
-    transient = {k: v for k, v in predicted.items() if k not in ("total", "states", "activations")}
+    for label, (pred_parts, meas_parts) in HOST_PARTS.items():
+        if measured.get("host") or predicted.get("host"):
+            lines.append(f"| {label} | {_mib(int(sum(predicted.get(k, 0) for k in pred_parts)))} | "
+                         f"{_mib(sum(measured.get(k, 0) for k in meas_parts))} |")
+    transient = {k: v for k, v in predicted.items() if k not in ("total", "states", "activations", "host")}
     lines.append(f"| transient ({', '.join(transient)}) | {_mib(int(sum(transient.values())))} | - |")
     lines.append(f"| planner's peak of the step | {_mib(int(predicted['total']))} | - |")
     return "\n".join(lines)
@@ -287,14 +321,14 @@ def _mib(n: int) -> str:
 def format_memory_table(reports: Iterable[dict[str, int]]) -> str:
     """A markdown table (MiB) with one row per rank."""
     lines = [
-        "| rank | params MiB | grads MiB | optimizer MiB | activations MiB | total MiB |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| rank | params MiB | grads MiB | optimizer MiB | activations MiB | total MiB | host MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rank, r in enumerate(reports):
         est = "*" if r.get("optimizer_state_estimated") else ""
         lines.append(
             f"| {rank} | {_mib(r['params'])} | {_mib(r['grads'])} | {_mib(r['optimizer_state'])}{est} | "
-            f"{_mib(r['activations'])} | {_mib(r['total'])} |"
+            f"{_mib(r['activations'])} | {_mib(r['total'])} | {_mib(r.get('host', 0))} |"
         )
     if any(r.get("optimizer_state_estimated") for r in reports):
         lines.append("\n\\* optimizer state estimated before the first step (Adam: 2 x parameter bytes)")
@@ -312,5 +346,6 @@ def log_memory_report(report: dict[str, int], *, all_ranks: bool = True) -> list
 
 
 def metrics_fields(report: dict[str, int]) -> dict[str, float]:
-    """The report as flat metrics (GiB), e.g. to merge into a step record: ``mem_params_gib`` ..."""
-    return {f"mem_{k}_gib": report[k] / 2**30 for k in REPORT_KEYS}
+    """The report as flat metrics (GiB), e.g. to merge into a step record: ``mem_params_gib`` ... (device),
+    ``mem_host_gib`` (the offload modes' host memory)."""
+    return {f"mem_{k}_gib": report.get(k, 0) / 2**30 for k in REPORT_KEYS}

@@ -22,8 +22,10 @@ ahead of its backward:
   holds at most two blocks' offloaded tensors whatever the depth (:attr:`ActivationOffloader.peak_device_bytes`).
 
 Without a GPU the same code runs: the host copy is a distinct CPU tensor (no stream), and the "device"
-copy brought back is another one, so tests count what stays on the device. On a machine without pinned
-memory a warning is logged once and pageable memory is used.
+copy brought back is another one, so tests count what stays on the device. Host copies are allocated
+inside :func:`host_allocations`, so a memory tracker can tell them from device memory on a CPU (the
+full-size simulation, docs/design.md §9). On a machine without pinned memory a warning is logged once and
+pageable memory is used.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -56,6 +59,26 @@ def pinned_memory_available() -> bool:
         log.warning("pinned host memory is not available here (%s): offloading to pageable host memory "
                     "(slower host<->device copies on GPUs)", str(exc).splitlines()[0])
         return False
+
+
+_HOST_ALLOCATIONS = threading.local()
+
+
+@contextlib.contextmanager
+def host_allocations() -> Iterator[None]:
+    """Marks the tensors allocated inside as host memory: the offload code's host buffers (here), the
+    host-side optimizer step of ``--offload-params``. A memory tracker that must tell host from device
+    where both are the CPU (the simulation, ``train/simulate.py``) reads :func:`allocating_on_host`."""
+    _HOST_ALLOCATIONS.depth = getattr(_HOST_ALLOCATIONS, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _HOST_ALLOCATIONS.depth -= 1
+
+
+def allocating_on_host() -> bool:
+    """Whether this thread is inside :func:`host_allocations`."""
+    return getattr(_HOST_ALLOCATIONS, "depth", 0) > 0
 
 
 class _Saved:
@@ -123,7 +146,8 @@ class ActivationOffloader:
 
     def offload(self, stash: _Stash, t: Tensor) -> _Saved:
         """Queue the copy of ``t`` to a new host tensor; the handle that brings it back."""
-        host = torch.empty_like(t, device="cpu", pin_memory=self.pin)
+        with host_allocations():
+            host = torch.empty_like(t, device="cpu", pin_memory=self.pin)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):

@@ -22,10 +22,28 @@ What is simulated, exactly:
 - **Left out:** gradient clipping (its norm is read back with ``float()``, which fake tensors cannot
   give; it adds one fp32 scalar per parameter) and the skip test on a non-finite loss. Ranks do not
   exchange their arguments (``loongtrain.parallel.agreement``: the fake backend returns no data).
-- **Host memory** is what lies outside the device: with the offload modes, the trainer's host buffers.
-  On a fake CPU both sit on one device type; :func:`simulate_step` reports ``host_bytes`` from the
-  trainer's offload buffers once the offload code reports them (the modes are refused until then,
-  see :data:`TRAINER_LACKS`).
+- **Host memory is counted apart from the device's** (:class:`HostAwareTracker`: MemTracker with a second
+  key, :data:`HOST`, each key with its own peak). Device and host are both the CPU here, so what is host
+  memory is told by the code that puts it there: the activation offloader allocates its host copies
+  inside :func:`loongtrain.train.offload.host_allocations`; with ``offload_params`` (FSDP2's
+  ``CPUOffloadPolicy``) the sharded parameters and AdamW's states are host memory from the start, each
+  gradient shard from the moment FSDP2 hands it to the parameter (on a GPU it is copied to the host and
+  the device buffer freed there; on the CPU device the reduce-scatter's output becomes the gradient,
+  and is moved to the host's count at that moment), and whatever the AdamW step allocates (it runs on
+  the host). The modes as simulated:
+
+  - ``offload_activations``: exact on the device side in backward (the block being recomputed and the
+    one prefetched, as on a GPU); in forward the copy is synchronous, so a block's saved input is freed
+    on the device as soon as the next block no longer needs it (a GPU's side stream keeps up to two
+    blocks' copies in flight: not more than in backward, where the peak is).
+  - ``mlp_tiles``: nothing on the host; the same tiles as on a GPU.
+  - ``offload_params``: a GPU also holds, for each block being gathered, its fp32 shard copied to the
+    device before the cast to the compute dtype (``4 * P_l / z`` bytes, transient); the CPU device casts
+    the host shard in place, so this is not counted.
+
+  ``fake=False`` runs the same step on real CPU tensors counted the same way (tests/test_simulate.py:
+  device and host within 5%, measured equal to the byte; host bytes against the offloaded block inputs
+  and the 16 bytes per parameter of the offloaded states).
 
 A Hugging Face model directory is simulated as loongtrain's decoder of the same shape (its
 :class:`~loongtrain.model.config.ModelConfig`), which is what the planner models.
@@ -42,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel import agreement
@@ -49,40 +68,65 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import destroy_all_meshes, init_mesh
 from loongtrain.train import parallelize as parallelize_module
 from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.offload import allocating_on_host, host_allocations
 from loongtrain.train.sync import all_reduce_gradients
 from loongtrain.train.trainer import Trainer
 
 log = logging.getLogger("loongtrain.train")
 
-#: ParallelConfig modes the simulation refuses, with their "off" value: on a fake CPU device the trainer's
-#: host buffers and its device tensors share one device type, so MemTracker cannot tell them apart (drop an
-#: entry once the offload code reports the bytes it holds on the host; nothing else here changes)
-TRAINER_LACKS = {"offload_activations": False, "mlp_tiles": "1", "offload_params": False}
+#: MemTracker's key for host memory (the offload modes' host buffers, beside the fake CPU "device")
+HOST = "host"
 
 
 @dataclasses.dataclass
 class Simulated:
-    """One rank's step: ``peak_bytes`` of the device, ``host_bytes`` (offload buffers), and the peak's
-    parts by MemTracker kind (parameters, gradients, activations, temporaries, optimizer states)."""
+    """One rank's step: ``peak_bytes`` of the device, ``host_bytes`` (the host's own peak: offload buffers,
+    host-resident shards and the host AdamW step), and each peak's parts by MemTracker kind (parameters,
+    gradients, activations, temporaries, optimizer states)."""
 
     peak_bytes: int
     host_bytes: int
     parts: dict[str, int]
     rank: int
     world_size: int
+    host_parts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"simulated_device_gib": self.peak_bytes / 2**30, "simulated_host_gib": self.host_bytes / 2**30,
-                "simulated_parts_gib": {k: v / 2**30 for k, v in self.parts.items()}, "rank": self.rank,
+                "simulated_parts_gib": {k: v / 2**30 for k, v in self.parts.items()},
+                "simulated_host_parts_gib": {k: v / 2**30 for k, v in self.host_parts.items()}, "rank": self.rank,
                 "world_size": self.world_size}
 
 
-def check_simulable(parallel: ParallelConfig) -> None:
-    """ValueError naming the first mode of ``parallel`` the trainer cannot run yet (:data:`TRAINER_LACKS`)."""
-    for name, off in TRAINER_LACKS.items():
-        if getattr(parallel, name) != off:
-            raise ValueError(f"--simulate: {name}={getattr(parallel, name)!r} cannot be simulated yet (device and "
-                             f"host memory are one fake CPU device); plan with --modes off, or without that mode")
+class HostAwareTracker(MemTracker):
+    """torch's MemTracker with host memory under its own key (:data:`HOST`) beside the (CPU) device's:
+    storages allocated inside :func:`loongtrain.train.offload.host_allocations`, and those moved with
+    :meth:`to_host` (FSDP2's host shards and their gradients under ``CPUOffloadPolicy``). Each key has its
+    own peak, so the device's peak is not inflated by what lives on the host, nor the host's by the device."""
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        super()._track(reftype, t)
+        if allocating_on_host():
+            self.to_host(t)
+
+    def to_host(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storages as host memory from now on (created, if not yet tracked)."""
+        from torch.distributed._tools.common_utils import get_untyped_storages
+        from torch.distributed._tools.mem_tracker import _ModState, _UpdateType
+
+        for st in get_untyped_storages(t):
+            winfo, _ = self._WINFO.get(st, (None, None))
+            if winfo is None:
+                self._update_and_maybe_create_winfos(t, _MemRefType.OTH)
+                winfo, _ = self._WINFO[st]
+            if winfo.device == HOST:
+                continue
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.DEL, winfo)
+            winfo.device = HOST
+            if winfo.mem_consumed > 0:
+                self._update_snap(_UpdateType.ADD, winfo)
+        self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
 
 
 @contextlib.contextmanager
@@ -132,52 +176,75 @@ def _batch(model: ModelConfig, seq_len: int, batch: int) -> dict[str, torch.Tens
     return {"input_ids": ids, "labels": ids, "position_ids": torch.arange(seq_len).expand(batch, seq_len)}
 
 
-def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int, dict[str, int]]:
-    """The trainer's step (loss, backward, dp gradient sync, AdamW) under MemTracker, with the optimizer
-    states already allocated: ``(peak bytes, parts at the peak)`` on the trainer's device."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+def _parts(snapshot: dict[Any, dict[Any, int]], key: Any) -> dict[str, int]:
+    return {str(getattr(k, "value", k)).lower(): int(v) for k, v in snapshot.get(key, {}).items()}
 
+
+def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
+                 ) -> tuple[int, dict[str, int], int, dict[str, int]]:
+    """The trainer's step (loss, backward, dp gradient sync, AdamW) under :class:`HostAwareTracker`, with
+    the optimizer states already allocated: ``(device peak bytes, its parts, host peak bytes, its parts)``.
+
+    Host memory: the activation offloader's host copies (allocated inside ``host_allocations``) and, with
+    ``offload_params`` (FSDP2's ``CPUOffloadPolicy``), the sharded parameters, AdamW's states, each
+    gradient shard once FSDP2 hands it over (on a GPU: copied to the host, the device buffer freed), and
+    everything the AdamW step allocates (it runs on the host)."""
+    offload_params = trainer.cfg.parallel.offload_params
     for p in trainer.model.parameters():  # steady state: AdamW's m and v exist before the step
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
-    tracker = MemTracker()
+    tracker = HostAwareTracker()
     tracker.track_external(trainer.model, trainer.optimizer)
-    with tracker:
-        loss, _ = trainer.loss(batch)
-        loss.backward()
-        if trainer.grad_sync:
-            all_reduce_gradients(trainer.params, trainer.mesh.dp)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+    hooks = []
+    if offload_params:
+        for p in trainer.model.parameters():
+            tracker.to_host(p)
+            hooks.append(p.register_post_accumulate_grad_hook(lambda p: tracker.to_host(p.grad)))
+        for state in trainer.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    tracker.to_host(value)
+    try:
+        with tracker:
+            loss, _ = trainer.loss(batch)
+            loss.backward()
+            if trainer.grad_sync:
+                all_reduce_gradients(trainer.params, trainer.mesh.dp)
+            with host_allocations() if offload_params else contextlib.nullcontext():
+                trainer.optimizer.step()
+            trainer.optimizer.zero_grad(set_to_none=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
     snapshot = tracker.get_tracker_snapshot("peak")
-    device = next(d for d in snapshot if d.type == trainer.device.type)
-    parts = {str(getattr(k, "value", k)).lower(): int(v) for k, v in snapshot[device].items()}
-    return parts.pop("total"), parts
+    device = next((d for d in snapshot if d != HOST and d.type == trainer.device.type), None)
+    parts, host = _parts(snapshot, device), _parts(snapshot, HOST)
+    return parts.pop("total", 0), parts, host.pop("total", 0), host
 
 
 def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
                   dtype: str = "bf16", rank: int = 0, fake: bool = True) -> Simulated:
-    """One rank's peak device memory for one step of ``model`` with ``parallel`` on ``world`` ranks
-    (module docstring). ``fake=False`` runs the same step on real CPU tensors (small sizes: what the
-    simulation is checked against)."""
-    check_simulable(parallel)
+    """One rank's peak device and host memory for one step of ``model`` with ``parallel`` on ``world`` ranks
+    (module docstring). ``fake=False`` runs the same step on real CPU tensors, counted the same way (small
+    sizes: what the simulation is checked against)."""
     cfg = TrainConfig(model="tiny", seq_len=seq_len, batch_size=batch, dtype=dtype, parallel=parallel,
                       memory_report=False)
     cfg.validate()
     device = torch.device("cpu")
-    with fake_ranks(world, rank) if world > 1 else contextlib.nullcontext():
+    fsdp = parallel.zero != "none" and (world > 1 or parallel.offload_params)  # as parallelize.uses_fsdp
+    with fake_ranks(world, rank) if world > 1 or fsdp else contextlib.nullcontext():
         mesh = init_mesh(parallel.hp, parallel.cp, window=parallel.window, placement=parallel.placement,
                          interleaved=parallel.interleaved)
-        if world > 1 and parallel.zero != "none":  # collective set-up outside the fake tensors
+        if fsdp:  # collective set-up outside the fake tensors
             parallelize_module.fsdp_device_mesh(device, world, parallel.shard_size(world))
         modes = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if fake
                  else contextlib.nullcontext())
         with modes, _noop_to_is_identity():
             # cfg.model names a preset: the native decoder of `model`; the batches are made here, not read
             trainer = Trainer(Run(cfg, model), mesh, device, batches=lambda *args: iter(()))
-            peak, parts = tracked_step(trainer, _batch(model, seq_len, batch))
-    return Simulated(peak, 0, parts, rank, world)
+            peak, parts, host, host_parts = tracked_step(trainer, _batch(model, seq_len, batch))
+    return Simulated(peak, host, parts, rank, world, host_parts)
 
 
 def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dict[str, Any]:
