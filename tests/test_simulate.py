@@ -16,6 +16,7 @@ import torch
 from loongtrain.cli import main as loongtrain_main
 from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.parallel.config import ParallelConfig
+from loongtrain.plan.memory_model import memory_per_rank
 from loongtrain.train.simulate import simulate_step
 
 MODEL = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=192)
@@ -56,8 +57,6 @@ def test_host_bytes_are_what_the_offload_modes_move():
     largest = 4 * MODEL.vocab_size * MODEL.dim  # fp32 bytes of the embedding (or the head)
     assert states <= params.host_bytes <= states + 4 * largest, params
     assert params.parts["optstate"] == 0 and params.host_parts["optstate"] >= 8 * num_params(MODEL)
-    plain = simulate_step(MODEL, ParallelConfig(zero="full", ac_mode="full"), 1, seq_len=SEQ)
-    assert plain.host_bytes == 0 and params.peak_bytes < plain.peak_bytes
 
 
 def _offloaded(layers: int):
@@ -72,11 +71,44 @@ def test_simulated_device_activations_do_not_grow_with_depth():
     assert (two.host_bytes, eight.host_bytes) == (2 * block, 8 * block)  # host: every block's input
 
 
-def test_mlp_tiles_lower_the_simulated_peak():
-    plain = simulate_step(MODEL, ParallelConfig(ac_mode="full"), 1, seq_len=SEQ)
-    tiled = simulate_step(MODEL, ParallelConfig(ac_mode="full", mlp_tiles="auto"), 1, seq_len=SEQ)
-    swiglu = 4 * MODEL.ffn_dim * 2 * SEQ * (1 - 1 / 3)  # auto: 3 tiles; 2 of 3 tiles' bf16 intermediates
-    assert plain.peak_bytes - tiled.peak_bytes >= swiglu and tiled.host_bytes == 0
+#: a shape whose peak is the activations' (fake mode's cost is the number of ops, not the sizes)
+WIDE = ModelConfig(vocab_size=8192, dim=1024, num_layers=4, num_heads=8, num_kv_heads=2, ffn_dim=3584)
+WIDE_SEQ = 65536
+MODES = {
+    "offload_activations": {"offload_activations": True},
+    "mlp_tiles auto": {"mlp_tiles": "auto"},
+    "offload_params": {"zero": "full", "offload_params": True},
+    "all": {"zero": "full", "offload_params": True, "offload_activations": True, "mlp_tiles": "auto"},
+}
+
+
+def _planned_and_simulated(modes: dict) -> tuple[float, int]:
+    parallel = ParallelConfig(ac_mode="full", **modes)
+    predicted = memory_per_rank(WIDE, parallel.layout(1), seq_len=WIDE_SEQ, batch=1, zero_size=1, ac_mode="full",
+                                offload_activations=parallel.offload_activations, mlp_tiles=parallel.mlp_tiles,
+                                offload_params=parallel.offload_params)
+    return predicted["total"], simulate_step(WIDE, parallel, 1, seq_len=WIDE_SEQ).peak_bytes
+
+
+@pytest.fixture(scope="module")
+def plain_peaks() -> tuple[float, int]:
+    return _planned_and_simulated({})
+
+
+@pytest.mark.parametrize("mode", [
+    "offload_activations", "offload_params",
+    pytest.param("mlp_tiles auto", marks=pytest.mark.xfail(strict=True, reason=(
+        "the planner's tiled MLP saves SwiGLU's intermediates but not the MLP norm's saved values, which the "
+        "old RMSNorm keeps (fp32 upcasts): the simulation saves 41% more; the RMSNorm that keeps only its "
+        "input and rstd (and the planner's term for it) changes both sides"))),
+    pytest.param("all", marks=pytest.mark.xfail(strict=True, reason="the tiled MLP's term, as above")),
+])
+def test_planner_mode_terms_match_the_simulation(plain_peaks, mode):
+    """Each mode changes the planner's peak as it changes the simulated one, within 10% of the simulated
+    peak (the base terms' own error, that of the plain run, taken out)."""
+    (pred_plain, sim_plain), (pred, sim) = plain_peaks, _planned_and_simulated(MODES[mode])
+    assert sim < sim_plain  # the mode saves device memory
+    assert abs((pred_plain - pred) - (sim_plain - sim)) <= 0.10 * sim, (pred_plain, pred, sim_plain, sim)
 
 
 def test_startup_report_counts_offloaded_states_on_the_host():
