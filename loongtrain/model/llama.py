@@ -18,6 +18,7 @@ from torch import nn
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.local_attention import AttentionFn, local_attention
+from loongtrain.model.rms_norm import rms_norm
 
 Tensor = torch.Tensor
 
@@ -25,7 +26,8 @@ INIT_STD = 0.02
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (statistics in float32, output in the input dtype)."""
+    """Root-mean-square layer norm (statistics in float32, output in the input dtype); one autograd function
+    that saves only its input and the per-token scale (:func:`loongtrain.model.rms_norm.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -33,9 +35,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(
