@@ -30,10 +30,11 @@ LLAMA3_8B = str(Path(__file__).with_name("data") / "llama3-8b" / "config.json")
 MODELS = {"llama3-8b": LLAMA3_8B, "7b-gqa": "7b-gqa", "1b": "1b"}
 
 
-def row(name: str, model, cluster, gpus: int, modes: str, fraction: float, simulate: bool) -> dict:
+def row(name: str, model, cluster, gpus: int, modes: str, fraction: float, simulate: bool, grid: int = 1) -> dict:
     length, best = max_seq_len(model, cluster, gpus=gpus, modes=modes)
     seq = length if fraction == 1 else _on_grid(int(length * fraction), 2 * gpus)
-    cand = best if fraction == 1 else plan(model, cluster, gpus=gpus, seq_len=seq, modes=modes)[0]
+    seq = _on_grid(seq, grid) if grid > 1 else seq
+    cand = best if seq == length else plan(model, cluster, gpus=gpus, seq_len=seq, modes=modes)[0]
     out = {"model": name, "gpus": gpus, "modes": modes, "planner_max_seq_len": length, "seq_len": seq,
            "configuration": cand.config.label(), "fits": cand.fits,
            "predicted_device_gib": cand.memory["total"] / 2**30,
@@ -60,6 +61,9 @@ def main() -> None:
     p.add_argument("--cluster", default="h200")
     p.add_argument("--modes", nargs="+", default=["off", "auto"], choices=["off", "auto", "on"])
     p.add_argument("--fractions", nargs="+", type=float, default=[1.0])
+    p.add_argument("--grid", type=int, default=1,
+                   help="round the simulated length down to a multiple of this (e.g. 65536: local token counts "
+                        "that --mlp-tiles auto divides into few tiles)")
     p.add_argument("--no-simulate", action="store_true", help="planner only")
     p.add_argument("--out", default="max_seq.json")
     args = p.parse_args()
@@ -70,7 +74,7 @@ def main() -> None:
         for gpus in args.gpus:
             for modes in args.modes:
                 for fraction in args.fractions:
-                    r = row(name, model, cluster, gpus, modes, fraction, not args.no_simulate)
+                    r = row(name, model, cluster, gpus, modes, fraction, not args.no_simulate, args.grid)
                     rows.append(r)
                     sim = r.get("why", "")
                     if "simulated_device_gib" in r:

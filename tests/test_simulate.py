@@ -29,7 +29,6 @@ SEQ = 512
     (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="selective")),
     (4, ParallelConfig(hp=1, cp=2, zero="none", ac_mode="none")),  # dp = 2: the gradient all-reduce too
     (1, ParallelConfig(ac_mode="selective", offload_activations=True, mlp_tiles="auto")),
-    (1, ParallelConfig(zero="full", ac_mode="full", offload_params=True)),  # FSDP2 on a one-rank (fake) group
     (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="full", offload_activations=True, offload_params=True,
                        mlp_tiles="2")),
 ])
@@ -74,41 +73,28 @@ def test_simulated_device_activations_do_not_grow_with_depth():
 #: a shape whose peak is the activations' (fake mode's cost is the number of ops, not the sizes)
 WIDE = ModelConfig(vocab_size=8192, dim=1024, num_layers=4, num_heads=8, num_kv_heads=2, ffn_dim=3584)
 WIDE_SEQ = 65536
-MODES = {
-    "offload_activations": {"offload_activations": True},
-    "mlp_tiles auto": {"mlp_tiles": "auto"},
-    "offload_params": {"zero": "full", "offload_params": True},
-    "all": {"zero": "full", "offload_params": True, "offload_activations": True, "mlp_tiles": "auto"},
-}
+SUM_OF_TRANSIENTS = pytest.mark.xfail(strict=True, reason=(
+    "the planner's peak adds the loss's chunk, the ring workspace and a layer's recompute set at one moment "
+    "(peak_bytes, a base term); with the activations and states gone these dominate and the step never "
+    "holds them together: predicted/simulated 1.22 (each mode alone: 1.00-1.07)"))
 
 
-def _planned_and_simulated(modes: dict) -> tuple[float, int]:
+@pytest.mark.parametrize("modes", [
+    {"offload_activations": True},
+    {"mlp_tiles": "4"},  # auto: 64 tiles of dim tokens here; the planner's term is the same, 16x the ops
+    {"zero": "full", "offload_params": True},
+    pytest.param({"zero": "full", "offload_params": True, "offload_activations": True, "mlp_tiles": "4"},
+                 marks=SUM_OF_TRANSIENTS),
+], ids=["offload_activations", "mlp_tiles", "offload_params", "all"])
+def test_planner_matches_the_simulation_per_mode(modes):
     parallel = ParallelConfig(ac_mode="full", **modes)
     predicted = memory_per_rank(WIDE, parallel.layout(1), seq_len=WIDE_SEQ, batch=1, zero_size=1, ac_mode="full",
                                 offload_activations=parallel.offload_activations, mlp_tiles=parallel.mlp_tiles,
                                 offload_params=parallel.offload_params)
-    return predicted["total"], simulate_step(WIDE, parallel, 1, seq_len=WIDE_SEQ).peak_bytes
-
-
-@pytest.fixture(scope="module")
-def plain_peaks() -> tuple[float, int]:
-    return _planned_and_simulated({})
-
-
-@pytest.mark.parametrize("mode", [
-    "offload_activations", "offload_params",
-    pytest.param("mlp_tiles auto", marks=pytest.mark.xfail(strict=True, reason=(
-        "the planner's tiled MLP saves SwiGLU's intermediates but not the MLP norm's saved values, which the "
-        "old RMSNorm keeps (fp32 upcasts): the simulation saves 41% more; the RMSNorm that keeps only its "
-        "input and rstd (and the planner's term for it) changes both sides"))),
-    pytest.param("all", marks=pytest.mark.xfail(strict=True, reason="the tiled MLP's term, as above")),
-])
-def test_planner_mode_terms_match_the_simulation(plain_peaks, mode):
-    """Each mode changes the planner's peak as it changes the simulated one, within 10% of the simulated
-    peak (the base terms' own error, that of the plain run, taken out)."""
-    (pred_plain, sim_plain), (pred, sim) = plain_peaks, _planned_and_simulated(MODES[mode])
-    assert sim < sim_plain  # the mode saves device memory
-    assert abs((pred_plain - pred) - (sim_plain - sim)) <= 0.10 * sim, (pred_plain, pred, sim_plain, sim)
+    simulated = simulate_step(WIDE, parallel, 1, seq_len=WIDE_SEQ)
+    assert abs(predicted["total"] / simulated.peak_bytes - 1) <= 0.10, (predicted, simulated)
+    if parallel.offload_activations or parallel.offload_params:  # the host: what the modes move, or a bit more
+        assert 0.99 <= predicted["host"] / simulated.host_bytes <= 1.25, (predicted, simulated)
 
 
 def test_startup_report_counts_offloaded_states_on_the_host():

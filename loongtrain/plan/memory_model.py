@@ -53,7 +53,9 @@ is the pinned host memory per rank they need (0 without them):
   ``min(L, 2) * K`` (the block being computed and the one in flight), the host ``L * K``.
 - ``offload_params`` (FSDP2 ``CPUOffloadPolicy``, so FSDP2's bf16 gathering even when ``z = 1``): the fp32
   shards, their gradients and AdamW's m, v (``states``, ``16 * P / z``) live on the host, the AdamW step
-  runs there; the device keeps ``working_params`` (the gathered blocks and their unsharded gradients).
+  runs there (torch's single-tensor step holds :data:`ADAMW_STEP_TEMPORARIES` fp32 temporaries of one
+  parameter shard at a time: ``+ 3 * 4 * P_max / z`` on the host, ``P_max`` the largest parameter); the
+  device keeps ``working_params`` (the gathered blocks and their unsharded gradients).
 
 ``total`` is the step's peak, not the sum of the parts (:func:`peak_bytes`): the fp32 gradients
 (``4P/z`` of ``states``) are allocated while backward frees the activations, so the peak is the larger
@@ -71,6 +73,15 @@ from loongtrain.parallel.layout import Layout
 from loongtrain.plan.traffic import acc_bytes
 
 STATE_BYTES_PER_PARAM = 16
+#: fp32 temporaries of one parameter that torch's single-tensor AdamW step (``foreach=False``) holds at once
+#: (measured: the host's peak of the AdamW step under ``--offload-params`` in train/simulate.py)
+ADAMW_STEP_TEMPORARIES = 3
+
+
+def largest_param(model: ModelConfig) -> int:
+    """Elements of the largest parameter: the embedding (or head), an MLP or an attention projection."""
+    d = model.dim
+    return max(model.vocab_size * d, model.ffn_dim * d, model.num_heads * model.head_dim * d)
 
 
 def layer_params(model: ModelConfig) -> int:
@@ -186,8 +197,8 @@ def memory_per_rank(
         "workspace": ring_workspace_bytes(kv_elems, b, layout.cp) + 4 * t * d
         + 2 * b * t * (d + 2 * he * model.head_dim) * (layout.hp > 1),
     }
-    if offload_params:
-        host += parts["states"]
+    if offload_params:  # the states and the AdamW step's temporaries on the host
+        host += parts["states"] + ADAMW_STEP_TEMPORARIES * 4 * largest_param(model) / zero_size
         parts["states"] = 0.0
     parts["total"] = peak_bytes(parts, gradient_bytes=0.0 if offload_params else 4 * p / zero_size)
     parts["host"] = float(host)
