@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel import agreement
@@ -103,6 +103,14 @@ class HostAwareTracker(MemTracker):
     storages allocated inside :func:`loongtrain.train.offload.host_allocations`, and those moved with
     :meth:`to_host` (FSDP2's host shards and their gradients under ``CPUOffloadPolicy``). Each key has its
     own peak, so the device's peak is not inflated by what lives on the host, nor the host's by the device."""
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        """The per-device peaks only: MemTracker also keeps each active module's peak, a walk over every
+        tracked module after every op (most of a full-size step's time), which nothing here reads."""
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(dev_snap)
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         super()._track(reftype, t)
