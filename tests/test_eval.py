@@ -227,6 +227,27 @@ def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
     assert all(r["loss"] > 0 for r in rows) and (out / "position_loss.png").is_file()
 
 
+def test_eval_follows_the_runs_chunk_layout(run_dir, monkeypatch):
+    """A run trained with --chunk-layout balanced is evaluated under it (zigzag without --doc-mask on, as in
+    training, where batches without documents stay zigzag)."""
+    import dataclasses
+
+    import loongtrain.eval.job as job_module
+
+    resolve = job_module.resolve_model
+
+    def balanced(model: str):
+        source = resolve(model)
+        return dataclasses.replace(source, run=dataclasses.replace(source.run, chunk_layout="balanced", doc_mask="on"))
+
+    monkeypatch.setattr(job_module, "resolve_model", balanced)
+    options = dict(model=str(run_dir / "run"), task="position-loss", docs=1, nproc=1)
+    assert job_module.prepare(job_module.EvalConfig(**options)).run.chunk_layout == "balanced"
+    assert job_module.prepare(job_module.EvalConfig(**options, doc_mask="off")).run.chunk_layout == "zigzag"
+    monkeypatch.setattr(job_module, "resolve_model", resolve)
+    assert job_module.prepare(job_module.EvalConfig(**options)).run.chunk_layout == "zigzag"
+
+
 def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):
     import re
 
