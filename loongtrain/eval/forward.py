@@ -3,13 +3,12 @@
 :func:`sharded_forward` shards a full-sequence batch over the replica in the run's layout
 (:func:`~loongtrain.parallel.sharding.shard_sequence`: zigzag, or with ``--chunk-layout balanced`` and
 documents the trainer's balanced chunk order, :func:`loongtrain.train.batch.chunk_order`), runs the model
-to its final hidden states under
-``torch.no_grad()`` (nothing kept for a backward) and returns this rank's hidden states, the LM head,
-its labels, and the *global* position of each of its tokens
-(:func:`~loongtrain.parallel.zigzag.shard_indices` of that layout), so that the tasks score tokens where they live and
-reduce only counts and sums. ``--doc-mask`` follows training: with ``doc_mask == "on"`` and a batch that
-marks its documents, attention stays inside each document and, with ``position_reset``, positions
-restart per document (the trainer's own rule, :func:`loongtrain.train.batch.batch_documents`).
+to its final hidden states under ``torch.no_grad()`` (nothing kept for a backward) and returns this
+rank's hidden states, the LM head, its labels, and the *global* position of each of its tokens
+(:func:`~loongtrain.parallel.zigzag.shard_indices` of that layout), so that the tasks score tokens where
+they live and reduce only counts and sums. ``--doc-mask`` follows training: with ``doc_mask == "on"`` and
+a batch that marks its documents, attention stays inside each document and, with ``position_reset``,
+positions restart per document (the trainer's own rule, :func:`loongtrain.train.batch.batch_documents`).
 """
 
 from __future__ import annotations
