@@ -30,7 +30,7 @@ MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_he
                     tie_embeddings=True)
 LAYOUTS = [dict(hp=2, cp=2), dict(hp=1, cp=4), dict(hp=4, cp=1), dict(hp=1, cp=4, window=2),
            dict(hp=2, cp=1, zero="full")]  # the last: dp = 2 replicas, FSDP2
-SEQ, LENGTHS, DEPTHS, TRIALS = 64, (96, 128), (0.0, 0.5, 1.0), 1
+SEQ, LENGTHS, DEPTHS, TRIALS = 64, (96, 192), (0.0, 0.5, 1.0), 1  # two 96-token prompts a forward
 CPU = torch.device("cpu")
 
 

@@ -80,3 +80,15 @@ def replica_items(count: int, mesh: Mesh) -> list[int | None]:
     with None so every replica runs the same number of forwards (FSDP2 gathers over all ranks)."""
     rounds = -(-count // mesh.dp)
     return [i if i < count else None for i in range(mesh.dp_rank, rounds * mesh.dp, mesh.dp)]
+
+
+def replica_batches(items: list[int], rows: int, mesh: Mesh) -> list[list[int]]:
+    """This dp replica's share of ``items`` (every ``dp``-th, as :func:`replica_items`) in batches of at most
+    ``rows``; every replica gets the same number of batches, an empty one where it has run out (it runs a
+    padding forward: FSDP2 gathers over all ranks)."""
+    if rows < 1:
+        raise ValueError(f"rows={rows} must be a positive integer")
+    mine = items[mesh.dp_rank::mesh.dp]
+    per_replica = -(-len(items) // mesh.dp)
+    rounds = -(-per_replica // rows)
+    return [mine[r * rows:(r + 1) * rows] for r in range(rounds)]
