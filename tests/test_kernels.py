@@ -72,3 +72,32 @@ def test_only_cuda_flash_has_a_varlen_form():
              kernels.CUDA_FLASH_PADDED, kernels.CUDA_EFFICIENT_PADDED)
     assert [k.name for k in every if k.varlen_forward is not None] == ["cuda_flash"]
     assert [k.name for k in every if k.varlen_backward is not None] == ["cuda_flash"]
+
+
+
+def test_a_ring_of_one_calls_the_kernel_once_without_accumulators(monkeypatch):
+    """cp = 1, one document: forward and backward are the kernel's own results, no ring step (whose fp32 out,
+    dQ and dK/dV accumulators are q- and kv-sized), bit for bit what the accumulating step computes
+    (docs/design.md §7)."""
+    import loongtrain.attn.ring as ring
+    from loongtrain import attention
+
+    steps: list[str] = []
+    for name in ("ForwardStep", "BackwardStep"):
+        cls = getattr(ring, name)
+        monkeypatch.setattr(ring, name, lambda *a, _cls=cls, _n=name, **kw: steps.append(_n) or _cls(*a, **kw))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 4, 16, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(3))
+    dout = torch.randn(2, 64, 4, 16, generator=gen).to(torch.bfloat16)
+
+    def run():
+        out = attention(q, k, v, None, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    fast = run()
+    assert steps == []
+    monkeypatch.setattr(ring, "_whole", lambda *args: None)  # the general ring step
+    general = run()
+    assert steps == ["ForwardStep", "BackwardStep"]  # the count can fail
+    for a, b in zip(fast, general, strict=True):
+        assert torch.equal(a, b)

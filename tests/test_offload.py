@@ -113,10 +113,11 @@ def test_no_pinned_memory_warns_once(caplog):
 
 
 def test_auto_tile_rule():
-    assert mlp_tile_count("auto", 8192, 4096, 14336) == 4  # ceil(14336 / 4096) = 4 divides 8192
-    assert mlp_tile_count("auto", 96, 32, 160) == 6  # 5 does not divide 96: the next divisor
+    assert mlp_tile_count("auto", 8192, 4096, 14336) == 4  # ceil(14336 / 4096) = 4 tiles of 2048 tokens
+    assert mlp_tile_count("auto", 2**20, 4096, 14336) == 256  # ALST's rule: tiles of dim = 4096 tokens
+    assert mlp_tile_count("auto", 96, 32, 160) == 5  # uneven tiles (96 = 19 + 19 + 20 + 19 + 19 tokens)
     assert mlp_tile_count("auto", 8, 32, 64) == 2 and mlp_tile_count("auto", 8, 64, 64) == 1
-    assert mlp_tile_count("auto", 3, 8, 1000) == 3  # no divisor is large enough: one token per tile
+    assert mlp_tile_count("auto", 3, 8, 1000) == 3  # at most one tile per token
     assert mlp_tile_count("3", 12, 1, 1) == 3
 
 

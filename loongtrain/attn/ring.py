@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from loongtrain.attn.kernel_choice import kernel_for
 from loongtrain.attn.kernels import Kernel
-from loongtrain.attn.masking import AttnMask
+from loongtrain.attn.masking import AttnMask, Piece
 from loongtrain.attn.schedule import DKV_OWN, KV_OUTER, Compute, Event, Payload, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach
-from loongtrain.attn.step import BackwardStep, ForwardStep
+from loongtrain.attn.step import BackwardStep, ForwardStep, Pieces, acc_dtype, whole_piece
 from loongtrain.parallel.comm import Exchange, post_exchange
 from loongtrain.parallel.layout import DoubleRing, Hop
 
@@ -168,6 +168,13 @@ def _kernel(kernel: Kernel | None, q: Tensor, k: Tensor) -> Kernel:
     return kernel or kernel_for(q, k)  # the rule, or measured once per shape class (docs/design.md §6)
 
 
+def _whole(geometry: DoubleRing, mask: AttnMask, q: Tensor) -> Piece | None:
+    """A ring of one member whose queries see their keys in one full or causal call (:func:`whole_piece`)."""
+    if geometry.size != 1:
+        return None
+    return whole_piece(Pieces(mask, q.shape[0], q.shape[2], 1, 0)(0), q.shape[2])
+
+
 def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:
     return pass_reach(geometry, q.shape[2] // 2, mask.sliding_window, zigzag=mask.chunk_order is None)
 
@@ -181,7 +188,12 @@ def ring_forward(
     short sliding window reaches). ``mask`` (documents, window) replaces ``causal`` when given."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
-    step = ForwardStep(q, ring.position, mask, geometry.size, scale, _kernel(kernel, q, k))
+    kernel = _kernel(kernel, q, k)
+    whole = _whole(geometry, mask, q)
+    if whole is not None:  # one call, no ring: the kernel's result, without the fp32 accumulators
+        out, lse = kernel.forward(q, k, v, whole.kind == "causal", scale)
+        return out.to(q.dtype), lse.to(acc_dtype(q.dtype)).contiguous()  # the accumulators' layout
+    step = ForwardStep(q, ring.position, mask, geometry.size, scale, kernel)
     kv = torch.stack([k, v])
     run_pass(geometry, [_Member(geometry, ring.position, DistTransport(ring), step, kv)], False,
              _reach(geometry, q, mask))
@@ -204,7 +216,12 @@ def ring_backward_packed(
     """:func:`ring_backward` with dK and dV as one ``[2, B, Hkv, S_c, D]`` tensor (k's dtype)."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
-    step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, _kernel(kernel, q, k))
+    kernel = _kernel(kernel, q, k)
+    whole = _whole(geometry, mask, q)
+    if whole is not None:  # one call, no ring: dq, dk, dv as the kernel gives them, no fp32 accumulators
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, whole.kind == "causal", scale)
+        return dq.to(q.dtype).contiguous(), torch.stack([dk, dv]).to(k.dtype)  # the accumulators' layout
+    step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, kernel)
     member = _Member(geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
     run_pass(geometry, [member], True, _reach(geometry, q, mask))
     return step.dq.to(q.dtype), member.registers[DKV_OWN].to(k.dtype)

@@ -90,6 +90,17 @@ class Pieces:
                 for piece in visible_pieces(self.q_runs, k_runs, cu, self.band, self.mask.causal, self.mask.tiny)]
 
 
+def whole_piece(items: Sequence[Item], length: int) -> Piece | None:
+    """The step's only piece when it is one full or causal call over every batch row and all ``length`` local
+    positions both ways (a ring of one member, one document, no window): its kernel result is the answer as
+    it is, so the step needs no accumulator (docs/design.md §7, "cp = 1")."""
+    if len(items) != 1:
+        return None
+    rows, piece = items[0]
+    whole = rows == slice(None) and (piece.r0, piece.r1, piece.c0, piece.c1) == (0, length, 0, length)
+    return piece if whole and piece.kind in ("full", "causal") else None
+
+
 # ---------------------------------------------------------------- packing pieces into varlen calls
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.local_attention import AttentionFn, local_attention
+from loongtrain.model.rms_norm import rms_norm
 
 Tensor = torch.Tensor
 
@@ -25,7 +26,8 @@ INIT_STD = 0.02
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (statistics in float32, output in the input dtype)."""
+    """Root-mean-square layer norm (statistics in float32, output in the input dtype); one autograd function
+    that saves only its input and the per-token scale (:func:`loongtrain.model.rms_norm.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -33,9 +35,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(
@@ -156,9 +156,11 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *,
-                return_hidden: bool = False, cu_seqlens: Any = None, chunk_order: Any = None) -> Tensor:
+                return_hidden: bool = False, cu_seqlens: Any = None, chunk_order: Any = None,
+                final_norm: bool = True) -> Tensor:
         """Logits ``[B, S, V]``, or with ``return_hidden`` the final normed hidden states ``[B, S, dim]``
-        (the head's input: ``logits = hidden @ head_weight().T``; the trainer's chunked loss takes them).
+        (the head's input: ``logits = hidden @ head_weight().T``), or with ``final_norm=False`` too the
+        hidden states before the final norm (the trainer's chunked loss applies ``self.norm`` itself).
         ``cu_seqlens``: packed documents' boundaries of the full sequence (one per row, flash-attn's
         convention; see :func:`loongtrain.attention`), handed to every ``attention_fn``: tokens attend only
         inside their document (then pass per-document ``position_ids``, e.g. ``loongtrain.packed_inputs``).
@@ -179,6 +181,8 @@ class Transformer(nn.Module):
                 h = layer(h, cos, sin)
             else:
                 h = layer(h, cos, sin, cu_seqlens, chunk_order)
+        if return_hidden and not final_norm:
+            return h
         h = self.norm(h)
         if return_hidden:
             return h

@@ -140,14 +140,16 @@ def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
 def mlp_tile_count(mlp_tiles: str, local_tokens: int, dim: int, ffn_dim: int, *, strict: bool = True) -> int:
     """Tiles of a rank's ``local_tokens`` for the sequence-tiled MLP (docs/design.md §7).
 
-    ``"N"``: ``N`` (with ``strict``, ValueError unless it divides ``local_tokens``). ``"auto"``: the smallest
-    divisor ``N`` of ``local_tokens`` with ``N * dim >= ffn_dim``, so that one tile's ``[local_tokens / N,
-    ffn_dim]`` intermediate is at most the size of the block's hidden input ``[local_tokens, dim]``
-    (``local_tokens`` when no divisor is that large; 1 when ``ffn_dim <= dim``).
+    ``"N"``: ``N`` (with ``strict``, ValueError unless it divides ``local_tokens``). ``"auto"``: tiles of at most
+    ``dim`` tokens (ALST's rule: ``ceil(local_tokens / dim)`` tiles) and at least ``ceil(ffn_dim / dim)`` of
+    them, so one tile's ``[tokens / N, ffn_dim]`` intermediate is at most ``dim x ffn_dim`` elements (a
+    constant, whatever the length) and never more than the block's hidden input ``[local_tokens, dim]``; at
+    most ``local_tokens``. The tiles need not be equal (:func:`loongtrain.train.mlp_tiles.tile_bounds`), so
+    ``auto`` never falls back to one-token tiles when ``local_tokens`` has no divisor of the right size.
     """
     if mlp_tiles == "auto":
-        need = -(-ffn_dim // dim)
-        return next((n for n in range(max(1, need), local_tokens + 1) if local_tokens % n == 0), local_tokens)
+        need = max(-(-ffn_dim // dim), -(-local_tokens // dim), 1)
+        return min(need, max(local_tokens, 1))
     if not (isinstance(mlp_tiles, str) and mlp_tiles.isdigit() and int(mlp_tiles) >= 1):
         raise ValueError(f"mlp_tiles={mlp_tiles!r} must be a positive integer or 'auto'")
     tiles = int(mlp_tiles)

@@ -17,12 +17,14 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   its backward under checkpointing), as the model code saves them (measured: tests/test_memory_model.py).
   Per token per layer without checkpointing, ``a_b = (2*He*hd + 4f) * b + 4H + 8`` (k/v after the
   all-to-all, SwiGLU's w1/w3/silu/product, fp32 lse and two RMSNorm ``rsqrt``) plus the ``d``-sized
-  tensors (norm inputs, normalised values and outputs, q, attention output, out-projection input), whose
-  dtypes depend on how bf16 is applied: fp32 / fp64 runs ``8*d*b``; FSDP2 bf16 weights (``z > 1``,
-  no autocast) ``2*d*4 + 6*d*b`` (the norms' fp32 upcasts); autocast (``z = 1``) ``4*d*4 + 7*d*b`` (fp32
-  residual stream and norm values, and one bf16 cast of a norm output per projection). The residual
-  stream (a layer's input) is ``r`` = 4 bytes under autocast, else ``b``; the final norm keeps ``3d``
-  values. By ``ac_mode``: ``none``: ``L * t * a_b``; ``full``: ``L * t * d * r`` plus ``recompute =
+  tensors (norm inputs and outputs, q, attention output), whose dtypes depend on how bf16 is applied. The
+  norms keep only their input and a per-token fp32 scale (loongtrain/model/rms_norm.py): fp32 / fp64 runs
+  ``6*d*b``; FSDP2 bf16 weights (``z > 1``, no autocast) ``5*d*b``; autocast (``z = 1``) ``2*d*4 + 7*d*b``
+  (fp32 residual stream, and one bf16 cast of a norm output per projection). With ``mlp_tiles > 1`` the MLP's
+  norm output exists per tile: one ``d*b`` less (autocast: its two casts, ``2*d*b``). The residual
+  stream (a layer's input) is ``r`` = 4 bytes under autocast, else ``b``; the final norm runs inside the
+  chunked loss, which keeps only the gradient of its input (``d*r``).
+  By ``ac_mode``: ``none``: ``L * t * a_b``; ``full``: ``L * t * d * r`` plus ``recompute =
   t * a_b``; ``selective``: ``L * t * (d * r + d * b + 4H)`` (input, attention output, lse; with
   ``hp > 1`` also the all-to-alls' outputs, ``(2d + 2*He*hd) * b``: q, k, v and the attention output
   back in token layout) plus the same ``recompute``.
@@ -31,8 +33,9 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   per token plus one chunk's logits in the compute dtype and fp32; the head's compute-dtype copy is
   already in ``working_params``. No rank holds the logits of all its tokens.
 - ``workspace``: peak of the ring backward and the all-to-all: 3 K/V blocks and 4 dK/dV blocks
-  (in flight, received, accumulated) of ``2 * t * He * hd`` elements (without a ring, ``cp = 1``: the
-  kernel's dK/dV and their accumulator), an fp32 dQ accumulator ``4 * t * d``, and, with ``hp > 1``, the
+  (in flight, received, accumulated) of ``2 * t * He * hd`` elements (without a ring, ``cp = 1``: one kernel
+  call, whose dK/dV and their packed copy), an fp32 dQ accumulator ``4 * t * d`` (at ``cp = 1`` the
+  kernel's dQ and its copy in token layout; on CUDA the flash kernels' own fp32 dQ), and, with ``hp > 1``, the
   packed all-to-all send and receive buffers ``2 * b * t * (d + 2*He*hd)``.
 
 Offload and tiling modes (docs/design.md §9; :class:`~loongtrain.parallel.config.ParallelConfig`'s
@@ -84,9 +87,10 @@ def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharde
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
     mlp = 4 * model.ffn_dim * b if mlp_tiles == 1 else 4 * model.ffn_dim * b / mlp_tiles
     rest = 2 * he * model.head_dim * b + mlp + 4 * model.num_heads + 8
+    tiled = mlp_tiles > 1  # the MLP's norm output (autocast: its two bf16 casts) exists per tile too
     if b >= 4:
-        return 8 * d * b + rest
-    return (2 * d * 4 + 6 * d * b if sharded else 4 * d * 4 + 7 * d * b) + rest
+        return (6 - tiled) * d * b + rest
+    return ((5 - tiled) * d * b if sharded else 2 * d * 4 + (7 - 2 * tiled) * d * b) + rest
 
 
 def residual_bytes(dtype_bytes: int, sharded: bool) -> int:
@@ -95,11 +99,9 @@ def residual_bytes(dtype_bytes: int, sharded: bool) -> int:
 
 
 def final_norm_bytes(dim: int, dtype_bytes: int, sharded: bool) -> float:
-    """Bytes per token the final RMSNorm saves (input, normalised values, output)."""
-    b = dtype_bytes
-    if b >= 4:
-        return 3 * dim * b
-    return dim * 4 + 2 * dim * b if sharded else 2 * dim * 4 + dim * b
+    """Bytes per token the final RMSNorm leaves for the backward: the chunked loss applies it a chunk at a
+    time (loongtrain/loss/chunked.py), so only the gradient of its input, the residual stream (``r``)."""
+    return dim * residual_bytes(dtype_bytes, sharded)
 
 
 def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_bytes: int,
@@ -121,9 +123,10 @@ def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_
 
 def ring_workspace_bytes(kv_elems: float, dtype_bytes: int, cp: int) -> float:
     """K/V and dK/dV blocks of the ring backward: 3 K/V blocks and 4 dK/dV blocks (in flight, received,
-    accumulated) with a ring; without one (``cp = 1``) only the kernel's dK/dV and their accumulator."""
+    accumulated) with a ring; without one (``cp = 1``: one kernel call, no accumulator,
+    loongtrain/attn/ring.py) the kernel's dK/dV and their packed copy."""
     if cp == 1:
-        return kv_elems * (dtype_bytes + acc_bytes(dtype_bytes))
+        return kv_elems * 2 * dtype_bytes
     return 3 * kv_elems * dtype_bytes + 4 * kv_elems * acc_bytes(dtype_bytes)
 
 

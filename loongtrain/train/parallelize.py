@@ -62,6 +62,7 @@ from torch.utils.checkpoint import (
 
 from loongtrain.hf.apply import apply_2d_attention
 from loongtrain.hf.families import decoder_layers
+from loongtrain.hf.norms import use_rms_norm_function
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
@@ -236,8 +237,9 @@ def _on_meta(model: nn.Module) -> bool:
 
 def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device, *,
                 param_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
-    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> MLP tiling -> activation checkpointing
-    -> activation offload -> (with ``compile``) compiled blocks -> FSDP2 (with ``offload_params``, CPU offload).
+    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> HF norms as one function -> MLP tiling
+    -> activation checkpointing -> activation offload -> (with ``compile``) compiled blocks -> FSDP2 (with
+    ``offload_params``, CPU offload).
 
     ``model`` must have decoder blocks (:func:`decoder_layers`). With ``zero="none"`` parameters
     stay plain tensors and the trainer's own gradient all-reduce applies; otherwise they become
@@ -254,6 +256,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     blocks = decoder_layers(model)
     meta = _on_meta(model)
     model = apply_2d_attention(model if meta else model.to(device), mesh)
+    use_rms_norm_function(model)  # HF's Llama-family norms keep only their input (before the tiles wrap them)
     apply_mlp_tiling(model, parallel.mlp_tiles)
     offloader = ActivationOffloader(device, _record_saved_output) if parallel.offload_activations else None
     selective = partial(offloader.selective_contexts, offloaded_selective_policy) if offloader else None
