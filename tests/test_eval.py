@@ -240,10 +240,17 @@ def test_bad_input_exits_2_before_any_worker(run_dir, monkeypatch, capsys, case,
 
 
 def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
+    import logging
+
     out = run_dir / "pk"
-    with caplog.at_level("WARNING", logger="loongtrain"):
-        assert cli.main([str(run_dir / "run"), "--lengths", "128,256", "--depths", "0,1", "--trials", "1",
-                         "--nproc", "1", "--out", str(out)]) == 0
+    logger = logging.getLogger("loongtrain")  # the CLI's logging set-up stops propagation to the root's handler
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="loongtrain"):
+            assert cli.main([str(run_dir / "run"), "--lengths", "128,256", "--depths", "0,1", "--trials", "1",
+                             "--nproc", "1", "--out", str(out)]) == 0
+    finally:
+        logger.removeHandler(caplog.handler)
     warned = [r.getMessage() for r in caplog.records if "past the model" in r.getMessage()]
     assert warned == ["length 256 is past the model's trained --seq-len 64: measuring beyond the trained length"]
     cells = json.loads((out / "results.json").read_text())
