@@ -35,9 +35,9 @@ def test_plan_auto_on_cpu_under_torchrun_needs_a_cluster(monkeypatch):
 
 
 def test_plan_auto_picks_offload_when_needed_and_reports_a_host_shortfall(tmp_path):
-    """tiny at 64K on 4 fp32 CPU ranks: 164.8 MiB per device at best without host memory (tiled MLP), 163.6
+    """tiny at 64K on 4 fp32 CPU ranks: 156.8 MiB per device at best without host memory (tiled MLP), 155.6
     MiB with parameter offload (7.1 MiB of host memory per node: the states and the AdamW step's
-    temporaries). On 164.2 MiB devices only the offload fits; with 1 KiB of host memory nothing does, and
+    temporaries). On 156.2 MiB devices only the offload fits; with 1 KiB of host memory nothing does, and
     --plan auto says so before any worker starts."""
     from dataclasses import replace
 
@@ -45,10 +45,10 @@ def test_plan_auto_picks_offload_when_needed_and_reports_a_host_shortfall(tmp_pa
     from tests.test_plan import toy_cluster
 
     path = tmp_path / "c.toml"
-    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=164.2 / 1024, host_memory_gib=1.0)))
+    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=156.2 / 1024, host_memory_gib=1.0)))
     cfg = TrainConfig(model="tiny", seq_len=65536, plan="auto", plan_cluster=str(path))
     assert apply_plan(cfg, 4, under_launcher=True).parallel.offload_params
-    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=164.2 / 1024, host_memory_gib=1e-6)))
+    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=156.2 / 1024, host_memory_gib=1e-6)))
     shortfall = r"(?s)--plan auto on toy: nothing fits.*needs 0.00691 GiB of host memory per node"
     with pytest.raises(ValueError, match=shortfall):
         apply_plan(cfg, 4, under_launcher=True)

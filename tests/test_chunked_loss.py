@@ -220,8 +220,9 @@ def test_saves_no_per_token_tensor():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chunked_cross_entropy(hidden, weight, labels, None, chunk_tokens=64)
-    # only the scalar replica count the final division keeps: the gradients are computed in the forward
-    assert sorted(saved) == [4], saved
+    # the gradients computed in the forward (hidden's and the head's, held as saved tensors so the memory report
+    # sees them) and the scalar replica count of the final division: no logits, no per-token statistics
+    assert sorted(saved) == sorted([4, hidden.numel() * 4, weight.numel() * 4]), saved
 
 
 # ---- sharded: sp ranks, FSDP2 ---------------------------------------------------------------------
@@ -295,3 +296,33 @@ def test_sp_sharded_matches_unsharded_world2():
 @pytest.mark.distributed
 def test_fsdp2_gathered_root_head_world2():
     assert run_distributed(_check_fsdp, 2) == [2, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_final_norm_inside_the_loss_equals_norm_then_loss(dtype):
+    """``norm=FinalNorm(w, eps)`` on the norm's input: the same loss bit for bit, the same gradients (fp64 to
+    1e-12; bf16 to its rounding), and the norm's input is not kept for the backward (docs/design.md §7)."""
+    from loongtrain.loss.chunked import FinalNorm
+    from loongtrain.model.rms_norm import rms_norm
+
+    x, weight, _, labels = _data(2, 40, 16, 50, dtype)
+    norm_w = (1 + 0.1 * torch.randn(16, generator=torch.Generator().manual_seed(3))).to(dtype)
+
+    def plain(x, w, nw):
+        return chunked_cross_entropy(rms_norm(x, nw, 1e-5), w, labels, None, chunk_tokens=7)
+
+    def fused(x, w, nw):
+        return chunked_cross_entropy(x, w, labels, None, chunk_tokens=7, norm=FinalNorm(nw, 1e-5))
+
+    (want, _, want_grads), (got, _, got_grads) = _grads(plain, x, weight, norm_w), _grads(fused, x, weight, norm_w)
+    assert torch.equal(got, want)
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert (a.double() - b.double()).abs().max() <= tol * max(1.0, b.double().abs().max().item())
+    leaf = x.detach().clone().requires_grad_()
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().data_ptr()) or t,
+                                                  lambda t: t):
+        fused(leaf, weight, norm_w)[0]
+        plain(leaf, weight, norm_w)[0]
+    assert saved.count(leaf.untyped_storage().data_ptr()) == 1  # only the plain norm keeps x: the count can fail

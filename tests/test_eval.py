@@ -112,13 +112,15 @@ class Retriever(nn.Module):
         return torch.eye(self.vocab, dtype=torch.float64)
 
     def forward(self, input_ids, position_ids, return_hidden=True, **_):
-        ids = input_ids[0].tolist()
+        return torch.stack([self._row(row.tolist()) for row in input_ids])
+
+    def _row(self, ids: list[int]) -> torch.Tensor:
         key_at = _find(ids, self.prefix) + len(self.prefix)
         asked = _find(ids, self.question, last=True) + len(self.question)
         target = torch.zeros(len(ids), dtype=torch.int64)
         for t in range(asked - 1, len(ids)):  # the token at t predicts t + 1
             target[t] = ids[key_at + t - (asked - 1)]
-        return F.one_hot(target, self.vocab).to(torch.float64)[None]
+        return F.one_hot(target, self.vocab).to(torch.float64)
 
 
 def _find(ids: list[int], pattern: list[int], last: bool = False) -> int:
@@ -138,6 +140,36 @@ def test_passkey_tells_a_retriever_from_a_random_model():
     # chance: a 5-digit key is right with probability 1e-5 per trial, a digit 1/10
     assert sum(c["correct"] for c in cells) == 0
     assert sum(c["digits_correct"] for c in cells) <= 0.3 * sum(c["digits"] for c in cells)
+
+
+def test_trials_batched_by_length_score_as_one_prompt_a_forward():
+    """Lengths 96 and 192: two 96-token prompts share a forward; the cells equal those of each length alone
+    (one prompt a forward)."""
+    tokens = passkey_tokens(ByteTokenizer())
+    model = Transformer(SMALL, seed=0).double()
+    with torch.no_grad():  # mostly the identity (tied head): some digits right, some wrong
+        for name, p in model.named_parameters():
+            if name.endswith(("wo.weight", "w2.weight")):
+                p.mul_(0.05)
+    depths = (0.0, 0.5, 1.0)
+    batched = passkey(model, tokens, (96, 192), depths, 3, single_process_mesh(), CPU, seed=1)
+    alone = [c for n in (96, 192) for c in passkey(model, tokens, (n,), depths, 3, single_process_mesh(), CPU, seed=1)]
+    assert batched == alone
+    assert 0 < sum(c["digits_correct"] for c in alone) < sum(c["digits"] for c in alone)
+
+
+def test_replica_batches_split_items_evenly_over_replicas():
+    from types import SimpleNamespace
+
+    from loongtrain.eval.forward import replica_batches
+
+    items = list(range(5))
+    assert replica_batches(items, 2, SimpleNamespace(dp=1, dp_rank=0)) == [[0, 1], [2, 3], [4]]
+    assert replica_batches(items, 2, SimpleNamespace(dp=2, dp_rank=0)) == [[0, 2], [4]]
+    assert replica_batches(items, 2, SimpleNamespace(dp=2, dp_rank=1)) == [[1, 3], []]  # a padding forward
+    assert replica_batches(items[:1], 4, SimpleNamespace(dp=2, dp_rank=1)) == [[]]
+    with pytest.raises(ValueError, match="rows=0"):
+        replica_batches(items, 0, SimpleNamespace(dp=1, dp_rank=0))
 
 
 def test_position_loss_is_the_mean_of_each_bucket():
@@ -208,10 +240,17 @@ def test_bad_input_exits_2_before_any_worker(run_dir, monkeypatch, capsys, case,
 
 
 def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
+    import logging
+
     out = run_dir / "pk"
-    with caplog.at_level("WARNING", logger="loongtrain"):
-        assert cli.main([str(run_dir / "run"), "--lengths", "128,256", "--depths", "0,1", "--trials", "1",
-                         "--nproc", "1", "--out", str(out)]) == 0
+    logger = logging.getLogger("loongtrain")  # the CLI's logging set-up stops propagation to the root's handler
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="loongtrain"):
+            assert cli.main([str(run_dir / "run"), "--lengths", "128,256", "--depths", "0,1", "--trials", "1",
+                             "--nproc", "1", "--out", str(out)]) == 0
+    finally:
+        logger.removeHandler(caplog.handler)
     warned = [r.getMessage() for r in caplog.records if "past the model" in r.getMessage()]
     assert warned == ["length 256 is past the model's trained --seq-len 64: measuring beyond the trained length"]
     cells = json.loads((out / "results.json").read_text())
@@ -225,6 +264,27 @@ def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
     rows = json.loads((out / "results.json").read_text())
     assert [(r["start"], r["end"]) for r in rows] == [(0, 8), (8, 16), (16, 32), (32, 64)]
     assert all(r["loss"] > 0 for r in rows) and (out / "position_loss.png").is_file()
+
+
+def test_eval_follows_the_runs_chunk_layout(run_dir, monkeypatch):
+    """A run trained with --chunk-layout balanced is evaluated under it (zigzag without --doc-mask on, as in
+    training, where batches without documents stay zigzag)."""
+    import dataclasses
+
+    import loongtrain.eval.job as job_module
+
+    resolve = job_module.resolve_model
+
+    def balanced(model: str):
+        source = resolve(model)
+        return dataclasses.replace(source, run=dataclasses.replace(source.run, chunk_layout="balanced", doc_mask="on"))
+
+    monkeypatch.setattr(job_module, "resolve_model", balanced)
+    options = dict(model=str(run_dir / "run"), task="position-loss", docs=1, nproc=1)
+    assert job_module.prepare(job_module.EvalConfig(**options)).run.chunk_layout == "balanced"
+    assert job_module.prepare(job_module.EvalConfig(**options, doc_mask="off")).run.chunk_layout == "zigzag"
+    monkeypatch.setattr(job_module, "resolve_model", resolve)
+    assert job_module.prepare(job_module.EvalConfig(**options)).run.chunk_layout == "zigzag"
 
 
 def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Sharded evaluation equals unsharded evaluation (fp64, world 4, one launch for every layout): per-bucket
-losses and validation losses to 1e-10, the same passkey decisions; and a training step after a
+losses (zigzag, and the run's --chunk-layout balanced, whose shard eval really takes) and validation losses
+to 1e-10, the same passkey decisions; and a training step after a
 validation is bit-identical to one without, under FSDP2 with two replicas."""
 
 from __future__ import annotations
@@ -8,12 +9,15 @@ import pytest
 import torch
 
 from loongtrain.data import ByteTokenizer
+from loongtrain.eval.forward import sharded_forward
 from loongtrain.eval.passkey import passkey, passkey_tokens
 from loongtrain.eval.position_loss import position_loss
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import destroy_mesh, init_mesh, single_process_mesh
+from loongtrain.parallel.zigzag import shard_indices
+from loongtrain.train.batch import batch_documents, chunk_order
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.parallelize import parallelize
 from loongtrain.train.validation import validation_loss
@@ -26,7 +30,7 @@ MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_he
                     tie_embeddings=True)
 LAYOUTS = [dict(hp=2, cp=2), dict(hp=1, cp=4), dict(hp=4, cp=1), dict(hp=1, cp=4, window=2),
            dict(hp=2, cp=1, zero="full")]  # the last: dp = 2 replicas, FSDP2
-SEQ, LENGTHS, DEPTHS, TRIALS = 64, (96, 128), (0.0, 0.5, 1.0), 1
+SEQ, LENGTHS, DEPTHS, TRIALS = 64, (96, 192), (0.0, 0.5, 1.0), 1  # two 96-token prompts a forward
 CPU = torch.device("cpu")
 
 
@@ -64,6 +68,7 @@ def _evaluate(model, mesh) -> dict:
     tokens = passkey_tokens(ByteTokenizer())
     return {
         "buckets": position_loss(model, _documents(), mesh, CPU, SEQ, doc_mask="on"),
+        "balanced": position_loss(model, _documents(), mesh, CPU, SEQ, doc_mask="on", chunk_layout="balanced"),
         "passkey": passkey(model, tokens, LENGTHS, DEPTHS, TRIALS, mesh, CPU, seed=1),
     }
 
@@ -90,13 +95,24 @@ def _steps(parallel: ParallelConfig, mesh, validate: bool) -> list[tuple[float, 
     return out
 
 
+def _balanced_index(model, mesh) -> tuple[list[int], list[int], list[int]]:
+    """The tokens this rank's balanced eval forward held, the trainer's balanced shard, and the zigzag one."""
+    batch = _documents()[0]
+    cu_seqlens, _ = batch_documents(batch, "on", True)
+    order = chunk_order(cu_seqlens, SEQ, mesh, "balanced", None)
+    held = sharded_forward(model, batch, mesh, CPU, doc_mask="on", chunk_layout="balanced").index.tolist()
+    return (held, shard_indices(SEQ, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank, order).tolist(),
+            shard_indices(SEQ, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank).tolist())
+
+
 def _worker(rank: int, world: int) -> dict:
     results = {}
     for layout in LAYOUTS:
         parallel = ParallelConfig(**layout)
         mesh = init_mesh(parallel.hp, parallel.cp, window=parallel.window)
         model = parallelize(_model(), mesh, parallel, CPU)
-        results[str(layout)] = {**_evaluate(model, mesh), "val_loss": _validate(parallel, mesh)}
+        results[str(layout)] = {**_evaluate(model, mesh), "val_loss": _validate(parallel, mesh),
+                                "index": _balanced_index(model, mesh)}
         if parallel.zero != "none":
             results[str(layout)]["steps"] = (_steps(parallel, mesh, True), _steps(parallel, mesh, False))
         destroy_mesh(mesh)
@@ -109,6 +125,7 @@ def test_sharded_eval_equals_unsharded():
     decisions = sum(c["digits_correct"] for c in reference["passkey"])
     assert 0 < decisions < sum(c["digits"] for c in reference["passkey"])  # a mix of right and wrong digits
     by_rank = run_distributed(_worker, 4)
+    other = 0  # layouts whose balanced shard is not the zigzag one
     for layout in LAYOUTS:
         for rank, results in enumerate(by_rank):
             got = results[str(layout)]
@@ -118,7 +135,13 @@ def test_sharded_eval_equals_unsharded():
             for mine, ref in zip(got["buckets"], reference["buckets"]):
                 assert abs(mine["loss"] - ref["loss"]) < 1e-10, (where, mine, ref)
             assert got["passkey"] == reference["passkey"], where
+            for mine, ref in zip(got["balanced"], reference["buckets"], strict=True):  # --chunk-layout balanced
+                assert mine["tokens"] == ref["tokens"] and abs(mine["loss"] - ref["loss"]) < 1e-10, (where, mine, ref)
+            held, balanced, zigzag = got["index"]
+            assert held == balanced, where
+            other += balanced != zigzag
             assert abs(got["val_loss"] - reference_val) < 1e-10, (where, got["val_loss"], reference_val)
             if "steps" in got:
                 with_validation, without = got["steps"]
                 assert with_validation == without, where  # bit for bit
+    assert other > 0  # the balanced layout really is another one somewhere

@@ -1,13 +1,14 @@
 """One sharded, forward-only pass of an evaluation sequence (docs/design.md §14).
 
-:func:`sharded_forward` shards a full-sequence batch over the replica in the zigzag layout
-(:func:`~loongtrain.parallel.sharding.shard_sequence`), runs the model to its final hidden states under
-``torch.no_grad()`` (nothing kept for a backward) and returns this rank's hidden states, the LM head,
-its labels, and the *global* position of each of its tokens
-(:func:`~loongtrain.parallel.zigzag.shard_indices`), so that the tasks score tokens where they live and
-reduce only counts and sums. ``--doc-mask`` follows training: with ``doc_mask == "on"`` and a batch that
-marks its documents, attention stays inside each document and, with ``position_reset``, positions
-restart per document (the trainer's own rule, :func:`loongtrain.train.batch.batch_documents`).
+:func:`sharded_forward` shards a full-sequence batch over the replica in the run's layout
+(:func:`~loongtrain.parallel.sharding.shard_sequence`: zigzag, or with ``--chunk-layout balanced`` and
+documents the trainer's balanced chunk order, :func:`loongtrain.train.batch.chunk_order`), runs the model
+to its final hidden states under ``torch.no_grad()`` (nothing kept for a backward) and returns this
+rank's hidden states, the LM head, its labels, and the *global* position of each of its tokens
+(:func:`~loongtrain.parallel.zigzag.shard_indices` of that layout), so that the tasks score tokens where
+they live and reduce only counts and sums. ``--doc-mask`` follows training: with ``doc_mask == "on"`` and
+a batch that marks its documents, attention stays inside each document and, with ``position_reset``,
+positions restart per document (the trainer's own rule, :func:`loongtrain.train.batch.batch_documents`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.parallel.zigzag import shard_indices
-from loongtrain.train.batch import batch_documents
+from loongtrain.train.batch import batch_documents, chunk_order
 from loongtrain.train.models import hidden_and_head
 
 Batch = dict[str, torch.Tensor]
@@ -45,21 +46,24 @@ class LocalTokens:
 @torch.no_grad()
 def sharded_forward(model: nn.Module, batch: Batch, mesh: Mesh, device: torch.device, *,
                     amp_dtype: torch.dtype | None = None, doc_mask: str = "off",
-                    position_reset: bool = True) -> LocalTokens:
+                    position_reset: bool = True, chunk_layout: str = "zigzag",
+                    sliding_window: int | None = None) -> LocalTokens:
     """Forward ``batch`` (full sequences ``[B, S]``) on this rank's shard; see the module docstring.
-    Collective over the replica (the model's attention communication)."""
+    ``chunk_layout`` and ``sliding_window``: the run's ``--chunk-layout`` and the model's window (they choose
+    the balanced order). Collective over the replica (the model's attention communication)."""
     seq_len = batch["input_ids"].shape[1]
     cu_seqlens, positions = batch_documents(batch, doc_mask, position_reset)
+    order = chunk_order(cu_seqlens, seq_len, mesh, chunk_layout, sliding_window)
 
     def local(x: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(x, mesh, dim=1).to(device)
+        return shard_sequence(x, mesh, dim=1, chunk_order=order).to(device)
 
     input_ids, labels, position_ids = local(batch["input_ids"]), local(batch["labels"]), local(positions)
     autocast = (torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None
                 else contextlib.nullcontext())
     with autocast:
-        hidden, head = hidden_and_head(model, input_ids, position_ids, cu_seqlens)
-    index = shard_indices(seq_len, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank).to(device)
+        hidden, head = hidden_and_head(model, input_ids, position_ids, cu_seqlens, order)
+    index = shard_indices(seq_len, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank, order).to(device)
     return LocalTokens(hidden, head, labels, index, position_ids)
 
 
@@ -76,3 +80,15 @@ def replica_items(count: int, mesh: Mesh) -> list[int | None]:
     with None so every replica runs the same number of forwards (FSDP2 gathers over all ranks)."""
     rounds = -(-count // mesh.dp)
     return [i if i < count else None for i in range(mesh.dp_rank, rounds * mesh.dp, mesh.dp)]
+
+
+def replica_batches(items: list[int], rows: int, mesh: Mesh) -> list[list[int]]:
+    """This dp replica's share of ``items`` (every ``dp``-th, as :func:`replica_items`) in batches of at most
+    ``rows``; every replica gets the same number of batches, an empty one where it has run out (it runs a
+    padding forward: FSDP2 gathers over all ranks)."""
+    if rows < 1:
+        raise ValueError(f"rows={rows} must be a positive integer")
+    mine = items[mesh.dp_rank::mesh.dp]
+    per_replica = -(-len(items) // mesh.dp)
+    rounds = -(-per_replica // rows)
+    return [mine[r * rows:(r + 1) * rows] for r in range(rounds)]

@@ -149,15 +149,18 @@ def _lengths(options: EvalConfig, source: ModelSource) -> tuple[int, ...]:
 
 def _run_config(options: EvalConfig, source: ModelSource, seq_len: int) -> TrainConfig:
     run = source.run
+    doc_mask = options.doc_mask or run.doc_mask
     zero = {"zero": options.zero} if options.zero else {  # default: the weights sharded as in training
         name: getattr(run.parallel, name) for name in ("zero", "zero_shard_size", "reshard_after_forward")}
     parallel = dataclasses.replace(options.parallel, **zero)
     return dataclasses.replace(
         run, seq_len=seq_len, batch_size=1, grad_accum=1, tokenizer=options.tokenizer or run.tokenizer,
         corpus=options.corpus or run.corpus, dtype=options.dtype or run.dtype,
-        doc_mask=options.doc_mask or run.doc_mask, parallel=parallel, plan=options.plan,
+        doc_mask=doc_mask, parallel=parallel, plan=options.plan,
         plan_cluster=options.plan_cluster, nproc=options.nproc, threads=options.threads,
-        timeout=options.timeout, memory_report=False, chunk_layout="zigzag")
+        timeout=options.timeout, memory_report=False,
+        # the run's layout; "balanced" only orders documents, so without --doc-mask on it is zigzag (as in training)
+        chunk_layout=run.chunk_layout if doc_mask == "on" else "zigzag")
 
 
 def _check_layout(run: TrainConfig, source: ModelSource, world: int, lengths: tuple[int, ...]) -> None:

@@ -19,7 +19,7 @@ from loongtrain.eval.job import Job
 from loongtrain.eval.passkey import passkey
 from loongtrain.eval.position_loss import position_loss
 from loongtrain.eval.report import plot, table, write_results
-from loongtrain.eval.source import build_model
+from loongtrain.eval.source import build_model, model_config
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.workers import resolve_backend, run_local
 from loongtrain.train.config import autocast_dtype
@@ -39,7 +39,8 @@ def evaluate(job: Job, model: nn.Module, mesh: Mesh, device: torch.device) -> li
         return passkey(model, job.tokens, job.lengths, o.depths, o.trials, mesh, device, key_digits=o.key_digits,
                        seed=o.seed, amp_dtype=amp)
     return position_loss(model, job.batches, mesh, device, job.lengths[0], amp_dtype=amp, doc_mask=run.doc_mask,
-                         position_reset=run.position_reset)
+                         position_reset=run.position_reset, chunk_layout=run.chunk_layout,
+                         sliding_window=model_config(job.source).sliding_window)
 
 
 def run_rank(job: Job, rank: int, world: int) -> list[dict]:
@@ -57,7 +58,8 @@ def _write(job: Job, rows: list[dict], mesh: Mesh) -> None:
     out = Path(job.options.out)
     meta = {"model": str(job.source.path), "kind": job.source.kind, "lengths": list(job.lengths),
             "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp, "window": mesh.window},
-            "dtype": job.run.dtype, "doc_mask": job.run.doc_mask, "seed": job.options.seed}
+            "chunk_layout": job.run.chunk_layout, "dtype": job.run.dtype, "doc_mask": job.run.doc_mask,
+            "seed": job.options.seed}
     path = write_results(out, job.options.task, rows, meta)
     print(table(job.options.task, rows), flush=True)
     picture = plot(out, job.options.task, rows)

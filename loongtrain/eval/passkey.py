@@ -14,6 +14,10 @@ tokens: ``input_ids`` the first ``L``, ``labels`` the last ``L``; the key's answ
 answer position is the key's digit, which is exactly when greedy decoding after ``QUESTION`` would write
 the key. No generation loop, so it runs sharded like training: each rank checks the answer tokens it
 holds and one all-reduce sums the mismatches per trial.
+
+Trials of one length share forwards: ``longest // length`` prompts a forward (rows of one batch), so no
+forward holds more tokens than one prompt of the longest length (the memory of a single longest
+prompt), and short prompts do not pay per-forward costs one at a time (docs/design.md §14).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loongtrain.eval.forward import all_reduce_sum, replica_items, sharded_forward
+from loongtrain.eval.forward import all_reduce_sum, replica_batches, sharded_forward
 from loongtrain.loss.chunked import chunked_token_losses
 from loongtrain.parallel.mesh import Mesh
 
@@ -116,21 +120,29 @@ def passkey(model: nn.Module, tokens: PasskeyTokens, lengths: Sequence[int], dep
             mesh: Mesh, device: torch.device, *, key_digits: int = 5, seed: int = 0,
             amp_dtype: torch.dtype | None = None) -> list[dict]:
     """``[{length, depth, trials, correct, digits_correct, digits}]`` per cell of the grid (collective).
-    Replica ``d`` evaluates every ``dp``-th trial; each rank scores only the answer tokens it holds."""
+    Replica ``d`` evaluates every ``dp``-th trial of each length, ``max(lengths) // length`` prompts a
+    forward; each rank scores only the answer tokens it holds."""
     cells = grid(lengths, depths, trials)
     wrong = torch.zeros(len(cells), dtype=torch.float64, device=device)  # mismatching digits per trial
-    for item in replica_items(len(cells), mesh):
-        cell = cells[item if item is not None else 0]
-        key = draw_key(seed, cell.length, cell.depth_index, cell.trial, key_digits)
-        batch = build_prompt(tokens, cell.length, cell.depth, key)
-        local = sharded_forward(model, batch, mesh, device, amp_dtype=amp_dtype)
-        mine = torch.isin(local.index, batch["answer"].to(device))  # answer tokens on this rank
-        if item is None or not bool(mine.any()):
-            continue
-        _, argmax = chunked_token_losses(local.hidden[:, mine], local.head, local.labels[:, mine])
-        wrong[item] += (argmax != local.labels[:, mine]).sum().to(torch.float64)
+    longest = max(lengths)
+    for length in dict.fromkeys(lengths):
+        items = [i for i, cell in enumerate(cells) if cell.length == length]
+        for group in replica_batches(items, longest // length, mesh):
+            prompts = [_prompt(tokens, cells[i], seed, key_digits) for i in group or items[:1]]
+            batch = {name: torch.cat([p[name] for p in prompts]) for name in ("input_ids", "labels", "position_ids")}
+            local = sharded_forward(model, batch, mesh, device, amp_dtype=amp_dtype)
+            mine = torch.isin(local.index, prompts[0]["answer"].to(device))  # answer tokens on this rank
+            if not group or not bool(mine.any()):  # an empty group only keeps the collectives in step
+                continue
+            _, argmax = chunked_token_losses(local.hidden[:, mine], local.head, local.labels[:, mine])
+            wrong[torch.tensor(group, device=device)] += (argmax != local.labels[:, mine]).sum(dim=1).to(torch.float64)
     wrong = all_reduce_sum(wrong).cpu()
     return _cells(cells, wrong.tolist(), key_digits)
+
+
+def _prompt(tokens: PasskeyTokens, cell: Trial, seed: int, key_digits: int) -> dict[str, torch.Tensor]:
+    key = draw_key(seed, cell.length, cell.depth_index, cell.trial, key_digits)
+    return build_prompt(tokens, cell.length, cell.depth, key)
 
 
 def _cells(cells: list[Trial], wrong: list[float], key_digits: int) -> list[dict]:

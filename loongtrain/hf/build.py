@@ -4,7 +4,8 @@ to be sharded and then filled one tensor at a time, and one forward to the final
 - :func:`build_hf_model`: the model on CPU in the weight dtype (its weights, or a seeded random init);
 - :func:`build_hf_model_on_meta` + :func:`hf_initial_weights` (one tensor at a time) +
   :func:`restore_hf_buffers`: for FSDP2 with weight files, so no rank holds the whole model;
-- :func:`hf_hidden_and_head`: hidden states and LM head weight for the chunked loss;
+- :func:`hf_hidden_and_head`: hidden states and LM head weight for the chunked loss (and
+  :func:`hf_prenorm_hidden_and_head`: the final norm's input instead, with the norm);
 - :func:`hf_model_from_config_dict`: the structure a checkpoint records (``loongtrain export``).
 """
 
@@ -100,6 +101,24 @@ def hf_hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor
         handle.remove()
     assert len(captured) == 1, "the base model ran more than once"
     return captured[0], model.get_output_embeddings().weight
+
+
+def hf_prenorm_hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
+                               **model_kwargs: Any) -> tuple[Tensor, Tensor, nn.Module]:
+    """``(final norm's input, lm_head weight, the final norm module)`` of one forward of an HF causal LM (the
+    base model's ``norm``; ValueError if it has none): the hidden states before the final norm, for a loss
+    that applies the norm itself. The model's own norm still runs; its output is dropped."""
+    norm = getattr(model.base_model, "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(f"{type(model.base_model).__name__} has no final 'norm' module")
+    captured: list[Tensor] = []
+    handle = norm.register_forward_pre_hook(lambda _module, args: captured.append(args[0]))
+    try:
+        _, head = hf_hidden_and_head(model, input_ids, position_ids, **model_kwargs)
+    finally:
+        handle.remove()
+    assert len(captured) == 1, "the final norm ran more than once"
+    return captured[0], head, norm
 
 
 def hf_model_from_config_dict(values: dict[str, Any], dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -24,16 +24,29 @@ re-gathered at the start of the backward, so keeping them costs no extra peak.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.distributed.tensor import DTensor
 
 from loongtrain.loss.sharded import IGNORE_INDEX, replica_mean
+from loongtrain.model.rms_norm import rms_norm_backward, rms_norm_forward
 from loongtrain.parallel.mesh import Mesh
 
 Tensor = torch.Tensor
 
 # Default chunk: fp32 logits of one chunk are at most this many bytes (512 tokens at V = 128K).
 CHUNK_LOGITS_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class FinalNorm:
+    """The model's final RMSNorm for :func:`chunked_cross_entropy`: its (gathered) ``weight``, ``eps`` and
+    statistics dtype (None: :func:`loongtrain.model.rms_norm.rms_norm`'s default)."""
+
+    weight: Tensor
+    eps: float
+    stats_dtype: torch.dtype | None = None
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
@@ -83,29 +96,38 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     (0 for ignored tokens) and pushes that through the head: the gradients for a unit upstream gradient,
     kept on ``ctx`` (they are the gradients the backward returns, computed early, not activations).
     backward: those gradients times the upstream gradient, in place. One matmul per chunk fewer than
-    recomputing the logits in backward (three instead of four: as many as the unchunked loss)."""
+    recomputing the logits in backward (three instead of four: as many as the unchunked loss). With
+    ``norm_weight`` the final RMSNorm runs per chunk first (``hidden`` is its input) and its backward too, so
+    neither the norm's input nor its output is kept: only the input's gradient (docs/design.md §7)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor,
-                chunk_tokens: int, compute: torch.dtype, fused: bool) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
+                labels: Tensor, chunk_tokens: int, compute: torch.dtype, fused: bool, eps: float,
+                norm_stats: torch.dtype | None) -> Tensor:
         stats = _stats_dtype(compute)
-        need_h, need_w, need_b = (fused and t is not None and t.requires_grad for t in (hidden, weight, bias))
+        need_h, need_w, need_b, need_n = (fused and t is not None and t.requires_grad
+                                          for t in (hidden, weight, bias, norm_weight))
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros_like(weight) if need_w else None
         grad_bias = torch.zeros_like(bias) if need_b else None
+        grad_norm = torch.zeros(norm_weight.shape, dtype=torch.float32 if norm_weight.dtype != torch.float64
+                                else torch.float64, device=norm_weight.device) if need_n else None
         local_sum = torch.zeros((), dtype=stats, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute)
             for start, stop in _chunks(hidden.shape[0], chunk_tokens):
                 valid, safe = _targets(labels[start:stop])
-                h = hidden[start:stop].to(compute)
+                x = hidden[start:stop]
+                normed, rstd = rms_norm_forward(x, norm_weight, eps, norm_stats) if norm_weight is not None \
+                    else (x, None)
+                h = normed.to(compute)
                 z = _chunk_logits(h, w, bias, compute).to(stats)
                 target = z.gather(1, safe[:, None]).squeeze(1)
                 peak = z.amax(dim=1)
                 # in place: z becomes exp(z - max), so the chunk never needs a second [c, V] buffer
                 total = z.sub_(peak[:, None]).exp_().sum(dim=1)
                 local_sum += torch.where(valid, peak + total.log() - target, 0).sum()
-                if not (need_h or need_w or need_b):
+                if not (need_h or need_w or need_b or need_n):
                     continue
                 # in place, z becomes d(local_sum)/d(logits) = softmax - onehot, 0 if ignored
                 z.div_(total[:, None])
@@ -113,21 +135,34 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 z.mul_(valid[:, None])
                 grad_z = z.to(compute)
                 del z
-                if need_h:
+                if rstd is not None and (need_h or need_n):  # through the norm: d(hidden) and d(norm weight)
+                    gx, gn = rms_norm_backward((grad_z @ w).to(normed.dtype), x, norm_weight, rstd, need_h, need_n,
+                                               weight_grad_dtype=None if grad_norm is None else grad_norm.dtype)
+                    if need_h:
+                        grad_hidden[start:stop] = gx
+                    if need_n:
+                        grad_norm += gn
+                elif need_h:
                     grad_hidden[start:stop] = grad_z @ w
                 if need_w:
                     _accumulate(grad_weight, grad_z.T, h)
                 if need_b:
                     grad_bias += grad_z.sum(dim=0, dtype=stats).to(grad_bias.dtype)
                 del grad_z  # before the next chunk's logits exist
-        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        if grad_norm is not None:
+            grad_norm = grad_norm.to(norm_weight.dtype)
+        grads = (grad_hidden, grad_weight, grad_bias, grad_norm)
+        ctx.present = tuple(g is not None for g in grads)
+        # saved as tensors, so saved-tensor hooks (the memory report) see what the loss holds until backward
+        ctx.save_for_backward(*(g for g in grads if g is not None))
         return local_sum
 
     @staticmethod
     def backward(ctx, grad_sum: Tensor):
-        grads, ctx.grads = ctx.grads, None
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved) if present else None for present in ctx.present]
         out = tuple(g.mul_(grad_sum.to(g.dtype)) if g is not None else None for g in grads)
-        return (*out, None, None, None, None)
+        return (*out, None, None, None, None, None, None)
 
 
 def _accumulate(out: Tensor, a: Tensor, b: Tensor) -> None:
@@ -149,6 +184,7 @@ def chunked_cross_entropy(
     *,
     chunk_tokens: int | None = None,
     bias: Tensor | None = None,
+    norm: FinalNorm | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(loss_for_backward, loss_value)`` for this rank's ``hidden [..., d]`` through the head ``weight [V, d]``.
 
@@ -157,8 +193,11 @@ def chunked_cross_entropy(
     ``IGNORE_INDEX`` = -100 are ignored); ``loss_for_backward = local_sum / replica_count``, so summing
     gradients over the sp ranks gives the exact full-sequence gradient; ``loss_value`` is the detached
     replica loss, identical on every sp rank. ``chunk_tokens`` defaults to
-    :func:`default_chunk_tokens`. Communication: forward, one all-reduce (sum) of two scalars over
-    ``mesh.sp_group`` (none when ``mesh`` is None or ``sp == 1``); backward, none.
+    :func:`default_chunk_tokens`. ``norm``: the final RMSNorm (:class:`FinalNorm`), applied a chunk at a time
+    to ``hidden`` (then the norm's *input*), its backward too, so the loss keeps only ``hidden``'s gradient
+    (same values as ``rms_norm`` before the loss, the gradients to rounding). Communication: forward, one
+    all-reduce (sum) of two scalars over ``mesh.sp_group`` (none when ``mesh`` is None or ``sp == 1``);
+    backward, none.
     """
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
@@ -181,8 +220,12 @@ def chunked_cross_entropy(
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     compute = _compute_dtype(hidden, weight)
     fused = torch.is_grad_enabled()  # the forward computes the gradients only when a backward may follow
+    if norm is not None and (norm.weight.shape != hidden.shape[-1:] or isinstance(norm.weight, DTensor)):
+        raise ValueError(f"norm weight shape {tuple(norm.weight.shape)} must be ({hidden.shape[-1]},), gathered")
+    norm_weight, eps, stats = (norm.weight, norm.eps, norm.stats_dtype) if norm is not None else (None, 0.0, None)
     local_sum = _ChunkedCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1), chunk_tokens, compute, fused
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, norm_weight, labels.reshape(-1), chunk_tokens, compute,
+        fused, eps, stats,
     )
     return replica_mean(local_sum, (labels != IGNORE_INDEX).sum(), mesh)
 

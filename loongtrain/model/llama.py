@@ -156,9 +156,11 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, *,
-                return_hidden: bool = False, cu_seqlens: Any = None, chunk_order: Any = None) -> Tensor:
+                return_hidden: bool = False, cu_seqlens: Any = None, chunk_order: Any = None,
+                final_norm: bool = True) -> Tensor:
         """Logits ``[B, S, V]``, or with ``return_hidden`` the final normed hidden states ``[B, S, dim]``
-        (the head's input: ``logits = hidden @ head_weight().T``; the trainer's chunked loss takes them).
+        (the head's input: ``logits = hidden @ head_weight().T``), or with ``final_norm=False`` too the
+        hidden states before the final norm (the trainer's chunked loss applies ``self.norm`` itself).
         ``cu_seqlens``: packed documents' boundaries of the full sequence (one per row, flash-attn's
         convention; see :func:`loongtrain.attention`), handed to every ``attention_fn``: tokens attend only
         inside their document (then pass per-document ``position_ids``, e.g. ``loongtrain.packed_inputs``).
@@ -179,6 +181,8 @@ class Transformer(nn.Module):
                 h = layer(h, cos, sin)
             else:
                 h = layer(h, cos, sin, cu_seqlens, chunk_order)
+        if return_hidden and not final_norm:
+            return h
         h = self.norm(h)
         if return_hidden:
             return h

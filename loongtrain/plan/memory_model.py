@@ -22,8 +22,8 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   ``6*d*b``; FSDP2 bf16 weights (``z > 1``, no autocast) ``5*d*b``; autocast (``z = 1``) ``2*d*4 + 7*d*b``
   (fp32 residual stream, and one bf16 cast of a norm output per projection). With ``mlp_tiles > 1`` the MLP's
   norm output exists per tile: one ``d*b`` less (autocast: its two casts, ``2*d*b``). The residual
-  stream (a layer's input) is ``r`` = 4 bytes under autocast, else ``b``; the final norm keeps its input
-  and output (``2*d*b``; autocast ``d*4 + d*b``).
+  stream (a layer's input) is ``r`` = 4 bytes under autocast, else ``b``; the final norm runs inside the
+  chunked loss, which keeps only the gradient of its input (``d*r``).
   By ``ac_mode``: ``none``: ``L * t * a_b``; ``full``: ``L * t * d * r`` plus ``recompute =
   t * a_b``; ``selective``: ``L * t * (d * r + d * b + 4H)`` (input, attention output, lse; with
   ``hp > 1`` also the all-to-alls' outputs, ``(2d + 2*He*hd) * b``: q, k, v and the attention output
@@ -110,11 +110,9 @@ def residual_bytes(dtype_bytes: int, sharded: bool) -> int:
 
 
 def final_norm_bytes(dim: int, dtype_bytes: int, sharded: bool) -> float:
-    """Bytes per token of the final RMSNorm's input (the residual stream, which the norm saves) and output."""
-    b = dtype_bytes
-    if b >= 4 or sharded:
-        return 2 * dim * b
-    return dim * 4 + dim * b
+    """Bytes per token the final RMSNorm leaves for the backward: the chunked loss applies it a chunk at a
+    time (loongtrain/loss/chunked.py), so only the gradient of its input, the residual stream (``r``)."""
+    return dim * residual_bytes(dtype_bytes, sharded)
 
 
 def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_bytes: int,

@@ -43,6 +43,19 @@ def batch_documents(batch: Batch, doc_mask: str, position_reset: bool) -> tuple[
     return cu_seqlens, document_position_ids(cu_seqlens, batch["input_ids"].shape[1])
 
 
+def chunk_order(cu_seqlens: list[torch.Tensor] | None, seq_len: int, mesh: Mesh, chunk_layout: str,
+                sliding_window: int | None) -> ChunkOrder | None:
+    """The chunk order a full-sequence batch is sharded with: ``None`` (zigzag), or with ``chunk_layout ==
+    "balanced"``, documents (``cu_seqlens``) and ``cp > 1`` the
+    :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every rank of the replica
+    computes the same one from the same batch). The one layout rule of training, validation and
+    ``loongtrain eval``."""
+    if cu_seqlens is None or mesh.cp == 1:
+        return None
+    documents = Documents(tuple(tuple(cu.tolist()) for cu in cu_seqlens), chunk_layout)
+    return documents.chunk_order(seq_len, mesh.cp, mesh.hp, sliding_window)
+
+
 class BatchLayout:
     """The run's rules for laying a full-sequence batch (``input_ids``, ``labels``, ``position_ids`` of
     shape ``[batch, seq_len]``, and ``doc_starts`` for packed corpora) on ``mesh``."""
@@ -56,13 +69,8 @@ class BatchLayout:
         return batch_documents(batch, self.cfg.doc_mask, self.cfg.position_reset)
 
     def chunk_order(self, cu_seqlens: list[torch.Tensor] | None, seq_len: int) -> ChunkOrder | None:
-        """``None`` (zigzag), or with ``--chunk-layout balanced``, documents and ``cp > 1`` the
-        :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every rank of the
-        replica computes the same one from the same batch)."""
-        if cu_seqlens is None or self.mesh.cp == 1:
-            return None
-        documents = Documents(tuple(tuple(cu.tolist()) for cu in cu_seqlens), self.cfg.chunk_layout)
-        return documents.chunk_order(seq_len, self.mesh.cp, self.mesh.hp, self.sliding_window)
+        """:func:`chunk_order` under ``--chunk-layout``."""
+        return chunk_order(cu_seqlens, seq_len, self.mesh, self.cfg.chunk_layout, self.sliding_window)
 
     def local(self, batch: Batch) -> LocalBatch:
         """This rank's shard: tokens, labels and positions sharded with one layout (:meth:`chunk_order`)."""

@@ -6,6 +6,7 @@
   the model's vocabulary checked against (presets: widened to) the tokenizer's.
 - :func:`hidden_and_head`: one forward to the final normed hidden states and the LM head weight, for
   the chunked loss (:func:`loongtrain.loss.chunked.chunked_cross_entropy`); no logits are built.
+- :func:`loss_inputs`: the same forward stopped before the final norm, and the norm, for the trainer's loss.
 - :func:`build_model`: the run's model, parallelized (sharded on the meta device under FSDP2).
 - :func:`model_record` / :func:`model_from_record`: what a checkpoint records to rebuild the model.
 """
@@ -26,12 +27,15 @@ from loongtrain.hf.build import (
     hf_hidden_and_head,
     hf_initial_weights,
     hf_model_from_config_dict,
+    hf_prenorm_hidden_and_head,
     hf_weight_files,
     restore_hf_buffers,
 )
 from loongtrain.hf.convert import shape_config_from_hf
 from loongtrain.hf.families import is_hf_model
 from loongtrain.hf.load import check_hf_dir, read_hf_config
+from loongtrain.hf.norms import LLAMA_RMS_NORMS
+from loongtrain.loss.chunked import FinalNorm
 from loongtrain.model.config import PRESETS, ModelConfig, get_preset
 from loongtrain.model.llama import Transformer, initial_weight
 from loongtrain.parallel.mesh import Mesh
@@ -117,6 +121,25 @@ def hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor,
     if is_hf_model(model):
         return hf_hidden_and_head(model, input_ids, position_ids, **model_kwargs)
     return model(input_ids, position_ids, return_hidden=True, **model_kwargs), model.head_weight()
+
+
+def loss_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Any = None,
+                chunk_order: Any = None) -> tuple[Tensor, Tensor, FinalNorm | None]:
+    """``(hidden, head_weight, norm)`` for the trainer's chunked loss: the hidden states *before* the final
+    RMSNorm and that norm (:class:`~loongtrain.loss.chunked.FinalNorm`), so the loss applies it a chunk at a
+    time and keeps neither its input nor its output (docs/design.md §7). loongtrain's decoder, and HF
+    Llama-family norms (:data:`loongtrain.hf.norms.LLAMA_RMS_NORMS`; float64 excepted: HF rounds those
+    statistics to float32, see ``hf/norms.py``); otherwise :func:`hidden_and_head` with ``norm=None``."""
+    model_kwargs = {name: value for name, value in (("cu_seqlens", cu_seqlens), ("chunk_order", chunk_order))
+                    if value is not None}
+    if not is_hf_model(model):
+        hidden = model(input_ids, position_ids, return_hidden=True, final_norm=False, **model_kwargs)
+        return hidden, model.head_weight(), FinalNorm(model.norm.weight, model.norm.eps)
+    norm = getattr(model.base_model, "norm", None)
+    if type(norm).__name__ in LLAMA_RMS_NORMS and norm.weight.dtype != torch.float64:
+        hidden, head, norm = hf_prenorm_hidden_and_head(model, input_ids, position_ids, **model_kwargs)
+        return hidden, head, FinalNorm(norm.weight, norm.variance_epsilon, torch.float32)
+    return (*hidden_and_head(model, input_ids, position_ids, cu_seqlens, chunk_order), None)
 
 
 def model_record(model_config: ModelConfig, cfg: TrainConfig) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from loongtrain.train.config import Run, TrainConfig, autocast_dtype
 from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
-from loongtrain.train.models import build_model, hidden_and_head, model_record
+from loongtrain.train.models import build_model, loss_inputs, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.parallelize import uses_fsdp
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
@@ -190,13 +190,13 @@ class Trainer:
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
-        forward to the final hidden states, then the chunked cross-entropy through the LM head (no rank
-        holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
+        forward to the final norm's input, then the chunked cross-entropy through the final norm and the LM
+        head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
         local = self.layout.local(batch)
         with self._autocast():
-            hidden, head = hidden_and_head(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
-                                           local.chunk_order)
-            return chunked_cross_entropy(hidden, head, local.labels, self.mesh)
+            hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
+                                             local.chunk_order)
+            return chunked_cross_entropy(hidden, head, local.labels, self.mesh, norm=norm)
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
         """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end and for every skipped step."""
