@@ -185,11 +185,15 @@ def fsdp_device_mesh(device: torch.device, world_size: int, shard_size: int) -> 
     return _DEVICE_MESHES[key]
 
 
+def fsdp_applies(parallel: ParallelConfig, world_size: int) -> bool:
+    """The rule of :func:`uses_fsdp` for a process group of ``world_size`` ranks: ``zero`` is not none and
+    the world has > 1 rank (or, with ``offload_params``, any size: FSDP2 does the offload)."""
+    return parallel.zero != "none" and (world_size > 1 or parallel.offload_params)
+
+
 def uses_fsdp(parallel: ParallelConfig) -> bool:
-    """Whether :func:`parallelize` shards with FSDP2: ``zero`` is not none and the world has > 1 rank
-    (or, with ``offload_params``, a process group of any size: FSDP2 does the offload)."""
-    distributed = is_distributed() and (dist.get_world_size() > 1 or parallel.offload_params)
-    return parallel.zero != "none" and distributed
+    """Whether :func:`parallelize` shards with FSDP2: a process group exists and :func:`fsdp_applies`."""
+    return is_distributed() and fsdp_applies(parallel, dist.get_world_size())
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device,

@@ -240,7 +240,7 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
                       memory_report=False)
     cfg.validate()
     device = torch.device("cpu")
-    fsdp = parallel.zero != "none" and (world > 1 or parallel.offload_params)  # as parallelize.uses_fsdp
+    fsdp = parallelize_module.fsdp_applies(parallel, world)  # the fake group below makes uses_fsdp agree
     with fake_ranks(world, rank) if world > 1 or fsdp else contextlib.nullcontext():
         mesh = init_mesh(parallel.hp, parallel.cp, window=parallel.window, placement=parallel.placement,
                          interleaved=parallel.interleaved)
