@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import math
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -33,6 +34,13 @@ def one_line(exc: BaseException | str) -> str:
     """An error message on one line (libraries' multi-line messages joined with " | "), for the CLIs'
     ``loongtrain CMD: error: ...`` line."""
     return " | ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+
+
+def user_error(command: str, exc: BaseException | str) -> int:
+    """Print ``loongtrain COMMAND: error: MESSAGE`` (:func:`one_line`) to stderr; the exit code of a user
+    error, 2."""
+    print(f"loongtrain {command}: error: {one_line(exc)}", file=sys.stderr)
+    return 2
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:

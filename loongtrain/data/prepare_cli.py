@@ -8,6 +8,7 @@ import argparse
 import logging
 import sys
 
+from loongtrain._input import user_error
 from loongtrain.data.prepare import DEFAULT_SHARD_BYTES, prepare
 from loongtrain.data.prepared import verify_prepared
 
@@ -71,6 +72,5 @@ def _run(argv: list[str] | None) -> int:
         prepare(args.corpus, args.out, args.tokenizer, workers=args.workers, overwrite=args.overwrite,
                 text_field=args.text_field, shard_bytes=args.shard_bytes, progress=PROGRESS[args.progress])
     except (ValueError, ImportError, OSError) as exc:
-        print(f"loongtrain prepare: error: {exc}", file=sys.stderr)
-        return 2
+        return user_error("prepare", exc)
     return 0

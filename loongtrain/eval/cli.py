@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from loongtrain._input import user_error
 from loongtrain.eval.job import FILLERS, TASKS, EvalConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.config import DOC_MASK, DTYPES
@@ -93,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except ValueError as exc:
-        print(f"loongtrain eval: error: {exc}", file=sys.stderr)
-        return 2
+        return user_error("eval", exc)
     from loongtrain.eval.launch import launch
     from loongtrain.parallel.workers import WorkerError
 

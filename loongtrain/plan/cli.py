@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loongtrain._input import one_line, parse_size
+from loongtrain._input import parse_size, user_error
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.calibrate import calibrate
@@ -258,13 +258,11 @@ def main(argv: list[str] | None = None, simulate: Simulator | None = None) -> in
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except ValueError as exc:
-        print(f"loongtrain plan: error: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return user_error("plan", exc)
     try:
         return run(cfg, simulate)
     except ValueError as exc:
-        print(f"loongtrain plan: error: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return user_error("plan", exc)
 
 
 if __name__ == "__main__":

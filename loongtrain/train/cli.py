@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from loongtrain._input import one_line
+from loongtrain._input import user_error
 from loongtrain.parallel.workers import WorkerError
 from loongtrain.train.config import parse_args
 from loongtrain.train.launch import launch, under_torchrun
@@ -26,14 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except ValueError as exc:
-        print(f"loongtrain train: error: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return user_error("train", exc)
     try:
         with stop_on_sigterm():
             launch(cfg)
     except ValueError as exc:
-        print(f"loongtrain train: error: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return user_error("train", exc)
     except KeyboardInterrupt as exc:
         removed = remove_partial_checkpoints(cfg.out_dir)
         what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from loongtrain._input import OneLineParser, one_line
+from loongtrain._input import OneLineParser, user_error
 from loongtrain.hf.convert import export_hf
 from loongtrain.train import models
 from loongtrain.train.checkpoint import find_checkpoint, verify_checkpoint
@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except ValueError as exc:
-        print(f"loongtrain export: error: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return user_error("export", exc)
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
     return 0
 
