@@ -78,8 +78,7 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 def replica_items(count: int, mesh: Mesh) -> list[int | None]:
     """The work items (prompts, documents) of this dp replica: ``i`` with ``i % dp == dp_rank``, padded
     with None so every replica runs the same number of forwards (FSDP2 gathers over all ranks)."""
-    rounds = -(-count // mesh.dp)
-    return [i if i < count else None for i in range(mesh.dp_rank, rounds * mesh.dp, mesh.dp)]
+    return [group[0] if group else None for group in replica_batches(list(range(count)), 1, mesh)]
 
 
 def replica_batches(items: list[int], rows: int, mesh: Mesh) -> list[list[int]]:

@@ -110,8 +110,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros_like(weight) if need_w else None
         grad_bias = torch.zeros_like(bias) if need_b else None
-        grad_norm = torch.zeros(norm_weight.shape, dtype=torch.float32 if norm_weight.dtype != torch.float64
-                                else torch.float64, device=norm_weight.device) if need_n else None
+        grad_norm = (torch.zeros(norm_weight.shape, dtype=_stats_dtype(norm_weight.dtype), device=norm_weight.device)
+                     if need_n else None)
         local_sum = torch.zeros((), dtype=stats, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute)

@@ -273,9 +273,6 @@ COMPARED_PARTS = {
     "saved activations": (("activations",), ("activations",)),
 }
 
-#: the host side (offload modes): planner's ``host`` against the report's ``host``
-HOST_PARTS = {"host (offload modes)": (("host",), ("host",))}
-
 
 def compared_totals(predicted: dict[str, float], measured: dict[str, int]) -> tuple[float, float]:
     """``(predicted, measured)`` bytes over :data:`COMPARED_PARTS` (what both count)."""
@@ -295,10 +292,9 @@ def format_prediction(predicted: dict[str, float], measured: dict[str, int]) -> 
     pred, meas = compared_totals(predicted, measured)
     ratio = pred / meas if meas else float("nan")
     lines.append(f"| compared total | {_mib(int(pred))} | {_mib(int(meas))} (predicted/measured {ratio:.3f}) |")
-    for label, (pred_parts, meas_parts) in HOST_PARTS.items():
-        if measured.get("host") or predicted.get("host"):
-            lines.append(f"| {label} | {_mib(int(sum(predicted.get(k, 0) for k in pred_parts)))} | "
-                         f"{_mib(sum(measured.get(k, 0) for k in meas_parts))} |")
+    if measured.get("host") or predicted.get("host"):  # the offload modes: the planner's host against the report's
+        lines.append(f"| host (offload modes) | {_mib(int(predicted.get('host', 0)))} | "
+                     f"{_mib(measured.get('host', 0))} |")
     transient = {k: v for k, v in predicted.items() if k not in ("total", "states", "activations", "host")}
     lines.append(f"| transient ({', '.join(transient)}) | {_mib(int(sum(transient.values())))} | - |")
     lines.append(f"| planner's peak of the step | {_mib(int(predicted['total']))} | - |")
