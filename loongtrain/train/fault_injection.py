@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import time
 
 from loongtrain.parallel import runtime
 
@@ -38,6 +39,10 @@ def kill_point(step: int, start_step: int) -> None:
     rank, at, agent = _parse(spec)
     me = runtime.rank()
     if step == at and me == rank:
-        if agent:
-            os.kill(os.getppid(), signal.SIGKILL)
+        if agent:  # a lost node: its agent gone first (this process reparented), then its workers
+            parent = os.getppid()
+            os.kill(parent, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
