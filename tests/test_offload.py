@@ -47,6 +47,7 @@ CASES = {
     "tiles 4": {"mlp_tiles": "4"},
     "tiles auto, offload selective, half the blocks": {"mlp_tiles": "auto", "ac_mode": "selective",
                                                        "ac_fraction": 0.5, "offload_activations": True},
+    "offload full, the last block kept": {"ac_mode": "full", "offload_activations": True, "offload_keep": 1},
 }
 
 
@@ -90,7 +91,30 @@ def test_offloaded_device_activations_do_not_grow_with_depth():
     block = 2 * SEQ * MODEL.dim * 8  # one block's checkpointed input: [2, 32, 32] float64
     assert plain8 - plain2 == 6 * block  # without offload: one more block input per layer
     assert kept8 == kept2 == plain2 - 2 * block  # with it: no block input stays
-    assert back8 == back2 == 2 * block  # backward: the block being recomputed and the one prefetched
+    # backward: the fetched block inputs the offloader has handed out and autograd still holds (the block being
+    # recomputed, and the previous one once prefetched late in this block's backward): the same at any depth
+    assert back8 == back2 and block <= back2 <= 2 * block
+
+
+def test_previous_block_is_prefetched_after_the_query_projections_gradient(monkeypatch):
+    """Block i - 1's inputs come back from the hook on block i's query projection (after its MLP's and
+    attention kernel's backward, its peaks), not when block i's own inputs are fetched."""
+    import traceback
+
+    from loongtrain.train.offload import ActivationOffloader
+
+    fetched: list[tuple[int, str]] = []
+    original = ActivationOffloader._fetch
+
+    def spy(self, stash):
+        if any(ref() is not None and not ref().fetched for ref in stash.items):
+            fetched.append((stash.index, traceback.extract_stack()[-2].name))
+        return original(self, stash)
+
+    monkeypatch.setattr(ActivationOffloader, "_fetch", spy)
+    config = ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=64)
+    losses_and_grads(make_trainer(config, ac_mode="full", offload_activations=True))
+    assert fetched == 2 * [(3, "restore"), (2, "prefetch"), (1, "prefetch"), (0, "prefetch")], fetched  # 2 steps
 
 
 def test_mem_activations_counts_only_device_bytes():
@@ -128,6 +152,8 @@ def test_auto_tile_rule():
     ({"offload_activations": True}, None, "--ac-mode none"),
     ({"offload_activations": True, "ac_mode": "full", "ac_fraction": 0.0}, None, "--ac-fraction 0"),
     ({"offload_params": True}, None, "--offload-params (FSDP2's CPUOffloadPolicy) needs --zero full or hybrid"),
+    ({"offload_keep": 2, "ac_mode": "full"}, None, "--offload-keep 2 names blocks that --offload-activations"),
+    ({"offload_keep": -1, "ac_mode": "full", "offload_activations": True}, None, "offload_keep=-1"),
 ])
 def test_bad_modes_name_the_value(opts, seq_len, needle):
     with pytest.raises(ValueError) as err:
@@ -197,3 +223,19 @@ def test_cuda_runs_get_expandable_segments_and_host_collectives(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
     assert not runtime.configure_cuda_allocator()  # the user's choice stays
     assert runtime.os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
+
+
+def test_offload_keep_leaves_the_last_blocks_on_the_device():
+    """``--offload-keep 1`` of 2 blocks: only the first block's input goes to the host; keeping every
+    checkpointed block is refused, naming the count, before any step."""
+    def host_after_forward(keep: int) -> int:
+        trainer = make_trainer(ac_mode="full", offload_activations=True, offload_keep=keep)
+        loss = trainer.loss(packed_batch())  # the graph (and the host copies) live while the loss does
+        host = activation_offloader(trainer.model).host_bytes
+        del loss
+        return host
+
+    block = 2 * SEQ * MODEL.dim * 8  # one block's checkpointed input: float64
+    assert MODEL.num_layers == 2 and host_after_forward(0) == 2 * block and host_after_forward(1) == block
+    with pytest.raises(ValueError, match="--offload-keep 2 keeps every one of the 2 checkpointed blocks"):
+        make_trainer(ac_mode="full", offload_activations=True, offload_keep=2)

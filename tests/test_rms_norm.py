@@ -78,3 +78,25 @@ def test_hf_llama_norms_use_it(tmp_path):
                                           zip(torch.autograd.grad(got, (x, norm.weight), g), want_grads, strict=True))
     assert _saved_bytes(lambda x, w, eps: norm(x), x, norm.weight) == 2 * 9 * 24 * 2 + 24 * 2 + 2 * 9 * 4
     assert use_rms_norm_function(model) == 0  # already routed: left as it is
+
+
+@pytest.mark.parametrize(("dtype", "weight_dtype"), DTYPES)
+def test_chunks_give_the_same_forward_and_input_gradient(dtype, weight_dtype):
+    """Chunks of rows (5 tokens of 24 here: 4 chunks of the 18 tokens, the last one short) give the same bits
+    for the output and the input's gradient; the weight's gradient, summed over the chunks in float32, is
+    within one rounding of the one-chunk sum (float64: 1e-12)."""
+    x, w, g = _inputs(dtype, weight_dtype)
+    one = rms_norm(x, w, 1e-5)
+    chunked = rms_norm(x, w, 1e-5, chunk_elems=5 * 24)
+    assert torch.equal(one, chunked)
+    (gx1, gw1), (gx2, gw2) = torch.autograd.grad(one, (x, w), g), torch.autograd.grad(chunked, (x, w), g)
+    assert torch.equal(gx1, gx2)
+    tol = 1e-12 if weight_dtype == torch.float64 else 1e-5 if dtype == torch.float32 else 2 ** -6
+    assert (gw1.double() - gw2.double()).abs().max() <= tol * gw1.double().abs().max()
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, w, 1e-5, chunk_elems=24), one)  # one row per chunk, no autograd
+
+
+def test_chunked_gradcheck_fp64():
+    x, w, _ = _inputs(torch.float64, torch.float64)
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, 1e-6, chunk_elems=48), (x, w))

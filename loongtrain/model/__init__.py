@@ -6,8 +6,9 @@ replaces each attention module's ``attention_fn``; the sharded loss lives in
 """
 
 from loongtrain.model.config import PRESETS, ModelConfig, flops_per_token, get_preset, num_params
-from loongtrain.model.llama import Transformer, TransformerBlock, apply_rope, rope_cos_sin
+from loongtrain.model.llama import Transformer, TransformerBlock
 from loongtrain.model.local_attention import AttentionFn, local_attention
+from loongtrain.model.rope import apply_rope, rope_cos_sin
 
 __all__ = [
     "PRESETS",

@@ -19,6 +19,7 @@ from torch import nn
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.local_attention import AttentionFn, local_attention
 from loongtrain.model.rms_norm import rms_norm
+from loongtrain.model.rope import apply_rope, rope_cos_sin
 
 Tensor = torch.Tensor
 
@@ -36,29 +37,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rope_cos_sin(
-    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """cos, sin ``[B, S, 1, head_dim/2]`` for arbitrary (non-contiguous) integer positions ``[B, S]``.
-
-    Angles are computed in float64 so that positions of 1M+ tokens keep full precision.
-    """
-    half = head_dim // 2
-    exponents = torch.arange(half, dtype=torch.float64, device=position_ids.device) * 2.0 / head_dim
-    inv_freq = theta ** (-exponents)
-    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, S, half]
-    work = torch.float64 if dtype == torch.float64 else torch.float32
-    return angles.cos().to(work)[:, :, None, :], angles.sin().to(work)[:, :, None, :]
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [B, S, heads, D]`` with the split-halves convention (pairs ``i`` and ``i + D/2``)."""
-    xf = x.to(cos.dtype)
-    x1, x2 = xf.chunk(2, dim=-1)
-    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return out.to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -7,6 +7,13 @@ bf16 input, three times the input itself, in every norm of every layer and in th
 function saves ``x`` (which its caller usually keeps anyway: the block's input, the residual stream) and
 ``rstd`` (one float32 per token), and rebuilds the normalised values in the backward. The forward is
 bit-identical to the plain ops; the gradients are the same math (exact to rounding, 1e-15 in float64).
+
+Both directions run over chunks of at most :data:`CHUNK_ELEMS` elements (whole rows, i.e. tokens), so the
+float32 temporaries of a norm over a long sequence (the upcast, the normalised values, the scaled gradient:
+16 bytes per element for a bf16 input of ``[1M, 4096]`` each) exist for one chunk, not the whole input.
+The forward and the input's gradient are row-wise, so chunks give the same bits; the weight's gradient is
+summed over the chunks in float32 (float64 for float64 weights), which rounds once at the end instead of
+once for the whole sum (the same bits when the input is one chunk).
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from typing import Any
 import torch
 
 Tensor = torch.Tensor
+
+#: elements of one chunk of the norm (forward and backward): 32M elements, 128 MiB per float32 temporary
+CHUNK_ELEMS = 1 << 25
 
 
 def _stats_dtype(x: Tensor, stats_dtype: torch.dtype | None) -> torch.dtype:
@@ -53,27 +63,74 @@ def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, nee
     return grad_x, grad_w
 
 
+def _row_chunks(x: Tensor, chunk_elems: int) -> list[tuple[int, int]]:
+    rows = x.numel() // max(1, x.shape[-1])
+    step = max(1, chunk_elems // max(1, x.shape[-1]))
+    return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)] or [(0, 0)]
+
+
+def chunked_forward(x: Tensor, weight: Tensor, eps: float, stats_dtype: torch.dtype | None,
+                    chunk_elems: int = CHUNK_ELEMS) -> tuple[Tensor, Tensor]:
+    """:func:`rms_norm_forward` over chunks of rows (module docstring): the same bits."""
+    chunks = _row_chunks(x, chunk_elems)
+    if len(chunks) == 1:
+        return rms_norm_forward(x, weight, eps, stats_dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    y = x.new_empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    rstd = x.new_empty((rows.shape[0], 1), dtype=_stats_dtype(x, stats_dtype))
+    for lo, hi in chunks:
+        y[lo:hi], rstd[lo:hi] = rms_norm_forward(rows[lo:hi], weight, eps, stats_dtype)
+    return y.view(*x.shape[:-1], -1), rstd.view(*x.shape[:-1], 1)
+
+
+def chunked_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, need_x: bool, need_weight: bool,
+                     chunk_elems: int = CHUNK_ELEMS) -> tuple[Tensor | None, Tensor | None]:
+    """:func:`rms_norm_backward` over chunks of rows (module docstring): ``dx`` the same bits, ``dweight``
+    summed over the chunks in float32 (float64 for float64 weights) and cast to the weight's dtype."""
+    chunks = _row_chunks(x, chunk_elems)
+    if len(chunks) == 1:
+        return rms_norm_backward(grad, x, weight, rstd, need_x, need_weight)
+    d = x.shape[-1]
+    rows, grads, scales = x.reshape(-1, d), grad.reshape(-1, grad.shape[-1]), rstd.reshape(-1, 1)
+    grad_x = torch.empty_like(rows) if need_x else None
+    acc = torch.promote_types(torch.float32, weight.dtype)
+    grad_w = torch.zeros(d, dtype=acc, device=x.device) if need_weight else None
+    for lo, hi in chunks:
+        gx, gw = rms_norm_backward(grads[lo:hi], rows[lo:hi], weight, scales[lo:hi], need_x, need_weight,
+                                   weight_grad_dtype=acc)
+        if grad_x is not None:
+            grad_x[lo:hi] = gx
+        if grad_w is not None:
+            grad_w += gw
+    return (None if grad_x is None else grad_x.view(x.shape),
+            None if grad_w is None else grad_w.to(weight.dtype))
+
+
 class _RMSNorm(torch.autograd.Function):
-    """Forward: ``(x [..., D], weight [D], eps, stats_dtype) -> y`` (:func:`rms_norm_forward`); saves ``x``,
-    ``weight`` and ``rstd``. Backward: :func:`rms_norm_backward`."""
+    """Forward: ``(x [..., D], weight [D], eps, stats_dtype, chunk_elems) -> y`` (:func:`chunked_forward`);
+    saves ``x``, ``weight`` and ``rstd``. Backward: :func:`chunked_backward`."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, stats_dtype: torch.dtype | None) -> Tensor:
-        y, rstd = rms_norm_forward(x, weight, eps, stats_dtype)
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float, stats_dtype: torch.dtype | None,
+                chunk_elems: int) -> Tensor:
+        y, rstd = chunked_forward(x, weight, eps, stats_dtype, chunk_elems)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.chunk_elems = chunk_elems
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None, None, None]:
         x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_w = rms_norm_backward(grad, x, weight, rstd, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return grad_x, grad_w, None, None
+        grad_x, grad_w = chunked_backward(grad, x, weight, rstd, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                          ctx.chunk_elems)
+        return grad_x, grad_w, None, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, stats_dtype: torch.dtype | None = None) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, stats_dtype: torch.dtype | None = None,
+             chunk_elems: int = CHUNK_ELEMS) -> Tensor:
     """``(x * rstd).to(x.dtype) * weight`` (module docstring); ``stats_dtype``: the statistics' dtype (default
     float32 for 16-bit inputs, else ``x``'s; Hugging Face's Llama-family norms always use float32). The plain
-    ops when nothing needs a gradient."""
+    ops when nothing needs a gradient; ``chunk_elems``: the chunk size of both directions (module docstring)."""
     if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
-        return rms_norm_forward(x, weight, eps, stats_dtype)[0]
-    return _RMSNorm.apply(x, weight, eps, stats_dtype)
+        return chunked_forward(x, weight, eps, stats_dtype, chunk_elems)[0]
+    return _RMSNorm.apply(x, weight, eps, stats_dtype, chunk_elems)

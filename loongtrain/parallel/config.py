@@ -39,7 +39,8 @@ class ParallelConfig:
     ``zero`` none / full / hybrid FSDP2 sharding over groups of ``zero_shard_size`` ranks (0: all),
     ``reshard_after_forward``, ``ac_mode`` none / full / selective (Selective Checkpoint++; the alias
     ``selective++`` is normalised) on the first ``ac_fraction`` of the blocks; the offload and tiling
-    modes ``offload_activations``, ``mlp_tiles`` and ``offload_params`` (docs/design.md §7).
+    modes ``offload_activations`` (all checkpointed blocks but the last ``offload_keep``), ``mlp_tiles`` and
+    ``offload_params`` (docs/design.md §7).
     """
 
     hp: int = _opt(1, "head-parallel degree (all-to-all group size)")
@@ -57,6 +58,8 @@ class ParallelConfig:
     offload_activations: bool = _opt(False, "copy the tensors kept between forward and backward (checkpointed "
                                      "blocks' inputs, selective++'s attention outputs) to pinned host memory "
                                      "and bring each block's back one block ahead of its backward")
+    offload_keep: int = _opt(0, "with --offload-activations: the last N checkpointed blocks keep what they save on "
+                             "the device (they run backward first): device memory traded for host memory")
     mlp_tiles: str = _opt("1", "sequence tiles of each feed-forward (with its norm): a positive integer (1: "
                           "untiled) or auto; the backward recomputes one tile at a time")
     offload_params: bool = _opt(False, "FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW states on the "
@@ -105,8 +108,9 @@ class ParallelConfig:
         inter = " interleaved" if self.interleaved else ""
         modes = "".join(f" {name}" for name in ("offload_activations", "offload_params") if getattr(self, name))
         tiles = f" mlp_tiles={self.mlp_tiles}" if self.mlp_tiles != "1" else ""
+        keep = f" offload_keep={self.offload_keep}" if self.offload_keep else ""
         return (f"hp={self.hp} cp={self.cp} w={self.window} {self.placement}{inter} "
-                f"zero={self.zero}{shard} ac_mode={self.ac_mode}{modes}{tiles}")
+                f"zero={self.zero}{shard} ac_mode={self.ac_mode}{modes}{keep}{tiles}")
 
 
 def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
@@ -220,5 +224,10 @@ def _check_offload(cfg: ParallelConfig) -> None:
         raise ValueError(f"--offload-activations moves what checkpointed blocks keep: it needs --ac-mode full or "
                          f"selective and --ac-fraction > 0; got --ac-mode {cfg.ac_mode}, --ac-fraction "
                          f"{cfg.ac_fraction}")
+    if isinstance(cfg.offload_keep, bool) or not isinstance(cfg.offload_keep, int) or cfg.offload_keep < 0:
+        raise ValueError(f"offload_keep={cfg.offload_keep!r} must be an integer >= 0 (blocks kept on the device)")
+    if cfg.offload_keep and not cfg.offload_activations:
+        raise ValueError(f"--offload-keep {cfg.offload_keep} names blocks that --offload-activations leaves on the "
+                         "device: add --offload-activations (or drop --offload-keep)")
     if cfg.offload_params and cfg.zero == "none":
         raise ValueError("--offload-params (FSDP2's CPUOffloadPolicy) needs --zero full or hybrid; got --zero none")

@@ -85,7 +85,8 @@ def _modes(g) -> str:
     """The offload and tiling modes of a configuration, short (``acts+params tiles=auto``)."""
     names = [n for n, on in (("acts", g.offload_activations), ("params", g.offload_params)) if on]
     tiles = f"tiles={g.mlp_tiles}" if g.mlp_tiles != "1" else ""
-    return " ".join(filter(None, ["+".join(names), tiles]))
+    keep = f"keep={g.offload_keep}" if g.offload_keep else ""
+    return " ".join(filter(None, ["+".join(names), keep, tiles]))
 
 
 def packed_documents(seq_len: int, median: int, batch: int) -> Documents:

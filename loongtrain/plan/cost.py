@@ -42,7 +42,7 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
-from loongtrain.plan.memory_model import STATE_BYTES_PER_PARAM, layer_params, memory_per_rank
+from loongtrain.plan.memory_model import STATE_BYTES_PER_PARAM, config_memory, layer_params
 
 GRAD_BYTES = 4
 
@@ -150,12 +150,8 @@ def step_cost(
     breakdown = {k: model.num_layers * v for k, v in per_layer.items()}
     breakdown["compute"] += head_compute
     breakdown["zero"] = model.num_layers * zero_exposed + head_zero
-    memory = memory_per_rank(
-        model, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, ac_mode=config.ac_mode,
-        zero_size=config.shard_size(world), reshard_after_forward=config.reshard_after_forward,
-        offload_activations=config.offload_activations, mlp_tiles=config.mlp_tiles,
-        offload_params=config.offload_params,
-    )
+    memory = config_memory(model, config, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
+                           zero_size=config.shard_size(world))
     if config.offload_activations or config.offload_params or config.mlp_tiles != "1":
         breakdown["offload"] = offload_time(model, config, cluster, world, t, memory, layer_busy)
         breakdown["compute"] += mlp_recompute_time(model, config, t, rate)

@@ -7,7 +7,7 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.cluster import Cluster, load_cluster
 from loongtrain.plan.cost import Candidate
-from loongtrain.plan.memory_model import memory_per_rank
+from loongtrain.plan.memory_model import config_memory
 from loongtrain.plan.search import enumerate_configs, plan, resolve_model, world_size
 
 MAX_SEQ_LEN = 1 << 36  # the bisection's ceiling (tokens)
@@ -16,11 +16,8 @@ MAX_SEQ_LEN = 1 << 36  # the bisection's ceiling (tokens)
 def fits_memory(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int, seq_len: int,
                 batch: int, dtype_bytes: int) -> bool:
     """Whether ``config`` fits in device and host memory (what :func:`step_cost` decides, without the time)."""
-    memory = memory_per_rank(model, config.layout(world), seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                             ac_mode=config.ac_mode, zero_size=config.shard_size(world),
-                             reshard_after_forward=config.reshard_after_forward,
-                             offload_activations=config.offload_activations, mlp_tiles=config.mlp_tiles,
-                             offload_params=config.offload_params)
+    memory = config_memory(model, config, config.layout(world), seq_len=seq_len, batch=batch,
+                           dtype_bytes=dtype_bytes, zero_size=config.shard_size(world))
     host = memory["host"] * min(world, cluster.gpus_per_node)
     return memory["total"] <= cluster.usable_memory and host <= cluster.usable_host_memory
 

@@ -17,11 +17,13 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   its backward under checkpointing), as the model code saves them (measured: tests/test_memory_model.py).
   Per token per layer without checkpointing, ``a_b = (2*He*hd + 4f) * b + 4H + 8`` (k/v after the
   all-to-all, SwiGLU's w1/w3/silu/product, fp32 lse and two RMSNorm ``rsqrt``) plus the ``d``-sized
-  tensors (norm inputs and outputs, q, attention output), whose dtypes depend on how bf16 is applied. The
-  norms keep only their input and a per-token fp32 scale (loongtrain/model/rms_norm.py): fp32 / fp64 runs
-  ``6*d*b``; FSDP2 bf16 weights (``z > 1``, no autocast) ``5*d*b``; autocast (``z = 1``) ``2*d*4 + 7*d*b``
-  (fp32 residual stream, and one bf16 cast of a norm output per projection). With ``mlp_tiles > 1`` the MLP's
-  norm output exists per tile: one ``d*b`` less (autocast: its two casts, ``2*d*b``). The residual
+  tensors (the MLP norm's input and output, q, attention output), whose dtypes depend on how bf16 is
+  applied. The norms keep only their input and a per-token fp32 scale (loongtrain/model/rms_norm.py), and
+  the attention norm's output is never kept (fused into q/k/v: loongtrain/train/norm_linear.py): fp32 /
+  fp64 runs ``5*d*b``; FSDP2 bf16 weights (``z > 1``, no autocast) ``4*d*b``; autocast (``z = 1``)
+  ``2*d*4 + 4*d*b`` (fp32 residual stream, and one bf16 cast of the MLP norm's output per projection). With
+  ``mlp_tiles > 1`` the MLP's norm output exists per tile: one ``d*b`` less (autocast: its two casts,
+  ``2*d*b``). The residual
   stream (a layer's input) is ``r`` = 4 bytes under autocast, else ``b``; the final norm runs inside the
   chunked loss, which keeps only the gradient of its input (``d*r``).
   By ``ac_mode``: ``none``: ``L * t * a_b``; ``full``: ``L * t * d * r`` plus ``recompute =
@@ -32,11 +34,11 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   :func:`~loongtrain.loss.chunked.chunked_loss_peak_bytes` with ``t`` tokens): the fp32 log-sum-exp
   per token plus one chunk's logits in the compute dtype and fp32; the head's compute-dtype copy is
   already in ``working_params``. No rank holds the logits of all its tokens.
-- ``workspace``: peak of the ring backward and the all-to-all: 3 K/V blocks and 4 dK/dV blocks
-  (in flight, received, accumulated) of ``2 * t * He * hd`` elements (without a ring, ``cp = 1``: one kernel
-  call, whose dK/dV and their packed copy), an fp32 dQ accumulator ``4 * t * d`` (at ``cp = 1`` the
-  kernel's dQ and its copy in token layout; on CUDA the flash kernels' own fp32 dQ), and, with ``hp > 1``, the
-  packed all-to-all send and receive buffers ``2 * b * t * (d + 2*He*hd)``.
+- ``workspace``: what one block's backward holds beyond its recomputed set, the larger of its two
+  moments (:func:`layer_moments`): inside the MLP's backward (residual gradients, SwiGLU's gradients) and
+  inside the attention kernel's (the residual, output and query gradients, the ring's K/V and dK/dV blocks,
+  with a ring an fp32 dQ accumulator, with ``hp > 1`` the all-to-all's buffers), less the MLP's part of the
+  set, which is gone by then. The CUDA flash kernels' own workspace is not counted (docs/design.md §9).
 
 Offload and tiling modes (docs/design.md §9; :class:`~loongtrain.parallel.config.ParallelConfig`'s
 ``offload_activations``, ``mlp_tiles``, ``offload_params``), each changing only its own terms; ``host``
@@ -49,26 +51,30 @@ is the pinned host memory per rank they need (0 without them):
   the fewest tiles ``n >= ceil(f / d)`` that divide ``t``, so that one tile's ``[t/n, f]`` intermediate is at
   most the block's hidden input ``[t, d]`` in elements.
 - ``offload_activations``: each block's kept set ``K`` (the per-block part of ``activations``) is copied to
-  the host when its forward ends and brought back one block ahead of its backward: the device holds
-  ``min(L, 2) * K`` (the block being computed and the one in flight), the host ``L * K``.
+  the host when its forward ends and brought back one block ahead of its backward, except the last
+  ``k = offload_keep`` blocks': at the loss the device holds ``min(L, k + 2) * K`` (the kept blocks and two
+  copies in flight), in a block's backward ``max(1, k) * K`` (the previous block comes back after its
+  peaks), the host ``(L - k) * K``.
 - ``offload_params`` (FSDP2 ``CPUOffloadPolicy``, so FSDP2's bf16 gathering even when ``z = 1``): the fp32
   shards, their gradients and AdamW's m, v (``states``, ``16 * P / z``) live on the host, the AdamW step
   runs there (torch's single-tensor step holds :data:`ADAMW_STEP_TEMPORARIES` fp32 temporaries of one
   parameter shard at a time: ``+ 3 * 4 * P_max / z`` on the host, ``P_max`` the largest parameter); the
-  device keeps ``working_params`` (the gathered blocks and their unsharded gradients).
+  device keeps ``working_params`` (the gathered blocks and their unsharded gradients). The host's peak is
+  the larger of the forward's end (the states without gradients, ``12 * P / z``, and the offloaded
+  activations) and the AdamW step (the states and its temporaries; the activations are gone).
 
-``total`` is the step's peak, not the sum of the parts (:func:`peak_bytes`): the fp32 gradients
-(``4P/z`` of ``states``) are allocated while backward frees the activations, so the peak is the larger
-of backward's start (states without gradients + activations + logits + the transient parts) and its end
-(states + the transient parts). With gradient accumulation the gradients live through every micro-batch
-after the first: add ``4P/z`` to the first.
+``total`` is the step's peak, not the sum of the parts (:func:`peak_bytes`): the largest of the loss's
+moment (the kept activations and the loss's peak), a block's backward (the activations still kept then,
+its recomputed set and its ``workspace``), both before any fp32 gradient (``4P/z`` of ``states``) exists,
+and the backward's end (the states with their gradients). With gradient accumulation the gradients live
+through every micro-batch after the first: add ``4P/z`` to the first.
 """
 
 from __future__ import annotations
 
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, num_params
-from loongtrain.parallel.config import AC_MODES, effective_kv_heads, mlp_tile_count
+from loongtrain.parallel.config import AC_MODES, ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.traffic import acc_bytes
 
@@ -99,9 +105,9 @@ def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharde
     mlp = 4 * model.ffn_dim * b if mlp_tiles == 1 else 4 * model.ffn_dim * b / mlp_tiles
     rest = 2 * he * model.head_dim * b + mlp + 4 * model.num_heads + 8
     tiled = mlp_tiles > 1  # the MLP's norm output (autocast: its two bf16 casts) exists per tile too
-    if b >= 4:
-        return (6 - tiled) * d * b + rest
-    return ((5 - tiled) * d * b if sharded else 2 * d * 4 + (7 - 2 * tiled) * d * b) + rest
+    if b >= 4:  # the attention's norm output is never kept (fused into q/k/v: loongtrain/train/norm_linear.py)
+        return (5 - tiled) * d * b + rest
+    return ((4 - tiled) * d * b if sharded else 2 * d * 4 + (4 - 2 * tiled) * d * b) + rest
 
 
 def residual_bytes(dtype_bytes: int, sharded: bool) -> int:
@@ -135,26 +141,58 @@ def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_
 def ring_workspace_bytes(kv_elems: float, dtype_bytes: int, cp: int) -> float:
     """K/V and dK/dV blocks of the ring backward: 3 K/V blocks and 4 dK/dV blocks (in flight, received,
     accumulated) with a ring; without one (``cp = 1``: one kernel call, no accumulator,
-    loongtrain/attn/ring.py) the kernel's dK/dV and their packed copy."""
+    loongtrain/attn/ring.py) the kernel's dK/dV, packed."""
     if cp == 1:
-        return kv_elems * 2 * dtype_bytes
+        return kv_elems * dtype_bytes
     return 3 * kv_elems * dtype_bytes + 4 * kv_elems * acc_bytes(dtype_bytes)
 
 
-def peak_bytes(parts: dict[str, float], gradient_bytes: float) -> float:
-    """The step's peak, the larger of two moments: backward's start (every saved activation, the loss,
-    one layer's recompute; no gradient yet: the trainer sets them to None each step) and its end (every
-    gradient, no activation). ``gradient_bytes``: the fp32 gradients within ``states``."""
-    transient = parts["working_params"] + parts["recompute"] + parts["workspace"]
-    start = parts["states"] - gradient_bytes + parts["activations"] + parts["logits"] + transient
-    end = parts["states"] + transient
-    return max(start, end)
+def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,
+                  full_layer: float, tiles: int) -> dict[str, float]:
+    """Bytes live in one block's backward beyond what the step keeps (the blocks' kept sets, module
+    docstring), at its two peaks (measured: train/simulate.py at the Llama-3-8B shape):
+
+    - ``mlp``: inside the MLP's backward: the block's recomputed set (``full_layer``), two gradients of the
+      residual stream (the block output's and the MLP input's), ``2 * d * r``, and SwiGLU's three
+      intermediate gradients (of one tile), ``3 * f * b / n``;
+    - ``attention``: inside the attention kernel's backward: the recomputed set without the MLP's part (its
+      input ``h``, ``d * r``, its intermediates, with one tile: one tile's, and its norm output when untiled),
+      the residual gradient, the attention output's gradient and the kernel's dQ (``d * b`` each), its dK/dV
+      and the ring's blocks (:func:`ring_workspace_bytes`), and with ``hp > 1`` the all-to-all's packed send
+      and receive buffers ``2 * b * (d + 2 * He * hd)``; with a ring (``cp > 1``) also the fp32 dQ
+      accumulator ``4 * d``.
+    """
+    b, d, f = dtype_bytes, model.dim, model.ffn_dim
+    r = residual_bytes(b, sharded)
+    he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
+    q_bytes = model.num_heads * model.head_dim * b
+    kv_elems = 2 * t * he * model.head_dim
+    mlp_part = d * r + 4 * f * b / tiles + (d * b if tiles == 1 else 0)
+    attention = (full_layer - t * mlp_part + t * (d * r + d * b + q_bytes)
+                 + ring_workspace_bytes(kv_elems, b, layout.cp) + 4 * t * d * (layout.cp > 1)
+                 + 2 * b * t * (d + 2 * he * model.head_dim) * (layout.hp > 1))
+    swiglu_grads = 3 * f * b / tiles if tiles > 1 else 2 * f * b
+    return {"mlp": full_layer + t * (2 * d * r + swiglu_grads), "attention": attention}
+
+
+def peak_bytes(parts: dict[str, float], gradient_bytes: float, layer_kept: float) -> float:
+    """The step's peak, the largest of three moments: the loss (the blocks' kept sets on the device at the
+    end of the forward, ``activations``, and the chunked loss's peak, ``logits``), a block's backward (the
+    kept sets still live then, ``layer_kept``, with the block's recomputed set and its largest transient,
+    ``recompute`` + ``workspace``: :func:`layer_moments`), neither holding a gradient yet (the trainer sets
+    them to None each step), and the backward's end (every gradient, no activation). ``gradient_bytes``:
+    the fp32 gradients within ``states``."""
+    base = parts["states"] - gradient_bytes + parts["working_params"]
+    loss = base + parts["activations"] + parts["logits"]
+    layer = base + layer_kept + parts["recompute"] + parts["workspace"]
+    end = parts["states"] + parts["working_params"]
+    return max(loss, layer, end)
 
 
 def memory_per_rank(
     model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, ac_mode: str,
     dtype_bytes: int = 2, reshard_after_forward: bool = True, offload_activations: bool = False,
-    mlp_tiles: str = "1", offload_params: bool = False,
+    mlp_tiles: str = "1", offload_params: bool = False, offload_keep: int = 0,
 ) -> dict[str, float]:
     """Bytes per device by part (``states``, ``working_params``, ``activations``, ``recompute``, ``logits``,
     ``workspace``), the step's peak ``total`` (:func:`peak_bytes`) and the pinned ``host`` bytes per rank
@@ -179,12 +217,20 @@ def memory_per_rank(
         kept = d * b + (2 * d + 2 * he * model.head_dim) * b * (layout.hp > 1)
         acts, recompute = L * t * (d * r + kept + 4 * model.num_heads), full_layer
     host = 0.0
-    if offload_activations:  # the block being computed and the one in flight stay; every block's copy on the host
-        host = acts
-        acts = acts / L * min(L, 2)
-    acts += t * final_norm_bytes(d, b, sharded)
+    layer_kept = acts  # in a block's backward (the last one's: every block's kept set)
+    if offload_activations:  # on the host: every offloaded block's kept set; on the device: the blocks in flight
+        keep = min(offload_keep, L - 1)  # the last blocks, not offloaded
+        host = acts / L * (L - keep)
+        layer_kept = acts / L * max(1, keep)  # the last block's backward: the kept blocks (the previous
+        # offloaded block is fetched after the peaks: train/offload.py)
+        acts = acts / L * min(L, keep + 2)  # at the loss: the kept blocks and two offloaded ones' copies in flight
+    acts += t * final_norm_bytes(d, b, sharded)  # with the loss: its input's gradient (the residual's in backward)
+    moments = layer_moments(model, layout, t, b, sharded, full_layer, tiles)
+    if ac_mode == "none":  # the block's set is among the kept ones: only the transients come on top
+        workspace = max(moments["mlp"], moments["attention"]) - full_layer
+    else:
+        workspace = max(moments["mlp"], moments["attention"]) - recompute
     working = working_param_bytes(model, zero_size, ac_mode, b, reshard_after_forward, fsdp=sharded)
-    kv_elems = 2 * t * he * model.head_dim
     parts = {
         "states": STATE_BYTES_PER_PARAM * p / zero_size,
         "working_params": float(working),
@@ -192,12 +238,27 @@ def memory_per_rank(
         "recompute": float(recompute),
         "logits": float(chunked_loss_peak_bytes(int(t), model.vocab_size, d, compute_bytes=b, weight_bytes=b,
                                                 stats_bytes=8 if b == 8 else 4)),
-        "workspace": ring_workspace_bytes(kv_elems, b, layout.cp) + 4 * t * d
-        + 2 * b * t * (d + 2 * he * model.head_dim) * (layout.hp > 1),
+        "workspace": float(workspace),
     }
-    if offload_params:  # the states and the AdamW step's temporaries on the host
-        host += parts["states"] + ADAMW_STEP_TEMPORARIES * 4 * largest_param(model) / zero_size
+    if offload_params:  # the states and the AdamW step's temporaries on the host, the larger of two moments:
+        # the forward's end (no gradient yet, every offloaded activation) and the AdamW step (no activation)
+        grads = 4 * p / zero_size
+        host = max(host + parts["states"] - grads,
+                   parts["states"] + ADAMW_STEP_TEMPORARIES * 4 * largest_param(model) / zero_size)
         parts["states"] = 0.0
-    parts["total"] = peak_bytes(parts, gradient_bytes=0.0 if offload_params else 4 * p / zero_size)
+    parts["total"] = peak_bytes(parts, gradient_bytes=0.0 if offload_params else 4 * p / zero_size,
+                                layer_kept=layer_kept)
     parts["host"] = float(host)
     return parts
+
+
+def config_memory(model: ModelConfig, config: ParallelConfig, layout: Layout, *, seq_len: int, batch: int,
+                  dtype_bytes: int, zero_size: int) -> dict[str, float]:
+    """:func:`memory_per_rank` for ``config`` (its ``ac_mode``, resharding and memory modes) on ``layout``: the
+    one mapping the planner, ``--max-seq-len`` and the trainer's start-up report share."""
+    return memory_per_rank(
+        model, layout, seq_len=seq_len, batch=batch, zero_size=zero_size, ac_mode=config.ac_mode,
+        dtype_bytes=dtype_bytes, reshard_after_forward=config.reshard_after_forward,
+        offload_activations=config.offload_activations, mlp_tiles=config.mlp_tiles,
+        offload_params=config.offload_params, offload_keep=config.offload_keep,
+    )

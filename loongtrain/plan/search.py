@@ -72,15 +72,24 @@ def _check_choice(name: str, value, allowed: list) -> None:
 MODE_SEARCH = ("off", "auto", "on")
 
 
+#: blocks kept on the device under activation offload that the search tries (``--offload-keep``, fewer than L)
+OFFLOAD_KEEPS = (0, 2, 4, 8)
+
+
 def mode_choices(ac_mode: str, zero: str, modes: bool, offload_activations: bool | None = None,
-                 mlp_tiles: str | None = None, offload_params: bool | None = None) -> list[dict]:
+                 mlp_tiles: str | None = None, offload_params: bool | None = None,
+                 num_layers: int = 0) -> list[dict]:
     """The offload/tiling settings to try with one (ac_mode, zero): the defaults only, unless ``modes``;
-    a given filter fixes its mode. Activation offload needs checkpointing, parameter offload FSDP2."""
+    a given filter fixes its mode. Activation offload needs checkpointing, parameter offload FSDP2; with
+    ``modes`` it also tries keeping the last :data:`OFFLOAD_KEEPS` blocks (fewer than ``num_layers``) on
+    the device, for when host memory is the limit."""
     acts = [offload_activations] if offload_activations is not None else [False, True] if modes else [False]
     tiles = [mlp_tiles] if mlp_tiles is not None else ["1", "auto"] if modes else ["1"]
     params = [offload_params] if offload_params is not None else [False, True] if modes else [False]
-    return [dict(offload_activations=a, mlp_tiles=m, offload_params=o) for o in params for a in acts
-            for m in tiles if not (a and ac_mode == "none") and not (o and zero == "none")]
+    keeps = [k for k in OFFLOAD_KEEPS if k < num_layers] if modes else [0]
+    return [dict(offload_activations=a, mlp_tiles=m, offload_params=o, offload_keep=k) for o in params
+            for a in acts for m in tiles for k in (keeps if a else [0])
+            if not (a and ac_mode == "none") and not (o and zero == "none")]
 
 
 def enumerate_configs(
@@ -124,7 +133,8 @@ def enumerate_configs(
                 for p in places if placement is None else [placement]:
                     for z in zeros if zero is None else [zero]:
                         for k in AC_MODES if ac_mode is None else [ac_mode]:
-                            for m in mode_choices(k, z, modes, offload_activations, mlp_tiles, offload_params):
+                            for m in mode_choices(k, z, modes, offload_activations, mlp_tiles, offload_params,
+                                                   model.num_layers):
                                 config = ParallelConfig(
                                     hp=h, cp=c, window=w, placement=p, zero=z, ac_mode=k,
                                     zero_shard_size=gpus_per_node if z == "hybrid" else 0, **m,

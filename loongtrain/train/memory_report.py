@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain.parallel.runtime import is_distributed
-from loongtrain.plan.memory_model import memory_per_rank
+from loongtrain.plan.memory_model import config_memory
 from loongtrain.train.config import autocast_dtype, param_dtype
 from loongtrain.train.offload import activation_offloader
 from loongtrain.train.parallelize import saved_output_sink, uses_fsdp
@@ -259,12 +259,8 @@ def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, flo
     parallel = cfg.parallel
     zero_size = parallel.shard_size(mesh.world_size) if uses_fsdp(parallel) else 1
     compute = autocast_dtype(cfg, trainer.device) or param_dtype(cfg)
-    return memory_per_rank(
-        trainer.model_config, mesh.layout, seq_len=seq_len, batch=batch, zero_size=zero_size,
-        ac_mode=parallel.ac_mode, dtype_bytes=torch.empty((), dtype=compute).element_size(),
-        reshard_after_forward=parallel.reshard_after_forward, offload_activations=parallel.offload_activations,
-        mlp_tiles=parallel.mlp_tiles, offload_params=parallel.offload_params,
-    )
+    return config_memory(trainer.model_config, parallel, mesh.layout, seq_len=seq_len, batch=batch,
+                         dtype_bytes=torch.empty((), dtype=compute).element_size(), zero_size=zero_size)
 
 
 #: the planner's parts that the measured report counts: (planner parts, report parts)

@@ -17,9 +17,14 @@ ahead of its backward:
   Block ``i``'s forward starts only once block ``i - 2``'s copies have finished (a host-side wait that
   costs nothing while the copies keep up), so at most two blocks' copies are in flight.
 - **back**: the backward of block ``i`` starts by unpacking its first saved tensor; that fetches block
-  ``i``'s tensors (waiting only if their prefetch has not finished) and starts the copy of block
-  ``i - 1``'s on the side stream, overlapping block ``i``'s recompute and backward. Device memory thus
-  holds at most two blocks' offloaded tensors whatever the depth (:attr:`ActivationOffloader.peak_device_bytes`).
+  ``i``'s tensors (waiting only if their prefetch has not finished). Block ``i - 1``'s copy starts on the
+  side stream late in block ``i``'s backward, once the gradient of block ``i``'s query projection exists
+  (a gradient hook on its output, :func:`prefetch_point`): after the MLP's and the attention kernel's
+  backward, the two moments of a block's peak, overlapping the q/k/v projections' and the norm's backward.
+  A block without a query projection that :data:`~loongtrain.train.norm_linear.NORM_AND_PROJECTIONS`
+  names starts the copy when its own tensors are fetched, overlapping its whole recompute and backward.
+  Device memory thus holds at most two blocks' offloaded tensors whatever the depth
+  (:attr:`ActivationOffloader.peak_device_bytes`), and at a block's peak one.
 
 Without a GPU the same code runs: the host copy is a distinct CPU tensor (no stream), and the "device"
 copy brought back is another one, so tests count what stays on the device. Host copies are allocated
@@ -43,6 +48,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+from loongtrain.train.norm_linear import NORM_AND_PROJECTIONS
 
 log = logging.getLogger("loongtrain.train")
 
@@ -95,10 +102,11 @@ class _Saved:
 class _Stash:
     """The tensors one block offloaded in one forward, and the stash of the block that ran before it."""
 
-    __slots__ = ("copy_event", "event", "index", "items", "prev")
+    __slots__ = ("copy_event", "deferred", "event", "index", "items", "prev")
 
     def __init__(self, index: int, prev: _Stash | None) -> None:
         self.index, self.prev = index, prev
+        self.deferred = False  # the previous block's prefetch waits for this block's prefetch point
         self.items: list[weakref.ref[_Saved]] = []  # autograd's handles own them: freed with the graph
         self.event: Any = None  # CUDA event: this stash's fetch has been queued up to here
         self.copy_event: Any = None  # CUDA event: its copies to the host have been queued up to here
@@ -119,6 +127,7 @@ class ActivationOffloader:
         self.stream = torch.cuda.Stream(self.device) if cuda else None
         self.pin = pinned_memory_available() and cuda
         self._last: _Stash | None = None
+        self._active: _Stash | None = None  # the stash of the block whose (first) forward is running
         self.offloaded_bytes = self.host_bytes = self.peak_host_bytes = 0
         self.device_bytes = self.peak_device_bytes = 0
 
@@ -134,8 +143,26 @@ class ActivationOffloader:
         older = stash.prev.prev if stash.prev is not None else None
         if older is not None and older.copy_event is not None:
             older.copy_event.synchronize()  # at most two blocks' copies in flight: their device memory is bounded
-        with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, stash), self._unpack):
-            yield stash
+        self._active = stash
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, stash), self._unpack):
+                yield stash
+        finally:
+            self._active = None
+
+    def defer_prefetch(self, output: Any) -> None:
+        """Called with the output of the block's prefetch point during its first forward: the previous block's
+        prefetch starts when ``output``'s gradient is computed, not when this block's tensors are fetched."""
+        stash = self._active
+        if stash is None or stash.prev is None or not isinstance(output, Tensor) or not output.requires_grad:
+            return  # a recompute, the first block, or nothing to hook
+        stash.deferred = True
+        prev = stash.prev
+
+        def prefetch(grad: Tensor) -> None:
+            self._fetch(prev)
+
+        output.register_hook(prefetch)
 
     def _pack(self, stash: _Stash, t: Tensor) -> Any:
         if not t.requires_grad or isinstance(t, nn.Parameter):
@@ -173,7 +200,7 @@ class ActivationOffloader:
         """The device tensor of ``saved``: fetch its block (if not prefetched), prefetch the previous one."""
         stash = saved.stash
         self._fetch(stash)
-        if stash.prev is not None:
+        if stash.prev is not None and not stash.deferred:
             self._fetch(stash.prev)
         if saved.device_copy is None:  # unpacked a second time (retain_graph): fetch it again
             self._fetch_one(saved)
@@ -271,6 +298,28 @@ def offload_blocks(layers: nn.ModuleList, indices: list[int], offloader: Activat
     for i in indices:
         block = layers[i]
         block.forward = functools.partial(_offloaded_forward, offloader, i, block.forward)
+        point = prefetch_point(block)
+        if point is not None:
+            point.register_forward_hook(lambda module, args, output: offloader.defer_prefetch(output))
+
+
+def offloaded_blocks(checkpointed: list[int], keep: int) -> list[int]:
+    """The checkpointed blocks that offload: all but the last ``keep`` (``--offload-keep``: they run backward
+    first, so what they keep on the device is freed first). ValueError when ``keep`` leaves none."""
+    if keep and keep >= len(checkpointed):
+        raise ValueError(f"--offload-keep {keep} keeps every one of the {len(checkpointed)} checkpointed blocks on "
+                         f"the device: nothing is offloaded; use at most {max(0, len(checkpointed) - 1)}")
+    return checkpointed[:len(checkpointed) - keep]
+
+
+def prefetch_point(block: nn.Module) -> nn.Module | None:
+    """The block's query projection (:data:`~loongtrain.train.norm_linear.NORM_AND_PROJECTIONS`), whose
+    output's gradient starts the previous block's prefetch (module docstring); None if it has none."""
+    for _, attn_name, proj_names in NORM_AND_PROJECTIONS:
+        query = getattr(getattr(block, attn_name, None), proj_names[0], None)
+        if isinstance(query, nn.Module):
+            return query
+    return None
 
 
 def _offloaded_forward(offloader: ActivationOffloader, index: int, forward: Callable[..., Any],

@@ -68,7 +68,14 @@ from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.train.compile import check_compile_options, compile_blocks
 from loongtrain.train.mlp_tiles import apply_mlp_tiling
-from loongtrain.train.offload import OFFLOADER_ATTR, ActivationOffloader, offload_blocks, pinned_memory_available
+from loongtrain.train.norm_linear import fuse_norm_linear
+from loongtrain.train.offload import (
+    OFFLOADER_ATTR,
+    ActivationOffloader,
+    offload_blocks,
+    offloaded_blocks,
+    pinned_memory_available,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Activation checkpointing
@@ -241,7 +248,8 @@ def _on_meta(model: nn.Module) -> bool:
 
 def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device, *,
                 param_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
-    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> HF norms as one function -> MLP tiling
+    """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> the attention norm fused into q/k/v
+    (:func:`~loongtrain.train.norm_linear.fuse_norm_linear`) -> HF norms as one function -> MLP tiling
     -> activation checkpointing -> activation offload -> (with ``compile``) compiled blocks -> FSDP2 (with
     ``offload_params``, CPU offload).
 
@@ -260,6 +268,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     blocks = decoder_layers(model)
     meta = _on_meta(model)
     model = apply_2d_attention(model if meta else model.to(device), mesh)
+    fuse_norm_linear(model)  # the attention's input norm inside its q/k/v projections: its output is never kept
     use_rms_norm_function(model)  # HF's Llama-family norms keep only their input (before the tiles wrap them)
     apply_mlp_tiling(model, parallel.mlp_tiles)
     offloader = ActivationOffloader(device, _record_saved_output) if parallel.offload_activations else None
@@ -267,7 +276,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     chosen = apply_activation_checkpointing(blocks, parallel.ac_mode, parallel.ac_fraction,
                                             selective_context=selective)
     if offloader is not None:  # the checkpointed blocks' kept tensors live on the host (train/offload.py)
-        offload_blocks(blocks, chosen, offloader)
+        offload_blocks(blocks, offloaded_blocks(chosen, parallel.offload_keep), offloader)
         model.__dict__[OFFLOADER_ATTR] = offloader
     if compile:  # docs/design.md §13 (not with activation offload or MLP tiles: check_compile_options)
         check_compile_options(parallel)

@@ -32,10 +32,10 @@ What is simulated, exactly:
   and is moved to the host's count at that moment), and whatever the AdamW step allocates (it runs on
   the host). The modes as simulated:
 
-  - ``offload_activations``: exact on the device side in backward (the block being recomputed and the
-    one prefetched, as on a GPU); in forward the copy is synchronous, so a block's saved input is freed
-    on the device as soon as the next block no longer needs it (a GPU's side stream keeps up to two
-    blocks' copies in flight: not more than in backward, where the peak is).
+  - ``offload_activations``: exact on the device side in backward (the block being recomputed and, late
+    in its backward, the one prefetched, as on a GPU); in forward the copy is synchronous, so a block's
+    saved input is freed on the device as soon as the next block no longer needs it (a GPU's side stream
+    keeps up to two blocks' copies in flight: not more than in backward, where the peak is).
   - ``mlp_tiles``: nothing on the host; the same tiles as on a GPU.
   - ``offload_params``: a GPU also holds, for each block being gathered, its fp32 shard copied to the
     device before the cast to the compute dtype (``4 * P_l / z`` bytes, transient); the CPU device casts

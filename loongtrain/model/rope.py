@@ -1,0 +1,82 @@
+"""Rotary position embedding (RoPE) on given position ids, split-halves convention (docs/design.md §7).
+
+:func:`apply_rope` rotates in the statistics dtype (float32 for 16-bit inputs, float64 for float64), as the
+plain ops ``cat([x1*cos - x2*sin, x1*sin + x2*cos])`` would, but as one autograd function over chunks of
+tokens: the plain ops' float32 temporaries (the upcast, the four products, the concatenation: about 48
+bytes per element of a bf16 ``q``, 3 KiB per token per head of 128) then exist for one chunk of at most
+:data:`~loongtrain.model.rms_norm.CHUNK_ELEMS` elements, not for the whole local sequence. Its backward is
+the inverse rotation (``sin`` negated), chunked the same way. Both give the plain ops' bits: each element's
+arithmetic is the same (the inverse rotation's ``a - (-b)`` is ``a + b`` exactly), and nothing is kept
+but ``cos`` and ``sin``, as the plain ops keep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from loongtrain.model.rms_norm import CHUNK_ELEMS
+
+Tensor = torch.Tensor
+
+
+def rope_cos_sin(
+    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[B, S, 1, head_dim/2]`` for arbitrary (non-contiguous) integer positions ``[B, S]``.
+
+    Angles are computed in float64 so that positions of 1M+ tokens keep full precision.
+    """
+    half = head_dim // 2
+    exponents = torch.arange(half, dtype=torch.float64, device=position_ids.device) * 2.0 / head_dim
+    inv_freq = theta ** (-exponents)
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, S, half]
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return angles.cos().to(work)[:, :, None, :], angles.sin().to(work)[:, :, None, :]
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    xf = x.to(cos.dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def _rotate_chunks(x: Tensor, cos: Tensor, sin: Tensor, chunk_elems: int) -> Tensor:
+    """:func:`_rotate` over chunks of dim 1 (tokens) of at most ``chunk_elems`` elements."""
+    per_token = max(1, x[:, :1].numel())
+    step = max(1, chunk_elems // per_token)
+    if step >= x.shape[1]:
+        return _rotate(x, cos, sin)
+    out = torch.empty_like(x)
+    for lo in range(0, x.shape[1], step):
+        hi = min(x.shape[1], lo + step)
+        out[:, lo:hi] = _rotate(x[:, lo:hi], cos[:, lo:hi], sin[:, lo:hi])
+    return out
+
+
+class _Rope(torch.autograd.Function):
+    """Forward: ``(x [B, S, heads, D], cos, sin [B, S, 1, D/2], chunk_elems) -> x rotated``; saves ``cos``,
+    ``sin``. Backward: the gradient rotated back (``-sin``), chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cos: Tensor, sin: Tensor, chunk_elems: int) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        ctx.chunk_elems = chunk_elems
+        return _rotate_chunks(x, cos, sin, chunk_elems)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate_chunks(grad, cos, -sin, ctx.chunk_elems), None, None, None
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, chunk_elems: int = CHUNK_ELEMS) -> Tensor:
+    """Rotate ``x [B, S, heads, D]`` with the split-halves convention (pairs ``i`` and ``i + D/2``), in
+    ``cos``'s dtype, output in ``x``'s (module docstring). ``cos``/``sin`` that need a gradient take the
+    plain ops."""
+    if cos.requires_grad or sin.requires_grad:
+        return _rotate(x, cos, sin)
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return _rotate_chunks(x, cos, sin, chunk_elems)
+    return _Rope.apply(x, cos, sin, chunk_elems)
