@@ -81,6 +81,30 @@ def test_cuda_wrappers_exact_on_ring_slices(emulate, kernel):
     assert_exact(kernel, q, k[:, :, :half], v[:, :, :half], dout, False, 1e-10)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (4, 1)])
+def test_flash_backward_one_head_at_a_time(emulate, monkeypatch, num_heads, num_kv_heads):
+    """Past SPLIT_BACKWARD_BYTES (here 0) FA2's backward runs per query head: exact in fp64, one op call per
+    head; in bf16 dQ the same bits as one call, dK/dV within one rounding (the group sum in fp32)."""
+    from loongtrain.attn import kernels
+
+    ops = emulate(allow_fp64=True)
+    q, k, v, dout = _inputs(num_heads, num_kv_heads, 40, 40, 16, torch.float64)
+    monkeypatch.setattr(kernels, "SPLIT_BACKWARD_BYTES", 0)
+    ops.calls.clear()
+    assert_exact(CUDA_FLASH, q, k, v, dout, True, 1e-10)
+    assert len(ops.calls) == 1 + num_heads, ops.calls  # the forward, then one backward call per query head
+    emulate(allow_fp64=False)
+    qb, kb, vb, db = (t.to(torch.bfloat16) for t in (q, k, v, dout))
+    out, lse = CUDA_FLASH.forward(qb, kb, vb, True, SCALE)
+    split = CUDA_FLASH.backward(db, qb, kb, vb, out, lse, True, SCALE)
+    monkeypatch.setattr(kernels, "SPLIT_BACKWARD_BYTES", 1 << 40)
+    whole = CUDA_FLASH.backward(db, qb, kb, vb, out, lse, True, SCALE)
+    assert torch.equal(split[0], whole[0])
+    for a, b in zip(split[1:], whole[1:], strict=True):
+        assert a.shape == b.shape and a.stride() == b.stride()
+        assert (a.double() - b.double()).abs().max() <= 2 ** -7 * b.double().abs().max()
+
+
 @pytest.mark.parametrize("kernel", [CUDA_FLASH_PADDED, CUDA_EFFICIENT_PADDED], ids=lambda k: k.name)
 def test_head_dim_padding_exact(emulate, kernel):
     ops = emulate(allow_fp64=True)

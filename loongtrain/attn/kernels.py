@@ -17,7 +17,9 @@ kernel             op (forward / backward)                                      
 ``reference``      plain math; materialises the ``Sq x Sk`` score matrix         K/V expanded here
 =================  ==========================================================  ======================
 
-(``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a zero-padded head dim.)
+(``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a zero-padded head dim.) ``cuda_flash``'s
+backward runs one query head at a time once FA2's own workspace would pass :data:`SPLIT_BACKWARD_BYTES`
+(:func:`per_head_backward`; docs/design.md §7).
 
 Variable-length form (``Kernel.varlen_forward`` / ``varlen_backward``; ``None`` where a kernel has none):
 only ``cuda_flash``, through ``_flash_attention_forward`` / ``_flash_attention_backward`` (FA2's
@@ -176,7 +178,54 @@ def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: fl
     return res[0], res[1]  # (out, lse [B, H, S] fp32, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, ...)
 
 
+#: bytes of FA2's own backward workspace (:func:`flash_backward_workspace`) above which the flash backward
+#: runs one query head at a time (4 GiB: at 4096 query-head dims, 256K tokens in one call)
+SPLIT_BACKWARD_BYTES = 4 << 30
+
+
+def flash_backward_workspace(q: Tensor, k: Tensor) -> int:
+    """Bytes FA2's backward allocates beside its outputs for ``q [B, H, Sq, D]``: an fp32 dQ accumulator
+    (``4 * B * Sq * H * D``) and, when K/V have fewer heads (GQA), dK and dV expanded to the query heads in the
+    input dtype (``2 * B * Sk * H * D`` elements)."""
+    b, h, _, d = q.shape
+    expanded = 2 * b * k.shape[2] * h * d * q.element_size() if k.shape[1] != h else 0
+    return 4 * q.numel() + expanded
+
+
 def _cuda_flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """FA2's backward; one query head per call when its workspace would pass :data:`SPLIT_BACKWARD_BYTES`
+    (:func:`per_head_backward`: the workspace of one head, 1/H of it, and no expanded dK/dV)."""
+    if q.shape[1] > 1 and flash_backward_workspace(q, k) > SPLIT_BACKWARD_BYTES:
+        return per_head_backward(_cuda_flash_backward_call, dout, q, k, v, out, lse, causal, scale)
+    return _cuda_flash_backward_call(dout, q, k, v, out, lse, causal, scale)
+
+
+def per_head_backward(backward: Callable[..., tuple[Tensor, Tensor, Tensor]], dout: Tensor, q: Tensor, k: Tensor,
+                      v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``backward`` one query head at a time against its KV head (heads are independent): dQ the same bits,
+    each KV head's dK/dV the sum over its query heads' (GQA) in fp32 (fp64 for fp64), rounded once, as the
+    kernels sum their expanded dK/dV. Outputs in the ``[B, S, H, D]`` storage the kernels give."""
+    b, h, s, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    group = h // hk
+    dq = q.new_empty(b, s, h, d).transpose(1, 2)
+    dk, dv = (k.new_empty(b, sk, hk, d).transpose(1, 2) for _ in range(2))
+    acc = torch.promote_types(torch.float32, k.dtype)
+    for j in range(hk):
+        sums: list[Tensor] = []
+        for head in range(j * group, (j + 1) * group):
+            one = slice(head, head + 1)
+            gq, gk, gv = backward(dout[:, one], q[:, one], k[:, j:j + 1], v[:, j:j + 1], out[:, one], lse[:, one],
+                                  causal, scale)
+            dq[:, one] = gq
+            sums = [gk.to(acc), gv.to(acc)] if not sums else [sums[0] + gk, sums[1] + gv]
+        dk[:, j:j + 1], dv[:, j:j + 1] = sums[0], sums[1]
+    return dq, dk, dv
+
+
+def _cuda_flash_backward_call(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     # no dropout: the rng state is not read; shaped as the forward returns it (uint64 [2], uint64 [])

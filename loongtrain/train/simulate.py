@@ -12,8 +12,11 @@ What is simulated, exactly:
 
 - **The device is a fake CPU.** This CPU build of torch cannot move tensors to a fake CUDA device
   (``.to("cuda")`` fails), and FSDP2 on a CUDA mesh needs CUDA streams. So the step runs the CPU code
-  paths: attention through the ``cpu_flash`` kernel (``_scaled_dot_product_flash_attention_for_cpu``,
-  which keeps the same output and fp32 log-sum-exp as the CUDA flash kernels), FSDP2 without its
+  paths: attention is loongtrain's ring custom op (``loongtrain::ring_attention`` and its backward),
+  which under fake tensors runs its registered fake implementation, so its inputs and outputs are counted
+  (out, the fp32 log-sum-exp, dQ and the packed dK/dV) but no kernel's own workspace (on CUDA, FA2's
+  backward also holds an fp32 dQ accumulator and, with GQA, dK/dV expanded to the query heads:
+  docs/design.md §9, *Not modelled*), FSDP2 without its
   all-gather stream (so at most the block in use is gathered, not also the prefetched one: one block's
   compute-dtype weights less than on CUDA), no CUDA caching-allocator rounding (512 B per block) or
   fragmentation, no CUDA context or NCCL buffers. The compute dtype is given (``bf16`` as on an H200).
