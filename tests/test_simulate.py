@@ -133,3 +133,22 @@ def test_plan_simulate_json(tmp_path, capsys):
     assert out["simulated_host_gib"] > 0 and out["predicted_host_gib_per_rank"] > 0
     assert out["device_ratio"] == pytest.approx(out["predicted_device_gib"] / out["simulated_device_gib"])
     assert out["host_ratio"] == pytest.approx(out["predicted_host_gib_per_rank"] / out["simulated_host_gib"])
+
+
+@pytest.mark.parametrize("layout", [
+    {"hp": 2},  # the heads' all-to-all
+    {"cp": 2},  # a ring of two
+    {"hp": 2, "cp": 2, "offload_keep": 1},  # both, the last block kept on the device
+], ids=["hp2", "cp2", "hp2-cp2-keep1"])
+def test_planner_matches_the_simulation_sharded(layout):
+    """FSDP2 over the ranks, activation offload and MLP tiles on 2 and 4 (fake) ranks: device within 10%,
+    host exact (every offloaded block's input)."""
+    from loongtrain.plan.memory_model import config_memory
+
+    parallel = ParallelConfig(ac_mode="full", zero="full", offload_activations=True, mlp_tiles="4", **layout)
+    world = parallel.sp
+    predicted = config_memory(WIDE, parallel, parallel.layout(world), seq_len=WIDE_SEQ * world, batch=1,
+                              dtype_bytes=2, zero_size=world)
+    simulated = simulate_step(WIDE, parallel, world, seq_len=WIDE_SEQ * world)
+    assert abs(predicted["total"] / simulated.peak_bytes - 1) <= 0.10, (predicted, simulated)
+    assert predicted["host"] == simulated.host_bytes, (predicted, simulated)

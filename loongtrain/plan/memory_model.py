@@ -37,7 +37,7 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
 - ``workspace``: what one block's backward holds beyond its recomputed set, the larger of its two
   moments (:func:`layer_moments`): inside the MLP's backward (residual gradients, SwiGLU's gradients) and
   inside the attention kernel's (the residual, output and query gradients, the ring's K/V and dK/dV blocks,
-  with a ring an fp32 dQ accumulator, with ``hp > 1`` the all-to-all's buffers), less the MLP's part of the
+  with a ring an fp32 dQ accumulator; with ``hp > 1`` in the heads' layout), less the MLP's part of the
   set, which is gone by then. The CUDA kernels' own workspace is not counted (FA2's: at most
   ``kernels.SPLIT_BACKWARD_BYTES`` per call, or one query head's fp32 dQ accumulator; docs/design.md §9).
 
@@ -159,9 +159,9 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
     - ``attention``: inside the attention kernel's backward: the recomputed set without the MLP's part (its
       input ``h``, ``d * r``, its intermediates, with one tile: one tile's, and its norm output when untiled),
       the residual gradient, the attention output's gradient and the kernel's dQ (``d * b`` each), its dK/dV
-      and the ring's blocks (:func:`ring_workspace_bytes`), and with ``hp > 1`` the all-to-all's packed send
-      and receive buffers ``2 * b * (d + 2 * He * hd)``; with a ring (``cp > 1``) also the fp32 dQ
-      accumulator ``4 * d``.
+      and the ring's blocks (:func:`ring_workspace_bytes`); with a ring (``cp > 1``) also the fp32 dQ
+      accumulator ``4 * d``. With ``hp > 1`` the same tensors in the heads' layout (the all-to-all's output
+      replaces its input: its packed buffers are not live at this moment, measured at ``hp = 8``).
     """
     b, d, f = dtype_bytes, model.dim, model.ffn_dim
     r = residual_bytes(b, sharded)
@@ -170,8 +170,7 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
     kv_elems = 2 * t * he * model.head_dim
     mlp_part = d * r + 4 * f * b / tiles + (d * b if tiles == 1 else 0)
     attention = (full_layer - t * mlp_part + t * (d * r + d * b + q_bytes)
-                 + ring_workspace_bytes(kv_elems, b, layout.cp) + 4 * t * d * (layout.cp > 1)
-                 + 2 * b * t * (d + 2 * he * model.head_dim) * (layout.hp > 1))
+                 + ring_workspace_bytes(kv_elems, b, layout.cp) + 4 * t * d * (layout.cp > 1))
     swiglu_grads = 3 * f * b / tiles if tiles > 1 else 2 * f * b
     return {"mlp": full_layer + t * (2 * d * r + swiglu_grads), "attention": attention}
 
