@@ -239,3 +239,14 @@ def test_offload_keep_leaves_the_last_blocks_on_the_device():
     assert MODEL.num_layers == 2 and host_after_forward(0) == 2 * block and host_after_forward(1) == block
     with pytest.raises(ValueError, match="--offload-keep 2 keeps every one of the 2 checkpointed blocks"):
         make_trainer(ac_mode="full", offload_activations=True, offload_keep=2)
+
+
+def test_offload_keep_of_every_block_exits_2_before_workers(tmp_path, capsys):
+    from loongtrain.cli import main
+
+    code = main(["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--steps", "1", "--ac-mode", "full",
+                 "--offload-activations", "--offload-keep", "2", "--out-dir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--offload-keep 2 keeps every one of the 2 checkpointed blocks" in err and "at most 1" in err
+    assert not (tmp_path / "run").exists()  # nothing started

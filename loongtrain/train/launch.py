@@ -37,6 +37,8 @@ from loongtrain.train.checkpoint import AUTO
 from loongtrain.train.compile import check_compile_run
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.models import build_run_tokenizer, model_config_for
+from loongtrain.train.offload import offloaded_blocks
+from loongtrain.train.parallelize import checkpointed_layers
 from loongtrain.train.preflight import RunComplete, preflight
 from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.train.trainer import Trainer
@@ -67,6 +69,8 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
     except ValueError as exc:
         raise ValueError(f"--nproc/world size {world}, --hp {p.hp} --cp {p.cp}, --seq-len {cfg.seq_len}, "
                          f"model {cfg.model!r}: {exc}") from exc
+    if p.offload_activations:  # --offload-keep must leave a block to offload (the rule of parallelize's step)
+        offloaded_blocks(checkpointed_layers(model_config.num_layers, p.ac_fraction), p.offload_keep)
     check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
