@@ -37,12 +37,10 @@ def test_mlp_tiles_keep_one_tile_of_the_intermediates():
         {k: v for k, v in plain.items() if k not in ("recompute", "workspace", "total")}
     # the block's backward (memory_model.layer_moments): the MLP's moment shrinks with the tiles (SwiGLU's
     # gradients of one tile: 3 * f * b / 2 against 2 * f * b whole), the attention kernel's does not (what it
-    # holds is the recomputed set less the MLP's part, tiled or not): untiled the two are equal here, tiled
-    # the attention kernel's is the larger
+    # holds is the recomputed set less the MLP's part, tiled or not), and here it is the larger
     mlp_plain, mlp_tiled = 128 * (2 * 64 * 2 + 2 * 128 * 2), 128 * (2 * 64 * 2 + 3 * 128 * 2 / 2)
-    attention = plain["recompute"] + 98304  # the attention moment (plain: its extra is also 98304), either set
-    assert plain["workspace"] == mlp_plain == 98304 and tiled["workspace"] > mlp_tiled
-    assert tiled["recompute"] + tiled["workspace"] == attention
+    assert plain["workspace"] > mlp_plain and tiled["workspace"] > mlp_tiled
+    assert tiled["recompute"] + tiled["workspace"] == plain["recompute"] + plain["workspace"]
     # auto is the trainer's rule (parallel.config.mlp_tile_count): ceil(f / d) = 2 tiles of the 128 tokens
     auto = memory_per_rank(SMALL, layout, ac_mode="full", mlp_tiles="auto", **kw)
     assert mlp_tile_count("auto", 128, SMALL.dim, SMALL.ffn_dim) == 2 and auto == tiled

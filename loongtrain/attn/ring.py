@@ -209,6 +209,25 @@ def ring_backward(
     return dq, dkv[0], dkv[1]
 
 
+def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int,
+                             cp: int) -> float:
+    """Bytes :func:`ring_backward_packed` holds at its peak beyond its inputs and its results (dQ, packed
+    dK/dV), for ``tokens`` local query tokens of ``heads`` heads against ``kv_heads`` (measured against the
+    code: tests/test_ring_workspace.py). The kernel's dQ, dK and dV of the piece being accumulated (at
+    ``cp = 1`` the one call's, until they are laid out as the results), and with a ring (``cp > 1``) also
+    the fp32 (fp64) dQ accumulator, three K/V blocks (in flight, received, being sent) in the input dtype
+    and four dK/dV blocks (this block's contribution, the running sum, in flight, received) in the
+    accumulators' dtype. The kernel's own scratch is not included (FA2's:
+    :data:`loongtrain.attn.kernels.SPLIT_BACKWARD_BYTES`)."""
+    kv = 2 * tokens * kv_heads * head_dim
+    q = tokens * heads * head_dim
+    kernel_results = (q + kv) * dtype_bytes
+    if cp == 1:
+        return kernel_results
+    acc = max(4, dtype_bytes)
+    return kernel_results + acc * q + 3 * kv * dtype_bytes + 4 * kv * acc
+
+
 def ring_backward_packed(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: Ring,
     causal: bool, scale: float, kernel: Kernel | None = None, *, mask: AttnMask | None = None,
@@ -219,12 +238,19 @@ def ring_backward_packed(
     kernel = _kernel(kernel, q, k)
     whole = _whole(geometry, mask, q)
     if whole is not None:  # one call, no ring: dq, dk, dv as the kernel gives them, no fp32 accumulators
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, whole.kind == "causal", scale)
-        return dq.to(q.dtype).contiguous(), torch.stack([dk, dv]).to(k.dtype)  # the accumulators' layout
+        return whole_backward(kernel, whole.kind == "causal", dout, q, k, v, out, lse, scale)
     step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, kernel)
     member = _Member(geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
     run_pass(geometry, [member], True, _reach(geometry, q, mask))
     return step.dq.to(q.dtype), member.registers[DKV_OWN].to(k.dtype)
+
+
+def whole_backward(kernel: Kernel, causal: bool, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                   lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """A ring of one member's backward: one kernel call, its results in the accumulators' layout (dQ
+    ``[B, H, S, D]`` contiguous, dK/dV stacked)."""
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, scale)
+    return dq.to(q.dtype).contiguous(), torch.stack([dk, dv]).to(k.dtype)
 
 
 def _local_members(

@@ -73,11 +73,11 @@ through every micro-batch after the first: add ``4P/z`` to the first.
 
 from __future__ import annotations
 
+from loongtrain.attn.ring import backward_workspace_bytes
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.parallel.config import AC_MODES, ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.layout import Layout
-from loongtrain.plan.traffic import acc_bytes
 
 STATE_BYTES_PER_PARAM = 16
 #: fp32 temporaries of one parameter that torch's single-tensor AdamW step (``foreach=False``) holds at once
@@ -139,15 +139,6 @@ def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_
     return 0.0
 
 
-def ring_workspace_bytes(kv_elems: float, dtype_bytes: int, cp: int) -> float:
-    """K/V and dK/dV blocks of the ring backward: 3 K/V blocks and 4 dK/dV blocks (in flight, received,
-    accumulated) with a ring; without one (``cp = 1``: one kernel call, no accumulator,
-    loongtrain/attn/ring.py) the kernel's dK/dV, packed."""
-    if cp == 1:
-        return kv_elems * dtype_bytes
-    return 3 * kv_elems * dtype_bytes + 4 * kv_elems * acc_bytes(dtype_bytes)
-
-
 def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,
                   full_layer: float, tiles: int) -> dict[str, float]:
     """Bytes live in one block's backward beyond what the step keeps (the blocks' kept sets, module
@@ -156,21 +147,22 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
     - ``mlp``: inside the MLP's backward: the block's recomputed set (``full_layer``), two gradients of the
       residual stream (the block output's and the MLP input's), ``2 * d * r``, and SwiGLU's three
       intermediate gradients (of one tile), ``3 * f * b / n``;
-    - ``attention``: inside the attention kernel's backward: the recomputed set without the MLP's part (its
+    - ``attention``: inside the attention op's backward: the recomputed set without the MLP's part (its
       input ``h``, ``d * r``, its intermediates, with one tile: one tile's, and its norm output when untiled),
-      the residual gradient, the attention output's gradient and the kernel's dQ (``d * b`` each), its dK/dV
-      and the ring's blocks (:func:`ring_workspace_bytes`); with a ring (``cp > 1``) also the fp32 dQ
-      accumulator ``4 * d``. With ``hp > 1`` the same tensors in the heads' layout (the all-to-all's output
-      replaces its input: its packed buffers are not live at this moment, measured at ``hp = 8``).
+      the residual gradient and the attention output's gradient (``d * r + d * b``), the op's results (dQ,
+      packed dK/dV) and its own workspace
+      (:func:`loongtrain.attn.ring.backward_workspace_bytes`: the ring's blocks and fp32 accumulators, or at
+      ``cp = 1`` the kernel's results before they are laid out). With ``hp > 1`` the same tensors in the
+      heads' layout (the all-to-all's output replaces its input).
     """
     b, d, f = dtype_bytes, model.dim, model.ffn_dim
     r = residual_bytes(b, sharded)
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     q_bytes = model.num_heads * model.head_dim * b
-    kv_elems = 2 * t * he * model.head_dim
     mlp_part = d * r + 4 * f * b / tiles + (d * b if tiles == 1 else 0)
-    attention = (full_layer - t * mlp_part + t * (d * r + d * b + q_bytes)
-                 + ring_workspace_bytes(kv_elems, b, layout.cp) + 4 * t * d * (layout.cp > 1))
+    results = t * (q_bytes + 2 * he * model.head_dim * b)  # the op's dQ and packed dK/dV
+    attention = (full_layer - t * mlp_part + t * (d * r + d * b) + results
+                 + backward_workspace_bytes(t, model.num_heads, he, model.head_dim, b, layout.cp))
     swiglu_grads = 3 * f * b / tiles if tiles > 1 else 2 * f * b
     return {"mlp": full_layer + t * (2 * d * r + swiglu_grads), "attention": attention}
 

@@ -182,6 +182,34 @@ def fake_ranks(world: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def attention_workspace() -> Iterator[None]:
+    """Count the attention op's own workspace. MemTracker sees a custom op's inputs and results, not what its
+    implementation allocates inside (the ring's K/V blocks and fp32 accumulators), and under fake tensors the
+    op runs its fake implementation anyway; so each ring backward call holds, while it runs, one buffer of
+    :func:`loongtrain.attn.ring.backward_workspace_bytes` (that description is measured against the ring
+    code itself: tests/test_ring_workspace.py)."""
+    from loongtrain.attn import ops
+    from loongtrain.attn.ring import backward_workspace_bytes
+
+    original = ops.ring_attention_backward
+
+    def with_workspace(dout, q, k, v, out, lse, ring, *args):
+        b, s, h, d = q.shape
+        nbytes = backward_workspace_bytes(b * s, h, k.shape[2], d, q.element_size(), len(ops._RINGS[ring].ranks))
+        workspace = torch.empty(int(nbytes), dtype=torch.uint8, device=q.device)
+        try:
+            return original(dout, q, k, v, out, lse, ring, *args)
+        finally:
+            del workspace
+
+    ops.ring_attention_backward = with_workspace
+    try:
+        yield
+    finally:
+        ops.ring_attention_backward = original
+
+
 def _batch(model: ModelConfig, seq_len: int, batch: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, model.vocab_size, (batch, seq_len))
     return {"input_ids": ids, "labels": ids, "position_ids": torch.arange(seq_len).expand(batch, seq_len)}
@@ -251,7 +279,7 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
             parallelize_module.fsdp_device_mesh(device, world, parallel.shard_size(world))
         modes = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if fake
                  else contextlib.nullcontext())
-        with modes, _noop_to_is_identity():
+        with modes, _noop_to_is_identity(), attention_workspace():
             # cfg.model names a preset: the native decoder of `model`; the batches are made here, not read
             trainer = Trainer(Run(cfg, model), mesh, device, batches=lambda *args: iter(()))
             peak, parts, host, host_parts = tracked_step(trainer, _batch(model, seq_len, batch))
