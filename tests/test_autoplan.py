@@ -35,9 +35,9 @@ def test_plan_auto_on_cpu_under_torchrun_needs_a_cluster(monkeypatch):
 
 
 def test_plan_auto_picks_offload_when_needed_and_reports_a_host_shortfall(tmp_path):
-    """tiny at 64K on 4 fp32 CPU ranks: 124.0 MiB per device at best without host memory (tiled MLP), 122.8
-    MiB with parameter offload, 114.8 MiB with both offloads (67.3 MiB of host memory per node: the offloaded
-    block inputs, the states and the AdamW step's temporaries). On 123.4 MiB devices only the offload modes
+    """tiny at 64K on 4 fp32 CPU ranks: 116.0 MiB per device at best without host memory (tiled MLP), 114.8
+    MiB with parameter offload, 106.8 MiB with both offloads (67.3 MiB of host memory per node: the offloaded
+    block inputs, the states and the AdamW step's temporaries). On 115.4 MiB devices only the offload modes
     fit; with 1 KiB of host memory nothing does, and --plan auto says so before any worker starts."""
     from dataclasses import replace
 
@@ -45,11 +45,11 @@ def test_plan_auto_picks_offload_when_needed_and_reports_a_host_shortfall(tmp_pa
     from tests.test_plan import toy_cluster
 
     path = tmp_path / "c.toml"
-    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=123.4 / 1024, host_memory_gib=1.0)))
+    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=115.4 / 1024, host_memory_gib=1.0)))
     cfg = TrainConfig(model="tiny", seq_len=65536, plan="auto", plan_cluster=str(path))
     picked = apply_plan(cfg, 4, under_launcher=True).parallel
     assert picked.offload_params or picked.offload_activations, picked.label()
-    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=123.4 / 1024, host_memory_gib=1e-6)))
+    path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=115.4 / 1024, host_memory_gib=1e-6)))
     shortfall = r"(?s)--plan auto on toy: nothing fits.*needs 0.0673 GiB of host memory per node"
     with pytest.raises(ValueError, match=shortfall):
         apply_plan(cfg, 4, under_launcher=True)

@@ -140,10 +140,11 @@ def ring_attention_backward(
 
 @ring_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, ring, causal, scale, cu_seqlens, sliding_window, chunk_order):
-    # the real results are [.., heads, S_c, D] tensors seen as [.., S_c, heads, D]: the same strides here
+    # the real dq is [B, S_c, H, D] storage (attn/step.BackwardStep, attn/ring.whole_backward), dK/dV
+    # [2, B, Hkv, S_c, D] seen as [2, B, S_c, Hkv, D]: the same strides here
     b, s, h, d = q.shape
     hkv = k.shape[2]
-    return q.new_empty((b, h, s, d)).transpose(1, 2), k.new_empty((2, b, hkv, s, d)).transpose(2, 3)
+    return q.new_empty((b, s, h, d)), k.new_empty((2, b, hkv, s, d)).transpose(2, 3)
 
 
 def _bhsd(x: Tensor) -> Tensor:

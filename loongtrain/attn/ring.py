@@ -214,7 +214,7 @@ def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim:
     """Bytes :func:`ring_backward_packed` holds at its peak beyond its inputs and its results (dQ, packed
     dK/dV), for ``tokens`` local query tokens of ``heads`` heads against ``kv_heads`` (measured against the
     code: tests/test_ring_workspace.py). The kernel's dQ, dK and dV of the piece being accumulated (at
-    ``cp = 1`` the one call's, until they are laid out as the results), and with a ring (``cp > 1``) also
+    ``cp = 1`` the one call's dK and dV until they are stacked: its dQ is the result), and with a ring (``cp > 1``) also
     the fp32 (fp64) dQ accumulator, three K/V blocks (in flight, received, being sent) in the input dtype
     and four dK/dV blocks (this block's contribution, the running sum, in flight, received) in the
     accumulators' dtype. The kernel's own scratch is not included (FA2's:
@@ -222,8 +222,8 @@ def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim:
     kv = 2 * tokens * kv_heads * head_dim
     q = tokens * heads * head_dim
     kernel_results = (q + kv) * dtype_bytes
-    if cp == 1:
-        return kernel_results
+    if cp == 1:  # the flash kernels' dQ is the result itself; their dK and dV until stacked
+        return kv * dtype_bytes
     acc = max(4, dtype_bytes)
     return kernel_results + acc * q + 3 * kv * dtype_bytes + 4 * kv * acc
 
@@ -248,9 +248,19 @@ def ring_backward_packed(
 def whole_backward(kernel: Kernel, causal: bool, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                    lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """A ring of one member's backward: one kernel call, its results in the accumulators' layout (dQ
-    ``[B, H, S, D]`` contiguous, dK/dV stacked)."""
+    ``[B, H, S, D]`` seen from ``[B, S, H, D]`` storage, as the flash kernels give it: otherwise copied into
+    it; dK/dV stacked)."""
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, scale)
-    return dq.to(q.dtype).contiguous(), torch.stack([dk, dv]).to(k.dtype)
+    dq = dq.to(q.dtype)
+    if not dq.transpose(1, 2).is_contiguous():
+        dq = token_major(dq)
+    return dq, torch.stack([dk, dv]).to(k.dtype)
+
+
+def token_major(x: Tensor) -> Tensor:
+    """``x [B, H, S, D]`` copied into ``[B, S, H, D]`` storage (the op's result layout), seen as ``[B, H, S, D]``."""
+    b, h, s, d = x.shape
+    return x.new_empty((b, s, h, d)).transpose(1, 2).copy_(x)
 
 
 def _local_members(

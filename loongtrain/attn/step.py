@@ -264,7 +264,8 @@ class BackwardStep:
         self.dout, self.q, self.out, self.lse = dout, q, out, lse
         self.scale, self.kernel = scale, kernel
         self.pieces = Pieces(mask, q.shape[0], q.shape[2], cp, position)
-        self.dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        b, h, sq, d = q.shape  # [B, S, H, D] storage: the op's result layout, so no copy at the end
+        self.dq = torch.zeros((b, sq, h, d), dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
 
     def __call__(self, src: int, block: Tensor) -> Tensor:
         contrib = torch.zeros(block.shape, dtype=self.dq.dtype, device=block.device)
