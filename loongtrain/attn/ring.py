@@ -221,11 +221,10 @@ def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim:
     :data:`loongtrain.attn.kernels.SPLIT_BACKWARD_BYTES`)."""
     kv = 2 * tokens * kv_heads * head_dim
     q = tokens * heads * head_dim
-    kernel_results = (q + kv) * dtype_bytes
     if cp == 1:  # the flash kernels' dQ is the result itself; their dK and dV until stacked
         return kv * dtype_bytes
     acc = max(4, dtype_bytes)
-    return kernel_results + acc * q + 3 * kv * dtype_bytes + 4 * kv * acc
+    return (q + kv) * dtype_bytes + acc * q + 3 * kv * dtype_bytes + 4 * kv * acc
 
 
 def ring_backward_packed(

@@ -63,10 +63,15 @@ def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, nee
     return grad_x, grad_w
 
 
-def _row_chunks(x: Tensor, chunk_elems: int) -> list[tuple[int, int]]:
-    rows = x.numel() // max(1, x.shape[-1])
-    step = max(1, chunk_elems // max(1, x.shape[-1]))
+def row_chunks(rows: int, row_elems: int, chunk_elems: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of ``rows`` rows of ``row_elems`` elements, at most ``chunk_elems`` elements (and at least
+    one row) a chunk; one empty chunk for no rows. The chunking of the norms, RoPE and the fused q/k/v norm."""
+    step = max(1, chunk_elems // max(1, row_elems))
     return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)] or [(0, 0)]
+
+
+def _row_chunks(x: Tensor, chunk_elems: int) -> list[tuple[int, int]]:
+    return row_chunks(x.numel() // max(1, x.shape[-1]), x.shape[-1], chunk_elems)
 
 
 def chunked_forward(x: Tensor, weight: Tensor, eps: float, stats_dtype: torch.dtype | None,

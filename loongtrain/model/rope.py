@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from loongtrain.model.rms_norm import CHUNK_ELEMS
+from loongtrain.model.rms_norm import CHUNK_ELEMS, row_chunks
 
 Tensor = torch.Tensor
 
@@ -44,13 +44,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def _rotate_chunks(x: Tensor, cos: Tensor, sin: Tensor, chunk_elems: int) -> Tensor:
     """:func:`_rotate` over chunks of dim 1 (tokens) of at most ``chunk_elems`` elements."""
-    per_token = max(1, x[:, :1].numel())
-    step = max(1, chunk_elems // per_token)
-    if step >= x.shape[1]:
+    chunks = row_chunks(x.shape[1], x[:, :1].numel(), chunk_elems)
+    if len(chunks) == 1:
         return _rotate(x, cos, sin)
     out = torch.empty_like(x)
-    for lo in range(0, x.shape[1], step):
-        hi = min(x.shape[1], lo + step)
+    for lo, hi in chunks:
         out[:, lo:hi] = _rotate(x[:, lo:hi], cos[:, lo:hi], sin[:, lo:hi])
     return out
 

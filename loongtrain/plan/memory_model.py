@@ -152,7 +152,7 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
       the residual gradient and the attention output's gradient (``d * r + d * b``), the op's results (dQ,
       packed dK/dV) and its own workspace
       (:func:`loongtrain.attn.ring.backward_workspace_bytes`: the ring's blocks and fp32 accumulators, or at
-      ``cp = 1`` the kernel's results before they are laid out). With ``hp > 1`` the same tensors in the
+      ``cp = 1`` the kernel's dK/dV until they are stacked). With ``hp > 1`` the same tensors in the
       heads' layout (the all-to-all's output replaces its input).
     """
     b, d, f = dtype_bytes, model.dim, model.ffn_dim
@@ -218,10 +218,8 @@ def memory_per_rank(
         acts = acts / L * min(L, keep + 2)  # at the loss: the kept blocks and two offloaded ones' copies in flight
     acts += t * final_norm_bytes(d, b, sharded)  # with the loss: its input's gradient (the residual's in backward)
     moments = layer_moments(model, layout, t, b, sharded, full_layer, tiles)
-    if ac_mode == "none":  # the block's set is among the kept ones: only the transients come on top
-        workspace = max(moments["mlp"], moments["attention"]) - full_layer
-    else:
-        workspace = max(moments["mlp"], moments["attention"]) - recompute
+    # beyond the block's set (kept, with ac_mode none, else its recompute: full_layer either way)
+    workspace = max(moments["mlp"], moments["attention"]) - full_layer
     working = working_param_bytes(model, zero_size, ac_mode, b, reshard_after_forward, fsdp=sharded)
     parts = {
         "states": STATE_BYTES_PER_PARAM * p / zero_size,

@@ -32,7 +32,7 @@ from torch import nn
 from loongtrain.hf.families import decoder_layers
 from loongtrain.hf.norms import LLAMA_RMS_NORMS
 from loongtrain.model.llama import RMSNorm
-from loongtrain.model.rms_norm import CHUNK_ELEMS, chunked_backward, chunked_forward
+from loongtrain.model.rms_norm import CHUNK_ELEMS, chunked_forward, rms_norm_backward, rms_norm_forward, row_chunks
 
 Tensor = torch.Tensor
 
@@ -41,31 +41,33 @@ NORM_AND_PROJECTIONS = (("attention_norm", "attention", ("wq", "wk", "wv")),
                         ("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")))
 
 
-def _chunks(rows: int, dim: int, chunk_elems: int) -> list[tuple[int, int]]:
-    step = max(1, chunk_elems // max(1, dim))
-    return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)] or [(0, 0)]
+def _accumulate(total: Tensor | None, part: Tensor, chunks: int, acc: torch.dtype) -> Tensor:
+    """One chunk's weight (or bias) gradient added to the sum: as it is for one chunk, else in ``acc``."""
+    if chunks == 1:
+        return part
+    return part.to(acc) if total is None else total + part
 
 
 class NormLinear(torch.autograd.Function):
     """Forward: ``(x [..., D], norm_weight [D], eps, stats_dtype, weight [O, D], bias [O] | None,
     chunk_elems) -> linear(rms_norm(x), weight, bias)``; saves ``x``, the per-token scale and the weights.
     Backward: per chunk of rows, the norm's output rebuilt, ``d weight += dy^T n``, ``dn = dy W``, ``dx``
-    through the norm's backward (:func:`~loongtrain.model.rms_norm.chunked_backward`)."""
+    through the norm's backward (:func:`~loongtrain.model.rms_norm.rms_norm_backward`)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, norm_weight: Tensor, eps: float, stats_dtype: torch.dtype | None,
                 weight: Tensor, bias: Tensor | None, chunk_elems: int) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        chunks = _chunks(rows.shape[0], rows.shape[1], chunk_elems)
+        chunks = row_chunks(rows.shape[0], rows.shape[1], chunk_elems)
         scales = []
         if len(chunks) == 1:
-            normed, rstd = chunked_forward(rows, norm_weight, eps, stats_dtype, chunk_elems)
+            normed, rstd = rms_norm_forward(rows, norm_weight, eps, stats_dtype)
             out = F.linear(normed, weight, bias)
             scales.append(rstd)
         else:
             out = None  # in the chunks' dtype (under autocast the matmul's, not the inputs')
             for lo, hi in chunks:
-                normed, rstd = chunked_forward(rows[lo:hi], norm_weight, eps, stats_dtype, chunk_elems)
+                normed, rstd = rms_norm_forward(rows[lo:hi], norm_weight, eps, stats_dtype)
                 part = F.linear(normed, weight, bias)
                 if out is None:
                     out = part.new_empty((rows.shape[0], part.shape[-1]))
@@ -80,23 +82,21 @@ class NormLinear(torch.autograd.Function):
         x, norm_weight, rstd, weight = ctx.saved_tensors
         need_x, need_nw, _, _, need_w, need_b, _ = ctx.needs_input_grad
         rows, grads = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        chunks = _chunks(rows.shape[0], rows.shape[1], ctx.chunk_elems)
+        chunks = row_chunks(rows.shape[0], rows.shape[1], ctx.chunk_elems)
         acc = torch.promote_types(torch.float32, weight.dtype)
         grad_x = torch.empty_like(rows) if need_x else None
         grad_nw = torch.zeros(norm_weight.shape, dtype=acc, device=x.device) if need_nw else None
         grad_w = grad_b = None
         for lo, hi in chunks:
             g = grads[lo:hi]
-            normed, _ = chunked_forward(rows[lo:hi], norm_weight, ctx.eps, ctx.stats_dtype, ctx.chunk_elems)
+            normed, _ = rms_norm_forward(rows[lo:hi], norm_weight, ctx.eps, ctx.stats_dtype)
             if need_w:
-                part = g.t() @ normed.to(g.dtype)
-                grad_w = part if len(chunks) == 1 else (part.to(acc) if grad_w is None else grad_w + part)
+                grad_w = _accumulate(grad_w, g.t() @ normed.to(g.dtype), len(chunks), acc)
             if need_b and ctx.has_bias:
-                part = g.sum(0)
-                grad_b = part if len(chunks) == 1 else (part.to(acc) if grad_b is None else grad_b + part)
+                grad_b = _accumulate(grad_b, g.sum(0), len(chunks), acc)
             if need_x or need_nw:
-                gx, gnw = chunked_backward((g @ weight.to(g.dtype)).to(normed.dtype), rows[lo:hi], norm_weight,
-                                           rstd[lo:hi], need_x, need_nw, ctx.chunk_elems)
+                gx, gnw = rms_norm_backward((g @ weight.to(g.dtype)).to(normed.dtype), rows[lo:hi], norm_weight,
+                                            rstd[lo:hi], need_x, need_nw)
                 if grad_x is not None:
                     grad_x[lo:hi] = gx
                 if grad_nw is not None:
