@@ -94,6 +94,10 @@ def test_host_memory_decides_fit_and_the_message_names_it():
     busy = (slow.breakdown["compute"] - 6 * 256 * 64 * 64 / 2048 + slow.breakdown["ring-outer"]) / 4
     assert slow.breakdown["offload"] == 4 * (2 * 64 * 64 * 2 - busy) > 0
     assert fast.breakdown["offload"] == 0 and fast.step_time < slow.step_time
+    # --offload-keep 2: only the first two blocks' inputs move; the kept ones cost no copy time
+    kept = step_cost(SMALL4, dataclasses.replace(off, offload_keep=2), toy_cluster(host_link_gbyte_s=1e-9),
+                     nodes=1, seq_len=256)
+    assert kept.breakdown["offload"] == 2 * (2 * 64 * 64 * 2 - busy) > 0
     # 64K tokens: the smallest configuration without host memory needs 35.0 MiB per device (tiled MLP), with
     # offload 30.5 MiB and 34.1 MiB of host memory per node; on 33 MiB devices with 1 KiB of host memory
     # nothing fits, and the message says it is the host memory

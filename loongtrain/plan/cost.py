@@ -19,8 +19,9 @@ Per layer, per device (``t = B * S / sp`` tokens, ``P_l`` layer parameters):
 - LM head: ``2 * V * d * t`` forward, 2x backward; its ZeRO traffic is counted as exposed.
 
 - Offload and tiling modes (docs/design.md §9), over the host link ``host_bw`` per device: activation
-  offload copies each block's kept set ``K`` out in forward and back in backward, ``2 * K / host_bw``
-  hidden behind the layer's busy time, the excess exposed (``offload``); parameter offload moves the
+  offload copies each offloaded block's kept set ``K`` (all but the last ``offload_keep``) out in forward
+  and back in backward, ``2 * K / host_bw`` hidden behind the layer's busy time, the excess exposed
+  (``offload``); parameter offload moves the
   fp32 shards in for both gathers and the gradient shard out, ``12 * P_l / z / host_bw`` per layer, hidden
   the same way, plus the CPU AdamW step, ``P / z`` parameters at the node's ``cpu_adam_gparams_s`` shared
   by its ranks; a tiled MLP recomputes its tiles in backward, one more MLP forward (``6 * d * f * t``).
@@ -42,7 +43,7 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
-from loongtrain.plan.memory_model import STATE_BYTES_PER_PARAM, config_memory, layer_params
+from loongtrain.plan.memory_model import config_memory, layer_params
 
 GRAD_BYTES = 4
 
@@ -174,11 +175,10 @@ def offload_time(model: ModelConfig, config: ParallelConfig, cluster: Cluster, w
                  memory: dict[str, float], layer_busy: float) -> float:
     """Exposed seconds per step of the host copies and the CPU AdamW step (module docstring)."""
     L, z = model.num_layers, config.shard_size(world)
-    states = STATE_BYTES_PER_PARAM * num_params(model) / z if config.offload_params else 0.0
-    per_layer = 2 * (memory["host"] - states) / L / cluster.host_bw  # activations out and back
-    if config.offload_params:
-        per_layer += 12 * layer_params(model) / z / cluster.host_bw
-    exposed = L * max(0.0, per_layer - layer_busy)
+    offloaded = L - min(config.offload_keep, L - 1) if config.offload_activations else 0
+    acts = 2 * memory["host_activations"] / offloaded / cluster.host_bw if offloaded else 0.0  # out and back
+    params = 12 * layer_params(model) / z / cluster.host_bw if config.offload_params else 0.0
+    exposed = offloaded * max(0.0, acts + params - layer_busy) + (L - offloaded) * max(0.0, params - layer_busy)
     if config.offload_params:
         ranks = min(world, cluster.gpus_per_node)
         exposed += num_params(model) / z / (cluster.cpu_adam_gparams_s * 1e9 / ranks)

@@ -187,8 +187,8 @@ def memory_per_rank(
     mlp_tiles: str = "1", offload_params: bool = False, offload_keep: int = 0,
 ) -> dict[str, float]:
     """Bytes per device by part (``states``, ``working_params``, ``activations``, ``recompute``, ``logits``,
-    ``workspace``), the step's peak ``total`` (:func:`peak_bytes`) and the pinned ``host`` bytes per rank
-    of the offload modes (module docstring)."""
+    ``workspace``), the step's peak ``total`` (:func:`peak_bytes`), the pinned ``host`` bytes per rank of the
+    offload modes (module docstring) and, of those, the offloaded activations' ``host_activations``."""
     if ac_mode not in AC_MODES:
         raise ValueError(f"ac_mode={ac_mode!r} is not one of {AC_MODES}")
     if zero_size < 1 or layout.world_size % zero_size:
@@ -229,6 +229,7 @@ def memory_per_rank(
         "logits": float(chunked_loss_peak_bytes(int(t), model.vocab_size, d, compute_bytes=b, weight_bytes=b,
                                                 stats_bytes=8 if b == 8 else 4)),
         "workspace": float(workspace),
+        "host_activations": float(host),  # the offloaded blocks' kept sets (the offload copies' bytes)
     }
     if offload_params:  # the states and the AdamW step's temporaries on the host, the larger of two moments:
         # the forward's end (no gradient yet, every offloaded activation) and the AdamW step (no activation)

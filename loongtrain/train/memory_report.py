@@ -291,7 +291,8 @@ def format_prediction(predicted: dict[str, float], measured: dict[str, int]) -> 
     if measured.get("host") or predicted.get("host"):  # the offload modes: the planner's host against the report's
         lines.append(f"| host (offload modes) | {_mib(int(predicted.get('host', 0)))} | "
                      f"{_mib(measured.get('host', 0))} |")
-    transient = {k: v for k, v in predicted.items() if k not in ("total", "states", "activations", "host")}
+    transient = {k: v for k, v in predicted.items()
+                 if k not in ("total", "states", "activations", "host", "host_activations")}
     lines.append(f"| transient ({', '.join(transient)}) | {_mib(int(sum(transient.values())))} | - |")
     lines.append(f"| planner's peak of the step | {_mib(int(predicted['total']))} | - |")
     return "\n".join(lines)
