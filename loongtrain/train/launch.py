@@ -34,7 +34,7 @@ from loongtrain.parallel.runtime import configure_cuda_allocator, default_backen
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.checkpoint import AUTO
-from loongtrain.train.compile import check_compile_run
+from loongtrain.train.compile import check_compile_run, named_compile_failures
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.models import build_run_tokenizer, model_config_for
 from loongtrain.train.offload import offloaded_blocks
@@ -167,7 +167,7 @@ def rank_mesh(rank: int, world: int, cfg: TrainConfig) -> Iterator[tuple[Mesh, t
 def run_worker(rank: int, world: int, run: Run) -> list[dict]:
     """One rank: :func:`rank_mesh`, then train. (The worker function of
     :func:`~loongtrain.parallel.workers.run_local`, and the torchrun rank's.)"""
-    with rank_mesh(rank, world, run.cfg) as (mesh, device):
+    with rank_mesh(rank, world, run.cfg) as (mesh, device), named_compile_failures():  # --compile: §13
         return Trainer(run, mesh, device).train()
 
 
