@@ -100,7 +100,7 @@ def check_loss(device: torch.device, size: dict[str, Any], state: dict[str, Any]
 def check_compile(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.compile import side_by_side
     from loongtrain.model.config import get_preset
-    from loongtrain.train import compile as compile_step
+    from loongtrain.wrap import compile as compile_step
 
     name, seq, steps, warmup, dtype = size["compile"]
     backend = compile_step.BACKEND if device.type == "cuda" else "aot_eager"  # CPU: fast, the same graphs

@@ -15,10 +15,10 @@ from loongtrain.parallel.config import ParallelConfig, mlp_tile_count
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.cli import main
 from loongtrain.plan.cluster import load_cluster
+from loongtrain.plan.config import parse_plan_args
 from loongtrain.plan.cost import step_cost
 from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.memory_model import memory_per_rank
-from loongtrain.plan.options import parse_plan_args
 from loongtrain.plan.search import best_fitting, plan, world_size
 from tests.test_plan import SMALL, toy_cluster
 
