@@ -1,4 +1,4 @@
-"""Cost of checking the attention arguments across ranks on EVERY call (parallel/agreement.py, issue 23).
+"""Cost of checking the attention arguments across ranks on EVERY call (parallel/agreement.py).
 
 One spawn of ``--world`` gloo ranks (``--hp`` x ``--cp``, 1 torch thread each). Per sequence length and
 per round, side by side in the same processes: ``--iters`` forward + backward calls of

@@ -1,4 +1,4 @@
-"""Data benchmarks (issue 21): ``loongtrain prepare`` throughput, and start-up from a prepared corpus.
+"""Data benchmarks: ``loongtrain prepare`` throughput, and start-up from a prepared corpus.
 
 1. **prepare throughput** (tokens/s) on the stdlib corpus ``--copies`` times over (.txt files, shards of
    8 MB of text), with the byte tokenizer and with a BPE

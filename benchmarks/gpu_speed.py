@@ -1,4 +1,4 @@
-"""gpu_check's speed sections (issue 20), kept apart from its exactness sections (``benchmarks/gpu_check.py``
+"""gpu_check's speed sections, kept apart from its exactness sections (``benchmarks/gpu_check.py``
 imports them into its ``SECTIONS``):
 
 - ``kernel_choice``: every candidate kernel's forward and backward time, separately, on a dense causal call

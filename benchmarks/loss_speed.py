@@ -4,7 +4,7 @@
 ``unchunked`` is ``sharded_cross_entropy(F.linear(hidden, weight), ...)``; ``chunked`` computes each chunk's
 logits, log-sum-exp and gradients in one pass. Each round times the unchunked loss right before the chunked
 one (``--iters`` each, median); the table gives the per-round medians' median and min-max of the ratio
-chunked / unchunked (the GPU target is <= 1.2, issue 20). Prints markdown starting with the command.
+chunked / unchunked (the GPU target is <= 1.2). Prints markdown starting with the command.
 
     python -m benchmarks.loss_speed --vocab 32768 --tokens 4096 --dim 256 --chunk-tokens 256
     python -m benchmarks.loss_speed --device cuda --vocab 131072 --tokens 16384 --dim 4096 --dtype bf16

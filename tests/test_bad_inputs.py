@@ -1,4 +1,4 @@
-"""Bad inputs a new user writes (issue 23): files that parse but say the wrong thing, outputs that would
+"""Bad inputs a new user writes: files that parse but say the wrong thing, outputs that would
 destroy files, bytes that are not text, usage and TOML errors of every subcommand. Each one exits 2
 before any worker starts (within 10 s), with one line on stderr naming the file or option, no
 traceback, and every file of the fixture untouched (hashed before and after).

@@ -1,4 +1,4 @@
-"""Start-up does each piece of work once (issue: one training path): every rank tokenizes each document
+"""Start-up does each piece of work once (one training path): every rank tokenizes each document
 of the corpus once, with the memory report on, and the launcher builds the tokenizer once."""
 
 from __future__ import annotations
