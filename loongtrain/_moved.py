@@ -28,6 +28,7 @@ MOVED = {
     "loongtrain.eval.launch": "loongtrain.launch.eval_run",
     "loongtrain.plan.options": "loongtrain.plan.config",
     "loongtrain.data.prepare_cli": "loongtrain.data.cli",
+    "loongtrain.train.fault_injection": "loongtrain.parallel.failures",
 }
 
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from loongtrain.launch import torchrun
 from loongtrain.launch.train_run import prepare_run
+from loongtrain.parallel.failures import _parse, kill_point
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.fault_injection import _parse, kill_point
 
 
 @pytest.fixture

@@ -25,12 +25,12 @@ from torch import nn
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
+from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.train.batch import Batch, BatchSharding
 from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
-from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
@@ -115,7 +115,7 @@ class Trainer:
         bad_steps = 0
         try:
             for step in range(start, end):
-                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
+                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (parallel/failures.py)
                 record = self._timed_step(step, batches, peak, mem_fields)
                 record.update(validation.after_step(step + 1))  # {"val_loss": ...} when due, else {}
                 records.append(record)
