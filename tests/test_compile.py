@@ -22,10 +22,10 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer, rope_cos_sin
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train import compile as compile_step
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.memory_report import trainer_memory_report
-from loongtrain.train.parallelize import parallelize
+from loongtrain.wrap import compile as compile_step
+from loongtrain.wrap.parallelize import parallelize
 
 TOL = 1e-10
 SEQ = 32
@@ -115,7 +115,7 @@ def _deep_model(family: str) -> torch.nn.Module:
 def test_twelve_blocks_share_at_most_two_graphs_and_train_like_eager(family):
     """All blocks run one compiled graph (two: one more once a batch without documents follows documents),
     never near dynamo's recompile limit (8), without graph breaks; gradients equal eager's (fp64)."""
-    from loongtrain.train.models import loss_inputs
+    from loongtrain.train.run_model import loss_inputs
 
     parallel, cpu = ParallelConfig(ac_mode="selective"), torch.device("cpu")
     eager = parallelize(_deep_model(family), single_process_mesh(), parallel, cpu)

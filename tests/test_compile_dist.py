@@ -5,7 +5,7 @@
   layout, compiled training equals eager training (fp64, 3 AdamW steps, losses and parameters to 1e-10), all
   blocks run one compiled graph, and under compile Selective++ still runs ring attention once per layer in
   forward and never in backward, sending exactly the backward traffic of no checkpointing (the assertion of
-  tests/test_checkpointing.py).
+  tests/test_recompute.py).
 - **The ops' fake implementations** give the real sizes, strides and storage offsets
   (``torch.library.opcheck``) for every call the ring makes at ``hp x cp`` = 2x2, 4x1 (one member: the whole
   path, KV heads replicated), 1x4 and 1x4 as a double ring (window 2), batch 1 and 2 (an all-to-all's
@@ -68,8 +68,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train import compile as compile_step
     from loongtrain.train.memory_report import trainer_loss_fn
+    from loongtrain.wrap import compile as compile_step
     from tests.counting import count_ring_forward
     from tests.test_compile import doc_batch
     from tests.test_zero import compare, full_params, make_trainer, model_config
