@@ -25,6 +25,7 @@ from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.memory_report import trainer_memory_report
 from loongtrain.wrap import compile as compile_step
+from loongtrain.wrap import compile_errors
 from loongtrain.wrap.parallelize import parallelize
 
 TOL = 1e-10
@@ -182,7 +183,7 @@ def test_missing_compiler_is_named(monkeypatch, tmp_path):
     import sysconfig
 
     monkeypatch.setattr(compile_step, "BACKEND", "inductor")
-    assert compile_step.missing_compiler("cpu") is None  # this machine builds inductor's kernels
+    assert compile_errors.missing_compiler("cpu", "inductor") is None  # this machine builds inductor's kernels
     which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match="C\\+\\+ compiler.*--compile off"):
@@ -221,7 +222,7 @@ def test_compile_failure_names_block_and_op():
     model = parallelize(Transformer(MODEL).double(), single_process_mesh(), ParallelConfig(),
                         torch.device("cpu"))
     compile_step.compile_block(model.layers[1], "layers.1", backend=failing_backend)
-    with pytest.raises(compile_step.CompileError, match=r"decoder block layers\.1 at op aten\.\w+.*--compile off"
+    with pytest.raises(compile_errors.CompileError, match=r"decoder block layers\.1 at op aten\.\w+.*--compile off"
                        ) as failure:
         model(torch.randint(0, MODEL.vocab_size, (1, SEQ)))
     assert "\n" not in str(failure.value) and restartable(failure.value)[0] is False  # one line; no retry
@@ -254,14 +255,14 @@ def test_compiled_backward_failure_names_the_block_in_flight_and_the_op():
         if i == 1:
             compile_step.compile_block(block, "layers.1", backend=_wrong_stride_backend())
     loss = model(torch.randint(0, MODEL.vocab_size, (1, SEQ))).square().mean()
-    with pytest.raises(compile_step.CompileError) as failure, compile_step.named_compile_failures():
+    with pytest.raises(compile_errors.CompileError) as failure, compile_errors.named_compile_failures():
         loss.backward()
     message = str(failure.value)
     assert message.startswith("torch.compile failed on decoder block layers.1 at op "
                               "loongtrain.head_all_to_all.default: AssertionError: expected size"), message
     assert message.endswith("; run with --compile off") and "\n" not in message, message
     # an error of an op the compiled code calls (not of the compiler) passes unchanged
-    with pytest.raises(RuntimeError, match="^peer closed$"), compile_step.named_compile_failures():
+    with pytest.raises(RuntimeError, match="^peer closed$"), compile_errors.named_compile_failures():
         raise RuntimeError("peer closed")
 
 
@@ -285,10 +286,12 @@ def test_compile_on_end_to_end_trains_like_eager(tmp_path):
 
 
 def test_compile_on_without_a_compiler_exits_2_before_any_worker(monkeypatch, tmp_path, capsys):
+    import shutil
+
     from loongtrain.cli import main
 
     monkeypatch.setattr(compile_step, "BACKEND", "inductor")
-    monkeypatch.setattr(compile_step.shutil, "which", lambda name: None)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
     assert main(["train", "--compile", "on", "--nproc", "4", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--compile on" in err and "C++ compiler" in err, err

@@ -39,7 +39,8 @@ from loongtrain.train.checkpoint import AUTO
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.run_model import build_run_tokenizer, model_config_for
 from loongtrain.train.trainer import Trainer
-from loongtrain.wrap.compile import check_compile_run, named_compile_failures
+from loongtrain.wrap.compile import check_compile_run
+from loongtrain.wrap.compile_errors import named_compile_failures
 from loongtrain.wrap.offload import offloaded_blocks
 from loongtrain.wrap.recompute import recomputed_layers
 

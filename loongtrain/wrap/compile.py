@@ -21,25 +21,24 @@ compile only with ``--compile on``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
-import importlib.util
 import inspect
 import logging
-import os
-import re
-import shutil
-import subprocess
-import sys
-import sysconfig
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from loongtrain.wrap.compile_errors import (
+    CompileError,
+    compile_failure,
+    enter_forward,
+    from_compiler,
+    mark_backward,
+    missing_compiler,
+)
 
 log = logging.getLogger("loongtrain.train")
 
@@ -57,13 +56,6 @@ BACKEND = "inductor"
 _MASK_ARGS = ("cu_seqlens", "chunk_order")
 
 
-class CompileError(RuntimeError):
-    """torch.compile failed on a decoder block (the message names the block, the op, and ``--compile off``).
-    A restart would fail the same way: the launcher does not retry it."""
-
-    restartable = False
-
-
 def compile_enabled(mode: str, device: torch.device) -> bool:
     """Whether ``--compile mode`` compiles on ``device`` (module docstring); ValueError for an unknown mode."""
     if mode not in COMPILE_MODES:
@@ -76,72 +68,6 @@ def compile_enabled(mode: str, device: torch.device) -> bool:
     return mode == "on"
 
 
-def missing_compiler(device_type: str, backend: str | None = None) -> str | None:
-    """What ``torch.compile`` with ``backend`` lacks on ``device_type`` (a sentence), or None. Cheap (no
-    torch compilation), the pieces it needs: dynamo on this Python, and for inductor on CPU a C++ compiler
-    that builds against Python's headers (``Python.h``: inductor binds each kernel to Python) with OpenMP
-    (``omp.h``, ``-fopenmp``), checked by compiling a two-line probe; on CUDA Triton, which builds its
-    launchers with a C compiler against the same ``Python.h``."""
-    backend = backend or BACKEND
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
-        return (f"torch._dynamo does not support Python {sys.version_info.major}.{sys.version_info.minor} with "
-                f"torch {torch.__version__}")
-    if backend != "inductor":
-        return None
-    headers = _python_headers()
-    if device_type == "cuda":
-        if importlib.util.find_spec("triton") is None:
-            return "the inductor backend needs Triton on CUDA, and the 'triton' package is not installed"
-        cc = [c for c in (os.environ.get("CC"), "clang", "gcc", "cc") if c]
-        if not any(shutil.which(c) for c in cc):
-            return f"Triton builds its kernel launchers with a C compiler, and none of {cc} is on PATH (install gcc)"
-        return None if headers else _no_python_headers()
-    from torch._inductor import config as inductor_config
-
-    cxx = inductor_config.cpp.cxx
-    names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c] or ["g++"]
-    found = next((shutil.which(str(c)) for c in names if shutil.which(str(c))), None)
-    if found is None:
-        return (f"the inductor backend needs a C++ compiler on CPU, and none of {names} is on PATH "
-                f"(install g++ or set CXX)")
-    if not headers:
-        return _no_python_headers()
-    return _probe_compile(found, tuple(headers))
-
-
-def _python_headers() -> list[str]:
-    """The include directories inductor passes for Python's headers that hold ``Python.h`` (none: missing)."""
-    dirs = {sysconfig.get_path("include"), sysconfig.get_path("include", scheme="posix_prefix")}
-    return sorted(d for d in dirs if d and (Path(d) / "Python.h").is_file())
-
-
-def _no_python_headers() -> str:
-    where = sysconfig.get_path("include")
-    return (f"the inductor backend compiles its kernels against Python's C headers, and Python.h is not in "
-            f"{where} (install the Python development headers, e.g. python{sys.version_info.major}."
-            f"{sys.version_info.minor}-dev)")
-
-
-@functools.cache
-def _probe_compile(compiler: str, headers: tuple[str, ...]) -> str | None:
-    """Compile ``#include <Python.h>`` and ``#include <omp.h>`` with ``-fopenmp`` (syntax only): the
-    compiler's first error line if that fails, else None."""
-    source = "#include <Python.h>\n#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
-    cmd = [compiler, "-fopenmp", "-fsyntax-only", "-x", "c++", *(f"-I{d}" for d in headers), "-"]
-    try:
-        done = subprocess.run(cmd, input=source, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"the C++ compiler {compiler} did not run ({type(exc).__name__}: {exc})"
-    if done.returncode == 0:
-        return None
-    lines = [ln.strip() for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
-    first = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else f"exit {done.returncode}")
-    what = "OpenMP (omp.h, -fopenmp; e.g. libgomp or libomp-dev)" if "omp" in first.lower() else "Python.h"
-    return (f"the C++ compiler {compiler} cannot build inductor's kernels: it lacks {what}: {first}")
-
-
 def check_compile_backend(mode: str, device_type: str) -> None:
     """Launcher validation: ValueError naming the missing piece if ``--compile mode`` would compile on
     ``device_type`` and torch cannot (:func:`missing_compiler`)."""
@@ -150,7 +76,7 @@ def check_compile_backend(mode: str, device_type: str) -> None:
         raise ValueError(f"--compile={mode!r} is not one of {COMPILE_MODES}")
     if not wants:
         return
-    missing = missing_compiler(device_type)
+    missing = missing_compiler(device_type, BACKEND)
     if missing is not None:
         raise ValueError(f"--compile {mode}: {missing}; run with --compile off")
 
@@ -215,7 +141,7 @@ def compile_block(block: nn.Module, name: str, backend: str | None = None) -> No
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = block_inputs(signature, args, kwargs)
-        _IN_FLIGHT.block = name
+        enter_forward(name)
         try:
             with torch.compiler.config.patch(cache_key_tag=_cache_key_tag()):
                 out = compiled(*args, **kwargs)
@@ -223,96 +149,13 @@ def compile_block(block: nn.Module, name: str, backend: str | None = None) -> No
             if isinstance(exc, CompileError) or not from_compiler(exc):
                 raise
             raise CompileError(compile_failure(name, exc)) from exc
-        _mark_backward(out, name)
+        mark_backward(out, name)
         return out
 
     block.forward = run
 
 
-# --------------------------------------------------------------------------------------------------
-# Failures: which block, which op
-
-class _InFlight(threading.local):
-    block: str | None = None  # the compiled block whose forward, or (from its output's gradient on) backward, runs
-
-
-_IN_FLIGHT = _InFlight()
-
-
-def _mark_backward(out: Any, name: str) -> None:
-    """Record ``name`` as the block in flight when the gradient of its output arrives (its backward runs next)."""
-    first = out[0] if isinstance(out, (tuple, list)) and out else out
-    if isinstance(first, torch.Tensor) and first.requires_grad:
-        first.register_hook(functools.partial(_entering_backward, name))
-
-
-def _entering_backward(name: str, grad: torch.Tensor) -> None:
-    _IN_FLIGHT.block = name
-
-
-#: where torch.compile's own code lives (dynamo, AOT autograd, inductor); its generated code lives in inductor's
-#: cache directory
-_COMPILER_PACKAGES = tuple(os.path.join("torch", part) + os.sep for part in ("_dynamo", "_functorch", "_inductor"))
-
-
-def from_compiler(exc: BaseException) -> bool:
-    """Whether ``exc`` is a compile failure: raised by dynamo, or from torch.compile's machinery or the code it
-    generated (the innermost frame), not by an op the compiled code calls (a collective's failure, a
-    ValueError of an op's argument check)."""
-    if isinstance(exc, torch._dynamo.exc.TorchDynamoException):
-        return True
-    if isinstance(exc, ValueError):
-        return False
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    if tb is None:
-        return False
-    filename = tb.tb_frame.f_code.co_filename
-    return any(part in filename for part in _COMPILER_PACKAGES) or filename.startswith(_generated_code_dir())
-
-
-def _generated_code_dir() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "")
-
-
-@contextlib.contextmanager
-def named_compile_failures() -> Iterator[None]:
-    """Re-raise a compile failure (:func:`from_compiler`) escaping the body, e.g. from a compiled block's
-    backward (``loss.backward()``), as a one-line :class:`CompileError` naming the block in flight, the op and
-    ``--compile off``; anything else passes unchanged."""
-    try:
-        yield
-    except Exception as exc:
-        if isinstance(exc, CompileError) or not from_compiler(exc):
-            raise
-        raise CompileError(compile_failure(_IN_FLIGHT.block or "(none in flight)", exc)) from exc
-
-
-def compile_failure(name: str, exc: BaseException) -> str:
-    """One line for a failed compile: the block, the op (the first ``aten.*``/``loongtrain.*`` name in the
-    error, else the failing source line) and the way out."""
-    text = str(exc)
-    op = re.search(r"\b(?:aten|loongtrain|prims)\.\w+(?:\.\w+)?", text)
-    where = op.group(0) if op else _user_frame(exc)
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return (f"torch.compile failed on decoder block {name} at op {where}: {type(exc).__name__}: {first}; "
-            f"run with --compile off")
-
-
-def _user_frame(exc: BaseException) -> str:
-    stack = getattr(exc, "real_stack", None)
-    if stack:
-        frame = stack[-1]
-        return f"{frame.filename}:{frame.lineno} ({frame.line})"
-    return "unknown"
-
-
-# --------------------------------------------------------------------------------------------------
 # The cache key
-
 #: the files whose code the compiled graphs depend on beyond what inductor's cache keys see: the custom ops'
 #: schemas and fake implementations (the output strides a compiled graph asserts)
 _OPS_SOURCES = ("attn/ops.py", "parallel/comm.py")
