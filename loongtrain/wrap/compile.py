@@ -132,8 +132,7 @@ def _as_tensors(name: str, value: Any) -> Any:
 
 
 def compile_block(block: nn.Module, name: str, backend: str | None = None) -> None:
-    """Replace ``block.forward`` by its compiled version (module docstring). The compiled code is cached
-    (inductor's caches) under a key that includes :func:`ops_digest`."""
+    """Replace ``block.forward`` by its compiled version (module docstring)."""
     forward = block.forward
     original = block.__dict__.get("_loongtrain_forward", forward)
     signature = inspect.signature(original)
@@ -143,8 +142,7 @@ def compile_block(block: nn.Module, name: str, backend: str | None = None) -> No
         args, kwargs = block_inputs(signature, args, kwargs)
         enter_forward(name)
         try:
-            with torch.compiler.config.patch(cache_key_tag=_cache_key_tag()):
-                out = compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
         except Exception as exc:
             if isinstance(exc, CompileError) or not from_compiler(exc):
                 raise
@@ -156,6 +154,7 @@ def compile_block(block: nn.Module, name: str, backend: str | None = None) -> No
 
 
 # The cache key
+
 #: the files whose code the compiled graphs depend on beyond what inductor's cache keys see: the custom ops'
 #: schemas and fake implementations (the output strides a compiled graph asserts)
 _OPS_SOURCES = ("attn/ops.py", "parallel/comm.py")
@@ -172,15 +171,20 @@ def ops_digest() -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_key_tag() -> str:
-    """torch.compile's cache key tag with :func:`ops_digest` added (a tag the user set is kept)."""
+def tag_compile_cache() -> None:
+    """Add ``loongtrain-ops-<ops_digest()>`` to torch.compile's cache key tag (``torch.compiler.config``, for the
+    process: set once, not around each call, which would cost a config patch per block call), keeping a tag
+    the user set."""
     user = torch.compiler.config.cache_key_tag
     ours = f"loongtrain-ops-{ops_digest()}"
-    return ours if not user or ours in user else f"{user}+{ours}"
+    if ours not in user:
+        torch.compiler.config.cache_key_tag = f"{user}+{ours}" if user else ours
 
 
 def compile_blocks(model: nn.Module, layers: list[nn.Module], backend: str | None = None) -> list[str]:
-    """The compile step: :func:`compile_block` on each decoder block of ``model``; returns their names."""
+    """The compile step: :func:`compile_block` on each decoder block of ``model`` (the compile cache tagged
+    with the ops' digest: :func:`tag_compile_cache`); returns their names."""
+    tag_compile_cache()
     names = {id(m): n for n, m in model.named_modules()}
     compiled = []
     for block in layers:
