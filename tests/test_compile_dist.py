@@ -8,8 +8,9 @@
   tests/test_recompute.py).
 - **The ops' fake implementations** give the real sizes, strides and storage offsets
   (``torch.library.opcheck``) for every call the ring makes at ``hp x cp`` = 2x2, 4x1 (one member: the whole
-  path, KV heads replicated), 1x4 and 1x4 as a double ring (window 2), batch 1 and 2 (an all-to-all's
-  result is a view for batch 1, a copy otherwise), with and without documents (and the balanced layout).
+  path, KV heads replicated), 1x4 and 1x4 as a double ring (window 2): batch 1 with documents in the
+  balanced layout, batch 2 without documents, with a sliding window (an all-to-all's result is a view for
+  batch 1, a copy otherwise).
 - A measured attention-kernel choice that differs between ranks becomes rank 0's on every rank.
 """
 
@@ -38,32 +39,32 @@ def _opcheck_layouts() -> dict[str, int]:
     from loongtrain.parallel.sharding import shard_sequence
     from tests.counting import record_loongtrain_ops
 
-    seq, checked = 64, {}
+    seq, docs, checked = 64, [0, 5, 30, 41, 64], {}
     for hp, cp, window in LAYOUTS:
         mesh = init_mesh(hp, cp, window=window)
-        for batch in (1, 2):
-            for docs in (None, [0, 5, 30, 41, seq]):
-                gen = torch.Generator().manual_seed(batch)
-                q, k, v = (torch.randn(batch, seq, h, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
-                order = balanced_chunk_order([docs] * batch, seq, cp, hp) if docs else None
-                local = [shard_sequence(t, mesh, 1, order).requires_grad_() for t in (q, k, v)]
-                masks = {"cu_seqlens": [torch.tensor(docs)] * batch, "chunk_order": order,
-                         "sliding_window": 20 if batch == 2 else None} if docs else {}
-                with record_loongtrain_ops() as calls:
-                    attention(*local, mesh, **masks).square().sum().backward()
-                for op, args in calls:
-                    tests = ("test_schema", "test_faketensor")
-                    if "backward" not in str(op):  # the forward ops' autograd is registered
-                        args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                                     else a for a in args)
-                        tests += ("test_autograd_registration",)
-                    torch.library.opcheck(op, args, test_utils=tests)
-                    name = f"{hp}x{cp}/{window} {op}"
-                    checked[name] = checked.get(name, 0) + 1
+        # batch 1 with documents in the balanced layout; batch 2 without, with a sliding window
+        for batch, masks in ((1, {"cu_seqlens": [torch.tensor(docs)],
+                                  "chunk_order": balanced_chunk_order([docs], seq, cp, hp)}),
+                             (2, {"sliding_window": 20})):
+            gen = torch.Generator().manual_seed(batch)
+            q, k, v = (torch.randn(batch, seq, h, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2))
+            local = [shard_sequence(t, mesh, 1, masks.get("chunk_order")).requires_grad_() for t in (q, k, v)]
+            with record_loongtrain_ops() as calls:
+                attention(*local, mesh, **masks).square().sum().backward()
+            for op, args in calls:
+                tests = ("test_schema", "test_faketensor")
+                if "backward" not in str(op):  # the forward ops' autograd is registered
+                    args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                 else a for a in args)
+                    tests += ("test_autograd_registration",)
+                torch.library.opcheck(op, args, test_utils=tests)
+                name = f"{hp}x{cp}/{window} {op}"
+                checked[name] = checked.get(name, 0) + 1
     return checked
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
+    import torch
     from torch._dynamo.utils import counters
 
     from loongtrain.parallel.comm import CommCounter
@@ -76,6 +77,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {"opcheck": _opcheck_layouts()}
     compile_step.BACKEND = "inductor"  # --compile on's backend (the unit tests use aot_eager)
+    torch._inductor.config.compile_threads = 1  # no compile-worker pool per rank: 4 ranks share 2 cores
     mesh = init_mesh(2, 2)
     opts = {"doc_mask": "on", "chunk_layout": "balanced"}
     runs = {}
