@@ -276,23 +276,34 @@ def test_compiled_backward_failure_names_the_block_in_flight_and_the_op():
         raise RuntimeError("peer closed")
 
 
-def test_compile_on_end_to_end_trains_like_eager(tmp_path):
+def test_compile_on_end_to_end_trains_like_eager_and_a_compile_failure_stops_it_in_one_line(
+        tmp_path, monkeypatch, capsys):
     from loongtrain.cli import main
     from loongtrain.train.metrics import read_jsonl
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(200)))
     losses = {}
-    for mode in ("off", "on"):
-        out = tmp_path / mode
+
+    def train(mode: str) -> int:
         argv = ["train", "--model", "tiny", "--nproc", "1", "--hp", "1", "--cp", "1", "--steps", "3",
-                "--warmup", "1", "--seq-len", "64", "--corpus", str(corpus), "--out-dir", str(out),
+                "--warmup", "1", "--seq-len", "64", "--corpus", str(corpus), "--out-dir", str(tmp_path / mode),
                 "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",
-                "--no-memory-report", "--compile", mode]
-        assert main(argv) == 0
-        losses[mode] = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
+                "--no-memory-report", "--compile", "off" if mode == "off" else "on"]
+        return main(argv)
+
+    for mode in ("off", "on"):
+        assert train(mode) == 0
+        losses[mode] = [r["loss"] for r in read_jsonl(tmp_path / mode / "metrics.jsonl")]
     assert len(losses["on"]) == 3 and losses["on"] == pytest.approx(losses["off"], rel=1e-6, abs=1e-6), losses
     assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+    capsys.readouterr()
+    monkeypatch.setattr(compile_step, "BACKEND", _wrong_stride_backend())  # fails in the first backward
+    assert train("failing") == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("loongtrain train:")]
+    assert len(err) == 1 and err[0].startswith("loongtrain train: training failed: torch.compile failed on decoder "
+                                               "block layers.1 at op loongtrain.head_all_to_all"), err
+    assert err[0].endswith("run with --compile off"), err
 
 
 def test_compile_on_without_a_compiler_exits_2_before_any_worker(monkeypatch, tmp_path, capsys):
