@@ -53,7 +53,7 @@ def test_cpu_run_writes_every_section(gpu_check, tmp_path):
     assert all(t["dense_forward_s"] > 0 and t["documents_backward_s"] > 0 for t in choice["candidates"].values())
     assert result["loss"]["ratio"] > 0
     compiled = result["compile"]
-    assert compiled["max_loss_diff"] < 1e-4 and 1 <= compiled["graphs"] <= 2 * 2, compiled  # tiny: 2 blocks
+    assert compiled["max_loss_diff"] < 1e-4 and 1 <= compiled["graphs"] <= 2, compiled  # shared by the blocks
     assert compiled["eager_mfu"] > 0 and compiled["compiled_tokens_per_s"] > 0
     assert [r["seq_len"] for r in result["training"]["runs"]] == [1024, 512]  # the longest, and the mid length
     offload = result["offload"]["modes"]
