@@ -180,12 +180,12 @@ def test_compile_modes():
         compile_step.check_compile_run("on", ParallelConfig(mlp_tiles="4"), "cpu")
 
 
-def test_compile_cache_key_tag_carries_the_ops_digest_beside_the_users(monkeypatch):
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "mine")
-    compile_step.compile_blocks(Transformer(MODEL), [], backend="eager")
-    compile_step.compile_blocks(Transformer(MODEL), [], backend="eager")  # once only
-    digest = compile_step.ops_digest()
-    assert torch.compiler.config.cache_key_tag == f"mine+loongtrain-ops-{digest}" and len(digest) == 16
+def test_compile_cache_key_tag_carries_the_ops_digest_beside_the_users():
+    with torch.compiler.config.patch(cache_key_tag="mine"):
+        compile_step.compile_blocks(Transformer(MODEL), [], backend="eager")
+        compile_step.compile_blocks(Transformer(MODEL), [], backend="eager")  # once only
+        digest = compile_step.ops_digest()
+        assert torch.compiler.config.cache_key_tag == f"mine+loongtrain-ops-{digest}" and len(digest) == 16
 
 
 def test_missing_compiler_is_named(monkeypatch, tmp_path):
