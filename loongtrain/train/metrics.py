@@ -102,6 +102,12 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 512, seco
     return best
 
 
+def host_values(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of scalar tensors (one device, any dtype) as Python floats, in ONE device-to-host
+    transfer (one synchronisation on CUDA) however many there are."""
+    return torch.stack([t.detach().to(torch.float64).reshape(()) for t in tensors]).tolist()
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated CUDA memory of this process, or its peak resident set size on CPU."""
     if device.type == "cuda":

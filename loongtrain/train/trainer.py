@@ -4,13 +4,19 @@
 launcher chose), :meth:`~Trainer.open_data`, the optional start-up memory report, then per optimizer
 step :meth:`~Trainer.step` (forward/backward of every micro-batch, gradient sync, clip, AdamW),
 :meth:`~Trainer.log` and :meth:`~Trainer.save`, and :meth:`~Trainer.finish` (plot and summary).
+
+What a step costs the host (docs/design.md §10): two small host-side exchanges among the replica's
+ranks whatever the depth (the micro-batches' layout agreed before any attention call, the digest of every
+attention call's arguments checked before the optimizer; gloo under NCCL), the gradient all-reduces
+overlapped with the backward (``train/sync.py``), and ONE device-to-host read: the bad-step guard's
+finiteness flag, together with the loss, gradient norm and attention pairs of this and the steps before
+it only when they are logged (``--log-interval``, the last step, a validation or skipped step).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import shutil
 import time
@@ -25,18 +31,25 @@ from torch import nn
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
+from loongtrain.parallel.agreement import attention_check_group, check_agreement, deferred_attention_checks
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.parallel.runtime import is_distributed
-from loongtrain.train.batch import Batch, BatchLayout
+from loongtrain.parallel.runtime import is_distributed, to_device
+from loongtrain.train.batch import Batch, BatchLayout, LocalBatch, layout_fields
 from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
 from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
-from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
+from loongtrain.train.metrics import (
+    MetricsLogger,
+    host_values,
+    peak_flops_total,
+    peak_memory_bytes,
+    plot_loss_curve,
+)
 from loongtrain.train.models import build_model, loss_inputs, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.parallelize import uses_fsdp
-from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
+from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
 
 log = logging.getLogger("loongtrain.train")
@@ -60,9 +73,8 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+#: a step record's values that stay device tensors until read (:meth:`Trainer.step`, ``read=False``)
+DEVICE_VALUES = ("loss", "grad_norm", "attention_pairs")
 
 
 class Trainer:
@@ -70,10 +82,13 @@ class Trainer:
 
     :meth:`step` takes ``grad_accum`` micro-batches of this replica's *full* sequences; each rank keeps its
     2D zigzag shard (:class:`~loongtrain.train.batch.BatchLayout`), so the trainer is layout-agnostic.
-    ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`.
+    ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`. ``per_call_checks``: agree on
+    every attention call's arguments in its own exchange, as direct library use does, instead of once per
+    step (benchmarks/agreement.py compares the two).
     """
 
-    def __init__(self, run: Run, mesh: Mesh, device: torch.device, batches: BatchSource | None = None) -> None:
+    def __init__(self, run: Run, mesh: Mesh, device: torch.device, batches: BatchSource | None = None, *,
+                 per_call_checks: bool = False) -> None:
         cfg = run.cfg
         self.run, self.cfg, self.mesh, self.device = run, cfg, mesh, device
         self.model_config = run.model_config  # the shape (FLOPs, memory prediction); HF models keep their own
@@ -86,7 +101,9 @@ class Trainer:
         sharded = uses_fsdp(cfg.parallel)
         self.model: nn.Module = build_model(self.model_config, cfg, mesh, device, compute if sharded else None)
         self.params = [p for _, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0])]
-        self.grad_sync = needs_grad_sync(self.model)
+        self.grad_sync = GradientSync(self.model, mesh.dp) if needs_grad_sync(self.model) else None
+        self.per_call_checks = per_call_checks
+        self._peak: float | None = None  # the MFU's peak FLOP/s (train)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.amp_dtype = None if sharded else compute  # FSDP2 casts the weights: no autocast (autocast_dtype)
         self.layout = BatchLayout(cfg, mesh, self.model_config, device)
@@ -106,23 +123,34 @@ class Trainer:
         self._tidy_out_dir(resumed=bool(state))
         batches = self.open_data(start, state)
         mem_fields = self._memory_report(batches, start) if cfg.memory_report else {}
-        peak = self._peak_flops()
+        self._peak = self._peak_flops()
         logger = self._logger(start)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
         validation = Validation(cfg, self.mesh, self.loss, self.model)  # --eval-interval (train/validation.py)
         reset_peak_memory(self.device)
         bad_steps = 0
+        unread: list[dict[str, Any]] = []  # records whose DEVICE_VALUES are still on the device
         try:
             for step in range(start, end):
                 kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
-                record = self._timed_step(step, batches, peak, mem_fields)
+                read = self._logs(step + 1, last=step + 1 == end) or validation.due(step + 1)
+                record = self._timed_step(step, batches, mem_fields, unread if read else None)
+                if read:  # read by the step, in its one transfer, with the earlier unread records
+                    unread.clear()
+                else:
+                    unread.append(record)
+                    if record["skipped"]:  # logged and warned about: one more transfer, on bad steps only
+                        self._read(unread)
+                        unread.clear()
                 record.update(validation.after_step(step + 1))  # {"val_loss": ...} when due, else {}
                 records.append(record)
                 bad_steps = self._count_bad_step(record, bad_steps)
                 self.log(logger, record, last=step + 1 == end)
                 self._stop_after_bad_steps(record, bad_steps)
                 self.save(step + 1, batches, last=step + 1 == end)
+            self._read(unread)
+            unread.clear()
         finally:
             if logger is not None:
                 logger.close()
@@ -151,48 +179,85 @@ class Trainer:
             batches.load_state_dict(state["data"])  # checks the global batch and seed did not change
         return batches
 
-    def step(self, micro_batches: list[Batch]) -> dict[str, Any]:
+    def step(self, micro_batches: list[Batch], *, read: list[dict[str, Any]] | bool = True) -> dict[str, Any]:
         """Forward/backward every micro-batch, synchronise and clip gradients, apply AdamW.
 
         Returns ``loss`` (mean over micro-batches and dp replicas, identical on every rank), ``grad_norm``
         (before clipping), ``lr`` (the rate used for this step), ``skipped`` (1 when the loss or gradient
         norm was NaN/inf: the optimizer did not update, every rank alike) and ``attention_pairs`` (visible
         (query, key) pairs of all replicas' rows, per layer and head: the work that FLOP counts use).
+
+        One device-to-host read (the bad-step guard's). ``read``: also read ``loss``, ``grad_norm`` and
+        ``attention_pairs`` in it (True), or leave them device tensors (False, :data:`DEVICE_VALUES`); a list
+        of earlier such records: read theirs in the same transfer too (filled in place).
         """
         assert len(micro_batches) == self.cfg.grad_accum
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in micro_batches:
-            loss, value = self.loss(batch)
-            (loss / len(micro_batches)).backward()
-            loss_sum += value.detach().to(torch.float64)
-        if self.grad_sync:
-            all_reduce_gradients(self.params, self.mesh.dp)
+        local = [self.layout.local(b) for b in micro_batches]
+        loss_value = self._forward_backward(local)
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
-        loss_value = loss_sum / len(micro_batches)
-        pairs = torch.tensor(float(sum(self.layout.visible_pairs(b) for b in micro_batches)), dtype=torch.float64,
-                             device=self.device)
+        pairs: torch.Tensor | int = sum(self.layout.visible_pairs(b) for b in micro_batches)
         if self.mesh.dp > 1:  # one all-reduce for the loss and the replicas' attention pairs
-            both = torch.stack([loss_value, pairs])
+            both = torch.stack([loss_value, to_device(torch.tensor(float(pairs), dtype=torch.float64), self.device)])
             dist.all_reduce(both, group=self.mesh.dp_group)
             loss_value, pairs = both[0] / self.mesh.dp, both[1]
         # the loss is dp-reduced and the norm is of synchronised gradients: every rank decides alike
-        skipped = not (math.isfinite(float(loss_value)) and math.isfinite(grad_norm))
+        finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
+        record = {"loss": loss_value, "grad_norm": grad_norm, "attention_pairs": pairs}
+        earlier = read if isinstance(read, list) else []
+        skipped = not self._read([record, *earlier] if read is not False else [], guard=finite)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)  # no update; the schedule still advances
         else:
             self.optimizer.step()
         self.scheduler.step()
-        return {"loss": float(loss_value), "grad_norm": grad_norm, "lr": float(lr), "skipped": int(skipped),
-                "attention_pairs": int(pairs)}
+        return {"loss": record["loss"], "grad_norm": record["grad_norm"], "lr": float(lr), "skipped": int(skipped),
+                "attention_pairs": record["attention_pairs"]}
+
+    def _forward_backward(self, local: list[LocalBatch]) -> torch.Tensor:
+        """Forward and backward of this rank's shards of the micro-batches, the gradients synchronised while
+        the last backward runs; the mean loss (a device scalar). Unless ``per_call_checks``, the replica's
+        ranks agree on the shards' layout before the first attention call and on every call's arguments
+        after the last (two host-side exchanges, however deep the model: docs/design.md §10)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        checks = self.mesh.sp_group is not None and not self.per_call_checks
+        if checks:  # what shapes attention's collectives: agreed before any of them runs
+            check_agreement("training step", layout_fields(local), attention_check_group(self.mesh))
+        with deferred_attention_checks(self.mesh) if checks else contextlib.nullcontext() as calls:
+            for i, batch in enumerate(local):
+                last = i == len(local) - 1
+                with self.grad_sync.overlapped() if self.grad_sync and last else contextlib.nullcontext():
+                    loss, value = self.local_loss(batch)
+                    (loss / len(local)).backward()
+                loss_sum += value.detach().to(torch.float64)
+        if calls is not None:
+            calls.check()  # ValueError on every rank of the replica, naming the field, before the optimizer
+        return loss_sum / len(local)
+
+    def _read(self, records: list[dict[str, Any]], guard: torch.Tensor | None = None) -> bool:
+        """One device-to-host transfer: the :data:`DEVICE_VALUES` of ``records`` still on the device become
+        Python numbers (in place, with the FLOP rates that need them); returns the ``guard`` flag (True
+        without one). Nothing to read and no guard: no transfer."""
+        slots = [(r, key) for r in records for key in DEVICE_VALUES if isinstance(r.get(key), torch.Tensor)]
+        tensors = [r[key] for r, key in slots] + ([guard] if guard is not None else [])
+        values = host_values(tensors) if tensors else []
+        for (r, key), value in zip(slots, values):
+            r[key] = int(value) if key == "attention_pairs" else value
+        for r in records:
+            if "tflops" in r and r["tflops"] is None:  # a finished record: its FLOP rates need the pairs
+                self._add_rates(r)
+        return guard is None or bool(values[-1])
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
         forward to the final norm's input, then the chunked cross-entropy through the final norm and the LM
         head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
-        local = self.layout.local(batch)
+        return self.local_loss(self.layout.local(batch))
+
+    def local_loss(self, local: LocalBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`loss` of a micro-batch already laid on this rank (``BatchLayout.local``)."""
         with self._autocast():
             hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
                                              local.chunk_order)
@@ -200,9 +265,12 @@ class Trainer:
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
         """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end and for every skipped step."""
-        if logger is not None and (record["step"] % self.cfg.log_interval == 0 or last or record["skipped"]
-                                   or "val_loss" in record):
+        if logger is not None and (self._logs(record["step"], last=last) or record["skipped"] or "val_loss" in record):
             logger.log(record)
+
+    def _logs(self, step: int, *, last: bool) -> bool:
+        """Whether step ``step`` (1-based) is a log step: every ``--log-interval`` and the last."""
+        return step % self.cfg.log_interval == 0 or last
 
     def save(self, done: int, batches: Iterator[Batch], *, last: bool) -> None:
         """Checkpoint after step ``done`` every ``--ckpt-interval`` steps and at the end (collective)."""
@@ -274,21 +342,31 @@ class Trainer:
         return MetricsLogger(self.out_dir, total_steps=self.cfg.steps, start_step=start,
                              tensorboard=self.cfg.tensorboard, progress=self.cfg.progress)
 
-    def _timed_step(self, step: int, batches: Iterator[Batch], peak: float | None,
-                    mem_fields: dict[str, float]) -> dict[str, Any]:
-        _sync(self.device)
+    def _timed_step(self, step: int, batches: Iterator[Batch], mem_fields: dict[str, float],
+                    read: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """:meth:`step` and its record. The step time is the host's, without a device synchronisation: from
+        the step's start to its end, whose one read waits for its forward and backward (the optimizer's
+        kernels queued after it run into the next step's time, so steady-state steps are timed right)."""
         t0 = time.perf_counter()
-        result = self.step([next(batches) for _ in range(self.cfg.grad_accum)])
-        _sync(self.device)
+        result = self.step([next(batches) for _ in range(self.cfg.grad_accum)],
+                           read=read if read is not None else False)
         dt = time.perf_counter() - t0
-        # attention FLOPs of the visible (query, key) pairs only (documents, sliding window)
-        flops = step_flops(self.model_config, self.tokens_per_step, result["attention_pairs"])
         seen = getattr(batches, "tokens_by_corpus", None)  # data: tokens each corpus supplied (all replicas)
-        return {"step": step + 1, "total_steps": self.cfg.steps, **result, "step_time_s": dt,
-                "tokens_per_s": self.tokens_per_step / dt, "tflops": flops / dt / 1e12,
-                "mfu": (flops / dt / peak) if peak else float("nan"),
-                "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
-                **({f"tokens_seen/{name}": n for name, n in seen().items()} if seen else {})}
+        record = {"step": step + 1, "total_steps": self.cfg.steps, **result, "step_time_s": dt,
+                  "tokens_per_s": self.tokens_per_step / dt, "tflops": None, "mfu": None,
+                  "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
+                  **({f"tokens_seen/{name}": n for name, n in seen().items()} if seen else {})}
+        if not isinstance(record["attention_pairs"], torch.Tensor):
+            self._add_rates(record)
+        return record
+
+    def _add_rates(self, record: dict[str, Any]) -> None:
+        """``tflops`` and ``mfu`` of a record whose attention pairs are known: attention FLOPs of the visible
+        (query, key) pairs only (documents, sliding window)."""
+        flops = step_flops(self.model_config, self.tokens_per_step, record["attention_pairs"])
+        peak = self._peak
+        record["tflops"] = flops / record["step_time_s"] / 1e12
+        record["mfu"] = (flops / record["step_time_s"] / peak) if peak else float("nan")
 
     def _count_bad_step(self, record: dict[str, Any], bad_steps: int) -> int:
         """Consecutive skipped (non-finite) steps after this one; logs each skip."""

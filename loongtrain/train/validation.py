@@ -114,8 +114,12 @@ class Validation:
         self.batches = list(batches) if batches is not None else (
             validation_batches(cfg, mesh, cfg.eval_batches) if self.interval else [])
 
+    def due(self, step: int) -> bool:
+        """Whether validation runs after optimizer step ``step`` (1-based)."""
+        return bool(self.interval) and step % self.interval == 0
+
     def after_step(self, step: int) -> dict[str, float]:
         """``{"val_loss": loss}`` after optimizer step ``step`` (1-based) when it is due, else ``{}``."""
-        if not self.interval or step % self.interval:
+        if not self.due(step):
             return {}
         return {"val_loss": validation_loss(self.loss_fn, self.model, self.batches, self.mesh)}
