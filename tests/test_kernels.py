@@ -63,15 +63,17 @@ def test_cpu_flash_on_strided_ring_slices():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def test_only_cuda_flash_has_a_varlen_form():
-    """The packed variable-length ops are FA2's (docs/design.md §6): every other kernel, the head-dim padded
-    flash kernel included, runs one dense call per piece."""
+def test_only_cuda_flash_and_cudnn_have_a_varlen_form():
+    """The packed variable-length ops are FA2's and cuDNN's ragged one (docs/design.md §6), the latter with
+    top-left causal masks: every other kernel, the head-dim padded flash kernel included, runs one dense call
+    per piece."""
     from loongtrain.attn import kernels
 
     every = (kernels.REFERENCE, kernels.CPU_FLASH, kernels.CUDA_FLASH, kernels.CUDA_EFFICIENT, kernels.CUDA_CUDNN,
              kernels.CUDA_FLASH_PADDED, kernels.CUDA_EFFICIENT_PADDED)
-    assert [k.name for k in every if k.varlen_forward is not None] == ["cuda_flash"]
-    assert [k.name for k in every if k.varlen_backward is not None] == ["cuda_flash"]
+    assert [k.name for k in every if k.varlen_forward is not None] == ["cuda_flash", "cuda_cudnn"]
+    assert [k.name for k in every if k.varlen_backward is not None] == ["cuda_flash", "cuda_cudnn"]
+    assert [k.name for k in every if not k.varlen_bottom_right] == ["cuda_cudnn"]
 
 
 

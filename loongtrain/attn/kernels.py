@@ -22,14 +22,16 @@ backward runs one query head at a time once FA2's own workspace would pass :data
 (:func:`per_head_backward`; docs/design.md §7).
 
 Variable-length form (``Kernel.varlen_forward`` / ``varlen_backward``; ``None`` where a kernel has none):
-only ``cuda_flash``, through ``_flash_attention_forward`` / ``_flash_attention_backward`` (FA2's
-``mha_varlen_fwd`` / ``mha_varlen_bwd``) with ``cum_seq_q`` / ``cum_seq_k`` given. Tensors are packed:
-q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]`` (GQA native, unit last-dim stride), sequence ``i`` being q rows
-``[cu_q[i], cu_q[i+1])`` against k rows ``[cu_k[i], cu_k[i+1])`` (``cu_*`` int32, contiguous, ``n + 1``
-entries, starting at 0 and ending at the row count); lse comes fp32 ``[H, Tq]`` (unpadded), which the
-backward reads as a contiguous buffer; causal is aligned bottom-right per sequence (the ring packs causal
-squares, where both alignments agree, and single query rows, which so see every key). One call takes one
-causal flag for all its sequences.
+``cuda_flash`` through ``_flash_attention_forward`` / ``_flash_attention_backward`` (FA2's ``mha_varlen_fwd`` /
+``mha_varlen_bwd``) and ``cuda_cudnn`` through ``_cudnn_attention_forward`` / ``_cudnn_attention_backward``
+(cuDNN's ragged layout, the op behind torch's nested jagged tensors), each with ``cum_seq_q`` / ``cum_seq_k``
+given. Tensors are packed: q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]`` (GQA native, unit last-dim stride),
+sequence ``i`` being q rows ``[cu_q[i], cu_q[i+1])`` against k rows ``[cu_k[i], cu_k[i+1])`` (``cu_*`` int32,
+contiguous, ``n + 1`` entries, starting at 0 and ending at the row count); the wrappers return lse fp32
+``[H, Tq]`` (FA2 gives it so; cuDNN gives ``[Tq, H, 1]``, seen here as ``[H, Tq]``) and take it back so. FA2
+aligns causal masks bottom-right per sequence (the ring packs causal squares, where both alignments agree,
+and single query rows, which so see every key); cuDNN top-left, so only squares go into its causal calls
+(``Kernel.varlen_bottom_right``). One call takes one causal flag for all its sequences.
 
 The memory-efficient op needs equal head counts: K/V are broadcast to the query heads (a zero-stride
 view for one KV head, a copy otherwise) and dK/dV summed back over each group. Its lse comes padded
@@ -68,13 +70,16 @@ class Kernel:
     """A local attention kernel: ``forward(q, k, v, causal, scale) -> (out, lse)`` and ``backward(dout, q, k,
     v, out, lse, causal, scale) -> (dq, dk, dv)`` on ``[B, H, S, D]``; optionally the packed variable-length
     form ``varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse [H, Tq])`` and
-    ``varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)`` (module docstring)."""
+    ``varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)`` (module docstring);
+    ``varlen_bottom_right``: whether the varlen op aligns a causal mask bottom-right (a single query row then
+    sees every key), else top-left."""
 
     name: str
     forward: Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
     backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
     varlen_forward: VarlenForward | None = None
     varlen_backward: VarlenBackward | None = None
+    varlen_bottom_right: bool = True
 
 
 def _expand_kv(k: Tensor, num_heads: int) -> Tensor:
@@ -314,6 +319,32 @@ def _cuda_cudnn_backward(
     return dq, dk, dv
 
 
+def _cuda_cudnn_varlen_forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Packed sequences in cuDNN's ragged layout: out ``[Tq, H, D]``, lse fp32 ``[H, Tq]`` (a view of the op's
+    ``[Tq, H, 1]``)."""
+    res = _aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False,
+                                         scale=scale)
+    return res[0], res[1].squeeze(-1).t()  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, mask)
+
+
+def _cuda_cudnn_varlen_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
+    max_q: int, max_k: int, causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of :func:`_cuda_cudnn_varlen_forward`; lse ``[H, Tq]`` goes back in the op's ``[Tq, H, 1]``."""
+    if dout.stride() != out.stride():  # cuDNN takes dO in O's layout
+        dout, out = _dense(dout), _dense(out)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: not read
+    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv = _aten._cudnn_attention_backward(
+        dout, q, k, v, out, _dense(lse.t()).unsqueeze(-1), seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0,
+        causal, scale=scale,
+    )
+    return dq, dk, dv
+
+
 def _head_dim_padded(kernel: Kernel, multiple: int) -> Kernel:
     """``kernel`` on head dims zero-padded to a multiple of ``multiple``: exact (zero columns add nothing
     to ``q . k``, give zero output columns and receive zero gradients), at the cost of padded copies."""
@@ -339,6 +370,7 @@ CPU_FLASH = Kernel("cpu_flash", _cpu_forward, _cpu_backward)
 CUDA_FLASH = Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward,
                     _cuda_flash_varlen_forward, _cuda_flash_varlen_backward)
 CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
-CUDA_CUDNN = Kernel("cuda_cudnn", _cuda_cudnn_forward, _cuda_cudnn_backward)
+CUDA_CUDNN = Kernel("cuda_cudnn", _cuda_cudnn_forward, _cuda_cudnn_backward, _cuda_cudnn_varlen_forward,
+                    _cuda_cudnn_varlen_backward, varlen_bottom_right=False)
 CUDA_FLASH_PADDED = _head_dim_padded(CUDA_FLASH, 8)
 CUDA_EFFICIENT_PADDED = _head_dim_padded(CUDA_EFFICIENT, 8)
