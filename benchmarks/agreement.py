@@ -1,4 +1,5 @@
-"""Cost of checking the attention arguments across ranks on EVERY call (parallel/agreement.py, issue 23).
+"""Cost of checking the attention arguments across ranks on every call, and the trainer's step with the
+per-call check against the once-per-step one (parallel/agreement.py, docs/design.md §10).
 
 One spawn of ``--world`` gloo ranks (``--hp`` x ``--cp``, 1 torch thread each). Per sequence length and
 per round, side by side in the same processes: ``--iters`` forward + backward calls of
@@ -9,8 +10,16 @@ value is the median call; the table gives the median over rounds of every/once a
 and the digest exchange alone (``check_agreement`` with the same fields, no attention). Packed documents
 (``cu_seqlens``, 8 per row) are passed, as the trainer does with ``--doc-mask on``.
 
+``--steps N``: instead, whole training steps of the tiny preset (Selective Checkpoint++, packed documents,
+fp32) through ``Trainer.step``, side by side in the same processes: per round, N steps of a trainer with the
+per-call agreement (``per_call_checks=True``: one exchange per attention call, as before) right before N of
+one with the step's agreement (the layout agreed up front and one digest of every call checked at the end);
+each step starts at a barrier and is timed on the slowest rank; the table gives the median over rounds of
+new/old and its min-max spread.
+
     .venv/bin/python benchmarks/agreement.py                       # world 4 = 2x2, S 1024 and 8192
     .venv/bin/python benchmarks/agreement.py --seq-lens 2048 --rounds 3
+    .venv/bin/python benchmarks/agreement.py --steps 3 --seq-lens 1024,4096 --rounds 5
 """
 
 from __future__ import annotations
@@ -77,8 +86,51 @@ def _measure(mesh, seq: int, iters: int, rounds: int) -> dict:
             "digest_us": 1e6 * statistics.median(digest_s)}
 
 
-def _worker(rank: int, world: int, hp: int, cp: int, seq_lens: list[int], iters: int, rounds: int) -> list[dict]:
+def _packed(step: int, seq: int, documents: int = 8) -> dict[str, torch.Tensor]:
+    """One row of random bytes packed as ``documents`` equal documents (as the data pipeline marks them)."""
+    tokens = torch.randint(0, 256, (1, seq + 1), generator=torch.Generator().manual_seed(step))
+    starts = torch.zeros(1, seq, dtype=torch.bool)
+    starts[0, :: max(1, seq // documents)] = True
+    return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": torch.arange(seq)[None],
+            "doc_starts": starts}
+
+
+def _measure_steps(mesh, seq: int, steps: int, rounds: int) -> dict:
+    """One sequence length: per round, ``steps`` training steps with the per-call agreement right before
+    ``steps`` with the step's; the median step of each, new/old per round."""
+    from loongtrain.model.config import PRESETS
+    from loongtrain.parallel.config import ParallelConfig
+    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.train.trainer import Trainer
+
+    cfg = TrainConfig(model="tiny", seq_len=seq, steps=steps * rounds + 1, dtype="fp32", doc_mask="on",
+                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, ac_mode="selective"))
+    trainers = {old: Trainer(Run(cfg, PRESETS["tiny"]), mesh, torch.device("cpu"), per_call_checks=old)
+                for old in (True, False)}
+    for trainer in trainers.values():
+        trainer.step([_packed(0, seq)])  # warm-up: AdamW state
+    done = {True: 0, False: 0}  # both trainers see the same batches, in the same order
+
+    def one(old: bool) -> None:
+        done[old] += 1
+        trainers[old].step([_packed(done[old], seq)])
+
+    ratios, old_s, new_s = [], [], []
+    for _ in range(rounds):
+        old = _timed(lambda: one(True), steps)
+        new = _timed(lambda: one(False), steps)
+        ratios.append(new / old)
+        old_s.append(old)
+        new_s.append(new)
+    return {"seq": seq, "ratio": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios),
+            "old_ms": 1e3 * statistics.median(old_s), "new_ms": 1e3 * statistics.median(new_s)}
+
+
+def _worker(rank: int, world: int, hp: int, cp: int, seq_lens: list[int], iters: int, rounds: int,
+            steps: int) -> list[dict]:
     mesh = init_mesh(hp, cp)
+    if steps:
+        return [_measure_steps(mesh, seq, steps, rounds) for seq in seq_lens]
     return [_measure(mesh, seq, iters, rounds) for seq in seq_lens]
 
 
@@ -89,9 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=0, help="time training steps (this many per case and round)")
     args = p.parse_args(argv)
     rows = run_local(_worker, args.hp * args.cp, args.hp, args.cp, args.seq_lens, args.iters, args.rounds,
-                     backend="gloo", timeout=1800)[0]
+                     args.steps, backend="gloo", timeout=3600)[0]
+    if args.steps:
+        print(f"world {args.hp * args.cp} (hp={args.hp}, cp={args.cp}), gloo, tiny preset, fp32, selective "
+              f"checkpointing, 8 packed documents; {args.rounds} rounds x {args.steps} steps per case")
+        print("| S | per-call agreement ms/step | once per step ms/step | new / old (min-max) |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['seq']} | {r['old_ms']:.1f} | {r['new_ms']:.1f} | {r['ratio']:.3f} "
+                  f"({r['lo']:.3f}-{r['hi']:.3f}) |")
+        return 0
     print(f"world {args.hp * args.cp} (hp={args.hp}, cp={args.cp}), gloo, fp32, B=1 H=8 D=64, 8 documents; "
           f"{args.rounds} rounds x {args.iters} calls (forward + backward)")
     print("| S | once ms | every ms | every / once (min-max) | digest exchange alone |")
