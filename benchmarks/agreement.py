@@ -11,11 +11,11 @@ and the digest exchange alone (``check_agreement`` with the same fields, no atte
 (``cu_seqlens``, 8 per row) are passed, as the trainer does with ``--doc-mask on``.
 
 ``--steps N``: instead, whole training steps of the tiny preset (Selective Checkpoint++, packed documents,
-fp32) through ``Trainer.step``, side by side in the same processes: per round, N steps of a trainer with the
-per-call agreement (``per_call_checks=True``: one exchange per attention call, as before) right before N of
-one with the step's agreement (the layout agreed up front and one digest of every call checked at the end);
-each step starts at a barrier and is timed on the slowest rank; the table gives the median over rounds of
-new/old and its min-max spread.
+fp32) through ``Trainer.step``, side by side in the same processes: ``--rounds x N`` pairs, each a step of a
+trainer with the per-call agreement (``per_call_checks=True``: one exchange per attention call) right before
+a step of one with the step's agreement (the layout agreed up front, one digest of every call checked at the
+end) on the same batch; each step starts at a barrier and is timed on the slowest rank; the table gives the
+median of the per-pair new/old with its quartiles and min-max, and the digest exchanges each made per step.
 
     .venv/bin/python benchmarks/agreement.py                       # world 4 = 2x2, S 1024 and 8192
     .venv/bin/python benchmarks/agreement.py --seq-lens 2048 --rounds 3
@@ -96,8 +96,9 @@ def _packed(step: int, seq: int, documents: int = 8) -> dict[str, torch.Tensor]:
 
 
 def _measure_steps(mesh, seq: int, steps: int, rounds: int) -> dict:
-    """One sequence length: per round, ``steps`` training steps with the per-call agreement right before
-    ``steps`` with the step's; the median step of each, new/old per round."""
+    """One sequence length: ``rounds x steps`` pairs of training steps, each step of the trainer with the
+    step's agreement (new) timed right after one of the trainer with the per-call agreement (old) on the
+    same batch; new/old per pair, and the digest exchanges each makes per step."""
     from loongtrain.model.config import PRESETS
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.train.config import Run, TrainConfig
@@ -109,21 +110,33 @@ def _measure_steps(mesh, seq: int, steps: int, rounds: int) -> dict:
                 for old in (True, False)}
     for trainer in trainers.values():
         trainer.step([_packed(0, seq)])  # warm-up: AdamW state
-    done = {True: 0, False: 0}  # both trainers see the same batches, in the same order
+    exchanges = {True: 0, False: 0}
+    case = {"old": True}  # the trainer being timed
+    digest = agreement._same_everywhere
 
-    def one(old: bool) -> None:
-        done[old] += 1
-        trainers[old].step([_packed(done[old], seq)])
+    def counted(text, group):
+        exchanges[case["old"]] += 1
+        return digest(text, group)
 
     ratios, old_s, new_s = [], [], []
-    for _ in range(rounds):
-        old = _timed(lambda: one(True), steps)
-        new = _timed(lambda: one(False), steps)
-        ratios.append(new / old)
-        old_s.append(old)
-        new_s.append(new)
-    return {"seq": seq, "ratio": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios),
-            "old_ms": 1e3 * statistics.median(old_s), "new_ms": 1e3 * statistics.median(new_s)}
+    agreement._same_everywhere = counted
+    try:
+        for i in range(1, rounds * steps + 1):
+            times = {}
+            for old in (True, False):  # the baseline (per-call) right before the case (once per step)
+                case["old"] = old
+                times[old] = _timed(lambda o=old, i=i: trainers[o].step([_packed(i, seq)]), 1)
+            ratios.append(times[False] / times[True])
+            old_s.append(times[True])
+            new_s.append(times[False])
+    finally:
+        agreement._same_everywhere = digest
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    pairs = rounds * steps
+    return {"seq": seq, "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
+            "lo": min(ratios), "hi": max(ratios), "pairs": pairs,
+            "old_ms": 1e3 * statistics.median(old_s), "new_ms": 1e3 * statistics.median(new_s),
+            "old_exchanges": exchanges[True] / pairs, "new_exchanges": exchanges[False] / pairs}
 
 
 def _worker(rank: int, world: int, hp: int, cp: int, seq_lens: list[int], iters: int, rounds: int,
@@ -147,12 +160,14 @@ def main(argv: list[str] | None = None) -> int:
                      args.steps, backend="gloo", timeout=3600)[0]
     if args.steps:
         print(f"world {args.hp * args.cp} (hp={args.hp}, cp={args.cp}), gloo, tiny preset, fp32, selective "
-              f"checkpointing, 8 packed documents; {args.rounds} rounds x {args.steps} steps per case")
-        print("| S | per-call agreement ms/step | once per step ms/step | new / old (min-max) |")
-        print("|---|---|---|---|")
+              f"checkpointing, 8 packed documents; {args.rounds} x {args.steps} pairs of steps (per-call, then "
+              f"once per step, same batch)")
+        print("| S | per-call ms/step | once per step ms/step | new / old: median (quartiles; min-max) | "
+              "digest exchanges per step (old, new) |")
+        print("|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['seq']} | {r['old_ms']:.1f} | {r['new_ms']:.1f} | {r['ratio']:.3f} "
-                  f"({r['lo']:.3f}-{r['hi']:.3f}) |")
+            print(f"| {r['seq']} | {r['old_ms']:.1f} | {r['new_ms']:.1f} | {r['ratio']:.3f} ({r['q1']:.3f}-"
+                  f"{r['q3']:.3f}; {r['lo']:.3f}-{r['hi']:.3f}) | {r['old_exchanges']:.0f}, {r['new_exchanges']:.0f} |")
         return 0
     print(f"world {args.hp * args.cp} (hp={args.hp}, cp={args.cp}), gloo, fp32, B=1 H=8 D=64, 8 documents; "
           f"{args.rounds} rounds x {args.iters} calls (forward + backward)")
