@@ -17,9 +17,9 @@ a step of one with the step's agreement (the layout agreed up front, one digest 
 end) on the same batch; each step starts at a barrier and is timed on the slowest rank; the table gives the
 median of the per-pair new/old with its quartiles and min-max, and the digest exchanges each made per step.
 
-    .venv/bin/python benchmarks/agreement.py                       # world 4 = 2x2, S 1024 and 8192
-    .venv/bin/python benchmarks/agreement.py --seq-lens 2048 --rounds 3
-    .venv/bin/python benchmarks/agreement.py --steps 3 --seq-lens 1024,4096 --rounds 5
+    .venv/bin/python -m benchmarks.agreement                       # world 4 = 2x2, S 1024 and 8192
+    .venv/bin/python -m benchmarks.agreement --seq-lens 2048 --rounds 3
+    .venv/bin/python -m benchmarks.agreement --steps 4 --seq-lens 1024,4096 --rounds 5
 """
 
 from __future__ import annotations
@@ -28,17 +28,15 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loongtrain import attention, shard_sequence  # noqa: E402
-from loongtrain.parallel import agreement  # noqa: E402
-from loongtrain.parallel.mesh import init_mesh  # noqa: E402
-from loongtrain.parallel.workers import run_local  # noqa: E402
+from benchmarks.common import add_common
+from loongtrain import attention, shard_sequence
+from loongtrain.parallel import agreement
+from loongtrain.parallel.mesh import init_mesh
+from loongtrain.parallel.workers import run_local
 
 
 def _slowest(seconds: float) -> float:
@@ -153,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192])
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=5)
+    add_common(p, rounds=5)
     p.add_argument("--steps", type=int, default=0, help="time training steps (this many per case and round)")
     args = p.parse_args(argv)
     rows = run_local(_worker, args.hp * args.cp, args.hp, args.cp, args.seq_lens, args.iters, args.rounds,

@@ -116,11 +116,11 @@ def _trainer_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def _trainer_grads(hp: int, cp: int) -> dict[bool, Any]:
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
-    from tests.synthetic import global_batch
 
     mesh = init_mesh(hp, cp)
     cfg = TrainConfig(seq_len=16, batch_size=1, grad_accum=2, steps=2, warmup=1, dtype="fp64",
@@ -135,7 +135,7 @@ def _trainer_grads(hp: int, cp: int) -> dict[bool, Any]:
             trainer.grad_sync.remove()
             trainer.grad_sync = None
         trainer.optimizer.zero_grad(set_to_none=True)
-        loss = trainer._forward_backward([trainer.layout.local(b) for b in batches])
+        loss = trainer._forward_backward([trainer.sharding.local(b) for b in batches])
         if not overlapped:
             for p in trainer.params:
                 dist.all_reduce(p.grad)

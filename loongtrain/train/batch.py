@@ -1,4 +1,4 @@
-"""How one full-sequence micro-batch is laid on this rank (docs/design.md §3): its packed documents, the
+"""Batch sharding: how one full-sequence micro-batch is laid on this rank (docs/design.md §3): its packed documents, the
 chunk order it is sharded with, this rank's shard of tokens, labels and positions, and the attention
 work its rows compute (for FLOP counts)."""
 
@@ -51,7 +51,7 @@ def chunk_order(cu_seqlens: list[torch.Tensor] | None, seq_len: int, mesh: Mesh,
     """The chunk order a full-sequence batch is sharded with: ``None`` (zigzag), or with ``chunk_layout ==
     "balanced"``, documents (``cu_seqlens``) and ``cp > 1`` the
     :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every rank of the replica
-    computes the same one from the same batch). The one layout rule of training, validation and
+    computes the same one from the same batch). The one chunk-order rule of training, validation and
     ``loongtrain eval``."""
     if cu_seqlens is None or mesh.cp == 1:
         return None
@@ -59,7 +59,7 @@ def chunk_order(cu_seqlens: list[torch.Tensor] | None, seq_len: int, mesh: Mesh,
     return documents.chunk_order(seq_len, mesh.cp, mesh.hp, sliding_window)
 
 
-class BatchLayout:
+class BatchSharding:
     """The run's rules for laying a full-sequence batch (``input_ids``, ``labels``, ``position_ids`` of
     shape ``[batch, seq_len]``, and ``doc_starts`` for packed corpora) on ``mesh``."""
 
@@ -76,8 +76,8 @@ class BatchLayout:
         return chunk_order(cu_seqlens, seq_len, self.mesh, self.cfg.chunk_layout, self.sliding_window)
 
     def local(self, batch: Batch) -> LocalBatch:
-        """This rank's shard: tokens, labels and positions sharded with one layout (:meth:`chunk_order`), on
-        the device without blocking the host (pinned memory on CUDA)."""
+        """This rank's shard: tokens, labels and positions sharded with one chunk order (:meth:`chunk_order`),
+        on the device without blocking the host (pinned memory on CUDA)."""
         cu_seqlens, positions = self.documents(batch)
         order = self.chunk_order(cu_seqlens, batch["input_ids"].shape[1])
 
@@ -94,7 +94,7 @@ class BatchLayout:
                                  sliding_window=self.sliding_window) for b in range(rows))
 
 
-def layout_fields(batches: Sequence[LocalBatch]) -> dict[str, Any]:
+def sharding_fields(batches: Sequence[LocalBatch]) -> dict[str, Any]:
     """What the ranks of a replica must agree on before attention runs on ``batches`` (this rank's shards of
     one step's micro-batches), because it decides the shapes of attention's collectives or which of them
     run: the shards' sizes, the documents and the chunk order (docs/design.md §10). Host values only."""

@@ -6,7 +6,7 @@ step :meth:`~Trainer.step` (forward/backward of every micro-batch, gradient sync
 :meth:`~Trainer.log` and :meth:`~Trainer.save`, and :meth:`~Trainer.finish` (plot and summary).
 
 What a step costs the host (docs/design.md §10): two small host-side exchanges among the replica's
-ranks whatever the depth (the micro-batches' layout agreed before any attention call, the digest of every
+ranks whatever the depth (the micro-batches' sharding agreed before any attention call, the digest of every
 attention call's arguments checked before the optimizer; gloo under NCCL), the gradient all-reduces
 overlapped with the backward (``train/sync.py``), and ONE device-to-host read: the bad-step guard's
 finiteness flag, together with the loss, gradient norm and attention pairs of this and the steps before
@@ -32,12 +32,12 @@ from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
 from loongtrain.parallel.agreement import attention_check_group, check_agreement, deferred_attention_checks
+from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed, to_device
-from loongtrain.train.batch import Batch, BatchLayout, LocalBatch, layout_fields
+from loongtrain.train.batch import Batch, BatchSharding, LocalBatch, sharding_fields
 from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
-from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import (
     MetricsLogger,
@@ -46,11 +46,11 @@ from loongtrain.train.metrics import (
     peak_memory_bytes,
     plot_loss_curve,
 )
-from loongtrain.train.models import build_model, loss_inputs, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
-from loongtrain.train.parallelize import uses_fsdp
+from loongtrain.train.run_model import build_model, loss_inputs, model_record
 from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
+from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.train")
 
@@ -81,7 +81,7 @@ class Trainer:
     """Model, optimizer, schedule and data of one rank, and the run loop (:meth:`train`).
 
     :meth:`step` takes ``grad_accum`` micro-batches of this replica's *full* sequences; each rank keeps its
-    2D zigzag shard (:class:`~loongtrain.train.batch.BatchLayout`), so the trainer is layout-agnostic.
+    2D zigzag shard (:class:`~loongtrain.train.batch.BatchSharding`), so the trainer is layout-agnostic.
     ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`. ``per_call_checks``: agree on
     every attention call's arguments in its own exchange, as direct library use does, instead of once per
     step (benchmarks/agreement.py compares the two).
@@ -98,7 +98,7 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.manual_seed_all(cfg.seed)
         compute = autocast_dtype(cfg, device)
-        sharded = uses_fsdp(cfg.parallel)
+        sharded = uses_zero(cfg.parallel)
         self.model: nn.Module = build_model(self.model_config, cfg, mesh, device, compute if sharded else None)
         self.params = [p for _, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0])]
         self.grad_sync = GradientSync(self.model, mesh.dp) if needs_grad_sync(self.model) else None
@@ -106,7 +106,7 @@ class Trainer:
         self._peak: float | None = None  # the MFU's peak FLOP/s (train)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.amp_dtype = None if sharded else compute  # FSDP2 casts the weights: no autocast (autocast_dtype)
-        self.layout = BatchLayout(cfg, mesh, self.model_config, device)
+        self.sharding = BatchSharding(cfg, mesh, self.model_config, device)
         self.batch_source = batches or self._corpus_batches
         self.out_dir = Path(cfg.out_dir)
         self.tokens_per_step = mesh.dp * cfg.batch_size * cfg.grad_accum * cfg.seq_len
@@ -127,13 +127,13 @@ class Trainer:
         logger = self._logger(start)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
-        validation = Validation(cfg, self.mesh, self.loss, self.model)  # --eval-interval (train/validation.py)
+        validation = Validation(cfg, self.mesh, self.loss, self.model)  # --val-interval (train/validation.py)
         reset_peak_memory(self.device)
         bad_steps = 0
         unread: list[dict[str, Any]] = []  # records whose DEVICE_VALUES are still on the device
         try:
             for step in range(start, end):
-                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
+                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (parallel/failures.py)
                 read = self._logs(step + 1, last=step + 1 == end) or validation.due(step + 1)
                 record = self._timed_step(step, batches, mem_fields, unread if read else None)
                 if read:  # read by the step, in its one transfer, with the earlier unread records
@@ -194,11 +194,11 @@ class Trainer:
         assert len(micro_batches) == self.cfg.grad_accum
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        local = [self.layout.local(b) for b in micro_batches]
+        local = [self.sharding.local(b) for b in micro_batches]
         loss_value = self._forward_backward(local)
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
-        pairs: torch.Tensor | int = sum(self.layout.visible_pairs(b) for b in micro_batches)
+        pairs: torch.Tensor | int = sum(self.sharding.visible_pairs(b) for b in micro_batches)
         if self.mesh.dp > 1:  # one all-reduce for the loss and the replicas' attention pairs
             both = torch.stack([loss_value, to_device(torch.tensor(float(pairs), dtype=torch.float64), self.device)])
             dist.all_reduce(both, group=self.mesh.dp_group)
@@ -219,12 +219,12 @@ class Trainer:
     def _forward_backward(self, local: list[LocalBatch]) -> torch.Tensor:
         """Forward and backward of this rank's shards of the micro-batches, the gradients synchronised while
         the last backward runs; the mean loss (a device scalar). Unless ``per_call_checks``, the replica's
-        ranks agree on the shards' layout before the first attention call and on every call's arguments
+        ranks agree on how the micro-batches are sharded before the first attention call and on every call's arguments
         after the last (two host-side exchanges, however deep the model: docs/design.md §10)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         checks = self.mesh.sp_group is not None and not self.per_call_checks
         if checks:  # what shapes attention's collectives: agreed before any of them runs
-            check_agreement("training step", layout_fields(local), attention_check_group(self.mesh))
+            check_agreement("training step", sharding_fields(local), attention_check_group(self.mesh))
         with deferred_attention_checks(self.mesh) if checks else contextlib.nullcontext() as calls:
             for i, batch in enumerate(local):
                 last = i == len(local) - 1
@@ -254,10 +254,10 @@ class Trainer:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
         forward to the final norm's input, then the chunked cross-entropy through the final norm and the LM
         head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
-        return self.local_loss(self.layout.local(batch))
+        return self.local_loss(self.sharding.local(batch))
 
     def local_loss(self, local: LocalBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`loss` of a micro-batch already laid on this rank (``BatchLayout.local``)."""
+        """:meth:`loss` of a micro-batch already laid on this rank (``BatchSharding.local``)."""
         with self._autocast():
             hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
                                              local.chunk_order)
