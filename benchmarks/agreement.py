@@ -20,6 +20,7 @@ median of the per-pair new/old with its quartiles and min-max, and the digest ex
     .venv/bin/python -m benchmarks.agreement                       # world 4 = 2x2, S 1024 and 8192
     .venv/bin/python -m benchmarks.agreement --seq-lens 2048 --rounds 3
     .venv/bin/python -m benchmarks.agreement --steps 4 --seq-lens 1024,4096 --rounds 5
+    .venv/bin/python -m benchmarks.agreement --steps 4 --seq-lens 1024 --rounds 5 --layers 12
 """
 
 from __future__ import annotations
@@ -93,10 +94,12 @@ def _packed(step: int, seq: int, documents: int = 8) -> dict[str, torch.Tensor]:
             "doc_starts": starts}
 
 
-def _measure_steps(mesh, seq: int, steps: int, rounds: int) -> dict:
+def _measure_steps(mesh, seq: int, steps: int, rounds: int, layers: int) -> dict:
     """One sequence length: ``rounds x steps`` pairs of training steps, each step of the trainer with the
     step's agreement (new) timed right after one of the trainer with the per-call agreement (old) on the
     same batch; new/old per pair, and the digest exchanges each makes per step."""
+    import dataclasses
+
     from loongtrain.model.config import PRESETS
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.train.config import Run, TrainConfig
@@ -104,7 +107,8 @@ def _measure_steps(mesh, seq: int, steps: int, rounds: int) -> dict:
 
     cfg = TrainConfig(model="tiny", seq_len=seq, steps=steps * rounds + 1, dtype="fp32", doc_mask="on",
                       parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, ac_mode="selective"))
-    trainers = {old: Trainer(Run(cfg, PRESETS["tiny"]), mesh, torch.device("cpu"), per_call_checks=old)
+    model = dataclasses.replace(PRESETS["tiny"], num_layers=layers or PRESETS["tiny"].num_layers)
+    trainers = {old: Trainer(Run(cfg, model), mesh, torch.device("cpu"), per_call_checks=old)
                 for old in (True, False)}
     for trainer in trainers.values():
         trainer.step([_packed(0, seq)])  # warm-up: AdamW state
@@ -138,10 +142,10 @@ def _measure_steps(mesh, seq: int, steps: int, rounds: int) -> dict:
 
 
 def _worker(rank: int, world: int, hp: int, cp: int, seq_lens: list[int], iters: int, rounds: int,
-            steps: int) -> list[dict]:
+            steps: int, layers: int) -> list[dict]:
     mesh = init_mesh(hp, cp)
     if steps:
-        return [_measure_steps(mesh, seq, steps, rounds) for seq in seq_lens]
+        return [_measure_steps(mesh, seq, steps, rounds, layers) for seq in seq_lens]
     return [_measure(mesh, seq, iters, rounds) for seq in seq_lens]
 
 
@@ -153,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     add_common(p, rounds=5)
     p.add_argument("--steps", type=int, default=0, help="time training steps (this many per case and round)")
+    p.add_argument("--layers", type=int, default=0, help="with --steps: the tiny preset at this depth (0: its own)")
     args = p.parse_args(argv)
     rows = run_local(_worker, args.hp * args.cp, args.hp, args.cp, args.seq_lens, args.iters, args.rounds,
-                     args.steps, backend="gloo", timeout=3600)[0]
+                     args.steps, args.layers, backend="gloo", timeout=3600)[0]
     if args.steps:
-        print(f"world {args.hp * args.cp} (hp={args.hp}, cp={args.cp}), gloo, tiny preset, fp32, selective "
+        depth = f" at {args.layers} layers" if args.layers else ""
+        print(f"world {args.hp * args.cp} (hp={args.hp}, cp={args.cp}), gloo, tiny preset{depth}, fp32, selective "
               f"checkpointing, 8 packed documents; {args.rounds} x {args.steps} pairs of steps (per-call, then "
               f"once per step, same batch)")
         print("| S | per-call ms/step | once per step ms/step | new / old: median (quartiles; min-max) | "
