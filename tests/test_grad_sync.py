@@ -95,9 +95,18 @@ def _sync_worker(rank: int, world: int) -> dict[str, Any]:
             "buckets": len(sync.buckets), "first": first, "local_first": local_first}
 
 
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    return {"sync": _sync_worker(rank, world), "trainer": _trainer_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_distributed(_worker, 2)  # one spawn for both tests
+
+
 @pytest.mark.distributed
-def test_overlapped_buckets_equal_one_all_reduce_after_the_backward():
-    results = run_distributed(_sync_worker, 2)
+def test_overlapped_buckets_equal_one_all_reduce_after_the_backward(results):
+    results = [r["sync"] for r in results]
     for r in results:
         assert r["buckets"] == 4 and len(r["reduces"]) == 4, r["reduces"]  # one all-reduce per bucket
         assert r["reduces"] == results[0]["reduces"]  # the same collectives, in the same order, on every rank
@@ -145,8 +154,8 @@ def _trainer_grads(hp: int, cp: int) -> dict[bool, Any]:
 
 
 @pytest.mark.distributed
-def test_trainer_gradients_and_loss_equal_the_sync_after_the_backward():
-    for by_layout in run_distributed(_trainer_worker, 2):
+def test_trainer_gradients_and_loss_equal_the_sync_after_the_backward(results):
+    for by_layout in (r["trainer"] for r in results):
         for layout, r in by_layout.items():
             (loss, grads), (ref_loss, ref_grads) = r[True], r[False]
             assert loss == ref_loss, layout

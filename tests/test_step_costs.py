@@ -118,13 +118,13 @@ def counted_reads(host: set[int]) -> Iterator[DeviceReads]:
             setattr(torch.Tensor, name, fn)
 
 
-def make_trainer(mesh: Any, layers: int, **options: Any) -> Any:
+def make_trainer(mesh: Any, layers: int, grad_accum: int = 2, **options: Any) -> Any:
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, grad_accum=2, steps=4, warmup=1, dtype="fp64", doc_mask="on",
-                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, ac_mode="selective"))
+    cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, grad_accum=grad_accum, steps=4, warmup=1, dtype="fp64",
+                      doc_mask="on", parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, ac_mode="selective"))
     return Trainer(Run(cfg, tiny_model(num_layers=layers)), mesh, torch.device("cpu"), **options)
 
 
@@ -151,15 +151,17 @@ def _costs(rank: int, world: int) -> dict[str, Any]:
     def counted_step(trainer: Any, step: int, read: bool, reads: bool) -> dict[str, int]:
         calls.clear()
         steps = {id(state["step"]) for state in trainer.optimizer.state.values()}
+        batches = [packed_batch(step + i) for i in range(trainer.cfg.grad_accum)]
         with counted_collectives() as comm, counted_reads(steps) if reads else contextlib.nullcontext() as seen:
-            trainer.step([packed_batch(step), packed_batch(step + 1)], read=read)
+            trainer.step(batches, read=read)
         return {"host": sum(n for name, n in comm.items() if name not in ATTENTION_OWN),
                 "attention_own": sum(n for name, n in comm.items() if name in ATTENTION_OWN),
                 "reads": seen.count if seen is not None else None, "attention_calls": calls["attention"]}
 
     try:
-        for layers in (2, 12):  # each model's first step (the 12-layer model is slow on a shared CPU)
-            out[("first", layers)] = counted_step(make_trainer(mesh, layers), 0, False, False)
+        for layers in (2, 12):  # each model's first step, one micro-batch (12 layers are slow on a shared CPU)
+            for step in (0, 1):
+                out[(step, layers)] = counted_step(make_trainer(mesh, layers, grad_accum=1), step, False, False)
         trainer = make_trainer(mesh, 2)
         trainer.step([packed_batch(0), packed_batch(1)])
         for read in (False, True):  # steady state, with and without the values read for a log line
@@ -214,18 +216,20 @@ def costs() -> list[dict[str, Any]]:
 
 
 def test_host_exchanges_per_step_do_not_grow_with_depth(costs):
+    keys = ("host", "attention_own", "attention_calls")
     for rank_out in costs:
-        shallow, deep = rank_out[("first", 2)], rank_out[("first", 12)]
+        shallow, deep = rank_out[(0, 2)], rank_out[(0, 12)]
         assert deep["attention_calls"] == 6 * shallow["attention_calls"] > 0  # 12 vs 2 layers
         assert deep["attention_own"] > shallow["attention_own"]  # the ring's P2P grows with depth
         assert shallow["host"] == deep["host"], (shallow, deep)
-        for read in (False, True):  # the first step is the steady state's
-            steady = rank_out[("steady", read)]
-            assert all(steady[key] == shallow[key] for key in ("host", "attention_own", "attention_calls"))
-        # the per-call agreement: one exchange per call instead of the layout's and the digest's
-        old = rank_out["per_call"]
-        assert old["attention_calls"] == shallow["attention_calls"]
-        assert old["host"] - shallow["host"] == shallow["attention_calls"] - 2, (old, shallow)
+        for layers in (2, 12):  # a later step costs what the first did (the steady state)
+            assert all(rank_out[(1, layers)][key] == rank_out[(0, layers)][key] for key in keys)
+        # two micro-batches: the per-call agreement makes one exchange per call instead of the sharding's and
+        # the digest's
+        steady, old = rank_out[("steady", False)], rank_out["per_call"]
+        assert all(rank_out[("steady", True)][key] == steady[key] for key in keys)
+        assert old["attention_calls"] == steady["attention_calls"] == 2 * shallow["attention_calls"]
+        assert old["host"] - steady["host"] == steady["attention_calls"] - 2, (old, steady)
 
 
 def test_one_device_read_per_step(costs):
