@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.counting import counted_reads
 from tests.dist_utils import run_distributed
 from tests.fixtures import tiny_model
 
@@ -72,50 +72,6 @@ def counted_collectives() -> Iterator[Counter]:
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-
-
-def _device_data(t: torch.Tensor, host: set[int]) -> bool:
-    """Whether reading ``t`` would synchronise a GPU: on CPU every tensor is a host tensor, so what a CUDA run
-    keeps on the host is told apart by kind: index tensors (documents, chunk orders, the gloo digests) are
-    integers, and AdamW's step counters (``host``: their ids) live on the CPU unless capturable."""
-    return (t.is_floating_point() or t.dtype == torch.bool) and id(t) not in host
-
-
-class DeviceReads(TorchDispatchMode):
-    """Counts the reads that synchronise a CUDA device: ``aten._local_scalar_dense`` (``.item()``, ``float()``,
-    ``bool()`` of a tensor) here, and ``.tolist()``/``.numpy()`` through :func:`counted_reads` (on CPU they
-    bypass the dispatcher), of device data (:func:`_device_data`)."""
-
-    def __init__(self, host: set[int]) -> None:
-        super().__init__()
-        self.count, self.host = 0, host
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and _device_data(args[0], self.host):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def counted_reads(host: set[int]) -> Iterator[DeviceReads]:
-    mode = DeviceReads(host)
-    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
-
-    def wrap(fn):
-        def read(self, *args, **kwargs):
-            if _device_data(self, host):
-                mode.count += 1
-            return fn(self, *args, **kwargs)
-        return read
-
-    for name, fn in originals.items():
-        setattr(torch.Tensor, name, wrap(fn))
-    try:
-        with mode:
-            yield mode
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
 
 
 def make_trainer(mesh: Any, layers: int, grad_accum: int = 2, **options: Any) -> Any:

@@ -22,6 +22,7 @@ from loongtrain.attn.masking import AttnMask, dense_mask, piece_mask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.attn.step import Pieces, plan_step, varlen_flag
 from loongtrain.parallel.zigzag import shard_indices
+from tests.counting import counted_reads
 from tests.cuda_emulation import VARLEN_FAULTS, install
 
 CHUNK, HEAD_DIM = 6, 8
@@ -225,6 +226,62 @@ def test_plans_cover_exactly_the_visible_pairs(seed):
             for flag in (False, True):  # per causal flag: one varlen call, or a lone piece as a dense call
                 lone = sum(varlen_flag(x, bottom_right) is flag for _, x in plan.dense)
                 assert lone + sum(call.causal is flag for call in plan.varlen) <= 1, plan
+
+
+# ---------------------------------------------------------------- no device read, no blocking copy
+
+
+@pytest.mark.parametrize("kernel", [CUDA_FLASH, CUDA_CUDNN], ids=lambda k: k.name)
+def test_the_varlen_path_reads_nothing_from_the_device(emulate, kernel):
+    """A ring pass over packed documents through the emulated varlen ops, forward and backward, reads no
+    floating value back (docs/design.md §10: no synchronisation inside a layer)."""
+    emulate(allow_fp64=True)
+    cp, seq = 2, 4 * CHUNK
+    docs = layouts(seq, seed=6)[:2]
+    q, k, v, dout = inputs(len(docs), seq, 4, 2, seed=6)
+    with counted_reads() as reads:
+        run_ring(q, k, v, dout, cp, 1, AttnMask(True, None, docs, 0), kernel)
+    assert reads.count == 0
+
+
+def test_a_document_mix_is_copied_to_the_device_once_without_blocking(monkeypatch):
+    """Every index tensor of a varlen plan reaches the device through ``runtime.to_device`` (pinned memory,
+    non-blocking on CUDA), once per document mix (the plan cache)."""
+    from loongtrain.attn import step
+
+    copies = []
+
+    def recording(t, device):
+        copies.append((t.dtype, str(device)))
+        return t
+
+    monkeypatch.setattr(step, "to_device", recording)
+    docs = ((0, 3, 5, 9, 12, 16, 4 * CHUNK),)
+    items = Pieces(AttnMask(True, None, docs, 0), 1, 4 * CHUNK, 1, 0)(0)
+    plan = plan_step(items, 1, torch.device("cuda", 7), True)
+    assert len(plan.varlen) == 1 and len(copies) == 6  # rows and positions of q and k, cu_q, cu_k
+    assert all(device == "cuda:7" for _, device in copies)
+    assert plan_step(items, 1, torch.device("cuda", 7), True) is plan and len(copies) == 6  # cached
+
+
+def test_to_device_pins_and_copies_without_blocking(monkeypatch):
+    from loongtrain.parallel.runtime import to_device
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    original = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and str(args[0]).startswith("cuda"):
+            calls.append(("to", str(args[0]), kwargs.get("non_blocking")))
+            return self
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    to_device(torch.arange(3), torch.device("cuda", 1))
+    assert calls == ["pin", ("to", "cuda:1", True)]
+    cpu = torch.arange(3)
+    assert to_device(cpu, "cpu") is cpu and len(calls) == 2  # on the CPU: as it is
 
 
 # ---------------------------------------------------------------- the wrappers alone

@@ -305,11 +305,18 @@ def _cuda_cudnn_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: fl
     return res[0], res[1].squeeze(-1)  # lse comes as [B, H, S, 1]
 
 
+def _same_layout(dout: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    """cuDNN takes dO in O's layout: both as they are when their strides agree, else both fresh row-major
+    copies (``_dense`` alone keeps a contiguous tensor's strides of size-1 dims, which may still differ)."""
+    if dout.stride() == out.stride():
+        return dout, out
+    return tuple(x.clone(memory_format=torch.contiguous_format) for x in (dout, out))
+
+
 def _cuda_cudnn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if dout.stride() != out.stride():  # cuDNN takes dO in O's layout
-        dout, out = _dense(dout), _dense(out)
+    dout, out = _same_layout(dout, out)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: not read
     offset = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
@@ -334,8 +341,7 @@ def _cuda_cudnn_varlen_backward(
     max_q: int, max_k: int, causal: bool, scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of :func:`_cuda_cudnn_varlen_forward`; lse ``[H, Tq]`` goes back in the op's ``[Tq, H, 1]``."""
-    if dout.stride() != out.stride():  # cuDNN takes dO in O's layout
-        dout, out = _dense(dout), _dense(out)
+    dout, out = _same_layout(dout, out)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: not read
     offset = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv = _aten._cudnn_attention_backward(
