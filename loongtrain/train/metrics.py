@@ -108,6 +108,22 @@ def host_values(tensors: list[torch.Tensor]) -> list[float]:
     return torch.stack([t.detach().to(torch.float64).reshape(()) for t in tensors]).tolist()
 
 
+#: a step record's values that may stay device tensors until a log step reads them (``Trainer.step``)
+DEVICE_VALUES = ("loss", "grad_norm", "attention_pairs")
+
+
+def read_device_values(records: list[dict[str, Any]], guard: torch.Tensor | None = None) -> bool:
+    """In place, in one :func:`host_values` transfer: each record's :data:`DEVICE_VALUES` still on the device
+    become Python numbers (``attention_pairs`` an int); returns the ``guard`` flag read with them (True
+    without one). Nothing to read and no guard: no transfer."""
+    slots = [(r, key) for r in records for key in DEVICE_VALUES if isinstance(r.get(key), torch.Tensor)]
+    tensors = [r[key] for r, key in slots] + ([guard] if guard is not None else [])
+    values = host_values(tensors) if tensors else []
+    for (r, key), value in zip(slots, values):
+        r[key] = int(value) if key == "attention_pairs" else value
+    return guard is None or bool(values[-1])
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated CUDA memory of this process, or its peak resident set size on CPU."""
     if device.type == "cuda":

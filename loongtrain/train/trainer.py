@@ -41,10 +41,10 @@ from loongtrain.train.config import Run, TrainConfig, autocast_dtype
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import (
     MetricsLogger,
-    host_values,
     peak_flops_total,
     peak_memory_bytes,
     plot_loss_curve,
+    read_device_values,
 )
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.run_model import build_model, loss_inputs, model_record
@@ -71,10 +71,6 @@ def use_deterministic(device: torch.device) -> None:
 def _barrier() -> None:
     if is_distributed():
         dist.barrier()
-
-
-#: a step record's values that stay device tensors until read (:meth:`Trainer.step`, ``read=False``)
-DEVICE_VALUES = ("loss", "grad_norm", "attention_pairs")
 
 
 class Trainer:
@@ -130,7 +126,7 @@ class Trainer:
         validation = Validation(cfg, self.mesh, self.loss, self.model)  # --val-interval (train/validation.py)
         reset_peak_memory(self.device)
         bad_steps = 0
-        unread: list[dict[str, Any]] = []  # records whose DEVICE_VALUES are still on the device
+        unread: list[dict[str, Any]] = []  # records whose DEVICE_VALUES (metrics.py) are still on the device
         try:
             for step in range(start, end):
                 kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (parallel/failures.py)
@@ -188,7 +184,7 @@ class Trainer:
         (query, key) pairs of all replicas' rows, per layer and head: the work that FLOP counts use).
 
         One device-to-host read (the bad-step guard's). ``read``: also read ``loss``, ``grad_norm`` and
-        ``attention_pairs`` in it (True), or leave them device tensors (False, :data:`DEVICE_VALUES`); a list
+        ``attention_pairs`` in it (True), or leave them device tensors (False; ``metrics.DEVICE_VALUES``); a list
         of earlier such records: read theirs in the same transfer too (filled in place).
         """
         assert len(micro_batches) == self.cfg.grad_accum
@@ -237,18 +233,13 @@ class Trainer:
         return loss_sum / len(local)
 
     def _read(self, records: list[dict[str, Any]], guard: torch.Tensor | None = None) -> bool:
-        """One device-to-host transfer: the :data:`DEVICE_VALUES` of ``records`` still on the device become
-        Python numbers (in place, with the FLOP rates that need them); returns the ``guard`` flag (True
-        without one). Nothing to read and no guard: no transfer."""
-        slots = [(r, key) for r in records for key in DEVICE_VALUES if isinstance(r.get(key), torch.Tensor)]
-        tensors = [r[key] for r, key in slots] + ([guard] if guard is not None else [])
-        values = host_values(tensors) if tensors else []
-        for (r, key), value in zip(slots, values):
-            r[key] = int(value) if key == "attention_pairs" else value
+        """:func:`~loongtrain.train.metrics.read_device_values` (one transfer), then the FLOP rates of the
+        finished records it completed."""
+        flag = read_device_values(records, guard)
         for r in records:
             if "tflops" in r and r["tflops"] is None:  # a finished record: its FLOP rates need the pairs
                 self._add_rates(r)
-        return guard is None or bool(values[-1])
+        return flag
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
