@@ -28,11 +28,10 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.parallel.config import validate_parallel
 from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
-from loongtrain.train.autoplan import apply_plan
+from loongtrain.train.autoplan import apply_plan, check_stage_memory, stage_memory_cluster
 from loongtrain.train.checkpoint import AUTO
 from loongtrain.train.compile import check_compile_run
 from loongtrain.train.config import Run, TrainConfig
@@ -40,6 +39,7 @@ from loongtrain.train.models import build_run_tokenizer, model_config_for
 from loongtrain.train.offload import offloaded_blocks
 from loongtrain.train.parallelize import checkpointed_layers
 from loongtrain.train.preflight import RunComplete, preflight
+from loongtrain.train.stages import check_stage_layouts
 from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.train.trainer import Trainer
 
@@ -63,12 +63,8 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
     cfg.validate()
     model_config = model_config or model_config_for(cfg)
     p = cfg.parallel
-    try:
-        validate_parallel(p, world, seq_len=cfg.seq_len, num_heads=model_config.num_heads,
-                          num_kv_heads=model_config.num_kv_heads)
-    except ValueError as exc:
-        raise ValueError(f"--nproc/world size {world}, --hp {p.hp} --cp {p.cp}, --seq-len {cfg.seq_len}, "
-                         f"model {cfg.model!r}: {exc}") from exc
+    # one layout serves every stage of a --seq-len-schedule (without one: the run's --seq-len)
+    check_stage_layouts(cfg, p, world, model_config.num_heads, model_config.num_kv_heads, cfg.model)
     if p.offload_activations:  # --offload-keep must leave a block to offload (the rule of parallelize's step)
         offloaded_blocks(checkpointed_layers(model_config.num_layers, p.ac_fraction), p.offload_keep)
     check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
@@ -128,8 +124,11 @@ def prepare_run(cfg: TrainConfig, world: int) -> Run:
     every rank: :func:`loongtrain.train.torchrun.agree_on_start`)."""
     tokenizer = build_run_tokenizer(cfg)
     model_config = model_config_for(cfg, tokenizer)
+    planned = bool(cfg.plan)
     cfg = apply_plan(cfg, world, under_launcher=under_torchrun(), model_config=model_config)
     validate_run(cfg, world, model_config)
+    if not planned:  # --plan auto checked every stage on the cluster it planned for
+        check_stage_memory(cfg, world, model_config, stage_memory_cluster(cfg))
     return Run(cfg, model_config, tokenizer)
 
 
