@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         from loongtrain.train.simulate import simulate_candidate
 
         return int(module.main(rest, simulate=simulate_candidate) or 0)
+    if name == "train":  # train sits below eval: the in-loop evaluation tasks are handed down from here
+        from loongtrain.eval.in_loop import in_loop_evaluations
+
+        return int(module.main(rest, evaluations=in_loop_evaluations) or 0)
     return int(module.main(rest) or 0)
 
 

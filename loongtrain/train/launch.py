@@ -22,7 +22,8 @@ import datetime
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.autoplan import apply_plan, check_stage_memory, stage_memory_cluster
 from loongtrain.train.checkpoint import AUTO
 from loongtrain.train.compile import check_compile_run
-from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.config import Run, TrainConfig, eval_task_list
 from loongtrain.train.models import build_run_tokenizer, model_config_for
 from loongtrain.train.offload import offloaded_blocks
 from loongtrain.train.parallelize import checkpointed_layers
@@ -42,8 +43,12 @@ from loongtrain.train.preflight import RunComplete, preflight
 from loongtrain.train.stages import check_stage_layouts
 from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.train.trainer import Trainer
+from loongtrain.train.validation import Evaluation
 
 log = logging.getLogger("loongtrain.train")
+
+#: ``(cfg, model_config, tokenizer, world) -> in-loop evaluations`` (``--eval-tasks``; checks raise ValueError)
+EvaluationBuilder = Callable[[TrainConfig, ModelConfig, Any, int], Sequence[Evaluation]]
 
 
 def world_size_for(cfg: TrainConfig) -> int:
@@ -108,20 +113,22 @@ def _threads(cfg: TrainConfig, world_local: int) -> int:
     return 1 if world_local > 1 else (os.cpu_count() or 1)
 
 
-def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False) -> Run:
+def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False,
+                evaluations: EvaluationBuilder | None = None) -> Run:
     """Everything the workers need, derived once here before any worker starts: the planned layout, the
-    tokenizer, the model's shape, and the checkpoint to resume (:func:`~loongtrain.train.preflight.preflight`).
-    ValueError for a user error; :class:`~loongtrain.train.preflight.RunComplete` when a restarted job has
-    nothing left to train."""
-    run = prepare_run(cfg, world)
+    tokenizer, the model's shape, the in-loop evaluations, and the checkpoint to resume
+    (:func:`~loongtrain.train.preflight.preflight`). ValueError for a user error;
+    :class:`~loongtrain.train.preflight.RunComplete` when a restarted job has nothing left to train."""
+    run = prepare_run(cfg, world, evaluations)
     cfg = preflight(run.cfg, world, run.tokenizer, restarted=restarted)
     return dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
 
 
-def prepare_run(cfg: TrainConfig, world: int) -> Run:
+def prepare_run(cfg: TrainConfig, world: int, evaluations: EvaluationBuilder | None = None) -> Run:
     """:func:`resolve_run` before its file checks: the planned layout, the tokenizer and the model's shape,
-    validated for ``world`` ranks (under torchrun, rank 0 makes the file checks and the resume choice for
-    every rank: :func:`loongtrain.train.torchrun.agree_on_start`)."""
+    validated for ``world`` ranks, and the ``--eval-tasks`` built by ``evaluations`` (the launch path hands
+    in ``loongtrain.eval``'s builder; ``train`` does not import it). Under torchrun, rank 0 makes the file
+    checks and the resume choice for every rank: :func:`loongtrain.train.torchrun.agree_on_start`."""
     tokenizer = build_run_tokenizer(cfg)
     model_config = model_config_for(cfg, tokenizer)
     planned = bool(cfg.plan)
@@ -129,7 +136,13 @@ def prepare_run(cfg: TrainConfig, world: int) -> Run:
     validate_run(cfg, world, model_config)
     if not planned:  # --plan auto checked every stage on the cluster it planned for
         check_stage_memory(cfg, world, model_config, stage_memory_cluster(cfg))
-    return Run(cfg, model_config, tokenizer)
+    built: tuple = ()
+    if eval_task_list(cfg):
+        if evaluations is None:
+            raise ValueError(f"--eval-tasks {cfg.eval_tasks!r}: the evaluation tasks are handed in by the "
+                             f"`loongtrain train` command (loongtrain.cli); this launch has none")
+        built = tuple(evaluations(cfg, model_config, tokenizer, world))
+    return Run(cfg, model_config, tokenizer, evaluations=built)
 
 
 @contextlib.contextmanager
@@ -170,19 +183,20 @@ def run_worker(rank: int, world: int, run: Run) -> list[dict]:
         return Trainer(run, mesh, device).train()
 
 
-def launch(cfg: TrainConfig) -> None:
-    """Validate ``cfg`` here, then train (torchrun rank, in-process single worker, or spawned workers)."""
+def launch(cfg: TrainConfig, evaluations: EvaluationBuilder | None = None) -> None:
+    """Validate ``cfg`` here, then train (torchrun rank, in-process single worker, or spawned workers);
+    ``evaluations``: the builder of the in-loop evaluations (:func:`prepare_run`)."""
     setup_logging(int(os.environ.get("RANK", 0)), cfg.log_all_ranks)
     if configure_cuda_allocator():
         log.info("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set it yourself to choose otherwise)")
     world = world_size_for(cfg)
     if under_torchrun():  # one start decision for every rank of the attempt, on every node (train/torchrun.py)
-        run = agree_on_start(prepare_run(cfg, world), world)
+        run = agree_on_start(prepare_run(cfg, world, evaluations), world)
         if run is not None:
             with lost_nodes_named():
                 run_worker(int(os.environ["RANK"]), world, run)
         return
-    run = resolve_run(cfg, world)
+    run = resolve_run(cfg, world, evaluations=evaluations)
     cfg = run.cfg
     if world == 1:
         run_worker(0, 1, run)

@@ -271,6 +271,8 @@ def plot_evaluations(jsonl_path: Path, png_path: Path) -> bool:
             ax.plot([r["step"] for r in shown], [r[key] for r in shown], marker="o", label=key.split("/", 2)[2])
         ax.set_xlabel("step")
         ax.set_ylabel("fraction of keys retrieved" if task == "passkey" else "mean loss")
+        if task == "passkey":
+            ax.set_ylim(-0.05, 1.05)
         ax.set_title("passkey retrieval by length" if task == "passkey" else "loss by position")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
