@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 
 SUBCOMMANDS = {
-    "train": ("loongtrain.train.cli", "Train a LLaMA-style or Hugging Face model with 2D-Attention."),
+    "train": ("loongtrain.launch.train_cli", "Train a LLaMA-style or Hugging Face model with 2D-Attention."),
     "plan": ("loongtrain.plan.cli", "Rank 2D-Attention configurations for a cluster with the cost model."),
     "export": ("loongtrain.train.export", "Write a training checkpoint as a Hugging Face model directory."),
-    "prepare": ("loongtrain.data.prepare_cli", "Tokenize corpora once into a memory-mapped training directory."),
-    "eval": ("loongtrain.eval.cli", "Evaluate long context sharded: loss by position, passkey retrieval."),
+    "prepare": ("loongtrain.data.cli", "Tokenize corpora once into a memory-mapped training directory."),
+    "eval": ("loongtrain.launch.eval_cli", "Evaluate long context sharded: loss by position, passkey retrieval."),
 }
 
 
@@ -36,10 +36,6 @@ def main(argv: list[str] | None = None) -> int:
         from loongtrain.train.simulate import simulate_candidate
 
         return int(module.main(rest, simulate=simulate_candidate) or 0)
-    if name == "train":  # train sits below eval: the in-loop evaluation tasks are handed down from here
-        from loongtrain.eval.in_loop import in_loop_evaluations
-
-        return int(module.main(rest, evaluations=in_loop_evaluations) or 0)
     return int(module.main(rest) or 0)
 
 

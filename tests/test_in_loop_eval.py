@@ -36,7 +36,7 @@ def _corpus(tmp) -> str:
 def _cfg(tmp, name: str, parallel: ParallelConfig, **kw) -> TrainConfig:
     base = dict(corpus=_corpus(tmp), seq_len_schedule="32:2,64:2", seq_len=64, steps=4, batch_size=2, warmup=1,
                 lr=1e-2, dtype="fp32", parallel=parallel, out_dir=str(tmp / name), peak_tflops=1.0, tensorboard=False,
-                plot=False, progress="off", memory_report=False, eval_interval=2, eval_batches=1)
+                plot=False, progress="off", memory_report=False, val_interval=2, val_batches=1)
     return TrainConfig(**{**base, **kw})
 
 
@@ -69,7 +69,7 @@ def test_training_is_bit_identical_with_in_loop_evaluation(tmp_path):
 
 
 #: two FSDP2 replicas: two steps of one length, evaluated after each (the smallest run that has a step after one)
-REPLICAS = dict(seq_len_schedule="", seq_len=32, steps=2, eval_interval=1, eval_lengths="128")
+REPLICAS = dict(seq_len_schedule="", seq_len=32, steps=2, val_interval=1, eval_lengths="128")
 
 
 def _replicas_worker(rank: int, world: int, tmp: str):
@@ -91,7 +91,7 @@ def test_bit_identical_with_two_fsdp_replicas(tmp_path):
 def test_metrics_equal_loongtrain_eval_of_the_same_step(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--corpus", _corpus(tmp_path), "--seq-len", "64",
-            "--steps", "2", "--warmup", "1", "--batch-size", "2", "--eval-interval", "2", "--eval-tasks",
+            "--steps", "2", "--warmup", "1", "--batch-size", "2", "--val-interval", "2", "--eval-tasks",
             "passkey,position-loss", "--eval-lengths", "128,256", "--eval-trials", "1", "--eval-docs", "3",
             "--no-memory-report", "--out-dir", str(out), *QUIET_FLAGS, "--plot"]
     assert main(argv) == 0
@@ -124,7 +124,7 @@ def test_passkey_metrics_are_the_fraction_of_keys_per_length():
 ])
 def test_bad_eval_options_exit_2_before_any_worker(tmp_path, capsys, extra, needles):
     argv = ["train", "--nproc", "4", "--hp", "2", "--cp", "2", "--seq-len", "64", "--corpus", _corpus(tmp_path),
-            "--eval-interval", "1", "--eval-tasks", "passkey,position-loss", *extra, "--out-dir", str(tmp_path / "r")]
+            "--val-interval", "1", "--eval-tasks", "passkey,position-loss", *extra, "--out-dir", str(tmp_path / "r")]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the warning of a length past the training's
     assert err.startswith("loongtrain train: error:") and all(n in err for n in needles), err
@@ -132,10 +132,10 @@ def test_bad_eval_options_exit_2_before_any_worker(tmp_path, capsys, extra, need
 
 
 @pytest.mark.parametrize("values, needle", [
-    ({"eval_tasks": "passkey"}, "--eval-interval N"),
-    ({"eval_tasks": "needle", "eval_interval": 2}, "'needle'"),
+    ({"eval_tasks": "passkey"}, "--val-interval N"),
+    ({"eval_tasks": "needle", "val_interval": 2}, "'needle'"),
     ({"eval_lengths": "4K"}, "--eval-lengths '4K' gives the lengths of --eval-tasks"),
-    ({"eval_tasks": "passkey", "eval_interval": 2, "eval_lengths": "4Q"}, "4Q"),
+    ({"eval_tasks": "passkey", "val_interval": 2, "eval_lengths": "4Q"}, "4Q"),
 ])
 def test_eval_options_are_checked(values, needle):
     with pytest.raises(ValueError, match=needle):

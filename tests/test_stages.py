@@ -9,8 +9,8 @@ import time
 import pytest
 
 from loongtrain.cli import main
+from loongtrain.launch.train_run import validate_run
 from loongtrain.train.config import TrainConfig, parse_args
-from loongtrain.train.launch import validate_run
 from loongtrain.train.metrics import read_jsonl
 from loongtrain.train.optim import lr_factor
 from loongtrain.train.stages import parse_schedule, run_stages, stage_at, stage_config
@@ -89,7 +89,7 @@ def doc_corpus(tmp_path_factory) -> str:
 
 def _train(corpus, out, *extra) -> int:
     return main(["train", "--nproc", "1", "--hp", "1", "--cp", "1", *SCHEDULE, "--warmup", "1", "--corpus", corpus,
-                 "--out-dir", str(out), "--no-memory-report", "--val-fraction", "0.2", "--eval-interval", "2",
+                 "--out-dir", str(out), "--no-memory-report", "--val-fraction", "0.2", "--val-interval", "2",
                  *QUIET_FLAGS, *extra])
 
 
@@ -131,9 +131,9 @@ def _small_cluster(tmp_path, memory_gib: float):
 def test_a_stage_that_does_not_fit_exits_2_naming_it(tmp_path, capsys):
     """tiny, fp32, one device: the planner predicts 0.03 GiB at 1K tokens and 1.4 GiB at 64K; on a
     0.5 GiB device (0.45 usable) the second stage cannot run, on a 2 GiB one both can."""
+    from loongtrain.launch.autoplan import check_stage_memory
     from loongtrain.model.config import PRESETS
     from loongtrain.plan.cluster import load_cluster
-    from loongtrain.train.autoplan import check_stage_memory
 
     argv = ["--seq-len-schedule", "1K:1,64K:1", "--schedule-tokens", "free", "--dtype", "fp32", "--hp", "1",
             "--cp", "1", "--nproc", "1"]
@@ -148,8 +148,8 @@ def test_a_stage_that_does_not_fit_exits_2_naming_it(tmp_path, capsys):
 
 
 def test_plan_auto_plans_for_the_longest_stage():
+    from loongtrain.launch.autoplan import apply_plan
     from loongtrain.plan.search import best_fitting
-    from loongtrain.train.autoplan import apply_plan
 
     cfg = parse_args(["--model", "7b-gqa", "--seq-len-schedule", "32K:10,128K:5", "--grad-accum", "4",
                       "--plan", "auto", "--plan-cluster", "a100", "--dtype", "bf16"])

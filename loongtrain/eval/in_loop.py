@@ -1,7 +1,7 @@
 """Evaluation inside the training loop (``loongtrain train --eval-tasks passkey,position-loss --eval-lengths
 4K,16K``, docs/design.md §14): ``loongtrain eval``'s tasks as
 :class:`~loongtrain.train.validation.Evaluation` callables, which the trainer runs at every
-``--eval-interval`` on its own model, mesh and autocast, forward only, after the validation loss.
+``--val-interval`` on its own model, mesh and autocast, forward only, after the validation loss.
 
 - :func:`in_loop_evaluations` (the launch path, before any worker starts) checks the options and builds
   them: every length suits the run's layout (as a training length does), the tokenizer writes each digit
@@ -42,7 +42,7 @@ from loongtrain.parallel.config import validate_parallel
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.train.config import TrainConfig, eval_length_list, eval_task_list
 from loongtrain.train.metrics import size_label
-from loongtrain.train.models import hf_model_dir
+from loongtrain.train.run_model import hf_model_dir
 
 log = logging.getLogger("loongtrain.eval")
 

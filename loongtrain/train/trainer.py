@@ -25,12 +25,12 @@ from torch import nn
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
+from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
-from loongtrain.train.batch import Batch, BatchLayout
+from loongtrain.train.batch import Batch, BatchSharding
 from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
-from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import (
     MetricsLogger,
@@ -39,12 +39,12 @@ from loongtrain.train.metrics import (
     plot_evaluations,
     plot_loss_curve,
 )
-from loongtrain.train.models import build_model, loss_inputs, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
-from loongtrain.train.parallelize import uses_fsdp
+from loongtrain.train.run_model import build_model, loss_inputs, model_record
 from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
 from loongtrain.train.validation import Validation
+from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.train")
 
@@ -76,7 +76,7 @@ class Trainer:
     """Model, optimizer, schedule and data of one rank, and the run loop (:meth:`train`).
 
     :meth:`step` takes ``grad_accum`` micro-batches of this replica's *full* sequences; each rank keeps its
-    2D zigzag shard (:class:`~loongtrain.train.batch.BatchLayout`), so the trainer is layout-agnostic.
+    2D zigzag shard (:class:`~loongtrain.train.batch.BatchSharding`), so the trainer is layout-agnostic.
     ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`, called with each stage's
     options (``--seq-len-schedule``: :mod:`~loongtrain.train.stages`). The in-loop evaluations are the
     run's (``run.evaluations``, built by the launch path).
@@ -92,13 +92,13 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.manual_seed_all(cfg.seed)
         compute = autocast_dtype(cfg, device)
-        sharded = uses_fsdp(cfg.parallel)
+        sharded = uses_zero(cfg.parallel)
         self.model: nn.Module = build_model(self.model_config, cfg, mesh, device, compute if sharded else None)
         self.params = [p for _, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0])]
         self.grad_sync = needs_grad_sync(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.amp_dtype = None if sharded else compute  # FSDP2 casts the weights: no autocast (autocast_dtype)
-        self.layout = BatchLayout(cfg, mesh, self.model_config, device)
+        self.sharding = BatchSharding(cfg, mesh, self.model_config, device)
         self.batch_source = batches or self._corpus_batches
         self.out_dir = Path(cfg.out_dir)
         self.stages = run_stages(cfg)
@@ -119,15 +119,14 @@ class Trainer:
         logger = self._logger(start)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
-        # --eval-interval: the validation loss and the in-loop evaluations (train/validation.py)
+        # --val-interval: the validation loss and the in-loop evaluations (train/validation.py)
         validation = Validation(stage_config(cfg, batches.stage), self.mesh, self.loss, self.model,
-                                evaluations=self.run.evaluations,
-                                device=self.device, amp_dtype=self.amp_dtype)
+                                evaluations=self.run.evaluations, device=self.device, amp_dtype=self.amp_dtype)
         reset_peak_memory(self.device)
         bad_steps = 0
         try:
             for step in range(start, end):
-                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
+                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (parallel/failures.py)
                 stage = self._enter_stage(batches, step)
                 record = self._timed_step(step, stage, batches, peak, mem_fields)
                 # {"val_loss": ..., "eval/...": ...} when due, else {}
@@ -185,7 +184,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
         loss_value = loss_sum / len(micro_batches)
-        pairs = torch.tensor(float(sum(self.layout.visible_pairs(b) for b in micro_batches)), dtype=torch.float64,
+        pairs = torch.tensor(float(sum(self.sharding.visible_pairs(b) for b in micro_batches)), dtype=torch.float64,
                              device=self.device)
         if self.mesh.dp > 1:  # one all-reduce for the loss and the replicas' attention pairs
             both = torch.stack([loss_value, pairs])
@@ -205,7 +204,7 @@ class Trainer:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
         forward to the final norm's input, then the chunked cross-entropy through the final norm and the LM
         head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
-        local = self.layout.local(batch)
+        local = self.sharding.local(batch)
         with self._autocast():
             hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
                                              local.chunk_order)

@@ -45,7 +45,7 @@ from loongtrain.train.checkpoint import (
     verify_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.models import build_run_tokenizer
+from loongtrain.train.run_model import build_run_tokenizer
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
@@ -206,7 +206,7 @@ def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: 
         if name in saved and saved[name] != getattr(cfg, name):
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r} differs from the checkpoint's "
                              f"{saved[name]!r} ({str(path)!r}); a resumed run must keep it (resume rule: "
-                             f"see `loongtrain.train.preflight`)")
+                             f"see `loongtrain.launch.preflight`)")
     layout = state.get("layout") or {}
     if "dp" in layout and "batch_size" in saved:
         dp = world // cfg.parallel.sp

@@ -39,8 +39,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from loongtrain.launch.preflight import RunComplete, check_corpus, check_out_dir, preflight
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.preflight import RunComplete, check_corpus, check_out_dir, preflight
 
 log = logging.getLogger("loongtrain.train")
 

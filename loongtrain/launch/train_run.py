@@ -7,11 +7,11 @@
   CPU; workers die with this process). With one worker the run stays in this process without
   torch.distributed.
 Every user error is raised as ValueError by :func:`validate_run` (options) and
-:func:`loongtrain.train.preflight.preflight` (corpus, output directory, resume) before any process is
+:func:`loongtrain.launch.preflight.preflight` (corpus, output directory, resume) before any process is
 started. Collectives time out after ``--timeout`` seconds. ``--max-restarts N`` restarts local workers
 after a failure from the newest checkpoint (``--resume auto``); under torchrun, its own
 ``--max-restarts`` does that: rank 0 decides once for the attempt, on every node, whether it is a restart
-and which checkpoint every rank resumes from (:mod:`loongtrain.train.torchrun`).
+and which checkpoint every rank resumes from (:mod:`loongtrain.launch.torchrun`).
 """
 
 from __future__ import annotations
@@ -22,33 +22,29 @@ import datetime
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from loongtrain.eval.in_loop import in_loop_evaluations
+from loongtrain.launch.autoplan import apply_plan, check_stage_memory, stage_memory_cluster
+from loongtrain.launch.preflight import RunComplete, preflight
+from loongtrain.launch.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
-from loongtrain.train.autoplan import apply_plan, check_stage_memory, stage_memory_cluster
 from loongtrain.train.checkpoint import AUTO
-from loongtrain.train.compile import check_compile_run
-from loongtrain.train.config import Run, TrainConfig, eval_task_list
-from loongtrain.train.models import build_run_tokenizer, model_config_for
-from loongtrain.train.offload import offloaded_blocks
-from loongtrain.train.parallelize import checkpointed_layers
-from loongtrain.train.preflight import RunComplete, preflight
+from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.run_model import build_run_tokenizer, model_config_for
 from loongtrain.train.stages import check_stage_layouts
-from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.train.trainer import Trainer
-from loongtrain.train.validation import Evaluation
+from loongtrain.wrap.compile import check_compile_run
+from loongtrain.wrap.offload import offloaded_blocks
+from loongtrain.wrap.recompute import recomputed_layers
 
 log = logging.getLogger("loongtrain.train")
-
-#: ``(cfg, model_config, tokenizer, world) -> in-loop evaluations`` (``--eval-tasks``; checks raise ValueError)
-EvaluationBuilder = Callable[[TrainConfig, ModelConfig, Any, int], Sequence[Evaluation]]
 
 
 def world_size_for(cfg: TrainConfig) -> int:
@@ -71,7 +67,7 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
     # one layout serves every stage of a --seq-len-schedule (without one: the run's --seq-len)
     check_stage_layouts(cfg, p, world, model_config.num_heads, model_config.num_kv_heads, cfg.model)
     if p.offload_activations:  # --offload-keep must leave a block to offload (the rule of parallelize's step)
-        offloaded_blocks(checkpointed_layers(model_config.num_layers, p.ac_fraction), p.offload_keep)
+        offloaded_blocks(recomputed_layers(model_config.num_layers, p.ac_fraction), p.offload_keep)
     check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
@@ -113,22 +109,21 @@ def _threads(cfg: TrainConfig, world_local: int) -> int:
     return 1 if world_local > 1 else (os.cpu_count() or 1)
 
 
-def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False,
-                evaluations: EvaluationBuilder | None = None) -> Run:
+def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False) -> Run:
     """Everything the workers need, derived once here before any worker starts: the planned layout, the
     tokenizer, the model's shape, the in-loop evaluations, and the checkpoint to resume
-    (:func:`~loongtrain.train.preflight.preflight`). ValueError for a user error;
-    :class:`~loongtrain.train.preflight.RunComplete` when a restarted job has nothing left to train."""
-    run = prepare_run(cfg, world, evaluations)
+    (:func:`~loongtrain.launch.preflight.preflight`). ValueError for a user error;
+    :class:`~loongtrain.launch.preflight.RunComplete` when a restarted job has nothing left to train."""
+    run = prepare_run(cfg, world)
     cfg = preflight(run.cfg, world, run.tokenizer, restarted=restarted)
     return dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
 
 
-def prepare_run(cfg: TrainConfig, world: int, evaluations: EvaluationBuilder | None = None) -> Run:
+def prepare_run(cfg: TrainConfig, world: int) -> Run:
     """:func:`resolve_run` before its file checks: the planned layout, the tokenizer and the model's shape,
-    validated for ``world`` ranks, and the ``--eval-tasks`` built by ``evaluations`` (the launch path hands
-    in ``loongtrain.eval``'s builder; ``train`` does not import it). Under torchrun, rank 0 makes the file
-    checks and the resume choice for every rank: :func:`loongtrain.train.torchrun.agree_on_start`."""
+    validated for ``world`` ranks, and the in-loop evaluations of ``--eval-tasks``
+    (:func:`loongtrain.eval.in_loop.in_loop_evaluations`, checked here). Under torchrun, rank 0 makes the
+    file checks and the resume choice for every rank: :func:`loongtrain.launch.torchrun.agree_on_start`."""
     tokenizer = build_run_tokenizer(cfg)
     model_config = model_config_for(cfg, tokenizer)
     planned = bool(cfg.plan)
@@ -136,13 +131,8 @@ def prepare_run(cfg: TrainConfig, world: int, evaluations: EvaluationBuilder | N
     validate_run(cfg, world, model_config)
     if not planned:  # --plan auto checked every stage on the cluster it planned for
         check_stage_memory(cfg, world, model_config, stage_memory_cluster(cfg))
-    built: tuple = ()
-    if eval_task_list(cfg):
-        if evaluations is None:
-            raise ValueError(f"--eval-tasks {cfg.eval_tasks!r}: the evaluation tasks are handed in by the "
-                             f"`loongtrain train` command (loongtrain.cli); this launch has none")
-        built = tuple(evaluations(cfg, model_config, tokenizer, world))
-    return Run(cfg, model_config, tokenizer, evaluations=built)
+    evaluations = in_loop_evaluations(cfg, model_config, tokenizer, world)  # train/ cannot import eval/
+    return Run(cfg, model_config, tokenizer, evaluations=evaluations)
 
 
 @contextlib.contextmanager
@@ -183,20 +173,19 @@ def run_worker(rank: int, world: int, run: Run) -> list[dict]:
         return Trainer(run, mesh, device).train()
 
 
-def launch(cfg: TrainConfig, evaluations: EvaluationBuilder | None = None) -> None:
-    """Validate ``cfg`` here, then train (torchrun rank, in-process single worker, or spawned workers);
-    ``evaluations``: the builder of the in-loop evaluations (:func:`prepare_run`)."""
+def launch(cfg: TrainConfig) -> None:
+    """Validate ``cfg`` here, then train (torchrun rank, in-process single worker, or spawned workers)."""
     setup_logging(int(os.environ.get("RANK", 0)), cfg.log_all_ranks)
     if configure_cuda_allocator():
         log.info("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set it yourself to choose otherwise)")
     world = world_size_for(cfg)
-    if under_torchrun():  # one start decision for every rank of the attempt, on every node (train/torchrun.py)
-        run = agree_on_start(prepare_run(cfg, world, evaluations), world)
+    if under_torchrun():  # one start decision for every rank of the attempt, on every node (launch/torchrun.py)
+        run = agree_on_start(prepare_run(cfg, world), world)
         if run is not None:
             with lost_nodes_named():
                 run_worker(int(os.environ["RANK"]), world, run)
         return
-    run = resolve_run(cfg, world, evaluations=evaluations)
+    run = resolve_run(cfg, world)
     cfg = run.cfg
     if world == 1:
         run_worker(0, 1, run)
@@ -221,7 +210,7 @@ def _run_local_with_restarts(run: Run, world: int, backend: str) -> None:
             # the training stack is imported once, by the fork server (docs/design.md §10)
             run_local(run_worker, world, run, backend=backend, threads=None, timeout=None,
                       collective_timeout=cfg.timeout, heartbeat_timeout=cfg.heartbeat_timeout,
-                      preload=["loongtrain.train.launch"])
+                      preload=["loongtrain.launch.train_run"])
             return
         except WorkerError as exc:
             if attempt == cfg.max_restarts:

@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from loongtrain._input import user_error
+from loongtrain.launch.train_run import launch, under_torchrun
 from loongtrain.parallel.workers import WorkerError
 from loongtrain.train.config import parse_args
-from loongtrain.train.launch import EvaluationBuilder, launch, under_torchrun
 
 
-def main(argv: list[str] | None = None, evaluations: EvaluationBuilder | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Parse, validate (before any worker starts) and run; 0 on success, 2 on a user error (also one
     raised inside a worker), 1 on a failure (a worker failed, or the run stopped after --max-bad-steps
-    non-finite steps), 128 + the signal on SIGINT/SIGTERM (workers stopped, no partial checkpoint left).
-    ``evaluations``: the builder of ``--eval-tasks`` (``loongtrain.cli`` hands in the evaluation's)."""
+    non-finite steps), 128 + the signal on SIGINT/SIGTERM (workers stopped, no partial checkpoint left)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = parse_args(argv)
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None, evaluations: EvaluationBuilder | None = 
         return user_error("train", exc)
     try:
         with stop_on_sigterm():
-            launch(cfg, evaluations)
+            launch(cfg)
     except ValueError as exc:
         return user_error("train", exc)
     except KeyboardInterrupt as exc:
