@@ -140,3 +140,10 @@ def test_bad_eval_options_exit_2_before_any_worker(tmp_path, capsys, extra, need
 def test_eval_options_are_checked(values, needle):
     with pytest.raises(ValueError, match=needle):
         TrainConfig.from_dict(values).validate()
+
+
+def test_evaluations_go_to_tensorboard_under_their_own_names():
+    from loongtrain.train.metrics import _tensorboard_tag
+
+    assert [_tensorboard_tag(k) for k in ("eval/passkey/4K", "eval/position_loss/0-1K", "val_loss", "seq_len")] == [
+        "eval/passkey/4K", "eval/position_loss/0-1K", "val/loss", "train/seq_len"]

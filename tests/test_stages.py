@@ -158,3 +158,19 @@ def test_plan_auto_plans_for_the_longest_stage():
     first = best_fitting("7b-gqa", "a100", nodes=2, seq_len=32768, batch=1, dtype_bytes=2, modes="auto")
     assert planned.parallel == best.config != first.config and planned.seq_len_schedule == cfg.seq_len_schedule
     validate_run(planned, 16)
+
+
+def test_the_loss_plot_marks_each_stage(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from loongtrain.train.metrics import plot_loss_curve
+
+    jsonl = tmp_path / "metrics.jsonl"
+    jsonl.write_text("".join(json.dumps({"step": s, "loss": 5.0 - 0.1 * s, "seq_len": 32 if s <= 3 else 64}) + "\n"
+                             for s in range(1, 7)))
+    lines = []
+    real = matplotlib.axes.Axes.axvline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline", lambda ax, x, **kw: lines.append(x) or real(ax, x, **kw))
+    assert plot_loss_curve(jsonl, tmp_path / "loss.png", stages=[(0, 32), (3, 64)])
+    assert lines == [0.5, 3.5] and (tmp_path / "loss.png").stat().st_size > 0
