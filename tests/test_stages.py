@@ -110,12 +110,12 @@ def test_stop_and_resume_on_and_between_stage_boundaries_is_exact(tmp_path, doc_
     assert all(r[5] is not None for r in full if r[0] % 2 == 0)
     lrs = [r[4] for r in full]  # one warmup + cosine over the whole run, not per stage
     assert lrs == pytest.approx([3e-3 * lr_factor(s, warmup=1, total=7, min_ratio=0.1) for s in range(7)])
-    for name, stops in (("boundary", (3, 2)), ("inside", (4, 2))):  # after step 3 a stage ends; 4 is inside one
-        out = tmp_path / name
-        assert _train(doc_corpus, out, "--stop-after", str(stops[0])) == 0
-        assert _train(doc_corpus, out, "--resume", "--stop-after", str(stops[1])) == 0
-        assert _train(doc_corpus, out, "--resume") == 0
-        assert _rows(out) == full, name
+    out = tmp_path / "split"  # stops after steps 3 (a stage's last), 4 (inside one) and 5 (a stage's last)
+    assert _train(doc_corpus, out, "--stop-after", "3") == 0
+    for _ in range(2):
+        assert _train(doc_corpus, out, "--resume", "--stop-after", "1") == 0
+    assert _train(doc_corpus, out, "--resume") == 0
+    assert _rows(out) == full
 
 
 def _small_cluster(tmp_path, memory_gib: float):
@@ -160,11 +160,11 @@ def test_plan_auto_plans_for_the_longest_stage():
     validate_run(planned, 16)
 
 
-def test_the_loss_plot_marks_each_stage(tmp_path, monkeypatch):
+def test_the_loss_plot_marks_each_stage_and_the_evaluations_are_plotted(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.axes
 
-    from loongtrain.train.metrics import plot_loss_curve
+    from loongtrain.train.metrics import plot_evaluations, plot_loss_curve
 
     jsonl = tmp_path / "metrics.jsonl"
     jsonl.write_text("".join(json.dumps({"step": s, "loss": 5.0 - 0.1 * s, "seq_len": 32 if s <= 3 else 64}) + "\n"
@@ -174,3 +174,7 @@ def test_the_loss_plot_marks_each_stage(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "axvline", lambda ax, x, **kw: lines.append(x) or real(ax, x, **kw))
     assert plot_loss_curve(jsonl, tmp_path / "loss.png", stages=[(0, 32), (3, 64)])
     assert lines == [0.5, 3.5] and (tmp_path / "loss.png").stat().st_size > 0
+    assert not plot_evaluations(jsonl, tmp_path / "eval.png")  # no eval/ metrics: no plot
+    with jsonl.open("a") as fh:
+        fh.write(json.dumps({"step": 6, "loss": 4.0, "eval/passkey/4K": 0.5, "eval/position_loss/0-1K": 3.0}) + "\n")
+    assert plot_evaluations(jsonl, tmp_path / "eval.png") and (tmp_path / "eval.png").stat().st_size > 0
