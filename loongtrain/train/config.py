@@ -27,7 +27,7 @@ from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import CHUNK_LAYOUTS
-from loongtrain.train.stages import SCHEDULE_TOKENS, run_stages, schedule_totals
+from loongtrain.train.stages import check_schedule, schedule_totals
 from loongtrain.wrap.compile import COMPILE_MODES
 
 log = logging.getLogger("loongtrain.train")
@@ -198,26 +198,8 @@ class TrainConfig:
         if self.chunk_layout == "balanced" and self.doc_mask != "on":
             raise ValueError("--chunk-layout=balanced balances packed documents' attention work and needs "
                              f"--doc-mask on (got --doc-mask {self.doc_mask})")
-        self._validate_schedule()
+        check_schedule(self)  # --seq-len-schedule, --schedule-tokens, and what they make of --steps, --seq-len
         self._validate_eval_tasks()
-
-    def _validate_schedule(self) -> None:
-        """--seq-len-schedule parses; --steps and --seq-len are its total and its longest length."""
-        if self.schedule_tokens not in SCHEDULE_TOKENS:
-            raise ValueError(f"--schedule-tokens={self.schedule_tokens!r} is not one of {SCHEDULE_TOKENS}")
-        if not self.seq_len_schedule:
-            if self.schedule_tokens != "constant":
-                raise ValueError(f"--schedule-tokens {self.schedule_tokens} applies to a --seq-len-schedule, and "
-                                 f"none is given")
-            return
-        steps, longest = schedule_totals(self.seq_len_schedule)
-        if self.steps != steps:
-            raise ValueError(f"--steps={self.steps} differs from the {steps} steps of --seq-len-schedule "
-                             f"{self.seq_len_schedule!r}; leave --steps out (it is the stages' sum)")
-        if self.seq_len != longest:
-            raise ValueError(f"--seq-len={self.seq_len} differs from the longest length {longest} of "
-                             f"--seq-len-schedule {self.seq_len_schedule!r}; leave --seq-len out")
-        run_stages(self)  # each stage's batch rule (--schedule-tokens constant: whole sequences per step)
 
     def _validate_eval_tasks(self) -> None:
         """--eval-tasks are known tasks, run at a validation interval; --eval-lengths parse."""

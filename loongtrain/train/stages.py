@@ -96,6 +96,27 @@ def schedule_totals(text: str) -> tuple[int, int]:
     return sum(steps for _, steps in stages), stages[-1][0]
 
 
+def check_schedule(cfg: ScheduleOptions) -> None:
+    """ValueError naming the value: ``--schedule-tokens`` not a choice (or given without a schedule), a
+    schedule that does not parse or increase, ``--steps`` / ``--seq-len`` other than its total / longest
+    length, a stage whose sequences per step are not whole (:func:`run_stages`)."""
+    if cfg.schedule_tokens not in SCHEDULE_TOKENS:
+        raise ValueError(f"--schedule-tokens={cfg.schedule_tokens!r} is not one of {SCHEDULE_TOKENS}")
+    if not cfg.seq_len_schedule:
+        if cfg.schedule_tokens != "constant":
+            raise ValueError(f"--schedule-tokens {cfg.schedule_tokens} applies to a --seq-len-schedule, and none "
+                             f"is given")
+        return
+    steps, longest = schedule_totals(cfg.seq_len_schedule)
+    if cfg.steps != steps:
+        raise ValueError(f"--steps={cfg.steps} differs from the {steps} steps of --seq-len-schedule "
+                         f"{cfg.seq_len_schedule!r}; leave --steps out (it is the stages' sum)")
+    if cfg.seq_len != longest:
+        raise ValueError(f"--seq-len={cfg.seq_len} differs from the longest length {longest} of "
+                         f"--seq-len-schedule {cfg.seq_len_schedule!r}; leave --seq-len out")
+    run_stages(cfg)
+
+
 def run_stages(cfg: ScheduleOptions) -> tuple[Stage, ...]:
     """The run's stages (module docstring: the batch rule); ValueError naming the stage whose sequences
     per step are not a whole number under ``--schedule-tokens constant``."""

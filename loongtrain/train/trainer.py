@@ -115,7 +115,7 @@ class Trainer:
         self._tidy_out_dir(resumed=bool(state))
         batches = self.open_data(start, state)
         mem_fields = self._memory_report(batches, start) if cfg.memory_report else {}
-        peak = self._peak_flops(start)
+        peak = self._peak_flops()
         logger = self._logger(start)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
@@ -211,7 +211,8 @@ class Trainer:
             return chunked_cross_entropy(hidden, head, local.labels, self.mesh, norm=norm)
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
-        """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end and for every skipped step."""
+        """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end, for every skipped or validated
+        step and for the first step of each stage of a length schedule."""
         if logger is not None and (record["step"] % self.cfg.log_interval == 0 or last or record["skipped"]
                                    or "val_loss" in record or self._stage_begins(record["step"] - 1)):
             logger.log(record)
@@ -273,7 +274,7 @@ class Trainer:
             first = next(self.batch_source(stage_config(self.cfg, stage), self.mesh, start * stage.grad_accum))
         return metrics_fields(startup_memory_report(self, first))
 
-    def _peak_flops(self, start: int) -> float | None:
+    def _peak_flops(self) -> float | None:
         _barrier()  # rank 0 measures the CPU peak while the other ranks wait idle
         peak = peak_flops_total(self.cfg, self.device, self.mesh.world_size) if self.mesh.rank == 0 else None
         _barrier()
