@@ -27,7 +27,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from loongtrain.eval.in_loop import in_loop_evaluations
 from loongtrain.launch.autoplan import apply_plan, check_stage_memory, stage_memory_cluster
 from loongtrain.launch.preflight import RunComplete, preflight
 from loongtrain.launch.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
@@ -36,7 +35,7 @@ from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.checkpoint import AUTO
-from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.config import Run, TrainConfig, eval_task_list
 from loongtrain.train.run_model import build_run_tokenizer, model_config_for
 from loongtrain.train.stages import check_stage_layouts
 from loongtrain.train.trainer import Trainer
@@ -131,7 +130,11 @@ def prepare_run(cfg: TrainConfig, world: int) -> Run:
     validate_run(cfg, world, model_config)
     if not planned:  # --plan auto checked every stage on the cluster it planned for
         check_stage_memory(cfg, world, model_config, stage_memory_cluster(cfg))
-    evaluations = in_loop_evaluations(cfg, model_config, tokenizer, world)  # train/ cannot import eval/
+    evaluations: tuple = ()
+    if eval_task_list(cfg):  # built here, above both: train/ cannot import eval/ (imported only when asked for)
+        from loongtrain.eval.in_loop import in_loop_evaluations
+
+        evaluations = in_loop_evaluations(cfg, model_config, tokenizer, world)
     return Run(cfg, model_config, tokenizer, evaluations=evaluations)
 
 
