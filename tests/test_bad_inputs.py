@@ -150,7 +150,7 @@ CASES = [
     ([*TRAIN, "--tokenizer", D + "/tok"], "tok/tokenizer.json' cannot be loaded"),
     ([*TRAIN, "--tokenizer", D + "/tok/tokenizer.json"], "tokenizer.json' cannot be loaded"),
     # 2. never destroy files
-    ([*EXPORT, "--hf", D + "/hf_out"], "exists and is not empty; pass --overwrite"),
+    ([*EXPORT, "--hf", D + "/hf_out"], "is not an output of `loongtrain export`"),
     ([*EXPORT, "--hf", ""], "--hf '' is empty"),
     ([*EXPORT, "--hf", D + "/afile"], "is a file"),
     ([*EXPORT, "--hf", "{run}/checkpoints/hf"], "inside the run's checkpoints"),
@@ -262,16 +262,16 @@ def test_bad_input_exits_2_with_one_line(argv, needle, files, capsys, no_workers
 
 
 def test_export_overwrite_replaces_the_whole_directory(files, tmp_path, capsys):
-    """--overwrite: the old files are gone (a stray shard would stop the result from loading), and the
-    result loads with transformers."""
+    """--overwrite of an earlier export: its old files are gone (a stray shard would stop the result from
+    loading), and the result loads with transformers."""
     import transformers
 
     out = tmp_path / "hf"
-    out.mkdir()
+    assert main(["export", files["ckpt"], "--hf", str(out)]) == 0, capsys.readouterr().err
     for name in ("model-00002-of-00002.safetensors", "tokenizer.json", "model.safetensors"):
         (out / name).write_text("old")
     assert main(["export", files["ckpt"], "--hf", str(out), "--overwrite"]) == 0, capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".loongtrain", "config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".hf.export-*")), "a staging directory was left"
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0

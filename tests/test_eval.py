@@ -221,8 +221,9 @@ def _no_workers(monkeypatch):
     ("depths", ["{run}", "--depths", "0,1.5"], r"--depths \[1.5\]: every depth must be in \[0, 1\]"),
     ("digits", ["{run}", "--tokenizer", "{root}/tok.json"], r"cannot encode the key's digit '0'"),
     ("corpus", ["{run}", "--task", "position-loss", "--seq-len", "4096"],
-     r"eval corpus '.*corpus.txt' holds \d+ tokens, shorter than the longest length"),
-    ("filler", ["{run}", "--filler", "corpus", "--lengths", "4K"], r"eval corpus .* shorter than the longest"),
+     r"eval corpus '.*corpus.txt' \(--seq-len 4096\): corpus .* holds \d+ tokens: 4 sequence\(s\) of 4096"),
+    ("filler", ["{run}", "--filler", "corpus", "--lengths", "4K"],
+     r"eval corpus .*\(length 4096\): .* holds \d+ tokens"),
 ])
 def test_bad_input_exits_2_before_any_worker(run_dir, monkeypatch, capsys, case, args, message):
     if case == "digits":

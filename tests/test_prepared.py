@@ -221,7 +221,7 @@ def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypat
     if case == "nonempty":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
-        needle = "not a prepared corpus; pass --overwrite"
+        needle = "holds files loongtrain did not write (notes.txt)"
     elif case == "bad_json":
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"text": "ok"}\n{oops\n')
@@ -245,13 +245,10 @@ def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypat
     assert cli_main(["prepare", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
-    if case == "nonempty":
-        assert (out / "notes.txt").read_text() == "mine"
-        with pytest.raises(WorkerStarted):  # --overwrite passes the check
-            cli_main(["prepare", *args, "--overwrite"])
-        monkeypatch.undo()
-        args[-1] = "1"  # in this process
-        assert cli_main(["prepare", *args, "--overwrite"]) == 0 and not (out / "notes.txt").exists()
+    if case == "nonempty":  # --overwrite never deletes a file loongtrain did not write
+        assert cli_main(["prepare", *args, "--overwrite"]) == 2
+        assert "did not write (notes.txt)" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     if case == "bad_json":
         assert not out.exists() or not any(out.iterdir())
 

@@ -221,13 +221,16 @@ class TrainConfig:
 @dataclass(frozen=True)
 class Run:
     """A run resolved once by the launcher before any worker starts (docs/design.md §10): the options, the
-    model's shape, the tokenizer (None: the batch source needs none) and the checkpoint to resume from
-    ("" for a fresh start). :class:`~loongtrain.train.trainer.Trainer` is built from it."""
+    model's shape, the tokenizer (None: the batch source needs none), the checkpoint to resume from
+    ("" for a fresh start) and the identity of its data (the corpus's content and the tokenizer's, which
+    every checkpoint records and a resume compares; None when not known).
+    :class:`~loongtrain.train.trainer.Trainer` is built from it."""
 
     cfg: TrainConfig
     model_config: ModelConfig
     tokenizer: Tokenizer | None = None
     resume: str = ""
+    data_identity: dict[str, Any] | None = None
 
 
 def param_dtype(cfg: TrainConfig) -> torch.dtype:

@@ -8,10 +8,12 @@
   torch.distributed.
 Every user error is raised as ValueError by :func:`validate_run` (options) and
 :func:`loongtrain.train.preflight.preflight` (corpus, output directory, resume) before any process is
-started. Collectives time out after ``--timeout`` seconds. ``--max-restarts N`` restarts local workers
-after a failure from the newest checkpoint (``--resume auto``); under torchrun, its own
-``--max-restarts`` does that: rank 0 decides once for the attempt, on every node, whether it is a restart
-and which checkpoint every rank resumes from (:mod:`loongtrain.train.torchrun`).
+started; then the launcher locks ``--out-dir`` for the run (:class:`loongtrain._files.OutputLock`: a
+second run into it exits 2 naming this one). Collectives time out after ``--timeout`` seconds.
+``--max-restarts N`` restarts local workers after a failure from the newest checkpoint (``--resume
+auto``); under torchrun, its own ``--max-restarts`` does that: rank 0 decides once for the attempt, on
+every node, whether it is a restart and which checkpoint every rank resumes from
+(:mod:`loongtrain.train.torchrun`).
 """
 
 from __future__ import annotations
@@ -27,19 +29,20 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from loongtrain._files import OutputLock
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import validate_parallel
 from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
 from loongtrain.train.autoplan import apply_plan
-from loongtrain.train.checkpoint import AUTO
+from loongtrain.train.checkpoint import AUTO, RUN_OUTPUT
 from loongtrain.train.compile import check_compile_run
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.models import build_run_tokenizer, model_config_for
 from loongtrain.train.offload import offloaded_blocks
 from loongtrain.train.parallelize import checkpointed_layers
-from loongtrain.train.preflight import RunComplete, preflight
+from loongtrain.train.preflight import RunComplete, data_identity, preflight
 from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.train.trainer import Trainer
 
@@ -119,7 +122,7 @@ def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False) -> Run
     nothing left to train."""
     run = prepare_run(cfg, world)
     cfg = preflight(run.cfg, world, run.tokenizer, restarted=restarted)
-    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
+    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume, data_identity=data_identity(cfg, run.tokenizer))
 
 
 def prepare_run(cfg: TrainConfig, world: int) -> Run:
@@ -184,6 +187,12 @@ def launch(cfg: TrainConfig) -> None:
                 run_worker(int(os.environ["RANK"]), world, run)
         return
     run = resolve_run(cfg, world)
+    with OutputLock(RUN_OUTPUT, run.cfg.out_dir):  # one writer of --out-dir (loongtrain._files)
+        _launch_local(run, world)
+
+
+def _launch_local(run: Run, world: int) -> None:
+    """The resolved run in this process (one rank) or in local workers."""
     cfg = run.cfg
     if world == 1:
         run_worker(0, 1, run)

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,13 +21,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain._files import remove_owned
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.train.batch import Batch, BatchLayout
-from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
+from loongtrain.train.checkpoint import (
+    CHECKPOINTS_OUTPUT,
+    NonFiniteError,
+    load_checkpoint,
+    remove_stale_tmp,
+    save_checkpoint,
+)
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
 from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
@@ -212,6 +218,7 @@ class Trainer:
         data_state = batches.state_dict() if hasattr(batches, "state_dict") else None
         save_checkpoint(self.out_dir / "checkpoints", done, self.model, self.optimizer, self.scheduler,
                         {"micro_step": done * cfg.grad_accum, "data": data_state, "config": cfg.to_dict(),
+                         "data_identity": self.run.data_identity,
                          **model_record(self.model_config, cfg),
                          "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp}},
                         keep=cfg.keep_checkpoints)
@@ -244,9 +251,9 @@ class Trainer:
         if self.mesh.rank != 0:
             return
         root = self.out_dir / "checkpoints"
-        if self.cfg.overwrite and not resumed and root.is_dir():
+        if self.cfg.overwrite and not resumed and root.is_dir():  # only what the trainer wrote there
             log.warning("--overwrite: deleting the checkpoints in %s", root)
-            shutil.rmtree(root)
+            remove_owned(CHECKPOINTS_OUTPUT, root)
         for stale in remove_stale_tmp(root):
             log.warning("removed the incomplete checkpoint %s", stale)
 
