@@ -101,7 +101,7 @@ def check_output(output: Output, path: str | Path, *, inputs: Iterable[str | Pat
     cwd = Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents:
         raise ValueError(f"{flag} {_name(text)} is the current directory or a parent of it: name a directory "
-                         f"of its own (e.g. {flag} {out / output.command})")
+                         f"of its own")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{flag} {_name(text)} is a file; it must be a directory (or not exist yet)")
     for item in inputs:
@@ -331,14 +331,15 @@ def is_disk_full(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def disk_space(path: str | Path) -> Iterator[None]:
-    """Inside: an OSError of a full disk or quota becomes :class:`DiskFullError` naming ``path``."""
+    """Inside: an OSError of a full disk or quota becomes :class:`DiskFullError` naming the file it names,
+    else ``path``."""
     try:
         yield
     except DiskFullError:
         raise
     except OSError as exc:
         if is_disk_full(exc):
-            raise DiskFullError(path, exc.errno) from None
+            raise DiskFullError(exc.filename or path, exc.errno) from None
         raise
 
 
@@ -360,7 +361,10 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        write_bytes(tmp, data.encode() if isinstance(data, str) else data)
+        try:
+            write_bytes(tmp, data.encode() if isinstance(data, str) else data)
+        except DiskFullError as exc:
+            raise DiskFullError(path, exc.errno) from None  # the file it was writing, not its temporary name
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(OSError):

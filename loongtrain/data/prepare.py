@@ -30,7 +30,6 @@ identity (their sizes, sampled digests and modification times,
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -142,8 +141,8 @@ def _changed_sources(saved: list[dict[str, Any]] | None, now: list[dict[str, Any
     for old, new in zip(saved, now):
         if old != new:
             what = "content" if old.get("content") != new.get("content") else "modification time"
-            return (f"{old.get('corpus')!r} as it was before: its {what} changed since "
-                    f"({old.get('files')} file(s), {old.get('bytes')} bytes then; {new.get('bytes')} now)")
+            return (f"an earlier version of {old.get('corpus')!r} (its {what} changed since: {old.get('files')} "
+                    f"file(s) of {old.get('bytes')} bytes then, {new.get('files')} of {new.get('bytes')} now)")
     return ""
 
 
@@ -187,23 +186,18 @@ def prepare(
                  manifest.num_tokens, manifest.num_documents)
         return PrepareResult("unchanged", out, manifest.num_tokens, manifest.num_documents,
                              time.perf_counter() - t0)
-    created, locked = not out.exists(), False
+    created = not out.exists()
     try:
         with OutputLock(OUTPUT, out):
-            locked = True
             _clear_leftovers(out, state)
             try:
                 manifest = _prepare_into(out, corpora, tok, want, identity, workers, shard_bytes, progress, on_shard)
             except (ValueError, OSError, KeyboardInterrupt):  # bad input, a full disk, Ctrl-C: remove our files
-                _remove_partial(out)
+                _remove_partial(out, fresh=state == "fresh")
                 raise
-    except BaseException:
-        if locked and state == "fresh" and not (out / MANIFEST).exists():  # leave DIR as it was: absent or empty
-            (out / MARKER).unlink(missing_ok=True)
-            if created:
-                with contextlib.suppress(OSError):
-                    out.rmdir()
-        raise
+    finally:
+        if created and out.is_dir() and not any(out.iterdir()):  # a failure removed all it wrote: DIR as before
+            out.rmdir()
     seconds = time.perf_counter() - t0
     log.info("prepared %s: %d tokens, %d documents, %d shards in %.1f s (%.3g tokens/s)", out,
              manifest["num_tokens"], manifest["num_documents"], len(manifest["shards"]), seconds,
@@ -231,12 +225,13 @@ def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer, want: dict[s
     manifest = {"format": FORMAT, "version": FORMAT_VERSION, **want, "source_identity": identity,
                 "dtype": dtype.str, "num_tokens": num_tokens, "num_documents": len(lengths), "shards": shards,
                 "index": buffer_digests(offsets)}
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))  # every byte written before the swap
     (out / MANIFEST).unlink(missing_ok=True)  # from here the directory reads as interrupted until it is whole
     old = out / SHARD_DIR
     if old.exists():
         shutil.rmtree(old)
     os.rename(tmp, out / SHARD_DIR)
-    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1))
+    os.replace(out / SHARD_DIR / MANIFEST, out / MANIFEST)
     (out / IN_PROGRESS).unlink()
     return manifest
 
@@ -254,10 +249,14 @@ def _clear_leftovers(out: Path, state: str) -> None:
     remove_owned(OUTPUT, out)
 
 
-def _remove_partial(out: Path) -> None:
-    """This run's temporary shards and its in-progress marker (a finished corpus beside them stays)."""
+def _remove_partial(out: Path, fresh: bool) -> None:
+    """This run's files after a failure: its temporary shards and its in-progress marker (a finished corpus
+    beside them stays); in a directory that was ``fresh``, everything it wrote."""
     shutil.rmtree(out / f".tmp-{os.getpid()}", ignore_errors=True)
-    if (out / MANIFEST).is_file() or not (out / SHARD_DIR).exists():
+    if fresh and not (out / MANIFEST).is_file():
+        remove_owned(OUTPUT, out)
+        (out / MARKER).unlink(missing_ok=True)
+    elif (out / MANIFEST).is_file() or not (out / SHARD_DIR).exists():
         (out / IN_PROGRESS).unlink(missing_ok=True)
 
 

@@ -164,7 +164,14 @@ def read_manifest(path: str | Path) -> Manifest:
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ValueError(f"{file}: format version {version!r} is newer than this loongtrain reads "
                          f"({FORMAT_VERSION}); upgrade loongtrain or prepare the corpus again")
+    missing = [key for key in _REQUIRED if key not in data]
+    if missing:
+        raise ValueError(f"{file}: not a complete manifest (no {', '.join(map(repr, missing))}); prepare the "
+                         f"corpus again")
     return Manifest(root, data)
+
+
+_REQUIRED = ("dtype", "num_tokens", "num_documents", "shards", "index", "tokenizer")
 
 
 def check_tokenizer(manifest: Manifest, tokenizer: Tokenizer) -> None:
