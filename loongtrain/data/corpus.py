@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -173,13 +174,18 @@ def _block_lines(data: bytes, start: int, at_end: bool, file: Path, text_field: 
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
-    """Sorted ``*.py`` files of the standard library, pruning :data:`SKIP_DIRS`."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
+    """Sorted ``*.py`` files of the standard library, pruning :data:`SKIP_DIRS` (walked once per process:
+    the installation does not change while it runs)."""
+    return list(_walk_py(str(root or sysconfig.get_paths()["stdlib"])))
+
+
+@functools.lru_cache(maxsize=4)
+def _walk_py(root: str) -> tuple[Path, ...]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
-        found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return sorted(found)
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    return tuple(Path(f) for f in sorted(found))
 
 
 class HFDatasetCorpus(Corpus):

@@ -9,7 +9,8 @@ streams (docs/design.md §12). The one corpus reader: training, validation (with
   that is ``stdlib`` or an existing path is always one corpus, even if it holds ``=`` or ``,``.
 
 A corpus's **identity** (:func:`corpus_identity`) is its content: a prepared directory's manifest
-digests, a raw corpus's files' sizes and sampled digests (plus their modification times, kept apart). The
+digests, a raw corpus's files' sizes and sampled digests (plus their modification times, kept apart;
+for ``stdlib``, the installed standard library, its files' names and sizes). The
 trainer records it in every checkpoint and a resume compares it (:func:`identity_change`); ``loongtrain
 prepare`` records its sources' identity in the manifest.
 """
@@ -126,7 +127,9 @@ def source_identity(spec: str, text_field: str = "text") -> dict[str, Any]:
     for file in files:
         stat = file.stat()
         name = str(file.relative_to(root)) if root is not None and root.is_dir() else file.name
-        content.update(f"{name}\0{stat.st_size}\0{sampled_digest(file)}\n".encode())
+        # the installed standard library: names and sizes (an upgrade changes them), not 12 MB of reads
+        sampled = "" if kind == "stdlib" else sampled_digest(file)
+        content.update(f"{name}\0{stat.st_size}\0{sampled}\n".encode())
         mtimes.update(f"{stat.st_mtime_ns}\n".encode())
         total += stat.st_size
     return {"corpus": spec, "kind": "raw", "content": content.hexdigest(), "mtime": mtimes.hexdigest(),
