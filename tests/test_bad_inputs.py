@@ -1,4 +1,4 @@
-"""Bad inputs a new user writes (issue 23): files that parse but say the wrong thing, outputs that would
+"""Bad inputs a new user writes: files that parse but say the wrong thing, outputs that would
 destroy files, bytes that are not text, usage and TOML errors of every subcommand. Each one exits 2
 before any worker starts (within 10 s), with one line on stderr naming the file or option, no
 traceback, and every file of the fixture untouched (hashed before and after).
@@ -230,8 +230,8 @@ def no_workers(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("a worker was started")
 
+    from loongtrain.launch import train_run as launch
     from loongtrain.parallel import workers
-    from loongtrain.train import launch
 
     for module, name in ((workers, "run_local"), (launch, "run_local"), (launch, "run_worker")):
         monkeypatch.setattr(module, name, started)
@@ -283,8 +283,8 @@ def test_decode_errors_opt_in_and_control_bytes_warn(files, caplog):
     """--decode-errors replace reads random bytes (with a warning naming their share); the strict
     default refuses them (the table above); a corpus of control characters warns."""
     from loongtrain.data.tokenizer import ByteTokenizer
+    from loongtrain.launch.preflight import check_corpus
     from loongtrain.train.config import TrainConfig
-    from loongtrain.train.preflight import check_corpus
 
     caplog.set_level(logging.INFO, logger="loongtrain")
     logging.getLogger("loongtrain").addHandler(caplog.handler)  # the CLI's logger does not propagate
@@ -322,9 +322,9 @@ def test_restart_rule_and_one_line_report(monkeypatch, files, capsys):
     is not retried by --max-restarts, and the launcher prints its cause once."""
     import errno
 
+    from loongtrain.launch import train_run as launch
     from loongtrain.parallel.failures import restartable
     from loongtrain.parallel.workers import WorkerError
-    from loongtrain.train import launch
     from loongtrain.train.checkpoint import NonFiniteError
 
     full = OSError(errno.ENOSPC, "No space left on device")
@@ -646,9 +646,9 @@ SAFETY = [
     _case("eval-of-a-truncated-checkpoint", *EV, "{dir}/cutrun", needle=".distcp' has "),
     _case("eval-of-a-truncated-checkpoint-2-workers", "eval", "--task", "position-loss", "--nproc", "2", "--hp", "2",
           "{dir}/cutrun", needle=".distcp' has "),
-    _case("validation-tail-of-a-prepared-corpus", *TR, "--corpus", S + "/prep", "--eval-interval", "1",
+    _case("validation-tail-of-a-prepared-corpus", *TR, "--corpus", S + "/prep", "--val-interval", "1",
           "--out-dir", "{tmp}/run", needle="", code=0),
-    _case("validation-tail-of-a-mixture", *TR, "--corpus", f"{S}/prep=0.5,{S}/docs.jsonl=0.5", "--eval-interval", "1",
+    _case("validation-tail-of-a-mixture", *TR, "--corpus", f"{S}/prep=0.5,{S}/docs.jsonl=0.5", "--val-interval", "1",
           "--out-dir", "{tmp}/run", needle="", code=0),
     _case("eval-of-a-run-trained-on-a-prepared-corpus", *EV, S + "/tokrun", "--out", "{tmp}/ev", needle="", code=0),
     _case("prepare-of-a-grown-source", *PREP, S + "/grown.jsonl", "--out", S + "/prep_grown",
@@ -662,13 +662,13 @@ SAFETY = [
     _case("prepare-utf8-error-names-its-flag", *PREP, S + "/badbyte.jsonl", "--out", "{tmp}/p",
           needle="(--decode-errors replace|ignore reads it anyway)"),
     _case("split-too-small", *TR, "--corpus", S + "/docs.jsonl", "--val-fraction", "0.01", "--seq-len", "512",
-          "--eval-interval", "1", needle="holds less than one global batch"),
+          "--val-interval", "1", needle="holds less than one global batch"),
     _case("warn-eval-batches-past-the-split", *TR, "--corpus", S + "/prep", "--val-fraction", "0.1",
-          "--eval-interval", "1", "--eval-batches", "999", "--out-dir", "{tmp}/run", code=0,
-          needle="--eval-batches 999: the held-out data holds"),
-    _case("warn-eval-interval-past-the-run", *TR, "--eval-interval", "5", "--out-dir", "{tmp}/run", code=0,
-          needle="--eval-interval 5 is longer than the run (--steps 2): the run never validates"),
-    _case("warn-val-corpus-is-the-corpus", *TR, "--val-corpus", "{corpus}", "--eval-interval", "1",
+          "--val-interval", "1", "--val-batches", "999", "--out-dir", "{tmp}/run", code=0,
+          needle="--val-batches 999: the held-out data holds"),
+    _case("warn-eval-interval-past-the-run", *TR, "--val-interval", "5", "--out-dir", "{tmp}/run", code=0,
+          needle="--val-interval 5 is longer than the run (--steps 2): the run never validates"),
+    _case("warn-val-corpus-is-the-corpus", *TR, "--val-corpus", "{corpus}", "--val-interval", "1",
           "--out-dir", "{tmp}/run", code=0, needle="is the training corpus"),
     _case("warn-hf-directory-without-weights", "eval", "--task", "position-loss", "--nproc", "1", "--seq-len", "32",
           "--corpus", "{corpus}", S + "/hf_noweights", "--out", "{tmp}/ev", code=0,
@@ -753,23 +753,23 @@ SAFETY = [
           needle="not a complete manifest (no 'shards')"),
     _case("prepared-mixture-part-contradicts", *TR, "--corpus", f"{S}/prep=0.5,{S}/prep_ntok=0.5",
           needle="corpus '{S}/prep_ntok': {S}/prep_ntok/manifest.json: num_tokens says"),
-    _case("prepared-val-corpus-contradicts", *TR, "--val-corpus", S + "/prep_ntok", "--eval-interval", "1",
+    _case("prepared-val-corpus-contradicts", *TR, "--val-corpus", S + "/prep_ntok", "--val-interval", "1",
           needle="--val-corpus '{S}/prep_ntok': {S}/prep_ntok/manifest.json: num_tokens says"),
     # validation: split sizes and batches against what the run asks, before any worker
     _case("split-leaves-no-training-data", *TR, "--corpus", S + "/tiny.jsonl", "--val-fraction", "0.99",
           "--seq-len", "2", needle="leaves 0 tokens for training"),
     _case("split-too-small-prepared", *TR, "--corpus", S + "/prep", "--val-fraction", "0.01", "--seq-len", "512",
-          "--eval-interval", "1", needle="held-out documents) holds less than one global batch"),
+          "--val-interval", "1", needle="held-out documents) holds less than one global batch"),
     _case("split-too-small-for-the-global-batch", *TR, "--corpus", S + "/prep", "--val-fraction", "0.05",
-          "--batch-size", "64", "--eval-interval", "1", needle="dp*batch_size = 64 sequences"),
-    _case("val-corpus-too-small", *TR, "--val-corpus", S + "/prep_other", "--seq-len", "2048", "--eval-interval", "1",
+          "--batch-size", "64", "--val-interval", "1", needle="dp*batch_size = 64 sequences"),
+    _case("val-corpus-too-small", *TR, "--val-corpus", S + "/prep_other", "--seq-len", "2048", "--val-interval", "1",
           needle="holds"),
     _case("split-of-a-mixture-too-small", *TR, "--corpus", f"{S}/prep=0.5,{S}/docs.jsonl=0.5", "--val-fraction",
-          "0.01", "--seq-len", "512", "--eval-interval", "1", needle="holds less than one global batch"),
-    _case("warn-tail-repeats-samples", *TR, "--eval-interval", "1", "--eval-batches", "500", "--out-dir", "{tmp}/run",
+          "0.01", "--seq-len", "512", "--val-interval", "1", needle="holds less than one global batch"),
+    _case("warn-tail-repeats-samples", *TR, "--val-interval", "1", "--val-batches", "500", "--out-dir", "{tmp}/run",
           code=0, needle="the validation set repeats samples"),
     _case("warn-val-corpus-never-used", *TR, "--val-corpus", S + "/prep", "--out-dir", "{tmp}/run", code=0,
-          needle="without --eval-interval: the run never validates"),
+          needle="without --val-interval: the run never validates"),
     # eval: complete checkpoints, verified before any worker; its --out by the ownership rule
     _case("eval-latest-names-a-tmp", *EV, S + "/latest_tmp", needle="is a save that did not finish"),
     _case("eval-checkpoint-without-checksums", *EV, S + "/nosums/checkpoints/step_00000002",
@@ -841,9 +841,9 @@ def reached(monkeypatch):
     """Worker starters replaced: a worker started fails the test; reaching the start of train's or eval's
     workers (after every check) is recorded and returns."""
     from loongtrain.data import prepare as prep
-    from loongtrain.eval import launch as eval_launch
+    from loongtrain.launch import eval_run as eval_launch
+    from loongtrain.launch import train_run as launch
     from loongtrain.parallel import workers
-    from loongtrain.train import launch
 
     def started(*args, **kwargs):
         raise AssertionError("a worker was started")
@@ -986,9 +986,10 @@ def test_prepare_interrupted_prints_one_line_and_leaves_nothing(tmp_path, capsys
 
 @pytest.mark.parametrize("command", ["eval", "export", "plan", "train"])
 def test_ctrl_c_is_one_line_for_every_command(command, files, tmp_path, capsys, monkeypatch):
-    from loongtrain.eval import launch as eval_launch
+    from loongtrain.launch import eval_run as eval_launch
+    from loongtrain.launch import train_run as launch
     from loongtrain.plan import cli as plan_cli
-    from loongtrain.train import export, launch
+    from loongtrain.train import export
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from loongtrain.train import torchrun
+from loongtrain.launch import torchrun
+from loongtrain.launch.train_run import prepare_run
+from loongtrain.parallel.failures import _parse, kill_point
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.fault_injection import _parse, kill_point
-from loongtrain.train.launch import prepare_run
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Validation during training (``--eval-interval N --eval-batches K``, docs/design.md §14).
+"""Validation during training (``--val-interval N --val-batches K``, docs/design.md §14).
 
 - :func:`validation_loss`: the mean loss of K full-sequence batches, forward only under
   ``torch.no_grad()`` (no activations kept, no checkpoint recompute), with the run's own layout and loss
@@ -26,7 +26,7 @@ from torch import nn
 
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train import models
+from loongtrain.train import run_model
 from loongtrain.train.checkpoint import rng_state, set_rng_state
 from loongtrain.train.config import TrainConfig
 
@@ -42,31 +42,31 @@ def validation_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
         return tail_batches(cfg, mesh, count)
     from loongtrain.data.validation import build_val_batches
 
-    held_out = build_val_batches(cfg.corpus, models.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
+    held_out = build_val_batches(cfg.corpus, run_model.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
                                  mesh.dp, seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus,
                                  decode_errors=cfg.decode_errors)
     return list(itertools.islice(held_out, count))
 
 
 def check_validation(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list[str]:
-    """The launcher's checks of ``--eval-interval`` before any worker starts; ValueError where the run
+    """The launcher's checks of ``--val-interval`` before any worker starts; ValueError where the run
     cannot validate as asked (held-out data smaller than one global batch), else the one-line warnings
-    where it can: validation that never runs, ``--eval-batches`` more than the held-out data holds (then
+    where it can: validation that never runs, ``--val-batches`` more than the held-out data holds (then
     fewer are used) or than the corpus's tail (then samples repeat), ``--val-corpus`` equal to
-    ``--corpus``. Reads at most ``--eval-batches`` global batches of each corpus's validation stream (a
+    ``--corpus``. Reads at most ``--val-batches`` global batches of each corpus's validation stream (a
     prepared corpus: its document index only)."""
     warnings = []
-    if cfg.val_corpus and not cfg.eval_interval:
-        warnings.append(f"--val-corpus {cfg.val_corpus!r} without --eval-interval: the run never validates")
-    if not cfg.eval_interval:
+    if cfg.val_corpus and not cfg.val_interval:
+        warnings.append(f"--val-corpus {cfg.val_corpus!r} without --val-interval: the run never validates")
+    if not cfg.val_interval:
         return warnings
-    if cfg.eval_interval > cfg.steps:
-        warnings.append(f"--eval-interval {cfg.eval_interval} is longer than the run (--steps {cfg.steps}): the "
+    if cfg.val_interval > cfg.steps:
+        warnings.append(f"--val-interval {cfg.val_interval} is longer than the run (--steps {cfg.steps}): the "
                         f"run never validates")
     if cfg.val_corpus and _same_corpus(cfg.val_corpus, cfg.corpus):
         warnings.append(f"--val-corpus {cfg.val_corpus!r} is the training corpus: val_loss measures data the run "
                         f"trains on, not held-out text (--val-fraction holds documents out)")
-    dp, want = max(1, world // cfg.parallel.sp), cfg.eval_batches
+    dp, want = max(1, world // cfg.parallel.sp), cfg.val_batches
     if cfg.val_fraction or cfg.val_corpus:
         from loongtrain.data.validation import count_val_batches
 
@@ -74,7 +74,7 @@ def check_validation(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list
                                  val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus,
                                  decode_errors=cfg.decode_errors)
         if have < want:
-            warnings.append(f"--eval-batches {want}: the held-out data holds {have} batch(es) of dp {dp} x "
+            warnings.append(f"--val-batches {want}: the held-out data holds {have} batch(es) of dp {dp} x "
                             f"--batch-size {cfg.batch_size} sequences of --seq-len {cfg.seq_len}; validating on {have}")
         return warnings
     from loongtrain.data.sources import open_stream, parse_corpus_spec
@@ -85,7 +85,7 @@ def check_validation(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list
         stream = open_stream(name, tokenizer, decode_errors=cfg.decode_errors)
         have = max(stream.ensure(need * cfg.seq_len + 1) - 1, 0) // cfg.seq_len
         if need > have:
-            warnings.append(f"--eval-batches {want} x dp {dp} x --batch-size {cfg.batch_size}: {need} validation "
+            warnings.append(f"--val-batches {want} x dp {dp} x --batch-size {cfg.batch_size}: {need} validation "
                             f"sequences from the tail of {name!r}, which holds {have} of --seq-len {cfg.seq_len}: "
                             f"the validation set repeats samples")
     return warnings
@@ -113,7 +113,7 @@ def tail_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
     from loongtrain import data
     from loongtrain.data.sources import open_stream, parse_corpus_spec
 
-    tokenizer = data.build_tokenizer(models.tokenizer_spec(cfg))
+    tokenizer = data.build_tokenizer(run_model.tokenizer_spec(cfg))
     parts = [name for name, _ in parse_corpus_spec(cfg.corpus)]
     batches = []
     for c, name in enumerate(parts):
@@ -163,14 +163,14 @@ def _reshard(model: nn.Module) -> None:
 
 
 class Validation:
-    """The loop's hook: every ``cfg.eval_interval`` optimizer steps, ``{"val_loss": ...}`` (else ``{}``).
-    The batches are built once, at construction, and only when ``eval_interval > 0``."""
+    """The loop's hook: every ``cfg.val_interval`` optimizer steps, ``{"val_loss": ...}`` (else ``{}``).
+    The batches are built once, at construction, and only when ``val_interval > 0``."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, loss_fn: LossFn, model: nn.Module,
                  batches: Sequence[Batch] | None = None) -> None:
-        self.interval, self.mesh, self.loss_fn, self.model = cfg.eval_interval, mesh, loss_fn, model
+        self.interval, self.mesh, self.loss_fn, self.model = cfg.val_interval, mesh, loss_fn, model
         self.batches = list(batches) if batches is not None else (
-            validation_batches(cfg, mesh, cfg.eval_batches) if self.interval else [])
+            validation_batches(cfg, mesh, cfg.val_batches) if self.interval else [])
 
     def after_step(self, step: int) -> dict[str, float]:
         """``{"val_loss": loss}`` after optimizer step ``step`` (1-based) when it is due, else ``{}``."""

@@ -39,9 +39,10 @@ from loongtrain.loss.chunked import FinalNorm
 from loongtrain.model.config import PRESETS, ModelConfig, get_preset
 from loongtrain.model.llama import Transformer, initial_weight
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.compile import compile_enabled
 from loongtrain.train.config import TrainConfig, param_dtype
-from loongtrain.train.parallelize import materialize_params, parallelize, uses_fsdp
+from loongtrain.wrap.compile import compile_enabled
+from loongtrain.wrap.parallelize import materialize_params, parallelize
+from loongtrain.wrap.zero import uses_zero
 
 Tensor = torch.Tensor
 
@@ -175,7 +176,7 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
     directory = hf_model_dir(cfg.model)
     compiled = compile_enabled(cfg.compile, device)  # --compile: docs/design.md §13
     if directory is not None:
-        if not (uses_fsdp(cfg.parallel) and hf_weight_files(directory)):
+        if not (uses_zero(cfg.parallel) and hf_weight_files(directory)):
             model = build_hf_model(directory, param_dtype(cfg), cfg.seed)
             return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
         model = build_hf_model_on_meta(directory, param_dtype(cfg))
@@ -183,7 +184,7 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
         materialize_params(model, hf_initial_weights(directory))
         restore_hf_buffers(model)
         return model
-    if not uses_fsdp(cfg.parallel):
+    if not uses_zero(cfg.parallel):
         model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
         return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
     with torch.device("meta"):

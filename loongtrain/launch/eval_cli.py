@@ -12,9 +12,9 @@ import sys
 from loongtrain._files import DiskFullError, OutputLock
 from loongtrain._input import failure, interrupted, one_line, user_error
 from loongtrain.eval.job import FILLERS, TASKS, EvalConfig
+from loongtrain.launch.torchrun import under_torchrun
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.config import DOC_MASK, DTYPES
-from loongtrain.train.torchrun import under_torchrun
 
 SUFFIXES = {"K": 1024, "M": 1024**2}
 
@@ -90,8 +90,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from loongtrain.eval.job import prepare
-        from loongtrain.train.launch import setup_logging
+        from loongtrain.launch.eval_run import prepare
+        from loongtrain.launch.train_run import setup_logging
 
         setup_logging(int(os.environ.get("RANK", 0)), False)
         job = prepare(parse_args(argv))
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         return user_error("eval", exc)
     from loongtrain.eval.job import OUTPUT
-    from loongtrain.eval.launch import launch
+    from loongtrain.launch.eval_run import launch
     from loongtrain.parallel.workers import WorkerError
 
     try:

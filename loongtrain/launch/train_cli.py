@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 from loongtrain._input import Terminated, interrupted, stop_on_sigterm, user_error
+from loongtrain.launch.train_run import launch
 from loongtrain.parallel.workers import WorkerError
 from loongtrain.train.config import parse_args
-from loongtrain.train.launch import launch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,9 +40,9 @@ from typing import Any
 import torch.distributed as dist
 
 from loongtrain._files import OutputLock
+from loongtrain.launch.preflight import RunComplete, check_corpus, check_out_dir, data_identity, preflight
 from loongtrain.train.checkpoint import RUN_OUTPUT
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.preflight import RunComplete, check_corpus, check_out_dir, data_identity, preflight
 
 log = logging.getLogger("loongtrain.train")
 

@@ -15,7 +15,7 @@ exits 2 within seconds instead of failing inside the workers. It checks:
   pass the quick size + sampled-digest check (:func:`loongtrain.data.prepared.verify_prepared`); with
   ``--val-fraction`` the training part holds a sample too;
 - validation (:func:`loongtrain.train.validation.check_validation`): held-out data smaller than one
-  global batch is an error; ``--eval-batches`` more than it holds, an ``--eval-interval`` longer than
+  global batch is an error; ``--val-batches`` more than it holds, an ``--val-interval`` longer than
   the run, a ``--val-corpus`` that is the training corpus are one-line warnings;
 - ``--resume``: the checkpoint is complete and its files are readable (the bad file is named), its step
   is below ``--steps``, the run is compatible with it (:data:`MUST_MATCH`), and the data is the data it
@@ -55,7 +55,7 @@ from loongtrain.train.checkpoint import (
     verify_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.models import build_run_tokenizer, hf_model_dir, tokenizer_spec
+from loongtrain.train.run_model import build_run_tokenizer, hf_model_dir, tokenizer_spec
 from loongtrain.train.validation import check_validation
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
@@ -302,7 +302,7 @@ def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: 
         if name in saved and saved[name] != getattr(cfg, name):
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r} differs from the checkpoint's "
                              f"{saved[name]!r} ({str(path)!r}); a resumed run must keep it (resume rule: "
-                             f"see `loongtrain.train.preflight`)")
+                             f"see `loongtrain.launch.preflight`)")
     layout = state.get("layout") or {}
     if "dp" in layout and "batch_size" in saved:
         dp = world // cfg.parallel.sp
