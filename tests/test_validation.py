@@ -112,3 +112,20 @@ def test_tail_batches_read_prepared_corpora_and_mixtures(tmp_path):
     alone = tail_batches(dataclasses.replace(cfg, corpus=str(other)), Replica(), 1)
     two = tail_batches(cfg, Replica(), 2)  # the first corpus's share of 3: 2 batches, then 1 of the other
     assert [b["input_ids"].tolist() for b in mixed] == [b["input_ids"].tolist() for b in two + alone]
+
+
+def test_val_interval_trains_on_prepared_corpora_and_mixtures(tmp_path):
+    """`--val-interval` without a split on a prepared corpus and on a mixture runs to the end (the
+    workers once failed reading the prepared directory as raw) and logs val_loss."""
+    from loongtrain.cli import main
+    from loongtrain.data.prepare import prepare
+    from loongtrain.train.metrics import read_jsonl
+
+    corpus = _cfg(tmp_path, "x").corpus
+    prepare([corpus], tmp_path / "prep", workers=1)
+    base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--steps", "2", "--warmup", "1",
+            "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",
+            "--no-memory-report", "--val-interval", "2", "--val-batches", "2"]
+    for name, spec in (("prepared", str(tmp_path / "prep")), ("mixture", f"{tmp_path / 'prep'}=0.5,{corpus}=0.5")):
+        assert main([*base, "--corpus", spec, "--out-dir", str(tmp_path / name)]) == 0
+        assert read_jsonl(tmp_path / name / "metrics.jsonl")[-1]["val_loss"] > 0
