@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "replace (U+FFFD) or ignore (dropped) (default: strict)")
     parser.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES,
                         help=f"characters of text per shard (default: {DEFAULT_SHARD_BYTES})")
+    parser.add_argument("--min-doc-tokens", type=int, default=0, metavar="N", help="keep only the documents of "
+                        "at least N tokens (e.g. a long-document corpus for the long stages of a --seq-len-schedule, "
+                        "mixed with a short one: README, Data; default 0: keep all)")
     parser.add_argument("--progress", choices=sorted(PROGRESS), default="auto",
                         help="progress bar on stderr (auto: when it is a terminal and tqdm is installed)")
     parser.add_argument("--verify", action="store_true", help="check every byte of the finished DIR against "
@@ -78,7 +81,7 @@ def _run(argv: list[str] | None) -> int:
             raise ValueError("prepare needs at least one CORPUS (or --verify)")
         prepare(args.corpus, args.out, args.tokenizer, workers=args.workers, overwrite=args.overwrite,
                 text_field=args.text_field, shard_bytes=args.shard_bytes, decode_errors=args.decode_errors,
-                progress=PROGRESS[args.progress])
+                progress=PROGRESS[args.progress], min_doc_tokens=args.min_doc_tokens)
     except DiskFullError as exc:
         return failure("prepare", exc)
     except (ValueError, ImportError, OSError) as exc:

@@ -47,9 +47,10 @@ class Batches:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.load_state_dict(state)
 
-    def tokens_by_corpus(self) -> dict[str, int]:
-        """Input tokens each corpus has supplied to ALL replicas before step ``self.step`` (global)."""
-        positions = self.sampler.step * self.sampler.dp * self.sampler.batch_size
+    def tokens_by_corpus(self, step: int | None = None) -> dict[str, int]:
+        """Input tokens each corpus has supplied to ALL replicas before step ``step`` (global; default
+        ``self.step``)."""
+        positions = (self.sampler.step if step is None else step) * self.sampler.dp * self.sampler.batch_size
         if isinstance(self.dataset, MixtureDataset):
             return self.dataset.tokens_by_corpus(positions)
         return {self.dataset.stream.corpus.name: positions * self.dataset.seq_len}

@@ -75,6 +75,8 @@ from loongtrain.data.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 log = logging.getLogger("loongtrain.data")
 
 DEFAULT_SHARD_BYTES = 64 << 20
+#: the request fields of manifests written before the field existed: what they prepared
+REQUEST_DEFAULTS = {"min_doc_tokens": 0, "decode_errors": "strict"}
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,11 @@ OUTPUT = Output("prepare", "--out", (MANIFEST, MANIFEST + ".tmp", SHARD_DIR, ".t
 
 
 def request(sources: list[str], tokenizer: Tokenizer, text_field: str, shard_bytes: int,
-            decode_errors: str = "strict") -> dict[str, Any]:
+            decode_errors: str = "strict", min_doc_tokens: int = 0) -> dict[str, Any]:
     """What identifies a prepare: the manifest's fields a rerun must match to count as already done."""
     resolved = [s if s == "stdlib" else str(Path(s).resolve()) for s in sources]
     return {"sources": resolved, "text_field": text_field, "shard_bytes": shard_bytes,
-            "decode_errors": decode_errors,
+            "decode_errors": decode_errors, "min_doc_tokens": min_doc_tokens,
             "tokenizer": {"name": tokenizer.name, "identity": tokenizer_identity(tokenizer),
                           "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}}
 
@@ -121,7 +123,7 @@ def check_out_dir(out: Path, want: dict[str, Any], overwrite: bool,
         return "fresh"
     if (out / MANIFEST).is_file() and not overwrite:
         manifest = read_manifest(out)  # a newer format raises here
-        have = {k: manifest.data.get(k, "strict" if k == "decode_errors" else None) for k in want}
+        have = {k: manifest.data.get(k, REQUEST_DEFAULTS.get(k)) for k in want}
         diff = [k for k in want if have[k] != want[k]]
         if diff:
             raise ValueError(f"--out {str(out)!r} holds a prepared corpus with another {', '.join(diff)} "
@@ -158,14 +160,16 @@ def prepare(
     decode_errors: str = "strict",
     progress: bool | None = None,
     on_shard: Callable[[int], None] | None = None,
+    min_doc_tokens: int = 0,
 ) -> PrepareResult:
     """Tokenize ``sources`` (any ``--corpus`` spec each, concatenated in order) into directory ``out``.
 
     ``workers``: processes (0: the cores; 1: in this process). ``decode_errors``: bytes that are not
     UTF-8 (strict: an error; replace; ignore). ``progress``: a tqdm bar on stderr (None: when tqdm is
     installed and stderr is a terminal). ``on_shard(k)`` is called after shard ``k`` is written (tests
-    use it to simulate a crash). Raises ValueError for bad input (module docstring: which directories
-    are accepted), :class:`~loongtrain._files.DiskFullError` for a full disk."""
+    use it to simulate a crash). ``min_doc_tokens``: keep only the documents of at least that many tokens
+    (EOS not counted; 0 keeps all), recorded in the manifest. Raises ValueError for bad input (module
+    docstring: which directories are accepted), :class:`~loongtrain._files.DiskFullError` for a full disk."""
     t0 = time.perf_counter()
     if not sources:
         raise ValueError("prepare needs at least one corpus")
@@ -173,11 +177,13 @@ def prepare(
         raise ValueError(f"--shard-bytes={shard_bytes} must be positive")
     if workers < 0:
         raise ValueError(f"--workers={workers} must be >= 0 (0: one per core)")
+    if min_doc_tokens < 0:
+        raise ValueError(f"--min-doc-tokens={min_doc_tokens} must be >= 0 (0: keep every document)")
     tok = build_tokenizer(tokenizer)
     corpora = [build_corpus(s, text_field, decode_errors) for s in sources]
     inputs = [s for s in sources if s != "stdlib"] + ([tok.name] if isinstance(tok, HFTokenizer) else [])
     out = check_output(OUTPUT, out, inputs=inputs)
-    want = request(sources, tok, text_field, shard_bytes, decode_errors)
+    want = request(sources, tok, text_field, shard_bytes, decode_errors, min_doc_tokens)
     identity = [source_identity(s, text_field) for s in sources]
     state = check_out_dir(out, want, overwrite, identity)
     if state == "done":
@@ -214,7 +220,8 @@ def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer, want: dict[s
     tmp.mkdir()
     dtype = token_dtype(tok.vocab_size)
     shards, lengths = _write_shards(corpora, tok, tmp, dtype, workers or os.cpu_count() or 1, shard_bytes,
-                                    _want_progress(progress), _total_bytes(corpora), on_shard)
+                                    _want_progress(progress), _total_bytes(corpora), on_shard, want["min_doc_tokens"])
+    _check_kept(lengths, shards, want["min_doc_tokens"])
     num_tokens = int(lengths.sum())
     if num_tokens == len(lengths):
         raise ValueError(f"every one of the {len(lengths)} documents of {want['sources']} is empty: nothing to "
@@ -260,6 +267,16 @@ def _remove_partial(out: Path, fresh: bool) -> None:
         (out / IN_PROGRESS).unlink(missing_ok=True)
 
 
+def _check_kept(lengths: np.ndarray, shards: list[dict[str, Any]], min_doc_tokens: int) -> None:
+    """With ``--min-doc-tokens``: log how many documents were kept; ValueError when none was."""
+    if not min_doc_tokens:
+        return
+    dropped = sum(s["dropped_documents"] for s in shards)
+    if not len(lengths):
+        raise ValueError(f"--min-doc-tokens {min_doc_tokens}: none of the {dropped} documents has that many tokens")
+    log.info("--min-doc-tokens %d: kept %d of %d documents", min_doc_tokens, len(lengths), len(lengths) + dropped)
+
+
 def _want_progress(progress: bool | None) -> bool:
     try:
         import tqdm  # noqa: F401
@@ -290,9 +307,9 @@ def _shard_texts(corpora: list[Corpus], shard_bytes: int) -> Iterator[tuple[int,
 
 
 def _write_shards(corpora: list[Corpus], tok: Tokenizer, tmp: Path, dtype: np.dtype, workers: int,
-                  shard_bytes: int, progress: bool, total: int | None,
-                  on_shard: Callable[[int], None] | None) -> tuple[list[dict[str, Any]], np.ndarray]:
-    tasks = ((k, docs, str(tmp), dtype.str) for k, docs in _shard_texts(corpora, shard_bytes))
+                  shard_bytes: int, progress: bool, total: int | None, on_shard: Callable[[int], None] | None,
+                  min_doc_tokens: int = 0) -> tuple[list[dict[str, Any]], np.ndarray]:
+    tasks = ((k, docs, str(tmp), dtype.str, min_doc_tokens) for k, docs in _shard_texts(corpora, shard_bytes))
     # the first shard's documents are read before any worker starts (a bad line there: no worker ever ran)
     first = next(tasks)
     if not first[1]:
@@ -344,12 +361,13 @@ def _init_worker(tok: Tokenizer, parallel_tokenizer: bool = False) -> None:
     _WORKER_TOKENIZER = tok
 
 
-def _tokenize_shard(task: tuple[int, list[str], str, str]) -> tuple[int, dict[str, Any], np.ndarray, int]:
-    """Tokenize one shard's documents (EOS after each), write ``tokens-<k>.bin``; return its record."""
-    k, docs, tmp, dtype = task
+def _tokenize_shard(task: tuple[int, list[str], str, str, int]) -> tuple[int, dict[str, Any], np.ndarray, int]:
+    """Tokenize one shard's documents (EOS after each), keep those of at least ``min_doc_tokens`` tokens,
+    write ``tokens-<k>.bin``; return its record."""
+    k, docs, tmp, dtype, min_doc_tokens = task
     tok = _WORKER_TOKENIZER
     assert tok is not None
-    encoded = tok.encode_many(docs)
+    encoded = [e for e in tok.encode_many(docs) if e.size >= min_doc_tokens]
     lengths = np.fromiter((e.size + 1 for e in encoded), dtype=np.int64, count=len(encoded))
     tokens = np.empty(int(lengths.sum()), dtype=np.dtype(dtype))
     ends = np.cumsum(lengths)
@@ -358,5 +376,6 @@ def _tokenize_shard(task: tuple[int, list[str], str, str]) -> tuple[int, dict[st
     tokens[ends - 1] = tok.eos_id
     name = f"tokens-{k:05d}.bin"
     write_bytes(Path(tmp) / name, memoryview(tokens).cast("B"))
-    return k, {"file": name, "num_tokens": int(tokens.size), "num_documents": len(docs),
+    return k, {"file": name, "num_tokens": int(tokens.size), "num_documents": len(encoded),
+               **({"dropped_documents": len(docs) - len(encoded)} if min_doc_tokens else {}),
                **buffer_digests(tokens)}, lengths, sum(len(d) for d in docs)

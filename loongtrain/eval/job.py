@@ -29,19 +29,19 @@ from torch import nn
 
 from loongtrain._files import Output, check_output
 from loongtrain.data.sources import parse_corpus_spec
-from loongtrain.eval.passkey import PasskeyTokens, passkey, passkey_tokens
+from loongtrain.eval.passkey import DEPTHS, KEY_DIGITS, PasskeyTokens, passkey, passkey_tokens
 from loongtrain.eval.position_loss import position_loss
 from loongtrain.eval.source import ModelSource, model_config, resolve_model, trained_length
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.zigzag import check_sequence_length
-from loongtrain.train.config import DOC_MASK, DTYPES, TrainConfig, autocast_dtype
+from loongtrain.train.config import DOC_MASK, DTYPES, EVAL_TASKS, TrainConfig, autocast_dtype
 from loongtrain.train.run_model import tokenizer_spec
 from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.eval")
 
-TASKS = ("passkey", "position-loss")
+TASKS = EVAL_TASKS
 FILLERS = ("text", "corpus")
 
 
@@ -54,10 +54,10 @@ class EvalConfig:
     out: str = "runs/eval"
     seq_len: int = 0
     lengths: tuple[int, ...] = (4096, 16384)
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    depths: tuple[float, ...] = DEPTHS
     trials: int = 3
     docs: int = 4
-    key_digits: int = 5
+    key_digits: int = KEY_DIGITS
     filler: str = "text"
     corpus: str = ""
     tokenizer: str = ""
@@ -180,7 +180,8 @@ def _run_config(options: EvalConfig, source: ModelSource, seq_len: int) -> Train
         name: getattr(run.parallel, name) for name in ("zero", "zero_shard_size", "reshard_after_forward")}
     parallel = dataclasses.replace(options.parallel, **zero)
     return dataclasses.replace(
-        run, seq_len=seq_len, batch_size=1, grad_accum=1, tokenizer=options.tokenizer or run.tokenizer,
+        run, seq_len=seq_len, batch_size=1, grad_accum=1, seq_len_schedule="", schedule_tokens="constant",
+        eval_tasks="", eval_lengths="", tokenizer=options.tokenizer or run.tokenizer,
         corpus=options.corpus or run.corpus, dtype=options.dtype or run.dtype,
         doc_mask=doc_mask, parallel=parallel, plan=options.plan,
         plan_cluster=options.plan_cluster, nproc=options.nproc, threads=options.threads,

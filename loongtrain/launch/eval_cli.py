@@ -12,6 +12,7 @@ import sys
 from loongtrain._files import DiskFullError, OutputLock
 from loongtrain._input import failure, interrupted, one_line, user_error
 from loongtrain.eval.job import FILLERS, TASKS, EvalConfig
+from loongtrain.eval.passkey import DEPTHS, KEY_DIGITS
 from loongtrain.launch.torchrun import under_torchrun
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.config import DOC_MASK, DTYPES
@@ -52,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the checkpoint's trained --seq-len)")
     p.add_argument("--docs", type=int, default=4, help="position-loss: sequences from the corpus")
     p.add_argument("--lengths", default="4K,16K", help="passkey: comma-separated prompt lengths (4K = 4096)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey: key depths in [0, 1]")
+    p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS), help="passkey: key depths in [0, 1]")
     p.add_argument("--trials", type=int, default=3, help="passkey: prompts per (length, depth) cell")
-    p.add_argument("--key-digits", type=int, default=5, help="passkey: digits of the key")
+    p.add_argument("--key-digits", type=int, default=KEY_DIGITS, help="passkey: digits of the key")
     p.add_argument("--filler", default="text", choices=FILLERS, help="passkey: a fixed text repeated, or the "
                    "corpus's tokens")
     p.add_argument("--corpus", default="", help="eval corpus (default: the run's --corpus)")

@@ -23,11 +23,13 @@ exits 2 within seconds instead of failing inside the workers. It checks:
   checkpoint recorded (a corpus whose files only got new modification times: a warning).
 
 Resume rule: the data stream and the optimizer state must continue unchanged, so the model preset,
-tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seed``, ``--grad-accum``, the global batch
+tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seq-len-schedule`` and ``--schedule-tokens``,
+``--seed``, ``--grad-accum``, the global batch
 (``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
 ``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout
 (``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of ranks at the
-same global batch), ``--steps``, ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
+same global batch), ``--steps`` (without a schedule), ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging
+and intervals.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ from loongtrain.train.validation import check_validation
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
 
-MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seed", "grad_accum", "lr", "beta1",
-              "beta2", "eps", "weight_decay")
+MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_schedule", "schedule_tokens",
+              "seed", "grad_accum", "lr", "beta1", "beta2", "eps", "weight_decay")
 
 
 class RunComplete(Exception):

@@ -54,7 +54,7 @@ def _run_dir(path: Path) -> bool:
 
 #: what ``loongtrain train`` writes into ``--out-dir`` (loongtrain._files: the ownership rule)
 RUN_OUTPUT = Output("train", "--out-dir", ("metrics.jsonl", "checkpoints", "tensorboard", "loss_curve.png",
-                                           "torchrun_run_id", ".torchrun_run_id.*"), _run_dir)
+                                           "eval_curve.png", "torchrun_run_id", ".torchrun_run_id.*"), _run_dir)
 #: what it writes into ``OUT_DIR/checkpoints`` (all that ``--overwrite`` deletes there)
 CHECKPOINTS_OUTPUT = Output("train", "--out-dir", ("step_*", LATEST, LATEST + ".tmp"))
 

@@ -38,9 +38,16 @@ from loongtrain.train.checkpoint import (
 )
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
-from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
+from loongtrain.train.metrics import (
+    MetricsLogger,
+    peak_flops_total,
+    peak_memory_bytes,
+    plot_evaluations,
+    plot_loss_curve,
+)
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.run_model import build_model, loss_inputs, model_record
+from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
 from loongtrain.train.validation import Validation
 from loongtrain.wrap.zero import uses_zero
@@ -76,7 +83,9 @@ class Trainer:
 
     :meth:`step` takes ``grad_accum`` micro-batches of this replica's *full* sequences; each rank keeps its
     2D zigzag shard (:class:`~loongtrain.train.batch.BatchSharding`), so the trainer is layout-agnostic.
-    ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`.
+    ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`, called with each stage's
+    options (``--seq-len-schedule``: :mod:`~loongtrain.train.stages`). The in-loop evaluations are the
+    run's (``run.evaluations``, built by the launch path).
     """
 
     def __init__(self, run: Run, mesh: Mesh, device: torch.device, batches: BatchSource | None = None) -> None:
@@ -98,7 +107,7 @@ class Trainer:
         self.sharding = BatchSharding(cfg, mesh, self.model_config, device)
         self.batch_source = batches or self._corpus_batches
         self.out_dir = Path(cfg.out_dir)
-        self.tokens_per_step = mesh.dp * cfg.batch_size * cfg.grad_accum * cfg.seq_len
+        self.stages = run_stages(cfg)
 
     # -- the run ---------------------------------------------------------------------------------------
 
@@ -116,14 +125,18 @@ class Trainer:
         logger = self._logger(start)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
-        validation = Validation(cfg, self.mesh, self.loss, self.model)  # --val-interval (train/validation.py)
+        # --val-interval: the validation loss and the in-loop evaluations (train/validation.py)
+        validation = Validation(stage_config(cfg, batches.stage), self.mesh, self.loss, self.model,
+                                evaluations=self.run.evaluations, device=self.device, amp_dtype=self.amp_dtype)
         reset_peak_memory(self.device)
         bad_steps = 0
         try:
             for step in range(start, end):
                 kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (parallel/failures.py)
-                record = self._timed_step(step, batches, peak, mem_fields)
-                record.update(validation.after_step(step + 1))  # {"val_loss": ...} when due, else {}
+                stage = self._enter_stage(batches, step)
+                record = self._timed_step(step, stage, batches, peak, mem_fields)
+                # {"val_loss": ..., "eval/...": ...} when due, else {}
+                record.update(validation.after_step(step + 1, stage_config(cfg, stage)))
                 records.append(record)
                 bad_steps = self._count_bad_step(record, bad_steps)
                 self.log(logger, record, last=step + 1 == end)
@@ -150,12 +163,12 @@ class Trainer:
         log.info("resumed from %s at step %d", choice[0], int(state["step"]))
         return int(state["step"]), state
 
-    def open_data(self, start_step: int, state: dict[str, Any]) -> Iterator[Batch]:
-        """This replica's batch stream from ``start_step`` (its saved position checked and restored)."""
-        batches = self.batch_source(self.cfg, self.mesh, start_step * self.cfg.grad_accum)
-        if state.get("data") is not None and hasattr(batches, "load_state_dict"):
-            batches.load_state_dict(state["data"])  # checks the global batch and seed did not change
-        return batches
+    def open_data(self, start_step: int, state: dict[str, Any]) -> StageStream:
+        """This replica's batch stream from ``start_step``, in that step's stage (its saved position checked
+        and restored)."""
+        stream = StageStream(self.cfg, self.stages, lambda cfg, micro: self.batch_source(cfg, self.mesh, micro))
+        stream.start(start_step, state)
+        return stream
 
     def step(self, micro_batches: list[Batch]) -> dict[str, Any]:
         """Forward/backward every micro-batch, synchronise and clip gradients, apply AdamW.
@@ -165,7 +178,6 @@ class Trainer:
         norm was NaN/inf: the optimizer did not update, every rank alike) and ``attention_pairs`` (visible
         (query, key) pairs of all replicas' rows, per layer and head: the work that FLOP counts use).
         """
-        assert len(micro_batches) == self.cfg.grad_accum
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -205,19 +217,19 @@ class Trainer:
             return chunked_cross_entropy(hidden, head, local.labels, self.mesh, norm=norm)
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
-        """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end and for every skipped step."""
+        """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end, for every skipped or validated
+        step and for the first step of each stage of a length schedule."""
         if logger is not None and (record["step"] % self.cfg.log_interval == 0 or last or record["skipped"]
-                                   or "val_loss" in record):
+                                   or "val_loss" in record or self._stage_begins(record["step"] - 1)):
             logger.log(record)
 
-    def save(self, done: int, batches: Iterator[Batch], *, last: bool) -> None:
+    def save(self, done: int, batches: StageStream, *, last: bool) -> None:
         """Checkpoint after step ``done`` every ``--ckpt-interval`` steps and at the end (collective)."""
         cfg, mesh = self.cfg, self.mesh
         if not ((cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or last):
             return
-        data_state = batches.state_dict() if hasattr(batches, "state_dict") else None
         save_checkpoint(self.out_dir / "checkpoints", done, self.model, self.optimizer, self.scheduler,
-                        {"micro_step": done * cfg.grad_accum, "data": data_state, "config": cfg.to_dict(),
+                        {"micro_step": done * batches.stage.grad_accum, **batches.state(), "config": cfg.to_dict(),
                          "data_identity": self.run.data_identity,
                          **model_record(self.model_config, cfg),
                          "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp}},
@@ -227,7 +239,9 @@ class Trainer:
         """Rank 0: the loss plot and the closing summary line; then every rank waits for the others."""
         if logger is not None and records:
             if self.cfg.plot:
-                plot_loss_curve(logger.jsonl_path, self.out_dir / "loss_curve.png")
+                stages = [(s.first_step, s.seq_len) for s in self.stages] if len(self.stages) > 1 else []
+                plot_loss_curve(logger.jsonl_path, self.out_dir / "loss_curve.png", stages=stages)
+                plot_evaluations(logger.jsonl_path, self.out_dir / "eval_curve.png")
             tail = records[-min(10, len(records)):]
             timed = records[1:] or records
             log.info("done: steps %d-%d, loss %.4f -> %.4f (mean of the last %d: %.4f), %.0f tokens/s "
@@ -257,13 +271,14 @@ class Trainer:
         for stale in remove_stale_tmp(root):
             log.warning("removed the incomplete checkpoint %s", stale)
 
-    def _memory_report(self, batches: Iterator[Batch], start: int) -> dict[str, float]:
+    def _memory_report(self, batches: StageStream, start: int) -> dict[str, float]:
         """The start-up memory report (collective) on the first batch this run trains: a pure peek
         (``Batches.batch``) where the source has one, so the training stream is unchanged and the corpus
         is not read twice; else the first batch of a fresh source."""
-        micro = start * self.cfg.grad_accum
-        peek = getattr(batches, "batch", None)
-        first = peek(micro) if peek is not None else next(self.batch_source(self.cfg, self.mesh, micro))
+        first = batches.peek(start)
+        if first is None:
+            stage = batches.stage
+            first = next(self.batch_source(stage_config(self.cfg, stage), self.mesh, start * stage.grad_accum))
         return metrics_fields(startup_memory_report(self, first))
 
     def _peak_flops(self) -> float | None:
@@ -272,8 +287,25 @@ class Trainer:
         _barrier()
         if self.mesh.rank == 0:
             log.info("model %s: %.2fM parameters; %s; %d tokens per step", self.cfg.model,
-                     num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step)
+                     num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step(self.stages[0]))
+            if len(self.stages) > 1:
+                log.info("--seq-len-schedule: %s", describe(self.stages, self.mesh.dp))
         return peak
+
+    def tokens_per_step(self, stage: Stage) -> int:
+        """Tokens of all replicas in one optimizer step of ``stage``."""
+        return self.mesh.dp * stage.tokens_per_replica_step()
+
+    def _stage_begins(self, step: int) -> bool:
+        return len(self.stages) > 1 and any(s.first_step == step for s in self.stages)
+
+    def _enter_stage(self, batches: StageStream, step: int) -> Stage:
+        """The stage of ``step``, its stream opened; logs where a stage begins."""
+        stage = batches.at(step)
+        if stage.index and self._stage_begins(step):
+            log.info("step %d: stage %d of %d begins: %d tokens per sequence, batch %d x grad-accum %d",
+                     step + 1, stage.index + 1, len(self.stages), stage.seq_len, stage.batch_size, stage.grad_accum)
+        return stage
 
     def _logger(self, start: int) -> MetricsLogger | None:
         if self.mesh.rank != 0:
@@ -281,21 +313,22 @@ class Trainer:
         return MetricsLogger(self.out_dir, total_steps=self.cfg.steps, start_step=start,
                              tensorboard=self.cfg.tensorboard, progress=self.cfg.progress)
 
-    def _timed_step(self, step: int, batches: Iterator[Batch], peak: float | None,
+    def _timed_step(self, step: int, stage: Stage, batches: StageStream, peak: float | None,
                     mem_fields: dict[str, float]) -> dict[str, Any]:
         _sync(self.device)
         t0 = time.perf_counter()
-        result = self.step([next(batches) for _ in range(self.cfg.grad_accum)])
+        result = self.step(batches.micro_batches())
         _sync(self.device)
         dt = time.perf_counter() - t0
         # attention FLOPs of the visible (query, key) pairs only (documents, sliding window)
-        flops = step_flops(self.model_config, self.tokens_per_step, result["attention_pairs"])
-        seen = getattr(batches, "tokens_by_corpus", None)  # data: tokens each corpus supplied (all replicas)
-        return {"step": step + 1, "total_steps": self.cfg.steps, **result, "step_time_s": dt,
-                "tokens_per_s": self.tokens_per_step / dt, "tflops": flops / dt / 1e12,
+        tokens = self.tokens_per_step(stage)
+        flops = step_flops(self.model_config, tokens, result["attention_pairs"])
+        seen = batches.tokens_seen()  # data: tokens each corpus supplied (all replicas)
+        return {"step": step + 1, "total_steps": self.cfg.steps, "seq_len": stage.seq_len, **result,
+                "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": flops / dt / 1e12,
                 "mfu": (flops / dt / peak) if peak else float("nan"),
                 "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
-                **({f"tokens_seen/{name}": n for name, n in seen().items()} if seen else {})}
+                **({f"tokens_seen/{name}": n for name, n in seen.items()} if seen is not None else {})}
 
     def _count_bad_step(self, record: dict[str, Any], bad_steps: int) -> int:
         """Consecutive skipped (non-finite) steps after this one; logs each skip."""
