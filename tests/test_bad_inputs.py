@@ -630,7 +630,7 @@ def _case(name: str, *argv: str, needle: str, **kw) -> Case:
 
 
 SAFETY = [
-    # the cases that lost or misread data: each one named in the issue of this table
+    # the cases that once lost or misread data, one row each
     _case("prepare-empty-out-overwrite-in-cwd", *PREP, "a.jsonl", "--out", "", "--overwrite", cwd=S + "/work",
           needle="--out '' is empty"),
     _case("prepare-into-dir-holding-its-input", *PREP, S + "/D/a.jsonl", "--out", S + "/D", "--overwrite",

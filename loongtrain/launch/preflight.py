@@ -15,7 +15,7 @@ exits 2 within seconds instead of failing inside the workers. It checks:
   pass the quick size + sampled-digest check (:func:`loongtrain.data.prepared.verify_prepared`); with
   ``--val-fraction`` the training part holds a sample too;
 - validation (:func:`loongtrain.train.validation.check_validation`): held-out data smaller than one
-  global batch is an error; ``--val-batches`` more than it holds, an ``--val-interval`` longer than
+  global batch is an error; ``--val-batches`` more than it holds, a ``--val-interval`` longer than
   the run, a ``--val-corpus`` that is the training corpus are one-line warnings;
 - ``--resume``: the checkpoint is complete and its files are readable (the bad file is named), its step
   is below ``--steps``, the run is compatible with it (:data:`MUST_MATCH`), and the data is the data it
