@@ -120,6 +120,7 @@ def _ckpt(root, step: int, complete: bool = True):
     path.mkdir(parents=True)
     if complete:
         (path / STATE_FILE).write_text(json.dumps({"step": step, "scheduler": {}}))
+        (path / "checksums.json").write_text("{}")
     return path
 
 

@@ -91,7 +91,8 @@ class PositionSequences:
         """The ``[1, seq_len]`` batches (fewer than ``count`` when the held-out data has fewer)."""
         if self.val_fraction or self.val_corpus:
             held_out = build_val_batches(self.corpus, self.tokenizer, self.seq_len, 1, 0, 1, seed=self.seed,
-                                         val_fraction=self.val_fraction, val_corpus=self.val_corpus)
+                                         val_fraction=self.val_fraction, val_corpus=self.val_corpus,
+                                         decode_errors=self.decode_errors)
             return list(itertools.islice(held_out, self.count))
         stream = build_batches(self.corpus, self.tokenizer, self.seq_len, 1, 0, 1, self.seed, shuffle=False,
                                decode_errors=self.decode_errors)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
+from loongtrain._files import disk_space, write_atomic
 from loongtrain.train.metrics import size_label
 
 log = logging.getLogger("loongtrain.eval")
@@ -17,8 +19,8 @@ def write_results(out: Path, task: str, rows: list[dict], meta: dict) -> Path:
     """``out/results.json``: the rows (passkey cells or position buckets) and, beside it, ``meta.json``
     (model, task, layout, lengths); returns the results path."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "meta.json").write_text(json.dumps({"task": task, **meta}, indent=1) + "\n")
+    write_atomic(out / "results.json", json.dumps(rows, indent=1) + "\n")  # whole or not at all
+    write_atomic(out / "meta.json", json.dumps({"task": task, **meta}, indent=1) + "\n")
     return out / "results.json"
 
 
@@ -96,6 +98,12 @@ def plot(out: Path, task: str, rows: list[dict]) -> Path | None:
         fig.colorbar(image, ax=ax, label="accuracy")
         path = out / "passkey.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with disk_space(path):
+            fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path

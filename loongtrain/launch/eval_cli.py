@@ -1,15 +1,19 @@
 """``loongtrain eval MODEL --task passkey|position-loss ...`` (docs/design.md §14). Exit codes: 0 ok, 2 bad
-input (one line, before any worker starts), 1 a worker failed."""
+input (one line, before any worker starts; ``--out`` in use by another eval), 1 a worker failed or the
+disk is full (one line), 130/143 Ctrl-C/SIGTERM (one line)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
-from loongtrain._input import user_error
+from loongtrain._files import DiskFullError, OutputLock
+from loongtrain._input import failure, interrupted, one_line, user_error
 from loongtrain.eval.job import FILLERS, TASKS, EvalConfig
 from loongtrain.eval.passkey import DEPTHS, KEY_DIGITS
+from loongtrain.launch.torchrun import under_torchrun
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.config import DOC_MASK, DTYPES
 
@@ -96,16 +100,26 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     except ValueError as exc:
         return user_error("eval", exc)
+    from loongtrain.eval.job import OUTPUT
     from loongtrain.launch.eval_run import launch
     from loongtrain.parallel.workers import WorkerError
 
     try:
-        launch(job)
-    except KeyboardInterrupt:
-        print("loongtrain eval: interrupted", file=sys.stderr)
-        return 130
-    except (WorkerError, RuntimeError) as exc:
-        print(f"loongtrain eval: evaluation failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+        # one writer of --out (loongtrain._files); under torchrun every rank is its own process
+        with contextlib.nullcontext() if under_torchrun() else OutputLock(OUTPUT, job.options.out):
+            launch(job)
+    except KeyboardInterrupt as exc:
+        return interrupted("eval", exc)
+    except ValueError as exc:
+        return user_error("eval", exc)
+    except DiskFullError as exc:
+        return failure("eval", exc)
+    except WorkerError as exc:
+        print(f"loongtrain eval: {'error' if exc.kind == 'ValueError' else 'evaluation failed'}: rank {exc.rank} "
+              f"of {exc.world_size}: {exc.error}", file=sys.stderr)
+        return 2 if exc.kind == "ValueError" else 1
+    except RuntimeError as exc:
+        print(f"loongtrain eval: evaluation failed: {one_line(exc)}", file=sys.stderr)
         return 1
     return 0
 

@@ -8,10 +8,12 @@
   torch.distributed.
 Every user error is raised as ValueError by :func:`validate_run` (options) and
 :func:`loongtrain.launch.preflight.preflight` (corpus, output directory, resume) before any process is
-started. Collectives time out after ``--timeout`` seconds. ``--max-restarts N`` restarts local workers
-after a failure from the newest checkpoint (``--resume auto``); under torchrun, its own
-``--max-restarts`` does that: rank 0 decides once for the attempt, on every node, whether it is a restart
-and which checkpoint every rank resumes from (:mod:`loongtrain.launch.torchrun`).
+started; then the launcher locks ``--out-dir`` for the run (:class:`loongtrain._files.OutputLock`: a
+second run into it exits 2 naming this one). Collectives time out after ``--timeout`` seconds.
+``--max-restarts N`` restarts local workers after a failure from the newest checkpoint (``--resume
+auto``); under torchrun, its own ``--max-restarts`` does that: rank 0 decides once for the attempt, on
+every node, whether it is a restart and which checkpoint every rank resumes from
+(:mod:`loongtrain.launch.torchrun`).
 """
 
 from __future__ import annotations
@@ -27,14 +29,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from loongtrain._files import OutputLock
 from loongtrain.launch.autoplan import apply_plan, check_stage_memory, stage_memory_cluster
-from loongtrain.launch.preflight import RunComplete, preflight
+from loongtrain.launch.preflight import RunComplete, data_identity, preflight
 from loongtrain.launch.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
-from loongtrain.train.checkpoint import AUTO
+from loongtrain.train.checkpoint import AUTO, RUN_OUTPUT
 from loongtrain.train.config import Run, TrainConfig, eval_task_list
 from loongtrain.train.run_model import build_run_tokenizer, model_config_for
 from loongtrain.train.stages import check_stage_layouts
@@ -115,7 +118,7 @@ def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False) -> Run
     :class:`~loongtrain.launch.preflight.RunComplete` when a restarted job has nothing left to train."""
     run = prepare_run(cfg, world)
     cfg = preflight(run.cfg, world, run.tokenizer, restarted=restarted)
-    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
+    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume, data_identity=data_identity(cfg, run.tokenizer))
 
 
 def prepare_run(cfg: TrainConfig, world: int) -> Run:
@@ -189,6 +192,12 @@ def launch(cfg: TrainConfig) -> None:
                 run_worker(int(os.environ["RANK"]), world, run)
         return
     run = resolve_run(cfg, world)
+    with OutputLock(RUN_OUTPUT, run.cfg.out_dir):  # one writer of --out-dir (loongtrain._files)
+        _launch_local(run, world)
+
+
+def _launch_local(run: Run, world: int) -> None:
+    """The resolved run in this process (one rank) or in local workers."""
     cfg = run.cfg
     if world == 1:
         run_worker(0, 1, run)

@@ -267,15 +267,18 @@ class TrainConfig:
 class Run:
     """A run resolved once by the launcher before any worker starts (docs/design.md §10): the options, the
     model's shape, the tokenizer (None: the batch source needs none), the checkpoint to resume from
-    ("" for a fresh start) and the in-loop evaluations (``--eval-tasks``: callables the launch path builds
+    ("" for a fresh start), the in-loop evaluations (``--eval-tasks``: callables the launch path builds
     from the evaluation tasks, :class:`~loongtrain.train.validation.Evaluation`; ``train`` does not import
-    them). :class:`~loongtrain.train.trainer.Trainer` is built from it."""
+    them) and the identity of its data (the corpus's content and the tokenizer's, which every checkpoint
+    records and a resume compares; None when not known). :class:`~loongtrain.train.trainer.Trainer` is
+    built from it."""
 
     cfg: TrainConfig
     model_config: ModelConfig
     tokenizer: Tokenizer | None = None
     resume: str = ""
     evaluations: tuple[Any, ...] = ()
+    data_identity: dict[str, Any] | None = None
 
 
 def eval_task_list(cfg: TrainConfig) -> tuple[str, ...]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain._files import remove_owned
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
@@ -36,7 +36,13 @@ from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed, to_device
 from loongtrain.train.batch import Batch, BatchSharding, LocalBatch, sharding_fields
-from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
+from loongtrain.train.checkpoint import (
+    CHECKPOINTS_OUTPUT,
+    NonFiniteError,
+    load_checkpoint,
+    remove_stale_tmp,
+    save_checkpoint,
+)
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import (
@@ -280,6 +286,7 @@ class Trainer:
             return
         save_checkpoint(self.out_dir / "checkpoints", done, self.model, self.optimizer, self.scheduler,
                         {"micro_step": done * batches.stage.grad_accum, **batches.state(), "config": cfg.to_dict(),
+                         "data_identity": self.run.data_identity,
                          **model_record(self.model_config, cfg),
                          "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp}},
                         keep=cfg.keep_checkpoints)
@@ -314,9 +321,9 @@ class Trainer:
         if self.mesh.rank != 0:
             return
         root = self.out_dir / "checkpoints"
-        if self.cfg.overwrite and not resumed and root.is_dir():
+        if self.cfg.overwrite and not resumed and root.is_dir():  # only what the trainer wrote there
             log.warning("--overwrite: deleting the checkpoints in %s", root)
-            shutil.rmtree(root)
+            remove_owned(CHECKPOINTS_OUTPUT, root)
         for stale in remove_stale_tmp(root):
             log.warning("removed the incomplete checkpoint %s", stale)
 
