@@ -1,5 +1,5 @@
 """A CPU emulation of torch 2.13's CUDA attention ops, for testing the wrappers in
-``loongtrain.attn.kernels`` without a GPU (docs/design.md §11).
+``loongtrain.attn.cuda_kernels`` without a GPU (docs/design.md §11).
 
 Every call is bound against the real op's schema (``torch.ops.aten.<op>.default._schema``: argument
 count, order, keyword-only arguments, argument kinds), then checked the way the CUDA op checks its
@@ -64,7 +64,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class EmulatedAten:
-    """Stands in for ``torch.ops.aten`` in ``loongtrain.attn.kernels`` (other ops pass through)."""
+    """Stands in for ``torch.ops.aten`` in ``loongtrain.attn.cuda_kernels`` (other ops pass through)."""
 
     def __init__(self, allow_fp64: bool = True, fault: str | None = None):
         assert fault is None or fault in FAULTS, fault
@@ -352,10 +352,10 @@ def _scale(a: dict, head_dim: int) -> float:
 
 
 def install(monkeypatch, **options) -> EmulatedAten:
-    """Make ``loongtrain.attn.kernels``' CUDA wrappers call an :class:`EmulatedAten` for the rest of the
+    """Make ``loongtrain.attn.cuda_kernels``' CUDA wrappers call an :class:`EmulatedAten` for the rest of the
     test (``monkeypatch``: pytest's fixture); any kernel or ring code path then runs them on CPU tensors."""
-    from loongtrain.attn import kernels
+    from loongtrain.attn import cuda_kernels
 
     ops = EmulatedAten(**options)
-    monkeypatch.setattr(kernels, "_aten", ops)
+    monkeypatch.setattr(cuda_kernels, "_aten", ops)
     return ops

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from loongtrain.attn import kernel_choice
+from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_EFFICIENT, CUDA_FLASH
 from loongtrain.attn.kernel_choice import MARGIN, choose_kernel, kernel_for, per_piece, pick_by_time
 from loongtrain.attn.kernel_timing import VARLEN_TOLERANCE, make_timer, time_kernel, varlen_error
-from loongtrain.attn.kernels import CPU_FLASH, CUDA_CUDNN, CUDA_EFFICIENT, CUDA_FLASH, REFERENCE
+from loongtrain.attn.kernels import CPU_FLASH, REFERENCE
 from tests.cuda_emulation import install
 
 BF16 = torch.bfloat16

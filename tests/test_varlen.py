@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from loongtrain.attn.kernels import CUDA_CUDNN, CUDA_FLASH, reference_forward
+from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_FLASH
+from loongtrain.attn.kernels import reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, piece_mask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.attn.step import Pieces, plan_step, varlen_flag

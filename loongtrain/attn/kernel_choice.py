@@ -45,17 +45,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from loongtrain.attn.kernel_timing import MEASURE_DOCUMENTS, make_timer
-from loongtrain.attn.kernels import (
-    CPU_FLASH,
+from loongtrain.attn.cuda_kernels import (
     CUDA_CUDNN,
     CUDA_EFFICIENT,
     CUDA_EFFICIENT_PADDED,
     CUDA_FLASH,
     CUDA_FLASH_PADDED,
-    REFERENCE,
-    Kernel,
 )
+from loongtrain.attn.kernel_timing import MEASURE_DOCUMENTS, make_timer
+from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, Kernel
 from loongtrain.parallel.runtime import is_distributed
 
 Tensor = torch.Tensor
