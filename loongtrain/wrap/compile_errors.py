@@ -38,7 +38,7 @@ def missing_compiler(device_type: str, backend: str) -> str | None:
     """What ``torch.compile`` with ``backend`` lacks on ``device_type`` (a sentence), or None. Cheap (no
     torch compilation), the pieces it needs: dynamo on this Python, and for inductor on CPU a C++ compiler
     that builds against Python's headers (``Python.h``: inductor binds each kernel to Python) with OpenMP
-    (``omp.h``, ``-fopenmp``), checked by compiling a two-line probe; on CUDA Triton, which builds its
+    (``omp.h``, ``-fopenmp``, on Linux), checked by compiling a two-line probe; on CUDA Triton, which builds its
     launchers with a C compiler against the same ``Python.h``."""
     import torch._dynamo
 
@@ -83,10 +83,13 @@ def _no_python_headers() -> str:
 
 @functools.cache
 def _probe_compile(compiler: str, headers: tuple[str, ...]) -> str | None:
-    """Compile ``#include <Python.h>`` and ``#include <omp.h>`` with ``-fopenmp`` (syntax only): the
-    compiler's first error line if that fails, else None."""
-    source = "#include <Python.h>\n#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
-    cmd = [compiler, "-fopenmp", "-fsyntax-only", "-x", "c++", *(f"-I{d}" for d in headers), "-"]
+    """Compile ``#include <Python.h>`` and, on Linux, ``#include <omp.h>`` with ``-fopenmp`` (syntax only;
+    elsewhere inductor finds OpenMP its own way, e.g. ``-Xclang -fopenmp`` on macOS): the compiler's first
+    error line if that fails, else None."""
+    omp = sys.platform.startswith("linux")
+    source = "#include <Python.h>\n" + ("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+                                      if omp else "int main() { return 0; }\n")
+    cmd = [compiler, *(["-fopenmp"] if omp else []), "-fsyntax-only", "-x", "c++", *(f"-I{d}" for d in headers), "-"]
     try:
         done = subprocess.run(cmd, input=source, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
