@@ -11,14 +11,19 @@ exits 2 within seconds instead of failing inside the workers. It checks:
   version reads, was made with the run's tokenizer, and its files pass the quick size + sampled-digest
   check (:func:`loongtrain.data.prepared.verify_prepared`);
 - ``--resume``: the checkpoint's files are readable (the bad file is named), its step is below
-  ``--steps``, and the run is compatible with it (:data:`MUST_MATCH`).
+  ``--steps``, and the run is compatible with it (:data:`MUST_MATCH`);
+- ``--init-from``: the checkpoint's files are readable and it lies outside this run's checkpoints (its
+  model is checked against the run's by :func:`loongtrain.train.models.model_config_for`).
 
-Resume rule: the data stream and the optimizer state must continue unchanged, so the model preset,
-tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seed``, ``--grad-accum``, the global batch
-(``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
-``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout
-(``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of ranks at the
-same global batch), ``--steps``, ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
+Resume rule: the data stream, the optimizer state and the model must continue unchanged, so the model
+preset, tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seed``, ``--grad-accum``, the RoPE
+(``--rope-theta``, ``--rope-scaling``, compared by meaning), the global batch (``dp * batch_size``) and the
+AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``, ``--eps``,
+``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout (``--hp``, ``--cp``,
+``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of ranks at the same global batch),
+``--steps``, ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals. Continuing the trained
+weights at another length or RoPE is a new run: ``--init-from CHECKPOINT`` (weights only) in a new
+``--out-dir`` (docs/design.md §7, *RoPE scaling*).
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from loongtrain.data.packing import TokenStream
 from loongtrain.data.prepared import check_prepared, is_prepared_dir
 from loongtrain.data.sources import parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.model.rope_scaling import rope_change
 from loongtrain.train.checkpoint import (
     AUTO,
     LATEST,
     STATE_FILE,
+    find_checkpoint,
     newest_checkpoint,
     resolve_checkpoint,
     verify_checkpoint,
@@ -48,8 +55,10 @@ from loongtrain.train.models import build_run_tokenizer
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
 
-MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seed", "grad_accum", "lr", "beta1",
-              "beta2", "eps", "weight_decay")
+MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seed", "grad_accum", "rope_theta",
+              "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay")
+#: options a new run with --init-from may change where a resume may not
+NEW_RUN_CHANGES = ("seq_len", "rope_theta", "rope_scaling")
 
 
 class RunComplete(Exception):
@@ -66,6 +75,7 @@ def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, 
         cfg = dataclasses.replace(cfg, resume=AUTO, overwrite=False)
     check_out_dir(cfg)
     check_corpus(cfg, tokenizer or build_run_tokenizer(cfg))
+    cfg = check_init_from(cfg)
     try:
         return resolve_resume(cfg, world)
     except _StepsReached as exc:
@@ -97,6 +107,23 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is a file, so the directory cannot be made")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is not writable")
+
+
+def check_init_from(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``--init-from`` resolved to one checkpoint directory, after checking that its files are
+    readable and that it is not one of this run's own checkpoints (``--resume`` continues those)."""
+    if not cfg.init_from:
+        return cfg
+    try:
+        path = find_checkpoint(cfg.init_from)
+        verify_checkpoint(path)
+    except ValueError as exc:
+        raise ValueError(f"--init-from {cfg.init_from!r}: {exc}") from None
+    own = (Path(cfg.out_dir) / "checkpoints").resolve()
+    if own == path.resolve().parent:
+        raise ValueError(f"--init-from {cfg.init_from!r} is a checkpoint of this run (--out-dir {cfg.out_dir!r}); "
+                         f"--resume continues it, --init-from starts a new run in another --out-dir")
+    return dataclasses.replace(cfg, init_from=str(path))
 
 
 def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
@@ -193,6 +220,16 @@ def resolve_resume(cfg: TrainConfig, world: int) -> TrainConfig:
     return dataclasses.replace(cfg, resume=str(path))
 
 
+def _same_option(name: str, saved: Any, current: Any) -> bool:
+    """Whether a resumed run's option equals the checkpoint's (``--rope-scaling`` by its meaning)."""
+    if name == "rope_scaling" and isinstance(saved, str):
+        try:
+            return rope_change(0.0, saved) == rope_change(0.0, current)
+        except ValueError:
+            return False
+    return saved == current
+
+
 def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: Path) -> None:
     """Raise ValueError when ``cfg`` cannot continue the run saved in checkpoint ``path`` (the resume rule)."""
     step = state["step"]
@@ -201,10 +238,12 @@ def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: 
                          f"nothing to train (raise --steps above {step} to continue)")
     saved = state.get("config") or {}
     for name in MUST_MATCH:
-        if name in saved and saved[name] != getattr(cfg, name):
+        if name in saved and not _same_option(name, saved[name], getattr(cfg, name)):
+            hint = (f"; to continue its weights at another --seq-len or RoPE, start a new run from them: "
+                    f"--init-from {str(path)!r} --out-dir NEW") if name in NEW_RUN_CHANGES else ""
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r} differs from the checkpoint's "
                              f"{saved[name]!r} ({str(path)!r}); a resumed run must keep it (resume rule: "
-                             f"see `loongtrain.train.preflight`)")
+                             f"see `loongtrain.train.preflight`){hint}")
     layout = state.get("layout") or {}
     if "dp" in layout and "batch_size" in saved:
         dp = world // cfg.parallel.sp

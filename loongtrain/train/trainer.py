@@ -28,12 +28,18 @@ from loongtrain.model.config import num_params, step_flops
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.train.batch import Batch, BatchLayout
-from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
+from loongtrain.train.checkpoint import (
+    NonFiniteError,
+    load_checkpoint,
+    load_model_weights,
+    remove_stale_tmp,
+    save_checkpoint,
+)
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
 from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
-from loongtrain.train.models import build_model, loss_inputs, model_record
+from loongtrain.train.models import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.parallelize import uses_fsdp
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
@@ -139,9 +145,15 @@ class Trainer:
             if self.cfg.resume:
                 log.info("--resume %s: no checkpoint in %s yet; starting fresh", self.cfg.resume,
                          self.out_dir / "checkpoints")
+            if self.cfg.init_from:  # weights only: optimizer, schedule and data start fresh
+                found = init_checkpoint(self.cfg)
+                assert found is not None
+                load_model_weights(found[0], self.model)
+                log.info("initialised the weights from %s (step %d of its run)", found[0], int(found[1]["step"]))
             return 0, {}
         state = load_checkpoint(Path(choice[0]), self.model, self.optimizer, self.scheduler)
-        log.info("resumed from %s at step %d", choice[0], int(state["step"]))
+        log.info("resumed from %s at step %d%s", choice[0], int(state["step"]),
+                 f" (--init-from {self.cfg.init_from} applies to a fresh start only)" if self.cfg.init_from else "")
         return int(state["step"]), state
 
     def open_data(self, start_step: int, state: dict[str, Any]) -> Iterator[Batch]:
