@@ -1,4 +1,4 @@
-"""Cost of checking the attention arguments across ranks on EVERY call (parallel/agreement.py, issue 23).
+"""Cost of checking the attention arguments across ranks on EVERY call (parallel/agreement.py).
 
 One spawn of ``--world`` gloo ranks (``--hp`` x ``--cp``, 1 torch thread each). Per sequence length and
 per round, side by side in the same processes: ``--iters`` forward + backward calls of
@@ -9,8 +9,8 @@ value is the median call; the table gives the median over rounds of every/once a
 and the digest exchange alone (``check_agreement`` with the same fields, no attention). Packed documents
 (``cu_seqlens``, 8 per row) are passed, as the trainer does with ``--doc-mask on``.
 
-    .venv/bin/python benchmarks/agreement.py                       # world 4 = 2x2, S 1024 and 8192
-    .venv/bin/python benchmarks/agreement.py --seq-lens 2048 --rounds 3
+    .venv/bin/python -m benchmarks.agreement                       # world 4 = 2x2, S 1024 and 8192
+    .venv/bin/python -m benchmarks.agreement --seq-lens 2048 --rounds 3
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loongtrain import attention, shard_sequence  # noqa: E402
-from loongtrain.parallel import agreement  # noqa: E402
-from loongtrain.parallel.mesh import init_mesh  # noqa: E402
-from loongtrain.parallel.workers import run_local  # noqa: E402
+from benchmarks.common import add_common
+from loongtrain import attention, shard_sequence
+from loongtrain.parallel import agreement
+from loongtrain.parallel.mesh import init_mesh
+from loongtrain.parallel.workers import run_local
 
 
 def _slowest(seconds: float) -> float:
@@ -88,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cp", type=int, default=2)
     p.add_argument("--seq-lens", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 8192])
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=5)
+    add_common(p, rounds=5)
     args = p.parse_args(argv)
     rows = run_local(_worker, args.hp * args.cp, args.hp, args.cp, args.seq_lens, args.iters, args.rounds,
                      backend="gloo", timeout=1800)[0]

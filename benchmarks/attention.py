@@ -16,9 +16,9 @@ several rounds, the min–max spread. Beside wall time the table gives CPU time 
 ranks; for the limit, over its threads): CPU ratio - 1 is the extra work sharding adds (communication,
 copies, merges), and it moves far less than wall time on a shared machine.
 
-    .venv/bin/python benchmarks/attention.py                      # S=8192 H=8 D=64 fp32 causal, Hkv 8 and 2
-    .venv/bin/python benchmarks/attention.py --seq-len 2048 --iters 3 --configs 1x4,2x2 --baselines none
-    .venv/bin/python benchmarks/attention.py --write benchmarks/RESULTS.md
+    .venv/bin/python -m benchmarks.attention                      # S=8192 H=8 D=64 fp32 causal, Hkv 8 and 2
+    .venv/bin/python -m benchmarks.attention --seq-len 2048 --iters 3 --configs 1x4,2x2 --baselines none
+    .venv/bin/python -m benchmarks.attention --write benchmarks/RESULTS.md
 
 Configs are ``HPxCP`` (``2x2``) with an optional double-ring window (``1x4w2``); the default is every
 ``hp x cp == world``. Every case runs in its own spawn, so a baseline that hangs or crashes is reported
@@ -43,12 +43,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere; spawned children re-import this module
-    sys.path.insert(0, str(ROOT))
-
-import loongtrain  # noqa: E402
-from benchmarks.timing import (  # noqa: E402
+import loongtrain
+from benchmarks.timing import (
     DTYPES,
     LimitSpec,
     Timing,
@@ -61,7 +57,7 @@ from benchmarks.timing import (  # noqa: E402
     time_step,
     write_section,
 )
-from loongtrain.parallel.workers import run_local  # noqa: E402
+from loongtrain.parallel.workers import run_local
 
 BASELINES = ("deepspeed", "ring-attention-pytorch")
 BASELINE_TITLES = {

@@ -8,8 +8,8 @@ round times one eager step right before one compiled step; the table gives media
 per-round ratio compiled / eager tokens/s, the largest loss difference between the two, and dynamo's graph
 count (at most 2 per block). Prints markdown starting with the command.
 
-    python benchmarks/compile.py --seq-len 2048 --steps 10
-    python benchmarks/compile.py --device cuda --model 1b --seq-len 65536 --dtype bf16
+    python -m benchmarks.compile --seq-len 2048 --steps 10
+    python -m benchmarks.compile --device cuda --model 1b --seq-len 65536 --dtype bf16
 """
 
 from __future__ import annotations
@@ -19,17 +19,15 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from loongtrain.model.config import ModelConfig, get_preset, step_flops  # noqa: E402
-from loongtrain.parallel.config import ParallelConfig  # noqa: E402
-from loongtrain.parallel.mesh import single_process_mesh  # noqa: E402
-from loongtrain.train import compile as compile_step  # noqa: E402
-from loongtrain.train.config import TrainConfig  # noqa: E402
+from benchmarks.common import add_common, setup
+from loongtrain.model.config import ModelConfig, get_preset, step_flops
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.train.config import TrainConfig
+from loongtrain.wrap import compile as compile_step
 
 SMALL = ModelConfig(vocab_size=256, dim=256, num_layers=4, num_heads=8, num_kv_heads=2, ffn_dim=768)
 
@@ -99,15 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--ac-mode", default="selective")
     parser.add_argument("--backend", default=compile_step.BACKEND)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=0)
+    add_common(parser, device="cpu", threads=0)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = setup(args)
     compile_step.BACKEND = args.backend
     model = get_preset(args.model) if args.model else SMALL
-    r = side_by_side(model, args.seq_len, args.steps, args.warmup, args.dtype, args.ac_mode, torch.device(args.device))
-    print(f"```\npython benchmarks/compile.py {shlex.join(argv if argv is not None else sys.argv[1:])}\n```\n")
+    r = side_by_side(model, args.seq_len, args.steps, args.warmup, args.dtype, args.ac_mode, device)
+    print(f"```\npython -m benchmarks.compile {shlex.join(argv if argv is not None else sys.argv[1:])}\n```\n")
     print("| backend | eager tok/s | compiled tok/s | compiled / eager (median, min-max) | max loss diff | "
           "graphs | warm-up s |\n|---|---:|---:|---|---:|---:|---:|")
     print(f"| {args.backend} | {statistics.median(r['eager']):.0f} | {statistics.median(r['compiled']):.0f} | "

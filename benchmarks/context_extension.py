@@ -17,7 +17,7 @@ Writes ``results.json``, ``context_extension.md`` (the table) and ``context_exte
 accuracy by length, loss by position) into ``--out`` (and copies the last two to ``--notes`` if given).
 Continuations run ``--jobs`` at a time, one thread each. Usage::
 
-    python benchmarks/context_extension.py --out /tmp/context_extension
+    python -m benchmarks.context_extension --out /tmp/context_extension
 
 Develop with small settings (``--steps 50 --trials 1``); the defaults are the demonstration's.
 """
@@ -33,8 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from passkey_train import write_corpus  # noqa: E402  (the passkey + copy corpus of benchmarks/passkey_train.py)
+from benchmarks.common import add_common, header
+from benchmarks.passkey_train import write_corpus  # the passkey + copy corpus
 
 CLI = [sys.executable, "-m", "loongtrain.cli"]
 DEPTHS = "0,0.25,0.5,0.75,1"
@@ -151,7 +151,7 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step at L (a quarter of it at 4L)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--seed", type=int, default=1)
+    add_common(p, seed=1)  # the corpora's and the trainings' seed
     p.add_argument("--copy-fraction", type=float, default=0.5)
     p.add_argument("--theta-scale", type=float, default=0.0, help="theta way: base x this (0: the NTK-aware rule)")
     p.add_argument("--trials", type=int, default=10, help="passkey prompts per (length, depth)")
@@ -191,7 +191,8 @@ def main() -> int:
         print(name, json.dumps(r["passkey"]), flush=True)
     results["wall_s"] = {"total": time.perf_counter() - t_start, "pretrain": pre_s, "continuations": cont_s}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    table = markdown(results, args)
+    results["header"] = header()
+    table = f"<!-- {results['header']} -->\n" + markdown(results, args)
     (out / "context_extension.md").write_text(table)
     plot(results, args, out / "context_extension.png")
     if args.notes:

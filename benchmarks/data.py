@@ -1,4 +1,4 @@
-"""Data benchmarks (issue 21): ``loongtrain prepare`` throughput, and start-up from a prepared corpus.
+"""Data benchmarks: ``loongtrain prepare`` throughput, and start-up from a prepared corpus.
 
 1. **prepare throughput** (tokens/s) on the stdlib corpus ``--copies`` times over (.txt files, shards of
    8 MB of text), with the byte tokenizer and with a BPE
@@ -16,7 +16,7 @@
    their size, not their text, is what differs. Cases alternate in rounds; medians and min-max spreads.
    Then, in this process, the data part alone: launcher check + ``build_batches`` + the first batch.
 
-    .venv/bin/python benchmarks/data.py [--rounds 3] [--sizes 0.3,3] [--workers 0] [--json out.json]
+    .venv/bin/python -m benchmarks.data [--rounds 3] [--sizes 0.3,3] [--workers 0] [--json out.json]
 
 Run on a quiet machine; ratios are side by side in one run, but a shared machine still adds noise.
 """
@@ -36,12 +36,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from loongtrain.data import build_corpus, build_tokenizer  # noqa: E402
-from loongtrain.data.prepare import prepare  # noqa: E402
-from loongtrain.data.prepared import (  # noqa: E402
+from benchmarks.common import ROOT, add_common
+from loongtrain.data import build_corpus, build_tokenizer
+from loongtrain.data.prepare import prepare
+from loongtrain.data.prepared import (
     FORMAT,
     FORMAT_VERSION,
     INDEX_FILE,
@@ -234,7 +232,7 @@ def bench_open(work: Path, rounds: int, sizes: list[float], seq_len: int) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    add_common(parser, rounds=3)
     parser.add_argument("--workers", type=int, default=0, help="prepare workers (0: one per core)")
     parser.add_argument("--sizes", default="0.3,3", help="prepared corpus sizes, G tokens (comma-separated)")
     parser.add_argument("--seq-len", type=int, default=8192)

@@ -18,9 +18,9 @@ dK/dV bytes one call sends (forward + backward), the most over ranks
 (:class:`~loongtrain.parallel.comm.CommCounter`). Work: visible (query, key) pairs per context rank,
 max / mean (:func:`loongtrain.parallel.documents.rank_work`).
 
-    .venv/bin/python benchmarks/documents.py                       # S=16384 H=8 D=64 fp32, world 4
-    .venv/bin/python benchmarks/documents.py --tiny                # seconds: the smoke test's run
-    .venv/bin/python benchmarks/documents.py --rounds 2 --write benchmarks/RESULTS.md
+    .venv/bin/python -m benchmarks.documents                       # S=16384 H=8 D=64 fp32, world 4
+    .venv/bin/python -m benchmarks.documents --tiny                # seconds: the smoke test's run
+    .venv/bin/python -m benchmarks.documents --rounds 2 --write benchmarks/RESULTS.md
 """
 
 from __future__ import annotations
@@ -37,12 +37,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere; spawned children re-import this module
-    sys.path.insert(0, str(ROOT))
-
-import loongtrain  # noqa: E402
-from benchmarks.timing import (  # noqa: E402
+import loongtrain
+from benchmarks.common import add_common
+from benchmarks.timing import (
     LimitSpec,
     load_average,
     measure_limit,
@@ -53,10 +50,10 @@ from benchmarks.timing import (  # noqa: E402
     time_step,
     write_section,
 )
-from loongtrain.parallel.comm import CommCounter  # noqa: E402
-from loongtrain.parallel.documents import balanced_chunk_order, rank_work, visible_pairs  # noqa: E402
-from loongtrain.parallel.workers import run_local  # noqa: E402
-from loongtrain.plan.document_work import imbalance, lognormal_documents  # noqa: E402
+from loongtrain.parallel.comm import CommCounter
+from loongtrain.parallel.documents import balanced_chunk_order, rank_work, visible_pairs
+from loongtrain.parallel.workers import run_local
+from loongtrain.plan.document_work import imbalance, lognormal_documents
 
 CASES = ("docs", "docs-balanced", "causal", "window")
 SECTION = "benchmarks/documents.py"
@@ -223,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--median", type=int, default=1024, help="median document length (lognormal)")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal shape of the document lengths")
-    p.add_argument("--seed", type=int, default=0)
+    add_common(p, seed=0)
     p.add_argument("--window", type=int, default=1024, help="sliding window of the 'window' case")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per case and round")
     p.add_argument("--causal-iters", type=int, help="timed iterations of the (slow) causal case (default: --iters)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=2)
+    add_common(p, rounds=2)
     p.add_argument("--configs", default="all", help="HPxCP,... (default: every hp*cp == world)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated from {','.join(CASES)}")
     p.add_argument("--tiny", action="store_true",

@@ -10,7 +10,7 @@
    forward (``position_loss``) of the same model at the same length, each in a fresh process (growth
    over the RSS after building the model; ``ru_maxrss``).
 
-Usage: ``python benchmarks/eval_memory.py [--seq-len 16384] [--preset 1b --plan-len 65536 --world 8]``
+Usage: ``python -m benchmarks.eval_memory [--seq-len 16384] [--preset 1b --plan-len 65536 --world 8]``
 """
 
 from __future__ import annotations

@@ -318,13 +318,13 @@ def check_determinism(device: torch.device, size: dict[str, Any], state: dict[st
 
 
 def _train_one(name: str, seq: int, device: torch.device, steps: int) -> dict[str, Any]:
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.model.config import flops_per_token, get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.plan.memory_model import memory_per_rank
     from loongtrain.train.config import Run, TrainConfig, autocast_dtype, param_dtype
     from loongtrain.train.trainer import Trainer
-    from tests.synthetic import global_batch
 
     model_config = get_preset(name)
     cfg = TrainConfig(model=name, seq_len=seq, steps=steps + 1, warmup=1, dtype="auto",

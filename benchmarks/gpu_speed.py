@@ -1,4 +1,4 @@
-"""gpu_check's speed sections (issue 20), kept apart from its exactness sections (``benchmarks/gpu_check.py``
+"""gpu_check's speed sections, kept apart from its exactness sections (``benchmarks/gpu_check.py``
 imports them into its ``SECTIONS``):
 
 - ``kernel_choice``: every candidate kernel's forward and backward time, separately, on a dense causal call
@@ -100,7 +100,7 @@ def check_loss(device: torch.device, size: dict[str, Any], state: dict[str, Any]
 def check_compile(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     from benchmarks.compile import side_by_side
     from loongtrain.model.config import get_preset
-    from loongtrain.train import compile as compile_step
+    from loongtrain.wrap import compile as compile_step
 
     name, seq, steps, warmup, dtype = size["compile"]
     backend = compile_step.BACKEND if device.type == "cuda" else "aot_eager"  # CPU: fast, the same graphs

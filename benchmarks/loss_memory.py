@@ -8,8 +8,8 @@ its peak is its own: on CPU the peak RSS above the set-up baseline (VmHWM, reset
 the fp32 gradients of ``hidden`` and ``weight``. Prints markdown starting with the command, then the
 formula-predicted peaks of the chunked loss at the full size.
 
-    python benchmarks/loss_memory.py --vocab 32768 --tokens 4096 --dim 256
-    python benchmarks/loss_memory.py --device cuda --vocab 131072 --tokens 16384 --dim 4096
+    python -m benchmarks.loss_memory --vocab 32768 --tokens 4096 --dim 256
+    python -m benchmarks.loss_memory --device cuda --vocab 131072 --tokens 16384 --dim 4096
 """
 
 from __future__ import annotations
@@ -25,17 +25,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from loongtrain.loss.chunked import (  # noqa: E402
+from benchmarks.common import add_common
+from loongtrain.loss.chunked import (
     chunked_cross_entropy,
     chunked_loss_peak_bytes,
     default_chunk_tokens,
 )
-from loongtrain.loss.sharded import sharded_cross_entropy  # noqa: E402
+from loongtrain.loss.sharded import sharded_cross_entropy
 
 GIB = 2**30
 VARIANTS = ("unchunked", "chunked")
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=None, help="default: default_chunk_tokens(vocab)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="bf16: autocast, fp32 weights")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--threads", type=int, default=2)
+    add_common(parser, threads=2)
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     chunk = args.chunk_tokens or default_chunk_tokens(args.vocab)
     b = 2 if args.dtype == "bf16" else 4
     grads = 4 * (args.tokens + args.vocab) * args.dim
-    print(f"```\npython benchmarks/loss_memory.py {shlex.join(argv)}\n```\n")
+    print(f"```\npython -m benchmarks.loss_memory {shlex.join(argv)}\n```\n")
     print(f"{platform.node()}: {os.cpu_count()} CPUs, torch {torch.__version__}, {args.device}, {args.dtype}; "
           f"V={args.vocab}, tokens={args.tokens}, d={args.dim}, chunk_tokens={chunk}. Peaks include the fp32 "
           f"gradients of hidden and weight ({grads / GIB:.3f} GiB).\n")

@@ -4,10 +4,10 @@
 ``unchunked`` is ``sharded_cross_entropy(F.linear(hidden, weight), ...)``; ``chunked`` computes each chunk's
 logits, log-sum-exp and gradients in one pass. Each round times the unchunked loss right before the chunked
 one (``--iters`` each, median); the table gives the per-round medians' median and min-max of the ratio
-chunked / unchunked (the GPU target is <= 1.2, issue 20). Prints markdown starting with the command.
+chunked / unchunked (the GPU target is <= 1.2). Prints markdown starting with the command.
 
-    python benchmarks/loss_speed.py --vocab 32768 --tokens 4096 --dim 256 --chunk-tokens 256
-    python benchmarks/loss_speed.py --device cuda --vocab 131072 --tokens 16384 --dim 4096 --dtype bf16
+    python -m benchmarks.loss_speed --vocab 32768 --tokens 4096 --dim 256 --chunk-tokens 256
+    python -m benchmarks.loss_speed --device cuda --vocab 131072 --tokens 16384 --dim 4096 --dtype bf16
 """
 
 from __future__ import annotations
@@ -17,15 +17,13 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from loongtrain.loss.chunked import chunked_cross_entropy  # noqa: E402
-from loongtrain.loss.sharded import sharded_cross_entropy  # noqa: E402
+from benchmarks.common import add_common
+from loongtrain.loss.chunked import chunked_cross_entropy
+from loongtrain.loss.sharded import sharded_cross_entropy
 
 
 def loss_fns(chunk_tokens: int | None) -> dict:
@@ -82,13 +80,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--chunk-tokens", type=int, default=None)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=5)
+    add_common(parser, device="cpu", rounds=5)
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args(argv)
     r = side_by_side(args.vocab, args.tokens, args.dim, args.chunk_tokens, args.dtype, args.device, args.rounds,
                      args.iters)
-    print(f"```\npython benchmarks/loss_speed.py {shlex.join(argv if argv is not None else sys.argv[1:])}\n```\n")
+    print(f"```\npython -m benchmarks.loss_speed {shlex.join(argv if argv is not None else sys.argv[1:])}\n```\n")
     print("| dtype | unchunked s | chunked s | chunked / unchunked (median, min-max) |\n|---|---:|---:|---|")
     print(f"| {args.dtype} | {statistics.median(r['unchunked']):.3f} | {statistics.median(r['chunked']):.3f} | "
           f"{statistics.median(r['ratio']):.2f} ({min(r['ratio']):.2f}-{max(r['ratio']):.2f}) |")

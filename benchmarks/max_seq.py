@@ -10,7 +10,7 @@ For each model (a Llama-3-8B-shaped config.json, 7b-gqa, 1b) and GPU count (1, 8
   maximum (and at ``--fractions`` of it), beside the prediction: device GiB per rank and, with the
   offload modes, host GiB per rank (the planner's ``host``; the simulation's host peak).
 
-Run: ``PYTHONPATH=. python benchmarks/max_seq.py [--models ...] [--gpus 1 8 64] [--modes off auto]
+Run: ``python -m benchmarks.max_seq [--models ...] [--gpus 1 8 64] [--modes off auto]
 [--out max_seq.json]``.
 """
 

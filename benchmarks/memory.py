@@ -13,8 +13,8 @@ The trainer's loss is the chunked cross-entropy (loongtrain/loss/chunked.py), so
 include its peak; the loss's own peak, chunked against full logits, is measured in one place:
 ``benchmarks/loss_memory.py`` (figures in benchmarks/RESULTS.md, "Loss memory").
 
-    python benchmarks/memory.py --seqs 4096,8192,16384
-    python benchmarks/memory.py --max-seq --min-seq 8192 --modes none,selective,full,zero+selective
+    python -m benchmarks.memory --seqs 4096,8192,16384
+    python -m benchmarks.memory --max-seq --min-seq 8192 --modes none,selective,full,zero+selective
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from loongtrain.parallel.workers import WorkerError, run_local  # noqa: E402
+from benchmarks.common import add_common
+from loongtrain.parallel.workers import WorkerError, run_local
 
 # mode name -> memory options (ParallelConfig fields)
 MODES: dict[str, dict[str, Any]] = {
@@ -55,13 +53,13 @@ def _rss_bytes() -> int:
 
 def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """One rank of one point (inside run_local's process group): train, measure, return the numbers."""
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.memory_report import trainer_memory_report
     from loongtrain.train.trainer import Trainer
-    from tests.synthetic import global_batch
 
     cuda = args["device"] == "cuda"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
@@ -217,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="model preset")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp64", "auto"))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_common(parser, threads=1)  # per rank
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per point")
     parser.add_argument("--modes", default="none,selective,full,zero,zero+selective",
                         help=f"comma-separated modes from {sorted(MODES)}")
@@ -244,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         capacity = total_memory_bytes()
     limit = args.mem_limit_gib * GIB if args.mem_limit_gib > 0 else 0.85 * capacity
 
-    print(f"```\npython benchmarks/memory.py {shlex.join(sys.argv[1:] if argv is None else argv)}\n```\n")
+    print(f"```\npython -m benchmarks.memory {shlex.join(sys.argv[1:] if argv is None else argv)}\n```\n")
     print(f"{platform.node()}: {os.cpu_count()} CPUs, {_gib(total_memory_bytes())} GiB RAM, torch "
           f"{torch.__version__}; world {args.world} (hp={args.hp}, cp={args.cp}, "
           f"dp={args.world // (args.hp * args.cp)}), model {args.model}, {args.dtype}, {args.threads} "

@@ -1,7 +1,7 @@
 """Step-time cost of the memory modes (activation offload, sequence-tiled MLP, parameter offload), side by side.
 
-    PYTHONPATH=. python3 benchmarks/offload.py                      # CPU, one process (this machine)
-    PYTHONPATH=. python3 benchmarks/offload.py --seq-len 4096 --rounds 5
+    python -m benchmarks.offload                      # CPU, one process (this machine)
+    python -m benchmarks.offload --seq-len 4096 --rounds 5
 
 One process trains one model with every mode (docs/design.md §7). Each round times, per mode, one step of
 the mode's baseline (the same ``--ac-mode`` without the mode) right before one step of the mode, and
@@ -19,24 +19,20 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from loongtrain.model.config import ModelConfig, get_preset  # noqa: E402
-from loongtrain.parallel.config import ParallelConfig  # noqa: E402
-from loongtrain.parallel.mesh import single_process_mesh  # noqa: E402
-from loongtrain.train.config import Run, TrainConfig  # noqa: E402
-from loongtrain.train.memory_report import trainer_memory_report  # noqa: E402
-from loongtrain.train.offload import activation_offloader  # noqa: E402
-from loongtrain.train.trainer import Trainer  # noqa: E402
-from tests.synthetic import global_batch  # noqa: E402
+from benchmarks.common import add_common, setup
+from loongtrain.data.synthetic import global_batch
+from loongtrain.model.config import ModelConfig, get_preset
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.memory_report import trainer_memory_report
+from loongtrain.train.trainer import Trainer
+from loongtrain.wrap.offload import activation_offloader
 
 #: mode name -> (its options, its baseline's options); every one on top of --ac-mode
 MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -131,11 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--ac-mode", default="selective")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    add_common(parser, rounds=5, threads=1)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    setup(args)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     model = get_preset(args.model) if args.model else BENCH_MODEL
     if not dist.is_initialized():  # parameter offload is FSDP2's: a one-rank group in this process

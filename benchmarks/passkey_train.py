@@ -17,7 +17,7 @@
 Prints the training time and end loss, and per length, before and after: keys and digits correct and the
 mean loss (nats) of the answer digits under teacher forcing (chance: ln 10 = 2.30). Usage::
 
-    python benchmarks/passkey_train.py --out /tmp/passkey_bench
+    python -m benchmarks.passkey_train --out /tmp/passkey_bench
 
 When copying, and then retrieval, set in is a matter of the seed (init and data order): with the defaults
 ``--seed 1`` retrieves at the trained length after 3000 steps, ``--seed 0`` had not after 3000 or 6000
@@ -38,13 +38,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import add_common
 from loongtrain.data import ByteTokenizer
 from loongtrain.eval.passkey import PasskeyTokens, build_prompt, draw_key, passkey, passkey_tokens
 from loongtrain.model.config import get_preset
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.parallelize import parallelize
+from loongtrain.wrap.parallelize import parallelize
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 COPY_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -114,12 +115,12 @@ def main() -> int:
     p.add_argument("--doc-len", type=int, default=126)
     p.add_argument("--copy-fraction", type=float, default=0.5)
     p.add_argument("--copy-unit", default="5,39", help="MIN,MAX characters of a copy document's repeated string")
-    p.add_argument("--seed", type=int, default=1, help="the corpus's and the training's seed")
+    add_common(p, seed=1)  # the corpus's and the training's seed
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--trials", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1)
+    add_common(p, threads=1)
     args = p.parse_args()
     if not 0.0 <= args.copy_fraction < 1.0:
         raise SystemExit(f"--copy-fraction {args.copy_fraction} must be in [0, 1)")
@@ -141,7 +142,7 @@ def main() -> int:
              "--warmup", str(args.warmup), "--seed", str(args.seed), "--hp", "1", "--cp", "1", "--nproc", "1",
              "--threads", str(args.threads), "--out-dir", str(run), "--overwrite", "--no-memory-report",
              "--progress", "off", "--log-interval", str(max(1, args.steps // 10)),
-             "--eval-interval", str(max(1, args.steps // 4)), "--eval-batches", "4"]
+             "--val-interval", str(max(1, args.steps // 4)), "--val-batches", "4"]
     t0 = time.perf_counter()
     subprocess.run(train, check=True)
     train_s = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """The planner's predicted attention times beside measured ones: are the ratios between configs right?
 
-    .venv/bin/python benchmarks/plan_check.py testbed [--json benchmarks/data/testbed-*.json]
-    .venv/bin/python benchmarks/plan_check.py local [--cluster C.toml --json attention.json]
+    .venv/bin/python -m benchmarks.plan_check testbed [--json benchmarks/data/testbed-*.json]
+    .venv/bin/python -m benchmarks.plan_check local [--cluster C.toml --json attention.json]
 
 ``testbed``: the scaled two-node testbed (benchmarks/testbed/run.py --json): world 8 = 2 nodes x 4, one
 shaped NIC per rank, loopback inside a node. Every config is predicted with the cluster it ran on: the
@@ -28,13 +28,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from loongtrain.parallel.layout import Layout  # noqa: E402
-from loongtrain.plan.attention_cost import AttnShape, predict_attention_time  # noqa: E402
-from loongtrain.plan.cluster import Cluster, load_cluster  # noqa: E402
+from benchmarks.common import ROOT
+from loongtrain.parallel.layout import Layout
+from loongtrain.plan.attention_cost import AttnShape, predict_attention_time
+from loongtrain.plan.cluster import Cluster, load_cluster
 
 TOLERANCE = 0.20
 DATA = ROOT / "benchmarks" / "data"

@@ -8,7 +8,7 @@ tokens/s over the steps after ``--skip`` warm-up steps, read from each run's met
 ``tokens/s (hp=2 x cp=2) / tokens/s (best 1 process)`` is the parallel efficiency of 2D-Attention on
 one machine (target >= 0.85).
 
-    .venv/bin/python benchmarks/train.py [--steps 10] [--skip 2] [--seq-len 8192] [--model tiny]
+    .venv/bin/python -m benchmarks.train [--steps 10] [--skip 2] [--seq-len 8192] [--model tiny]
 
 Run it on a quiet machine: other processes on the same cores distort both columns.
 """
@@ -23,12 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loongtrain.parallel.config import ParallelConfig  # noqa: E402
-from loongtrain.train.config import TrainConfig  # noqa: E402
-from loongtrain.train.launch import launch  # noqa: E402
-from loongtrain.train.metrics import read_jsonl  # noqa: E402
+from loongtrain.launch.train_run import launch
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.train.config import TrainConfig
+from loongtrain.train.metrics import read_jsonl
 
 
 def run(name: str, cfg: TrainConfig, skip: int) -> dict:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import sys
 
 SUBCOMMANDS = {
-    "train": ("loongtrain.train.cli", "Train a LLaMA-style or Hugging Face model with 2D-Attention."),
+    "train": ("loongtrain.launch.train_cli", "Train a LLaMA-style or Hugging Face model with 2D-Attention."),
     "plan": ("loongtrain.plan.cli", "Rank 2D-Attention configurations for a cluster with the cost model."),
     "export": ("loongtrain.train.export", "Write a training checkpoint as a Hugging Face model directory."),
-    "prepare": ("loongtrain.data.prepare_cli", "Tokenize corpora once into a memory-mapped training directory."),
-    "eval": ("loongtrain.eval.cli", "Evaluate long context sharded: loss by position, passkey retrieval."),
+    "prepare": ("loongtrain.data.cli", "Tokenize corpora once into a memory-mapped training directory."),
+    "eval": ("loongtrain.launch.eval_cli", "Evaluate long context sharded: loss by position, passkey retrieval."),
 }
 
 

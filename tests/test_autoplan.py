@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from loongtrain.launch.autoplan import apply_plan
+from loongtrain.launch.train_run import validate_run
 from loongtrain.plan.search import best_fitting
-from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.launch import validate_run
 
 
 def test_plan_auto_takes_the_best_fitting_configuration():

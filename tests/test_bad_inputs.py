@@ -1,4 +1,4 @@
-"""Bad inputs a new user writes (issue 23): files that parse but say the wrong thing, outputs that would
+"""Bad inputs a new user writes: files that parse but say the wrong thing, outputs that would
 destroy files, bytes that are not text, usage and TOML errors of every subcommand. Each one exits 2
 before any worker starts (within 10 s), with one line on stderr naming the file or option, no
 traceback, and every file of the fixture untouched (hashed before and after).
@@ -228,8 +228,8 @@ def no_workers(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("a worker was started")
 
+    from loongtrain.launch import train_run as launch
     from loongtrain.parallel import workers
-    from loongtrain.train import launch
 
     for module, name in ((workers, "run_local"), (launch, "run_local"), (launch, "run_worker")):
         monkeypatch.setattr(module, name, started)
@@ -281,8 +281,8 @@ def test_decode_errors_opt_in_and_control_bytes_warn(files, caplog):
     """--decode-errors replace reads random bytes (with a warning naming their share); the strict
     default refuses them (the table above); a corpus of control characters warns."""
     from loongtrain.data.tokenizer import ByteTokenizer
+    from loongtrain.launch.preflight import check_corpus
     from loongtrain.train.config import TrainConfig
-    from loongtrain.train.preflight import check_corpus
 
     caplog.set_level(logging.INFO, logger="loongtrain")
     logging.getLogger("loongtrain").addHandler(caplog.handler)  # the CLI's logger does not propagate
@@ -320,9 +320,9 @@ def test_restart_rule_and_one_line_report(monkeypatch, files, capsys):
     is not retried by --max-restarts, and the launcher prints its cause once."""
     import errno
 
+    from loongtrain.launch import train_run as launch
     from loongtrain.parallel.failures import restartable
     from loongtrain.parallel.workers import WorkerError
-    from loongtrain.train import launch
     from loongtrain.train.checkpoint import NonFiniteError
 
     full = OSError(errno.ENOSPC, "No space left on device")

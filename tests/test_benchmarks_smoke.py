@@ -15,10 +15,12 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.NAME args`` from the repository root, as the benchmarks are run."""
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{Path(script).stem}", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
 
 
 def test_documents_tiny(tmp_path):
@@ -44,11 +46,8 @@ def test_attention_tiny(tmp_path):
 
 
 def test_agreement_tiny():
-    """benchmarks/agreement.py: the per-call check against the once-per-signature one (issue 23)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "agreement.py"), "--hp", "1", "--cp", "2",
-                           "--seq-lens", "64", "--iters", "1", "--rounds", "1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    """benchmarks/agreement.py: the per-call check against the once-per-signature one."""
+    proc = _run("agreement.py", "--hp", "1", "--cp", "2", "--seq-lens", "64", "--iters", "1", "--rounds", "1")
     row = proc.stdout.strip().splitlines()[-1]
     assert row.startswith("| 64 |") and row.endswith(" us |"), proc.stdout
 

@@ -258,10 +258,10 @@ def test_bad_input_in_a_subprocess(args, needle, files):
     args = _fill(args, files)
     if "--corpus" not in args:
         args = ["--corpus", files["corpus"], *args]
-    t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "loongtrain.cli", "train", *BASE, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
-    elapsed = time.perf_counter() - t0
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-    assert elapsed < 15, f"{elapsed:.1f} s (interpreter start and imports included; ~2 s unloaded)"
+    # one line and nothing else: no start-up log, so nothing ran before the check (a bound on seconds
+    # would measure the machine's load, not the order of the checks)
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -20,10 +20,10 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer, rope_cos_sin
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train import compile as compile_step
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.memory_report import trainer_memory_report
-from loongtrain.train.parallelize import parallelize
+from loongtrain.wrap import compile as compile_step
+from loongtrain.wrap.parallelize import parallelize
 
 TOL = 1e-10
 SEQ = 32

@@ -2,7 +2,7 @@
 (FSDP2), Selective Checkpoint++, packed documents and the balanced chunk layout, compiled training equals
 eager training (fp64, 3 AdamW steps, losses and parameters to 1e-10), and under compile Selective++ still
 runs ring attention once per layer in forward and never in backward, sending exactly the backward traffic of
-no checkpointing (the assertion of tests/test_checkpointing.py). Compiles with ``aot_eager``. Also: a measured
+no checkpointing (the assertion of tests/test_recompute.py). Compiles with ``aot_eager``. Also: a measured
 attention-kernel choice that differs between ranks becomes rank 0's on every rank."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ TOL = 1e-10
 def _worker(rank: int, world: int) -> dict[str, Any]:
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train import compile as compile_step
     from loongtrain.train.memory_report import trainer_loss_fn
+    from loongtrain.wrap import compile as compile_step
     from tests.counting import count_ring_forward
     from tests.test_compile import doc_batch
     from tests.test_zero import compare, full_params, make_trainer, model_config

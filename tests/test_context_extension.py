@@ -70,10 +70,10 @@ def test_scaled_run_records_and_exports_its_rope(scaled_run, tmp_path, line_corp
 
 
 def test_init_from_takes_weights_only_with_a_new_rope(scaled_run, tmp_path, line_corpus):
+    from loongtrain.launch.train_run import resolve_run
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.train.config import TrainConfig
     from loongtrain.train.export import load_trained_model
-    from loongtrain.train.launch import resolve_run
     from loongtrain.train.trainer import Trainer
 
     cfg = TrainConfig.from_dict(dict(corpus=line_corpus, seq_len=128, steps=1, hp=1, cp=1, nproc=1,
@@ -123,13 +123,13 @@ def test_rope_changes_need_a_new_run(scaled_run, tmp_path, line_corpus, capsys):
 
 
 def test_hf_model_keeps_hf_modules_with_a_new_rope(tmp_path):
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.hf import load_hf_model
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.train.config import Run, TrainConfig
-    from loongtrain.train.models import hf_run_config, model_config_for, model_record
+    from loongtrain.train.run_model import hf_run_config, model_config_for, model_record
     from loongtrain.train.trainer import Trainer
-    from tests.synthetic import global_batch
     from tests.test_hf_train import make_hf_dir
 
     model_dir = make_hf_dir(tmp_path / "llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
@@ -172,7 +172,7 @@ def test_hf_model_keeps_hf_modules_with_a_new_rope(tmp_path):
     (["--rope-theta", "-5"], "--rope-theta=-5.0 must be a positive number"),
 ])
 def test_bad_rope_options_exit_2_before_workers(value, needle, tmp_path, capsys, monkeypatch):
-    from loongtrain.train import launch
+    from loongtrain.launch import train_run as launch
 
     def no_workers(*args, **kwargs):
         raise AssertionError("a worker was started")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from loongtrain.data.synthetic import global_batch
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train.config import Run, TrainConfig, parse_args
 from loongtrain.train.trainer import Trainer, use_deterministic
 from tests.fixtures import tiny_model
-from tests.synthetic import global_batch
 
 CONFIG = tiny_model()
 

@@ -51,7 +51,7 @@ def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int, str]]) ->
         cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0, clip=0.0, dtype="fp64",
                           parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on", chunk_layout=chunk_layout)
         trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
-        order = trainer.layout.chunk_order(trainer.layout.documents(packed_batch())[0], SEQ)
+        order = trainer.sharding.chunk_order(trainer.sharding.documents(packed_batch())[0], SEQ)
         assert (order is not None) == (chunk_layout == "balanced"), (chunk_layout, order)
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
@@ -120,7 +120,7 @@ def _hf_dir(path: str) -> str:
 
 def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[int, int, str]]) -> dict:
     from loongtrain.train.config import Run
-    from loongtrain.train.models import model_config_for
+    from loongtrain.train.run_model import model_config_for
     from loongtrain.train.trainer import Trainer
 
     out = {}

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from loongtrain.data import ByteTokenizer
-from loongtrain.eval import cli
 from loongtrain.eval.passkey import (
     NEEDLE_PREFIX,
     build_prompt,
@@ -21,6 +20,7 @@ from loongtrain.eval.passkey import (
     passkey_tokens,
 )
 from loongtrain.eval.position_loss import bucket_edges, bucket_sums, position_loss
+from loongtrain.launch import eval_cli as cli
 from loongtrain.loss.chunked import chunked_token_losses
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
@@ -209,7 +209,7 @@ def run_dir(tmp_path_factory):
 
 
 def _no_workers(monkeypatch):
-    import loongtrain.eval.launch as launch
+    import loongtrain.launch.eval_run as launch
 
     monkeypatch.setattr(launch, "launch", lambda job: pytest.fail("a worker was started"))
 
@@ -272,6 +272,7 @@ def test_eval_follows_the_runs_chunk_layout(run_dir, monkeypatch):
     import dataclasses
 
     import loongtrain.eval.job as job_module
+    from loongtrain.launch.eval_run import prepare
 
     resolve = job_module.resolve_model
 
@@ -281,10 +282,10 @@ def test_eval_follows_the_runs_chunk_layout(run_dir, monkeypatch):
 
     monkeypatch.setattr(job_module, "resolve_model", balanced)
     options = dict(model=str(run_dir / "run"), task="position-loss", docs=1, nproc=1)
-    assert job_module.prepare(job_module.EvalConfig(**options)).run.chunk_layout == "balanced"
-    assert job_module.prepare(job_module.EvalConfig(**options, doc_mask="off")).run.chunk_layout == "zigzag"
+    assert prepare(job_module.EvalConfig(**options)).run.chunk_layout == "balanced"
+    assert prepare(job_module.EvalConfig(**options, doc_mask="off")).run.chunk_layout == "zigzag"
     monkeypatch.setattr(job_module, "resolve_model", resolve)
-    assert job_module.prepare(job_module.EvalConfig(**options)).run.chunk_layout == "zigzag"
+    assert prepare(job_module.EvalConfig(**options)).run.chunk_layout == "zigzag"
 
 
 def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loongtrain.data import ByteTokenizer
+from loongtrain.data.synthetic import global_batch
 from loongtrain.eval.forward import sharded_forward
 from loongtrain.eval.passkey import passkey, passkey_tokens
 from loongtrain.eval.position_loss import position_loss
@@ -19,10 +20,9 @@ from loongtrain.parallel.mesh import destroy_mesh, init_mesh, single_process_mes
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.train.batch import batch_documents, chunk_order
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.parallelize import parallelize
 from loongtrain.train.validation import validation_loss
+from loongtrain.wrap.parallelize import parallelize
 from tests.dist_utils import run_distributed
-from tests.synthetic import global_batch
 
 pytestmark = pytest.mark.distributed
 

@@ -76,11 +76,11 @@ def train_config(out_dir: Path, model: str, corpus: Path, **kw) -> TrainConfig:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_trainer_chunked_loss_equals_logits_path(tmp_path, family):
     import loongtrain
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.loss.sharded import sharded_cross_entropy
     from loongtrain.train.config import Run
-    from loongtrain.train.models import model_config_for
+    from loongtrain.train.run_model import model_config_for
     from loongtrain.train.trainer import Trainer
-    from tests.synthetic import global_batch
 
     model_dir = make_hf_dir(tmp_path / family, family)
     for model in (str(model_dir), "tiny"):
@@ -115,12 +115,12 @@ def _ring_counts(cfg: TrainConfig, mesh, ac_mode: str) -> tuple[int, int]:
     """(ring forwards during backward, attention bytes sent during backward) of one micro-batch."""
     import dataclasses
 
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.train.config import Run
-    from loongtrain.train.models import model_config_for
+    from loongtrain.train.run_model import model_config_for
     from loongtrain.train.trainer import Trainer
     from tests.counting import count_ring_forward
-    from tests.synthetic import global_batch
 
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ac_mode=ac_mode))
     trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
@@ -159,7 +159,7 @@ def _sharded_build_matches(tmp: Path, model_dir: str, corpus: Path, mesh) -> boo
     buffers as ``load_hf_model`` (a tied head stays tied)."""
     from loongtrain.hf import load_hf_model
     from loongtrain.train.config import Run
-    from loongtrain.train.models import model_config_for
+    from loongtrain.train.run_model import model_config_for
     from loongtrain.train.trainer import Trainer
 
     cfg = train_config(tmp / "unused", model_dir, corpus, parallel=ParallelConfig(hp=2, cp=2, zero="full"))
@@ -290,7 +290,7 @@ BAD_INPUTS = {
 def test_bad_input_exits_2_before_workers(tmp_path, capsys, monkeypatch, case):
     import re
 
-    from loongtrain.train import launch
+    from loongtrain.launch import train_run as launch
 
     def no_workers(*args, **kwargs):
         raise AssertionError("a worker was started")
@@ -308,7 +308,7 @@ def test_bad_input_exits_2_before_workers(tmp_path, capsys, monkeypatch, case):
 def test_local_tokenizer_in_model_dir_is_used(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from loongtrain.train.models import model_config_for, tokenizer_spec
+    from loongtrain.train.run_model import model_config_for, tokenizer_spec
 
     vocab = {t: i for i, t in enumerate(["<unk>", "</s>", *(f"w{i}" for i in range(198))])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -352,7 +352,7 @@ def test_plan_reads_every_family(tmp_path, capsys, family):
 
 
 def test_autoplan_plans_the_hf_model(tmp_path, monkeypatch):
-    from loongtrain.train import autoplan
+    from loongtrain.launch import autoplan
 
     model_dir = make_hf_dir(tmp_path / "q", "Qwen3ForCausalLM", weights=False)
     seen = {}

@@ -18,11 +18,8 @@ from loongtrain.train.memory_report import (
     metrics_fields,
     optimizer_state_bytes,
 )
-from loongtrain.train.parallelize import (
-    apply_activation_checkpointing,
-    checkpointed_layers,
-    parallelize,
-)
+from loongtrain.wrap.parallelize import parallelize
+from loongtrain.wrap.recompute import apply_activation_checkpointing, recomputed_layers
 from tests.counting import count_ring_forward
 from tests.fixtures import tiny_model
 
@@ -80,9 +77,9 @@ def test_memory_options_from_the_command_line_and_aliases() -> None:
     assert cfg.parallel == ParallelConfig(hp=2, cp=2, zero="full", ac_mode="selective", ac_fraction=0.5)
     with pytest.raises(ValueError, match="parallel must be a ParallelConfig"):
         parallelize(torch.nn.Linear(2, 2), single_process_mesh(), cfg, torch.device("cpu"))  # type: ignore[arg-type]
-    assert checkpointed_layers(4, 0.5) == [0, 1]
-    assert checkpointed_layers(4, 0.0) == []
-    assert checkpointed_layers(3, 1.0) == [0, 1, 2]
+    assert recomputed_layers(4, 0.5) == [0, 1]
+    assert recomputed_layers(4, 0.0) == []
+    assert recomputed_layers(3, 1.0) == [0, 1, 2]
 
 
 def test_checkpoint_modes_keep_names_and_gradients() -> None:

@@ -121,10 +121,10 @@ def _init_matches_plain(mesh: Any) -> float:
 
 def _bf16_step_vs_fp64(mesh: Any) -> dict[str, float]:
     """One step of a sharded bf16 trainer (FSDP2 mixed precision) and of a replicated fp64 one."""
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
-    from tests.synthetic import global_batch
 
     batch = global_batch(0, 1, 512, 128, seed=0)
     results = {}
@@ -179,13 +179,13 @@ def test_sharded_bf16_step_matches_fp64_math(live):
 
 
 def _prediction_worker(rank: int, world: int) -> list[dict[str, Any]]:
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.memory_report import compared_totals, predicted_memory, trainer_memory_report
     from loongtrain.train.trainer import Trainer
-    from tests.synthetic import global_batch
 
     mesh = init_mesh(2, 2)
     out = []

@@ -199,7 +199,7 @@ def test_apply_2d_attention_rejects_models_without_attention_fn_and_bad_meshes()
 def test_selective_checkpoint_finds_the_custom_ops_after_apply():
     """Selective Checkpoint++ keeps the outputs of torch.ops.loongtrain.* reached through attention_fn:
     the backward recomputes no attention; full checkpointing recomputes it once per layer."""
-    from loongtrain.train.parallelize import apply_activation_checkpointing
+    from loongtrain.wrap.recompute import apply_activation_checkpointing
 
     config = ModelConfig(**SMALL)
     inputs, labels, positions = _batch(0, config.vocab_size)

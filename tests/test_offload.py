@@ -14,9 +14,9 @@ from loongtrain.parallel.config import ParallelConfig, mlp_tile_count, validate_
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.memory_report import trainer_memory_report
-from loongtrain.train.models import model_config_for
-from loongtrain.train.offload import activation_offloader, pinned_memory_available
+from loongtrain.train.run_model import model_config_for
 from loongtrain.train.trainer import Trainer
+from loongtrain.wrap.offload import activation_offloader, pinned_memory_available
 from tests.test_doc_mask_train import MODEL, SEQ, packed_batch
 
 TOL = 1e-10
@@ -101,7 +101,7 @@ def test_previous_block_is_prefetched_after_the_query_projections_gradient(monke
     attention kernel's backward, its peaks), not when block i's own inputs are fetched."""
     import traceback
 
-    from loongtrain.train.offload import ActivationOffloader
+    from loongtrain.wrap.offload import ActivationOffloader
 
     fetched: list[tuple[int, str]] = []
     original = ActivationOffloader._fetch
@@ -201,7 +201,7 @@ def test_gradient_accumulation_with_offload():
 
 def test_selective_offload_needs_torchs_cache(monkeypatch):
     """A torch whose selective checkpoint keeps no ``storage`` is named instead of silently not offloading."""
-    import loongtrain.train.offload as offload
+    import loongtrain.wrap.offload as offload
 
     monkeypatch.setattr(offload, "create_selective_checkpoint_contexts", lambda policy: (object(), object()))
     offloader = offload.ActivationOffloader(torch.device("cpu"))

@@ -35,8 +35,8 @@ def _run(hp: int, cp: int, **opts: Any) -> dict[str, Any]:
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.config import Run, TrainConfig
-    from loongtrain.train.offload import activation_offloader
     from loongtrain.train.trainer import Trainer
+    from loongtrain.wrap.offload import activation_offloader
     from tests.test_doc_mask_train import MODEL, ROWS, SEQ, packed_batch
 
     mesh = init_mesh(hp, cp)

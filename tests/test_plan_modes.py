@@ -15,10 +15,10 @@ from loongtrain.parallel.config import ParallelConfig, mlp_tile_count
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.cli import main
 from loongtrain.plan.cluster import load_cluster
+from loongtrain.plan.config import parse_plan_args
 from loongtrain.plan.cost import step_cost
 from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.memory_model import memory_per_rank
-from loongtrain.plan.options import parse_plan_args
 from loongtrain.plan.search import best_fitting, plan, world_size
 from tests.test_plan import SMALL, toy_cluster
 
@@ -195,11 +195,9 @@ def golden_entry(key: str) -> dict:
 
 
 def test_old_predictions_are_bit_identical():
-    """tests/data/plan_golden.json was written by the planner before the offload modes (commit 6571b98) and
-    rewritten on purpose when the norms stopped saving their fp32 upcasts and a ring of one member lost its
-    fp32 accumulators (issue 19), and again when the attention's norm output stopped being kept and the peak
-    became the largest of the step's moments instead of a sum of its transients (issue 19); the moderate
-    grid's 6768 candidates must come out the same bit for bit."""
+    """tests/data/plan_golden.json holds the planner's predictions for the moderate grid's 6768 candidates;
+    they must come out the same bit for bit. The file is rewritten only on purpose, when the memory or cost
+    model changes what it predicts (the commit that rewrites it says why)."""
     golden = json.loads(GOLDEN.read_text())
     keys = sorted(golden)[::3]  # a third of the grid (suite time); every key passed when the file was checked in
     assert len(keys) >= 10

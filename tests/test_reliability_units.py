@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from loongtrain import attention
+from loongtrain.data.synthetic import global_batch
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train.checkpoint import (
@@ -25,7 +26,6 @@ from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.metrics import MetricsLogger, read_jsonl
 from loongtrain.train.trainer import Trainer
 from tests.fixtures import tiny_model
-from tests.synthetic import global_batch
 
 MODEL = tiny_model(num_layers=1, num_kv_heads=4)
 

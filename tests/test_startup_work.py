@@ -1,4 +1,4 @@
-"""Start-up does each piece of work once (issue: one training path): every rank tokenizes each document
+"""Start-up does each piece of work once (one training path): every rank tokenizes each document
 of the corpus once, with the memory report on, and the launcher builds the tokenizer once."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from collections import Counter
 import torch
 
 from loongtrain.data.tokenizer import ByteTokenizer
+from loongtrain.launch import train_run as launch_module
+from loongtrain.launch.train_run import resolve_run
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train import launch as launch_module
-from loongtrain.train import models
+from loongtrain.train import run_model
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.launch import resolve_run
 from loongtrain.train.trainer import Trainer
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (20 + i) for i in range(12)]
@@ -45,7 +45,7 @@ def test_each_document_is_tokenized_once_per_rank_with_the_memory_report_on(tmp_
 
 def test_the_launcher_builds_the_tokenizer_once(tmp_path, monkeypatch):
     built = []
-    real = models.build_run_tokenizer
+    real = run_model.build_run_tokenizer
 
     def counting(cfg):
         built.append(cfg.tokenizer)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from loongtrain.train import torchrun
+from loongtrain.launch import torchrun
+from loongtrain.launch.train_run import prepare_run
+from loongtrain.parallel.failures import _parse, kill_point
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.fault_injection import _parse, kill_point
-from loongtrain.train.launch import prepare_run
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_rank_0_decides_run_or_user_error(tmp_path, store):
     cfg = _cfg(tmp_path)
     run = prepare_run(cfg, 4)
     attempt = _attempt(store, 1)[0]
-    assert torchrun.decide(run, 4, attempt) == {"kind": "run", "resume": "", "overwrite": False}
+    assert torchrun.decide(run, 4, attempt) == {"kind": "run", "resume": "", "overwrite": False, "init_from": ""}
     assert (Path(cfg.out_dir) / torchrun.RUN_ID_FILE).is_file()
     blocked = tmp_path / "a_file"
     blocked.write_text("")

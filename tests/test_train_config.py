@@ -8,6 +8,7 @@ from dataclasses import fields
 import pytest
 import torch
 
+from loongtrain.data.synthetic import synthetic_source
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.plan.cluster import builtin_clusters, load_cluster
@@ -21,7 +22,6 @@ from loongtrain.train.metrics import (
 )
 from loongtrain.train.optim import clip_grad_norm, lr_factor
 from tests.fixtures import tiny_model
-from tests.synthetic import synthetic_source
 from tests.training import fit
 
 
@@ -86,6 +86,23 @@ def test_toml_then_command_line_precedence(tmp_path):
 def test_bad_options_raise_value_error(argv, needle):
     with pytest.raises(ValueError, match=needle):
         parse_args(argv)
+
+
+def test_validation_flags_keep_their_old_names_for_one_release(tmp_path, caplog):
+    """--eval-interval/--eval-batches (now --val-interval/--val-batches) on the command line, in a TOML
+    file and in the options an older checkpoint recorded: the same config, with a warning naming both."""
+    new = parse_args(["--val-interval", "3", "--val-batches", "2"])
+    with caplog.at_level("WARNING", logger="loongtrain.train"):
+        old = parse_args(["--eval-interval", "3", "--eval-batches=2"])
+    assert (old.val_interval, old.val_batches) == (new.val_interval, new.val_batches) == (3, 2)
+    assert "--eval-interval is now --val-interval" in caplog.text
+    toml = tmp_path / "run.toml"
+    toml.write_text("eval_interval = 5\neval-batches = 7\n")
+    from_file = parse_args(["--config", str(toml)])
+    assert (from_file.val_interval, from_file.val_batches) == (5, 7)
+    recorded = {k: v for k, v in new.to_dict().items() if k not in ("val_interval", "val_batches")}
+    restored = TrainConfig.from_dict({**recorded, "eval_interval": 3, "eval_batches": 2})
+    assert restored == new
 
 
 def test_bad_toml_key(tmp_path):

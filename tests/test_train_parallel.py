@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loongtrain.data.synthetic import synthetic_source
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh, single_process_mesh
 from loongtrain.train.config import TrainConfig
 from tests.dist_utils import run_distributed
 from tests.fixtures import tiny_model
-from tests.synthetic import synthetic_source
 from tests.training import fit
 
 pytestmark = pytest.mark.distributed

@@ -1,4 +1,4 @@
-"""Validation during training (``--eval-interval``): the training is bit-identical with and without it, and
+"""Validation during training (``--val-interval``): the training is bit-identical with and without it, and
 ``val_loss`` is the loss of the corpus's last samples."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
 def test_training_is_bit_identical_with_validation(tmp_path, split):
     mesh, cpu = single_process_mesh(), torch.device("cpu")
     plain = fit(_cfg(tmp_path, "plain", **split), mesh, cpu, model_config=MODEL)
-    checked = fit(_cfg(tmp_path, "eval", eval_interval=2, eval_batches=3, **split), mesh, cpu, model_config=MODEL)
+    checked = fit(_cfg(tmp_path, "eval", val_interval=2, val_batches=3, **split), mesh, cpu, model_config=MODEL)
     keys = ("loss", "grad_norm", "lr")
     assert [[r[k] for k in keys] for r in plain] == [[r[k] for k in keys] for r in checked]
     assert [r["step"] for r in checked if "val_loss" in r] == [2, 4]
@@ -48,7 +48,7 @@ def test_validation_restores_the_rng_and_equals_the_tail_loss(tmp_path):
     from loongtrain.train.trainer import Trainer
     from loongtrain.train.validation import validation_loss
 
-    cfg = _cfg(tmp_path, "direct", eval_batches=2)
+    cfg = _cfg(tmp_path, "direct", val_batches=2)
     mesh = single_process_mesh()
     trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
     batches = tail_batches(cfg, mesh, 2)
@@ -68,7 +68,7 @@ def test_validation_restores_the_rng_and_equals_the_tail_loss(tmp_path):
     reference = Transformer(MODEL, seed=cfg.seed).double()
     losses = []
     for batch in batches:
-        cu, positions = trainer.layout.documents(batch)
+        cu, positions = trainer.sharding.documents(batch)
         with torch.no_grad():
             logits = reference(batch["input_ids"], positions, cu_seqlens=cu)
         losses.append(F.cross_entropy(logits.reshape(-1, 256), batch["labels"].reshape(-1)).item())

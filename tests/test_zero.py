@@ -50,7 +50,7 @@ def make_trainer(mesh: Any, *, tied: bool = False, batch_size: int = 1, train_op
 
 def replica_batch(mesh: Any, step: int) -> dict[str, torch.Tensor]:
     """This rank's replica's full-sequence micro-batch of global step ``step`` (batch 1 per replica)."""
-    from tests.synthetic import global_batch
+    from loongtrain.data.synthetic import global_batch
 
     batch = global_batch(step, mesh.dp, SEQ, VOCAB, seed=0)
     return {k: v[mesh.dp_rank : mesh.dp_rank + 1] for k, v in batch.items()}
@@ -144,8 +144,8 @@ def zero_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any
 def test_replicated_reference_matches_single_process(zero_results: list[dict[str, Any]]) -> None:
     """The plain parallel run (the reference below) equals one process training the dp replicas' rows
     as one batch: gradients summed over sp ranks and averaged over dp replicas."""
+    from loongtrain.data.synthetic import global_batch
     from loongtrain.parallel.mesh import single_process_mesh
-    from tests.synthetic import global_batch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -141,7 +141,7 @@ def _ring_key(mesh: Mesh) -> str:
 def _traced_masks(cu_seqlens: CuSeqlens | None, chunk_order: Sequence[int] | Tensor | None
                   ) -> tuple[Tensor | None, Tensor | None]:
     """The ops' tensor forms of the masks while a compiled block is traced. Tensors stay graph inputs (their
-    values are never guarded: :func:`loongtrain.train.compile.compile_blocks` hands blocks tensors); Python
+    values are never guarded: :func:`loongtrain.wrap.compile.compile_blocks` hands blocks tensors); Python
     ints would become constants of the graph (correct, but a new value recompiles). The ops check the
     values when they run (``ops._mask``); the once-per-signature agreement (§10) does not run here."""
     cu = None

@@ -25,7 +25,7 @@ from loongtrain.parallel.runtime import is_distributed
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.train.batch import batch_documents, chunk_order
-from loongtrain.train.models import hidden_and_head
+from loongtrain.train.run_model import hidden_and_head
 
 Batch = dict[str, torch.Tensor]
 

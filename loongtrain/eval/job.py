@@ -1,5 +1,7 @@
-"""An evaluation's options (:class:`EvalConfig`) and :func:`prepare`, which checks them in the launcher
-before any worker starts and resolves them into a :class:`Job` (docs/design.md §14).
+"""An evaluation's options (:class:`EvalConfig`), their checks (:func:`eval_run_config`, then
+:func:`resolve_job` once the launcher has fixed the world size and the plan:
+``loongtrain.launch.eval_run.prepare`` composes them before any worker starts) into a :class:`Job`, and
+:func:`evaluate`, one rank's evaluation of a built model (docs/design.md §14).
 
 Every user error is a ValueError naming the value: a MODEL that is none of the three kinds; lengths not
 divisible by ``2*hp*cp``; depths outside [0, 1]; a tokenizer that cannot encode the key's digits; an
@@ -16,16 +18,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from loongtrain.eval.passkey import PasskeyTokens, passkey_tokens
-from loongtrain.eval.position_loss import corpus_batches
+import torch
+from torch import nn
+
+from loongtrain.eval.passkey import PasskeyTokens, passkey, passkey_tokens
+from loongtrain.eval.position_loss import corpus_batches, position_loss
 from loongtrain.eval.source import ModelSource, model_config, resolve_model, trained_length
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
+from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.zigzag import check_sequence_length
-from loongtrain.train.autoplan import apply_plan
-from loongtrain.train.config import DOC_MASK, DTYPES, TrainConfig
-from loongtrain.train.launch import world_size_for
-from loongtrain.train.models import tokenizer_spec
-from loongtrain.train.torchrun import under_torchrun
+from loongtrain.train.config import DOC_MASK, DTYPES, TrainConfig, autocast_dtype
+from loongtrain.train.run_model import tokenizer_spec
+from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.eval")
 
@@ -99,14 +103,19 @@ class Job:
     batches: list[Any] = field(default_factory=list)
 
 
-def prepare(options: EvalConfig) -> Job:
-    """Check ``options`` and resolve them into a :class:`Job` (in the launcher; ValueError on bad input)."""
+def eval_run_config(options: EvalConfig) -> tuple[ModelSource, tuple[int, ...], TrainConfig]:
+    """Check ``options`` alone and resolve the model, the lengths and the run config the evaluation runs
+    under (before the world size and the plan are known; ValueError on bad input)."""
     options.validate()
     source = resolve_model(options.model)
     lengths = _lengths(options, source)
-    run = _run_config(options, source, max(lengths))
-    world = world_size_for(run)
-    run = apply_plan(run, world, under_launcher=under_torchrun())
+    return source, lengths, _run_config(options, source, max(lengths))
+
+
+def resolve_job(options: EvalConfig, source: ModelSource, lengths: tuple[int, ...], run: TrainConfig,
+                world: int) -> Job:
+    """Check the run config (planned for ``world`` ranks) against the model and the task, and build the
+    task's inputs into a :class:`Job` (ValueError on bad input)."""
     run = dataclasses.replace(run, parallel=dataclasses.replace(run.parallel, ac_mode="none"))
     _check_layout(run, source, world, lengths)
     from loongtrain import data
@@ -201,3 +210,16 @@ def _warn_past_trained(source: ModelSource, longest: int) -> None:
     limit, what = trained_length(source)
     if longest > limit:
         log.warning("length %d is past the model's %s %d: measuring beyond the trained length", longest, what, limit)
+
+
+def evaluate(job: Job, model: nn.Module, mesh: Mesh, device: torch.device) -> list[dict]:
+    """The task's rows (passkey cells or position buckets) for ``model`` on ``mesh`` (collective)."""
+    o, run = job.options, job.run
+    amp = None if uses_zero(run.parallel) else autocast_dtype(run, device)  # FSDP2 casts the weights itself
+    if o.task == "passkey":
+        assert job.tokens is not None
+        return passkey(model, job.tokens, job.lengths, o.depths, o.trials, mesh, device, key_digits=o.key_digits,
+                       seed=o.seed, amp_dtype=amp)
+    return position_loss(model, job.batches, mesh, device, job.lengths[0], amp_dtype=amp, doc_mask=run.doc_mask,
+                         position_reset=run.position_reset, chunk_layout=run.chunk_layout,
+                         sliding_window=model_config(job.source).sliding_window)

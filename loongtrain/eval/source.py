@@ -6,8 +6,8 @@
   or ``TrainConfig(model=DIR)``): its tokenizer, corpus, dtype and ``--doc-mask`` are the evaluation's
   defaults. ValueError naming the path when it is none of the three kinds.
 - :func:`build_model` (every rank): the model with its weights under the evaluation's layout. A
-  checkpoint: :func:`~loongtrain.train.models.model_from_record` (whole, on CPU), then
-  :func:`~loongtrain.train.parallelize.parallelize` (2D-Attention, FSDP2 with ``--zero``), then the
+  checkpoint: :func:`~loongtrain.train.run_model.model_from_record` (whole, on CPU), then
+  :func:`~loongtrain.wrap.parallelize.parallelize` (2D-Attention, FSDP2 with ``--zero``), then the
   weights read with ``torch.distributed.checkpoint`` into whatever shards the rank holds (any training
   layout). A Hugging Face directory: the trainer's own builder.
 """
@@ -26,8 +26,9 @@ from loongtrain.parallel.mesh import Mesh
 from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, load_model_weights, read_trainer_state
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.export import checkpoint_model_record
-from loongtrain.train.models import model_from_record
-from loongtrain.train.parallelize import parallelize, uses_fsdp
+from loongtrain.train.run_model import model_from_record
+from loongtrain.wrap.parallelize import parallelize
+from loongtrain.wrap.zero import uses_zero
 
 KINDS = ("run directory (OUT_DIR with checkpoints/latest)", "checkpoint directory (with trainer_state.json)",
          "Hugging Face model directory (with config.json)")
@@ -91,9 +92,9 @@ def trained_length(source: ModelSource) -> tuple[int, str]:
 
 def build_model(source: ModelSource, cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module:
     """The model of ``source`` with its weights, parallelized on ``mesh`` by ``cfg.parallel`` (collective)."""
-    fsdp_dtype = autocast_dtype(cfg, device) if uses_fsdp(cfg.parallel) else None
+    fsdp_dtype = autocast_dtype(cfg, device) if uses_zero(cfg.parallel) else None
     if source.kind == "hf":
-        from loongtrain.train.models import build_model as build_trained
+        from loongtrain.train.run_model import build_model as build_trained
 
         model = build_trained(model_config(source), cfg, mesh, device, fsdp_dtype)
     else:

@@ -54,7 +54,7 @@ def build_hf_model_on_meta(directory: str | Path, dtype: torch.dtype, config: An
 
 
 def hf_initial_weights(directory: str | Path) -> Callable[[str, torch.Size], Tensor]:
-    """``initial(name, shape)`` for :func:`loongtrain.train.parallelize.materialize_params`: the tensor
+    """``initial(name, shape)`` for :func:`loongtrain.wrap.parallelize.materialize_params`: the tensor
     ``name`` read alone from the directory's safetensors files (a tied head reads the embedding)."""
     from safetensors import safe_open
 

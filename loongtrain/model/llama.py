@@ -173,7 +173,7 @@ def initial_weight(name: str, shape: torch.Size | tuple[int, ...], seed: int,
                    device: torch.device | str = "cpu") -> Tensor:
     """The initial value (float32, whole tensor) of parameter ``name``: ones for norm weights, else
     N(0, 0.02) from a generator seeded with ``seed`` and the name. Sharded set-ups build the model on
-    the meta device and copy each rank's shard of this tensor (loongtrain.train.parallelize)."""
+    the meta device and copy each rank's shard of this tensor (loongtrain.wrap.parallelize)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.float32, device=device)
     gen = torch.Generator(device=device).manual_seed(seed + _stable_hash(name))

@@ -2,7 +2,7 @@
 
 One frozen object carries hp, cp, the double-ring window, the rank placement, ZeRO and activation
 checkpointing from the command line (``loongtrain train``) or the planner (``loongtrain plan``) to the
-mesh, the trainer's :func:`~loongtrain.train.parallelize.parallelize` and the cost model
+mesh, the trainer's :func:`~loongtrain.wrap.parallelize.parallelize` and the cost model
 (docs/design.md §8). :func:`validate_parallel` checks every rule that the given facts allow (the world
 size, the sequence length, the model's head counts) and raises ``ValueError`` naming the offending
 value and the valid choices; :func:`effective_kv_heads` is the GQA rule (docs/design.md §5).
@@ -148,7 +148,7 @@ def mlp_tile_count(mlp_tiles: str, local_tokens: int, dim: int, ffn_dim: int, *,
     ``dim`` tokens (ALST's rule: ``ceil(local_tokens / dim)`` tiles) and at least ``ceil(ffn_dim / dim)`` of
     them, so one tile's ``[tokens / N, ffn_dim]`` intermediate is at most ``dim x ffn_dim`` elements (a
     constant, whatever the length) and never more than the block's hidden input ``[local_tokens, dim]``; at
-    most ``local_tokens``. The tiles need not be equal (:func:`loongtrain.train.mlp_tiles.tile_bounds`), so
+    most ``local_tokens``. The tiles need not be equal (:func:`loongtrain.wrap.mlp_tiles.tile_bounds`), so
     ``auto`` never falls back to one-token tiles when ``local_tokens`` has no divisor of the right size.
     """
     if mlp_tiles == "auto":

@@ -9,7 +9,7 @@ Examples::
     loongtrain plan --model path/to/hf_model --seq-len 128K --nodes 4 --cluster h100
     loongtrain plan --calibrate --calibrate-world 4 --out this_machine.toml
 
-The options are the fields of :class:`~loongtrain.plan.options.PlanConfig` (train's names; old ones kept
+The options are the fields of :class:`~loongtrain.plan.config.PlanConfig` (train's names; old ones kept
 as aliases). ``--config FILE`` is a TOML file whose keys are the option names with ``_`` for ``-``;
 ``model`` may be a preset name, a Hugging Face model directory or config.json, or a table of
 :class:`~loongtrain.model.config.ModelConfig` fields. Options given on the command line win.
@@ -30,10 +30,10 @@ from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.calibrate import calibrate
 from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
+from loongtrain.plan.config import DTYPE_BYTES, PlanConfig, parse_plan_args
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.document_work import balance_report, lognormal_documents
 from loongtrain.plan.max_seq import max_seq_len
-from loongtrain.plan.options import DTYPE_BYTES, PlanConfig, parse_plan_args
 from loongtrain.plan.search import no_fit_message, plan, resolve_model, world_size
 from loongtrain.plan.traffic import format_traffic_report, traffic_report
 

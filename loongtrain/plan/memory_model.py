@@ -19,7 +19,7 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   all-to-all, SwiGLU's w1/w3/silu/product, fp32 lse and two RMSNorm ``rsqrt``) plus the ``d``-sized
   tensors (the MLP norm's input and output, q, attention output), whose dtypes depend on how bf16 is
   applied. The norms keep only their input and a per-token fp32 scale (loongtrain/model/rms_norm.py), and
-  the attention norm's output is never kept (fused into q/k/v: loongtrain/train/norm_linear.py): fp32 /
+  the attention norm's output is never kept (fused into q/k/v: loongtrain/wrap/norm_linear.py): fp32 /
   fp64 runs ``5*d*b``; FSDP2 bf16 weights (``z > 1``, no autocast) ``4*d*b``; autocast (``z = 1``)
   ``2*d*4 + 4*d*b`` (fp32 residual stream, and one bf16 cast of the MLP norm's output per projection). With
   ``mlp_tiles > 1`` the MLP's norm output exists per tile: one ``d*b`` less (autocast: its two casts,
@@ -106,7 +106,7 @@ def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharde
     mlp = 4 * model.ffn_dim * b if mlp_tiles == 1 else 4 * model.ffn_dim * b / mlp_tiles
     rest = 2 * he * model.head_dim * b + mlp + 4 * model.num_heads + 8
     tiled = mlp_tiles > 1  # the MLP's norm output (autocast: its two bf16 casts) exists per tile too
-    if b >= 4:  # the attention's norm output is never kept (fused into q/k/v: loongtrain/train/norm_linear.py)
+    if b >= 4:  # the attention's norm output is never kept (fused into q/k/v: loongtrain/wrap/norm_linear.py)
         return (5 - tiled) * d * b + rest
     return ((4 - tiled) * d * b if sharded else 2 * d * 4 + (4 - 2 * tiled) * d * b) + rest
 
@@ -214,7 +214,7 @@ def memory_per_rank(
         keep = min(offload_keep, L - 1)  # the last blocks, not offloaded
         host = acts / L * (L - keep)
         layer_kept = acts / L * max(1, keep)  # the last block's backward: the kept blocks (the previous
-        # offloaded block is fetched after the peaks: train/offload.py)
+        # offloaded block is fetched after the peaks: wrap/offload.py)
         acts = acts / L * min(L, keep + 2)  # at the loss: the kept blocks and two offloaded ones' copies in flight
     acts += t * final_norm_bytes(d, b, sharded)  # with the loss: its input's gradient (the residual's in backward)
     moments = layer_moments(model, layout, t, b, sharded, full_layer, tiles)

@@ -1,4 +1,4 @@
-"""How one full-sequence micro-batch is laid on this rank (docs/design.md §3): its packed documents, the
+"""Batch sharding: how one full-sequence micro-batch is laid on this rank (docs/design.md §3): its packed documents, the
 chunk order it is sharded with, this rank's shard of tokens, labels and positions, and the attention
 work its rows compute (for FLOP counts)."""
 
@@ -48,7 +48,7 @@ def chunk_order(cu_seqlens: list[torch.Tensor] | None, seq_len: int, mesh: Mesh,
     """The chunk order a full-sequence batch is sharded with: ``None`` (zigzag), or with ``chunk_layout ==
     "balanced"``, documents (``cu_seqlens``) and ``cp > 1`` the
     :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every rank of the replica
-    computes the same one from the same batch). The one layout rule of training, validation and
+    computes the same one from the same batch). The one chunk-order rule of training, validation and
     ``loongtrain eval``."""
     if cu_seqlens is None or mesh.cp == 1:
         return None
@@ -56,7 +56,7 @@ def chunk_order(cu_seqlens: list[torch.Tensor] | None, seq_len: int, mesh: Mesh,
     return documents.chunk_order(seq_len, mesh.cp, mesh.hp, sliding_window)
 
 
-class BatchLayout:
+class BatchSharding:
     """The run's rules for laying a full-sequence batch (``input_ids``, ``labels``, ``position_ids`` of
     shape ``[batch, seq_len]``, and ``doc_starts`` for packed corpora) on ``mesh``."""
 
@@ -73,7 +73,7 @@ class BatchLayout:
         return chunk_order(cu_seqlens, seq_len, self.mesh, self.cfg.chunk_layout, self.sliding_window)
 
     def local(self, batch: Batch) -> LocalBatch:
-        """This rank's shard: tokens, labels and positions sharded with one layout (:meth:`chunk_order`)."""
+        """This rank's shard: tokens, labels and positions sharded with one chunk order (:meth:`chunk_order`)."""
         cu_seqlens, positions = self.documents(batch)
         order = self.chunk_order(cu_seqlens, batch["input_ids"].shape[1])
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -27,11 +28,13 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.model.rope_scaling import RopeChange, rope_change
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import CHUNK_LAYOUTS
+from loongtrain.wrap.compile import COMPILE_MODES
+
+log = logging.getLogger("loongtrain.train")
 
 DTYPES = ("auto", "fp32", "bf16", "fp64")
 PROGRESS = ("auto", "on", "off")
 DOC_MASK = ("on", "off")
-COMPILE = ("off", "on", "auto")  # the modes of loongtrain.train.compile
 #: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1)
 DEFAULT_PARALLEL = ParallelConfig(hp=2, cp=2)
 PARALLEL_FIELDS = {f.name: f for f in fields(ParallelConfig)}
@@ -101,7 +104,7 @@ class TrainConfig:
         "weights, bf16 compute: FSDP2 gathers bf16 weights under ZeRO, autocast otherwise), fp64"
     )
     compile: str = _opt("auto", "torch.compile each decoder block: on, off, or auto (on a CUDA device on which "
-                        "a GPU run measured it faster, train/compile.py COMPILE_FASTER_ON; none has yet, so "
+                        "a GPU run measured it faster, wrap/compile.py COMPILE_FASTER_ON; none has yet, so "
                         "auto is off everywhere; CPU compiles only with on)")
     seed: int = _opt(0, "seed for weights, data order and torch RNGs")
     deterministic: bool = _opt(False, "torch.use_deterministic_algorithms(True): bit-identical reruns and "
@@ -140,10 +143,10 @@ class TrainConfig:
     max_restarts: int = _opt(0, "local workers: restart the job from its newest checkpoint up to N times "
                              "after a worker failure")
     log_interval: int = _opt(1, "log metrics every N steps")
-    eval_interval: int = _opt(0, "validation loss (forward only, the run's layout) every N optimizer steps, "
+    val_interval: int = _opt(0, "validation loss (forward only, the run's layout) every N optimizer steps, "
                               "logged as val_loss (0: never), on --val-fraction / --val-corpus, or without "
                               "them the corpus's last packed samples (docs/design.md §14)")
-    eval_batches: int = _opt(4, "batches (of --batch-size sequences per replica) per validation")
+    val_batches: int = _opt(4, "batches (of --batch-size sequences per replica) per validation")
     peak_tflops: float = _opt(
         0.0, "peak TFLOP/s of one device for MFU (0: table by CUDA device name; on CPU measured)"
     )
@@ -156,13 +159,13 @@ class TrainConfig:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices)."""
         if not isinstance(self.parallel, ParallelConfig):  # a ParallelConfig validated itself when built
             raise ValueError(f"parallel={self.parallel!r} must be a ParallelConfig")
-        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval", "eval_batches")
+        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval", "val_batches")
         for name in positive:
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"--{_flag(name)}={value} must be a positive integer")
         for name in ("warmup", "nproc", "threads", "ckpt_interval", "keep_checkpoints", "stop_after",
-                     "max_bad_steps", "max_restarts", "eval_interval"):
+                     "max_bad_steps", "max_restarts", "val_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
         self._validate_ranges()
@@ -177,8 +180,8 @@ class TrainConfig:
             raise ValueError(f"--progress={self.progress!r} is not one of {PROGRESS}")
         if self.decode_errors not in DECODE_ERRORS:
             raise ValueError(f"--decode-errors={self.decode_errors!r} is not one of {DECODE_ERRORS}")
-        if self.compile not in COMPILE:
-            raise ValueError(f"--compile={self.compile!r} is not one of {COMPILE}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"--compile={self.compile!r} is not one of {COMPILE_MODES}")
         if self.doc_mask not in DOC_MASK:
             raise ValueError(f"--doc-mask={self.doc_mask!r} is not one of {DOC_MASK}")
         if self.chunk_layout not in CHUNK_LAYOUTS:
@@ -219,7 +222,7 @@ class TrainConfig:
         own: dict[str, Any] = {}
         nested: dict[str, Any] = {}
         flat: dict[str, Any] = {}
-        for key, value in values.items():
+        for key, value in _renamed(values).items():
             if key == "parallel":
                 nested.update(dataclasses.asdict(value) if isinstance(value, ParallelConfig) else value)
             elif key in PARALLEL_FIELDS:
@@ -266,6 +269,23 @@ def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None
     if cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda" and bf16_supported(device)):
         return torch.bfloat16
     return None
+
+
+#: option names before validation and eval got names of their own -> the names now (kept for one release:
+#: on the command line, in TOML files and in the options a checkpoint records)
+ALIASES = {"eval_interval": "val_interval", "eval_batches": "val_batches"}
+
+
+def _renamed(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with :data:`ALIASES` replaced by their new names (a warning for each one used)."""
+    out = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name in ALIASES:
+            log.warning("--%s is now --%s (the old name goes in the next release)", _flag(name), _flag(ALIASES[name]))
+            key = ALIASES[name]
+        out[key] = value
+    return out
 
 
 # --help sections: the option that opens each one
@@ -318,17 +338,17 @@ def build_parser() -> argparse.ArgumentParser:
     for f, default in options():
         if f.name in GROUPS:
             group = parser.add_argument_group(GROUPS[f.name])
-        flag = "--" + _flag(f.name)
+        flags = ["--" + _flag(f.name)] + ["--" + _flag(old) for old, new in ALIASES.items() if new == f.name]
         help_text = f"{f.metadata['help']} (default: {default!r})"
         kind = type(default)
         if kind is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
         elif "const" in f.metadata:
-            group.add_argument(flag, dest=f.name, nargs="?", const=f.metadata["const"], type=kind,
+            group.add_argument(*flags, dest=f.name, nargs="?", const=f.metadata["const"], type=kind,
                                metavar=f.name.upper(), help=help_text)
         else:
             kind = size_argument if f.metadata.get("size") else kind  # 128K, 1M: the one size parser
-            group.add_argument(flag, dest=f.name, type=kind, metavar=f.name.upper(), help=help_text)
+            group.add_argument(*flags, dest=f.name, type=kind, metavar=f.name.upper(), help=help_text)
     return parser
 
 
@@ -342,7 +362,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     known = {f.name: type(default) for f, default in options()}
     sizes = {f.name for f, _ in options() if f.metadata.get("size")}
     out: dict[str, Any] = {}
-    for key, value in data.items():
+    for key, value in _renamed(data).items():
         name = key.replace("-", "_")
         if name not in known:
             raise ValueError(f"config file {str(path)!r}: unknown option {key!r}; valid: {sorted(known)}")
@@ -365,6 +385,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
         raise ValueError(
             f"unknown option(s) {unknown}; run `loongtrain train --help` for the list of options"
         )
+    for old in ALIASES:
+        if any(arg == f"--{_flag(old)}" or arg.startswith(f"--{_flag(old)}=") for arg in argv):
+            _renamed({old: None})  # the warning
     given = vars(namespace)
     values: dict[str, Any] = {}
     config_file = given.pop("config", None)

@@ -2,7 +2,7 @@
 
 CHECKPOINT is a checkpoint directory (``OUT_DIR/checkpoints/step_N``), a checkpoints root or a run's
 ``--out-dir`` (their ``latest`` is taken). The model is rebuilt from what the checkpoint records
-(:func:`loongtrain.train.models.model_record`: the preset's ModelConfig, or the HF model's config),
+(:func:`loongtrain.train.run_model.model_record`: the preset's ModelConfig, or the HF model's config),
 its weights are read with ``torch.distributed.checkpoint`` in this one process (any training layout),
 and :func:`loongtrain.hf.export_hf` writes ``config.json`` + ``model.safetensors``, which
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads. Native presets become
@@ -29,10 +29,10 @@ from torch import nn
 
 from loongtrain._input import OneLineParser, user_error
 from loongtrain.hf.convert import export_hf
-from loongtrain.train import models
+from loongtrain.train import run_model
 from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, param_dtype
-from loongtrain.train.models import model_from_record
+from loongtrain.train.run_model import model_from_record
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -42,7 +42,7 @@ def checkpoint_model_record(state: dict[str, Any]) -> dict[str, Any]:
     if "model_config" in state or "hf_config" in state:
         return state
     cfg = TrainConfig.from_dict(state["config"])
-    return models.model_record(models.model_config_for(cfg), cfg)
+    return run_model.model_record(run_model.model_config_for(cfg), cfg)
 
 
 def load_trained_model(checkpoint: str | Path) -> nn.Module:

@@ -30,8 +30,9 @@ from torch import nn
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.plan.memory_model import config_memory
 from loongtrain.train.config import autocast_dtype, param_dtype
-from loongtrain.train.offload import activation_offloader
-from loongtrain.train.parallelize import saved_output_sink, uses_fsdp
+from loongtrain.wrap.offload import activation_offloader
+from loongtrain.wrap.recompute import saved_output_sink
+from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.train")
 
@@ -232,7 +233,7 @@ def trainer_loss_fn(trainer: Any, batch: dict[str, Tensor]) -> Callable[[], Tens
 def trainer_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, int]:
     """:func:`memory_report` of a ``loongtrain.train.trainer.Trainer`` on one full-sequence micro-batch
     (with ``--offload-params``, the states on the host once FSDP2 offloads them)."""
-    states_on_host = trainer.cfg.parallel.offload_params and uses_fsdp(trainer.cfg.parallel)
+    states_on_host = trainer.cfg.parallel.offload_params and uses_zero(trainer.cfg.parallel)
     return memory_report(trainer.model, trainer.optimizer, trainer_loss_fn(trainer, batch),
                          states_on_host=states_on_host)
 
@@ -257,7 +258,7 @@ def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, flo
     shard group (1 without FSDP), ``ac_mode``, ``reshard_after_forward``, compute dtype and memory modes."""
     cfg, mesh = trainer.cfg, trainer.mesh
     parallel = cfg.parallel
-    zero_size = parallel.shard_size(mesh.world_size) if uses_fsdp(parallel) else 1
+    zero_size = parallel.shard_size(mesh.world_size) if uses_zero(parallel) else 1
     compute = autocast_dtype(cfg, trainer.device) or param_dtype(cfg)
     return config_memory(trainer.model_config, parallel, mesh.layout, seq_len=seq_len, batch=batch,
                          dtype_bytes=torch.empty((), dtype=compute).element_size(), zero_size=zero_size)

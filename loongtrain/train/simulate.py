@@ -28,7 +28,7 @@ What is simulated, exactly:
 - **Host memory is counted apart from the device's** (:class:`HostAwareTracker`: MemTracker with a second
   key, :data:`HOST`, each key with its own peak). Device and host are both the CPU here, so what is host
   memory is told by the code that puts it there: the activation offloader allocates its host copies
-  inside :func:`loongtrain.train.offload.host_allocations`; with ``offload_params`` (FSDP2's
+  inside :func:`loongtrain.wrap.offload.host_allocations`; with ``offload_params`` (FSDP2's
   ``CPUOffloadPolicy``) the sharded parameters and AdamW's states are host memory from the start, each
   gradient shard from the moment FSDP2 hands it to the parameter (on a GPU it is copied to the host and
   the device buffer freed there; on the CPU device the reduce-scatter's output becomes the gradient,
@@ -69,11 +69,11 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel import agreement
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import destroy_all_meshes, init_mesh
-from loongtrain.train import parallelize as parallelize_module
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.offload import allocating_on_host, host_allocations
 from loongtrain.train.sync import all_reduce_gradients
 from loongtrain.train.trainer import Trainer
+from loongtrain.wrap import zero as zero_module
+from loongtrain.wrap.offload import allocating_on_host, host_allocations
 
 log = logging.getLogger("loongtrain.train")
 
@@ -103,7 +103,7 @@ class Simulated:
 
 class HostAwareTracker(MemTracker):
     """torch's MemTracker with host memory under its own key (:data:`HOST`) beside the (CPU) device's:
-    storages allocated inside :func:`loongtrain.train.offload.host_allocations`, and those moved with
+    storages allocated inside :func:`loongtrain.wrap.offload.host_allocations`, and those moved with
     :meth:`to_host` (FSDP2's host shards and their gradients under ``CPUOffloadPolicy``). Each key has its
     own peak, so the device's peak is not inflated by what lives on the host, nor the host's by the device."""
 
@@ -171,13 +171,13 @@ def fake_ranks(world: int, rank: int = 0) -> Iterator[None]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     check = agreement.check_agreement
     agreement.check_agreement = lambda *args, **kwargs: None
-    meshes = dict(parallelize_module._DEVICE_MESHES)
+    meshes = dict(zero_module._DEVICE_MESHES)
     try:
         yield
     finally:
         agreement.check_agreement = check
-        parallelize_module._DEVICE_MESHES.clear()
-        parallelize_module._DEVICE_MESHES.update(meshes)
+        zero_module._DEVICE_MESHES.clear()
+        zero_module._DEVICE_MESHES.update(meshes)
         destroy_all_meshes()
         dist.destroy_process_group()
 
@@ -271,12 +271,12 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
                       memory_report=False)
     cfg.validate()
     device = torch.device("cpu")
-    fsdp = parallelize_module.fsdp_applies(parallel, world)  # the fake group below makes uses_fsdp agree
+    fsdp = zero_module.zero_applies(parallel, world)  # the fake group below makes uses_zero agree
     with fake_ranks(world, rank) if world > 1 or fsdp else contextlib.nullcontext():
         mesh = init_mesh(parallel.hp, parallel.cp, window=parallel.window, placement=parallel.placement,
                          interleaved=parallel.interleaved)
         if fsdp:  # collective set-up outside the fake tensors
-            parallelize_module.fsdp_device_mesh(device, world, parallel.shard_size(world))
+            zero_module.zero_device_mesh(device, world, parallel.shard_size(world))
         modes = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if fake
                  else contextlib.nullcontext())
         with modes, _noop_to_is_identity(), attention_workspace():
@@ -289,7 +289,7 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
 def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dict[str, Any]:
     """``loongtrain plan --simulate``: :func:`simulate_step` for a planner candidate at the request's length,
     batch and dtype (``candidate``: :class:`loongtrain.plan.cost.Candidate`, ``plan_cfg``:
-    :class:`loongtrain.plan.options.PlanConfig`)."""
+    :class:`loongtrain.plan.config.PlanConfig`)."""
     dtypes = {"bf16": "bf16", "fp32": "fp32"}
     if plan_cfg.dtype not in dtypes:
         raise ValueError(f"--simulate: dtype={plan_cfg.dtype!r} is not one the trainer runs; use {sorted(dtypes)}")

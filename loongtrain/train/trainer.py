@@ -25,9 +25,10 @@ from torch import nn
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
+from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
-from loongtrain.train.batch import Batch, BatchLayout
+from loongtrain.train.batch import Batch, BatchSharding
 from loongtrain.train.checkpoint import (
     NonFiniteError,
     load_checkpoint,
@@ -36,14 +37,13 @@ from loongtrain.train.checkpoint import (
     save_checkpoint,
 )
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
-from loongtrain.train.fault_injection import kill_point
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
-from loongtrain.train.models import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
-from loongtrain.train.parallelize import uses_fsdp
+from loongtrain.train.run_model import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
 from loongtrain.train.validation import Validation
+from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.train")
 
@@ -75,7 +75,7 @@ class Trainer:
     """Model, optimizer, schedule and data of one rank, and the run loop (:meth:`train`).
 
     :meth:`step` takes ``grad_accum`` micro-batches of this replica's *full* sequences; each rank keeps its
-    2D zigzag shard (:class:`~loongtrain.train.batch.BatchLayout`), so the trainer is layout-agnostic.
+    2D zigzag shard (:class:`~loongtrain.train.batch.BatchSharding`), so the trainer is layout-agnostic.
     ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`.
     """
 
@@ -89,13 +89,13 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.manual_seed_all(cfg.seed)
         compute = autocast_dtype(cfg, device)
-        sharded = uses_fsdp(cfg.parallel)
+        sharded = uses_zero(cfg.parallel)
         self.model: nn.Module = build_model(self.model_config, cfg, mesh, device, compute if sharded else None)
         self.params = [p for _, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0])]
         self.grad_sync = needs_grad_sync(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.amp_dtype = None if sharded else compute  # FSDP2 casts the weights: no autocast (autocast_dtype)
-        self.layout = BatchLayout(cfg, mesh, self.model_config, device)
+        self.sharding = BatchSharding(cfg, mesh, self.model_config, device)
         self.batch_source = batches or self._corpus_batches
         self.out_dir = Path(cfg.out_dir)
         self.tokens_per_step = mesh.dp * cfg.batch_size * cfg.grad_accum * cfg.seq_len
@@ -116,12 +116,12 @@ class Trainer:
         logger = self._logger(start)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
-        validation = Validation(cfg, self.mesh, self.loss, self.model)  # --eval-interval (train/validation.py)
+        validation = Validation(cfg, self.mesh, self.loss, self.model)  # --val-interval (train/validation.py)
         reset_peak_memory(self.device)
         bad_steps = 0
         try:
             for step in range(start, end):
-                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (train/fault_injection.py)
+                kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (parallel/failures.py)
                 record = self._timed_step(step, batches, peak, mem_fields)
                 record.update(validation.after_step(step + 1))  # {"val_loss": ...} when due, else {}
                 records.append(record)
@@ -184,7 +184,7 @@ class Trainer:
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
         loss_value = loss_sum / len(micro_batches)
-        pairs = torch.tensor(float(sum(self.layout.visible_pairs(b) for b in micro_batches)), dtype=torch.float64,
+        pairs = torch.tensor(float(sum(self.sharding.visible_pairs(b) for b in micro_batches)), dtype=torch.float64,
                              device=self.device)
         if self.mesh.dp > 1:  # one all-reduce for the loss and the replicas' attention pairs
             both = torch.stack([loss_value, pairs])
@@ -204,7 +204,7 @@ class Trainer:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
         forward to the final norm's input, then the chunked cross-entropy through the final norm and the LM
         head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
-        local = self.layout.local(batch)
+        local = self.sharding.local(batch)
         with self._autocast():
             hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
                                              local.chunk_order)

@@ -1,4 +1,4 @@
-"""Validation during training (``--eval-interval N --eval-batches K``, docs/design.md §14).
+"""Validation during training (``--val-interval N --val-batches K``, docs/design.md §14).
 
 - :func:`validation_loss`: the mean loss of K full-sequence batches, forward only under
   ``torch.no_grad()`` (no activations kept, no checkpoint recompute), with the run's own layout and loss
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train import models
+from loongtrain.train import run_model
 from loongtrain.train.checkpoint import rng_state, set_rng_state
 from loongtrain.train.config import TrainConfig
 
@@ -44,7 +44,7 @@ def validation_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
         return tail_batches(cfg, mesh, count)
     from loongtrain.data.validation import build_val_batches
 
-    held_out = build_val_batches(cfg.corpus, models.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
+    held_out = build_val_batches(cfg.corpus, run_model.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
                                  mesh.dp, seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus)
     return list(itertools.islice(held_out, count))
 
@@ -56,12 +56,12 @@ def tail_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
     ``first + (k * dp + d) * batch_size + b``. Tokenizes the whole corpus (once, at start-up)."""
     from loongtrain import data
 
-    tokenizer = data.build_tokenizer(models.tokenizer_spec(cfg))
+    tokenizer = data.build_tokenizer(run_model.tokenizer_spec(cfg))
     dataset = data.PackedDataset(data.TokenStream(data.build_corpus(cfg.corpus), tokenizer), cfg.seq_len)
     available = dataset.num_samples()
     need = count * mesh.dp * cfg.batch_size
     if need > available:
-        log.warning("--eval-batches %d x dp %d x --batch-size %d = %d validation sequences, but the corpus %r "
+        log.warning("--val-batches %d x dp %d x --batch-size %d = %d validation sequences, but the corpus %r "
                     "holds %d of --seq-len %d: the validation set repeats samples", count, mesh.dp,
                     cfg.batch_size, need, cfg.corpus, available, cfg.seq_len)
     first = available - need
@@ -105,14 +105,14 @@ def _reshard(model: nn.Module) -> None:
 
 
 class Validation:
-    """The loop's hook: every ``cfg.eval_interval`` optimizer steps, ``{"val_loss": ...}`` (else ``{}``).
-    The batches are built once, at construction, and only when ``eval_interval > 0``."""
+    """The loop's hook: every ``cfg.val_interval`` optimizer steps, ``{"val_loss": ...}`` (else ``{}``).
+    The batches are built once, at construction, and only when ``val_interval > 0``."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, loss_fn: LossFn, model: nn.Module,
                  batches: Sequence[Batch] | None = None) -> None:
-        self.interval, self.mesh, self.loss_fn, self.model = cfg.eval_interval, mesh, loss_fn, model
+        self.interval, self.mesh, self.loss_fn, self.model = cfg.val_interval, mesh, loss_fn, model
         self.batches = list(batches) if batches is not None else (
-            validation_batches(cfg, mesh, cfg.eval_batches) if self.interval else [])
+            validation_batches(cfg, mesh, cfg.val_batches) if self.interval else [])
 
     def after_step(self, step: int) -> dict[str, float]:
         """``{"val_loss": loss}`` after optimizer step ``step`` (1-based) when it is due, else ``{}``."""

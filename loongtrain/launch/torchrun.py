@@ -39,8 +39,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from loongtrain.launch.preflight import RunComplete, check_corpus, check_out_dir, preflight
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.preflight import RunComplete, check_corpus, check_out_dir, preflight
 
 log = logging.getLogger("loongtrain.train")
 
@@ -197,7 +197,7 @@ def write_marker(cfg: TrainConfig, attempt: Attempt) -> None:
 
 
 def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
-    """Rank 0's decision for the attempt: ``{"kind": "run", "resume": ..., "overwrite": ...}``,
+    """Rank 0's decision for the attempt: ``{"kind": "run", "resume": ..., "overwrite": ..., "init_from": ...}``,
     ``{"kind": "complete", "text": ...}`` or ``{"kind": "error", "text": ...}`` (a user error)."""
     cfg = run.cfg
     restarted = is_restart(cfg, attempt)
@@ -211,7 +211,8 @@ def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
     if restarted:
         log.info("torchrun attempt %d (restart counts up to %d): resuming from %s", attempt.number,
                  attempt.restarts, resolved.resume or "scratch (no checkpoint yet)")
-    return {"kind": "run", "resume": resolved.resume, "overwrite": resolved.overwrite}
+    return {"kind": "run", "resume": resolved.resume, "overwrite": resolved.overwrite,
+            "init_from": resolved.init_from}
 
 
 def agree_on_start(run: Run, world: int) -> Run | None:
@@ -233,7 +234,8 @@ def agree_on_start(run: Run, world: int) -> Run | None:
     if decision["kind"] == "complete":
         log.info("torchrun attempt %d: the run is complete (%s)", attempt.number, decision["text"])
         return None
-    cfg = dataclasses.replace(run.cfg, resume=decision["resume"], overwrite=decision["overwrite"])
+    cfg = dataclasses.replace(run.cfg, resume=decision["resume"], overwrite=decision["overwrite"],
+                              init_from=decision["init_from"])
     return dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
 
 

@@ -13,7 +13,7 @@ exits 2 within seconds instead of failing inside the workers. It checks:
 - ``--resume``: the checkpoint's files are readable (the bad file is named), its step is below
   ``--steps``, and the run is compatible with it (:data:`MUST_MATCH`);
 - ``--init-from``: the checkpoint's files are readable and it lies outside this run's checkpoints (its
-  model is checked against the run's by :func:`loongtrain.train.models.model_config_for`).
+  model is checked against the run's by :func:`loongtrain.train.run_model.model_config_for`).
 
 Resume rule: the data stream, the optimizer state and the model must continue unchanged, so the model
 preset, tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seed``, ``--grad-accum``, the RoPE
@@ -50,7 +50,7 @@ from loongtrain.train.checkpoint import (
     verify_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.models import build_run_tokenizer
+from loongtrain.train.run_model import build_run_tokenizer
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
@@ -243,7 +243,7 @@ def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: 
                     f"--init-from {str(path)!r} --out-dir NEW") if name in NEW_RUN_CHANGES else ""
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r} differs from the checkpoint's "
                              f"{saved[name]!r} ({str(path)!r}); a resumed run must keep it (resume rule: "
-                             f"see `loongtrain.train.preflight`){hint}")
+                             f"see `loongtrain.launch.preflight`){hint}")
     layout = state.get("layout") or {}
     if "dp" in layout and "batch_size" in saved:
         dp = world // cfg.parallel.sp

@@ -7,11 +7,11 @@
   CPU; workers die with this process). With one worker the run stays in this process without
   torch.distributed.
 Every user error is raised as ValueError by :func:`validate_run` (options) and
-:func:`loongtrain.train.preflight.preflight` (corpus, output directory, resume) before any process is
+:func:`loongtrain.launch.preflight.preflight` (corpus, output directory, resume) before any process is
 started. Collectives time out after ``--timeout`` seconds. ``--max-restarts N`` restarts local workers
 after a failure from the newest checkpoint (``--resume auto``); under torchrun, its own
 ``--max-restarts`` does that: rank 0 decides once for the attempt, on every node, whether it is a restart
-and which checkpoint every rank resumes from (:mod:`loongtrain.train.torchrun`).
+and which checkpoint every rank resumes from (:mod:`loongtrain.launch.torchrun`).
 """
 
 from __future__ import annotations
@@ -27,21 +27,21 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from loongtrain.launch.autoplan import apply_plan
+from loongtrain.launch.preflight import RunComplete, preflight
+from loongtrain.launch.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import validate_parallel
 from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
-from loongtrain.train.autoplan import apply_plan
 from loongtrain.train.checkpoint import AUTO
-from loongtrain.train.compile import check_compile_run
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.models import build_run_tokenizer, model_config_for
-from loongtrain.train.offload import offloaded_blocks
-from loongtrain.train.parallelize import checkpointed_layers
-from loongtrain.train.preflight import RunComplete, preflight
-from loongtrain.train.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
+from loongtrain.train.run_model import build_run_tokenizer, model_config_for
 from loongtrain.train.trainer import Trainer
+from loongtrain.wrap.compile import check_compile_run
+from loongtrain.wrap.offload import offloaded_blocks
+from loongtrain.wrap.recompute import recomputed_layers
 
 log = logging.getLogger("loongtrain.train")
 
@@ -70,7 +70,7 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
         raise ValueError(f"--nproc/world size {world}, --hp {p.hp} --cp {p.cp}, --seq-len {cfg.seq_len}, "
                          f"model {cfg.model!r}: {exc}") from exc
     if p.offload_activations:  # --offload-keep must leave a block to offload (the rule of parallelize's step)
-        offloaded_blocks(checkpointed_layers(model_config.num_layers, p.ac_fraction), p.offload_keep)
+        offloaded_blocks(recomputed_layers(model_config.num_layers, p.ac_fraction), p.offload_keep)
     check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
@@ -114,8 +114,8 @@ def _threads(cfg: TrainConfig, world_local: int) -> int:
 
 def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False) -> Run:
     """Everything the workers need, derived once here before any worker starts: the planned layout, the
-    tokenizer, the model's shape, and the checkpoint to resume (:func:`~loongtrain.train.preflight.preflight`).
-    ValueError for a user error; :class:`~loongtrain.train.preflight.RunComplete` when a restarted job has
+    tokenizer, the model's shape, and the checkpoint to resume (:func:`~loongtrain.launch.preflight.preflight`).
+    ValueError for a user error; :class:`~loongtrain.launch.preflight.RunComplete` when a restarted job has
     nothing left to train."""
     run = prepare_run(cfg, world)
     cfg = preflight(run.cfg, world, run.tokenizer, restarted=restarted)
@@ -125,7 +125,7 @@ def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False) -> Run
 def prepare_run(cfg: TrainConfig, world: int) -> Run:
     """:func:`resolve_run` before its file checks: the planned layout, the tokenizer and the model's shape,
     validated for ``world`` ranks (under torchrun, rank 0 makes the file checks and the resume choice for
-    every rank: :func:`loongtrain.train.torchrun.agree_on_start`)."""
+    every rank: :func:`loongtrain.launch.torchrun.agree_on_start`)."""
     tokenizer = build_run_tokenizer(cfg)
     model_config = model_config_for(cfg, tokenizer)
     cfg = apply_plan(cfg, world, under_launcher=under_torchrun(), model_config=model_config)
@@ -177,7 +177,7 @@ def launch(cfg: TrainConfig) -> None:
     if configure_cuda_allocator():
         log.info("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set it yourself to choose otherwise)")
     world = world_size_for(cfg)
-    if under_torchrun():  # one start decision for every rank of the attempt, on every node (train/torchrun.py)
+    if under_torchrun():  # one start decision for every rank of the attempt, on every node (launch/torchrun.py)
         run = agree_on_start(prepare_run(cfg, world), world)
         if run is not None:
             with lost_nodes_named():
@@ -208,7 +208,7 @@ def _run_local_with_restarts(run: Run, world: int, backend: str) -> None:
             # the training stack is imported once, by the fork server (docs/design.md §10)
             run_local(run_worker, world, run, backend=backend, threads=None, timeout=None,
                       collective_timeout=cfg.timeout, heartbeat_timeout=cfg.heartbeat_timeout,
-                      preload=["loongtrain.train.launch"])
+                      preload=["loongtrain.launch.train_run"])
             return
         except WorkerError as exc:
             if attempt == cfg.max_restarts:

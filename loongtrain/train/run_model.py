@@ -46,9 +46,10 @@ from loongtrain.model.llama import Transformer, initial_weight
 from loongtrain.model.rope_scaling import REFUSED_TYPES
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.train.checkpoint import find_checkpoint, read_trainer_state
-from loongtrain.train.compile import compile_enabled
 from loongtrain.train.config import TrainConfig, param_dtype
-from loongtrain.train.parallelize import materialize_params, parallelize, uses_fsdp
+from loongtrain.wrap.compile import compile_enabled
+from loongtrain.wrap.parallelize import materialize_params, parallelize
+from loongtrain.wrap.zero import uses_zero
 
 Tensor = torch.Tensor
 
@@ -249,7 +250,7 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
     compiled = compile_enabled(cfg.compile, device)  # --compile: docs/design.md §13
     if directory is not None:
         hf_config = hf_run_config(cfg)
-        if not (uses_fsdp(cfg.parallel) and hf_weight_files(directory)):
+        if not (uses_zero(cfg.parallel) and hf_weight_files(directory)):
             model = build_hf_model(directory, param_dtype(cfg), cfg.seed, hf_config)
             return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
         model = build_hf_model_on_meta(directory, param_dtype(cfg), hf_config)
@@ -257,7 +258,7 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
         materialize_params(model, hf_initial_weights(directory))
         restore_hf_buffers(model)
         return model
-    if not uses_fsdp(cfg.parallel):
+    if not uses_zero(cfg.parallel):
         model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
         return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
     with torch.device("meta"):

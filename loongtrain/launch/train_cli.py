@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from loongtrain._input import user_error
+from loongtrain.launch.train_run import launch, under_torchrun
 from loongtrain.parallel.workers import WorkerError
 from loongtrain.train.config import parse_args
-from loongtrain.train.launch import launch, under_torchrun
 
 
 def main(argv: list[str] | None = None) -> int:

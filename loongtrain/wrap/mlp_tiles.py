@@ -1,7 +1,7 @@
 """Sequence-tiled feed-forward: the MLP and its norm over tiles of the local sequence (docs/design.md §7).
 
 ``--mlp-tiles N|auto`` wraps every decoder block's feed-forward from outside (the model stays plain):
-the block's ``norm -> MLP`` runs as one :class:`TiledFeedForward` over ``N`` tiles of the rank's local
+the block's ``norm -> MLP`` runs as one :class:`TiledMLP` over ``N`` tiles of the rank's local
 tokens (dim 1 of ``[B, S/sp, dim]``). Its forward runs each tile without autograd and keeps only the
 input; its backward recomputes one tile at a time (norm, projections, activation) and back-propagates
 it, so the ``[S/sp, ffn_dim]`` intermediates exist only for one tile (``[S/(sp*N), ffn_dim]``).
@@ -32,7 +32,7 @@ Tensor = torch.Tensor
 NORM_AND_MLP = (("ffn_norm", "feed_forward"), ("post_attention_layernorm", "mlp"))
 
 
-class TiledFeedForward(torch.autograd.Function):
+class TiledMLP(torch.autograd.Function):
     """``fn(x)`` over ``tiles`` slices of dim 1, recomputed tile by tile in backward.
 
     Forward: ``(fn, tiles, x, *params) -> fn(x)`` computed per tile without autograd; saves ``x``.
@@ -70,6 +70,9 @@ class TiledFeedForward(torch.autograd.Function):
         return (None, None, grad_x if x.requires_grad else None, *grads)
 
 
+
+TiledFeedForward = TiledMLP  # the name before the package split, kept for one release
+
 def tile_bounds(tokens: int, tiles: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` of ``min(tiles, tokens)`` near-equal tiles of ``tokens`` (equal when it divides)."""
     n = max(1, min(tiles, tokens))
@@ -95,7 +98,7 @@ def _tiled_forward(spec: str, ffn_dim: int, fn: Callable[[Tensor], Tensor], modu
     if not torch.is_grad_enabled():
         return run_tiles(fn, x, tiles)
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    return TiledFeedForward.apply(fn, tiles, x, *params)
+    return TiledMLP.apply(fn, tiles, x, *params)
 
 
 def _identity(x: Tensor) -> Tensor:

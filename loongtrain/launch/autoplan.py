@@ -2,7 +2,7 @@
 becomes the run's ``cfg.parallel`` (hp, cp, window, placement, ZeRO and activation checkpointing, and the
 offload and tiling modes when nothing fits without them). A plan that fits nowhere, on the device or in
 the host memory the cluster file states, is a ValueError here, before any worker starts. The
-model planned is the one the run trains (:func:`loongtrain.train.models.model_config_for`: a preset, or a
+model planned is the one the run trains (:func:`loongtrain.train.run_model.model_config_for`: a preset, or a
 Hugging Face directory's shape)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
 from loongtrain.plan.search import best_fitting
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.metrics import cluster_for_device
-from loongtrain.train.models import model_config_for
+from loongtrain.train.run_model import model_config_for
 
 log = logging.getLogger("loongtrain.train")
 

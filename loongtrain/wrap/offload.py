@@ -21,7 +21,7 @@ ahead of its backward:
   side stream late in block ``i``'s backward, once the gradient of block ``i``'s query projection exists
   (a gradient hook on its output, :func:`prefetch_point`): after the MLP's and the attention kernel's
   backward, the two moments of a block's peak, overlapping the q/k/v projections' and the norm's backward.
-  A block without a query projection that :data:`~loongtrain.train.norm_linear.NORM_AND_PROJECTIONS`
+  A block without a query projection that :data:`~loongtrain.wrap.norm_linear.NORM_AND_PROJECTIONS`
   names starts the copy when its own tensors are fetched, overlapping its whole recompute and backward.
   Device memory thus holds at most two blocks' offloaded tensors whatever the depth
   (:attr:`ActivationOffloader.peak_device_bytes`), and at a block's peak one.
@@ -49,7 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from loongtrain.train.norm_linear import NORM_AND_PROJECTIONS
+from loongtrain.wrap.norm_linear import NORM_AND_PROJECTIONS
 
 log = logging.getLogger("loongtrain.train")
 
@@ -313,7 +313,7 @@ def offloaded_blocks(checkpointed: list[int], keep: int) -> list[int]:
 
 
 def prefetch_point(block: nn.Module) -> nn.Module | None:
-    """The block's query projection (:data:`~loongtrain.train.norm_linear.NORM_AND_PROJECTIONS`), whose
+    """The block's query projection (:data:`~loongtrain.wrap.norm_linear.NORM_AND_PROJECTIONS`), whose
     output's gradient starts the previous block's prefetch (module docstring); None if it has none."""
     for _, attn_name, proj_names in NORM_AND_PROJECTIONS:
         query = getattr(getattr(block, attn_name, None), proj_names[0], None)

@@ -1,6 +1,6 @@
 """``--compile off|on|auto``: ``torch.compile`` of each decoder block (docs/design.md §13).
 
-:func:`compile_blocks` is the compile step of :func:`loongtrain.train.parallelize.parallelize`, after
+:func:`compile_blocks` is the compile step of :func:`loongtrain.wrap.parallelize.parallelize`, after
 activation checkpointing and before FSDP2: each block's ``forward`` (already the checkpointed one, if any) is
 replaced on the instance by a compiled one, so FSDP2's gather/reshard hooks stay eager around it, parameter
 names are unchanged, and Selective Checkpoint++'s policy is traced with the block (the compiler saves the
@@ -27,17 +27,15 @@ import logging
 import re
 import shutil
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from loongtrain.train.config import COMPILE
-
 log = logging.getLogger("loongtrain.train")
 
-COMPILE_MODES = COMPILE  # TrainConfig's choices for --compile
+#: the modes of ``--compile`` (module docstring)
+COMPILE_MODES = ("off", "on", "auto")
 
 #: CUDA device-name substrings on which a gpu_check run measured compiled blocks faster than eager
 #: (benchmarks/RESULTS.md, section "compiled blocks"). Empty: no GPU run has measured it yet, so
@@ -169,7 +167,6 @@ def compile_block(block: nn.Module, name: str, backend: str | None = None) -> No
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise CompileError(compile_failure(name, exc)) from exc
 
-    block._loongtrain_compiled = compiled
     block.forward = run
 
 
@@ -202,8 +199,3 @@ def compile_blocks(model: nn.Module, layers: list[nn.Module], backend: str | Non
         compiled.append(name)
     log.info("compiled %d decoder blocks with torch.compile (backend %s)", len(compiled), backend or BACKEND)
     return compiled
-
-
-def compiled_forward(block: nn.Module) -> Callable[..., Any] | None:
-    """The ``torch.compile`` object of a compiled block (None: not compiled)."""
-    return block.__dict__.get("_loongtrain_compiled")

@@ -86,8 +86,8 @@ def parse_args(argv: list[str]) -> EvalConfig:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from loongtrain.eval.job import prepare
-        from loongtrain.train.launch import setup_logging
+        from loongtrain.launch.eval_run import prepare
+        from loongtrain.launch.train_run import setup_logging
 
         setup_logging(int(os.environ.get("RANK", 0)), False)
         job = prepare(parse_args(argv))
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     except ValueError as exc:
         return user_error("eval", exc)
-    from loongtrain.eval.launch import launch
+    from loongtrain.launch.eval_run import launch
     from loongtrain.parallel.workers import WorkerError
 
     try:

@@ -1,9 +1,9 @@
 """``loongtrain eval``'s processes, on ``train``'s launcher (docs/design.md §10, §14): under torchrun this
 process is one rank; otherwise ``--nproc`` local workers (:func:`~loongtrain.parallel.workers.run_local`),
-or this process alone for one rank. Everything is checked by :func:`~loongtrain.eval.job.prepare` first.
+or this process alone for one rank. Everything is checked by :func:`prepare` first.
 
-:func:`evaluate` is one rank's evaluation of an already built model (tests call it with their own
-models); :func:`run_rank` builds the mesh and the model, evaluates, and rank 0 writes the outputs.
+:func:`~loongtrain.eval.job.evaluate` is one rank's evaluation of an already built model (tests call it
+with their own models); :func:`run_rank` builds the mesh and the model, evaluates, and rank 0 writes the outputs.
 """
 
 from __future__ import annotations
@@ -12,39 +12,30 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-from torch import nn
-
-from loongtrain.eval.job import Job
-from loongtrain.eval.passkey import passkey
-from loongtrain.eval.position_loss import position_loss
+from loongtrain.eval.job import EvalConfig, Job, eval_run_config, evaluate, resolve_job
 from loongtrain.eval.report import plot, table, write_results
-from loongtrain.eval.source import build_model, model_config
+from loongtrain.eval.source import build_model
+from loongtrain.launch.autoplan import apply_plan
+from loongtrain.launch.torchrun import under_torchrun
+from loongtrain.launch.train_run import rank_mesh, world_size_for
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.workers import resolve_backend, run_local
-from loongtrain.train.config import autocast_dtype
-from loongtrain.train.launch import rank_mesh
-from loongtrain.train.parallelize import uses_fsdp
-from loongtrain.train.torchrun import under_torchrun
 
 log = logging.getLogger("loongtrain.eval")
 
 
-def evaluate(job: Job, model: nn.Module, mesh: Mesh, device: torch.device) -> list[dict]:
-    """The task's rows (passkey cells or position buckets) for ``model`` on ``mesh`` (collective)."""
-    o, run = job.options, job.run
-    amp = None if uses_fsdp(run.parallel) else autocast_dtype(run, device)  # FSDP2 casts the weights itself
-    if o.task == "passkey":
-        assert job.tokens is not None
-        return passkey(model, job.tokens, job.lengths, o.depths, o.trials, mesh, device, key_digits=o.key_digits,
-                       seed=o.seed, amp_dtype=amp)
-    return position_loss(model, job.batches, mesh, device, job.lengths[0], amp_dtype=amp, doc_mask=run.doc_mask,
-                         position_reset=run.position_reset, chunk_layout=run.chunk_layout,
-                         sliding_window=model_config(job.source).sliding_window)
+def prepare(options: EvalConfig) -> Job:
+    """Check ``options`` and resolve them into a :class:`~loongtrain.eval.job.Job` in the launcher, before
+    any worker starts: the evaluation's run config, then the world size and ``--plan`` as training
+    resolves them (ValueError on bad input)."""
+    source, lengths, run = eval_run_config(options)
+    world = world_size_for(run)
+    run = apply_plan(run, world, under_launcher=under_torchrun())
+    return resolve_job(options, source, lengths, run, world)
 
 
 def run_rank(job: Job, rank: int, world: int) -> list[dict]:
-    """One rank: the training's own set-up (:func:`~loongtrain.train.launch.rank_mesh`), then build the
+    """One rank: the training's own set-up (:func:`~loongtrain.launch.train_run.rank_mesh`), then build the
     model and evaluate; rank 0 writes results.json, the table and the plot."""
     with rank_mesh(rank, world, job.run) as (mesh, device):
         model = build_model(job.source, job.run, mesh, device)
@@ -80,4 +71,4 @@ def launch(job: Job) -> list[dict]:
     log.info("starting %d local workers (hp=%d, cp=%d, dp=%d)", job.world, p.hp, p.cp, job.world // p.sp)
     return run_local(_local_worker, job.world, job, backend=resolve_backend(None, job.world), threads=None,
                      timeout=None, collective_timeout=job.run.timeout, heartbeat_timeout=job.run.heartbeat_timeout,
-                     preload=["loongtrain.eval.launch"])[0]
+                     preload=["loongtrain.launch.eval_run"])[0]

@@ -1,5 +1,8 @@
 """A deterministic synthetic batch source (tests and benchmarks): no corpus, no tokenizer.
 
+The source takes the run's ``TrainConfig`` (``batch_size``, ``seq_len``, ``seed``) and ``Mesh`` (``dp``,
+``dp_rank``) duck-typed: this module sits below both.
+
 Micro-step ``i`` draws a *global* batch of ``dp * batch_size`` random sequences from a generator
 seeded with ``(seed, i)``; replica ``d`` takes rows ``[d * batch_size, (d + 1) * batch_size)``. A single
 process with ``batch_size * dp`` rows therefore sees exactly the union of the replicas' samples,
@@ -9,11 +12,9 @@ and resuming at any micro-step reproduces the same stream.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
-
-from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.config import TrainConfig
 
 Batch = dict[str, torch.Tensor]
 
@@ -33,7 +34,7 @@ def synthetic_source(vocab: int):
     ``batch_size = dp * per_replica`` sees exactly the rows of all replicas of a parallel run.
     """
 
-    def source(cfg: TrainConfig, mesh: Mesh, start: int) -> Iterator[Batch]:
+    def source(cfg: Any, mesh: Any, start: int) -> Iterator[Batch]:
         rows = cfg.batch_size * mesh.dp
         lo = mesh.dp_rank * cfg.batch_size
         step = start
