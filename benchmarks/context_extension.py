@@ -160,14 +160,15 @@ def plot(results: dict, args: argparse.Namespace, path: Path) -> None:
 
     L = args.length
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4))
-    for name, r in results["models"].items():
+    for index, (name, r) in enumerate(results["models"].items()):
+        style = dict(marker="o", label=name, color=f"C{index}")  # one colour per model in every panel
         lengths = [int(n) for n in r["passkey"]]
-        left.plot(lengths, [100 * c / t for c, t in r["passkey"].values()], marker="o", label=name)
+        left.plot(lengths, [100 * c / t for c, t in r["passkey"].values()], **style)
         shown = [b for b in r["position_loss"] if b["loss"] is not None]
-        right.plot([(b["start"] + b["end"]) / 2 for b in shown], [b["loss"] for b in shown], marker="o", label=name)
+        right.plot([(b["start"] + b["end"]) / 2 for b in shown], [b["loss"] for b in shown], **style)
         if r.get("progress"):
             steps = sorted(int(k) for k in r["progress"])
-            middle.plot(steps, [100 * _share(r["progress"][str(k)]["keys"]) for k in steps], marker="o", label=name)
+            middle.plot(steps, [100 * _share(r["progress"][str(k)]["keys"]) for k in steps], **style)
     left.set_xscale("log", base=2)
     left.set_xticks([L, 2 * L, 4 * L], [str(L), str(2 * L), str(4 * L)])
     left.set_xlabel("prompt length (tokens)")
@@ -181,7 +182,8 @@ def plot(results: dict, args: argparse.Namespace, path: Path) -> None:
     middle.set_title("while continuing")
     right.axvline(L, color="grey", ls=":", lw=1)
     right.set_xlabel("token position (bucket middle)")
-    right.set_ylabel("mean loss (nats)")
+    right.set_ylabel("mean loss (nats, log scale)")
+    right.set_yscale("log")
     right.set_title(f"loss by position at {4 * L}")
     for ax in (left, middle, right):
         ax.grid(alpha=0.3)
@@ -210,7 +212,11 @@ def main() -> int:
     p.add_argument("--ways", default="unchanged,theta,yarn")
     p.add_argument("--checkpoints", type=int, default=6, help="checkpoints of each continuation, each scored "
                    "on passkey at 4L (the last one fully)")
+    p.add_argument("--replot", default="", metavar="RESULTS_JSON", help="only redraw the tables and the plot of "
+                   "an earlier run's results.json (into --out)")
     args = p.parse_args()
+    if args.replot:
+        return report(json.loads(Path(args.replot).read_text()), args, Path(args.out))
     if args.batch_size % 4:
         raise SystemExit(f"--batch-size {args.batch_size} must be a multiple of 4 (a quarter of it at 4L)")
     L, out = args.length, Path(args.out)
@@ -248,19 +254,29 @@ def main() -> int:
         print(name, json.dumps(r["passkey"]), flush=True)
     results["wall_s"] = {"total": time.perf_counter() - t_start, "pretrain": pre_s, "continuations": cont_s}
     results["first_90"] = first_to(results, 0.9, 4 * L)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     results["header"] = header()
-    table = f"<!-- {results['header']} -->\n" + markdown(results, args)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    return report(results, args, out)
+
+
+def report(results: dict, args: argparse.Namespace, out: Path) -> int:
+    """Write the tables and the plot of ``results`` into ``out`` (and ``--notes``) and print the summary."""
+    run_args = argparse.Namespace(**{**vars(args), **results["args"]})  # the run's own length and settings
+    L = run_args.length
+    out.mkdir(parents=True, exist_ok=True)
+    table = f"<!-- {results.get('header', '')} -->\n" + markdown(results, run_args)
     (out / "context_extension.md").write_text(table)
-    plot(results, args, out / "context_extension.png")
+    plot(results, run_args, out / "context_extension.png")
     if args.notes:
         for name in ("context_extension.md", "context_extension.png"):
             shutil.copy(out / name, Path(args.notes) / name)
     print(table)
+    wall = results["wall_s"]
     first = first_to(results, 0.9, 4 * L)
-    print(f"wall {results['wall_s']['total']:.0f} s (pretraining {pre_s:.0f} s, continuations {cont_s:.0f} s with "
-          f"--jobs {args.jobs}); theta x{scale:.2f}; first checkpoint with >= 90% of the keys at {4 * L}: "
-          + (f"{first[0]} at step {first[1]}, {first[2]:.1f} min after the start" if first else "none"))
+    reached = f"{first[0]} at step {first[1]}, {first[2]:.1f} min after the start" if first else "none"
+    print(f"wall {wall['total']:.0f} s (pretraining {wall['pretrain']:.0f} s, continuations "
+          f"{wall['continuations']:.0f} s with --jobs {run_args.jobs}); theta x{results['theta_scale']:.2f}; "
+          f"first checkpoint with >= 90% of the keys at {4 * L}: {reached}")
     return 0
 
 
