@@ -58,7 +58,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_speed import SPEED_SECTIONS, SPEED_SIZES  # noqa: E402
-from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates, median_seconds  # noqa: E402
+from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates  # noqa: E402
+from loongtrain.attn.kernel_timing import median_seconds  # noqa: E402
 from loongtrain.attn.kernels import REFERENCE, Kernel  # noqa: E402
 from loongtrain.attn.masking import AttnMask, dense_mask  # noqa: E402
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward  # noqa: E402

@@ -54,8 +54,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         loss.backward()
     out["plain_backward_bytes"] = dict(comm.bytes)
     # the measured kernel choice is rank 0's on every rank (loongtrain.attn.kernel_choice.agree_across_ranks)
+    from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_FLASH
     from loongtrain.attn.kernel_choice import agree_across_ranks
-    from loongtrain.attn.kernels import CUDA_CUDNN, CUDA_FLASH
 
     out["kernel"] = agree_across_ranks(CUDA_CUDNN if rank == 0 else CUDA_FLASH, [CUDA_FLASH, CUDA_CUDNN]).name
     return out

@@ -127,6 +127,7 @@ def test_hf_model_keeps_hf_modules_with_a_new_rope(tmp_path):
     from loongtrain.hf import load_hf_model
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
+    from loongtrain.train.checkpoint import write_checksums
     from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.run_model import hf_run_config, model_config_for, model_record
     from loongtrain.train.trainer import Trainer
@@ -155,6 +156,7 @@ def test_hf_model_keeps_hf_modules_with_a_new_rope(tmp_path):
     record = model_record(trainer.model_config, cfg)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "scheduler": {}, "config": cfg.to_dict(),
                                                          **record}, default=str))
+    write_checksums(ckpt)  # a complete checkpoint's record (no weights: only the configs are read here)
     later = TrainConfig(**base, init_from=str(ckpt), rope_theta=1e6)
     assert hf_run_config(later).rope_parameters == {**expected, "rope_theta": 1e6}
     assert model_config_for(later).rope_theta == 1e6

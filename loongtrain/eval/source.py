@@ -1,7 +1,8 @@
 """What ``loongtrain eval MODEL`` evaluates (docs/design.md §14): a run directory (its
 ``checkpoints/latest``), a checkpoint directory, or a Hugging Face model directory.
 
-- :func:`resolve_model` (launcher, before any worker): the kind, the checkpoint or directory, and the
+- :func:`resolve_model` (launcher, before any worker): the kind, the checkpoint (complete, every file
+  verified against its checksum: :func:`~loongtrain.train.checkpoint.verify_checkpoint`) or directory, and the
   :class:`~loongtrain.train.config.TrainConfig` the model came with (a checkpoint's recorded run config,
   or ``TrainConfig(model=DIR)``): its tokenizer, corpus, dtype and ``--doc-mask`` are the evaluation's
   defaults. ValueError naming the path when it is none of the three kinds.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,14 @@ from torch import nn
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, load_model_weights, read_trainer_state
+from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.export import checkpoint_model_record
 from loongtrain.train.run_model import model_from_record
 from loongtrain.wrap.parallelize import parallelize
 from loongtrain.wrap.zero import uses_zero
+
+log = logging.getLogger("loongtrain.eval")
 
 KINDS = ("run directory (OUT_DIR with checkpoints/latest)", "checkpoint directory (with trainer_state.json)",
          "Hugging Face model directory (with config.json)")
@@ -51,11 +55,13 @@ def resolve_model(model: str) -> ModelSource:
     is_checkpoint = path.is_dir() and any((root / name).is_file() for root in (path, path / "checkpoints")
                                           for name in (STATE_FILE, LATEST))
     if is_checkpoint:
-        checkpoint = find_checkpoint(path)
-        state = read_trainer_state(checkpoint)
+        checkpoint = find_checkpoint(path)  # complete checkpoints only
+        state = verify_checkpoint(checkpoint)  # every file against its checksum: the bad one is named here
         run = TrainConfig.from_dict(state.get("config") or {})
         return ModelSource("checkpoint", checkpoint, run, checkpoint_model_record(state))
     if path.is_dir() and (path / "config.json").is_file():
+        if not any(path.glob("*.safetensors")):
+            log.warning("MODEL %s has no *.safetensors weights: evaluating randomly initialised weights", path)
         return ModelSource("hf", path, TrainConfig(model=str(path)))
     raise ValueError(f"MODEL {model!r} is none of: {'; '.join(KINDS)}")
 

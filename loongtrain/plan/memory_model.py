@@ -39,7 +39,7 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   inside the attention kernel's (the residual, output and query gradients, the ring's K/V and dK/dV blocks,
   with a ring an fp32 dQ accumulator; with ``hp > 1`` in the heads' layout), less the MLP's part of the
   set, which is gone by then. The CUDA kernels' own workspace is not counted (FA2's: at most
-  ``kernels.SPLIT_BACKWARD_BYTES`` per call, or one query head's fp32 dQ accumulator; docs/design.md §9).
+  ``cuda_kernels.SPLIT_BACKWARD_BYTES`` per call, or one query head's fp32 dQ accumulator; docs/design.md §9).
 
 Offload and tiling modes (docs/design.md §9; :class:`~loongtrain.parallel.config.ParallelConfig`'s
 ``offload_activations``, ``mlp_tiles``, ``offload_params``), each changing only its own terms; ``host``

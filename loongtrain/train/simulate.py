@@ -70,7 +70,6 @@ from loongtrain.parallel import agreement
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import destroy_all_meshes, init_mesh
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.sync import all_reduce_gradients
 from loongtrain.train.trainer import Trainer
 from loongtrain.wrap import zero as zero_module
 from loongtrain.wrap.offload import allocating_on_host, host_allocations
@@ -247,9 +246,8 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
     try:
         with tracker:
             loss, _ = trainer.loss(batch)
-            loss.backward()
-            if trainer.grad_sync:
-                all_reduce_gradients(trainer.params, trainer.mesh.dp)
+            with trainer.grad_sync.overlapped() if trainer.grad_sync else contextlib.nullcontext():
+                loss.backward()
             with host_allocations() if offload_params else contextlib.nullcontext():
                 trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)
