@@ -99,7 +99,7 @@ def test_rank_0_decides_run_or_user_error(tmp_path, store):
     attempt = _attempt(store, 1)[0]
     decision = torchrun.decide(run, 4, attempt)
     identity = decision.pop("data_identity")
-    assert decision == {"kind": "run", "resume": "", "overwrite": False}
+    assert decision == {"kind": "run", "resume": "", "overwrite": False, "init_from": ""}
     assert identity["tokenizer"] == "byte" and identity["corpus"][0]["corpus"] == cfg.corpus
     assert (Path(cfg.out_dir) / torchrun.RUN_ID_FILE).is_file()
     assert (Path(cfg.out_dir) / ".loongtrain.lock").is_file()  # rank 0 holds --out-dir for the attempt

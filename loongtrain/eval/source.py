@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, verify_checkpoint
+from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.export import checkpoint_model_record
 from loongtrain.train.run_model import model_from_record
@@ -80,10 +77,9 @@ def model_config(source: ModelSource) -> ModelConfig:
     assert source.record is not None
     if "model_config" in source.record:
         return ModelConfig(**source.record["model_config"])
-    from transformers import AutoConfig
+    from loongtrain.hf.load import hf_config_from_dict
 
-    values = dict(source.record["hf_config"])
-    return shape_config_from_hf(AutoConfig.for_model(values.pop("model_type"), **values))
+    return shape_config_from_hf(hf_config_from_dict(source.record["hf_config"]))
 
 
 def trained_length(source: ModelSource) -> tuple[int, str]:
@@ -110,14 +106,7 @@ def build_model(source: ModelSource, cfg: TrainConfig, mesh: Mesh, device: torch
     else:
         model = model_from_record(source.record, param_dtype(cfg))
         model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_dtype)
-        load_weights(model, source.path)
+        load_model_weights(source.path, model)
     return model.eval()
 
 
-def load_weights(model: nn.Module, checkpoint: Path) -> None:
-    """Read the model weights of ``checkpoint`` (DCP) into ``model``'s parameters, whole or sharded."""
-    weights = get_model_state_dict(model)
-    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": weights}, checkpoint_id=str(checkpoint))
-    set_model_state_dict(model, weights)

@@ -20,16 +20,19 @@ exits 2 within seconds instead of failing inside the workers. It checks:
 - ``--resume``: the checkpoint is complete and its files are readable (the bad file is named), its step
   is below ``--steps``, the run is compatible with it (:data:`MUST_MATCH`), and the data is the data it
   trained on: the corpus's and the tokenizer's identity (:func:`data_identity`) equal the ones the
-  checkpoint recorded (a corpus whose files only got new modification times: a warning).
+  checkpoint recorded (a corpus whose files only got new modification times: a warning);
+- ``--init-from``: the checkpoint's files are readable and it lies outside this run's checkpoints (its
+  model is checked against the run's by :func:`loongtrain.train.run_model.model_config_for`).
 
-Resume rule: the data stream and the optimizer state must continue unchanged, so the model preset,
-tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seq-len-schedule`` and ``--schedule-tokens``,
-``--seed``, ``--grad-accum``, the global batch
-(``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
-``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout
-(``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of ranks at the
-same global batch), ``--steps`` (without a schedule), ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging
-and intervals.
+Resume rule: the data stream, the optimizer state and the model must continue unchanged, so the model
+preset, tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seq-len-schedule`` and ``--schedule-tokens``,
+``--seed``, ``--grad-accum``, the RoPE (``--rope-theta``, ``--rope-scaling``, compared by meaning), the global
+batch (``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``,
+``--beta1``, ``--beta2``, ``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may
+change: the layout (``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of
+ranks at the same global batch), ``--steps`` (without a schedule), ``--warmup``, ``--min-lr-ratio``,
+``--clip``, logging and intervals. Continuing the trained weights at another length or RoPE is a new run:
+``--init-from CHECKPOINT`` (weights only) in a new ``--out-dir`` (docs/design.md §7, *RoPE scaling*).
 """
 
 from __future__ import annotations
@@ -46,12 +49,14 @@ from loongtrain.data.packing import TokenStream
 from loongtrain.data.prepared import check_prepared, is_prepared_dir, tokenizer_identity
 from loongtrain.data.sources import corpus_identity, identity_change, open_stream, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.model.rope_scaling import rope_change
 from loongtrain.train.checkpoint import (
     AUTO,
     CHECKPOINTS_OUTPUT,
     LATEST,
     RUN_OUTPUT,
     STATE_FILE,
+    find_checkpoint,
     newest_checkpoint,
     resolve_checkpoint,
     verify_checkpoint,
@@ -64,7 +69,9 @@ from loongtrain.train.validation import check_validation
 log = logging.getLogger("loongtrain.train")
 
 MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_schedule", "schedule_tokens",
-              "seed", "grad_accum", "lr", "beta1", "beta2", "eps", "weight_decay")
+              "seed", "grad_accum", "rope_theta", "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay")
+#: options a new run with --init-from may change where a resume may not
+NEW_RUN_CHANGES = ("seq_len", "seq_len_schedule", "rope_theta", "rope_scaling")
 
 
 class RunComplete(Exception):
@@ -79,6 +86,7 @@ def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, 
     (built from ``--tokenizer`` when not given)."""
     if restarted and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume=AUTO, overwrite=False)
+    cfg = check_init_from(cfg)
     check_out_dir(cfg)
     tokenizer = tokenizer or build_run_tokenizer(cfg)
     check_corpus(cfg, tokenizer)
@@ -98,11 +106,12 @@ class _StepsReached(ValueError):
 
 def run_inputs(cfg: TrainConfig) -> list[str]:
     """The paths a run reads (its output directory must neither hold nor lie inside them): the corpora of
-    ``--corpus`` and ``--val-corpus``, a tokenizer path, a Hugging Face model directory."""
+    ``--corpus`` and ``--val-corpus``, a tokenizer path, a Hugging Face model directory, ``--init-from``."""
     paths = [name for spec in (cfg.corpus, cfg.val_corpus) if spec for name, _ in _parts(spec)]
     tokenizer = tokenizer_spec(cfg)
     model = hf_model_dir(cfg.model)
-    return [p for p in paths + [tokenizer] + [str(model) if model else ""] if p and p not in ("stdlib", "byte")]
+    return [p for p in paths + [tokenizer] + [str(model) if model else "", cfg.init_from]
+            if p and p not in ("stdlib", "byte")]
 
 
 def _parts(spec: str) -> list[tuple[str, float]]:
@@ -135,6 +144,23 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is a file, so the directory cannot be made")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is not writable")
+
+
+def check_init_from(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``--init-from`` resolved to one checkpoint directory, after checking that its files are
+    readable and that it is not one of this run's own checkpoints (``--resume`` continues those)."""
+    if not cfg.init_from:
+        return cfg
+    try:
+        path = find_checkpoint(cfg.init_from)
+        verify_checkpoint(path)
+    except ValueError as exc:
+        raise ValueError(f"--init-from {cfg.init_from!r}: {exc}") from None
+    own = (Path(cfg.out_dir) / "checkpoints").resolve()
+    if own == path.resolve().parent:
+        raise ValueError(f"--init-from {cfg.init_from!r} is a checkpoint of this run (--out-dir {cfg.out_dir!r}); "
+                         f"--resume continues it, --init-from starts a new run in another --out-dir")
+    return dataclasses.replace(cfg, init_from=str(path))
 
 
 def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
@@ -293,6 +319,16 @@ def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = N
     return dataclasses.replace(cfg, resume=str(path))
 
 
+def _same_option(name: str, saved: Any, current: Any) -> bool:
+    """Whether a resumed run's option equals the checkpoint's (``--rope-scaling`` by its meaning)."""
+    if name == "rope_scaling" and isinstance(saved, str):
+        try:
+            return rope_change(0.0, saved) == rope_change(0.0, current)
+        except ValueError:
+            return False
+    return saved == current
+
+
 def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: Path) -> None:
     """Raise ValueError when ``cfg`` cannot continue the run saved in checkpoint ``path`` (the resume rule)."""
     step = state["step"]
@@ -301,10 +337,12 @@ def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: 
                          f"nothing to train (raise --steps above {step} to continue)")
     saved = state.get("config") or {}
     for name in MUST_MATCH:
-        if name in saved and saved[name] != getattr(cfg, name):
+        if name in saved and not _same_option(name, saved[name], getattr(cfg, name)):
+            hint = (f"; to continue its weights at another --seq-len or RoPE, start a new run from them: "
+                    f"--init-from {str(path)!r} --out-dir NEW") if name in NEW_RUN_CHANGES else ""
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r} differs from the checkpoint's "
                              f"{saved[name]!r} ({str(path)!r}); a resumed run must keep it (resume rule: "
-                             f"see `loongtrain.launch.preflight`)")
+                             f"see `loongtrain.launch.preflight`){hint}")
     layout = state.get("layout") or {}
     if "dp" in layout and "batch_size" in saved:
         dp = world // cfg.parallel.sp

@@ -199,7 +199,8 @@ def write_marker(cfg: TrainConfig, attempt: Attempt) -> None:
 
 
 def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
-    """Rank 0's decision for the attempt: ``{"kind": "run", "resume": ..., "overwrite": ...}``,
+    """Rank 0's decision for the attempt: ``{"kind": "run", "resume": ..., "overwrite": ..., "init_from": ...,
+    "data_identity": ...}``,
     ``{"kind": "complete", "text": ...}`` or ``{"kind": "error", "text": ...}`` (a user error)."""
     cfg = run.cfg
     restarted = is_restart(cfg, attempt)
@@ -215,7 +216,7 @@ def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
         log.info("torchrun attempt %d (restart counts up to %d): resuming from %s", attempt.number,
                  attempt.restarts, resolved.resume or "scratch (no checkpoint yet)")
     return {"kind": "run", "resume": resolved.resume, "overwrite": resolved.overwrite,
-            "data_identity": data_identity(resolved, run.tokenizer)}
+            "init_from": resolved.init_from, "data_identity": data_identity(resolved, run.tokenizer)}
 
 
 #: the ``--out-dir`` lock rank 0 took for the attempt (released by the kernel when the rank exits)
@@ -241,7 +242,8 @@ def agree_on_start(run: Run, world: int) -> Run | None:
     if decision["kind"] == "complete":
         log.info("torchrun attempt %d: the run is complete (%s)", attempt.number, decision["text"])
         return None
-    cfg = dataclasses.replace(run.cfg, resume=decision["resume"], overwrite=decision["overwrite"])
+    cfg = dataclasses.replace(run.cfg, resume=decision["resume"], overwrite=decision["overwrite"],
+                              init_from=decision["init_from"])
     return dataclasses.replace(run, cfg=cfg, resume=cfg.resume, data_identity=decision.get("data_identity"))
 
 

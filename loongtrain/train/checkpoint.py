@@ -37,7 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from loongtrain._files import DiskFullError, Output, is_disk_full
 from loongtrain.parallel.failures import causes
@@ -362,6 +367,20 @@ def parameters_finite(model: nn.Module) -> bool:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad = flag.cpu()
     return not bool(bad)
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Collective when sharded: read only the model weights of checkpoint ``path`` (DCP, any saved layout)
+    into ``model``'s parameters, whole or sharded; ValueError naming the checkpoint when it cannot."""
+    weights = get_model_state_dict(model)
+    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load({"model": weights}, checkpoint_id=str(path))
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"checkpoint {str(path)!r} could not be loaded (a corrupt file?): {last}") from None
+    set_model_state_dict(model, weights)
 
 
 def load_checkpoint(

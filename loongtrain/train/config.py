@@ -25,6 +25,7 @@ from loongtrain.data.corpus import DECODE_ERRORS
 from loongtrain.data.split import check_fraction
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.config import ModelConfig
+from loongtrain.model.rope_scaling import RopeChange, rope_change
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import CHUNK_LAYOUTS
 from loongtrain.train.stages import check_schedule, schedule_totals
@@ -54,6 +55,18 @@ class TrainConfig:
     # model and data
     model: str = _opt("tiny", "model preset (tiny, 1b, 7b-mha, 7b-gqa, 13b) or a local Hugging Face model "
                       "directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)")
+    rope_theta: float = _opt(0.0, "RoPE base (0: the model's own: the preset's, config.json's, or the --init-from "
+                             "checkpoint's), e.g. raised to extend the context")
+    rope_scaling: str = _opt("", "RoPE scaling as TYPE:key=value,... with Hugging Face's types (linear, yarn, "
+                             "llama3) and keys (factor, original_max_position_embeddings, low_freq_factor, "
+                             "high_freq_factor, beta_fast, beta_slow, attention_factor), e.g. "
+                             "yarn:factor=4,original_max_position_embeddings=8192; 'default': plain RoPE; '': the "
+                             "model's own (README: Context extension)")
+    init_from: str = _opt("", "start this run from the weights of a loongtrain checkpoint (a checkpoint, "
+                          "checkpoints or run directory: its latest), with a fresh optimizer, schedule and data "
+                          "stream; the model and its RoPE are the checkpoint's, changed by --rope-theta / "
+                          "--rope-scaling; --seq-len may differ. A run that has checkpoints of its own resumes "
+                          "those instead (--resume)")
     corpus: str = _opt(
         "stdlib", "corpus: 'stdlib' (this Python's standard-library sources, no download), a .txt/.jsonl "
         "file, a directory of them, a saved Hugging Face dataset, a directory made by `loongtrain prepare` "
@@ -179,6 +192,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
         self._validate_ranges()
+        self.rope_change()
         check_fraction(self.val_fraction)
         if self.val_fraction and self.val_corpus:
             raise ValueError(f"--val-fraction={self.val_fraction} and --val-corpus={self.val_corpus!r}: give "
@@ -229,6 +243,10 @@ class TrainConfig:
             if not (math.isfinite(value) and inside):
                 rule = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
                 raise ValueError(f"--{_flag(name)}={value} must be finite and in {rule}")
+
+    def rope_change(self) -> RopeChange:
+        """``--rope-theta`` / ``--rope-scaling`` parsed (:func:`loongtrain.model.rope_scaling.rope_change`)."""
+        return rope_change(self.rope_theta, self.rope_scaling)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, ``parallel`` as a nested dict (what checkpoints record; :meth:`from_dict` reads it)."""

@@ -30,14 +30,11 @@ import argparse
 import os
 import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from loongtrain._files import (
     LOCK_FILE,
@@ -54,7 +51,7 @@ from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.tokenizer import build_tokenizer
 from loongtrain.hf.convert import export_hf
 from loongtrain.train import run_model
-from loongtrain.train.checkpoint import find_checkpoint, verify_checkpoint
+from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, param_dtype
 from loongtrain.train.run_model import model_from_record
 
@@ -75,15 +72,7 @@ def load_trained_model(checkpoint: str | Path) -> nn.Module:
     state = verify_checkpoint(path)  # the checks of train --resume: state, metadata, sizes, checksums
     dtype = param_dtype(TrainConfig.from_dict(state["config"]))
     model = model_from_record(checkpoint_model_record(state), dtype)
-    weights = get_model_state_dict(model)
-    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load({"model": weights}, checkpoint_id=str(path))
-        except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
-            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"checkpoint {str(path)!r} could not be loaded (a corrupt file?): {last}") from None
-    set_model_state_dict(model, weights)
+    load_model_weights(path, model)
     return model
 
 

@@ -40,6 +40,7 @@ from loongtrain.train.checkpoint import (
     CHECKPOINTS_OUTPUT,
     NonFiniteError,
     load_checkpoint,
+    load_model_weights,
     remove_stale_tmp,
     save_checkpoint,
 )
@@ -54,7 +55,7 @@ from loongtrain.train.metrics import (
     read_device_values,
 )
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
-from loongtrain.train.run_model import build_model, loss_inputs, model_record
+from loongtrain.train.run_model import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
@@ -178,9 +179,15 @@ class Trainer:
             if self.cfg.resume:
                 log.info("--resume %s: no checkpoint in %s yet; starting fresh", self.cfg.resume,
                          self.out_dir / "checkpoints")
+            if self.cfg.init_from:  # weights only: optimizer, schedule and data start fresh
+                found = init_checkpoint(self.cfg)
+                assert found is not None
+                load_model_weights(found[0], self.model)
+                log.info("initialised the weights from %s (step %d of its run)", found[0], int(found[1]["step"]))
             return 0, {}
         state = load_checkpoint(Path(choice[0]), self.model, self.optimizer, self.scheduler)
-        log.info("resumed from %s at step %d", choice[0], int(state["step"]))
+        log.info("resumed from %s at step %d%s", choice[0], int(state["step"]),
+                 f" (--init-from {self.cfg.init_from} applies to a fresh start only)" if self.cfg.init_from else "")
         return int(state["step"]), state
 
     def open_data(self, start_step: int, state: dict[str, Any]) -> StageStream:
