@@ -152,3 +152,24 @@ def test_planner_matches_the_simulation_sharded(layout):
     simulated = simulate_step(WIDE, parallel, world, seq_len=WIDE_SEQ * world)
     assert abs(predicted["total"] / simulated.peak_bytes - 1) <= 0.10, (predicted, simulated)
     assert predicted["host"] == simulated.host_bytes, (predicted, simulated)
+
+
+DEEP = ModelConfig(vocab_size=256, dim=64, num_layers=5, num_heads=4, num_kv_heads=2, ffn_dim=192)
+
+
+@pytest.mark.parametrize("world, parallel", [
+    (1, ParallelConfig(ac_mode="none")),
+    (1, ParallelConfig(ac_mode="selective", zero="full", offload_activations=True, mlp_tiles="2",
+                       offload_params=True)),
+    (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="full")),
+], ids=["none", "selective-every-memory-mode", "hp2-cp2-fsdp2-full"])
+def test_simulation_by_depth_equals_the_whole_step(world, parallel):
+    """Two shallow simulations extended to 5 blocks (phase by phase) give the whole 5-block step's peaks."""
+    from loongtrain.train.simulate import DEPTHS, simulate_by_depth
+
+    assert DEPTHS[1] < DEEP.num_layers  # extended, not simulated whole
+    whole = simulate_step(DEEP, parallel, world, seq_len=256)
+    scaled = simulate_by_depth(DEEP, parallel, world, seq_len=256)
+    assert scaled.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.01), (scaled, whole)
+    assert scaled.host_bytes == pytest.approx(whole.host_bytes, rel=0.01, abs=0), (scaled, whole)
+    assert (whole.host_bytes > 0) == (parallel.offload_activations or parallel.offload_params)

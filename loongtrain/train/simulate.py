@@ -50,6 +50,13 @@ What is simulated, exactly:
 
 A Hugging Face model directory is simulated as loongtrain's decoder of the same shape (its
 :class:`~loongtrain.model.config.ModelConfig`), which is what the planner models.
+
+**By depth** (:func:`simulate_by_depth`, what ``loongtrain plan --simulate`` runs): the blocks are alike, so
+each phase of the step (a block's forward or backward, for the first, the last and the blocks between, the
+rest of the forward and backward, the optimizer step) peaks at ``a + b * L`` for ``L`` blocks. The step is
+simulated at two small depths (:data:`DEPTHS`, past the blocks ``offload_keep`` keeps) and each phase's peak
+(device and host, and its parts) extended linearly to the model's depth; the largest is the step's. Equal to
+the whole simulation within 1% (tests/test_simulate.py, every memory mode), at a fraction of its time.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,6 +87,9 @@ log = logging.getLogger("loongtrain.train")
 
 #: MemTracker's key for host memory (the offload modes' host buffers, beside the fake CPU "device")
 HOST = "host"
+#: the two depths :func:`simulate_by_depth` simulates (beyond the blocks ``offload_keep`` keeps on the device)
+DEPTHS = (3, 4)
+_BLOCK = re.compile(r"\.layers\.(\d+)$")
 
 
 @dataclasses.dataclass
@@ -93,6 +104,8 @@ class Simulated:
     rank: int
     world_size: int
     host_parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: phase -> (device or host: ``(peak bytes, its parts)``) of :class:`HostAwareTracker`
+    phases: dict[tuple[str, bool], tuple[int, dict[str, int]]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"simulated_device_gib": self.peak_bytes / 2**30, "simulated_host_gib": self.host_bytes / 2**30,
@@ -105,15 +118,42 @@ class HostAwareTracker(MemTracker):
     """torch's MemTracker with host memory under its own key (:data:`HOST`) beside the (CPU) device's:
     storages allocated inside :func:`loongtrain.wrap.offload.host_allocations`, and those moved with
     :meth:`to_host` (FSDP2's host shards and their gradients under ``CPUOffloadPolicy``). Each key has its
-    own peak, so the device's peak is not inflated by what lives on the host, nor the host's by the device."""
+    own peak, so the device's peak is not inflated by what lives on the host, nor the host's by the device.
+    ``phases`` keeps each phase's peaks too (:meth:`phase`), keyed ``(phase, device)``."""
+
+    def __init__(self, num_layers: int = 0) -> None:
+        super().__init__()
+        self.num_layers, self.stage = num_layers, ""
+        self.phases: dict[tuple[str, Any], tuple[int, dict[Any, int]]] = {}
+
+    def __enter__(self) -> HostAwareTracker:
+        super().__enter__()  # the peaks start afresh here (what to_host counted before is not a phase's)
+        self.phases = {}
+        return self
+
+    def phase(self) -> str:
+        """``stage`` when set (the optimizer step), else forward or backward (``fw``/``bw``) of the first block,
+        the last, one between or none (``first``, ``last``, ``mid``, ``out``)."""
+        if self.stage:
+            return self.stage
+        blocks = [int(m.group(1)) for name in self._mod_tracker.parents if (m := _BLOCK.search(name))]
+        block = max(blocks, default=-1)
+        where = ("out" if block < 0 else "first" if block == 0 else "last" if block == self.num_layers - 1
+                 else "mid")
+        return ("bw-" if self._mod_tracker.is_bw else "fw-") + where
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        """The per-device peaks only: MemTracker also keeps each active module's peak, a walk over every
-        tracked module after every op (most of a full-size step's time), which nothing here reads."""
+        """The per-device and per-phase peaks only: MemTracker also keeps each active module's peak, a walk over
+        every tracked module after every op (most of a full-size step's time), which nothing here reads."""
+        phase = self.phase()
         for dev, dev_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+            total = dev_snap[_TOTAL_KEY]
+            if self._peak_mem.get(dev, 0) < total:
+                self._peak_mem[dev] = total
                 self._peak_mem_snap[dev] = dict(dev_snap)
+            key = (phase, dev)
+            if self.phases.get(key, (-1,))[0] < total:
+                self.phases[key] = (total, dict(dev_snap))
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         super()._track(reftype, t)
@@ -219,10 +259,11 @@ def _parts(snapshot: dict[Any, dict[Any, int]], key: Any) -> dict[str, int]:
     return {str(getattr(k, "value", k)).lower(): int(v) for k, v in snapshot.get(key, {}).items()}
 
 
-def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
-                 ) -> tuple[int, dict[str, int], int, dict[str, int]]:
+def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int, dict[str, int], int, dict[str, int],
+                                                                       dict[tuple[str, bool], tuple[int, dict]]]:
     """The trainer's step (loss, backward, dp gradient sync, AdamW) under :class:`HostAwareTracker`, with
-    the optimizer states already allocated: ``(device peak bytes, its parts, host peak bytes, its parts)``.
+    the optimizer states already allocated: ``(device peak bytes, its parts, host peak bytes, its parts,
+    each phase's peaks)``.
 
     Host memory: the activation offloader's host copies (allocated inside ``host_allocations``) and, with
     ``offload_params`` (FSDP2's ``CPUOffloadPolicy``), the sharded parameters, AdamW's states, each
@@ -233,7 +274,7 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
-    tracker = HostAwareTracker()
+    tracker = HostAwareTracker(trainer.model_config.num_layers)
     tracker.track_external(trainer.model, trainer.optimizer)
     hooks = []
     if offload_params:
@@ -248,6 +289,7 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
         with tracker:
             loss, _ = trainer.loss(batch)
             loss.backward()
+            tracker.stage = "optimizer"
             if trainer.grad_sync:
                 all_reduce_gradients(trainer.params, trainer.mesh.dp)
             with host_allocations() if offload_params else contextlib.nullcontext():
@@ -259,7 +301,11 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
     snapshot = tracker.get_tracker_snapshot("peak")
     device = next((d for d in snapshot if d != HOST and d.type == trainer.device.type), None)
     parts, host = _parts(snapshot, device), _parts(snapshot, HOST)
-    return parts.pop("total", 0), parts, host.pop("total", 0), host
+    phases = {(phase, dev == HOST): (total, _parts({0: snap}, 0)) for (phase, dev), (total, snap)
+              in tracker.phases.items() if dev in (HOST, device)}
+    for value in phases.values():
+        value[1].pop("total", None)
+    return parts.pop("total", 0), parts, host.pop("total", 0), host, phases
 
 
 def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
@@ -282,17 +328,40 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
         with modes, _noop_to_is_identity(), attention_workspace():
             # cfg.model names a preset: the native decoder of `model`; the batches are made here, not read
             trainer = Trainer(Run(cfg, model), mesh, device, batches=lambda *args: iter(()))
-            peak, parts, host, host_parts = tracked_step(trainer, _batch(model, seq_len, batch))
-    return Simulated(peak, host, parts, rank, world, host_parts)
+            peak, parts, host, host_parts, phases = tracked_step(trainer, _batch(model, seq_len, batch))
+    return Simulated(peak, host, parts, rank, world, host_parts, phases)
+
+
+def simulate_by_depth(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
+                      dtype: str = "bf16", rank: int = 0) -> Simulated:
+    """:func:`simulate_step` of ``model`` from two small depths (module docstring, *By depth*): each phase's
+    device and host peak, and its parts, extended linearly to ``model.num_layers``; the whole step when the
+    model is that shallow."""
+    keep = min(parallel.offload_keep, model.num_layers - 1) if parallel.offload_activations else 0
+    low, high = (n + keep for n in DEPTHS)
+    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank)
+    if model.num_layers <= high:
+        return simulate_step(model, parallel, world, **kw)
+    a, b = (simulate_step(dataclasses.replace(model, num_layers=n), parallel, world, **kw) for n in (low, high))
+    scale = model.num_layers - high
+
+    def extend(key: tuple[str, bool]) -> tuple[int, dict[str, int]]:
+        (ta, pa), (tb, pb) = a.phases.get(key, (0, {})), b.phases[key]
+        return tb + scale * (tb - ta), {k: v + scale * (v - pa.get(k, 0)) for k, v in pb.items()}
+
+    phases = {key: extend(key) for key in b.phases}
+    device = max((v for (_, host), v in phases.items() if not host), default=(0, {}), key=lambda v: v[0])
+    host = max((v for (_, on_host), v in phases.items() if on_host), default=(0, {}), key=lambda v: v[0])
+    return Simulated(device[0], host[0], device[1], rank, world, host[1], phases)
 
 
 def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dict[str, Any]:
-    """``loongtrain plan --simulate``: :func:`simulate_step` for a planner candidate at the request's length,
+    """``loongtrain plan --simulate``: :func:`simulate_by_depth` for a planner candidate at the request's length,
     batch and dtype (``candidate``: :class:`loongtrain.plan.cost.Candidate`, ``plan_cfg``:
     :class:`loongtrain.plan.config.PlanConfig`)."""
     dtypes = {"bf16": "bf16", "fp32": "fp32"}
     if plan_cfg.dtype not in dtypes:
         raise ValueError(f"--simulate: dtype={plan_cfg.dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
-    result = simulate_step(model, candidate.config, candidate.world_size, seq_len=plan_cfg.seq_len,
+    result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.seq_len,
                            batch=plan_cfg.batch_size, dtype=dtypes[plan_cfg.dtype])
     return result.to_dict()
