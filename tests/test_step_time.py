@@ -31,7 +31,10 @@ SHAPE = ModelConfig(vocab_size=2048, dim=1536, num_layers=2, num_heads=12, num_k
     (ParallelConfig(ac_mode="full", zero="full"), 2, "bf16"),  # FSDP2's bf16 weights
     (ParallelConfig(ac_mode="selective"), 1, "fp32"),
     (ParallelConfig(ac_mode="selective", hp=2, mlp_tiles="2"), 2, "bf16"),
-], ids=["autocast-selective", "autocast-none", "fsdp2-full", "fp32-selective", "hp2-tiles2"])
+    (ParallelConfig(ac_mode="full", zero="full", mlp_tiles="4"), 2, "bf16"),
+    (ParallelConfig(ac_mode="none", mlp_tiles="3"), 1, "fp32"),
+], ids=["autocast-selective", "autocast-none", "fsdp2-full", "fp32-selective", "hp2-tiles2", "fsdp2-tiles4",
+        "fp32-tiles3"])
 def test_memory_bound_bytes_are_what_the_code_moves(parallel, world, dtype):
     seq = 2048 * parallel.sp
     counted = step_traffic(SHAPE, parallel, world, seq, dtype)

@@ -6,7 +6,7 @@ the chunked loss's soft-max, the AdamW step) is an eager op that reads its input
 once: its time is its bytes over the device-memory bandwidth (``Cluster.memory_bw``). The counts are the
 code's own, op by op (an op's tensor inputs and outputs, views and allocations free), read off the
 trainer's step under fake tensors at small shapes and fitted exactly by the widths the ops run at; the
-fit is checked against the count at other shapes (tests/test_step_bytes.py, which fails, with the new
+fit is checked against the count at other shapes (tests/test_step_time.py, which fails, with the new
 numbers, when the code changes what it moves).
 
 Per decoder layer and rank, ``t`` local tokens (``B * S / sp``), ``P_a = 2 d (H + Hkv) hd`` attention and
@@ -81,9 +81,12 @@ LAYER_BYTES: dict[tuple[str, bool], tuple[Bytes, Bytes]] = {
 #: ``He hd``, per byte of the compute dtype: the step's by checkpointing, and the forward's
 HEAD_SPLIT_BYTES = {True: (4, 9), False: (3, 7)}
 HEAD_SPLIT_FORWARD = (1, 2)
-#: a tiled MLP: per token per element of ``f`` per dtype byte, and per MLP weight per extra tile under autocast
-#: (every tile casts the fp32 weights again, forward and backward)
-MLP_TILE_BYTES = (1.1, 30)
+#: a tiled MLP (its norm and MLP re-run tile by tile in the backward), by precision: per token per element of
+#: ``f`` and of ``d``, per MLP weight once and per extra tile (autocast: every tile casts the fp32 weights again)
+MLP_TILE_BYTES: dict[str, tuple[float, float, float, float]] = {
+    "autocast": (10, 64, 6, 18), "sharded": (10, 54, 0, 6), "fp32": (20, 64, 0, 12),
+    "fp32-sharded": (20, 64, 0, 12),  # taken as fp32's (not fitted apart)
+}
 #: per token per vocabulary entry, per token per element of d, per token, per head parameter (module docstring)
 HEAD_BYTES: dict[str, tuple[float, float, float, float]] = {
     "autocast": (68, 152, 392, 52), "sharded": (70, 148, 392, 36), "fp32": (60, 144, 392, 32),
@@ -112,10 +115,9 @@ def layer_bytes(model: ModelConfig, *, tokens: float, kv_heads: int, hp: int, dt
         total += per_element * (q * model.num_heads + kv * kv_heads)
         fwd += per_element * (q_f * model.num_heads + kv_f * kv_heads)
     if mlp_tiles > 1:
-        per_token, per_weight = MLP_TILE_BYTES
-        casts = per_weight * (mlp_tiles - 1) * 3 * model.dim * model.ffn_dim if precision(dtype_bytes, sharded) \
-            == "autocast" else 0.0
-        total += tokens * per_token * dtype_bytes * model.ffn_dim + casts
+        per_f, per_d, once, per_tile = MLP_TILE_BYTES[precision(dtype_bytes, sharded)]
+        weights = 3 * model.dim * model.ffn_dim
+        total += tokens * (per_f * model.ffn_dim + per_d * model.dim) + weights * (once + per_tile * (mlp_tiles - 1))
     return total, fwd
 
 
