@@ -136,7 +136,7 @@ def synthesize(source: Path, out: Path, num_tokens: int, shard_tokens: int = 1 <
         name = f"tokens-{k:05d}.bin"
         data = np.concatenate(parts)
         data.tofile(out / SHARD_DIR / name)
-        return {"file": name, "num_tokens": int(data.size), "num_documents": -1,
+        return {"file": name, "num_tokens": int(data.size), "num_documents": len(parts) * int(lengths.size),
                 **file_digests(out / SHARD_DIR / name)}
 
     for _ in range(copies):

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates, median_seconds
+from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates
+from loongtrain.attn.kernel_timing import median_seconds
 from loongtrain.attn.masking import AttnMask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.model.config import get_preset

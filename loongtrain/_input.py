@@ -4,18 +4,24 @@ errors name the file and the key, and typed fields checked against a dataclass.
 Every ``loongtrain`` subcommand parses with :class:`OneLineParser` (a usage error is a ValueError of
 one line naming the option and, for a choice, the valid values) and reads TOML with :func:`read_toml`
 and :func:`check_fields` (a ValueError naming the file, the key, the value and the expected type).
+A user error prints one line (:func:`user_error`, exit 2); Ctrl-C and SIGTERM print one line too
+(:func:`stop_on_sigterm`, :func:`interrupted`: exit 130 or 143), for every subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
+import os
 import re
+import signal
 import sys
+import threading
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,45 @@ def user_error(command: str, exc: BaseException | str) -> int:
     error, 2."""
     print(f"loongtrain {command}: error: {one_line(exc)}", file=sys.stderr)
     return 2
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like SIGINT's KeyboardInterrupt (so ``finally`` blocks remove
+    temporary files and workers are stopped)."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While inside: SIGTERM raises :class:`Terminated` in the main thread. Elsewhere (a thread), and
+    under torchrun (its agent owns the signals), nothing changes."""
+    if threading.current_thread() is not threading.main_thread() or ("RANK" in os.environ
+                                                                      and "WORLD_SIZE" in os.environ):
+        yield
+        return
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def interrupted(command: str, exc: BaseException, detail: str = "") -> int:
+    """Print ``loongtrain COMMAND: interrupted`` (SIGINT) or ``terminated (SIGTERM)``, plus ``detail``, on
+    one line; the exit code, 128 + the signal (130 or 143)."""
+    term = isinstance(exc, Terminated)
+    what = "terminated (SIGTERM)" if term else "interrupted"
+    print(f"loongtrain {command}: {what}{'; ' + detail if detail else ''}", file=sys.stderr)
+    return 128 + (signal.SIGTERM if term else signal.SIGINT)
+
+
+def failure(command: str, exc: BaseException | str) -> int:
+    """Print ``loongtrain COMMAND: failed: MESSAGE`` (:func:`one_line`; e.g. a full disk); exit code 1."""
+    print(f"loongtrain {command}: failed: {one_line(exc)}", file=sys.stderr)
+    return 1
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:

@@ -31,12 +31,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import importlib
 
-    module = importlib.import_module(SUBCOMMANDS[name][0])
-    if name == "plan":  # plan sits below train: the trainer's step for --simulate is handed down from here
-        from loongtrain.train.simulate import simulate_candidate
+    from loongtrain._input import interrupted, stop_on_sigterm
 
-        return int(module.main(rest, simulate=simulate_candidate) or 0)
-    return int(module.main(rest) or 0)
+    try:  # Ctrl-C or SIGTERM anywhere in a command: one line, exit 130 or 143 (temporary files removed)
+        with stop_on_sigterm():
+            module = importlib.import_module(SUBCOMMANDS[name][0])
+            if name == "plan":  # plan sits below train: the trainer's step for --simulate is handed down from here
+                from loongtrain.train.simulate import simulate_candidate
+
+                return int(module.main(rest, simulate=simulate_candidate) or 0)
+            return int(module.main(rest) or 0)
+    except KeyboardInterrupt as exc:
+        return interrupted(name, exc)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Test instrumentation: count executions of the ring's forward compute, and the bytes the memory-bound ops move."""
+"""Test instrumentation: count executions of the ring's forward compute, the bytes the memory-bound ops move
+and the reads that would synchronise a GPU; record the loongtrain custom ops' calls."""
 
 from __future__ import annotations
 
@@ -106,3 +107,78 @@ def step_traffic(model, parallel, world: int, seq_len: int, dtype: str = "bf16")
     finally:
         simulate.tracked_step = original
     return counted
+
+
+def _device_data(t: torch.Tensor, host: set[int]) -> bool:
+    """Whether reading ``t`` would synchronise a GPU: on CPU every tensor is a host tensor, so what a CUDA run
+    keeps on the host is told apart by kind: index tensors (documents, chunk orders, the gloo digests) are
+    integers, and AdamW's step counters (``host``: their ids) live on the CPU unless capturable."""
+    return (t.is_floating_point() or t.dtype == torch.bool) and id(t) not in host
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the reads that synchronise a CUDA device: ``aten._local_scalar_dense`` (``.item()``, ``float()``,
+    ``bool()`` of a tensor) here, and ``.tolist()``/``.numpy()`` through :func:`counted_reads` (on CPU they
+    bypass the dispatcher), of device data (:func:`_device_data`)."""
+
+    def __init__(self, host: set[int]) -> None:
+        super().__init__()
+        self.count, self.host = 0, host
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and _device_data(args[0], self.host):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counted_reads(host: set[int] = frozenset()) -> Iterator[DeviceReads]:
+    """Count the device reads inside the block (:class:`DeviceReads`); ``host``: ids of floating tensors a
+    CUDA run keeps on the host."""
+    mode = DeviceReads(host)
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def wrap(fn):
+        def read(self, *args, **kwargs):
+            if _device_data(self, host):
+                mode.count += 1
+            return fn(self, *args, **kwargs)
+        return read
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, wrap(fn))
+    try:
+        with mode:
+            yield mode
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+@contextmanager
+def record_loongtrain_ops() -> Iterator[list[tuple[Any, tuple]]]:
+    """Record every distinct call of a ``torch.ops.loongtrain.*`` op (forward and backward ops, as the
+    dispatcher sees them) as ``(op, args)``, tensors copied with their strides; distinct by op, tensor
+    metadata and the other arguments, in first-call order (the same on every rank of a layout)."""
+    calls: list[tuple[Any, tuple]] = []
+    seen: set = set()
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype).copy_(x)
+        return x
+
+    def key(x: Any) -> Any:
+        return (tuple(x.shape), x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x
+
+    class Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "loongtrain":
+                signature = (str(func), tuple(key(a) for a in args))
+                if signature not in seen:
+                    seen.add(signature)
+                    calls.append((func, tuple(copy(a) for a in args)))
+            return func(*args, **(kwargs or {}))
+
+    with Recorder():
+        yield calls

@@ -1,5 +1,5 @@
 """A CPU emulation of torch 2.13's CUDA attention ops, for testing the wrappers in
-``loongtrain.attn.kernels`` without a GPU (docs/design.md §11).
+``loongtrain.attn.cuda_kernels`` without a GPU (docs/design.md §11).
 
 Every call is bound against the real op's schema (``torch.ops.aten.<op>.default._schema``: argument
 count, order, keyword-only arguments, argument kinds), then checked the way the CUDA op checks its
@@ -17,7 +17,10 @@ inputs, then computed with plain math in the op's own layout conventions:
   packed q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]``, ``cum_seq_*`` int32 contiguous ``[n + 1]`` from 0 to the
   row count, ``max_q/max_k`` at least every sequence's length; sequence ``i`` attends alone, causal
   aligned bottom-right (a query row that sees no key: out 0, lse ``+inf``); lse fp32 ``[H, Tq]``, which the
-  backward reads as a dense buffer (it makes dO and O contiguous itself).
+  backward reads as a dense buffer (it makes dO and O contiguous itself);
+- cuDNN ragged (``_cudnn_attention_forward/_backward`` with ``cum_seq_q/k``, the op behind nested jagged
+  tensors): the same packed layout and ``cum_seq_*`` rules, GQA native, head dim a multiple of 8 and <= 128,
+  causal aligned top-left per sequence; lse fp32 ``[Tq, H, 1]``; the backward requires dO in O's strides.
 
 Outputs have the layouts the CUDA ops give (``[B, S, H, D]`` storage seen as ``[B, H, S, D]``).
 ``allow_fp64`` admits fp64 inputs (with an fp64 lse), which the real ops reject, so that the wrappers'
@@ -49,6 +52,7 @@ FAULTS = (
     "flash_backward_reads_value_as_key",  # the backward binds key and value in swapped order
     "varlen_lse_token_major",  # the varlen forward writes lse in [Tq, H] order into the [H, Tq] tensor
     "varlen_cum_seq_swapped",  # cum_seq_q and cum_seq_k arrive swapped (as a wrapper passing them wrongly)
+    "varlen_cudnn_lse_head_major",  # cuDNN's ragged forward writes lse in [H, Tq] order into its [Tq, H, 1]
 )
 VARLEN_FAULTS = tuple(f for f in FAULTS if f.startswith("varlen"))
 _HALF = (torch.float16, torch.bfloat16)
@@ -60,7 +64,7 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 class EmulatedAten:
-    """Stands in for ``torch.ops.aten`` in ``loongtrain.attn.kernels`` (other ops pass through)."""
+    """Stands in for ``torch.ops.aten`` in ``loongtrain.attn.cuda_kernels`` (other ops pass through)."""
 
     def __init__(self, allow_fp64: bool = True, fault: str | None = None):
         assert fault is None or fault in FAULTS, fault
@@ -148,8 +152,9 @@ class EmulatedAten:
 
     # ------------------------------------------------ flash (FA2), variable length
 
-    def _check_varlen(self, op: str, a: dict) -> tuple[list[int], list[int]]:
-        """The packed-layout rules of ``mha_varlen_fwd/bwd``; returns the sequence bounds (q, k)."""
+    def _check_varlen(self, op: str, a: dict, max_head_dim: int = 256) -> tuple[list[int], list[int]]:
+        """The packed-layout rules of ``mha_varlen_fwd/bwd`` (and cuDNN's ragged layout); returns the sequence
+        bounds (q, k)."""
         q, k, v = a["query"], a["key"], a["value"]
         if self.fault == "varlen_cum_seq_swapped":
             a["cum_seq_q"], a["cum_seq_k"] = a["cum_seq_k"], a["cum_seq_q"]
@@ -159,9 +164,9 @@ class EmulatedAten:
         assert q.dtype in self._dtypes(_HALF), f"{op}: dtype {q.dtype} not supported"
         assert k.shape == v.shape and q.shape[2] == k.shape[2], f"{op}: key/value/head dim shapes"
         assert q.shape[1] % k.shape[1] == 0, f"{op}: {q.shape[1]} heads not a multiple of {k.shape[1]}"
-        assert q.shape[2] % 8 == 0 and q.shape[2] <= 256, f"{op}: head dim {q.shape[2]}"
+        assert q.shape[2] % 8 == 0 and q.shape[2] <= max_head_dim, f"{op}: head dim {q.shape[2]}"
         assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
-        assert a["window_size_left"] is None and a["window_size_right"] is None, f"{op}: emulation has no window"
+        assert a.get("window_size_left") is None and a.get("window_size_right") is None, f"{op}: no window"
         bounds = []
         for name, total, longest in (("cum_seq_q", q.shape[0], a["max_q"]), ("cum_seq_k", k.shape[0], a["max_k"])):
             cu = a[name]
@@ -218,6 +223,51 @@ class EmulatedAten:
         for rows, cols in self._sequences(cu_q, cu_k):
             grads = attn_backward(to_bhsd(a["grad_out"][rows]), to_bhsd(q[rows]), to_bhsd(k[cols]), to_bhsd(v[cols]),
                               to_bhsd(a["out"][rows]), lse[None, :, rows], a["is_causal"], scale, bottom_right=True)
+            for full, part, s in zip((dq, dk, dv), grads, (rows, cols, cols)):
+                full[s] = part[0].transpose(0, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    # ------------------------------------------------ cuDNN, ragged (variable length)
+
+    def _cudnn_attention_forward(self, *args, **kwargs):
+        op = "_cudnn_attention_forward"
+        a = self._bind(op, args, kwargs)
+        cu_q, cu_k = self._check_varlen(op, a, max_head_dim=128)
+        assert a["attn_bias"] is None and a["compute_log_sumexp"], f"{op}: no bias; training needs the logsumexp"
+        assert not a["return_debug_mask"], f"{op}: emulation has no debug mask"
+        q, k, v = a["query"], a["key"], a["value"]
+        scale = _scale(a, q.shape[-1])
+        out = torch.zeros(q.shape, dtype=q.dtype)
+        lse = torch.zeros((q.shape[0], q.shape[1]), dtype=lse_dtype(q.dtype))
+        for rows, cols in self._sequences(cu_q, cu_k):
+            o, m = attn_forward(*(to_bhsd(t[s]) for t, s in ((q, rows), (k, cols), (v, cols))), a["is_causal"], scale,
+                                bottom_right=False)
+            out[rows] = o[0].transpose(0, 1).to(q.dtype)
+            lse[rows] = m[0].t()
+        if self.fault == "varlen_cudnn_lse_head_major":
+            lse = lse.t().contiguous().view(lse.shape)
+        seed, offset = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        return (out, lse.unsqueeze(-1).contiguous(), a["cum_seq_q"], a["cum_seq_k"], a["max_q"], a["max_k"], seed,
+                offset, None)
+
+    def _cudnn_attention_backward(self, *args, **kwargs):
+        op = "_cudnn_attention_backward"
+        a = self._bind(op, args, kwargs)
+        cu_q, cu_k = self._check_varlen(op, a, max_head_dim=128)
+        q, k, v = a["query"], a["key"], a["value"]
+        for name in ("grad_out", "out"):
+            assert a[name].shape == q.shape and a[name].dtype == q.dtype, f"{op}: {name}"
+        assert a["grad_out"].stride() == a["out"].stride(), f"{op}: dO must have O's strides"
+        assert a["attn_bias"] is None, f"{op}: emulation has no bias"
+        lse = a["logsumexp"]
+        self._check_lse(op, lse, (q.shape[0], q.shape[1], 1), q)
+        assert lse.is_contiguous(), f"{op}: logsumexp must be the forward's contiguous [Tq, H, 1]"
+        scale = _scale(a, q.shape[-1])
+        dq, dk, dv = (torch.zeros(t.shape, dtype=math_dtype(q.dtype)) for t in (q, k, v))
+        for rows, cols in self._sequences(cu_q, cu_k):
+            grads = attn_backward(to_bhsd(a["grad_out"][rows]), to_bhsd(q[rows]), to_bhsd(k[cols]), to_bhsd(v[cols]),
+                                  to_bhsd(a["out"][rows]), lse[rows, :, 0].t()[None], a["is_causal"], scale,
+                                  bottom_right=False)
             for full, part, s in zip((dq, dk, dv), grads, (rows, cols, cols)):
                 full[s] = part[0].transpose(0, 1)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -302,10 +352,10 @@ def _scale(a: dict, head_dim: int) -> float:
 
 
 def install(monkeypatch, **options) -> EmulatedAten:
-    """Make ``loongtrain.attn.kernels``' CUDA wrappers call an :class:`EmulatedAten` for the rest of the
+    """Make ``loongtrain.attn.cuda_kernels``' CUDA wrappers call an :class:`EmulatedAten` for the rest of the
     test (``monkeypatch``: pytest's fixture); any kernel or ring code path then runs them on CPU tensors."""
-    from loongtrain.attn import kernels
+    from loongtrain.attn import cuda_kernels
 
     ops = EmulatedAten(**options)
-    monkeypatch.setattr(kernels, "_aten", ops)
+    monkeypatch.setattr(cuda_kernels, "_aten", ops)
     return ops

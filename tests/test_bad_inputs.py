@@ -9,6 +9,7 @@ them (cu_seqlens, the restart rule, SIGTERM, the per-call agreement of attention
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from loongtrain.cli import SUBCOMMANDS, main
+from loongtrain.data.tokenizer import ByteTokenizer
 from tests.test_faults import _workers
 from tests.test_hf_train import make_hf_dir
 
@@ -150,7 +152,7 @@ CASES = [
     ([*TRAIN, "--tokenizer", D + "/tok"], "tok/tokenizer.json' cannot be loaded"),
     ([*TRAIN, "--tokenizer", D + "/tok/tokenizer.json"], "tokenizer.json' cannot be loaded"),
     # 2. never destroy files
-    ([*EXPORT, "--hf", D + "/hf_out"], "exists and is not empty; pass --overwrite"),
+    ([*EXPORT, "--hf", D + "/hf_out"], "is not an output of `loongtrain export`"),
     ([*EXPORT, "--hf", ""], "--hf '' is empty"),
     ([*EXPORT, "--hf", D + "/afile"], "is a file"),
     ([*EXPORT, "--hf", "{run}/checkpoints/hf"], "inside the run's checkpoints"),
@@ -262,16 +264,16 @@ def test_bad_input_exits_2_with_one_line(argv, needle, files, capsys, no_workers
 
 
 def test_export_overwrite_replaces_the_whole_directory(files, tmp_path, capsys):
-    """--overwrite: the old files are gone (a stray shard would stop the result from loading), and the
-    result loads with transformers."""
+    """--overwrite of an earlier export: its old files are gone (a stray shard would stop the result from
+    loading), and the result loads with transformers."""
     import transformers
 
     out = tmp_path / "hf"
-    out.mkdir()
+    assert main(["export", files["ckpt"], "--hf", str(out)]) == 0, capsys.readouterr().err
     for name in ("model-00002-of-00002.safetensors", "tokenizer.json", "model.safetensors"):
         (out / name).write_text("old")
     assert main(["export", files["ckpt"], "--hf", str(out), "--overwrite"]) == 0, capsys.readouterr().err
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".loongtrain", "config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".hf.export-*")), "a staging directory was left"
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
@@ -438,3 +440,679 @@ def test_a_later_disagreement_raises_on_every_rank():
         assert "documents: (0, 8, 16) on ranks [0], (0, 4, 16) on ranks [1]" in errors[0], errors[0]
         assert "documents" in errors[1] and "(0.0, 8.0, 16.0) on ranks [1]" in errors[1], errors[1]
         assert "dtype: 'torch.float64' on ranks [0], 'torch.float32' on ranks [1]" in errors[2], errors[2]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data safety (docs/design.md §10, §12, §14): the ownership rule, the output lock, the complete-checkpoint
+# rule, corpus identity, manifest counts, the validation checks and the warnings, for prepare, train, eval,
+# export and plan. Each row runs `loongtrain.cli.main` in this process (cwd: a scratch directory, or a
+# fixture directory the row names), with every worker starter replaced: an error row exits 2 with one line
+# and no worker; a warning row (code 0) reaches the workers' start with exactly that one warning line.
+# Every fixture file is hashed before and after each row.
+
+
+def _edit_state(ckpt: Path, **changes) -> None:
+    """Rewrite a checkpoint's trainer state (``changes``: top-level keys; dotted keys into dicts) and its
+    checksums, as a run that recorded other values would have."""
+    from loongtrain.train.checkpoint import STATE_FILE, write_checksums
+
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    for key, value in changes.items():
+        *path, last = key.split(".")
+        node = state
+        for part in path:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[last] = value
+    (ckpt / STATE_FILE).write_text(json.dumps(state))
+    write_checksums(ckpt)
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    """A copy of a run directory (its checkpoints and ``latest``); returns its checkpoint."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst / "checkpoints" / "step_00000002"
+
+
+def _edit_manifest(prep: Path, edit) -> None:
+    manifest = json.loads((prep / "manifest.json").read_text())
+    edit(manifest)
+    (prep / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _hold_lock(directory: Path, pid: int, command: str):
+    """An open fd holding ``directory``'s lock as a running ``loongtrain command`` of ``pid`` would."""
+    import fcntl
+    import socket
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / ".loongtrain").write_text(json.dumps({"command": command}))
+    fd = os.open(directory / ".loongtrain.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, json.dumps({"pid": pid, "host": socket.gethostname(), "command": command}).encode())
+    return fd
+
+
+def _bpe(path: Path, vocab_size: int = 300) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([f"document {i}: the quick brown fox" for i in range(50)], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def safety(files, tmp_path_factory):
+    """Fixture files of the data-safety table (module docstring of the section above), beside ``files``."""
+    from loongtrain.data.prepare import prepare
+
+    s = tmp_path_factory.mktemp("safety")
+    docs = [json.dumps({"text": f"document {i}: " + "the quick brown fox " * (1 + i % 4)}) for i in range(200)]
+    (s / "docs.jsonl").write_text("\n".join(docs) + "\n")
+    (s / "other.jsonl").write_text("".join(json.dumps({"text": f"other {i} " * 9}) + "\n" for i in range(60)))
+    for name in ("work", "D", "user_dir"):  # folders holding a corpus and the user's notes
+        (s / name).mkdir()
+        (s / name / "a.jsonl").write_text('{"text": "hello world one"}\n{"text": "hello world two"}\n')
+        (s / name / "notes.txt").write_text("the user's notes")
+    (s / "work" / "sub").mkdir()
+    (s / "cdir").mkdir()
+    (s / "cdir" / "c.txt").write_text("".join(f"corpus directory line {i}\n" for i in range(40)))
+    (s / "afile").write_text("x")
+    (s / "blank.jsonl").write_text("\n\n\n")
+    (s / "empty.jsonl").write_text("")
+    (s / "tiny.jsonl").write_text('{"text": "hi"}\n')
+    (s / "badbyte.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    (s / "nofield.jsonl").write_text('{"body": "x"}\n')
+    (s / "foreign_manifest").mkdir()
+    (s / "foreign_manifest" / "manifest.json").write_text('{"name": "my web app"}')
+    (s / "tokdir").mkdir()
+    _bpe(s / "tokdir" / "tok.json")
+    # prepared corpora: good, counts its files contradict, a changed source, a running prepare
+    prepare([str(s / "docs.jsonl")], s / "prep", workers=1, shard_bytes=2000)
+    prepare([str(s / "other.jsonl")], s / "prep_other", workers=1)
+    import shutil
+
+    for name, edit in [("prep_ntok", lambda m: m.update(num_tokens=m["num_tokens"] + 7)),
+                       ("prep_shardtok", lambda m: m["shards"][0].update(num_tokens=m["shards"][0]["num_tokens"] - 1)),
+                       ("prep_ndocs", lambda m: m.update(num_documents=m["num_documents"] + 9)),
+                       ("prep_noshards", lambda m: m.pop("shards"))]:
+        shutil.copytree(s / "prep", s / name)
+        _edit_manifest(s / name, edit)
+    shutil.copytree(s / "prep", s / "prep_index")  # the index's last offset, its digests made to match
+    import numpy as np
+
+    from loongtrain.data.prepared import buffer_digests
+
+    index = np.fromfile(s / "prep_index" / "shards" / "documents.idx", dtype="<u8")
+    index[-1] -= 3
+    index.tofile(s / "prep_index" / "shards" / "documents.idx")
+    _edit_manifest(s / "prep_index", lambda m: m.update(index=buffer_digests(index)))
+    for name in ("grown", "touched"):
+        (s / f"{name}.jsonl").write_text(docs[0] + "\n" + docs[1] + "\n")
+        prepare([str(s / f"{name}.jsonl")], s / f"prep_{name}", workers=1)
+    with open(s / "grown.jsonl", "a") as f:
+        f.write(docs[2] + "\n")
+    stat = (s / "touched.jsonl").stat()
+    os.utime(s / "touched.jsonl", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    running = s / "running"  # a prepare at work: its marker, half its shards, its lock
+    (running / ".tmp-4242").mkdir(parents=True)
+    (running / ".tmp-4242" / "tokens-00000.bin").write_bytes(b"\0" * 64)
+    (running / ".prepare-in-progress").write_text("{}")
+    locks = [_hold_lock(running, os.getppid(), "prepare"), _hold_lock(s / "busy_run", os.getppid(), "train"),
+             _hold_lock(s / "busy_eval", os.getppid(), "eval"),
+             _hold_lock(s / ".busy_hf.export-tmp", os.getppid(), "export")]
+    # runs: the byte run of `files`, copies of it that are incomplete, damaged or recorded other data
+    run = Path(files["run"])
+    ckpt = run / "checkpoints" / "step_00000002"
+    shutil.copytree(ckpt, s / "tmpckpt" / "checkpoints" / "step_00000002.tmp")
+    shutil.copytree(ckpt, s / "latest_tmp" / "checkpoints" / "step_00000002.tmp")
+    (s / "latest_tmp" / "checkpoints" / "latest").write_text("step_00000002.tmp\n")
+    shutil.copytree(ckpt, s / "nosums" / "checkpoints" / "step_00000002")
+    (s / "nosums" / "checkpoints" / "step_00000002" / "checksums.json").unlink()
+    flipped = next(_copy_run(run, s / "corrupt").glob("*.distcp"))
+    flipped.write_bytes(bytes(255 - b for b in flipped.read_bytes()))  # same size, other bytes
+    (_copy_run(run, s / "norng") / "rng_rank0.pt").unlink()
+    _edit_state(_copy_run(run, s / "changed"), **{"data_identity.corpus.0.content": "0" * 64})
+    _edit_state(_copy_run(run, s / "touchedrun"), **{"data_identity.corpus.0.mtime": "0" * 64})
+    _edit_state(_copy_run(run, s / "tokchanged"), **{"data_identity.tokenizer": "sha256:" + "0" * 64})
+    _copy_run(run, s / "userrun")
+    (s / "userrun" / "notes.txt").write_text("mine")
+    _copy_run(run, s / "foreignckpt")
+    (s / "foreignckpt" / "checkpoints" / "notes.txt").write_text("mine")
+    # outputs of other commands, and an earlier export with and without a file of the user's
+    for name, command, entries in [("evalout", "eval", ("results.json", "meta.json")),
+                                   ("prev_hf", "export", ("config.json", "model.safetensors")),
+                                   ("prev_hf_user", "export", ("config.json", "notes.txt"))]:
+        (s / name).mkdir()
+        (s / name / ".loongtrain").write_text(json.dumps({"command": command}))
+        for entry in entries:
+            (s / name / entry).write_text("{}")
+    # a run trained with a Hugging Face tokenizer on a prepared corpus (1 step), and copies
+    tok = str(s / "tokdir" / "tok.json")
+    prepare([str(s / "docs.jsonl")], s / "prep_tok", tok, workers=1)
+    tokrun = s / "tokrun"
+    assert main(["train", *BASE, "--corpus", str(s / "prep_tok"), "--tokenizer", tok, "--out-dir", str(tokrun)]) == 0
+    _edit_state(_copy_run(tokrun, s / "tokgone"), **{"config.tokenizer": str(s / "no_such_tok.json")})
+    _edit_state(_copy_run(tokrun, s / "tokedit"), **{"data_identity.tokenizer": "sha256:" + "1" * 64})
+    make_hf_dir(s / "hf_noweights", weights=False)
+    yield {**files, "S": str(s)}
+    for fd in locks:
+        os.close(fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One row: ``argv`` (``{S}``: the safety fixture, ``{run}``, ``{ckpt}``, ``{corpus}``, ``{dir}``: the
+    ``files`` fixture, ``{tmp}``: this row's scratch directory), the text the one line must hold, the exit
+    code (0: a warning row, the run reaches its workers), the working directory, and a fixture directory
+    copied to ``{tmp}/copy`` first (a warning row that goes on to write there)."""
+
+    name: str
+    argv: tuple[str, ...]
+    needle: str
+    code: int = 2
+    cwd: str = "{tmp}"
+    copy: str = ""
+
+
+S = "{S}"
+TR = ("train", *BASE)
+EV = ("eval", "--task", "position-loss", "--nproc", "1")
+PREP = ("prepare", "--workers", "1")
+
+
+def _case(name: str, *argv: str, needle: str, **kw) -> Case:
+    return Case(name, argv, needle, **kw)
+
+
+SAFETY = [
+    # the cases that once lost or misread data, one row each
+    _case("prepare-empty-out-overwrite-in-cwd", *PREP, "a.jsonl", "--out", "", "--overwrite", cwd=S + "/work",
+          needle="--out '' is empty"),
+    _case("prepare-into-dir-holding-its-input", *PREP, S + "/D/a.jsonl", "--out", S + "/D", "--overwrite",
+          needle="holds '{S}/D/a.jsonl', an input of this command"),
+    _case("second-prepare-into-a-running-one", *PREP, S + "/docs.jsonl", "--out", S + "/running",
+          needle="is in use by `loongtrain prepare` (pid"),
+    _case("second-prepare-overwrite-a-running-one", *PREP, S + "/docs.jsonl", "--out", S + "/running", "--overwrite",
+          needle="is in use by `loongtrain prepare`"),
+    _case("eval-of-a-tmp-checkpoint", *EV, S + "/tmpckpt/checkpoints/step_00000002.tmp",
+          needle="is a save that did not finish (a .tmp directory)"),
+    _case("export-of-a-tmp-checkpoint", "export", S + "/tmpckpt/checkpoints/step_00000002.tmp", "--hf", "{tmp}/hf",
+          needle="is a save that did not finish (a .tmp directory)"),
+    _case("eval-of-a-truncated-checkpoint", *EV, "{dir}/cutrun", needle=".distcp' has "),
+    _case("eval-of-a-truncated-checkpoint-2-workers", "eval", "--task", "position-loss", "--nproc", "2", "--hp", "2",
+          "{dir}/cutrun", needle=".distcp' has "),
+    _case("validation-tail-of-a-prepared-corpus", *TR, "--corpus", S + "/prep", "--val-interval", "1",
+          "--out-dir", "{tmp}/run", needle="", code=0),
+    _case("validation-tail-of-a-mixture", *TR, "--corpus", f"{S}/prep=0.5,{S}/docs.jsonl=0.5", "--val-interval", "1",
+          "--out-dir", "{tmp}/run", needle="", code=0),
+    _case("eval-of-a-run-trained-on-a-prepared-corpus", *EV, S + "/tokrun", "--out", "{tmp}/ev", needle="", code=0),
+    _case("prepare-of-a-grown-source", *PREP, S + "/grown.jsonl", "--out", S + "/prep_grown",
+          needle="was prepared from an earlier version of"),
+    _case("manifest-tokens-contradict-files", *TR, "--corpus", S + "/prep_ntok",
+          needle="manifest.json: num_tokens says"),
+    _case("resume-after-the-corpus-changed", *TR, "--corpus", "{corpus}", "--out-dir", S + "/changed", "--resume",
+          "auto", "--steps", "4", needle="changed (then: 1 file(s)"),
+    _case("prepare-of-an-empty-corpus", *PREP, S + "/empty.jsonl", "--out", "{tmp}/p", needle="holds no documents"),
+    _case("eval-out-onto-a-file", *EV, "{run}", "--out", S + "/afile", needle="--out '{S}/afile' is a file"),
+    _case("prepare-utf8-error-names-its-flag", *PREP, S + "/badbyte.jsonl", "--out", "{tmp}/p",
+          needle="(--decode-errors replace|ignore reads it anyway)"),
+    _case("split-too-small", *TR, "--corpus", S + "/docs.jsonl", "--val-fraction", "0.01", "--seq-len", "512",
+          "--val-interval", "1", needle="holds less than one global batch"),
+    _case("warn-eval-batches-past-the-split", *TR, "--corpus", S + "/prep", "--val-fraction", "0.1",
+          "--val-interval", "1", "--val-batches", "999", "--out-dir", "{tmp}/run", code=0,
+          needle="--val-batches 999: the held-out data holds"),
+    _case("warn-eval-interval-past-the-run", *TR, "--val-interval", "5", "--out-dir", "{tmp}/run", code=0,
+          needle="--val-interval 5 is longer than the run (--steps 2): the run never validates"),
+    _case("warn-val-corpus-is-the-corpus", *TR, "--val-corpus", "{corpus}", "--val-interval", "1",
+          "--out-dir", "{tmp}/run", code=0, needle="is the training corpus"),
+    _case("warn-hf-directory-without-weights", "eval", "--task", "position-loss", "--nproc", "1", "--seq-len", "32",
+          "--corpus", "{corpus}", S + "/hf_noweights", "--out", "{tmp}/ev", code=0,
+          needle="has no *.safetensors weights: evaluating randomly initialised weights"),
+    # the ownership rule: prepare
+    _case("prepare-out-cwd", *PREP, "a.jsonl", "--out", ".", cwd=S + "/work", needle="is the current directory"),
+    _case("prepare-out-parent-of-cwd", *PREP, "../a.jsonl", "--out", "..", cwd=S + "/work/sub",
+          needle="is the current directory or a parent of it"),
+    _case("prepare-out-root", *PREP, S + "/docs.jsonl", "--out", "/",
+          needle="'/' is the current directory or a parent"),
+    _case("prepare-out-a-file", *PREP, S + "/docs.jsonl", "--out", S + "/afile", needle="is a file"),
+    _case("prepare-out-its-own-input", *PREP, S + "/docs.jsonl", "--out", S + "/docs.jsonl", needle="is a file"),
+    _case("prepare-out-user-files", *PREP, S + "/docs.jsonl", "--out", S + "/user_dir",
+          needle="holds files loongtrain did not write (a.jsonl, notes.txt)"),
+    _case("prepare-out-user-files-overwrite", *PREP, S + "/docs.jsonl", "--out", S + "/user_dir", "--overwrite",
+          needle="holds files loongtrain did not write"),
+    _case("prepare-out-inside-an-input-dir", *PREP, S + "/cdir", "--out", S + "/cdir/p",
+          needle="lies inside '{S}/cdir', an input directory"),
+    _case("prepare-out-holds-the-tokenizer", *PREP, S + "/docs.jsonl", "--tokenizer", S + "/tokdir/tok.json",
+          "--out", S + "/tokdir", needle="holds '{S}/tokdir/tok.json', an input"),
+    _case("prepare-out-a-foreign-manifest", *PREP, S + "/docs.jsonl", "--out", S + "/foreign_manifest", "--overwrite",
+          needle="is not an output of `loongtrain prepare` (without loongtrain's marker"),
+    _case("prepare-out-a-train-run", *PREP, S + "/docs.jsonl", "--out", "{run}", "--overwrite",
+          needle="holds files loongtrain did not write (checkpoints, metrics.jsonl)"),
+    _case("prepare-out-an-eval-output", *PREP, S + "/docs.jsonl", "--out", S + "/evalout", "--overwrite",
+          needle="holds files loongtrain did not write (meta.json, results.json)"),
+    _case("prepare-touched-source", *PREP, S + "/touched.jsonl", "--out", S + "/prep_touched",
+          needle="its modification time changed"),
+    _case("prepare-other-shard-size", *PREP, S + "/docs.jsonl", "--out", S + "/prep", needle="another shard_bytes"),
+    _case("prepare-blank-lines-only", *PREP, S + "/blank.jsonl", "--out", "{tmp}/p", needle="holds no documents"),
+    _case("prepare-no-text-field", *PREP, S + "/nofield.jsonl", "--out", "{tmp}/p", needle="no string field 'text'"),
+    _case("prepare-bad-decode-errors", *PREP, S + "/docs.jsonl", "--out", "{tmp}/p", "--decode-errors", "lenient",
+          needle="argument --decode-errors: invalid choice: 'lenient'"),
+    _case("prepare-verify-counts", "prepare", "--verify", "--out", S + "/prep_ndocs", needle="num_documents says"),
+    _case("prepare-verify-not-prepared", "prepare", "--verify", "--out", S + "/user_dir",
+          needle="is not a prepared corpus"),
+    # the ownership rule and the lock: train
+    _case("train-out-cwd", *TR, "--out-dir", ".", cwd=S + "/work", needle="is the current directory"),
+    _case("train-out-parent-of-cwd", *TR, "--out-dir", "..", cwd=S + "/work/sub", needle="or a parent of it"),
+    _case("train-out-user-files", *TR, "--out-dir", S + "/user_dir", needle="holds files loongtrain did not write"),
+    _case("train-out-user-files-overwrite", *TR, "--out-dir", S + "/userrun", "--overwrite",
+          needle="holds files loongtrain did not write (notes.txt)"),
+    _case("train-out-holds-the-corpus", *TR, "--corpus", S + "/D/a.jsonl", "--out-dir", S + "/D",
+          needle="holds '{S}/D/a.jsonl', an input"),
+    _case("train-out-inside-a-corpus-dir", *TR, "--corpus", S + "/cdir", "--out-dir", S + "/cdir/run",
+          needle="lies inside '{S}/cdir', an input directory"),
+    _case("train-out-is-the-prepared-corpus", *TR, "--corpus", S + "/prep", "--out-dir", S + "/prep",
+          needle="holds '{S}/prep', an input"),
+    _case("train-out-holds-the-tokenizer", *TR, "--tokenizer", S + "/tokdir/tok.json", "--corpus", S + "/docs.jsonl",
+          "--out-dir", S + "/tokdir", needle="holds '{S}/tokdir/tok.json', an input"),
+    _case("train-out-holds-the-val-corpus", *TR, "--val-corpus", S + "/D/a.jsonl", "--out-dir", S + "/D",
+          needle="holds '{S}/D/a.jsonl', an input"),
+    _case("train-out-an-eval-output", *TR, "--out-dir", S + "/evalout", needle="holds files loongtrain did not write"),
+    _case("train-out-an-export", *TR, "--out-dir", S + "/prev_hf", needle="holds files loongtrain did not write"),
+    _case("train-out-a-prepared-dir", *TR, "--out-dir", S + "/prep_other", needle="did not write (manifest.json"),
+    _case("train-out-foreign-file-in-checkpoints", *TR, "--out-dir", S + "/foreignckpt", "--resume", "auto",
+          "--steps", "4", needle="checkpoints' holds files loongtrain did not write (notes.txt)"),
+    _case("train-out-locked", *TR, "--out-dir", S + "/busy_run", needle="is in use by `loongtrain train` (pid"),
+    _case("train-resume-a-tmp-checkpoint", *TR, "--out-dir", "{tmp}/r",
+          "--resume", S + "/tmpckpt/checkpoints/step_00000002.tmp", "--steps", "4", needle="did not finish"),
+    _case("train-resume-without-checksums", *TR, "--out-dir", "{tmp}/r", "--resume",
+          S + "/nosums/checkpoints/step_00000002", "--steps", "4",
+          needle="has no checksums.json and is not the target"),
+    _case("train-resume-latest-names-a-tmp", *TR, "--out-dir", "{tmp}/r", "--resume", S + "/latest_tmp",
+          "--steps", "4", needle="is a save that did not finish"),
+    _case("train-resume-corrupt-checkpoint", *TR, "--out-dir", S + "/corrupt", "--resume", "latest", "--steps", "4",
+          needle=".distcp' is corrupt"),
+    _case("train-resume-tokenizer-changed", *TR, "--out-dir", S + "/tokchanged", "--resume", "auto", "--steps", "4",
+          needle="its files changed since the checkpoint"),
+    _case("train-resume-prepared-tokenizer-run-changed", *TR, "--corpus", S + "/prep_tok", "--tokenizer",
+          S + "/tokdir/tok.json", "--out-dir", S + "/tokedit", "--resume", "auto", "--steps", "4",
+          needle="--tokenizer '{S}/tokdir/tok.json': its files changed"),
+    _case("warn-resume-corpus-only-touched", *TR, "--out-dir", "{tmp}/copy", "--resume", "auto", "--steps", "4",
+          copy=S + "/touchedrun", code=0, needle="its files were modified (same sizes and sampled bytes"),
+    # prepared corpora: counts the files contradict, before any worker
+    _case("prepared-shard-tokens-contradict", *TR, "--corpus", S + "/prep_shardtok",
+          needle="tokens, its file holds"),
+    _case("prepared-documents-contradict", *TR, "--corpus", S + "/prep_ndocs", needle="num_documents says"),
+    _case("prepared-index-ends-contradict", *TR, "--corpus", S + "/prep_index",
+          needle="the document index runs from 0"),
+    _case("prepared-manifest-without-shards", *TR, "--corpus", S + "/prep_noshards",
+          needle="not a complete manifest (no 'shards')"),
+    _case("prepared-mixture-part-contradicts", *TR, "--corpus", f"{S}/prep=0.5,{S}/prep_ntok=0.5",
+          needle="corpus '{S}/prep_ntok': {S}/prep_ntok/manifest.json: num_tokens says"),
+    _case("prepared-val-corpus-contradicts", *TR, "--val-corpus", S + "/prep_ntok", "--val-interval", "1",
+          needle="--val-corpus '{S}/prep_ntok': {S}/prep_ntok/manifest.json: num_tokens says"),
+    # validation: split sizes and batches against what the run asks, before any worker
+    _case("split-leaves-no-training-data", *TR, "--corpus", S + "/tiny.jsonl", "--val-fraction", "0.99",
+          "--seq-len", "2", needle="leaves 0 tokens for training"),
+    _case("split-too-small-prepared", *TR, "--corpus", S + "/prep", "--val-fraction", "0.01", "--seq-len", "512",
+          "--val-interval", "1", needle="held-out documents) holds less than one global batch"),
+    _case("split-too-small-for-the-global-batch", *TR, "--corpus", S + "/prep", "--val-fraction", "0.05",
+          "--batch-size", "64", "--val-interval", "1", needle="dp*batch_size = 64 sequences"),
+    _case("val-corpus-too-small", *TR, "--val-corpus", S + "/prep_other", "--seq-len", "2048", "--val-interval", "1",
+          needle="holds"),
+    _case("split-of-a-mixture-too-small", *TR, "--corpus", f"{S}/prep=0.5,{S}/docs.jsonl=0.5", "--val-fraction",
+          "0.01", "--seq-len", "512", "--val-interval", "1", needle="holds less than one global batch"),
+    _case("warn-tail-repeats-samples", *TR, "--val-interval", "1", "--val-batches", "500", "--out-dir", "{tmp}/run",
+          code=0, needle="the validation set repeats samples"),
+    _case("warn-val-corpus-never-used", *TR, "--val-corpus", S + "/prep", "--out-dir", "{tmp}/run", code=0,
+          needle="without --val-interval: the run never validates"),
+    # eval: complete checkpoints, verified before any worker; its --out by the ownership rule
+    _case("eval-latest-names-a-tmp", *EV, S + "/latest_tmp", needle="is a save that did not finish"),
+    _case("eval-checkpoint-without-checksums", *EV, S + "/nosums/checkpoints/step_00000002",
+          needle="has no checksums.json and is not the target"),
+    _case("eval-same-size-corruption", *EV, S + "/corrupt", needle=".distcp' is corrupt"),
+    _case("eval-missing-rng-file", *EV, S + "/norng", needle="rng_rank0.pt' is missing"),
+    _case("eval-out-empty", *EV, "{run}", "--out", "", needle="--out '' is empty"),
+    _case("eval-out-cwd", *EV, "{run}", "--out", ".", cwd=S + "/work", needle="is the current directory"),
+    _case("eval-out-user-files", *EV, "{run}", "--out", S + "/user_dir", needle="holds files loongtrain did not write"),
+    _case("eval-out-the-run", *EV, "{run}", "--out", "{run}", needle="an input of this command"),
+    _case("eval-out-inside-the-checkpoint", *EV, "{run}", "--out", "{ckpt}/eval", needle="an input directory"),
+    _case("eval-out-a-prepared-corpus", *EV, "{run}", "--out", S + "/prep_other",
+          needle="did not write (manifest.json"),
+    _case("eval-out-locked", *EV, "{run}", "--out", S + "/busy_eval", needle="is in use by `loongtrain eval`"),
+    _case("eval-out-holds-the-corpus", *EV, "{run}", "--corpus", S + "/D/a.jsonl", "--out", S + "/D",
+          needle="holds '{S}/D/a.jsonl', an input"),
+    _case("eval-corpus-counts-contradict", *EV, "{run}", "--corpus", S + "/prep_ntok", "--out", "{tmp}/ev",
+          needle="num_tokens says"),
+    _case("eval-prepared-corpus-too-short", *EV, "{run}", "--corpus", S + "/prep_other", "--seq-len", "4096",
+          "--out", "{tmp}/ev", needle="corpus '{S}/prep_other' holds"),
+    _case("eval-mixture-corpus-too-short", *EV, "{run}", "--corpus", f"{S}/prep_other=0.5,{S}/tiny.jsonl=0.5",
+          "--out", "{tmp}/ev", needle="corpus '{S}/tiny.jsonl' holds"),
+    # export: complete checkpoints, the run's tokenizer, --hf by the ownership rule and locked
+    _case("export-checkpoint-without-checksums", "export", S + "/nosums/checkpoints/step_00000002", "--hf", "{tmp}/h",
+          needle="has no checksums.json"),
+    _case("export-latest-names-a-tmp", "export", S + "/latest_tmp", "--hf", "{tmp}/h", needle="did not finish"),
+    _case("export-hf-cwd", "export", "{ckpt}", "--hf", ".", cwd=S + "/work", needle="is the current directory"),
+    _case("export-hf-parent-of-cwd", "export", "{ckpt}", "--hf", "..", cwd=S + "/work/sub", needle="or a parent of it"),
+    _case("export-hf-user-files-overwrite", "export", "{ckpt}", "--hf", S + "/user_dir", "--overwrite",
+          needle="holds files loongtrain did not write (a.jsonl, notes.txt)"),
+    _case("export-hf-earlier-export", "export", "{ckpt}", "--hf", S + "/prev_hf", needle="holds an earlier export"),
+    _case("export-hf-earlier-export-with-user-file", "export", "{ckpt}", "--hf", S + "/prev_hf_user", "--overwrite",
+          needle="holds files loongtrain did not write (notes.txt)"),
+    _case("export-hf-a-prepared-corpus", "export", "{ckpt}", "--hf", S + "/prep_other", "--overwrite",
+          needle="did not write (manifest.json"),
+    _case("export-hf-an-eval-output", "export", "{ckpt}", "--hf", S + "/evalout", "--overwrite",
+          needle="did not write (meta.json, results.json)"),
+    _case("export-hf-another-export-running", "export", "{ckpt}", "--hf", S + "/busy_hf",
+          needle="is in use by `loongtrain export`"),
+    _case("export-hf-holds-the-tokenizer", "export", S + "/tokrun", "--hf", S + "/tokdir", "--overwrite",
+          needle="holds '{S}/tokdir/tok.json', an input"),
+    _case("export-tokenizer-gone", "export", S + "/tokgone", "--hf", "{tmp}/h", needle="no longer exists"),
+    _case("export-tokenizer-changed", "export", S + "/tokedit", "--hf", "{tmp}/h",
+          needle="changed since training"),
+]
+
+
+def _stat_hashes(root: Path, cache: dict) -> dict[str, str]:
+    """sha256 of every file under ``root`` (directories: "dir"), re-hashed only when its size, mtime or
+    ctime changed (a write always changes ctime)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            key = (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if key not in cache:
+                cache[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+            out[str(p)] = cache[key]
+        else:
+            out[str(p)] = "dir"
+    return out
+
+
+_HASH_CACHE: dict = {}
+
+
+@pytest.fixture
+def reached(monkeypatch):
+    """Worker starters replaced: a worker started fails the test; reaching the start of train's or eval's
+    workers (after every check) is recorded and returns."""
+    from loongtrain.data import prepare as prep
+    from loongtrain.launch import eval_run as eval_launch
+    from loongtrain.launch import train_run as launch
+    from loongtrain.parallel import workers
+
+    def started(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    seen: list[str] = []
+    for module, name in ((workers, "run_local"), (launch, "run_local"), (launch, "run_worker"),
+                         (prep, "_tokenize_shard")):
+        monkeypatch.setattr(module, name, started)
+    monkeypatch.setattr(prep.multiprocessing, "get_context", started)
+    monkeypatch.setattr(launch, "_launch_local", lambda run, world: seen.append("train"))
+    monkeypatch.setattr(eval_launch, "launch", lambda job: seen.append("eval") or [])
+    return seen
+
+
+def test_enough_safety_cases():
+    assert len(SAFETY) >= 60 + 22 and len({c.name for c in SAFETY}) == len(SAFETY)
+
+
+@pytest.mark.parametrize("case", SAFETY, ids=[c.name for c in SAFETY])
+def test_data_safety(case, safety, tmp_path, monkeypatch, capsys, reached):
+    import shutil
+
+    fill = {**safety, "tmp": str(tmp_path)}
+    if case.copy:
+        shutil.copytree(case.copy.format(**fill), tmp_path / "copy")
+    argv = [a.format(**fill) for a in case.argv]
+    if argv[0] == "train" and "--corpus" not in argv:
+        argv += ["--corpus", safety["corpus"]]
+    if argv[0] == "train" and "--out-dir" not in argv:
+        argv += ["--out-dir", str(tmp_path / "out")]
+    monkeypatch.chdir(case.cwd.format(**fill))
+    roots = [Path(safety["S"]), Path(safety["dir"])]
+    before = [_stat_hashes(r, _HASH_CACHE) for r in roots]
+    t0 = time.perf_counter()
+    code = main(argv)
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == case.code, err
+    assert "Traceback" not in err and elapsed < 10, (elapsed, err)
+    if case.code:
+        assert reached == [], "the workers' start was reached"
+        assert len(lines) == 1 and lines[0].startswith(f"loongtrain {argv[0]}: error: "), err
+        assert case.needle.format(**fill) in lines[0], (case.needle, err)
+    else:
+        assert reached == [argv[0]], "the run did not reach its workers"
+        warned = [line for line in lines if "[rank 0]" in line or " loongtrain" not in line]
+        assert len(warned) <= 1 and all(case.needle in line for line in warned) and (case.needle or not warned), err
+        assert bool(case.needle) == bool(warned), err
+    assert [_stat_hashes(r, _HASH_CACHE) for r in roots] == before, "a fixture file changed"
+
+
+# -- the output lock, signals and a full disk, case by case
+
+
+def test_output_lock_refuses_a_second_writer_and_takes_over_a_stale_one(tmp_path, monkeypatch, caplog):
+    """A held lock refuses the next writer, naming the holder; a lock file left by a dead process is taken
+    over (the kernel dropped its flock; without flock, its dead pid on this host decides)."""
+    import socket
+
+    from loongtrain import _files
+    from loongtrain._files import LOCK_FILE, Output, OutputLock, lock_holder
+
+    out = Output("prepare", "--out", ())
+    fd = _hold_lock(tmp_path / "held", os.getppid(), "prepare")
+    try:
+        with pytest.raises(ValueError, match=rf"is in use by `loongtrain prepare` \(pid {os.getppid()} on host "):
+            OutputLock(out, tmp_path / "held").__enter__()
+        assert f"pid {os.getppid()}" in lock_holder(tmp_path / "held")
+    finally:
+        os.close(fd)
+    assert lock_holder(tmp_path / "held") is None  # its holder is gone
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    for flock in (True, False):
+        if not flock:
+            monkeypatch.setattr(_files, "fcntl", None)
+        stale = tmp_path / f"stale{flock}"
+        stale.mkdir()
+        (stale / LOCK_FILE).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "command": "x"}))
+        with caplog.at_level(logging.INFO, logger="loongtrain"):
+            logging.getLogger("loongtrain").addHandler(caplog.handler)
+            with OutputLock(out, stale):
+                assert json.loads((stale / LOCK_FILE).read_text())["pid"] == os.getpid()
+            logging.getLogger("loongtrain").removeHandler(caplog.handler)
+        assert not (stale / LOCK_FILE).exists()
+        assert f"taking over the lock of pid {dead.pid}" in caplog.text
+    live = tmp_path / "live"  # without flock: a live pid on this host holds it
+    live.mkdir()
+    (live / LOCK_FILE).write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname(), "command": "eval"}))
+    with pytest.raises(ValueError, match="is in use by `loongtrain eval`"):
+        OutputLock(out, live).__enter__()
+
+
+def test_two_prepares_into_one_directory(tmp_path, capsys):
+    """While one prepare writes DIR, a second one into DIR (even with --overwrite) exits 2 naming it and
+    removes nothing; the first one finishes whole."""
+    from loongtrain.data import prepare as prep
+    from loongtrain.data.prepared import verify_prepared
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(100)))
+    out = tmp_path / "p"
+    codes = []
+
+    def second(k):
+        if k == 1:  # the first prepare is between shards: its marker, its temporary shards, its lock
+            before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+            codes.append(main(["prepare", str(corpus), "--out", str(out), "--workers", "1", "--overwrite"]))
+            assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+    prep.prepare([str(corpus)], out, workers=1, shard_bytes=300, on_shard=second)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("loongtrain prepare:")]
+    assert codes == [2] and len(err) == 1 and "is in use by `loongtrain prepare`" in err[0], err
+    verify_prepared(out, full=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_prepare_interrupted_prints_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, signum):
+    """Ctrl-C (SIGINT) or SIGTERM in the middle of a prepare: one line, exit 130 or 143, no traceback, and
+    the directory as it was before (here: absent)."""
+    from loongtrain.data import prepare as prep
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(100)))
+    real = prep._tokenize_shard
+
+    def signalled(task):
+        if task[0] == 2:
+            os.kill(os.getpid(), signum)  # delivered to this (main) thread at once
+        return real(task)
+
+    monkeypatch.setattr(prep, "_tokenize_shard", signalled)
+    code = main(["prepare", str(corpus), "--out", str(tmp_path / "p"), "--workers", "1", "--shard-bytes", "300"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 128 + signum and err[-1] == ("loongtrain prepare: " + (
+        "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)")), err
+    assert not any("Traceback" in line for line in err) and not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "export", "plan", "train"])
+def test_ctrl_c_is_one_line_for_every_command(command, files, tmp_path, capsys, monkeypatch):
+    from loongtrain.launch import eval_run as eval_launch
+    from loongtrain.launch import train_run as launch
+    from loongtrain.plan import cli as plan_cli
+    from loongtrain.train import export
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_launch, "launch", interrupt)
+    monkeypatch.setattr(export, "export_hf", interrupt)
+    monkeypatch.setattr(plan_cli, "plan", interrupt)
+    monkeypatch.setattr(launch, "_launch_local", interrupt)
+    argv = {"eval": ["eval", files["run"], "--task", "position-loss", "--nproc", "1", "--out", str(tmp_path / "e")],
+            "export": ["export", files["ckpt"], "--hf", str(tmp_path / "hf")],
+            "plan": PLAN, "train": [*TRAIN, "--corpus", files["corpus"], "--out-dir", str(tmp_path / "t")]}[command]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"loongtrain {command}: interrupted" and not any("Traceback" in line for line in err), err
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.export-*"))
+    assert not list(tmp_path.rglob(".loongtrain.lock")), "a lock outlived its command"
+
+
+def _full_disk_at(monkeypatch, name: str, keep: int = 10):
+    """Writing a file called ``name`` through loongtrain._files fails with ENOSPC after ``keep`` bytes
+    (a disk that filled up there)."""
+    import builtins
+    import errno
+
+    from loongtrain import _files
+
+    class Full:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            self.f.write(bytes(memoryview(data).cast("B")[:keep]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(path, mode="r"):
+        f = builtins.open(path, mode)
+        return Full(f) if name in Path(path).name else f
+
+    monkeypatch.setattr(_files, "open", fake_open, raising=False)
+
+
+def test_a_full_disk_is_named_and_leaves_no_temporary_files(tmp_path, capsys, monkeypatch):
+    """prepare on a full disk (in a shard, the index, the manifest): one line naming the file and "no
+    space left", exit 1, no temporary file left; a previous prepared corpus stays whole."""
+    from loongtrain.data.prepared import verify_prepared
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(100)))
+    out = tmp_path / "p"
+    for name in ("tokens-00002.bin", "documents.idx", "manifest.json"):
+        with monkeypatch.context() as m:
+            _full_disk_at(m, name)
+            code = main(["prepare", str(corpus), "--out", str(out), "--workers", "1", "--shard-bytes", "3000"])
+        err = capsys.readouterr().err.strip().splitlines()
+        path = out / f".tmp-{os.getpid()}" / name
+        assert code == 1 and err == [f"loongtrain prepare: failed: {path}: no space left on device"
+                                     f"{err[0].split('no space left on device')[1]}"], err
+        assert " MiB free there); free space or write elsewhere" in err[0] and not out.exists(), err
+    assert main(["prepare", str(corpus), "--out", str(out), "--workers", "1"]) == 0
+    corpus.write_text(corpus.read_text() + json.dumps({"text": "one more"}) + "\n")
+    with monkeypatch.context() as m:
+        _full_disk_at(m, "tokens-00000.bin")
+        assert main(["prepare", str(corpus), "--out", str(out), "--workers", "1", "--overwrite"]) == 1
+    capsys.readouterr()
+    verify_prepared(out, full=True)  # the corpus of before, whole
+    assert sorted(p.name for p in out.iterdir()) == [".loongtrain", "manifest.json", "shards"]
+
+
+def test_a_full_disk_in_export_and_checkpoint_saves(files, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from loongtrain._files import DiskFullError
+    from loongtrain.train import checkpoint, export
+
+    previous = tmp_path / "hf"
+    assert main(["export", files["ckpt"], "--hf", str(previous)]) == 0
+    before = _hashes(previous)
+
+    def full(model, config, out):
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "model.safetensors"))
+
+    monkeypatch.setattr(export, "export_hf", full)
+    assert main(["export", files["ckpt"], "--hf", str(previous), "--overwrite"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.safetensors: no space left on device" in err[0], err
+    assert _hashes(previous) == before and not list(tmp_path.glob(".hf.export-*"))
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", no_space)
+    with pytest.raises(DiskFullError, match=r"step_00000001.tmp: no space left on device \(.* MiB free there\)"):
+        checkpoint.save_checkpoint(tmp_path / "ck", 1, model, optimizer, scheduler, {})
+
+
+def test_plan_nothing_fits_on_gpus_is_a_message_not_a_crash(capsys):
+    """`plan --gpus N` when nothing fits: the table and why, exit 2 (the message took --nodes only)."""
+    code = main(["plan", "--model", "13b", "--seq-len", "128K", "--gpus", "1", "--cluster", "a100", "--modes", "off"])
+    out = capsys.readouterr()
+    assert code == 2 and "Traceback" not in out.err
+    assert out.err.startswith("loongtrain plan: nothing fits in memory: seq_len=131072 on gpus=1"), out.err
+
+
+def test_prepare_of_empty_documents_and_decode_errors(tmp_path, capsys):
+    """Documents that are all empty: exit 2 after reading them, the directory as before; prepare accepts
+    the --decode-errors its UTF-8 message names."""
+    (tmp_path / "e.jsonl").write_text('{"text": ""}\n' * 3)
+    assert main(["prepare", str(tmp_path / "e.jsonl"), "--out", str(tmp_path / "p"), "--workers", "1"]) == 2
+    assert "every one of the 3 documents" in capsys.readouterr().err and not (tmp_path / "p").exists()
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "caf\xe9 au lait"}\n')
+    assert main(["prepare", str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "p"), "--workers", "1",
+                 "--decode-errors", "replace"]) == 0
+    from loongtrain.data.prepared import PreparedStream, read_manifest
+
+    stream = PreparedStream(read_manifest(tmp_path / "p"), ByteTokenizer())
+    assert bytes(stream.slice(0, len(stream)).tolist()) == "caf\ufffd au lait".encode() + b"\0"

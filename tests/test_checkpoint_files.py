@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from loongtrain.train.checkpoint import (
+    CHECKSUM_FILE,
     LATEST,
     STATE_FILE,
     complete_checkpoints,
@@ -20,11 +21,13 @@ from loongtrain.train.checkpoint import (
 )
 
 
-def _make(root: Path, step: int, complete: bool = True) -> Path:
+def _make(root: Path, step: int, complete: bool = True, checksums: bool = True) -> Path:
     path = root / f"step_{step:08d}"
     path.mkdir(parents=True)
     if complete:
         (path / STATE_FILE).write_text("{}")
+        if checksums:
+            (path / CHECKSUM_FILE).write_text("{}")
     return path
 
 
@@ -34,6 +37,7 @@ def test_retention_orders_by_step_and_keeps_latest_target(tmp_path):
         _make(tmp_path, step)
     (tmp_path / "step_00000012.tmp").mkdir()  # a save that died: not a checkpoint
     _make(tmp_path, 13, complete=False)  # no trainer state: not complete
+    _make(tmp_path, 14, checksums=False)  # no checksums and not latest's target: a copy that did not finish
     assert [p.name for p in complete_checkpoints(tmp_path)] == [
         "step_00000009", "step_00000010", "step_00000011", "step_00000100"]
     (tmp_path / LATEST).write_text("step_00000010\n")  # e.g. after a resume from step 10

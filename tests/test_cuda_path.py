@@ -8,16 +8,15 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from loongtrain.attn.kernel_choice import bf16_supported, kernel_candidates, select_kernel
-from loongtrain.attn.kernels import (
+from loongtrain.attn.cuda_kernels import (
     CUDA_CUDNN,
     CUDA_EFFICIENT,
     CUDA_EFFICIENT_PADDED,
     CUDA_FLASH,
     CUDA_FLASH_PADDED,
-    REFERENCE,
-    Kernel,
 )
+from loongtrain.attn.kernel_choice import bf16_supported, kernel_candidates, select_kernel
+from loongtrain.attn.kernels import REFERENCE, Kernel
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.parallel.zigzag import shard_indices
 from tests.cuda_emulation import FAULTS, VARLEN_FAULTS, install
@@ -85,11 +84,11 @@ def test_cuda_wrappers_exact_on_ring_slices(emulate, kernel):
 def test_flash_backward_one_head_at_a_time(emulate, monkeypatch, num_heads, num_kv_heads):
     """Past SPLIT_BACKWARD_BYTES (here 0) FA2's backward runs per query head: exact in fp64, one op call per
     head; in bf16 dQ the same bits as one call, dK/dV within one rounding (the group sum in fp32)."""
-    from loongtrain.attn import kernels
+    from loongtrain.attn import cuda_kernels
 
     ops = emulate(allow_fp64=True)
     q, k, v, dout = _inputs(num_heads, num_kv_heads, 40, 40, 16, torch.float64)
-    monkeypatch.setattr(kernels, "SPLIT_BACKWARD_BYTES", 0)
+    monkeypatch.setattr(cuda_kernels, "SPLIT_BACKWARD_BYTES", 0)
     ops.calls.clear()
     assert_exact(CUDA_FLASH, q, k, v, dout, True, 1e-10)
     assert len(ops.calls) == 1 + num_heads, ops.calls  # the forward, then one backward call per query head
@@ -97,7 +96,7 @@ def test_flash_backward_one_head_at_a_time(emulate, monkeypatch, num_heads, num_
     qb, kb, vb, db = (t.to(torch.bfloat16) for t in (q, k, v, dout))
     out, lse = CUDA_FLASH.forward(qb, kb, vb, True, SCALE)
     split = CUDA_FLASH.backward(db, qb, kb, vb, out, lse, True, SCALE)
-    monkeypatch.setattr(kernels, "SPLIT_BACKWARD_BYTES", 1 << 40)
+    monkeypatch.setattr(cuda_kernels, "SPLIT_BACKWARD_BYTES", 1 << 40)
     whole = CUDA_FLASH.backward(db, qb, kb, vb, out, lse, True, SCALE)
     assert torch.equal(split[0], whole[0])
     for a, b in zip(split[1:], whole[1:], strict=True):

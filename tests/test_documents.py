@@ -350,11 +350,11 @@ def test_model_with_documents_equals_each_document_alone():
 @pytest.mark.parametrize("kernel_name", ["cuda_flash", "cuda_efficient"])
 def test_pieces_on_emulated_cuda_kernels(monkeypatch, kernel_name):
     """Full, causal and mirrored (anticausal) pieces through the CUDA kernel wrappers (ops emulated on CPU)."""
-    from loongtrain.attn import kernels
+    from loongtrain.attn import cuda_kernels
     from tests.cuda_emulation import install
 
     ops = install(monkeypatch, allow_fp64=True)
-    kernel = {"cuda_flash": kernels.CUDA_FLASH, "cuda_efficient": kernels.CUDA_EFFICIENT}[kernel_name]
+    kernel = {"cuda_flash": cuda_kernels.CUDA_FLASH, "cuda_efficient": cuda_kernels.CUDA_EFFICIENT}[kernel_name]
     cp = 4
     seq = 2 * CHUNK * cp
     docs = tuple(doc_layouts(cp, seq, seed=2).values())[:2]

@@ -221,8 +221,9 @@ def _no_workers(monkeypatch):
     ("depths", ["{run}", "--depths", "0,1.5"], r"--depths \[1.5\]: every depth must be in \[0, 1\]"),
     ("digits", ["{run}", "--tokenizer", "{root}/tok.json"], r"cannot encode the key's digit '0'"),
     ("corpus", ["{run}", "--task", "position-loss", "--seq-len", "4096"],
-     r"eval corpus '.*corpus.txt' holds \d+ tokens, shorter than the longest length"),
-    ("filler", ["{run}", "--filler", "corpus", "--lengths", "4K"], r"eval corpus .* shorter than the longest"),
+     r"eval corpus '.*corpus.txt' \(--seq-len 4096\): corpus .* holds \d+ tokens: 4 sequence\(s\) of 4096"),
+    ("filler", ["{run}", "--filler", "corpus", "--lengths", "4K"],
+     r"eval corpus .*\(length 4096\): .* holds \d+ tokens"),
 ])
 def test_bad_input_exits_2_before_any_worker(run_dir, monkeypatch, capsys, case, args, message):
     if case == "digits":
@@ -311,3 +312,58 @@ def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["kind"] == "hf" and meta["lengths"] == [64, 128]
     assert "overall: " in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tokenizer_run(tmp_path_factory):
+    """A 2-step run trained with a Hugging Face BPE tokenizer on a prepared corpus (and the raw corpus)."""
+    from loongtrain.cli import main
+    from loongtrain.data.prepare import prepare
+    from tests.test_bad_inputs import BASE, _bpe
+
+    root = tmp_path_factory.mktemp("tok_run")
+    docs = root / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"document {i}: the quick brown fox " * 3}) + "\n" for i in range(80)))
+    tok = _bpe(root / "tok.json")
+    prepare([str(docs)], root / "prep", str(tok), workers=1)
+    assert main(["train", *BASE, "--corpus", str(root / "prep"), "--tokenizer", str(tok),
+                 "--out-dir", str(root / "run")]) == 0
+    return root
+
+
+def _position_loss(model: str, corpus: str, out, *extra: str) -> list[dict]:
+    assert cli.main([model, "--task", "position-loss", "--docs", "2", "--seq-len", "16", "--nproc", "1",
+                     "--corpus", corpus, "--out", str(out), *extra]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_eval_reads_the_runs_prepared_corpus_as_the_raw_one(tokenizer_run):
+    """eval's default corpus is the run's (here prepared): its sequences equal the raw corpus's."""
+    from loongtrain.eval.job import EvalConfig
+    from loongtrain.launch.eval_run import prepare
+
+    options = dict(model=str(tokenizer_run / "run"), task="position-loss", docs=3, nproc=1)
+    default = prepare(EvalConfig(**options)).batches
+    raw = prepare(EvalConfig(**options, corpus=str(tokenizer_run / "docs.jsonl"))).batches
+    assert len(default) == 3 and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(default, raw))
+    assert int(default[0]["input_ids"].max()) >= 256  # BPE ids: the run's tokenizer, not bytes
+
+
+def test_export_carries_the_runs_tokenizer(tokenizer_run, tmp_path):
+    """The export holds the run's tokenizer files, so evaluating it reads the same ids as evaluating the
+    checkpoint: the same losses (the native and the transformers model, fp32); without them it would read
+    bytes, and the loss differs."""
+    from loongtrain.cli import main
+    from loongtrain.data.tokenizer import build_tokenizer
+
+    hf = tmp_path / "hf"
+    assert main(["export", str(tokenizer_run / "run"), "--hf", str(hf)]) == 0
+    assert (hf / "tokenizer.json").read_bytes() == (tokenizer_run / "tok.json").read_bytes()
+    assert build_tokenizer(str(hf)).eos_id == build_tokenizer(str(tokenizer_run / "tok.json")).eos_id
+    corpus = str(tokenizer_run / "docs.jsonl")
+    trained = _position_loss(str(tokenizer_run / "run"), corpus, tmp_path / "a")
+    exported = _position_loss(str(hf), corpus, tmp_path / "b")
+    assert [r["loss"] for r in exported] == pytest.approx([r["loss"] for r in trained], rel=1e-4)
+    (hf / "tokenizer.json").unlink()  # as an export that dropped it: eval falls back to bytes
+    as_bytes = _position_loss(str(hf), corpus, tmp_path / "c")
+    assert as_bytes[-1]["loss"] != pytest.approx(trained[-1]["loss"], rel=1e-2)

@@ -1,9 +1,12 @@
 """Sharded evaluation equals unsharded evaluation (fp64, world 4, one launch for every layout): per-bucket
 losses (zigzag, and the run's --chunk-layout balanced, whose shard eval really takes) and validation losses
 to 1e-10, the same passkey decisions; and a training step after a
-validation is bit-identical to one without, under FSDP2 with two replicas."""
+validation and the in-loop evaluations (--eval-tasks) is bit-identical to one without, under FSDP2 with two
+replicas."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import torch
 from loongtrain.data import ByteTokenizer
 from loongtrain.data.synthetic import global_batch
 from loongtrain.eval.forward import sharded_forward
+from loongtrain.eval.in_loop import PasskeyEvaluation, PositionLossEvaluation, PositionSequences
 from loongtrain.eval.passkey import passkey, passkey_tokens
 from loongtrain.eval.position_loss import position_loss
 from loongtrain.model.config import ModelConfig
@@ -20,7 +24,7 @@ from loongtrain.parallel.mesh import destroy_mesh, init_mesh, single_process_mes
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.train.batch import batch_documents, chunk_order
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.validation import validation_loss
+from loongtrain.train.validation import Validation, validation_loss
 from loongtrain.wrap.parallelize import parallelize
 from tests.dist_utils import run_distributed
 
@@ -81,17 +85,30 @@ def _validate(parallel: ParallelConfig, mesh) -> float:
     return validation_loss(trainer.loss, trainer.model, mine, mesh)
 
 
+def _in_loop_evaluations() -> tuple:
+    """Both tasks as the trainer runs them (--eval-tasks), on this file's prompts and documents."""
+    sequences = PositionSequences("unread", ByteTokenizer(), SEQ, 3, 0, 0.0, "", "strict")
+    return (PasskeyEvaluation(passkey_tokens(ByteTokenizer()), LENGTHS, TRIALS, 1, DEPTHS),
+            PositionLossEvaluation(sequences, "on", True, "zigzag", None, _batches=_documents()))
+
+
 def _steps(parallel: ParallelConfig, mesh, validate: bool) -> list[tuple[float, float]]:
+    """Two steps; with ``validate``, the trainer's hook between them: the validation loss and the in-loop
+    evaluations (Validation.after_step)."""
     from loongtrain.train.trainer import Trainer
 
-    trainer = Trainer(Run(_cfg(parallel), MODEL), mesh, CPU)
+    cfg = dataclasses.replace(_cfg(parallel), val_interval=1)
+    trainer = Trainer(Run(cfg, MODEL), mesh, CPU)
+    hook = Validation(cfg, mesh, trainer.loss, trainer.model, _val_batches()[:1], evaluations=_in_loop_evaluations(),
+                      device=CPU)
     out = []
     for step in range(2):
         batch = global_batch(step, mesh.dp, SEQ, MODEL.vocab_size, seed=5)
         result = trainer.step([{k: v[mesh.dp_rank:mesh.dp_rank + 1] for k, v in batch.items()}])
         out.append((result["loss"], result["grad_norm"]))
         if validate and step == 0:
-            validation_loss(trainer.loss, trainer.model, _val_batches()[:1], mesh)
+            metrics = hook.after_step(1, cfg)
+            assert {"val_loss", "eval/passkey/96", "eval/position_loss/0-8"} <= set(metrics), metrics
     return out
 
 

@@ -51,7 +51,8 @@ def test_cpu_run_writes_every_section(tmp_path):
     choice = result["kernel_choice"]
     assert choice["chosen"] in choice["candidates"] and result["loss"]["ratio"] > 0
     compiled = result["compile"]
-    assert compiled["max_loss_diff"] < 1e-4 and 1 <= compiled["graphs"] <= 2 * 2, compiled  # tiny: 2 blocks
+    assert compiled["max_loss_diff"] < 1e-4 and 1 <= compiled["graphs"] <= 2, compiled  # shared by the blocks
+    assert compiled["eager_mfu"] > 0 and compiled["compiled_tokens_per_s"] > 0
     offload = result["offload"]["modes"]
     assert offload and all(r["ratio"] > 0 and r["tokens_per_s"] > 0 for r in offload.values())
 

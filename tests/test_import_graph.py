@@ -1,7 +1,8 @@
 """The package's import graph (docs/design.md §1): every import, at module level or inside a function,
 goes from a higher floor to a lower one or stays inside its own package, and no modules import each
-other in a circle. Floors: ``model, data, parallel < loss, attn < hf < plan < wrap < train < eval < launch``; the
-top-level modules (``loongtrain/__init__.py``, ``cli.py``) sit above everything, ``_toml`` and ``_input`` below."""
+other in a circle. Floors: ``model, data, parallel < loss, attn < hf < plan < wrap < train < eval < launch``;
+the top-level modules (``loongtrain/__init__.py``, ``cli.py``) sit above everything, ``_toml``, ``_input``
+and ``_files`` below."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "loongtrain"
-FLOORS = {"_toml": 0, "_input": 0, "_moved": 0, "model": 1, "data": 1, "parallel": 1, "loss": 2, "attn": 2, "hf": 3,
-          "plan": 4, "wrap": 5, "train": 6, "eval": 7, "launch": 8, "__init__": 9, "cli": 9}
+FLOORS = {"_toml": 0, "_input": 0, "_moved": 0, "_files": 0, "model": 1, "data": 1, "parallel": 1, "loss": 2,
+          "attn": 2, "hf": 3, "plan": 4, "wrap": 5, "train": 6, "eval": 7, "launch": 8, "__init__": 9, "cli": 9}
 
 
 def _module_name(path: Path) -> str:

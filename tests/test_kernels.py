@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loongtrain.attn.kernel_choice import select_kernel
-from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, _expand_kv
+from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, expand_kv
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -39,11 +39,11 @@ def test_kernel_selection_on_cpu():
 
 def test_kv_expansion_only_copies_when_it_must():
     k = torch.randn(2, 1, 8, 4)  # one KV head
-    assert _expand_kv(k, 4).data_ptr() == k.data_ptr() and _expand_kv(k, 4).stride(1) == 0
+    assert expand_kv(k, 4).data_ptr() == k.data_ptr() and expand_kv(k, 4).stride(1) == 0
     k2 = torch.randn(2, 2, 8, 4)
-    expanded = _expand_kv(k2, 4)
+    expanded = expand_kv(k2, 4)
     torch.testing.assert_close(expanded, k2.repeat_interleave(2, dim=1), rtol=0, atol=0)
-    assert _expand_kv(k2, 2) is k2
+    assert expand_kv(k2, 2) is k2
 
 
 def test_cpu_flash_on_strided_ring_slices():
@@ -63,15 +63,17 @@ def test_cpu_flash_on_strided_ring_slices():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def test_only_cuda_flash_has_a_varlen_form():
-    """The packed variable-length ops are FA2's (docs/design.md §6): every other kernel, the head-dim padded
-    flash kernel included, runs one dense call per piece."""
-    from loongtrain.attn import kernels
+def test_only_cuda_flash_and_cudnn_have_a_varlen_form():
+    """The packed variable-length ops are FA2's and cuDNN's ragged one (docs/design.md §6), the latter with
+    top-left causal masks: every other kernel, the head-dim padded flash kernel included, runs one dense call
+    per piece."""
+    from loongtrain.attn import cuda_kernels, kernels
 
-    every = (kernels.REFERENCE, kernels.CPU_FLASH, kernels.CUDA_FLASH, kernels.CUDA_EFFICIENT, kernels.CUDA_CUDNN,
-             kernels.CUDA_FLASH_PADDED, kernels.CUDA_EFFICIENT_PADDED)
-    assert [k.name for k in every if k.varlen_forward is not None] == ["cuda_flash"]
-    assert [k.name for k in every if k.varlen_backward is not None] == ["cuda_flash"]
+    every = (kernels.REFERENCE, kernels.CPU_FLASH, cuda_kernels.CUDA_FLASH, cuda_kernels.CUDA_EFFICIENT,
+             cuda_kernels.CUDA_CUDNN, cuda_kernels.CUDA_FLASH_PADDED, cuda_kernels.CUDA_EFFICIENT_PADDED)
+    assert [k.name for k in every if k.varlen_forward is not None] == ["cuda_flash", "cuda_cudnn"]
+    assert [k.name for k in every if k.varlen_backward is not None] == ["cuda_flash", "cuda_cudnn"]
+    assert [k.name for k in every if not k.varlen_bottom_right] == ["cuda_cudnn"]
 
 
 

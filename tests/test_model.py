@@ -55,12 +55,13 @@ def _reference(config: ModelConfig, data_seed: int) -> tuple[torch.Tensor, dict[
     return value, {n: p.grad for n, p in model.named_parameters()}
 
 
-def _check_sharded(rank: int, world_size: int, cases: list[tuple[int, int, list[bool]]]) -> int:
+def _check_sharded(rank: int, world_size: int, cases: list[tuple]) -> int:
+    """Each case ``(hp, cp, tie_embeddings values[, ModelConfig overrides])``: sharded equals plain."""
     checked = 0
-    for hp, cp, tied in cases:
+    for hp, cp, tied, *overrides in cases:
         mesh = loongtrain.init_mesh(hp=hp, cp=cp)
         for tie in tied:
-            config = ModelConfig(**SMALL, tie_embeddings=tie)
+            config = ModelConfig(**SMALL, tie_embeddings=tie, **(overrides[0] if overrides else {}))
             data_seed = 1000 + mesh.dp_rank  # replicas train on different data
             ref_loss, ref_grads = _reference(config, data_seed)
             model = loongtrain.apply_2d_attention(Transformer(config, seed=7).double(), mesh)
@@ -89,6 +90,15 @@ def test_sharded_model_matches_single_process_world4():
     cases = [(2, 2, [True, False]), (1, 4, [False]), (4, 1, [True]), (2, 1, [False])]
     counts = run_distributed(_check_sharded, 4, cases)
     assert counts == [5] * 4
+
+
+@pytest.mark.distributed
+def test_sharded_scaled_rope_matches_single_process_world4():
+    # every RoPE scaling type; positions 100..131 lie past original_max_position_embeddings=16
+    from tests.test_rope_scaling import SCALINGS
+
+    cases = [(2, 2, [False], dict(rope_scaling=scaling)) for scaling in SCALINGS.values()]
+    assert run_distributed(_check_sharded, 4, cases) == [len(cases)] * 4
 
 
 def test_single_process_mesh_matches_plain_model():

@@ -221,7 +221,7 @@ def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypat
     if case == "nonempty":
         out.mkdir()
         (out / "notes.txt").write_text("mine")
-        needle = "not a prepared corpus; pass --overwrite"
+        needle = "holds files loongtrain did not write (notes.txt)"
     elif case == "bad_json":
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"text": "ok"}\n{oops\n')
@@ -245,13 +245,10 @@ def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypat
     assert cli_main(["prepare", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
-    if case == "nonempty":
-        assert (out / "notes.txt").read_text() == "mine"
-        with pytest.raises(WorkerStarted):  # --overwrite passes the check
-            cli_main(["prepare", *args, "--overwrite"])
-        monkeypatch.undo()
-        args[-1] = "1"  # in this process
-        assert cli_main(["prepare", *args, "--overwrite"]) == 0 and not (out / "notes.txt").exists()
+    if case == "nonempty":  # --overwrite never deletes a file loongtrain did not write
+        assert cli_main(["prepare", *args, "--overwrite"]) == 2
+        assert "did not write (notes.txt)" in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     if case == "bad_json":
         assert not out.exists() or not any(out.iterdir())
 
@@ -275,3 +272,91 @@ def test_train_from_prepared_equals_raw_and_logs_tokens_by_corpus(tmp_path, corp
     assert runs["prepared"][-1][f"tokens_seen/{tmp_path / 'p'}"] == 3 * 2 * 16
     last = runs["mix"][-1]
     assert last[f"tokens_seen/{tmp_path / 'p'}"] + last[f"tokens_seen/{corpus}"] == 3 * 2 * 16
+
+
+def test_a_corpus_prepared_again_from_other_data_is_not_resumed(tmp_path, capsys):
+    """A checkpoint records its corpus by content: prepared again into the same directory from other data,
+    `--resume auto` exits 2 naming the change (by name alone it would have resumed on other tokens)."""
+    other = write_jsonl(tmp_path / "other.jsonl", make_docs(120, seed=5))
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_docs())
+    prep = tmp_path / "p"
+    assert cli_main(["prepare", str(corpus), "--out", str(prep), "--workers", "1"]) == 0
+    base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--steps", "2", "--warmup", "1",
+            "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",
+            "--no-memory-report", "--corpus", str(prep), "--out-dir", str(tmp_path / "run")]
+    assert cli_main(base) == 0
+    capsys.readouterr()
+    assert cli_main(["prepare", str(other), "--out", str(prep), "--workers", "1", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert cli_main([*base[:-4], "--steps", "3", "--resume", "auto", *base[-4:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"corpus '{prep}' changed (then: prepared, " in err[-1], err
+
+
+def test_overwrite_keeps_the_old_corpus_until_the_new_one_is_whole(tmp_path, corpus):
+    out = tmp_path / "p"
+    prepare([str(corpus)], out, workers=1, shard_bytes=300)
+    before = (out / MANIFEST).read_bytes()
+
+    def check(k):
+        assert (out / MANIFEST).read_bytes() == before  # readable as it was while the new shards are written
+        verify_prepared(out, full=True)
+        if k == 3:
+            raise ValueError("a bad line")
+
+    other = write_jsonl(tmp_path / "o.jsonl", make_docs(50, seed=1))
+    with pytest.raises(ValueError, match="a bad line"):
+        prepare([str(other)], out, workers=1, shard_bytes=300, overwrite=True, on_shard=check)
+    assert (out / MANIFEST).read_bytes() == before and not list(out.glob(".tmp-*"))
+    assert prepare([str(other)], out, workers=1, shard_bytes=300, overwrite=True).num_documents == 50
+
+
+def test_sampled_documents_read_large_files_by_blocks(tmp_path, monkeypatch):
+    """Files past the sample size are read as blocks: whole UTF-8 characters and whole JSON lines only (a
+    block boundary inside either is no error), a bad byte inside a block named by its file offset."""
+    from loongtrain.data import corpus as corpus_module
+    from loongtrain.data.corpus import build_corpus as build_corpus_files
+    from loongtrain.data.corpus import sample_documents
+
+    monkeypatch.setattr(corpus_module, "SAMPLE_FILE_BYTES", 4096)
+    text = tmp_path / "big.txt"
+    text.write_text("äöü€𝄞 text " * 4000)  # multi-byte characters across every block boundary
+    docs = list(sample_documents([text]))
+    assert len(docs) == corpus_module.SAMPLE_BLOCKS and all(d and "\ufffd" not in d for d in docs)
+    lines = tmp_path / "big.jsonl"
+    lines.write_text("".join(json.dumps({"text": f"ä line {i}"}, ensure_ascii=False) + "\n" for i in range(3000)))
+    sampled = list(sample_documents([lines]))
+    assert sampled[0] == "ä line 0" and sampled[-1] == "ä line 2999" and all(d.startswith("ä line ") for d in sampled)
+    data = bytearray(text.read_bytes())
+    block = 4096 // corpus_module.SAMPLE_BLOCKS
+    inside, between = (len(data) - block) * 8 // 15 + 100, (len(data) - block) * 8 // 15 + block + 100
+    data[between] = 0xFF  # between two sampled blocks: not read here (the reader finds it)
+    (tmp_path / "bad.txt").write_bytes(bytes(data))
+    assert len(list(sample_documents([tmp_path / "bad.txt"]))) == corpus_module.SAMPLE_BLOCKS
+    data[inside] = 0xFF  # inside the 9th block
+    (tmp_path / "bad.txt").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"bad.txt: not valid UTF-8 text at byte \d+ ") as caught:
+        list(sample_documents([tmp_path / "bad.txt"]))
+    at = int(str(caught.value).split("at byte ")[1].split()[0])
+    assert inside - 3 <= at <= inside  # the file offset (of the character the bad byte breaks)
+    with pytest.raises(ValueError, match=rf"at byte {at} "):  # the full read says the same
+        list(build_corpus_files(tmp_path / "bad.txt"))
+
+
+def test_corpus_identity_is_the_content(tmp_path, corpus):
+    """Raw: the files' sizes and sampled digests (an edit is a change; a new modification time alone only
+    a warning); prepared: the manifest's digests."""
+    import os
+
+    from loongtrain.data.sources import corpus_identity, identity_change
+
+    first = corpus_identity(str(corpus))
+    stat = corpus.stat()
+    os.utime(corpus, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    touched = corpus_identity(str(corpus))
+    assert identity_change(first, touched)[0] is None and "were modified" in identity_change(first, touched)[1]
+    corpus.write_text(corpus.read_text().replace("doc 1:", "doc 9:"))  # same size, other bytes
+    assert "changed" in identity_change(first, corpus_identity(str(corpus)))[0]
+    prepare([str(corpus)], tmp_path / "p", workers=1)
+    assert corpus_identity(str(tmp_path / "p"))[0]["kind"] == "prepared"
+    assert identity_change(corpus_identity(str(tmp_path / "p")), corpus_identity(str(tmp_path / "p"))) == (None, None)

@@ -54,7 +54,6 @@ PROOF_CASES: dict[str, dict[str, Any]] = {
 def _proof(mesh: Any, opts: dict[str, Any]) -> dict[str, Any]:
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.train.memory_report import memory_report, trainer_loss_fn
-    from loongtrain.train.sync import all_reduce_gradients
 
     trainer = make_trainer(mesh, **opts)
     loss_fn = trainer_loss_fn(trainer, replica_batch(mesh, 0))
@@ -66,7 +65,7 @@ def _proof(mesh: Any, opts: dict[str, Any]) -> dict[str, Any]:
             loss.backward()
         backward_calls = calls["ring_forward"] - forward_calls
     if trainer.grad_sync:  # replicated weights: the trainer's own all-reduce (FSDP reduced already)
-        all_reduce_gradients(trainer.params, mesh.dp)
+        trainer.grad_sync.reduce()
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
              for n, p in trainer.model.named_parameters()}
     trainer.optimizer.zero_grad(set_to_none=True)

@@ -55,6 +55,45 @@ def test_non_finite_step_is_skipped_without_update():
     assert not parameters_finite(trainer.model)
 
 
+def test_values_read_only_at_log_steps_are_the_same_values(tmp_path):
+    """Between log steps a step reads only its NaN/inf guard; the loss, gradient norm and attention pairs read
+    later (at the next log step, or at the end) equal those read at every step, in the records and in the
+    log lines; a skipped step between log steps is read and logged at once."""
+    from loongtrain.data.synthetic import synthetic_source
+
+    def run(interval: int, out: str, poison_at: int | None = None) -> tuple[list[dict], list[dict]]:
+        cfg = TrainConfig(seq_len=16, steps=5, warmup=1, parallel=ParallelConfig(), dtype="fp64", log_interval=interval,
+                          out_dir=str(tmp_path / out), peak_tflops=1.0, tensorboard=False, plot=False, progress="off",
+                          memory_report=False, max_bad_steps=0)
+        made: list[Trainer] = []
+
+        def source(cfg, mesh, start):  # for micro-step ``poison_at`` one weight is inf (that step is skipped)
+            kept = []
+            for i, batch in enumerate(synthetic_source(64)(cfg, mesh, start)):
+                if poison_at is not None and i in (poison_at, poison_at + 1):
+                    weight = next(p for p in made[0].model.parameters() if p.dim() == 2)
+                    with torch.no_grad():
+                        if i == poison_at:
+                            kept.append(weight[0, 0].item())
+                        weight[0, 0] = math.inf if i == poison_at else kept[0]
+                yield batch
+
+        made.append(Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"), source))
+        return made[0].train(), read_jsonl(tmp_path / out / "metrics.jsonl")
+
+    every, every_log = run(1, "every")
+    sparse, sparse_log = run(3, "sparse")
+    keys = ("step", "loss", "grad_norm", "lr", "skipped", "attention_pairs")
+    assert [{k: r[k] for k in keys} for r in sparse] == [{k: r[k] for k in keys} for r in every]
+    assert all(isinstance(r["loss"], float) and isinstance(r["attention_pairs"], int) for r in sparse)
+    assert all(r["tflops"] > 0 for r in sparse)
+    assert [r["step"] for r in sparse_log] == [3, 5]
+    assert [{k: r[k] for k in keys} for r in sparse_log] == [{k: every_log[i][k] for k in keys} for i in (2, 4)]
+    _, bad_log = run(3, "bad", poison_at=3)  # step 4, between log steps
+    assert [(r["step"], r["skipped"]) for r in bad_log] == [(3, 0), (4, 1), (5, 0)]
+    assert not math.isfinite(bad_log[1]["loss"]) and isinstance(bad_log[1]["grad_norm"], float)
+
+
 def test_metrics_are_appended_and_redone_steps_replace_old_ones(tmp_path):
     def run(start: int, steps: range) -> None:
         logger = MetricsLogger(tmp_path, total_steps=9, start_step=start, tensorboard=False, progress="off")
@@ -81,6 +120,7 @@ def _ckpt(root, step: int, complete: bool = True):
     path.mkdir(parents=True)
     if complete:
         (path / STATE_FILE).write_text(json.dumps({"step": step, "scheduler": {}}))
+        (path / "checksums.json").write_text("{}")
     return path
 
 

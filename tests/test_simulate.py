@@ -169,7 +169,7 @@ def test_simulation_by_depth_equals_the_whole_step(world, parallel):
     extended phase by phase to 5 blocks, give the whole 5-block step's peaks."""
     from loongtrain.loss import chunked
     from loongtrain.train import simulate
-    from loongtrain.train.fake_step import alike_loops
+    from loongtrain.train.simulate.fake_step import alike_loops
 
     seq = 512 * parallel.sp
     assert simulate.DEPTHS[1] < DEEP.num_layers  # extended, not simulated whole

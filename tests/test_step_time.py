@@ -12,11 +12,12 @@ import torch
 
 from loongtrain.cli import main as loongtrain_main
 from loongtrain.model.config import ModelConfig, get_preset, num_params
+from loongtrain.parallel.buckets import BUCKET_BYTES
 from loongtrain.parallel.config import ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import load_cluster
-from loongtrain.plan.cost import BUCKET_BYTES, TERMS, grad_sync_exposed, gradient_buckets, step_cost
+from loongtrain.plan.cost import TERMS, grad_sync_exposed, gradient_buckets, step_cost
 from loongtrain.plan.step_bytes import OPTIMIZER_BYTES, head_bytes, layer_bytes, ring_step_bytes
 from tests.counting import TrafficCounter, step_traffic
 
@@ -71,10 +72,20 @@ def test_ring_step_bytes_are_what_the_ring_moves():
         assert cp * b == pytest.approx((bwd.forward + bwd.backward) / cp, rel=0.15)
 
 
-def test_bucket_size_is_the_trainers():
-    from loongtrain.train.sync import BUCKET_BYTES as TRAINER
+def test_the_planners_buckets_are_the_trainers():
+    """The planner's buckets are the trainer's (:class:`loongtrain.train.sync.GradientSync` on the real model):
+    the same bytes in the same order."""
+    from loongtrain.model import Transformer
+    from loongtrain.train.sync import GradientSync
 
-    assert BUCKET_BYTES == TRAINER
+    model = dataclasses.replace(get_preset("1b"), num_layers=3)
+    with torch.device("meta"):
+        net = Transformer(model)
+    sync = GradientSync(net, dp=1, bucket_bytes=BUCKET_BYTES // 8)  # many buckets, inside the layers too
+    sizes = [4 * p.numel() for p in sync.params]
+    trainer = [sum(sizes[i] for i in bucket) for bucket in sync.buckets]
+    planner = gradient_buckets(model, BUCKET_BYTES // 8)
+    assert len(trainer) > 2 * model.num_layers and [n for _, n in planner] == trainer
 
 
 def test_gradient_all_reduce_overlaps_the_rest_of_the_backward():

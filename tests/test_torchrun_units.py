@@ -97,8 +97,13 @@ def test_rank_0_decides_run_or_user_error(tmp_path, store):
     cfg = _cfg(tmp_path)
     run = prepare_run(cfg, 4)
     attempt = _attempt(store, 1)[0]
-    assert torchrun.decide(run, 4, attempt) == {"kind": "run", "resume": "", "overwrite": False}
+    decision = torchrun.decide(run, 4, attempt)
+    identity = decision.pop("data_identity")
+    assert decision == {"kind": "run", "resume": "", "overwrite": False, "init_from": ""}
+    assert identity["tokenizer"] == "byte" and identity["corpus"][0]["corpus"] == cfg.corpus
     assert (Path(cfg.out_dir) / torchrun.RUN_ID_FILE).is_file()
+    assert (Path(cfg.out_dir) / ".loongtrain.lock").is_file()  # rank 0 holds --out-dir for the attempt
+    torchrun._HELD.pop().__exit__(None, None, None)
     blocked = tmp_path / "a_file"
     blocked.write_text("")
     decision = torchrun.decide(dataclasses.replace(run, cfg=dataclasses.replace(cfg, out_dir=str(blocked))), 4,

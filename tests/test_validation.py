@@ -87,3 +87,45 @@ def test_tail_batches_split_the_tail_between_replicas(tmp_path):
     rows = {r: [b["input_ids"].tolist() for b in tail_batches(cfg, Replica(r), 2)] for r in (0, 1)}
     want = [dataset[i]["input_ids"].tolist() for i in range(n - 8, n)]
     assert rows[0] == [want[0:2], want[4:6]] and rows[1] == [want[2:4], want[6:8]]
+
+
+def test_tail_batches_read_prepared_corpora_and_mixtures(tmp_path):
+    """--val-interval without a split reads the corpus like training does: a prepared corpus gives the
+    raw corpus's tail bit for bit, and a mixture's corpora each give their share of the batches (first
+    corpus first)."""
+    import dataclasses
+
+    from loongtrain.data.prepare import prepare
+
+    cfg = _cfg(tmp_path, "tail", batch_size=2)
+    prepare([cfg.corpus], tmp_path / "prep", workers=1, shard_bytes=500)
+    other = tmp_path / "other.txt"
+    other.write_text("".join(f"another corpus, line {i}\n" for i in range(80)))
+
+    class Replica:
+        dp, dp_rank = 1, 0
+
+    raw = tail_batches(cfg, Replica(), 3)
+    prepared = tail_batches(dataclasses.replace(cfg, corpus=str(tmp_path / "prep")), Replica(), 3)
+    assert [b["input_ids"].tolist() for b in raw] == [b["input_ids"].tolist() for b in prepared]
+    mixed = tail_batches(dataclasses.replace(cfg, corpus=f"{tmp_path / 'prep'}=0.5,{other}=0.5"), Replica(), 3)
+    alone = tail_batches(dataclasses.replace(cfg, corpus=str(other)), Replica(), 1)
+    two = tail_batches(cfg, Replica(), 2)  # the first corpus's share of 3: 2 batches, then 1 of the other
+    assert [b["input_ids"].tolist() for b in mixed] == [b["input_ids"].tolist() for b in two + alone]
+
+
+def test_val_interval_trains_on_prepared_corpora_and_mixtures(tmp_path):
+    """`--val-interval` without a split on a prepared corpus and on a mixture runs to the end (the
+    workers once failed reading the prepared directory as raw) and logs val_loss."""
+    from loongtrain.cli import main
+    from loongtrain.data.prepare import prepare
+    from loongtrain.train.metrics import read_jsonl
+
+    corpus = _cfg(tmp_path, "x").corpus
+    prepare([corpus], tmp_path / "prep", workers=1)
+    base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--steps", "2", "--warmup", "1",
+            "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",
+            "--no-memory-report", "--val-interval", "2", "--val-batches", "2"]
+    for name, spec in (("prepared", str(tmp_path / "prep")), ("mixture", f"{tmp_path / 'prep'}=0.5,{corpus}=0.5")):
+        assert main([*base, "--corpus", spec, "--out-dir", str(tmp_path / name)]) == 0
+        assert read_jsonl(tmp_path / name / "metrics.jsonl")[-1]["val_loss"] > 0

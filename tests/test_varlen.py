@@ -1,8 +1,11 @@
-"""Packed documents through the CUDA flash kernel's variable-length ops (docs/design.md §4, §6), without a
-GPU: the in-process ring with ``cuda_flash`` over a CPU emulation of ``_flash_attention_forward/_backward``
-(tests/cuda_emulation.py) is exact in fp64 against a dense masked reference; a step packs its pieces into
-one varlen call per causal flag instead of a dense call per piece, covering exactly the visible pairs; the
-planted varlen faults are caught; the real ops' meta registrations give the layouts the wrappers assume."""
+"""Packed documents through the CUDA kernels' variable-length ops (docs/design.md §4, §6), without a GPU:
+the in-process ring with ``cuda_flash`` over a CPU emulation of ``_flash_attention_forward/_backward``, and
+with ``cuda_cudnn`` over one of cuDNN's ragged ``_cudnn_attention_forward/_backward``
+(tests/cuda_emulation.py), is exact in fp64 against a dense masked reference; a step packs its pieces into
+one varlen call per causal flag instead of a dense call per piece, covering exactly the visible pairs (only
+squares in a causal call where the op aligns masks top-left, as cuDNN's); the planted varlen faults are
+caught; the real flash ops' meta registrations give the layouts the wrappers assume (cuDNN's ragged op has
+none in torch 2.13)."""
 
 from __future__ import annotations
 
@@ -14,16 +17,19 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from loongtrain.attn.kernels import CUDA_FLASH, reference_forward
+from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_FLASH
+from loongtrain.attn.kernels import reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, piece_mask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.attn.step import Pieces, plan_step, varlen_flag
 from loongtrain.parallel.zigzag import shard_indices
+from tests.counting import counted_reads
 from tests.cuda_emulation import VARLEN_FAULTS, install
 
 CHUNK, HEAD_DIM = 6, 8
 DENSE_ONLY = dataclasses.replace(CUDA_FLASH, varlen_forward=None, varlen_backward=None)
 VARLEN, DENSE = "_flash_attention_forward", "_scaled_dot_product_flash_attention"
+RAGGED, CUDNN_DENSE = "_cudnn_attention_forward", "_scaled_dot_product_cudnn_attention"
 
 
 @pytest.fixture
@@ -111,6 +117,19 @@ def test_ring_with_varlen_calls_is_exact(emulate, cp, window, causal, sliding):
         assert max(len(call.rounds) for call in plans(mask, cp, len(docs), seq) for call in call.varlen) > 1
 
 
+@pytest.mark.parametrize("cp, window, causal, sliding", [(1, 1, True, None), (2, 1, True, None), (4, 2, True, 3),
+                                                        (4, 1, False, None), (2, 1, True, CHUNK + 2)])
+def test_ring_with_cudnn_ragged_calls_is_exact(emulate, cp, window, causal, sliding):
+    """cuDNN's ragged op aligns causal masks top-left: the ring packs only squares into its causal calls."""
+    ops = emulate(allow_fp64=True)
+    seq = 2 * CHUNK * cp
+    docs = layouts(seq, seed=cp + window + 7)
+    mask = AttnMask(causal, sliding, docs, 16 if sliding == CHUNK + 2 else 0)
+    q, k, v, dout = inputs(len(docs), seq, 4, 2, seed=cp + 1)
+    assert_close(run_ring(q, k, v, dout, cp, window, mask, CUDA_CUDNN), dense_reference(q, k, v, dout, mask), 1e-10)
+    assert RAGGED in ops.calls and "_cudnn_attention_backward" in ops.calls and VARLEN not in ops.calls
+
+
 def test_varlen_in_device_dtypes(emulate):
     """With the real op's dtype rules (bf16, lse fp32): within bf16 rounding of fp64 math."""
     emulate(allow_fp64=False)
@@ -134,7 +153,9 @@ def test_many_short_documents_make_one_varlen_call(emulate):
     pieces = Pieces(AttnMask(True, None, docs, 0), 1, seq, 1, 0)(0)  # cp 1: the own block
     assert len(pieces) == len(docs[0]) - 1 >= 6 and {p.kind for _, p in pieces} == {"causal", "full"}
     assert {varlen_flag(p) for _, p in pieces} == {True}  # causal squares, and 1 x 1 (length-1 documents)
-    for kernel, want in ((CUDA_FLASH, {VARLEN: 1}), (DENSE_ONLY, {DENSE: len(pieces)})):
+    singles = sum(p.kind == "full" for _, p in pieces)  # length-1 documents: top-left causal would hide their keys
+    top_left = +Counter({RAGGED: 1 + (singles > 1), CUDNN_DENSE: int(singles == 1)})
+    for kernel, want in ((CUDA_FLASH, {VARLEN: 1}), (DENSE_ONLY, {DENSE: len(pieces)}), (CUDA_CUDNN, top_left)):
         ops.calls.clear()
         run_ring(q, k, v, dout, 1, 1, AttnMask(True, None, docs, 0), kernel)
         forward = Counter(c for c in ops.calls if "backward" not in c)
@@ -187,6 +208,7 @@ def _covered(plan, batch: int, rows: int, cols: int, band) -> torch.Tensor:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_plans_cover_exactly_the_visible_pairs(seed):
+    bottom_right = seed % 3 != 0  # FA2's alignment, or top-left (cuDNN's): then causal calls are squares only
     rng = random.Random(seed)
     cp = rng.choice([1, 2, 3, 4])
     seq = 2 * cp * rng.randint(2, 7)
@@ -195,24 +217,84 @@ def test_plans_cover_exactly_the_visible_pairs(seed):
     for p in range(cp):
         for src in range(cp):
             items = Pieces(mask, len(docs), seq // cp, cp, p)(src)
-            plan = plan_step(items, len(docs), torch.device("cpu"), True)
+            plan = plan_step(items, len(docs), torch.device("cpu"), True, bottom_right)
+            for call in plan.varlen:
+                sizes = zip(call.cu_q.diff().tolist(), call.cu_k.diff().tolist())
+                assert bottom_right or not call.causal or all(a == b for a, b in sizes)
             qi, ki = shard_indices(seq, 1, cp, p, 0), shard_indices(seq, 1, cp, src, 0)
             want = torch.stack([dense_mask(seq, mask, b)[qi][:, ki] for b in range(len(docs))]).long()
             assert torch.equal(_covered(plan, len(docs), len(qi), len(ki), mask.band()), want), (p, src)
             for flag in (False, True):  # per causal flag: one varlen call, or a lone piece as a dense call
-                lone = sum(varlen_flag(x) is flag for _, x in plan.dense)
+                lone = sum(varlen_flag(x, bottom_right) is flag for _, x in plan.dense)
                 assert lone + sum(call.causal is flag for call in plan.varlen) <= 1, plan
+
+
+# ---------------------------------------------------------------- no device read, no blocking copy
+
+
+@pytest.mark.parametrize("kernel", [CUDA_FLASH, CUDA_CUDNN], ids=lambda k: k.name)
+def test_the_varlen_path_reads_nothing_from_the_device(emulate, kernel):
+    """A ring pass over packed documents through the emulated varlen ops, forward and backward, reads no
+    floating value back (docs/design.md §10: no synchronisation inside a layer)."""
+    emulate(allow_fp64=True)
+    cp, seq = 2, 4 * CHUNK
+    docs = layouts(seq, seed=6)[:2]
+    q, k, v, dout = inputs(len(docs), seq, 4, 2, seed=6)
+    with counted_reads() as reads:
+        run_ring(q, k, v, dout, cp, 1, AttnMask(True, None, docs, 0), kernel)
+    assert reads.count == 0
+
+
+def test_a_document_mix_is_copied_to_the_device_once_without_blocking(monkeypatch):
+    """Every index tensor of a varlen plan reaches the device through ``runtime.to_device`` (pinned memory,
+    non-blocking on CUDA), once per document mix (the plan cache)."""
+    from loongtrain.attn import step
+
+    copies = []
+
+    def recording(t, device):
+        copies.append((t.dtype, str(device)))
+        return t
+
+    monkeypatch.setattr(step, "to_device", recording)
+    docs = ((0, 3, 5, 9, 12, 16, 4 * CHUNK),)
+    items = Pieces(AttnMask(True, None, docs, 0), 1, 4 * CHUNK, 1, 0)(0)
+    plan = plan_step(items, 1, torch.device("cuda", 7), True)
+    assert len(plan.varlen) == 1 and len(copies) == 6  # rows and positions of q and k, cu_q, cu_k
+    assert all(device == "cuda:7" for _, device in copies)
+    assert plan_step(items, 1, torch.device("cuda", 7), True) is plan and len(copies) == 6  # cached
+
+
+def test_to_device_pins_and_copies_without_blocking(monkeypatch):
+    from loongtrain.parallel.runtime import to_device
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+    original = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and str(args[0]).startswith("cuda"):
+            calls.append(("to", str(args[0]), kwargs.get("non_blocking")))
+            return self
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    to_device(torch.arange(3), torch.device("cuda", 1))
+    assert calls == ["pin", ("to", "cuda:1", True)]
+    cpu = torch.arange(3)
+    assert to_device(cpu, "cpu") is cpu and len(calls) == 2  # on the CPU: as it is
 
 
 # ---------------------------------------------------------------- the wrappers alone
 
 
 SEQS = {False: ([2, 3, 1, 4], [3, 2, 1, 4]), True: ([3, 1, 2], [3, 4, 2])}  # equal totals; causal: square or 1 row
+SQUARES = ([3, 1, 2], [3, 1, 2])  # causal sequences both alignments agree on (cuDNN's top-left)
 
 
-def packed(causal: bool, seed: int = 0):
+def packed(causal: bool, seed: int = 0, squares: bool = False):
     """Packed q, k, v, dout (``[T, H, D]``, views of wider rows: unit last-dim stride only) and int32 cu."""
-    q_len, k_len = SEQS[causal]
+    q_len, k_len = SQUARES if squares else SEQS[causal]
     g = torch.Generator().manual_seed(seed)
     q, dout = (torch.randn(sum(q_len), 4, 2 * HEAD_DIM, generator=g, dtype=torch.float64)[..., :HEAD_DIM]
                for _ in range(2))
@@ -235,25 +317,30 @@ def packed_reference(q, k, v, dout, cu_q, cu_k, causal: bool):
     return (out.detach(), torch.cat(lses, dim=1).detach(), *torch.autograd.grad(out, leaves, dout))
 
 
+@pytest.mark.parametrize("kernel, calls", [(CUDA_FLASH, [VARLEN, "_flash_attention_backward"]),
+                                           (CUDA_CUDNN, [RAGGED, "_cudnn_attention_backward"])], ids=["flash", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_wrappers_exact(emulate, causal):
+def test_varlen_wrappers_exact(emulate, kernel, calls, causal):
     ops = emulate(allow_fp64=True)
-    q, k, v, dout, cu_q, cu_k, max_q, max_k = packed(causal)
-    out, lse = CUDA_FLASH.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.3)
-    grads = CUDA_FLASH.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, 0.3)
-    assert lse.shape == (4, q.shape[0]) and ops.calls == [VARLEN, "_flash_attention_backward"]
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = packed(causal, squares=not kernel.varlen_bottom_right)
+    out, lse = kernel.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.3)
+    grads = kernel.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, 0.3)
+    assert lse.shape == (4, q.shape[0]) and ops.calls == calls
     assert_close((out, lse, *grads), packed_reference(q, k, v, dout, cu_q, cu_k, causal), 1e-10)
 
 
 # ---------------------------------------------------------------- the planted faults are caught
 
+FAULTY = [(CUDA_FLASH, f) for f in VARLEN_FAULTS if "cudnn" not in f] + [
+    (CUDA_CUDNN, f) for f in VARLEN_FAULTS if "cudnn" in f or "cum_seq" in f]
 
-@pytest.mark.parametrize("fault", VARLEN_FAULTS)
-def test_planted_varlen_fault_is_caught(emulate, fault):
+
+@pytest.mark.parametrize("kernel, fault", FAULTY, ids=lambda x: getattr(x, "name", x))
+def test_planted_varlen_fault_is_caught(emulate, kernel, fault):
     emulate(allow_fp64=True, fault=fault)
     q, k, v, dout, cu_q, cu_k, max_q, max_k = packed(False)
-    out, lse = CUDA_FLASH.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, False, 0.3)
-    grads = CUDA_FLASH.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, False, 0.3)
+    out, lse = kernel.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, False, 0.3)
+    grads = kernel.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, False, 0.3)
     with pytest.raises(AssertionError, match="not close"):  # by the comparison, not by a check
         assert_close((out, lse, *grads), packed_reference(q, k, v, dout, cu_q, cu_k, False), 1e-10)
     cp, seq = 2, 4 * CHUNK  # and through the ring (the swapped bounds may be caught by a check there)
@@ -261,7 +348,7 @@ def test_planted_varlen_fault_is_caught(emulate, fault):
     mask = AttnMask(True, None, docs, 0)
     q, k, v, dout = inputs(len(docs), seq, 4, 2, seed=4)
     with pytest.raises(AssertionError):
-        assert_close(run_ring(q, k, v, dout, cp, 1, mask), dense_reference(q, k, v, dout, mask), 1e-10)
+        assert_close(run_ring(q, k, v, dout, cp, 1, mask, kernel), dense_reference(q, k, v, dout, mask), 1e-10)
 
 
 # ---------------------------------------------------------------- the real ops' layouts

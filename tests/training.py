@@ -17,9 +17,10 @@ from loongtrain.train.trainer import BatchSource, Trainer
 
 
 def fit(cfg: TrainConfig, mesh: Mesh, device: torch.device, *, model_config: ModelConfig | None = None,
-        batch_source: BatchSource | None = None) -> list[dict[str, Any]]:
-    """The step records of ``cfg`` trained on ``mesh`` (every rank calls it); ``--resume`` resolved here."""
+        batch_source: BatchSource | None = None, evaluations: tuple = ()) -> list[dict[str, Any]]:
+    """The step records of ``cfg`` trained on ``mesh`` (every rank calls it); ``--resume`` resolved here;
+    ``evaluations``: the run's in-loop evaluations (``Run.evaluations``)."""
     tokenizer = build_run_tokenizer(cfg)
     resume = resolve_checkpoint(cfg.resume, Path(cfg.out_dir)) if cfg.resume else None
-    run = Run(cfg, model_config or model_config_for(cfg, tokenizer), tokenizer, str(resume or ""))
+    run = Run(cfg, model_config or model_config_for(cfg, tokenizer), tokenizer, str(resume or ""), evaluations)
     return Trainer(run, mesh, device, batch_source).train()

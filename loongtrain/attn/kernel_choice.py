@@ -12,49 +12,55 @@ kernel takes it), ROCm and other devices -> ``reference``. :func:`select_kernel`
 faster at 16K, D=128, causal) but only through its ``measure`` hook. :func:`bf16_supported` tells
 whether a device has native bf16 (for ``--dtype auto``).
 
-Measurement (:func:`choose_kernel`, what the ring calls):
+Measurement (:func:`choose_kernel`, what the ring calls), one choice per call kind (:data:`CALL_KINDS`):
+the **dense** calls (one piece, ``Kernel.forward``/``backward``) and the **varlen** calls (many pieces of
+packed documents at once, ``Kernel.varlen_forward``/``varlen_backward``, or one dense call per piece):
 
-- CPU, other devices, and CUDA cases with a single candidate: the rule's kernel, nothing measured;
+- CPU, other devices, and CUDA cases with a single option: the rule's kernel, nothing measured;
 - under ``torch.use_deterministic_algorithms(True)`` (``--deterministic``): the rule's kernel, so the
   documented deterministic path (the flash backward's) is the one that runs;
-- otherwise, when several CUDA kernels qualify: each candidate's forward + backward is timed once on the
-  call's own head counts and head dim (sequence capped at :data:`MEASURE_SEQ_CAP` tokens), and a candidate
-  replaces the rule's kernel only when it is at least ``MARGIN`` faster, so that ranks timing the same
-  device do not flip between two kernels of equal speed. A candidate that raises is skipped. Distributed,
-  every rank then takes rank 0's choice (:func:`agree_across_ranks`), so no two ranks run different
-  numerics.
+- otherwise each option's forward + backward is timed once on the call's own head counts and head dim
+  (sequence capped at 8K tokens; :mod:`loongtrain.attn.kernel_timing`): dense calls on one causal block;
+  varlen calls on the block packed as 8 equal causal documents, through each kernel's varlen op
+  (``cuda_flash``: FA2's; ``cuda_cudnn``: cuDNN's ragged one) and, as one more option, the dense choice
+  called once per document. An option replaces the rule's (dense: the first candidate but cuDNN; varlen: the
+  first candidate with a varlen op) only when it is at least ``MARGIN`` faster, so that ranks timing the
+  same device do not flip between two options of equal speed, and so a kernel without a varlen op never
+  replaces one with it on the varlen calls unless it measured faster there. An option that raises is
+  skipped, and so is a varlen op whose untimed first run differs from the reference kernel beyond
+  rounding (:func:`loongtrain.attn.kernel_timing.varlen_error`). Distributed, every rank then takes rank 0's choices
+  (:func:`agree_across_ranks`), so no two ranks run different numerics.
 
-The choice is kept per process for ``(device, dtype, head dim, heads, KV heads)``
-(:func:`clear_choices` forgets it) and logged on first use with the times.
+The ring gets one :class:`~loongtrain.attn.kernels.Kernel`: the dense choice's forward and backward with the
+varlen choice's varlen ops (or none). It is kept per process for ``(device, dtype, head dim, heads, KV
+heads)`` (:func:`clear_choices` forgets it) and logged on first use with the times.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from loongtrain.attn.kernels import (
-    CPU_FLASH,
+from loongtrain.attn.cuda_kernels import (
     CUDA_CUDNN,
     CUDA_EFFICIENT,
     CUDA_EFFICIENT_PADDED,
     CUDA_FLASH,
     CUDA_FLASH_PADDED,
-    REFERENCE,
-    Kernel,
 )
+from loongtrain.attn.kernel_timing import MEASURE_DOCUMENTS, make_timer
+from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, Kernel
 from loongtrain.parallel.runtime import is_distributed
 
 Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 
 MARGIN = 0.10  # another kernel must be at least 10% faster than the rule's choice to replace it
-MEASURE_SEQ_CAP = 8192  # tokens per timed call (keeps the timing short and its memory small)
+CALL_KINDS = ("dense", "varlen")
 
 _ChoiceKey = tuple[str, int | None, torch.dtype, int, int, int]
 _CHOICES: dict[_ChoiceKey, Kernel] = {}  # per-process cache, like cuDNN's benchmark cache
@@ -135,52 +141,6 @@ def select_kernel(
 # ---------------------------------------------------------------- measurement
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls after one warm-up call, synchronising
-    ``device`` (when CUDA) around each timed call."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def time_kernel(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, repeats: int = 3) -> float:
-    """:func:`median_seconds` of one causal forward + backward of ``kernel`` on ``q [B, H, S, D]``,
-    ``k``/``v`` ``[B, Hkv, S, D]``."""
-    scale = q.shape[-1] ** -0.5
-    dout = torch.randn_like(q)
-
-    def once() -> None:
-        out, lse = kernel.forward(q, k, v, True, scale)
-        kernel.backward(dout, q, k, v, out, lse, True, scale)
-
-    return median_seconds(once, q.device, repeats)
-
-
-def _timer(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
-           seq_len: int) -> Callable[[Kernel], float]:
-    """Times each kernel on random inputs shaped like the call's (one batch row, capped sequence)."""
-    seq = min(seq_len, MEASURE_SEQ_CAP)
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def rand(heads: int) -> Tensor:  # [B, S, H, D] storage seen as [B, H, S, D], as the ring passes it
-        x = torch.randn(1, seq, heads, head_dim, generator=gen, device=device, dtype=torch.float32)
-        return x.to(dtype).transpose(1, 2)
-
-    inputs = (rand(num_heads), rand(num_kv_heads), rand(num_kv_heads))
-    return lambda kernel: time_kernel(kernel, *inputs)
-
-
 def pick_by_time(
     candidates: list[Kernel], rule: Kernel, measure: Callable[[Kernel], float]
 ) -> tuple[Kernel, dict[str, float]]:
@@ -201,13 +161,37 @@ def pick_by_time(
     return rule, times
 
 
+def per_piece(kernel: Kernel) -> Kernel:
+    """``kernel`` without its varlen op: packed documents then take one dense call per piece."""
+    if kernel.varlen_forward is None:
+        return kernel
+    return dataclasses.replace(kernel, name=f"{kernel.name}_per_piece", varlen_forward=None, varlen_backward=None)
+
+
+def combined(dense: Kernel, varlen: Kernel) -> Kernel:
+    """The ring's kernel: ``dense``'s forward and backward, ``varlen``'s varlen ops (none when ``varlen`` is
+    a per-piece option). The same object as ``dense`` when that is what it is."""
+    if varlen.varlen_forward is dense.varlen_forward and varlen.varlen_bottom_right == dense.varlen_bottom_right:
+        return dense
+    name = f"{dense.name}+{varlen.name}" if varlen.varlen_forward is not None else per_piece(dense).name
+    return dataclasses.replace(dense, name=name, varlen_forward=varlen.varlen_forward,
+                               varlen_backward=varlen.varlen_backward, varlen_bottom_right=varlen.varlen_bottom_right)
+
+
+def varlen_options(candidates: list[Kernel], dense: Kernel) -> tuple[list[Kernel], Kernel]:
+    """The options for the varlen calls (each candidate with a varlen op, then ``dense`` once per piece) and
+    the rule's: the first with a varlen op, else per piece."""
+    options = [k for k in candidates if k.varlen_forward is not None] + [per_piece(dense)]
+    return options, options[0]
+
+
 def choose_kernel(
     device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, seq_len: int,
-    measure: Callable[[Kernel], float] | None = None,
+    measure: Callable[[Kernel, str], float] | None = None,
 ) -> Kernel:
     """The kernel for attention of ``num_heads`` query heads against ``num_kv_heads`` KV heads of
-    ``head_dim``, blocks of ``seq_len`` tokens, on ``device`` (module docstring). ``measure(kernel) ->
-    seconds`` replaces the timing (tests)."""
+    ``head_dim``, blocks of ``seq_len`` tokens, on ``device`` (module docstring). ``measure(kernel, kind) ->
+    seconds`` (``kind`` in :data:`CALL_KINDS`) replaces the timing (tests)."""
     device = torch.device(device)
     key = (device.type, device.index, dtype, head_dim, num_heads, num_kv_heads)
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -217,31 +201,46 @@ def choose_kernel(
     if device.type != "cuda" or deterministic:
         return rule
     candidates = kernel_candidates(device, dtype, head_dim)
-    if len(candidates) < 2:
-        choice = rule
-    else:
-        timer = measure or _timer(device, dtype, head_dim, num_heads, num_kv_heads, seq_len)
-        choice, times = pick_by_time(candidates, rule, timer)
-        choice = agree_across_ranks(choice, candidates)
-        shown = ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in times.items())
-        log.info("attention kernel for %s, head dim %d, %d/%d heads: %s (fwd+bwd measured: %s)",
-                 dtype, head_dim, num_heads, num_kv_heads, choice.name, shown)
+    timer = measure or make_timer(device, dtype, head_dim, num_heads, num_kv_heads, seq_len)
+    dense, times = (rule, {}) if len(candidates) < 2 else pick_by_time(candidates, rule, lambda k: timer(k, "dense"))
+    options, varlen_rule = varlen_options(candidates, dense)
+    varlen, varlen_times = ((varlen_rule, {}) if len(options) < 2 else
+                            pick_by_time(options, varlen_rule, lambda k: timer(k, "varlen")))
+    if times or varlen_times:
+        dense_name, varlen_name = _rank0_names((dense.name, varlen.name))
+        dense = next(k for k in candidates if k.name == dense_name)
+        varlen = next(k for k in varlen_options(candidates, dense)[0] if k.name == varlen_name)
+        shown = {kind: ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in timed.items())
+                 for kind, timed in (("dense", times), ("varlen", varlen_times))}
+        log.info("attention kernel for %s, head dim %d, %d/%d heads: dense calls %s (fwd+bwd measured: %s); "
+                 "varlen calls %s (%d documents, fwd+bwd measured: %s)", dtype, head_dim, num_heads, num_kv_heads,
+                 dense.name, shown["dense"] or "-", varlen.name, MEASURE_DOCUMENTS, shown["varlen"] or "-")
+    choice = combined(dense, varlen)
     _CHOICES[key] = choice
     return choice
 
 
+def _rank0_names(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Collective over the world (when distributed with more than one rank): rank 0's ``names``; a rank whose
+    own differ logs it. One ``all_gather_object`` (rare: once per measured choice)."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return names
+    gathered: list[tuple[str, ...] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    first = gathered[0]
+    assert first is not None
+    if first != names:
+        log.warning("attention kernel: this rank measured %s fastest, rank 0 %s; every rank runs %s (choices by "
+                    "rank: %s)", names, first, first, gathered)
+    return first
+
+
 def agree_across_ranks(choice: Kernel, candidates: list[Kernel]) -> Kernel:
     """Collective over the world (when distributed with more than one rank): every rank takes rank 0's
-    measured choice, so all ranks run the same numerics (timings differ between devices); a rank whose own
-    measurement differed logs it. One ``all_gather_object`` per measured choice (rare: once per key)."""
-    if not is_distributed() or dist.get_world_size() == 1:
-        return choice
-    names: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, choice.name)
-    if names[0] != choice.name:
-        log.warning("attention kernel: this rank measured %s fastest, rank 0 %s; every rank runs %s (choices by "
-                    "rank: %s)", choice.name, names[0], names[0], names)
-    return next(k for k in candidates if k.name == names[0])
+    measured choice among ``candidates``, so all ranks run the same numerics (timings differ between
+    devices). One ``all_gather_object`` per measured choice (rare: once per key)."""
+    (name,) = _rank0_names((choice.name,))
+    return next(k for k in candidates if k.name == name)
 
 
 def kernel_for(q: Tensor, k: Tensor) -> Kernel:

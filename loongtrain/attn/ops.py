@@ -18,7 +18,7 @@ import torch
 from loongtrain.attn.masking import AttnMask, unflatten_cu_seqlens
 from loongtrain.attn.ring import Ring, ring_backward_packed, ring_forward
 from loongtrain.model.local_attention import normalize_cu_seqlens
-from loongtrain.parallel.comm import all_to_all, resolve_group
+from loongtrain.parallel.comm import all_to_all, all_to_all_pieces, all_to_all_result, resolve_group
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.zigzag import check_chunk_order
 
@@ -29,16 +29,18 @@ Tensor = torch.Tensor
 def head_all_to_all(x: Tensor, group: str, scatter_dim: int, gather_dim: int) -> Tensor:
     """Forward: all-to-all over the head group, scattering ``scatter_dim`` and gathering ``gather_dim``.
     Backward: the same all-to-all with the two dims swapped."""
-    return all_to_all(x, resolve_group(group), scatter_dim, gather_dim)
+    out = all_to_all(x, resolve_group(group), scatter_dim, gather_dim)
+    return out.clone() if out is x else out  # a group of one: an op's output may not alias its input
 
 
 @head_all_to_all.register_fake
 def _(x: Tensor, group: str, scatter_dim: int, gather_dim: int) -> Tensor:
+    # the real result's strides too: the same layout steps on an empty received buffer (a view of it where
+    # the pieces allow, e.g. batch 1: not always contiguous; inductor asserts the strides)
     n = torch.distributed.get_world_size(resolve_group(group))
-    shape = list(x.shape)
-    shape[scatter_dim] //= n
-    shape[gather_dim] *= n
-    return x.new_empty(shape)
+    if n == 1:
+        return torch.empty_like(x)
+    return all_to_all_result(torch.empty_like(all_to_all_pieces(x, n, scatter_dim)), gather_dim)
 
 
 def _a2a_setup(ctx, inputs, output) -> None:

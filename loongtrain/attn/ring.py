@@ -218,7 +218,7 @@ def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim:
     the fp32 (fp64) dQ accumulator, three K/V blocks (in flight, received, being sent) in the input dtype
     and four dK/dV blocks (this block's contribution, the running sum, in flight, received) in the
     accumulators' dtype. The kernel's own scratch is not included (FA2's:
-    :data:`loongtrain.attn.kernels.SPLIT_BACKWARD_BYTES`)."""
+    :data:`loongtrain.attn.cuda_kernels.SPLIT_BACKWARD_BYTES`)."""
     kv = 2 * tokens * kv_heads * head_dim
     q = tokens * heads * head_dim
     if cp == 1:  # the flash kernels' dQ is the result itself; their dK and dV until stacked

@@ -6,8 +6,8 @@ of batch rows); :func:`plan_step` turns them into kernel calls. Each piece is on
 kernel that has a variable-length op (``Kernel.varlen_forward``): then the step's ``full`` pieces go into
 one varlen call and its ``causal`` and ``anticausal`` pieces (rows and columns packed in reversed order: a
 causal square) into another, each once it has two or more pieces (a single piece stays dense: no packing
-cost; one op call takes one causal flag). The op aligns causal masks bottom-right, so a full piece of one
-query row (a length-1 document) joins the causal call (:func:`varlen_flag`). Every (batch row, piece) is one
+cost; one op call takes one causal flag). Where the op aligns causal masks bottom-right (FA2's), a full piece
+of one query row (a length-1 document) joins the causal call (:func:`varlen_flag`). Every (batch row, piece) is one
 packed sequence; ``masked`` pieces stay reference calls.
 
 Forward (:class:`ForwardStep`): partial results are merged into fp32 (fp64 for fp64 inputs) accumulators
@@ -28,6 +28,7 @@ import torch
 
 from loongtrain.attn.kernels import Kernel, reference_backward, reference_forward
 from loongtrain.attn.masking import AttnMask, Piece, member_runs, piece_mask, visible_pieces
+from loongtrain.parallel.runtime import to_device
 
 Tensor = torch.Tensor
 Item = tuple[slice, Piece]  # (batch rows, piece)
@@ -130,28 +131,30 @@ class StepPlan:
     varlen: tuple[VarlenCall, ...]
 
 
-def varlen_flag(piece: Piece) -> bool | None:
-    """The causal flag of the varlen call that takes ``piece``: ``True`` for causal and anticausal squares and
-    for full pieces of one query row (aligned bottom-right, that row sees every key), ``False`` for other
-    full pieces, ``None`` for masked ones."""
+def varlen_flag(piece: Piece, bottom_right: bool = True) -> bool | None:
+    """The causal flag of the varlen call that takes ``piece``: ``True`` for causal and anticausal squares and,
+    when the op aligns causal masks bottom-right (``bottom_right``), for full pieces of one query row (that row
+    then sees every key); ``False`` for other full pieces, ``None`` for masked ones."""
     if piece.kind == "masked":
         return None
-    return piece.kind != "full" or piece.r1 - piece.r0 == 1
+    return piece.kind != "full" or (bottom_right and piece.r1 - piece.r0 == 1)
 
 
-def plan_step(items: Sequence[Item], batch: int, device: torch.device, varlen: bool) -> StepPlan:
-    """The kernel calls of one step's pieces (module docstring); ``varlen``: the kernel has the op."""
+def plan_step(items: Sequence[Item], batch: int, device: torch.device, varlen: bool,
+              bottom_right: bool = True) -> StepPlan:
+    """The kernel calls of one step's pieces (module docstring); ``varlen``: the kernel has the op, which aligns
+    causal masks bottom-right when ``bottom_right`` (``Kernel.varlen_bottom_right``)."""
     if not varlen:
         return StepPlan(tuple(items), ())
     spans = tuple((rows.indices(batch)[:2], piece) for rows, piece in items)
-    return _plan(spans, torch.device(device))
+    return _plan(spans, torch.device(device), bottom_right)
 
 
-@lru_cache(maxsize=64)
-def _plan(spans: tuple[tuple[tuple[int, int], Piece], ...], device: torch.device) -> StepPlan:
+@lru_cache(maxsize=64)  # per document mix: its index tensors are copied to the device once, without blocking
+def _plan(spans: tuple[tuple[tuple[int, int], Piece], ...], device: torch.device, bottom_right: bool) -> StepPlan:
     classes: dict[bool, list[int]] = {False: [], True: []}
     for i, (_, piece) in enumerate(spans):
-        flag = varlen_flag(piece)
+        flag = varlen_flag(piece, bottom_right)
         if flag is not None:
             classes[flag].append(i)
     packed = {i for members in classes.values() if len(members) > 1 for i in members}
@@ -186,7 +189,7 @@ def _positions(first: list[int], lengths: list[int], reverse: list[bool]) -> Ten
 
 def _cumulative(lengths: list[int], device: torch.device) -> Tensor:
     """``cu_seqlens`` of these lengths: int32, ``[0, l0, l0 + l1, ...]``."""
-    return torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
+    return to_device(torch.tensor([0, *accumulate(lengths)], dtype=torch.int32), device)
 
 
 def _varlen_call(members: list[tuple[tuple[int, int], Piece]], causal: bool, device: torch.device) -> VarlenCall:
@@ -202,10 +205,10 @@ def _varlen_call(members: list[tuple[tuple[int, int], Piece]], causal: bool, dev
     bounds = [ends[j] for j in range(len(seqs) + 1) if j in (0, len(seqs)) or seqs[j][2] != seqs[j - 1][2]]
     return VarlenCall(
         causal,
-        batch_rows.repeat_interleave(torch.tensor(q_len)).to(device),
-        _positions([p.r0 for _, p, _ in seqs], q_len, rev).to(device),
-        batch_rows.repeat_interleave(torch.tensor(k_len)).to(device),
-        _positions([p.c0 for _, p, _ in seqs], k_len, rev).to(device),
+        to_device(batch_rows.repeat_interleave(torch.tensor(q_len)), device),
+        to_device(_positions([p.r0 for _, p, _ in seqs], q_len, rev), device),
+        to_device(batch_rows.repeat_interleave(torch.tensor(k_len)), device),
+        to_device(_positions([p.c0 for _, p, _ in seqs], k_len, rev), device),
         _cumulative(q_len, device), _cumulative(k_len, device), max(q_len), max(k_len),
         tuple(zip(bounds, bounds[1:])),
     )
@@ -231,7 +234,8 @@ class ForwardStep:
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
 
     def __call__(self, src: int, block: Tensor) -> None:
-        plan = plan_step(self.pieces(src), self.q.shape[0], self.q.device, self.kernel.varlen_forward is not None)
+        plan = plan_step(self.pieces(src), self.q.shape[0], self.q.device, self.kernel.varlen_forward is not None,
+                         self.kernel.varlen_bottom_right)
         band = self.pieces.band
         for rows, p in plan.dense:
             out, lse = piece_forward(self.kernel, p, band, self.q[rows, :, p.r0:p.r1],
@@ -269,7 +273,8 @@ class BackwardStep:
 
     def __call__(self, src: int, block: Tensor) -> Tensor:
         contrib = torch.zeros(block.shape, dtype=self.dq.dtype, device=block.device)
-        plan = plan_step(self.pieces(src), self.q.shape[0], self.q.device, self.kernel.varlen_backward is not None)
+        plan = plan_step(self.pieces(src), self.q.shape[0], self.q.device, self.kernel.varlen_backward is not None,
+                         self.kernel.varlen_bottom_right)
         band = self.pieces.band
         for rows, p in plan.dense:
             r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)

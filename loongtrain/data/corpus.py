@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -96,14 +97,95 @@ def read_jsonl(path: Path, text_field: str = "text", decode_errors: str = "stric
             yield record[text_field]
 
 
+#: :func:`sample_documents`: bytes read per sampled file, in this many evenly spaced blocks
+SAMPLE_FILE_BYTES = 4 << 20
+SAMPLE_BLOCKS = 16
+#: :func:`sample_documents`: at most this many files (evenly spaced, first and last included)
+SAMPLE_FILES = 64
+
+
+def sample_documents(files: list[Path], text_field: str = "text", decode_errors: str = "strict") -> Iterator[str]:
+    """Documents read from a sample of ``files``, for checks that need not read every byte (a multi-GB
+    corpus in well under a second): up to :data:`SAMPLE_FILES` files, evenly spaced; a file of up to
+    :data:`SAMPLE_FILE_BYTES` whole (as :class:`FilesCorpus` reads it), a larger one as
+    :data:`SAMPLE_BLOCKS` evenly spaced blocks: a ``.txt`` block is text (cut to whole UTF-8
+    characters), a ``.jsonl`` block gives its whole lines. Bad bytes and lines raise ValueError naming
+    the file and the byte offset, as the full read does."""
+    if len(files) > SAMPLE_FILES:
+        files = [files[i * (len(files) - 1) // (SAMPLE_FILES - 1)] for i in range(SAMPLE_FILES)]
+    for file in files:
+        size = file.stat().st_size
+        if size <= SAMPLE_FILE_BYTES:
+            yield from FilesCorpus([file], str(file), text_field, decode_errors)
+            continue
+        block = SAMPLE_FILE_BYTES // SAMPLE_BLOCKS
+        with open(file, "rb") as f:
+            for k in range(SAMPLE_BLOCKS):
+                start = (size - block) * k // (SAMPLE_BLOCKS - 1)
+                f.seek(start)
+                data = f.read(block)
+                if file.suffix == ".jsonl":
+                    yield from _block_lines(data, start, start + len(data) == size, file, text_field, decode_errors)
+                else:
+                    yield _block_text(data, start, start + len(data) == size, file, decode_errors)
+
+
+def _block_text(data: bytes, start: int, at_end: bool, file: Path, errors: str) -> str:
+    """A block of a text file cut to whole UTF-8 characters, decoded (:func:`decode_text`)."""
+    head = 0
+    if start:
+        while head < min(3, len(data)) and 0x80 <= data[head] < 0xC0:  # continuation bytes of a cut character
+            head += 1
+    tail = len(data)
+    if not at_end:
+        for back in range(1, min(4, len(data) - head) + 1):  # a character cut at the block's end
+            byte = data[tail - back]
+            if byte < 0x80:
+                break
+            if byte >= 0xC0:
+                need = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+                if need > back:
+                    tail -= back
+                break
+    return decode_text(data[head:tail], file, errors, start + head)
+
+
+def _block_lines(data: bytes, start: int, at_end: bool, file: Path, text_field: str, errors: str) -> Iterator[str]:
+    """The whole JSON lines of a block of a ``.jsonl`` file (the cut first and last ones dropped)."""
+    lines = data.split(b"\n")
+    offset = start
+    if start:
+        offset += len(lines[0]) + 1
+        lines = lines[1:]
+    if not at_end:
+        lines = lines[:-1]
+    for raw in lines:
+        line = decode_text(raw, file, errors, offset)
+        here, offset = offset, offset + len(raw) + 1
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}: invalid JSON in the line at byte {here} ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise ValueError(f"{file}: the line at byte {here} has no string field {text_field!r}")
+        yield record[text_field]
+
+
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
-    """Sorted ``*.py`` files of the standard library, pruning :data:`SKIP_DIRS`."""
-    root = Path(root or sysconfig.get_paths()["stdlib"])
+    """Sorted ``*.py`` files of the standard library, pruning :data:`SKIP_DIRS` (walked once per process:
+    the installation does not change while it runs)."""
+    return list(_walk_py(str(root or sysconfig.get_paths()["stdlib"])))
+
+
+@functools.lru_cache(maxsize=4)
+def _walk_py(root: str) -> tuple[Path, ...]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
-        found.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return sorted(found)
+        found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    return tuple(Path(f) for f in sorted(found))
 
 
 class HFDatasetCorpus(Corpus):
@@ -139,29 +221,42 @@ def _is_hf_dataset_dir(path: Path) -> bool:
     return any((path / m).exists() for m in markers) or (path / f"{path.name}.py").exists()
 
 
+def corpus_files(spec: str | Path) -> tuple[str, list[Path]]:
+    """What ``spec`` reads (no file opened): ``("stdlib", files)``, ``("files", files)`` (``.txt``/``.jsonl``,
+    sorted) or ``("dataset", the files under it)`` for a Hugging Face dataset directory or script. The one
+    resolution of a corpus path (:func:`build_corpus` reads what this lists; a corpus's identity hashes
+    it). ValueError for a path that is none of them."""
+    if spec == "stdlib":
+        files = stdlib_files()
+        if not files:
+            raise ValueError(f"no standard-library sources found under {sysconfig.get_paths()['stdlib']!r}")
+        return "stdlib", files
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"corpus {str(spec)!r} is neither 'stdlib' nor an existing path")
+    if path.is_file():
+        if path.suffix in (".txt", ".jsonl"):
+            return "files", [path]
+        if path.suffix == ".py":
+            return "dataset", [path]
+        raise ValueError(f"corpus file {str(path)!r} must end in .txt or .jsonl (or be a dataset script .py)")
+    if _is_hf_dataset_dir(path):
+        return "dataset", sorted(p for p in path.rglob("*") if p.is_file())
+    files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
+    if not files:
+        raise ValueError(f"corpus directory {str(path)!r} holds no .txt or .jsonl files")
+    return "files", files
+
+
 def build_corpus(spec: str | Path | Corpus = "stdlib", text_field: str = "text",
                  decode_errors: str = "strict") -> Corpus:
     """A :class:`Corpus` from ``"stdlib"`` or a local path (see the module docstring for formats);
     ``decode_errors``: for text files (:func:`decode_text`)."""
     if isinstance(spec, Corpus):
         return spec
-    if spec == "stdlib":
-        files = stdlib_files()
-        if not files:
-            raise ValueError(f"no standard-library sources found under {sysconfig.get_paths()['stdlib']!r}")
+    kind, files = corpus_files(spec)
+    if kind == "stdlib":
         return FilesCorpus(files, "stdlib", decode_errors="replace")  # a few sources hold odd bytes
-    path = Path(spec)
-    if not path.exists():
-        raise ValueError(f"corpus {str(spec)!r} is neither 'stdlib' nor an existing path")
-    if path.is_file():
-        if path.suffix in (".txt", ".jsonl"):
-            return FilesCorpus([path], str(path), text_field, decode_errors)
-        if path.suffix == ".py":
-            return HFDatasetCorpus(path, text_field)
-        raise ValueError(f"corpus file {str(path)!r} must end in .txt or .jsonl (or be a dataset script .py)")
-    if _is_hf_dataset_dir(path):
-        return HFDatasetCorpus(path, text_field)
-    files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
-    if not files:
-        raise ValueError(f"corpus directory {str(path)!r} holds no .txt or .jsonl files")
-    return FilesCorpus(files, str(path), text_field, decode_errors)
+    if kind == "dataset":
+        return HFDatasetCorpus(Path(spec), text_field)
+    return FilesCorpus(files, str(spec), text_field, decode_errors)

@@ -11,7 +11,7 @@ from loongtrain.data.corpus import Corpus
 from loongtrain.data.mixture import MixtureDataset
 from loongtrain.data.packing import PackedDataset
 from loongtrain.data.sampler import ReplicaSampler
-from loongtrain.data.sources import open_stream, parse_corpus_spec
+from loongtrain.data.sources import open_dataset
 from loongtrain.data.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -47,9 +47,10 @@ class Batches:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.load_state_dict(state)
 
-    def tokens_by_corpus(self) -> dict[str, int]:
-        """Input tokens each corpus has supplied to ALL replicas before step ``self.step`` (global)."""
-        positions = self.sampler.step * self.sampler.dp * self.sampler.batch_size
+    def tokens_by_corpus(self, step: int | None = None) -> dict[str, int]:
+        """Input tokens each corpus has supplied to ALL replicas before step ``step`` (global; default
+        ``self.step``)."""
+        positions = (self.sampler.step if step is None else step) * self.sampler.dp * self.sampler.batch_size
         if isinstance(self.dataset, MixtureDataset):
             return self.dataset.tokens_by_corpus(positions)
         return {self.dataset.stream.corpus.name: positions * self.dataset.seq_len}
@@ -84,18 +85,10 @@ def build_batches(
     ``decode_errors``: raw corpora's non-UTF-8 bytes (``--decode-errors``: strict, replace or ignore).
     """
     tok = build_tokenizer(tokenizer)
-    parts = [(corpus_spec, 1.0)] if isinstance(corpus_spec, Corpus) else parse_corpus_spec(str(corpus_spec))
-    part = "train" if val_fraction else "all"
-    datasets = [PackedDataset(open_stream(spec, tok, text_field=text_field, val_fraction=val_fraction,
-                                          seed=seed, part=part, decode_errors=decode_errors), seq_len)
-                for spec, _ in parts]
-    if len(datasets) == 1:
-        dataset: PackedDataset | MixtureDataset = datasets[0]
-        num_samples = datasets[0].num_samples() if shuffle else None
-    else:
-        dataset = MixtureDataset(datasets, [str(s) for s, _ in parts], [w for _, w in parts], seed,
-                                 shuffle=shuffle)
-        num_samples = None  # the mixture maps every global position itself
+    dataset = open_dataset(corpus_spec, tok, seq_len, text_field=text_field, val_fraction=val_fraction, seed=seed,
+                           part="train" if val_fraction else "all", decode_errors=decode_errors, shuffle=shuffle)
+    # a mixture maps every global position itself
+    num_samples = dataset.num_samples() if shuffle and isinstance(dataset, PackedDataset) else None
     sampler = ReplicaSampler(
         num_samples, dp_rank, dp, batch_size, seed, shuffle=shuffle, start_step=start_step
     )

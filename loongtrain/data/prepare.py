@@ -7,14 +7,25 @@ each, write it and its digests, and return its document lengths; the parent writ
 and, last, the manifest.
 
 Bad input found while reading (a line that is not valid JSON, naming ``FILE:LINE``) raises ValueError:
-the workers stop and the output directory is left empty. The first shard's documents are read before
-the workers start; a bad line later in the corpus stops them after they started.
+the workers stop and the output directory is left as it was. The first shard's documents are read before
+the workers start (an empty corpus is refused there); a bad line later in the corpus stops them after
+they started.
+
+The output directory follows the ownership rule of :mod:`loongtrain._files` (never the current
+directory, a directory holding a source, or one holding files loongtrain did not write) and is locked
+for the run: a second prepare into it exits 2 naming the first.
 
 Crash safety: a prepare first writes the marker :data:`~loongtrain.data.prepared.IN_PROGRESS` into the
-output directory, writes every shard into ``DIR/.tmp-<pid>/``, renames that to ``DIR/shards`` (atomic),
-then writes ``manifest.json`` (atomically, by rename) and removes the marker. A directory without the
-manifest is never read as a corpus; a rerun finds the marker, removes the interrupted run's files and
-starts again. A finished directory with the same sources, tokenizer and shard size is left as it is.
+output directory, writes every shard into ``DIR/.tmp-<pid>/``, then (only then) removes the previous
+corpus's manifest and shards, renames the new shards to ``DIR/shards`` (atomic) and writes
+``manifest.json`` (atomically, by rename), and removes the marker. A directory without the manifest is
+never read as a corpus. A bad input, a full disk or Ctrl-C removes this run's temporary files (the
+previous corpus, under ``--overwrite``, is still whole); a crash leaves them, and a rerun finds the
+marker, removes the interrupted run's files and starts again. A finished directory with the same
+request (sources, tokenizer, text field, ``--decode-errors``, shard size) and the same sources'
+identity (their sizes, sampled digests and modification times,
+:func:`~loongtrain.data.sources.source_identity`) is left as it is; a changed source is refused unless
+``--overwrite`` (prepare again).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +46,16 @@ from typing import Any
 
 import numpy as np
 
+from loongtrain._files import (
+    LOCK_FILE,
+    MARKER,
+    Output,
+    OutputLock,
+    check_output,
+    remove_owned,
+    write_atomic,
+    write_bytes,
+)
 from loongtrain.data.corpus import Corpus, FilesCorpus, build_corpus
 from loongtrain.data.prepared import (
     FORMAT,
@@ -47,11 +69,14 @@ from loongtrain.data.prepared import (
     token_dtype,
     tokenizer_identity,
 )
-from loongtrain.data.tokenizer import Tokenizer, build_tokenizer
+from loongtrain.data.sources import source_identity
+from loongtrain.data.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 
 log = logging.getLogger("loongtrain.data")
 
 DEFAULT_SHARD_BYTES = 64 << 20
+#: the request fields of manifests written before the field existed: what they prepared
+REQUEST_DEFAULTS = {"min_doc_tokens": 0, "decode_errors": "strict"}
 
 
 @dataclass(frozen=True)
@@ -65,33 +90,62 @@ class PrepareResult:
     seconds: float
 
 
-def request(sources: list[str], tokenizer: Tokenizer, text_field: str, shard_bytes: int) -> dict[str, Any]:
+def _wrote(path: Path) -> bool:
+    """A directory an older prepare wrote (before the ownership marker): its marker or a loongtrain manifest."""
+    if (path / IN_PROGRESS).exists():
+        return True
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+#: what `loongtrain prepare` writes into --out (loongtrain._files: the ownership rule)
+OUTPUT = Output("prepare", "--out", (MANIFEST, MANIFEST + ".tmp", SHARD_DIR, ".tmp-*", IN_PROGRESS), _wrote)
+
+
+def request(sources: list[str], tokenizer: Tokenizer, text_field: str, shard_bytes: int,
+            decode_errors: str = "strict", min_doc_tokens: int = 0) -> dict[str, Any]:
     """What identifies a prepare: the manifest's fields a rerun must match to count as already done."""
     resolved = [s if s == "stdlib" else str(Path(s).resolve()) for s in sources]
     return {"sources": resolved, "text_field": text_field, "shard_bytes": shard_bytes,
+            "decode_errors": decode_errors, "min_doc_tokens": min_doc_tokens,
             "tokenizer": {"name": tokenizer.name, "identity": tokenizer_identity(tokenizer),
                           "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}}
 
 
-def check_out_dir(out: Path, want: dict[str, Any], overwrite: bool) -> str:
-    """``"done"`` (a finished prepare of the same request), ``"fresh"`` (empty or absent) or ``"restart"``
-    (an interrupted prepare, or ``overwrite``); ValueError for anything else."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {str(out)!r} is a file; it must be a directory (or not exist yet)")
-    if not out.exists() or not any(out.iterdir()):
+def check_out_dir(out: Path, want: dict[str, Any], overwrite: bool,
+                  identity: list[dict[str, Any]] | None = None) -> str:
+    """``"done"`` (a finished prepare of the same request and unchanged sources), ``"fresh"`` (empty or
+    absent) or ``"restart"`` (an interrupted prepare, or ``overwrite``); ValueError for anything else
+    (``out`` passed :func:`~loongtrain._files.check_output`)."""
+    if not out.exists() or not any(p.name not in (MARKER, LOCK_FILE) for p in out.iterdir()):
         return "fresh"
     if (out / MANIFEST).is_file() and not overwrite:
         manifest = read_manifest(out)  # a newer format raises here
-        have = {k: manifest.data.get(k) for k in want}
-        if have == want:
-            return "done"
+        have = {k: manifest.data.get(k, REQUEST_DEFAULTS.get(k)) for k in want}
         diff = [k for k in want if have[k] != want[k]]
-        raise ValueError(f"--out {str(out)!r} holds a prepared corpus with another {', '.join(diff)} "
-                         f"({out / MANIFEST}); pass --overwrite to replace it, or choose another --out")
-    if (out / IN_PROGRESS).exists() or overwrite:
-        return "restart"
-    raise ValueError(f"--out {str(out)!r} is a non-empty directory that is not a prepared corpus; pass "
-                     f"--overwrite to delete its contents, or choose an empty or new directory")
+        if diff:
+            raise ValueError(f"--out {str(out)!r} holds a prepared corpus with another {', '.join(diff)} "
+                             f"({out / MANIFEST}); pass --overwrite to replace it, or choose another --out")
+        changed = _changed_sources(manifest.data.get("source_identity"), identity or [])
+        if changed:
+            raise ValueError(f"--out {str(out)!r} was prepared from {changed}; pass --overwrite to prepare it "
+                             f"again, or choose another --out")
+        return "done"
+    return "restart"
+
+
+def _changed_sources(saved: list[dict[str, Any]] | None, now: list[dict[str, Any]]) -> str:
+    """Which source changed since the manifest recorded ``saved`` ("" when none)."""
+    if not saved:
+        return "sources whose identity it does not record (an older loongtrain)"
+    for old, new in zip(saved, now):
+        if old != new:
+            what = "content" if old.get("content") != new.get("content") else "modification time"
+            return (f"an earlier version of {old.get('corpus')!r} (its {what} changed since: {old.get('files')} "
+                    f"file(s) of {old.get('bytes')} bytes then, {new.get('files')} of {new.get('bytes')} now)")
+    return ""
 
 
 def prepare(
@@ -103,15 +157,19 @@ def prepare(
     overwrite: bool = False,
     text_field: str = "text",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    decode_errors: str = "strict",
     progress: bool | None = None,
     on_shard: Callable[[int], None] | None = None,
+    min_doc_tokens: int = 0,
 ) -> PrepareResult:
     """Tokenize ``sources`` (any ``--corpus`` spec each, concatenated in order) into directory ``out``.
 
-    ``workers``: processes (0: the cores; 1: in this process). ``progress``: a tqdm bar on stderr (None:
-    when tqdm is installed and stderr is a terminal). ``on_shard(k)`` is called after shard ``k`` is
-    written (tests use it to simulate a crash). Raises ValueError for bad input (module docstring:
-    which directories are accepted)."""
+    ``workers``: processes (0: the cores; 1: in this process). ``decode_errors``: bytes that are not
+    UTF-8 (strict: an error; replace; ignore). ``progress``: a tqdm bar on stderr (None: when tqdm is
+    installed and stderr is a terminal). ``on_shard(k)`` is called after shard ``k`` is written (tests
+    use it to simulate a crash). ``min_doc_tokens``: keep only the documents of at least that many tokens
+    (EOS not counted; 0 keeps all), recorded in the manifest. Raises ValueError for bad input (module
+    docstring: which directories are accepted), :class:`~loongtrain._files.DiskFullError` for a full disk."""
     t0 = time.perf_counter()
     if not sources:
         raise ValueError("prepare needs at least one corpus")
@@ -119,55 +177,104 @@ def prepare(
         raise ValueError(f"--shard-bytes={shard_bytes} must be positive")
     if workers < 0:
         raise ValueError(f"--workers={workers} must be >= 0 (0: one per core)")
+    if min_doc_tokens < 0:
+        raise ValueError(f"--min-doc-tokens={min_doc_tokens} must be >= 0 (0: keep every document)")
     tok = build_tokenizer(tokenizer)
-    corpora = [build_corpus(s, text_field) for s in sources]
-    out = Path(out)
-    want = request(sources, tok, text_field, shard_bytes)
-    state = check_out_dir(out, want, overwrite)
+    corpora = [build_corpus(s, text_field, decode_errors) for s in sources]
+    inputs = [s for s in sources if s != "stdlib"] + ([tok.name] if isinstance(tok, HFTokenizer) else [])
+    out = check_output(OUTPUT, out, inputs=inputs)
+    want = request(sources, tok, text_field, shard_bytes, decode_errors, min_doc_tokens)
+    identity = [source_identity(s, text_field) for s in sources]
+    state = check_out_dir(out, want, overwrite, identity)
     if state == "done":
         manifest = read_manifest(out)
         log.info("%s is already prepared (%d tokens, %d documents): nothing to do", out,
                  manifest.num_tokens, manifest.num_documents)
         return PrepareResult("unchanged", out, manifest.num_tokens, manifest.num_documents,
                              time.perf_counter() - t0)
-    if state == "restart":
-        log.warning("%s: removing %s", out, "its contents (--overwrite)" if overwrite else
-                    "the files of an interrupted prepare")
-        _clear(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / IN_PROGRESS).write_text(json.dumps(want))
+    created = not out.exists()
+    try:
+        with OutputLock(OUTPUT, out):
+            _clear_leftovers(out, state)
+            try:
+                manifest = _prepare_into(out, corpora, tok, want, identity, workers, shard_bytes, progress, on_shard)
+            except (ValueError, OSError, KeyboardInterrupt):  # bad input, a full disk, Ctrl-C: remove our files
+                _remove_partial(out, fresh=state == "fresh")
+                raise
+    finally:
+        if created and out.is_dir() and not any(out.iterdir()):  # a failure removed all it wrote: DIR as before
+            out.rmdir()
+    seconds = time.perf_counter() - t0
+    log.info("prepared %s: %d tokens, %d documents, %d shards in %.1f s (%.3g tokens/s)", out,
+             manifest["num_tokens"], manifest["num_documents"], len(manifest["shards"]), seconds,
+             manifest["num_tokens"] / seconds)
+    return PrepareResult("prepared", out, manifest["num_tokens"], manifest["num_documents"], seconds)
+
+
+def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer, want: dict[str, Any],
+                  identity: list[dict[str, Any]], workers: int, shard_bytes: int, progress: bool | None,
+                  on_shard: Callable[[int], None] | None) -> dict[str, Any]:
+    """The prepare itself, in the locked directory ``out``: shards in ``.tmp-<pid>``, then the swap."""
+    write_atomic(out / IN_PROGRESS, json.dumps(want))
     tmp = out / f".tmp-{os.getpid()}"
     tmp.mkdir()
     dtype = token_dtype(tok.vocab_size)
-    try:
-        shards, lengths = _write_shards(corpora, tok, tmp, dtype, workers or os.cpu_count() or 1, shard_bytes,
-                                        _want_progress(progress), _total_bytes(corpora), on_shard)
-    except (ValueError, UnicodeDecodeError):  # bad input (e.g. a JSON line): leave DIR empty, as it was
-        _clear(out)
-        raise
+    shards, lengths = _write_shards(corpora, tok, tmp, dtype, workers or os.cpu_count() or 1, shard_bytes,
+                                    _want_progress(progress), _total_bytes(corpora), on_shard, want["min_doc_tokens"])
+    _check_kept(lengths, shards, want["min_doc_tokens"])
+    num_tokens = int(lengths.sum())
+    if num_tokens == len(lengths):
+        raise ValueError(f"every one of the {len(lengths)} documents of {want['sources']} is empty: nothing to "
+                         f"prepare")
     offsets = np.zeros(len(lengths) + 1, dtype="<u8")
     np.cumsum(lengths, out=offsets[1:])
-    offsets.tofile(tmp / INDEX_FILE)
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, **want, "dtype": dtype.str,
-                "num_tokens": int(offsets[-1]), "num_documents": len(lengths), "shards": shards,
+    write_bytes(tmp / INDEX_FILE, memoryview(offsets).cast("B"))
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, **want, "source_identity": identity,
+                "dtype": dtype.str, "num_tokens": num_tokens, "num_documents": len(lengths), "shards": shards,
                 "index": buffer_digests(offsets)}
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))  # every byte written before the swap
+    (out / MANIFEST).unlink(missing_ok=True)  # from here the directory reads as interrupted until it is whole
+    old = out / SHARD_DIR
+    if old.exists():
+        shutil.rmtree(old)
     os.rename(tmp, out / SHARD_DIR)
-    partial = out / (MANIFEST + ".tmp")
-    partial.write_text(json.dumps(manifest, indent=1))
-    os.replace(partial, out / MANIFEST)
+    os.replace(out / SHARD_DIR / MANIFEST, out / MANIFEST)
     (out / IN_PROGRESS).unlink()
-    seconds = time.perf_counter() - t0
-    log.info("prepared %s: %d tokens, %d documents, %d shards in %.1f s (%.3g tokens/s)", out,
-             manifest["num_tokens"], len(lengths), len(shards), seconds, manifest["num_tokens"] / seconds)
-    return PrepareResult("prepared", out, manifest["num_tokens"], len(lengths), seconds)
+    return manifest
 
 
-def _clear(out: Path) -> None:
-    for entry in out.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+def _clear_leftovers(out: Path, state: str) -> None:
+    """Under the lock: an interrupted prepare's files go; beside a finished corpus (``--overwrite``) only
+    stale temporary shards do, the corpus itself stays until the new one is whole."""
+    if state != "restart":
+        return
+    if (out / MANIFEST).is_file():
+        for stale in out.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        return
+    log.warning("%s: removing the files of an interrupted prepare", out)
+    remove_owned(OUTPUT, out)
+
+
+def _remove_partial(out: Path, fresh: bool) -> None:
+    """This run's files after a failure: its temporary shards and its in-progress marker (a finished corpus
+    beside them stays); in a directory that was ``fresh``, everything it wrote."""
+    shutil.rmtree(out / f".tmp-{os.getpid()}", ignore_errors=True)
+    if fresh and not (out / MANIFEST).is_file():
+        remove_owned(OUTPUT, out)
+        (out / MARKER).unlink(missing_ok=True)
+    elif (out / MANIFEST).is_file() or not (out / SHARD_DIR).exists():
+        (out / IN_PROGRESS).unlink(missing_ok=True)
+
+
+def _check_kept(lengths: np.ndarray, shards: list[dict[str, Any]], min_doc_tokens: int) -> None:
+    """With ``--min-doc-tokens``: log how many documents were kept; ValueError when none was."""
+    if not min_doc_tokens:
+        return
+    dropped = sum(s["dropped_documents"] for s in shards)
+    if not len(lengths):
+        raise ValueError(f"--min-doc-tokens {min_doc_tokens}: none of the {dropped} documents has that many tokens")
+    log.info("--min-doc-tokens %d: kept %d of %d documents", min_doc_tokens, len(lengths), len(lengths) + dropped)
 
 
 def _want_progress(progress: bool | None) -> bool:
@@ -200,11 +307,15 @@ def _shard_texts(corpora: list[Corpus], shard_bytes: int) -> Iterator[tuple[int,
 
 
 def _write_shards(corpora: list[Corpus], tok: Tokenizer, tmp: Path, dtype: np.dtype, workers: int,
-                  shard_bytes: int, progress: bool, total: int | None,
-                  on_shard: Callable[[int], None] | None) -> tuple[list[dict[str, Any]], np.ndarray]:
-    tasks = ((k, docs, str(tmp), dtype.str) for k, docs in _shard_texts(corpora, shard_bytes))
+                  shard_bytes: int, progress: bool, total: int | None, on_shard: Callable[[int], None] | None,
+                  min_doc_tokens: int = 0) -> tuple[list[dict[str, Any]], np.ndarray]:
+    tasks = ((k, docs, str(tmp), dtype.str, min_doc_tokens) for k, docs in _shard_texts(corpora, shard_bytes))
     # the first shard's documents are read before any worker starts (a bad line there: no worker ever ran)
-    tasks = itertools.chain([next(tasks)], tasks)
+    first = next(tasks)
+    if not first[1]:
+        raise ValueError(f"the corpus {', '.join(repr(c.name) for c in corpora)} holds no documents: nothing "
+                         f"to prepare")
+    tasks = itertools.chain([first], tasks)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -243,18 +354,20 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _init_worker(tok: Tokenizer, parallel_tokenizer: bool = False) -> None:
     global _WORKER_TOKENIZER
-    if not parallel_tokenizer:  # one process per core already: no tokenizer thread pool on top
+    if not parallel_tokenizer:  # a pool process: one per core already, no tokenizer thread pool on top
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         os.environ["RAYON_NUM_THREADS"] = "1"
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool, prints one line
     _WORKER_TOKENIZER = tok
 
 
-def _tokenize_shard(task: tuple[int, list[str], str, str]) -> tuple[int, dict[str, Any], np.ndarray, int]:
-    """Tokenize one shard's documents (EOS after each), write ``tokens-<k>.bin``; return its record."""
-    k, docs, tmp, dtype = task
+def _tokenize_shard(task: tuple[int, list[str], str, str, int]) -> tuple[int, dict[str, Any], np.ndarray, int]:
+    """Tokenize one shard's documents (EOS after each), keep those of at least ``min_doc_tokens`` tokens,
+    write ``tokens-<k>.bin``; return its record."""
+    k, docs, tmp, dtype, min_doc_tokens = task
     tok = _WORKER_TOKENIZER
     assert tok is not None
-    encoded = tok.encode_many(docs)
+    encoded = [e for e in tok.encode_many(docs) if e.size >= min_doc_tokens]
     lengths = np.fromiter((e.size + 1 for e in encoded), dtype=np.int64, count=len(encoded))
     tokens = np.empty(int(lengths.sum()), dtype=np.dtype(dtype))
     ends = np.cumsum(lengths)
@@ -262,7 +375,7 @@ def _tokenize_shard(task: tuple[int, list[str], str, str]) -> tuple[int, dict[st
         tokens[end - e.size - 1 : end - 1] = e
     tokens[ends - 1] = tok.eos_id
     name = f"tokens-{k:05d}.bin"
-    path = Path(tmp) / name
-    tokens.tofile(path)
-    return k, {"file": name, "num_tokens": int(tokens.size), "num_documents": len(docs),
+    write_bytes(Path(tmp) / name, memoryview(tokens).cast("B"))
+    return k, {"file": name, "num_tokens": int(tokens.size), "num_documents": len(encoded),
+               **({"dropped_documents": len(docs) - len(encoded)} if min_doc_tokens else {}),
                **buffer_digests(tokens)}, lengths, sum(len(d) for d in docs)

@@ -164,7 +164,14 @@ def read_manifest(path: str | Path) -> Manifest:
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ValueError(f"{file}: format version {version!r} is newer than this loongtrain reads "
                          f"({FORMAT_VERSION}); upgrade loongtrain or prepare the corpus again")
+    missing = [key for key in _REQUIRED if key not in data]
+    if missing:
+        raise ValueError(f"{file}: not a complete manifest (no {', '.join(map(repr, missing))}); prepare the "
+                         f"corpus again")
     return Manifest(root, data)
+
+
+_REQUIRED = ("dtype", "num_tokens", "num_documents", "shards", "index", "tokenizer")
 
 
 def check_tokenizer(manifest: Manifest, tokenizer: Tokenizer) -> None:
@@ -197,7 +204,38 @@ def verify_prepared(path: str | Path, tokenizer: Tokenizer | None = None, *, ful
         if actual != record[key]:
             raise ValueError(f"{file}: corrupted ({'checksum' if full else 'sampled checksum'} differs from "
                              f"{manifest.root / MANIFEST}); prepare the corpus again")
+    check_counts(manifest)
     return manifest
+
+
+def check_counts(manifest: Manifest) -> None:
+    """The manifest's counts against its files (whose sizes :func:`verify_prepared` matched to the
+    records): every shard's tokens = its bytes / the token size, their sum = ``num_tokens``, their documents
+    sum to ``num_documents``, the index holds ``num_documents + 1`` offsets from 0 to ``num_tokens``.
+    ValueError naming the manifest and the first count its files contradict. Reads 16 bytes."""
+    where = manifest.root / MANIFEST
+    try:
+        itemsize = manifest.dtype.itemsize
+        shards, index = manifest.data["shards"], manifest.data["index"]
+        tokens, documents = manifest.num_tokens, manifest.num_documents
+        for shard in shards:
+            if int(shard["num_tokens"]) * itemsize != int(shard["size"]):
+                raise ValueError(f"{where}: shard {shard['file']} says {shard['num_tokens']} tokens, its file "
+                                 f"holds {int(shard['size']) // itemsize}; prepare the corpus again")
+        held = sum(int(s["num_tokens"]) for s in shards)
+        if held != tokens:
+            raise ValueError(f"{where}: num_tokens says {tokens}, the shards hold {held}; prepare the corpus again")
+        docs = sum(int(s["num_documents"]) for s in shards)
+        if docs != documents or int(index["size"]) != 8 * (documents + 1):
+            raise ValueError(f"{where}: num_documents says {documents}, the shards list {docs} and the index "
+                             f"holds {int(index['size']) // 8 - 1}; prepare the corpus again")
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{where}: not a complete manifest (missing or malformed {exc})") from None
+    offsets = document_index(manifest)
+    ends = (int(offsets[0]), int(offsets[-1]))
+    if ends != (0, tokens):
+        raise ValueError(f"{where}: the document index runs from {ends[0]} to {ends[1]}, the stream holds "
+                         f"{tokens} tokens; prepare the corpus again")
 
 
 def check_prepared(path: str | Path, tokenizer: Tokenizer, need_tokens: int) -> Manifest:

@@ -70,27 +70,55 @@ def build_val_batches(
     val_fraction: float = 0.0,
     val_corpus: str = "",
     text_field: str = "text",
+    decode_errors: str = "strict",
 ) -> ValBatches:
     """The validation batches of replica ``dp_rank`` of ``dp``: the documents of ``corpus_spec`` held out
     by ``val_fraction`` (> 0) and ``seed``, or all of ``val_corpus`` (exactly one of the two).
 
     ValueError when neither or both are given, when the fraction is outside (0, 1), or when the
     validation data holds less than one global batch (``dp * batch_size`` sequences)."""
+    spec, datasets = _val_datasets(corpus_spec, tokenizer, seq_len, seed, val_fraction, val_corpus, text_field,
+                                   decode_errors)
+    parts = []
+    for name, dataset in datasets:
+        count = max((dataset.stream.total_length() - 1) // seq_len, 0) // (dp * batch_size)
+        parts.append((name, dataset, ReplicaSampler(None, dp_rank, dp, batch_size, seed, shuffle=False), count))
+    if not any(n for *_, n in parts):
+        raise ValueError(_too_small(spec, bool(val_corpus), dp * batch_size, seq_len))
+    return ValBatches(parts)
+
+
+def count_val_batches(corpus_spec: str | Path, tokenizer: str | Tokenizer, seq_len: int, batch_size: int, dp: int,
+                      want: int, *, seed: int = 0, val_fraction: float = 0.0, val_corpus: str = "",
+                      text_field: str = "text", decode_errors: str = "strict") -> int:
+    """How many of ``want`` validation batches per replica :func:`build_val_batches` would give (fewer
+    when the held-out data holds fewer), reading no more than ``want`` global batches of each corpus's
+    held-out stream (a prepared corpus: its document index only). ValueError as build_val_batches."""
+    spec, datasets = _val_datasets(corpus_spec, tokenizer, seq_len, seed, val_fraction, val_corpus, text_field,
+                                   decode_errors)
+    rows = dp * batch_size
+    total = sum(max((d.stream.ensure(want * rows * seq_len + 1) - 1) // seq_len, 0) // rows for _, d in datasets)
+    if not total:
+        raise ValueError(_too_small(spec, bool(val_corpus), rows, seq_len))
+    return min(total, want)
+
+
+def _val_datasets(corpus_spec: str | Path, tokenizer: str | Tokenizer, seq_len: int, seed: int, val_fraction: float,
+                  val_corpus: str, text_field: str, decode_errors: str) -> tuple[str, list[tuple[str, PackedDataset]]]:
+    """(the spec read, [(corpus, its validation samples)]): the held-out part of each corpus of
+    ``corpus_spec``, or every corpus of ``val_corpus`` whole."""
     check_fraction(val_fraction)
     if bool(val_fraction) == bool(val_corpus):
         raise ValueError(f"validation needs exactly one of --val-fraction (got {val_fraction}) and "
                          f"--val-corpus (got {val_corpus!r})")
     tok = build_tokenizer(tokenizer)
     spec, part = (val_corpus, "all") if val_corpus else (str(corpus_spec), "validation")
-    parts = []
-    for name, _ in parse_corpus_spec(spec):
-        dataset = PackedDataset(open_stream(name, tok, text_field=text_field, val_fraction=val_fraction,
-                                            seed=seed, part=part), seq_len)
-        available = (dataset.stream.total_length() - 1) // seq_len
-        count = max(available, 0) // (dp * batch_size)
-        parts.append((name, dataset, ReplicaSampler(None, dp_rank, dp, batch_size, seed, shuffle=False), count))
-    if not any(n for *_, n in parts):
-        raise ValueError(f"the validation data of {spec!r} ({'held-out documents' if part != 'all' else 'all'}) "
-                         f"holds less than one global batch of dp*batch_size = {dp * batch_size} sequences of "
-                         f"{seq_len + 1} tokens; raise --val-fraction or shorten --seq-len")
-    return ValBatches(parts)
+    return spec, [(name, PackedDataset(open_stream(name, tok, text_field=text_field, val_fraction=val_fraction,
+                                                   seed=seed, part=part, decode_errors=decode_errors), seq_len))
+                  for name, _ in parse_corpus_spec(spec)]
+
+
+def _too_small(spec: str, whole: bool, rows: int, seq_len: int) -> str:
+    return (f"the validation data of {spec!r} ({'all' if whole else 'held-out documents'}) holds less than one "
+            f"global batch of dp*batch_size = {rows} sequences of {seq_len + 1} tokens; raise --val-fraction or "
+            f"shorten --seq-len")

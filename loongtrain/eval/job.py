@@ -3,11 +3,16 @@
 ``loongtrain.launch.eval_run.prepare`` composes them before any worker starts) into a :class:`Job`, and
 :func:`evaluate`, one rank's evaluation of a built model (docs/design.md §14).
 
-Every user error is a ValueError naming the value: a MODEL that is none of the three kinds; lengths not
-divisible by ``2*hp*cp``; depths outside [0, 1]; a tokenizer that cannot encode the key's digits; an
-eval corpus shorter than the longest length; a layout the model's heads or the world size do not allow.
-A length past the model's ``max_position_embeddings`` (or trained ``--seq-len``) is allowed, with one
-warning naming both numbers.
+Every user error is a ValueError naming the value: a MODEL that is none of the three kinds, or an
+incomplete or damaged checkpoint (the bad file named); lengths not divisible by ``2*hp*cp``; depths
+outside [0, 1]; a tokenizer that cannot encode the key's digits; an eval corpus shorter than the longest
+length; a layout the model's heads or the world size do not allow; an ``--out`` that the ownership rule
+refuses (:mod:`loongtrain._files`: a file, the current directory, a directory holding an input or files
+loongtrain did not write, one another eval is writing). A length past the model's
+``max_position_embeddings`` (or trained ``--seq-len``) is allowed, with one warning naming both numbers;
+so is a Hugging Face directory without weights (one warning: its weights are random). The eval corpus
+(``--corpus``, default the run's) is read like the training data
+(:func:`~loongtrain.data.sources.open_dataset`: raw, prepared or a mixture).
 """
 
 from __future__ import annotations
@@ -16,24 +21,27 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from loongtrain.eval.passkey import PasskeyTokens, passkey, passkey_tokens
-from loongtrain.eval.position_loss import corpus_batches, position_loss
+from loongtrain._files import Output, check_output
+from loongtrain.data.sources import parse_corpus_spec
+from loongtrain.eval.passkey import DEPTHS, KEY_DIGITS, PasskeyTokens, passkey, passkey_tokens
+from loongtrain.eval.position_loss import position_loss
 from loongtrain.eval.source import ModelSource, model_config, resolve_model, trained_length
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.zigzag import check_sequence_length
-from loongtrain.train.config import DOC_MASK, DTYPES, TrainConfig, autocast_dtype
+from loongtrain.train.config import DOC_MASK, DTYPES, EVAL_TASKS, TrainConfig, autocast_dtype
 from loongtrain.train.run_model import tokenizer_spec
 from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.eval")
 
-TASKS = ("passkey", "position-loss")
+TASKS = EVAL_TASKS
 FILLERS = ("text", "corpus")
 
 
@@ -46,10 +54,10 @@ class EvalConfig:
     out: str = "runs/eval"
     seq_len: int = 0
     lengths: tuple[int, ...] = (4096, 16384)
-    depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
+    depths: tuple[float, ...] = DEPTHS
     trials: int = 3
     docs: int = 4
-    key_digits: int = 5
+    key_digits: int = KEY_DIGITS
     filler: str = "text"
     corpus: str = ""
     tokenizer: str = ""
@@ -103,10 +111,21 @@ class Job:
     batches: list[Any] = field(default_factory=list)
 
 
+def _wrote_eval(path: Path) -> bool:
+    return (path / "meta.json").is_file() and (path / "results.json").is_file()
+
+
+#: what `loongtrain eval` writes into --out (loongtrain._files: the ownership rule); an earlier
+#: evaluation's results there are replaced
+OUTPUT = Output("eval", "--out", ("results.json", "meta.json", "passkey.png", "position_loss.png"), _wrote_eval)
+
+
 def eval_run_config(options: EvalConfig) -> tuple[ModelSource, tuple[int, ...], TrainConfig]:
     """Check ``options`` alone and resolve the model, the lengths and the run config the evaluation runs
     under (before the world size and the plan are known; ValueError on bad input)."""
     options.validate()
+    if not options.out.strip():
+        raise ValueError("--out '' is empty: name the output directory")
     source = resolve_model(options.model)
     lengths = _lengths(options, source)
     return source, lengths, _run_config(options, source, max(lengths))
@@ -125,6 +144,9 @@ def resolve_job(options: EvalConfig, source: ModelSource, lengths: tuple[int, ..
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the model has a "
                          f"vocabulary of {vocab}: pass a --tokenizer that fits the model")
+    uses_corpus = options.task == "position-loss" or options.filler == "corpus"
+    inputs = [str(source.path)] + [n for n, _ in parse_corpus_spec(run.corpus) if uses_corpus and n != "stdlib"]
+    check_output(OUTPUT, options.out, inputs=inputs + ([tokenizer.name] if tokenizer.name != "byte" else []))
     job = Job(options, source, run, world, lengths)
     longest = max(lengths)
     if options.task == "passkey":
@@ -135,13 +157,8 @@ def resolve_job(options: EvalConfig, source: ModelSource, lengths: tuple[int, ..
             raise ValueError(f"--lengths {min(lengths)}: a passkey prompt needs at least {shortest} tokens with "
                              f"this tokenizer (needle, question and a {options.key_digits}-digit answer)")
     else:
-        stream = _stream(run, tokenizer)
-        have = stream.ensure(options.docs * longest + 1)
-        _check_corpus_length(run, have, longest + 1, "--seq-len")
-        if have < options.docs * longest + 1:
-            raise ValueError(f"eval corpus {run.corpus!r} holds {have} tokens: --docs {options.docs} sequences of "
-                             f"--seq-len {longest} need {options.docs * longest + 1}; lower --docs")
-        job.batches = corpus_batches(stream, longest, options.docs)
+        samples = _samples(run, tokenizer, longest, options.docs, "--seq-len", "; lower --docs")
+        job.batches = [{key: value[None] for key, value in sample.items()} for sample in samples]
     _warn_past_trained(source, longest)
     return job
 
@@ -163,7 +180,8 @@ def _run_config(options: EvalConfig, source: ModelSource, seq_len: int) -> Train
         name: getattr(run.parallel, name) for name in ("zero", "zero_shard_size", "reshard_after_forward")}
     parallel = dataclasses.replace(options.parallel, **zero)
     return dataclasses.replace(
-        run, seq_len=seq_len, batch_size=1, grad_accum=1, tokenizer=options.tokenizer or run.tokenizer,
+        run, seq_len=seq_len, batch_size=1, grad_accum=1, seq_len_schedule="", schedule_tokens="constant",
+        eval_tasks="", eval_lengths="", tokenizer=options.tokenizer or run.tokenizer,
         corpus=options.corpus or run.corpus, dtype=options.dtype or run.dtype,
         doc_mask=doc_mask, parallel=parallel, plan=options.plan,
         plan_cluster=options.plan_cluster, nproc=options.nproc, threads=options.threads,
@@ -185,25 +203,23 @@ def _check_layout(run: TrainConfig, source: ModelSource, world: int, lengths: tu
             raise ValueError(f"length {n}: {exc}") from None
 
 
-def _stream(run: TrainConfig, tokenizer):
-    from loongtrain import data
+def _samples(run: TrainConfig, tokenizer, seq_len: int, count: int, what: str, hint: str = "") -> list[dict]:
+    """The first ``count`` packed samples of ``seq_len`` of the eval corpus (the one corpus reader:
+    raw, prepared or a mixture, corpus order); ValueError naming the corpus when it holds fewer."""
+    from loongtrain.data.sources import first_samples, open_dataset
 
     try:
-        return data.TokenStream(data.build_corpus(run.corpus), tokenizer)
+        dataset = open_dataset(run.corpus, tokenizer, seq_len, seed=run.seed, decode_errors=run.decode_errors,
+                               shuffle=False)
+        return first_samples(dataset, count)
     except (ImportError, ValueError) as exc:
-        raise ValueError(f"--corpus {run.corpus!r}: {exc}") from None
-
-
-def _check_corpus_length(run: TrainConfig, have: int, need: int, what: str) -> None:
-    if have < need:
-        raise ValueError(f"eval corpus {run.corpus!r} holds {have} tokens, shorter than the longest length "
-                         f"({what} {need - 1} needs {need})")
+        raise ValueError(f"eval corpus {run.corpus!r} ({what} {seq_len}): {exc}{hint}") from None
 
 
 def _corpus_tokens(run: TrainConfig, tokenizer, need: int, what: str) -> list[int]:
-    stream = _stream(run, tokenizer)
-    _check_corpus_length(run, stream.ensure(need), need, what)
-    return stream.slice(0, need).tolist()
+    """``need`` tokens of the eval corpus from its start (the passkey filler)."""
+    (sample,) = _samples(run, tokenizer, need - 1, 1, what)
+    return sample["input_ids"].tolist() + sample["labels"][-1:].tolist()
 
 
 def _warn_past_trained(source: ModelSource, longest: int) -> None:

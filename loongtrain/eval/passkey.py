@@ -36,6 +36,9 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 NEEDLE_PREFIX = "The pass key is "
 NEEDLE_SUFFIX = ". Remember it. "
 QUESTION = "What is the pass key? The pass key is "
+#: the default key depths (``loongtrain eval --depths``; the in-loop task's) and digits of a key
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+KEY_DIGITS = 5
 
 
 @dataclass(frozen=True)

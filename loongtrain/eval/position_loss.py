@@ -70,12 +70,3 @@ def position_loss(model: nn.Module, batches: list[Batch], mesh: Mesh, device: to
 def _rows(edges: list[int], sums: Iterable[float], counts: Iterable[float]) -> list[dict]:
     return [{"start": start, "end": end, "loss": (s / c) if c else None, "tokens": int(c)}
             for start, end, s, c in zip(edges[:-1], edges[1:], sums, counts)]
-
-
-def corpus_batches(stream, seq_len: int, count: int) -> list[Batch]:
-    """The first ``count`` packed samples of a :class:`~loongtrain.data.TokenStream` (corpus order), each a
-    ``[1, seq_len]`` batch. The caller checked that the stream holds them."""
-    from loongtrain.data import PackedDataset
-
-    dataset = PackedDataset(stream, seq_len)
-    return [{key: value[None] for key, value in dataset[i].items()} for i in range(count)]

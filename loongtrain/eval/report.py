@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
+
+from loongtrain._files import disk_space, write_atomic
+from loongtrain.train.metrics import size_label
 
 log = logging.getLogger("loongtrain.eval")
 
@@ -15,8 +19,8 @@ def write_results(out: Path, task: str, rows: list[dict], meta: dict) -> Path:
     """``out/results.json``: the rows (passkey cells or position buckets) and, beside it, ``meta.json``
     (model, task, layout, lengths); returns the results path."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
-    (out / "meta.json").write_text(json.dumps({"task": task, **meta}, indent=1) + "\n")
+    write_atomic(out / "results.json", json.dumps(rows, indent=1) + "\n")  # whole or not at all
+    write_atomic(out / "meta.json", json.dumps({"task": task, **meta}, indent=1) + "\n")
     return out / "results.json"
 
 
@@ -26,13 +30,13 @@ def table(task: str, rows: list[dict]) -> str:
         lines = [f"{'positions':>20s} {'tokens':>10s} {'loss':>8s}"]
         for r in rows:
             loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
-            lines.append(f"{_span(r['start'], r['end']):>20s} {r['tokens']:>10d} {loss:>8s}")
+            lines.append(f"{span_label(r['start'], r['end']):>20s} {r['tokens']:>10d} {loss:>8s}")
         return "\n".join(lines)
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
     by = {(r["length"], r["depth"]): r for r in rows}
     lines = ["accuracy (correct/trials) by depth (rows) and length (columns)",
-             f"{'depth':>6s} " + " ".join(f"{_size(n):>8s}" for n in lengths)]
+             f"{'depth':>6s} " + " ".join(f"{size_label(n):>8s}" for n in lengths)]
     for d in depths:
         cells = [by.get((n, d)) for n in lengths]
         lines.append(f"{d:>6.2f} " + " ".join(f"{c['correct']:>4d}/{c['trials']:<3d}" if c else f"{'':8s}"
@@ -43,12 +47,9 @@ def table(task: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _size(n: int) -> str:
-    return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
-
-
-def _span(start: int, end: int) -> str:
-    return f"{_size(start)}-{_size(end)}"
+def span_label(start: int, end: int) -> str:
+    """A position bucket as ``1K-2K``."""
+    return f"{size_label(start)}-{size_label(end)}"
 
 
 def _pyplot():
@@ -72,7 +73,7 @@ def plot(out: Path, task: str, rows: list[dict]) -> Path | None:
     if task == "position-loss":
         shown = [r for r in rows if r["loss"] is not None]
         ax.plot(range(len(shown)), [r["loss"] for r in shown], marker="o")
-        ax.set_xticks(range(len(shown)), [_span(r["start"], r["end"]) for r in shown], rotation=30)
+        ax.set_xticks(range(len(shown)), [span_label(r["start"], r["end"]) for r in shown], rotation=30)
         ax.set_xlabel("token position")
         ax.set_ylabel("mean loss")
         ax.set_title("loss by position")
@@ -89,7 +90,7 @@ def plot(out: Path, task: str, rows: list[dict]) -> Path | None:
             for j, n in enumerate(lengths):
                 if (n, d) in by:
                     ax.text(j, i, f"{by[(n, d)]['correct']}/{by[(n, d)]['trials']}", ha="center", va="center")
-        ax.set_xticks(range(len(lengths)), [_size(n) for n in lengths])
+        ax.set_xticks(range(len(lengths)), [size_label(n) for n in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("key depth")
@@ -97,6 +98,12 @@ def plot(out: Path, task: str, rows: list[dict]) -> Path | None:
         fig.colorbar(image, ax=ax, label="accuracy")
         path = out / "passkey.png"
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with disk_space(path):
+            fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path

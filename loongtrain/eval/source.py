@@ -1,7 +1,8 @@
 """What ``loongtrain eval MODEL`` evaluates (docs/design.md §14): a run directory (its
 ``checkpoints/latest``), a checkpoint directory, or a Hugging Face model directory.
 
-- :func:`resolve_model` (launcher, before any worker): the kind, the checkpoint or directory, and the
+- :func:`resolve_model` (launcher, before any worker): the kind, the checkpoint (complete, every file
+  verified against its checksum: :func:`~loongtrain.train.checkpoint.verify_checkpoint`) or directory, and the
   :class:`~loongtrain.train.config.TrainConfig` the model came with (a checkpoint's recorded run config,
   or ``TrainConfig(model=DIR)``): its tokenizer, corpus, dtype and ``--doc-mask`` are the evaluation's
   defaults. ValueError naming the path when it is none of the three kinds.
@@ -15,23 +16,23 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, read_trainer_state
+from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.export import checkpoint_model_record
 from loongtrain.train.run_model import model_from_record
 from loongtrain.wrap.parallelize import parallelize
 from loongtrain.wrap.zero import uses_zero
+
+log = logging.getLogger("loongtrain.eval")
 
 KINDS = ("run directory (OUT_DIR with checkpoints/latest)", "checkpoint directory (with trainer_state.json)",
          "Hugging Face model directory (with config.json)")
@@ -54,11 +55,13 @@ def resolve_model(model: str) -> ModelSource:
     is_checkpoint = path.is_dir() and any((root / name).is_file() for root in (path, path / "checkpoints")
                                           for name in (STATE_FILE, LATEST))
     if is_checkpoint:
-        checkpoint = find_checkpoint(path)
-        state = read_trainer_state(checkpoint)
+        checkpoint = find_checkpoint(path)  # complete checkpoints only
+        state = verify_checkpoint(checkpoint)  # every file against its checksum: the bad one is named here
         run = TrainConfig.from_dict(state.get("config") or {})
         return ModelSource("checkpoint", checkpoint, run, checkpoint_model_record(state))
     if path.is_dir() and (path / "config.json").is_file():
+        if not any(path.glob("*.safetensors")):
+            log.warning("MODEL %s has no *.safetensors weights: evaluating randomly initialised weights", path)
         return ModelSource("hf", path, TrainConfig(model=str(path)))
     raise ValueError(f"MODEL {model!r} is none of: {'; '.join(KINDS)}")
 
@@ -74,10 +77,9 @@ def model_config(source: ModelSource) -> ModelConfig:
     assert source.record is not None
     if "model_config" in source.record:
         return ModelConfig(**source.record["model_config"])
-    from transformers import AutoConfig
+    from loongtrain.hf.load import hf_config_from_dict
 
-    values = dict(source.record["hf_config"])
-    return shape_config_from_hf(AutoConfig.for_model(values.pop("model_type"), **values))
+    return shape_config_from_hf(hf_config_from_dict(source.record["hf_config"]))
 
 
 def trained_length(source: ModelSource) -> tuple[int, str]:
@@ -104,14 +106,7 @@ def build_model(source: ModelSource, cfg: TrainConfig, mesh: Mesh, device: torch
     else:
         model = model_from_record(source.record, param_dtype(cfg))
         model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_dtype)
-        load_weights(model, source.path)
+        load_model_weights(source.path, model)
     return model.eval()
 
 
-def load_weights(model: nn.Module, checkpoint: Path) -> None:
-    """Read the model weights of ``checkpoint`` (DCP) into ``model``'s parameters, whole or sharded."""
-    weights = get_model_state_dict(model)
-    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": weights}, checkpoint_id=str(checkpoint))
-    set_model_state_dict(model, weights)

@@ -76,8 +76,10 @@ def hf_attention_forward(
     if kwargs.get("chunk_order") is not None:  # the layout the inputs were sharded with (default zigzag)
         documents["chunk_order"] = kwargs["chunk_order"]
     position_ids = kwargs.get("position_ids")
-    check = isinstance(position_ids, Tensor) and "cu_seqlens" not in documents and getattr(module, "layer_idx", 0) == 0
-    if check and not torch.compiler.is_compiling():  # a value check (host-side): eager only (docs/design.md §13)
+    # a value check (host-side) in the first layer: eager only, and the layer's index is not read while compiling
+    # (an int attribute is a constant to dynamo: reading it would give every layer a graph; docs/design.md §13)
+    if (not torch.compiler.is_compiling() and isinstance(position_ids, Tensor) and "cu_seqlens" not in documents
+            and getattr(module, "layer_idx", 0) == 0):
         _check_positions(position_ids, mesh, seq_len, documents.get("chunk_order"))
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     out = attention_fn(

@@ -11,6 +11,7 @@ to be sharded and then filled one tensor at a time, and one forward to the final
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,16 @@ import torch
 from torch import nn
 
 from loongtrain.hf.families import check_architecture
-from loongtrain.hf.load import check_hf_dir, load_hf_model
+from loongtrain.hf.load import check_hf_dir, hf_config_from_dict, load_hf_model
 
 Tensor = torch.Tensor
 
 
-def build_hf_model(directory: str | Path, dtype: torch.dtype, seed: int) -> nn.Module:
+def build_hf_model(directory: str | Path, dtype: torch.dtype, seed: int, config: Any = None) -> nn.Module:
     """The HF causal LM of ``directory`` on CPU in ``dtype``: its weights, or without weight files a
-    random init from the config seeded with ``seed`` (the same on every rank)."""
-    model = load_hf_model(directory, dtype=dtype, seed=seed)
+    random init from the config seeded with ``seed`` (the same on every rank). ``config``: the HF config
+    to build instead of the directory's (e.g. its RoPE changed)."""
+    model = load_hf_model(directory, dtype=dtype, seed=seed, config=config)
     model.config.use_cache = False
     return model
 
@@ -37,12 +39,14 @@ def hf_weight_files(directory: str | Path) -> list[Path]:
     return sorted(Path(directory).glob("*.safetensors"))
 
 
-def build_hf_model_on_meta(directory: str | Path, dtype: torch.dtype) -> nn.Module:
+def build_hf_model_on_meta(directory: str | Path, dtype: torch.dtype, config: Any = None) -> nn.Module:
     """The HF causal LM of ``directory`` on the meta device (no memory), its weight files checked against
-    it; fill it after sharding with :func:`hf_initial_weights` and :func:`restore_hf_buffers`."""
+    it; fill it after sharding with :func:`hf_initial_weights` and :func:`restore_hf_buffers`. ``config``:
+    the HF config to build instead of the directory's (same tensor shapes, e.g. its RoPE changed)."""
     from transformers import AutoModelForCausalLM
 
-    config = check_hf_dir(directory)
+    checked = check_hf_dir(directory)
+    config = copy.deepcopy(config) if config is not None else checked
     config.use_cache = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -124,10 +128,9 @@ def hf_prenorm_hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids
 def hf_model_from_config_dict(values: dict[str, Any], dtype: torch.dtype = torch.float32) -> nn.Module:
     """An HF causal LM (fixed init) from a config.json's dict, e.g. the one a checkpoint records; its
     architectures must be supported."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    values = dict(values)
-    hf_config = AutoConfig.for_model(values.pop("model_type"), **values)
+    hf_config = hf_config_from_dict(values)
     for name in hf_config.architectures or []:
         check_architecture(name)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)

@@ -1,7 +1,9 @@
 """loongtrain's LLaMA decoder <-> Hugging Face ``LlamaForCausalLM``: config, weight names, export.
 
 Both use the split-halves RoPE convention (pair ``i`` with ``i + head_dim/2``, HF's ``rotate_half``),
-so q/k projection weights map without any permutation; names map one to one:
+so q/k projection weights map without any permutation; RoPE scaling (``linear``, ``yarn``, ``llama3``) maps
+to ``rope_parameters`` and back (an older ``rope_scaling`` + ``rope_theta`` is read too, and written next to
+``rope_parameters`` on export for readers that know only those); names map one to one:
 
     tok_embeddings            model.embed_tokens          norm     model.norm      output  lm_head
     layers.i.attention.wq/wk/wv/wo        model.layers.i.self_attn.q_proj/k_proj/v_proj/o_proj
@@ -11,6 +13,8 @@ so q/k projection weights map without any permutation; names map one to one:
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,7 @@ from torch import nn
 
 from loongtrain.hf.families import check_architecture, is_hf_model, supported_architectures
 from loongtrain.model.config import ModelConfig
+from loongtrain.model.rope_scaling import DEFAULT, RopeScaling, rope_scaling_from_mapping
 
 Tensor = torch.Tensor
 
@@ -37,10 +42,16 @@ _LAYER_NAMES = {
 }
 
 
-def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings: int = 8192) -> Any:
-    """The ``LlamaConfig`` of the same decoder (``max_position_embeddings`` is metadata for default RoPE)."""
+def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings: int | None = None) -> Any:
+    """The ``LlamaConfig`` of the same decoder. ``max_position_embeddings`` is metadata for the RoPE types
+    loongtrain trains (default: ``original_max_position_embeddings * factor`` with a scaling that has
+    one, else 8192)."""
     from transformers import LlamaConfig
 
+    scaling = config.rope_scaling
+    if max_position_embeddings is None:
+        original = scaling.original_max_position_embeddings if scaling is not None else None
+        max_position_embeddings = round(original * scaling.factor) if original else 8192
     hf_config = LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.dim,
@@ -51,7 +62,7 @@ def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings:
         head_dim=config.head_dim,
         hidden_act="silu",
         rms_norm_eps=config.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        rope_parameters=rope_parameters(config.rope_theta, scaling),
         tie_word_embeddings=config.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
@@ -62,22 +73,74 @@ def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings:
     return hf_config
 
 
+def rope_parameters(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+    """HF's ``rope_parameters`` for base ``theta`` and ``scaling``."""
+    extra = scaling.hf_parameters() if scaling is not None else {"rope_type": DEFAULT}
+    return {**extra, "rope_theta": float(theta)}
+
+
+def raw_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The RoPE entries of an HF config object or config.json dict: ``rope_parameters``, or the older
+    ``rope_scaling`` with the top-level ``rope_theta`` (``{}`` when it states none)."""
+    get = hf_config.get if isinstance(hf_config, dict) else lambda name: getattr(hf_config, name, None)
+    params = get("rope_parameters") or get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters={params!r} must be a dict")
+    params = dict(params)
+    if "rope_theta" not in params and get("rope_theta") is not None:
+        params["rope_theta"] = get("rope_theta")
+    return params
+
+
+def rope_from_hf(hf_config: Any) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, scaling)`` of an HF config (object or dict); ValueError naming a RoPE type or key
+    loongtrain's decoder does not implement (``dynamic`` with the reason it cannot train)."""
+    params = raw_rope_parameters(hf_config)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"rope_parameters per layer type ({sorted(params)}) have no loongtrain equivalent")
+    theta = float(params.get("rope_theta") or 10000.0)
+    return theta, rope_scaling_from_mapping(params)
+
+
 def model_config_from_hf(hf_config: Any) -> ModelConfig:
-    """The loongtrain :class:`ModelConfig` of an HF Llama config; ValueError for features it lacks."""
+    """The loongtrain :class:`ModelConfig` of an HF Llama config, RoPE scaling included; ValueError for
+    features it lacks."""
     architectures = getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"]
     if architectures != ["LlamaForCausalLM"]:
         raise ValueError(f"only LlamaForCausalLM maps onto loongtrain's model; got architectures={architectures}")
-    rope = getattr(hf_config, "rope_parameters", None) or {}
     unsupported = {
         "hidden_act": (hf_config.hidden_act, "silu"),
         "attention_bias": (hf_config.attention_bias, False),
         "mlp_bias": (hf_config.mlp_bias, False),
-        "rope_type": (rope.get("rope_type", "default"), "default"),
     }
     for name, (value, needed) in unsupported.items():
         if value != needed:
             raise ValueError(f"{name}={value!r} has no loongtrain equivalent (needs {needed!r})")
-    return shape_config_from_hf(hf_config)
+    theta, scaling = rope_from_hf(hf_config)
+    return dataclasses.replace(shape_config_from_hf(hf_config), rope_theta=theta, rope_scaling=scaling)
+
+
+def hf_config_with_rope(hf_config: Any, theta: float | None = None, scaling: RopeScaling | None = None, *,
+                        replace_scaling: bool = False) -> Any:
+    """A copy of an HF config with its RoPE changed: base ``theta`` (None: kept) and, with
+    ``replace_scaling``, ``scaling`` in place of the config's own (None: plain RoPE). A scaling with an
+    ``original_max_position_embeddings`` raises ``max_position_embeddings`` to ``original * factor``.
+    HF's own rotary embeddings then compute it (the model keeps HF's modules)."""
+    config = _copy_config(hf_config)
+    params = raw_rope_parameters(config)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"rope_parameters per layer type ({sorted(params)}): --rope-theta/--rope-scaling cannot "
+                         f"change them")
+    if replace_scaling:
+        params = rope_parameters(params.get("rope_theta", 10000.0), scaling)
+    if theta is not None:
+        params["rope_theta"] = float(theta)
+    params.setdefault("rope_type", DEFAULT)
+    config.rope_parameters = params
+    original = params.get("original_max_position_embeddings")
+    if replace_scaling and scaling is not None and original:
+        config.max_position_embeddings = max(int(config.max_position_embeddings or 0), round(original * scaling.factor))
+    return config
 
 
 def shape_config_from_hf(hf_config: Any) -> ModelConfig:
@@ -90,7 +153,6 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
     """
     for name in getattr(hf_config, "architectures", None) or []:
         check_architecture(name)
-    rope = getattr(hf_config, "rope_parameters", None) or {}
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     window = getattr(hf_config, "sliding_window", None) or None  # HF: None (or 0) for none
     layer_types = getattr(hf_config, "layer_types", None)
@@ -103,7 +165,7 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         num_heads=hf_config.num_attention_heads,
         num_kv_heads=hf_config.num_key_value_heads or hf_config.num_attention_heads,
         ffn_dim=hf_config.intermediate_size,
-        rope_theta=float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))),
+        rope_theta=float(raw_rope_parameters(hf_config).get("rope_theta") or 10000.0),
         norm_eps=float(hf_config.rms_norm_eps),
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         head_dim=int(head_dim),
@@ -184,8 +246,24 @@ def export_hf(
     if len(dtypes) == 1:
         hf_config.dtype = next(iter(dtypes))
     hf_config.save_pretrained(out)
+    add_legacy_rope_keys(out / "config.json")
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def add_legacy_rope_keys(file: Path) -> None:
+    """Write a scaled ``rope_parameters`` also as the older ``rope_scaling`` + ``rope_theta`` into the
+    config.json ``file`` (what transformers 4.x and other readers know; transformers >= 5 reads the same
+    values from either)."""
+    values = json.loads(file.read_text())
+    params = values.get("rope_parameters")
+    if not isinstance(params, dict) or params.get("rope_type", DEFAULT) == DEFAULT or "rope_theta" not in params:
+        return
+    if any(isinstance(v, dict) for v in params.values()):
+        return
+    values["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    values["rope_theta"] = params["rope_theta"]
+    file.write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
 
 
 def _copy_config(hf_config: Any) -> Any:

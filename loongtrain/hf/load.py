@@ -47,6 +47,15 @@ def read_hf_config(path: str | Path) -> Any:
     return config
 
 
+def hf_config_from_dict(values: dict[str, Any]) -> Any:
+    """The HF config object of a config.json's dict (e.g. the one a checkpoint records); its
+    ``model_type`` picks the class."""
+    from transformers import AutoConfig
+
+    values = dict(values)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
 #: sizes a config.json must state itself: transformers' defaults for them describe a 7B model
 REQUIRED_SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
@@ -123,8 +132,10 @@ def load_hf_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    config: Any = None,
 ) -> nn.Module:
-    """The HF causal LM in ``path`` (config.json + optional weights) as ``dtype`` on ``device``.
+    """The HF causal LM in ``path`` (config.json + optional weights) as ``dtype`` on ``device``; ``config``:
+    the HF config to build instead of config.json's (e.g. with its RoPE changed; same tensor shapes).
 
     Weights are checked against the config before loading. Raises ValueError for a directory
     without config.json, an unsupported architecture, or weights that do not match the config
@@ -132,7 +143,7 @@ def load_hf_model(
     """
     from transformers import AutoModelForCausalLM
 
-    config = read_hf_config(path)
+    config = config if config is not None else read_hf_config(path)
     with torch.random.fork_rng(devices=[]):  # the global RNG is left as it was
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

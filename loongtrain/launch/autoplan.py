@@ -3,7 +3,11 @@ becomes the run's ``cfg.parallel`` (hp, cp, window, placement, ZeRO and activati
 offload and tiling modes when nothing fits without them). A plan that fits nowhere, on the device or in
 the host memory the cluster file states, is a ValueError here, before any worker starts. The
 model planned is the one the run trains (:func:`loongtrain.train.run_model.model_config_for`: a preset, or a
-Hugging Face directory's shape)."""
+Hugging Face directory's shape).
+
+A ``--seq-len-schedule`` is planned for its longest stage; every stage must then suit the chosen layout
+and fit by the planner's prediction (:func:`check_stage_memory`, also without ``--plan auto`` where the
+cluster is known: :func:`stage_memory_cluster`)."""
 
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.runtime import default_device
 from loongtrain.plan.calibrate import calibrate
 from loongtrain.plan.cluster import Cluster, builtin_clusters, cluster_for_device, load_cluster
+from loongtrain.plan.cost import step_cost
 from loongtrain.plan.search import best_fitting
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.run_model import model_config_for
+from loongtrain.train.stages import check_stage_layouts, run_stages
 
 log = logging.getLogger("loongtrain.train")
 
@@ -56,13 +62,59 @@ def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool,
     if world > cluster.gpus_per_node and world % cluster.gpus_per_node != 0:
         raise ValueError(f"--plan auto: world size {world} is neither part of one {cluster.name} node nor a whole "
                          f"number of them ({cluster.gpus_per_node} devices each)")
-    compute_dtype = autocast_dtype(cfg, default_device()) or param_dtype(cfg)  # what the trainer will use
+    model = model_config or model_config_for(cfg)
+    longest = run_stages(cfg)[-1]  # a --seq-len-schedule is planned for its longest stage
     try:
-        best = best_fitting(model_config or model_config_for(cfg), cluster, gpus=world, seq_len=cfg.seq_len,
-                            batch=cfg.batch_size, dtype_bytes=compute_dtype.itemsize, modes="auto")
+        best = best_fitting(model, cluster, gpus=world, seq_len=longest.seq_len, batch=longest.batch_size,
+                            dtype_bytes=_compute_bytes(cfg), modes="auto")
     except ValueError as exc:
         raise ValueError(f"--plan auto on {cluster.name}: {exc}") from None
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, %.1f GiB host "
              "per node, bottleneck %s)", cluster.name, best.config.label(), best.step_time, 100 * best.mfu,
              best.memory["total"] / 2**30, best.host_per_node / 2**30, best.bottleneck)
-    return dataclasses.replace(cfg, plan="", parallel=best.config)
+    planned = dataclasses.replace(cfg, plan="", parallel=best.config)
+    if cfg.seq_len_schedule:  # the other stages on the layout chosen for the longest
+        check_stage_layouts(planned, planned.parallel, world, model.num_heads, model.num_kv_heads, cfg.model)
+        check_stage_memory(planned, world, model, cluster)
+    return planned
+
+
+def _compute_bytes(cfg: TrainConfig) -> int:
+    return (autocast_dtype(cfg, default_device()) or param_dtype(cfg)).itemsize  # what the trainer will use
+
+
+def stage_memory_cluster(cfg: TrainConfig) -> Cluster | None:
+    """The cluster a ``--seq-len-schedule``'s stages are checked against without ``--plan auto``:
+    ``--plan-cluster`` when given, else the CUDA device's preset; None (no check, logged) on CPU, or on a
+    CUDA device without a preset, with ``--plan-cluster auto`` (measuring this machine is ``--plan auto``'s)."""
+    if not cfg.seq_len_schedule:
+        return None
+    if cfg.plan_cluster != "auto":
+        return load_cluster(cfg.plan_cluster)
+    cluster = cluster_for_device(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
+    if cluster is None:
+        log.info("--seq-len-schedule: the stages' memory is not checked (no cluster preset for this device; "
+                 "pass --plan-cluster NAME or a TOML path to check it)")
+    return cluster
+
+
+def check_stage_memory(cfg: TrainConfig, world: int, model: ModelConfig, cluster: Cluster | None) -> None:
+    """With a ``--seq-len-schedule``: every stage fits in device and host memory on ``cluster`` by the
+    planner's prediction (:func:`~loongtrain.plan.cost.step_cost` of the run's own layout at the stage's
+    length and micro-batch); ValueError naming the stage and the numbers. Nothing without a schedule or a
+    cluster."""
+    if not cfg.seq_len_schedule or cluster is None:
+        return
+    nodes = -(-world // cluster.gpus_per_node)
+    for stage in run_stages(cfg):
+        cost = step_cost(model, cfg.parallel, cluster, nodes=nodes, world=world, seq_len=stage.seq_len,
+                         batch=stage.batch_size, dtype_bytes=_compute_bytes(cfg))
+        if cost.fits:
+            continue
+        device, host = cost.memory["total"] / 2**30, cost.host_per_node / 2**30
+        raise ValueError(
+            f"--seq-len-schedule stage {stage.index + 1} ({stage.seq_len} tokens, batch {stage.batch_size}) does "
+            f"not fit on {cluster.name} with {cfg.parallel.label()} on {world} devices: the planner predicts "
+            f"{device:.3g} GiB per device ({cluster.usable_memory / 2**30:.3g} usable) and {host:.3g} GiB of host "
+            f"memory per node ({cluster.usable_host_memory / 2**30:.3g} usable); shorten the stage, raise hp*cp, "
+            f"or try --plan auto")

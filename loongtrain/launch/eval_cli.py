@@ -1,14 +1,19 @@
 """``loongtrain eval MODEL --task passkey|position-loss ...`` (docs/design.md §14). Exit codes: 0 ok, 2 bad
-input (one line, before any worker starts), 1 a worker failed."""
+input (one line, before any worker starts; ``--out`` in use by another eval), 1 a worker failed or the
+disk is full (one line), 130/143 Ctrl-C/SIGTERM (one line)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
-from loongtrain._input import user_error
+from loongtrain._files import DiskFullError, OutputLock
+from loongtrain._input import failure, interrupted, one_line, user_error
 from loongtrain.eval.job import FILLERS, TASKS, EvalConfig
+from loongtrain.eval.passkey import DEPTHS, KEY_DIGITS
+from loongtrain.launch.torchrun import under_torchrun
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.config import DOC_MASK, DTYPES
 
@@ -48,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the checkpoint's trained --seq-len)")
     p.add_argument("--docs", type=int, default=4, help="position-loss: sequences from the corpus")
     p.add_argument("--lengths", default="4K,16K", help="passkey: comma-separated prompt lengths (4K = 4096)")
-    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="passkey: key depths in [0, 1]")
+    p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS), help="passkey: key depths in [0, 1]")
     p.add_argument("--trials", type=int, default=3, help="passkey: prompts per (length, depth) cell")
-    p.add_argument("--key-digits", type=int, default=5, help="passkey: digits of the key")
+    p.add_argument("--key-digits", type=int, default=KEY_DIGITS, help="passkey: digits of the key")
     p.add_argument("--filler", default="text", choices=FILLERS, help="passkey: a fixed text repeated, or the "
                    "corpus's tokens")
     p.add_argument("--corpus", default="", help="eval corpus (default: the run's --corpus)")
@@ -95,16 +100,26 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     except ValueError as exc:
         return user_error("eval", exc)
+    from loongtrain.eval.job import OUTPUT
     from loongtrain.launch.eval_run import launch
     from loongtrain.parallel.workers import WorkerError
 
     try:
-        launch(job)
-    except KeyboardInterrupt:
-        print("loongtrain eval: interrupted", file=sys.stderr)
-        return 130
-    except (WorkerError, RuntimeError) as exc:
-        print(f"loongtrain eval: evaluation failed: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+        # one writer of --out (loongtrain._files); under torchrun every rank is its own process
+        with contextlib.nullcontext() if under_torchrun() else OutputLock(OUTPUT, job.options.out):
+            launch(job)
+    except KeyboardInterrupt as exc:
+        return interrupted("eval", exc)
+    except ValueError as exc:
+        return user_error("eval", exc)
+    except DiskFullError as exc:
+        return failure("eval", exc)
+    except WorkerError as exc:
+        print(f"loongtrain eval: {'error' if exc.kind == 'ValueError' else 'evaluation failed'}: rank {exc.rank} "
+              f"of {exc.world_size}: {exc.error}", file=sys.stderr)
+        return 2 if exc.kind == "ValueError" else 1
+    except RuntimeError as exc:
+        print(f"loongtrain eval: evaluation failed: {one_line(exc)}", file=sys.stderr)
         return 1
     return 0
 

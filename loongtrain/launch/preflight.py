@@ -3,22 +3,36 @@
 :func:`preflight` raises ValueError naming the offending value and the rule, so ``loongtrain train``
 exits 2 within seconds instead of failing inside the workers. It checks:
 
-- the output directory: not a file, writable; a directory that already holds checkpoints needs
-  ``--resume`` (continue) or ``--overwrite`` (start afresh);
+- the output directory, by the ownership rule (:mod:`loongtrain._files`: not empty, not the current
+  directory or a parent of it, not holding or inside an input, nothing in it loongtrain did not write,
+  not locked by another run), not a file, writable, not inside a run's checkpoints; a directory that
+  already holds checkpoints needs ``--resume`` (continue) or ``--overwrite`` (start afresh);
 - the corpus (and ``--val-corpus``), each corpus of a mixture (weights parse, >= 0, one > 0): a raw
-  corpus exists, every ``.jsonl`` line is a JSON object with a string ``text`` field, and it holds at
-  least ``seq_len + 1`` tokens (one sample); a prepared directory has a manifest of a format this
-  version reads, was made with the run's tokenizer, and its files pass the quick size + sampled-digest
-  check (:func:`loongtrain.data.prepared.verify_prepared`);
-- ``--resume``: the checkpoint's files are readable (the bad file is named), its step is below
-  ``--steps``, and the run is compatible with it (:data:`MUST_MATCH`).
+  corpus exists, is text (every ``.jsonl`` line a JSON object with a string ``text`` field; a corpus of
+  more than :data:`SAMPLE_ALL_BYTES` is checked on a sample, the reader still checks every byte), and
+  holds at least ``seq_len + 1`` tokens (one sample); a prepared directory has a manifest of a format
+  this version reads, made with the run's tokenizer, whose counts its files agree with, and its files
+  pass the quick size + sampled-digest check (:func:`loongtrain.data.prepared.verify_prepared`); with
+  ``--val-fraction`` the training part holds a sample too;
+- validation (:func:`loongtrain.train.validation.check_validation`): held-out data smaller than one
+  global batch is an error; ``--val-batches`` more than it holds, a ``--val-interval`` longer than
+  the run, a ``--val-corpus`` that is the training corpus are one-line warnings;
+- ``--resume``: the checkpoint is complete and its files are readable (the bad file is named), its step
+  is below ``--steps``, the run is compatible with it (:data:`MUST_MATCH`), and the data is the data it
+  trained on: the corpus's and the tokenizer's identity (:func:`data_identity`) equal the ones the
+  checkpoint recorded (a corpus whose files only got new modification times: a warning);
+- ``--init-from``: the checkpoint's files are readable and it lies outside this run's checkpoints (its
+  model is checked against the run's by :func:`loongtrain.train.run_model.model_config_for`).
 
-Resume rule: the data stream and the optimizer state must continue unchanged, so the model preset,
-tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seed``, ``--grad-accum``, the global batch
-(``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``,
-``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout
-(``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of ranks at the
-same global batch), ``--steps``, ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
+Resume rule: the data stream, the optimizer state and the model must continue unchanged, so the model
+preset, tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seq-len-schedule`` and ``--schedule-tokens``,
+``--seed``, ``--grad-accum``, the RoPE (``--rope-theta``, ``--rope-scaling``, compared by meaning), the global
+batch (``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``,
+``--beta1``, ``--beta2``, ``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may
+change: the layout (``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of
+ranks at the same global batch), ``--steps`` (without a schedule), ``--warmup``, ``--min-lr-ratio``,
+``--clip``, logging and intervals. Continuing the trained weights at another length or RoPE is a new run:
+``--init-from CHECKPOINT`` (weights only) in a new ``--out-dir`` (docs/design.md §7, *RoPE scaling*).
 """
 
 from __future__ import annotations
@@ -29,27 +43,35 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loongtrain.data.corpus import FilesCorpus, build_corpus, non_text_chars
+from loongtrain._files import check_output, foreign_entries
+from loongtrain.data.corpus import FilesCorpus, build_corpus, non_text_chars, sample_documents
 from loongtrain.data.packing import TokenStream
-from loongtrain.data.prepared import check_prepared, is_prepared_dir
-from loongtrain.data.sources import parse_corpus_spec
+from loongtrain.data.prepared import check_prepared, is_prepared_dir, tokenizer_identity
+from loongtrain.data.sources import corpus_identity, identity_change, open_stream, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.model.rope_scaling import rope_change
 from loongtrain.train.checkpoint import (
     AUTO,
+    CHECKPOINTS_OUTPUT,
     LATEST,
+    RUN_OUTPUT,
     STATE_FILE,
+    find_checkpoint,
     newest_checkpoint,
     resolve_checkpoint,
     verify_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.run_model import build_run_tokenizer
+from loongtrain.train.run_model import build_run_tokenizer, hf_model_dir, tokenizer_spec
+from loongtrain.train.validation import check_validation
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
 
-MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seed", "grad_accum", "lr", "beta1",
-              "beta2", "eps", "weight_decay")
+MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_schedule", "schedule_tokens",
+              "seed", "grad_accum", "rope_theta", "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay")
+#: options a new run with --init-from may change where a resume may not
+NEW_RUN_CHANGES = ("seq_len", "seq_len_schedule", "rope_theta", "rope_scaling")
 
 
 class RunComplete(Exception):
@@ -64,10 +86,14 @@ def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, 
     (built from ``--tokenizer`` when not given)."""
     if restarted and not cfg.resume:
         cfg = dataclasses.replace(cfg, resume=AUTO, overwrite=False)
+    cfg = check_init_from(cfg)
     check_out_dir(cfg)
-    check_corpus(cfg, tokenizer or build_run_tokenizer(cfg))
+    tokenizer = tokenizer or build_run_tokenizer(cfg)
+    check_corpus(cfg, tokenizer)
+    for warning in check_validation(cfg, world, tokenizer):
+        log.warning("%s", warning)
     try:
-        return resolve_resume(cfg, world)
+        return resolve_resume(cfg, world, tokenizer)
     except _StepsReached as exc:
         if restarted:
             raise RunComplete(str(exc)) from None
@@ -78,18 +104,39 @@ class _StepsReached(ValueError):
     pass
 
 
+def run_inputs(cfg: TrainConfig) -> list[str]:
+    """The paths a run reads (its output directory must neither hold nor lie inside them): the corpora of
+    ``--corpus`` and ``--val-corpus``, a tokenizer path, a Hugging Face model directory, ``--init-from``."""
+    paths = [name for spec in (cfg.corpus, cfg.val_corpus) if spec for name, _ in _parts(spec)]
+    tokenizer = tokenizer_spec(cfg)
+    model = hf_model_dir(cfg.model)
+    return [p for p in paths + [tokenizer] + [str(model) if model else "", cfg.init_from]
+            if p and p not in ("stdlib", "byte")]
+
+
+def _parts(spec: str) -> list[tuple[str, float]]:
+    try:
+        return parse_corpus_spec(spec)
+    except ValueError:
+        return []  # check_corpus names the bad spec
+
+
 def check_out_dir(cfg: TrainConfig) -> None:
-    """``--out-dir`` is (or can become) a writable directory, and not inside a run's checkpoints."""
-    if not cfg.out_dir.strip():
-        raise ValueError("--out-dir '' is empty: name the run's directory")
-    out = Path(cfg.out_dir)
-    for place in (out.resolve(), *out.resolve().parents):
-        if (place.name.startswith("step_") and (place / STATE_FILE).is_file()) or (
-                place.name == "checkpoints" and (place / LATEST).is_file()):
-            raise ValueError(f"--out-dir {cfg.out_dir!r} lies inside the checkpoints {str(place)!r} of a run; "
-                             f"choose a directory of its own")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out-dir {cfg.out_dir!r} is a file; it must be a directory (or not exist yet)")
+    """``--out-dir`` is (or can become) a writable directory of this run's own (the ownership rule,
+    :func:`loongtrain._files.check_output`), and not inside a run's checkpoints."""
+    if cfg.out_dir.strip():
+        out = Path(cfg.out_dir)
+        for place in (out.resolve(), *out.resolve().parents):
+            if (place.name.startswith("step_") and (place / STATE_FILE).is_file()) or (
+                    place.name == "checkpoints" and (place / LATEST).is_file()):
+                raise ValueError(f"--out-dir {cfg.out_dir!r} lies inside the checkpoints {str(place)!r} of a run; "
+                                 f"choose a directory of its own")
+    out = check_output(RUN_OUTPUT, cfg.out_dir, inputs=run_inputs(cfg))
+    if (out / "checkpoints").is_dir():
+        foreign = foreign_entries(CHECKPOINTS_OUTPUT, out / "checkpoints")
+        if foreign:
+            raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(out / 'checkpoints')!r} holds files loongtrain did "
+                             f"not write ({', '.join(foreign[:4])}); choose another --out-dir")
     probe = out
     while not probe.exists():
         probe = probe.parent
@@ -99,10 +146,28 @@ def check_out_dir(cfg: TrainConfig) -> None:
         raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is not writable")
 
 
+def check_init_from(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with ``--init-from`` resolved to one checkpoint directory, after checking that its files are
+    readable and that it is not one of this run's own checkpoints (``--resume`` continues those)."""
+    if not cfg.init_from:
+        return cfg
+    try:
+        path = find_checkpoint(cfg.init_from)
+        verify_checkpoint(path)
+    except ValueError as exc:
+        raise ValueError(f"--init-from {cfg.init_from!r}: {exc}") from None
+    own = (Path(cfg.out_dir) / "checkpoints").resolve()
+    if own == path.resolve().parent:
+        raise ValueError(f"--init-from {cfg.init_from!r} is a checkpoint of this run (--out-dir {cfg.out_dir!r}); "
+                         f"--resume continues it, --init-from starts a new run in another --out-dir")
+    return dataclasses.replace(cfg, init_from=str(path))
+
+
 def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
     """Every corpus of ``--corpus`` and ``--val-corpus`` (each part of a mixture) can be read and holds one
-    sample of ``seq_len + 1`` tokens; a raw one is text (:func:`check_text`), a prepared one matches
-    ``tokenizer`` and passes its quick checksum check (:func:`loongtrain.data.prepared.check_prepared`)."""
+    sample of ``seq_len + 1`` tokens (with ``--val-fraction``, the training part of each ``--corpus``
+    too); a raw one is text (:func:`check_text`), a prepared one matches ``tokenizer``, its counts its
+    files, and passes its quick checksum check (:func:`loongtrain.data.prepared.check_prepared`)."""
     for flag, spec in (("--corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus)):
         if not spec:
             continue
@@ -119,20 +184,43 @@ def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
                     raise ValueError(f"{where}: {exc}") from None
             else:
                 check_raw_corpus(name, tokenizer, cfg.seq_len, where, cfg.decode_errors)
+            if flag == "--corpus" and cfg.val_fraction:
+                _check_training_part(cfg, name, tokenizer, where)
+
+
+def _check_training_part(cfg: TrainConfig, name: str, tokenizer: Tokenizer, where: str) -> None:
+    """The documents ``--val-fraction`` leaves for training hold one sample."""
+    need = cfg.seq_len + 1
+    try:
+        have = open_stream(name, tokenizer, val_fraction=cfg.val_fraction, seed=cfg.seed, part="train",
+                           decode_errors=cfg.decode_errors).ensure(need)
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if have < need:
+        raise ValueError(f"{where}: --val-fraction {cfg.val_fraction} leaves {have} tokens for training; one "
+                         f"sample needs --seq-len + 1 = {need} (lower --val-fraction)")
+
+
+#: a raw corpus of up to this many bytes is read whole by the preflight; a larger one is sampled
+#: (:func:`loongtrain.data.corpus.sample_documents`; the reader still checks every byte as it reads)
+SAMPLE_ALL_BYTES = 64 << 20
 
 
 def check_raw_corpus(spec: str, tokenizer: Tokenizer, seq_len: int, where: str, decode_errors: str = "strict") -> None:
-    """A raw corpus can be read as text (every document of its files) and holds at least ``seq_len + 1``
-    tokens."""
+    """A raw corpus can be read as text (every document of its files, or a sample of a large one) and
+    holds at least ``seq_len + 1`` tokens."""
     try:
         corpus = build_corpus(spec, decode_errors=decode_errors)
     except (ImportError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
-    if isinstance(corpus, FilesCorpus) and spec != "stdlib":
-        if all(f.stat().st_size == 0 for f in corpus.files):
-            raise ValueError(f"{where} is empty (every file has 0 bytes)")
-        check_text(corpus, tokenizer, where, decode_errors)
     need = seq_len + 1
+    if isinstance(corpus, FilesCorpus) and spec != "stdlib":
+        size = sum(f.stat().st_size for f in corpus.files)
+        if not size:
+            raise ValueError(f"{where} is empty (every file has 0 bytes)")
+        sampled = size > SAMPLE_ALL_BYTES
+        if check_text(corpus, tokenizer, where, decode_errors, sample=sampled, need=need) >= need:
+            return  # the sample alone holds a sample's tokens
     try:
         have = TokenStream(corpus, tokenizer).ensure(need)
     except (ValueError, OSError) as exc:
@@ -146,17 +234,28 @@ NON_TEXT_WARNING = 0.3
 _SAMPLE_CHARS = 1 << 22
 
 
-def check_text(corpus: FilesCorpus, tokenizer: Tokenizer, where: str, decode_errors: str = "strict") -> None:
+def check_text(corpus: FilesCorpus, tokenizer: Tokenizer, where: str, decode_errors: str = "strict", *,
+               sample: bool = False, need: int = 0) -> int:
     """Read every document of a files corpus once (every line of every file is decoded and parsed, so a
-    bad byte or line anywhere is found now): ValueError when no document holds a token; a warning when
-    the first 4 Mi characters are mostly control characters or replaced bytes (U+FFFD)."""
-    has_tokens = False
+    bad byte or line anywhere is found now), or with ``sample`` the documents of
+    :func:`~loongtrain.data.corpus.sample_documents`: ValueError when no document holds a token; a warning
+    when the first 4 Mi characters read are mostly control characters or replaced bytes (U+FFFD). Returns
+    the tokens (EOS included) counted in a sample, up to about ``need`` (0 without ``sample``)."""
+    def read(errors: str):
+        if sample:
+            return sample_documents(corpus.files, corpus.text_field, errors)
+        return FilesCorpus(corpus.files, corpus.name, corpus.text_field, decode_errors=errors)
+
+    has_tokens, tokens = False, 0
     try:
-        for doc in corpus:
-            if not has_tokens and doc:
+        for doc in read(decode_errors):
+            if sample and tokens < need:
+                count = len(tokenizer.encode(doc))
+                tokens, has_tokens = tokens + count + 1, has_tokens or count > 0
+            elif not has_tokens and doc:
                 has_tokens = len(tokenizer.encode(doc[:4096])) > 0
         sampled = non_text = 0  # the share of non-text, whatever --decode-errors drops or replaces
-        for doc in FilesCorpus(corpus.files, corpus.name, corpus.text_field, decode_errors="replace"):
+        for doc in read("replace"):
             part = doc[: _SAMPLE_CHARS - sampled]
             sampled, non_text = sampled + len(part), non_text + non_text_chars(part)
             if sampled >= _SAMPLE_CHARS:
@@ -172,9 +271,35 @@ def check_text(corpus: FilesCorpus, tokenizer: Tokenizer, where: str, decode_err
     if decode_errors != "strict":
         log.info("%s, --decode-errors %s: bytes that are not UTF-8 are %s", where, decode_errors,
                  "replaced by U+FFFD" if decode_errors == "replace" else "dropped")
+    return tokens
 
 
-def resolve_resume(cfg: TrainConfig, world: int) -> TrainConfig:
+def data_identity(cfg: TrainConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    """What the run reads, by content: ``{"corpus": corpus_identity(--corpus), "tokenizer": identity}``
+    (:func:`loongtrain.data.sources.corpus_identity`; recorded in every checkpoint)."""
+    return {"corpus": corpus_identity(cfg.corpus), "tokenizer": tokenizer_identity(tokenizer)}
+
+
+def check_same_data(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, Any], path: Path) -> None:
+    """The corpus and tokenizer a resume reads are the checkpoint's (by content, not by name): ValueError
+    when they changed, a warning when only modification times did. Checkpoints without a recorded
+    identity pass."""
+    saved = state.get("data_identity")
+    if not saved:
+        return
+    now = data_identity(cfg, tokenizer)
+    if saved.get("tokenizer") not in (None, now["tokenizer"]):
+        raise ValueError(f"--tokenizer {cfg.tokenizer!r}: its files changed since the checkpoint {str(path)!r} "
+                         f"(identity {saved['tokenizer']} then, {now['tokenizer']} now); a resumed run must keep them")
+    error, warning = identity_change(saved.get("corpus") or [], now["corpus"])
+    if error:
+        raise ValueError(f"--corpus {cfg.corpus!r}: {error} since the checkpoint {str(path)!r}; a resumed run must "
+                         f"read the same data (restore it, or start afresh with --overwrite)")
+    if warning:
+        log.warning("--corpus %r: %s since the checkpoint %s", cfg.corpus, warning, path)
+
+
+def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None) -> TrainConfig:
     """``cfg`` with ``resume`` set to the checkpoint directory to load ("" for a fresh start), after
     checking that directory and the run's compatibility with it."""
     root = Path(cfg.out_dir) / "checkpoints"
@@ -190,7 +315,18 @@ def resolve_resume(cfg: TrainConfig, world: int) -> TrainConfig:
         return dataclasses.replace(cfg, resume="")
     state = verify_checkpoint(path)
     check_compatible(cfg, world, state, path)
+    check_same_data(cfg, tokenizer or build_run_tokenizer(cfg), state, path)
     return dataclasses.replace(cfg, resume=str(path))
+
+
+def _same_option(name: str, saved: Any, current: Any) -> bool:
+    """Whether a resumed run's option equals the checkpoint's (``--rope-scaling`` by its meaning)."""
+    if name == "rope_scaling" and isinstance(saved, str):
+        try:
+            return rope_change(0.0, saved) == rope_change(0.0, current)
+        except ValueError:
+            return False
+    return saved == current
 
 
 def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: Path) -> None:
@@ -201,10 +337,12 @@ def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: 
                          f"nothing to train (raise --steps above {step} to continue)")
     saved = state.get("config") or {}
     for name in MUST_MATCH:
-        if name in saved and saved[name] != getattr(cfg, name):
+        if name in saved and not _same_option(name, saved[name], getattr(cfg, name)):
+            hint = (f"; to continue its weights at another --seq-len or RoPE, start a new run from them: "
+                    f"--init-from {str(path)!r} --out-dir NEW") if name in NEW_RUN_CHANGES else ""
             raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r} differs from the checkpoint's "
                              f"{saved[name]!r} ({str(path)!r}); a resumed run must keep it (resume rule: "
-                             f"see `loongtrain.launch.preflight`)")
+                             f"see `loongtrain.launch.preflight`){hint}")
     layout = state.get("layout") or {}
     if "dp" in layout and "batch_size" in saved:
         dp = world // cfg.parallel.sp

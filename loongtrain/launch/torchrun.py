@@ -39,7 +39,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from loongtrain.launch.preflight import RunComplete, check_corpus, check_out_dir, preflight
+from loongtrain._files import OutputLock
+from loongtrain.launch.preflight import RunComplete, check_corpus, check_out_dir, data_identity, preflight
+from loongtrain.train.checkpoint import RUN_OUTPUT
 from loongtrain.train.config import Run, TrainConfig
 
 log = logging.getLogger("loongtrain.train")
@@ -197,12 +199,14 @@ def write_marker(cfg: TrainConfig, attempt: Attempt) -> None:
 
 
 def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
-    """Rank 0's decision for the attempt: ``{"kind": "run", "resume": ..., "overwrite": ...}``,
+    """Rank 0's decision for the attempt: ``{"kind": "run", "resume": ..., "overwrite": ..., "init_from": ...,
+    "data_identity": ...}``,
     ``{"kind": "complete", "text": ...}`` or ``{"kind": "error", "text": ...}`` (a user error)."""
     cfg = run.cfg
     restarted = is_restart(cfg, attempt)
     try:
         resolved = preflight(cfg, world, run.tokenizer, restarted=restarted)
+        _HELD.append(OutputLock(RUN_OUTPUT, cfg.out_dir).__enter__())  # rank 0 holds it until it exits
     except RunComplete as exc:
         return {"kind": "complete", "text": str(exc)}
     except ValueError as exc:
@@ -211,7 +215,12 @@ def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
     if restarted:
         log.info("torchrun attempt %d (restart counts up to %d): resuming from %s", attempt.number,
                  attempt.restarts, resolved.resume or "scratch (no checkpoint yet)")
-    return {"kind": "run", "resume": resolved.resume, "overwrite": resolved.overwrite}
+    return {"kind": "run", "resume": resolved.resume, "overwrite": resolved.overwrite,
+            "init_from": resolved.init_from, "data_identity": data_identity(resolved, run.tokenizer)}
+
+
+#: the ``--out-dir`` lock rank 0 took for the attempt (released by the kernel when the rank exits)
+_HELD: list[OutputLock] = []
 
 
 def agree_on_start(run: Run, world: int) -> Run | None:
@@ -233,8 +242,9 @@ def agree_on_start(run: Run, world: int) -> Run | None:
     if decision["kind"] == "complete":
         log.info("torchrun attempt %d: the run is complete (%s)", attempt.number, decision["text"])
         return None
-    cfg = dataclasses.replace(run.cfg, resume=decision["resume"], overwrite=decision["overwrite"])
-    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
+    cfg = dataclasses.replace(run.cfg, resume=decision["resume"], overwrite=decision["overwrite"],
+                              init_from=decision["init_from"])
+    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume, data_identity=decision.get("data_identity"))
 
 
 # -- liveness ----------------------------------------------------------------------------------------

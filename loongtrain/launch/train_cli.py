@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-from loongtrain._input import user_error
-from loongtrain.launch.train_run import launch, under_torchrun
+from loongtrain._input import Terminated, interrupted, stop_on_sigterm, user_error
+from loongtrain.launch.train_run import launch
 from loongtrain.parallel.workers import WorkerError
 from loongtrain.train.config import parse_args
 
@@ -34,11 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         return user_error("train", exc)
     except KeyboardInterrupt as exc:
         removed = remove_partial_checkpoints(cfg.out_dir)
-        what = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
-        print(f"loongtrain train: {what}" + (f"; removed {removed} partial checkpoint(s)" if removed else ""),
-              file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+        return interrupted("train", exc, f"removed {removed} partial checkpoint(s)" if removed else "")
     except WorkerError as exc:
+        remove_partial_checkpoints(cfg.out_dir)  # a save that failed (a full disk) leaves no step_N.tmp
         if not exc.restartable:  # the cause, once: a user error, a full disk, NaN training
             print(f"loongtrain train: {'error' if exc.kind == 'ValueError' else 'training failed'}: rank "
                   f"{exc.rank} of {exc.world_size}: {exc.error}", file=sys.stderr)
@@ -52,26 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread like SIGINT's KeyboardInterrupt (so the workers are stopped)."""
-
-
-@contextlib.contextmanager
-def stop_on_sigterm() -> Iterator[None]:
-    """While inside: SIGTERM raises :class:`Terminated` in the main thread (local launcher only; under
-    torchrun its agent owns the signals). Elsewhere (a thread, torchrun): nothing changes."""
-    if threading.current_thread() is not threading.main_thread() or under_torchrun():
-        yield
-        return
-
-    def _raise(signum: int, frame: Any) -> None:
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, _raise)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+__all__ = ["Terminated", "main", "remove_partial_checkpoints", "stop_on_sigterm"]
 
 
 def remove_partial_checkpoints(out_dir: str) -> int:

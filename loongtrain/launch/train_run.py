@@ -8,10 +8,12 @@
   torch.distributed.
 Every user error is raised as ValueError by :func:`validate_run` (options) and
 :func:`loongtrain.launch.preflight.preflight` (corpus, output directory, resume) before any process is
-started. Collectives time out after ``--timeout`` seconds. ``--max-restarts N`` restarts local workers
-after a failure from the newest checkpoint (``--resume auto``); under torchrun, its own
-``--max-restarts`` does that: rank 0 decides once for the attempt, on every node, whether it is a restart
-and which checkpoint every rank resumes from (:mod:`loongtrain.launch.torchrun`).
+started; then the launcher locks ``--out-dir`` for the run (:class:`loongtrain._files.OutputLock`: a
+second run into it exits 2 naming this one). Collectives time out after ``--timeout`` seconds.
+``--max-restarts N`` restarts local workers after a failure from the newest checkpoint (``--resume
+auto``); under torchrun, its own ``--max-restarts`` does that: rank 0 decides once for the attempt, on
+every node, whether it is a restart and which checkpoint every rank resumes from
+(:mod:`loongtrain.launch.torchrun`).
 """
 
 from __future__ import annotations
@@ -27,19 +29,21 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from loongtrain.launch.autoplan import apply_plan
-from loongtrain.launch.preflight import RunComplete, preflight
+from loongtrain._files import OutputLock
+from loongtrain.launch.autoplan import apply_plan, check_stage_memory, stage_memory_cluster
+from loongtrain.launch.preflight import RunComplete, data_identity, preflight
 from loongtrain.launch.torchrun import agree_on_start, lost_nodes_named, process_group_store, under_torchrun
 from loongtrain.model.config import ModelConfig
-from loongtrain.parallel.config import validate_parallel
 from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
-from loongtrain.train.checkpoint import AUTO
-from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.checkpoint import AUTO, RUN_OUTPUT
+from loongtrain.train.config import Run, TrainConfig, eval_task_list
 from loongtrain.train.run_model import build_run_tokenizer, model_config_for
+from loongtrain.train.stages import check_stage_layouts
 from loongtrain.train.trainer import Trainer
 from loongtrain.wrap.compile import check_compile_run
+from loongtrain.wrap.compile_errors import named_compile_failures
 from loongtrain.wrap.offload import offloaded_blocks
 from loongtrain.wrap.recompute import recomputed_layers
 
@@ -63,12 +67,8 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
     cfg.validate()
     model_config = model_config or model_config_for(cfg)
     p = cfg.parallel
-    try:
-        validate_parallel(p, world, seq_len=cfg.seq_len, num_heads=model_config.num_heads,
-                          num_kv_heads=model_config.num_kv_heads)
-    except ValueError as exc:
-        raise ValueError(f"--nproc/world size {world}, --hp {p.hp} --cp {p.cp}, --seq-len {cfg.seq_len}, "
-                         f"model {cfg.model!r}: {exc}") from exc
+    # one layout serves every stage of a --seq-len-schedule (without one: the run's --seq-len)
+    check_stage_layouts(cfg, p, world, model_config.num_heads, model_config.num_kv_heads, cfg.model)
     if p.offload_activations:  # --offload-keep must leave a block to offload (the rule of parallelize's step)
         offloaded_blocks(recomputed_layers(model_config.num_layers, p.ac_fraction), p.offload_keep)
     check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
@@ -114,23 +114,32 @@ def _threads(cfg: TrainConfig, world_local: int) -> int:
 
 def resolve_run(cfg: TrainConfig, world: int, *, restarted: bool = False) -> Run:
     """Everything the workers need, derived once here before any worker starts: the planned layout, the
-    tokenizer, the model's shape, and the checkpoint to resume (:func:`~loongtrain.launch.preflight.preflight`).
-    ValueError for a user error; :class:`~loongtrain.launch.preflight.RunComplete` when a restarted job has
-    nothing left to train."""
+    tokenizer, the model's shape, the in-loop evaluations, and the checkpoint to resume
+    (:func:`~loongtrain.launch.preflight.preflight`). ValueError for a user error;
+    :class:`~loongtrain.launch.preflight.RunComplete` when a restarted job has nothing left to train."""
     run = prepare_run(cfg, world)
     cfg = preflight(run.cfg, world, run.tokenizer, restarted=restarted)
-    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume)
+    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume, data_identity=data_identity(cfg, run.tokenizer))
 
 
 def prepare_run(cfg: TrainConfig, world: int) -> Run:
     """:func:`resolve_run` before its file checks: the planned layout, the tokenizer and the model's shape,
-    validated for ``world`` ranks (under torchrun, rank 0 makes the file checks and the resume choice for
-    every rank: :func:`loongtrain.launch.torchrun.agree_on_start`)."""
+    validated for ``world`` ranks, and the in-loop evaluations of ``--eval-tasks``
+    (:func:`loongtrain.eval.in_loop.in_loop_evaluations`, checked here). Under torchrun, rank 0 makes the
+    file checks and the resume choice for every rank: :func:`loongtrain.launch.torchrun.agree_on_start`."""
     tokenizer = build_run_tokenizer(cfg)
     model_config = model_config_for(cfg, tokenizer)
+    planned = bool(cfg.plan)
     cfg = apply_plan(cfg, world, under_launcher=under_torchrun(), model_config=model_config)
     validate_run(cfg, world, model_config)
-    return Run(cfg, model_config, tokenizer)
+    if not planned:  # --plan auto checked every stage on the cluster it planned for
+        check_stage_memory(cfg, world, model_config, stage_memory_cluster(cfg))
+    evaluations: tuple = ()
+    if eval_task_list(cfg):  # built here, above both: train/ cannot import eval/ (imported only when asked for)
+        from loongtrain.eval.in_loop import in_loop_evaluations
+
+        evaluations = in_loop_evaluations(cfg, model_config, tokenizer, world)
+    return Run(cfg, model_config, tokenizer, evaluations=evaluations)
 
 
 @contextlib.contextmanager
@@ -167,7 +176,7 @@ def rank_mesh(rank: int, world: int, cfg: TrainConfig) -> Iterator[tuple[Mesh, t
 def run_worker(rank: int, world: int, run: Run) -> list[dict]:
     """One rank: :func:`rank_mesh`, then train. (The worker function of
     :func:`~loongtrain.parallel.workers.run_local`, and the torchrun rank's.)"""
-    with rank_mesh(rank, world, run.cfg) as (mesh, device):
+    with rank_mesh(rank, world, run.cfg) as (mesh, device), named_compile_failures():  # --compile: §13
         return Trainer(run, mesh, device).train()
 
 
@@ -184,6 +193,12 @@ def launch(cfg: TrainConfig) -> None:
                 run_worker(int(os.environ["RANK"]), world, run)
         return
     run = resolve_run(cfg, world)
+    with OutputLock(RUN_OUTPUT, run.cfg.out_dir):  # one writer of --out-dir (loongtrain._files)
+        _launch_local(run, world)
+
+
+def _launch_local(run: Run, world: int) -> None:
+    """The resolved run in this process (one rank) or in local workers."""
     cfg = run.cfg
     if world == 1:
         run_worker(0, 1, run)

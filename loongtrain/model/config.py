@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+
+from loongtrain.model.rope_scaling import RopeScaling, rope_scaling_from_mapping
 
 
 @dataclass(frozen=True)
@@ -22,8 +25,15 @@ class ModelConfig:
     head_dim: int = 0
     #: each token attends to at most this many tokens (itself included); None: no window
     sliding_window: int | None = None
+    #: RoPE scaling (linear, yarn, llama3; None: plain RoPE with ``rope_theta``); a dict of HF's keys
+    #: (a checkpoint's record) is read as one
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", rope_scaling_from_mapping(self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"rope_scaling={self.rope_scaling!r} must be a RopeScaling, a dict of its keys or None")
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -46,8 +56,10 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
-        if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta={self.rope_theta!r} must be positive")
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta={self.rope_theta!r} must be a positive finite number")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "yarn" and not self.rope_theta > 1:
+            raise ValueError(f"rope_theta={self.rope_theta!r} must exceed 1 for yarn scaling")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps={self.norm_eps!r} must be positive")
 

@@ -153,7 +153,8 @@ class Transformer(nn.Module):
                 f"position_ids shape {tuple(position_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
         h = self.tok_embeddings(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, h.dtype)
+        c = self.config
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype, c.rope_scaling)
         for layer in self.layers:
             if cu_seqlens is None and chunk_order is None:
                 h = layer(h, cos, sin)

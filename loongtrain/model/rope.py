@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE) on given position ids, split-halves convention (docs/design.md §7).
+"""Rotary position embedding (RoPE) on given position ids, split-halves convention (docs/design.md §7);
+scaled RoPE (linear, YaRN, Llama 3) through :mod:`loongtrain.model.rope_scaling`.
 
 :func:`apply_rope` rotates in the statistics dtype (float32 for 16-bit inputs, float64 for float64), as the
 plain ops ``cat([x1*cos - x2*sin, x1*sin + x2*cos])`` would, but as one autograd function over chunks of
@@ -17,23 +18,27 @@ from typing import Any
 import torch
 
 from loongtrain.model.rms_norm import CHUNK_ELEMS, row_chunks
+from loongtrain.model.rope_scaling import RopeScaling, attention_factor, inv_freq
 
 Tensor = torch.Tensor
 
 
 def rope_cos_sin(
-    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling: RopeScaling | None = None
 ) -> tuple[Tensor, Tensor]:
-    """cos, sin ``[B, S, 1, head_dim/2]`` for arbitrary (non-contiguous) integer positions ``[B, S]``.
+    """cos, sin ``[B, S, 1, head_dim/2]`` for arbitrary (non-contiguous) integer positions ``[B, S]``, with the
+    inverse frequencies and the cos/sin factor of ``scaling`` (:mod:`loongtrain.model.rope_scaling`).
 
-    Angles are computed in float64 so that positions of 1M+ tokens keep full precision.
+    Angles (and the factor's product) are computed in float64 so that positions of 1M+ tokens keep full
+    precision.
     """
-    half = head_dim // 2
-    exponents = torch.arange(half, dtype=torch.float64, device=position_ids.device) * 2.0 / head_dim
-    inv_freq = theta ** (-exponents)
-    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, S, half]
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq(head_dim, theta, scaling, position_ids.device)
+    cos, sin = angles.cos(), angles.sin()  # [B, S, half]
+    factor = attention_factor(scaling)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    return angles.cos().to(work)[:, :, None, :], angles.sin().to(work)[:, :, None, :]
+    return cos.to(work)[:, :, None, :], sin.to(work)[:, :, None, :]
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

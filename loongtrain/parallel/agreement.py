@@ -14,12 +14,21 @@ ranks (``Mesh.check_group``): no device synchronisation. Its cost is measured in
 ``benchmarks/agreement.py`` (benchmarks/RESULTS.md). :func:`agree_once` (the "once" mode) checks once per
 distinct signature and group, a set lookup afterwards; its limit: a rank that reaches a signature the
 others have already checked calls the exchange alone and waits for the process group's timeout.
+
+:func:`deferred_attention_checks` (the trainer's steady state, docs/design.md §10) replaces the per-call
+exchange inside a ``with`` block: each call's fields are digested on the host (Python values, no device
+data) and kept; :meth:`AttentionLog.check` compares the digest of all of them, in order, in ONE exchange
+at the block's end, and on a mismatch names the first call and field that differ. It cannot tell a
+disagreement before the calls' own collectives run, so its caller agrees up front on what decides their
+shapes (the trainer: each micro-batch's sizes, documents and chunk order); what a disagreement among the
+rest does to a collective is bounded by the process group's timeout.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -70,9 +79,13 @@ def check_agreement(what: str, fields: Mapping[str, Any], group: dist.ProcessGro
                          + "; ".join(problems))
 
 
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
 def _same_everywhere(text: str, group: dist.ProcessGroup | None) -> bool:
     """One all-reduce: do all ranks of ``group`` hold the same ``text``? (a 56-bit digest, min vs max)"""
-    digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    digest = _digest(text)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
@@ -100,7 +113,8 @@ def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, causal: Any, softmax_s
     a rank whose arguments are invalid and differ from its peers' does not leave them waiting): the
     shapes of q, k, v (batch, S, heads, KV heads, head dim), dtypes, causal, softmax_scale, sliding
     window, document boundaries and chunk order. Every call (:data:`ATTENTION_CHECK`): one all-reduce of
-    a digest on ``mesh.check_group`` (gloo under NCCL) or the sp group."""
+    a digest on :func:`attention_check_group`; inside :func:`deferred_attention_checks` for that group,
+    no exchange: the fields are recorded and checked at the block's end."""
     if mesh.sp_group is None or torch.compiler.is_compiling():
         return
     fields: dict[str, Any] = {"q": _describe(q)}
@@ -111,10 +125,20 @@ def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, causal: Any, softmax_s
     fields.update(k=_describe(k), v=_describe(v), causal=_describe(causal),
                   softmax_scale=_describe(softmax_scale), sliding_window=_describe(sliding_window),
                   documents=_describe(cu_seqlens), chunk_order=_describe(chunk_order))
-    if ATTENTION_CHECK == "once":
-        agree_once("attention", fields, mesh.sp_group)
+    group = attention_check_group(mesh)
+    deferred = next((log for log in reversed(_DEFERRED) if log.group is group), None)
+    if deferred is not None:
+        deferred.record(fields)
+    elif ATTENTION_CHECK == "once":
+        agree_once("attention", fields, group)
     else:
-        check_agreement("attention", fields, getattr(mesh, "check_group", None) or mesh.sp_group)
+        check_agreement("attention", fields, group)
+
+
+def attention_check_group(mesh: Any) -> dist.ProcessGroup | None:
+    """The group attention arguments are agreed on: ``mesh.check_group`` (gloo, under NCCL), else the
+    replica's ``sp_group``; both hold the replica's ranks, so no check moves device data."""
+    return getattr(mesh, "check_group", None) or mesh.sp_group
 
 
 def _describe(value: Any) -> Any:
@@ -129,3 +153,55 @@ def _describe(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_describe(x) for x in value)
     return value
+
+
+class AttentionLog:
+    """The attention calls of one :func:`deferred_attention_checks` block: a digest per call (of the same
+    fields the per-call check exchanges), and each distinct set of fields once (for the error message)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.calls: list[int] = []  # per call: its 56-bit digest
+        self.fields: dict[int, dict[str, Any]] = {}  # digest -> the fields it was made from
+
+    def record(self, fields: Mapping[str, Any]) -> None:
+        digest = _digest(repr(list(fields.items())))
+        self.calls.append(digest)
+        self.fields.setdefault(digest, dict(fields))
+
+    def check(self) -> None:
+        """Collective over :attr:`group`: raise the same ValueError on every rank unless all ranks recorded
+        the same calls in the same order; it names the first call that differs and its differing fields
+        (as :func:`check_agreement` does). One all-reduce when they agree. Forgets the recorded calls."""
+        calls, self.calls = self.calls, []
+        fields, self.fields = self.fields, {}
+        if not is_distributed() or dist.get_world_size(self.group) == 1:
+            return
+        if _same_everywhere(repr(calls), self.group):
+            return
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, calls, group=self.group)
+        first = next(i for i in range(max(map(len, gathered)))
+                     if len({tuple(c[i:i + 1]) for c in gathered}) > 1)
+        mine = fields[calls[first]] if first < len(calls) else {}
+        what = f"attention (call {first + 1} of {len(calls)} since the last check on this rank)"
+        check_agreement(what, {"calls": len(calls), **mine}, self.group)
+        raise AssertionError(f"{what}: the digests differ but no field does")  # a digest collision
+
+
+_DEFERRED: list[AttentionLog] = []  # the open deferred_attention_checks blocks, innermost last
+
+
+@contextmanager
+def deferred_attention_checks(mesh: Any) -> Iterator[AttentionLog]:
+    """Inside the block, :func:`agree_on_attention` on ``mesh`` exchanges nothing: it records each call
+    (host-side: shapes, dtypes and Python values) in the yielded :class:`AttentionLog`. Every rank of the
+    replica must call ``log.check()`` (one collective) before trusting what the calls computed; the
+    block does not check by itself (an exception inside it leaves peers where they are). The caller
+    agrees beforehand on every argument that changes the calls' collectives (module docstring)."""
+    log = AttentionLog(attention_check_group(mesh))
+    _DEFERRED.append(log)
+    try:
+        yield log
+    finally:
+        _DEFERRED.remove(log)

@@ -55,23 +55,35 @@ def resolve_group(name: str) -> dist.ProcessGroup:
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Forward: split ``x`` into ``n`` pieces along ``scatter_dim``, send piece ``i`` to group rank ``i``,
     concatenate received pieces along ``gather_dim`` in group-rank order. Its backward is the same call
-    with the two dims swapped (done by the caller's autograd rule)."""
+    with the two dims swapped (done by the caller's autograd rule). The result's layout (a view where the
+    pieces allow one, so not always contiguous) is :func:`all_to_all_result` of the received buffer."""
     n = dist.get_world_size(group)
     if n == 1:
         return x
-    assert x.shape[scatter_dim] % n == 0, (tuple(x.shape), scatter_dim, n)
-    shape = list(x.shape)
-    # [.., n, piece, ..] with the group axis moved to the front so each piece is contiguous
-    split = shape[:scatter_dim] + [n, shape[scatter_dim] // n] + shape[scatter_dim + 1 :]
-    send = x.reshape(split).movedim(scatter_dim, 0).contiguous()
+    send = all_to_all_pieces(x, n, scatter_dim)
     recv = torch.empty_like(send)
     piece_bytes = send[0].numel() * send.element_size()
     me = dist.get_rank(group)
     _record("a2a", {dist.get_global_rank(group, i): piece_bytes for i in range(n) if i != me})
     dist.all_to_all_single(recv, send, group=group)
-    # recv[i] came from group rank i: put that axis just before gather_dim and merge the two
+    return all_to_all_result(recv, gather_dim)
+
+
+def all_to_all_pieces(x: torch.Tensor, n: int, scatter_dim: int) -> torch.Tensor:
+    """``x`` split into ``n`` pieces along ``scatter_dim``, stacked contiguously as ``[n, ...]`` (the send
+    buffer of :func:`all_to_all`)."""
+    assert x.shape[scatter_dim] % n == 0, (tuple(x.shape), scatter_dim, n)
+    shape = list(x.shape)
+    split = shape[:scatter_dim] + [n, shape[scatter_dim] // n] + shape[scatter_dim + 1 :]
+    return x.reshape(split).movedim(scatter_dim, 0).contiguous()
+
+
+def all_to_all_result(recv: torch.Tensor, gather_dim: int) -> torch.Tensor:
+    """The received ``[n, ...]`` buffer of :func:`all_to_all` (piece ``i`` from group rank ``i``) as its
+    result: the group axis moved just before ``gather_dim`` and merged with it. Pure layout (shapes and
+    strides follow from ``recv``'s), so a custom op's fake implementation gets the real strides from it."""
     out_shape = list(recv.shape[1:])
-    out_shape[gather_dim] *= n
+    out_shape[gather_dim] *= recv.shape[0]
     return recv.movedim(0, gather_dim).reshape(out_shape)
 
 

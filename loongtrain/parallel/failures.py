@@ -26,7 +26,7 @@ from loongtrain.parallel import runtime
 _PERMANENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
-def _causes(exc: BaseException) -> list[BaseException]:
+def causes(exc: BaseException) -> list[BaseException]:
     """``exc``, its ``__cause__``/``__context__`` chain, and the per-rank failures that wrapper exceptions
     carry (``torch.distributed.checkpoint``'s CheckpointException: ``failures = {rank: (exc, trace)}``)."""
     seen: list[BaseException] = []
@@ -47,7 +47,7 @@ def restartable(exc: BaseException) -> tuple[bool, BaseException]:
     """``(False, cause)`` when ``exc`` (or an exception it wraps) is one a restart cannot fix: a
     ValueError (a user error), an exception class with ``restartable = False`` (e.g. the trainer's
     NonFiniteError), or an OSError of a full disk or read-only filesystem; else ``(True, exc)``."""
-    for cause in _causes(exc):
+    for cause in causes(exc):
         if isinstance(cause, ValueError) or getattr(type(cause), "restartable", True) is False or (
                 isinstance(cause, OSError) and cause.errno in _PERMANENT_ERRNOS):
             return False, cause

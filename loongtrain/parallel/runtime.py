@@ -23,6 +23,16 @@ def rank() -> int:
     return dist.get_rank() if is_distributed() else 0
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor ``t`` on ``device`` without blocking the host: on CUDA through pinned memory and a
+    non-blocking copy (torch's pinned-memory cache keeps the block until the copy has run), elsewhere as
+    ``t.to(device)``."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def default_device() -> torch.device:
     """The device this process should compute on: its local CUDA device under torchrun, else CPU."""
     if torch.cuda.is_available():

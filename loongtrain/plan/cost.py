@@ -44,6 +44,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from loongtrain.model.config import ModelConfig, flops_per_token, num_params, step_flops
+from loongtrain.parallel.buckets import BUCKET_BYTES
+from loongtrain.parallel.buckets import gradient_buckets as buckets_of
 from loongtrain.parallel.config import ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.plan.attention_cost import AttnShape, attention_time
@@ -58,9 +60,6 @@ COMMUNICATION = ("a2a", "ring-inner", "ring-outer", "zero", "grad-sync", "offloa
 TERMS = {"compute": ("compute",), "memory_bound": ("memory-bound",), "exposed_communication": COMMUNICATION,
          "optimizer": ("optimizer",)}
 BOTTLENECK_SHARE = 0.1
-#: bytes of one gradient bucket of the all-reduce without ZeRO; the trainer's ``loongtrain.train.sync.BUCKET_BYTES``
-#: (tests/test_step_terms.py checks they agree: plan sits below train)
-BUCKET_BYTES = 32 * 2**20
 
 
 def param_bytes(dtype_bytes: int) -> int:
@@ -135,32 +134,25 @@ def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: 
 
 
 def gradient_buckets(model: ModelConfig, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[float, int]]:
-    """The fp32 gradient buckets of the all-reduce without ZeRO, in the order the backward fills them (the
-    parameters in reverse order, each bucket closed before it would pass ``bucket_bytes``, a larger parameter
-    alone): ``(ready, bytes)`` with ``ready`` the layers whose backward has run when the bucket's last gradient
-    exists. The LM head and the final norm come first, at 0 (the chunked loss computed their gradients in the
-    forward: they are accumulated when the backward starts); a layer's parameters follow its backward, the
-    MLP's first, each at the share of the layer's parameters done; the embedding last, at ``L`` (tied: the head's
-    gradient is complete only then)."""
+    """The fp32 gradient buckets of the all-reduce without ZeRO, as the trainer makes them
+    (:func:`loongtrain.parallel.buckets.gradient_buckets` over the parameters in reverse order, the order the
+    backward produces them): ``(ready, bytes)`` with ``ready`` the layers whose backward has run when the
+    bucket's last gradient exists. The LM head and the final norm come first, at 0 (the chunked loss computed
+    their gradients in the forward: they are accumulated when the backward starts); a layer's parameters
+    follow its backward, the MLP's first, each at the share of the layer's parameters done; the embedding
+    last, at ``L`` (tied: the head's gradient is complete only then)."""
     d, f, hd, L = model.dim, model.ffn_dim, model.head_dim, model.num_layers
     q, kv = model.num_heads * hd * d, model.num_kv_heads * hd * d
     layer = (d * f, f * d, d * f, d, q, kv, kv, q, d)  # w3, w2, w1, ffn_norm, wo, wv, wk, wq, attention_norm
-    params = [(0.0, d)] + ([] if model.tie_embeddings else [(0.0, model.vocab_size * d)])
+    params = ([] if model.tie_embeddings else [(0.0, model.vocab_size * d)]) + [(0.0, d)]
     for done in range(L):
         total = 0
         for n in layer:
             total += n
             params.append((done + total / sum(layer), n))
     params.append((float(L), model.vocab_size * d))
-    buckets: list[tuple[float, int]] = []
-    size, ready = 0, 0.0
-    for at, n in params:
-        if size and size + GRAD_BYTES * n > bucket_bytes:
-            buckets.append((ready, size))
-            size = 0
-        size, ready = size + GRAD_BYTES * n, at
-    buckets.append((ready, size))
-    return buckets
+    sizes = [GRAD_BYTES * n for _, n in params]
+    return [(params[bucket[-1]][0], sum(sizes[i] for i in bucket)) for bucket in buckets_of(sizes, bucket_bytes)]
 
 
 def grad_sync_exposed(model: ModelConfig, *, layer_backward: float, world: int, bandwidth: float,

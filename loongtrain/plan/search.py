@@ -235,7 +235,7 @@ def best_fitting(
     raise ValueError(no_fit_message(model, cluster, cands, nodes=nodes, **kw))
 
 
-def no_fit_message(model, cluster, cands: list[Candidate], *, nodes: int | None, seq_len: int,
+def no_fit_message(model, cluster, cands: list[Candidate], *, nodes: int | None = None, seq_len: int,
                    gpus: int | None = None, **kw) -> str:
     """Why nothing fits (device or host memory), and the closest feasible requests: more devices, or a
     shorter sequence."""

@@ -4,13 +4,16 @@ work its rows compute (for FLOP counts)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.documents import Documents, cu_seqlens_from_starts, document_position_ids, visible_pairs
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.runtime import to_device
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.train.config import TrainConfig
 
@@ -73,12 +76,13 @@ class BatchSharding:
         return chunk_order(cu_seqlens, seq_len, self.mesh, self.cfg.chunk_layout, self.sliding_window)
 
     def local(self, batch: Batch) -> LocalBatch:
-        """This rank's shard: tokens, labels and positions sharded with one chunk order (:meth:`chunk_order`)."""
+        """This rank's shard: tokens, labels and positions sharded with one chunk order (:meth:`chunk_order`),
+        on the device without blocking the host (pinned memory on CUDA)."""
         cu_seqlens, positions = self.documents(batch)
         order = self.chunk_order(cu_seqlens, batch["input_ids"].shape[1])
 
         def shard(x: torch.Tensor) -> torch.Tensor:
-            return shard_sequence(x, self.mesh, dim=1, chunk_order=order).to(self.device, non_blocking=True)
+            return to_device(shard_sequence(x, self.mesh, dim=1, chunk_order=order), self.device)
 
         return LocalBatch(shard(batch["input_ids"]), shard(batch["labels"]), shard(positions), cu_seqlens, order)
 
@@ -88,3 +92,16 @@ class BatchSharding:
         rows, seq = batch["input_ids"].shape
         return sum(visible_pairs(cu_seqlens[b] if cu_seqlens is not None else None, seq,
                                  sliding_window=self.sliding_window) for b in range(rows))
+
+
+def sharding_fields(batches: Sequence[LocalBatch]) -> dict[str, Any]:
+    """What the ranks of a replica must agree on before attention runs on ``batches`` (this rank's shards of
+    one step's micro-batches), because it decides the shapes of attention's collectives or which of them
+    run: the shards' sizes, the documents and the chunk order (docs/design.md §10). Host values only."""
+    return {
+        "micro_batches": len(batches),
+        "input_ids": tuple(tuple(b.input_ids.shape) for b in batches),
+        "documents": tuple(None if b.cu_seqlens is None else tuple(tuple(cu.tolist()) for cu in b.cu_seqlens)
+                           for b in batches),
+        "chunk_order": tuple(b.chunk_order for b in batches),
+    }

@@ -8,8 +8,14 @@ Layout on disk (``OUT_DIR/checkpoints``)::
     latest                    text file naming the newest complete checkpoint directory
 
 A checkpoint is written to ``step_XXXXXXXX.tmp`` and renamed only after every rank has finished
-writing; ``latest`` is then replaced with an atomic ``os.replace``. An interrupted save therefore
-never becomes ``latest``. The model and optimizer state dicts come from
+writing and rank 0 has recorded every file's size and CRC-32 (``checksums.json``); ``latest`` is then
+replaced with an atomic ``os.replace``. An interrupted save therefore never becomes ``latest``.
+
+**The complete-checkpoint rule** (:func:`check_complete`, the one rule of ``train --resume``, ``eval``
+and ``export``): a checkpoint is complete only when it is the target of its directory's ``latest``, or
+a directory with its ``checksums.json`` whose name does not end in ``.tmp``; and it holds its trainer
+state. A ``.tmp`` directory or one without checksums (a save or a copy that did not finish) is refused,
+naming it, wherever a checkpoint is accepted. The model and optimizer state dicts come from
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (keyed by parameter name), and weights
 are replicated over the sp ranks, so a checkpoint saved with one (dp, hp, cp) layout loads into
 another (or into a single process). All ranks must see the same filesystem.
@@ -17,11 +23,13 @@ another (or into a single process). All ranks must see the same filesystem.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import warnings
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +37,31 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
+from loongtrain._files import DiskFullError, Output, is_disk_full
+from loongtrain.parallel.failures import causes
 from loongtrain.parallel.runtime import is_distributed
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
+CHECKSUM_FILE = "checksums.json"
+
+
+def _run_dir(path: Path) -> bool:
+    return (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()
+
+
+#: what ``loongtrain train`` writes into ``--out-dir`` (loongtrain._files: the ownership rule)
+RUN_OUTPUT = Output("train", "--out-dir", ("metrics.jsonl", "checkpoints", "tensorboard", "loss_curve.png",
+                                           "eval_curve.png", "torchrun_run_id", ".torchrun_run_id.*"), _run_dir)
+#: what it writes into ``OUT_DIR/checkpoints`` (all that ``--overwrite`` deletes there)
+CHECKPOINTS_OUTPUT = Output("train", "--out-dir", ("step_*", LATEST, LATEST + ".tmp"))
 
 
 class NonFiniteError(RuntimeError):
@@ -93,16 +120,18 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():  # single process: DCP warns that it saves without torch.distributed
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        state = {**trainer_state, "step": step, "scheduler": scheduler.state_dict()}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+    with _disk_full_named(tmp):
+        with warnings.catch_warnings():  # single process: DCP warns that it saves without torch.distributed
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            state = {**trainer_state, "step": step, "scheduler": scheduler.state_dict()}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
     _barrier()  # every rank's files are complete
     if rank == 0:
-        write_checksums(tmp)
+        with _disk_full_named(tmp):
+            write_checksums(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -115,6 +144,22 @@ def save_checkpoint(
     return final
 
 
+@contextlib.contextmanager
+def _disk_full_named(path: Path) -> Iterator[None]:
+    """A full disk while saving (also inside DCP's per-rank failures) as one DiskFullError naming ``path``
+    (the ``step_N.tmp`` directory is removed by whoever sees the workers gone: launch/train_cli.py, or the next
+    run's start)."""
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, DiskFullError)):
+            raise
+        full = next((c for c in causes(exc) if is_disk_full(c)), None)
+        if full is None:
+            raise
+        raise DiskFullError(getattr(full, "filename", None) or path, full.errno) from None
+
+
 def _step_of(path: Path) -> int | None:
     """The step of a complete checkpoint directory ``step_N`` (None for anything else)."""
     name = path.name
@@ -123,10 +168,36 @@ def _step_of(path: Path) -> int | None:
     return int(name[5:])
 
 
+def incomplete_reason(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (module docstring: the rule), None when it is one."""
+    path = Path(path)
+    if not path.is_dir():
+        return "is not a directory"
+    if path.name.endswith(".tmp"):
+        return "is a save that did not finish (a .tmp directory)"
+    if not (path / STATE_FILE).is_file():
+        return f"has no {STATE_FILE}"
+    if (path / CHECKSUM_FILE).is_file():
+        return None
+    latest = read_latest(path.parent)
+    if latest is not None and latest.resolve() == path.resolve():
+        return None
+    return (f"has no {CHECKSUM_FILE} and is not the target of {str(path.parent / LATEST)!r} (a save or copy "
+            f"that did not finish)")
+
+
+def check_complete(path: Path) -> Path:
+    """``path`` when it is a complete checkpoint; ValueError naming it and why not otherwise."""
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise ValueError(f"checkpoint {str(path)!r} {reason}: only complete checkpoints are read")
+    return Path(path)
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint directories under ``root`` (a trainer state file present), ordered by step."""
+    """Complete checkpoint directories ``step_N`` under ``root`` (:func:`check_complete`), ordered by step."""
     found = [(step, p) for p in Path(root).glob("step_*") if (step := _step_of(p)) is not None
-             and (p / STATE_FILE).is_file()]
+             and incomplete_reason(p) is None]
     return [p for _, p in sorted(found)]
 
 
@@ -167,7 +238,7 @@ def newest_checkpoint(root: Path) -> Path | None:
     complete checkpoint of the highest step; None when there is none."""
     root = Path(root)
     target = read_latest(root)
-    if target is not None and _step_of(target) is not None and (target / STATE_FILE).is_file():
+    if target is not None and incomplete_reason(target) is None:
         return target
     done = complete_checkpoints(root) if root.is_dir() else []
     return done[-1] if done else None
@@ -177,13 +248,15 @@ def find_checkpoint(path: str | Path) -> Path:
     """The checkpoint directory ``path`` names: a checkpoint itself, a checkpoints root's or a run
     directory's ``latest``, or the ``latest`` pointer file itself. ValueError when there is none."""
     path = Path(path)
+    if path.name.endswith(".tmp") and path.is_dir():
+        check_complete(path)
     roots = [path.parent] if path.name == LATEST and path.is_file() else [path, path / "checkpoints"]
     for root in roots:
         if (root / STATE_FILE).is_file():
-            return root
+            return check_complete(root)
         target = read_latest(root)
-        if target is not None and (target / STATE_FILE).is_file():
-            return target
+        if target is not None and target.is_dir():
+            return check_complete(target)
     raise ValueError(f"{str(path)!r} is not a loongtrain checkpoint (no {STATE_FILE}), nor a checkpoints "
                      f"directory or run directory with a complete '{LATEST}' checkpoint")
 
@@ -212,7 +285,6 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
-CHECKSUM_FILE = "checksums.json"
 _CRC_BLOCK = 1 << 24
 
 
@@ -295,6 +367,20 @@ def parameters_finite(model: nn.Module) -> bool:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad = flag.cpu()
     return not bool(bad)
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Collective when sharded: read only the model weights of checkpoint ``path`` (DCP, any saved layout)
+    into ``model``'s parameters, whole or sharded; ValueError naming the checkpoint when it cannot."""
+    weights = get_model_state_dict(model)
+    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load({"model": weights}, checkpoint_id=str(path))
+        except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
+            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"checkpoint {str(path)!r} could not be loaded (a corrupt file?): {last}") from None
+    set_model_state_dict(model, weights)
 
 
 def load_checkpoint(

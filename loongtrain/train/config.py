@@ -25,13 +25,17 @@ from loongtrain.data.corpus import DECODE_ERRORS
 from loongtrain.data.split import check_fraction
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.config import ModelConfig
+from loongtrain.model.rope_scaling import RopeChange, rope_change
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import CHUNK_LAYOUTS
+from loongtrain.train.stages import check_schedule, schedule_totals
 from loongtrain.wrap.compile import COMPILE_MODES
 
 log = logging.getLogger("loongtrain.train")
 
 DTYPES = ("auto", "fp32", "bf16", "fp64")
+#: the evaluation tasks (``loongtrain eval --task``, ``loongtrain train --eval-tasks``)
+EVAL_TASKS = ("passkey", "position-loss")
 PROGRESS = ("auto", "on", "off")
 DOC_MASK = ("on", "off")
 #: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1)
@@ -51,6 +55,18 @@ class TrainConfig:
     # model and data
     model: str = _opt("tiny", "model preset (tiny, 1b, 7b-mha, 7b-gqa, 13b) or a local Hugging Face model "
                       "directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)")
+    rope_theta: float = _opt(0.0, "RoPE base (0: the model's own: the preset's, config.json's, or the --init-from "
+                             "checkpoint's), e.g. raised to extend the context")
+    rope_scaling: str = _opt("", "RoPE scaling as TYPE:key=value,... with Hugging Face's types (linear, yarn, "
+                             "llama3) and keys (factor, original_max_position_embeddings, low_freq_factor, "
+                             "high_freq_factor, beta_fast, beta_slow, attention_factor), e.g. "
+                             "yarn:factor=4,original_max_position_embeddings=8192; 'default': plain RoPE; '': the "
+                             "model's own (README: Context extension)")
+    init_from: str = _opt("", "start this run from the weights of a loongtrain checkpoint (a checkpoint, "
+                          "checkpoints or run directory: its latest), with a fresh optimizer, schedule and data "
+                          "stream; the model and its RoPE are the checkpoint's, changed by --rope-theta / "
+                          "--rope-scaling; --seq-len may differ. A run that has checkpoints of its own resumes "
+                          "those instead (--resume)")
     corpus: str = _opt(
         "stdlib", "corpus: 'stdlib' (this Python's standard-library sources, no download), a .txt/.jsonl "
         "file, a directory of them, a saved Hugging Face dataset, a directory made by `loongtrain prepare` "
@@ -64,8 +80,15 @@ class TrainConfig:
                           "tokenizer path")
     decode_errors: str = _opt("strict", "corpus bytes that are not UTF-8: strict (an error naming the file and "
                               "byte offset), replace (U+FFFD) or ignore (dropped)")
-    seq_len: int = _opt(8192, "tokens per sequence, e.g. 131072, 128K, 1M (must be divisible by 2*hp*cp)",
-                        size=True)
+    seq_len: int = _opt(8192, "tokens per sequence, e.g. 131072, 128K, 1M (must be divisible by 2*hp*cp); "
+                        "with --seq-len-schedule, its longest length", size=True)
+    seq_len_schedule: str = _opt(
+        "", "train in stages of increasing length: LENGTH:STEPS,... e.g. 8K:1000,32K:400,128K:100 (--steps is "
+        "their sum; every length must suit the layout; docs/design.md §10)")
+    schedule_tokens: str = _opt(
+        "constant", "with --seq-len-schedule: constant (every stage keeps the first stage's tokens per step: "
+        "fewer sequences per micro-step or fewer micro-steps as the length grows) or free (every stage "
+        "keeps --batch-size and --grad-accum)")
     doc_mask: str = _opt("on", "on: in packed corpora a token attends only inside its own document (block-"
                          "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
                          "packed sequence (loongtrain's decoder and Hugging Face models)")
@@ -74,10 +97,13 @@ class TrainConfig:
                              "(with --doc-mask on and cp > 1: per batch, chunks go to the ranks by their "
                              "documents' visible-pair work, so no rank waits for a busier one; batches "
                              "without document marks stay zigzag)")
-    batch_size: int = _opt(1, "sequences per data-parallel replica per micro-step")
-    grad_accum: int = _opt(1, "micro-steps accumulated per optimizer step")
+    batch_size: int = _opt(1, "sequences per data-parallel replica per micro-step (with --seq-len-schedule: in "
+                           "the first stage)")
+    grad_accum: int = _opt(1, "micro-steps accumulated per optimizer step (with --seq-len-schedule: in the first "
+                           "stage)")
     # optimisation
-    steps: int = _opt(40, "optimizer steps of the whole run (the schedule spans them)")
+    steps: int = _opt(40, "optimizer steps of the whole run (the learning-rate schedule spans them; with "
+                      "--seq-len-schedule, the sum of its stages' steps)")
     lr: float = _opt(3e-3, "peak learning rate (AdamW)")
     min_lr_ratio: float = _opt(0.1, "final learning rate of the cosine schedule as a fraction of --lr")
     warmup: int = _opt(5, "linear warmup steps")
@@ -134,6 +160,15 @@ class TrainConfig:
                               "logged as val_loss (0: never), on --val-fraction / --val-corpus, or without "
                               "them the corpus's last packed samples (docs/design.md §14)")
     val_batches: int = _opt(4, "batches (of --batch-size sequences per replica) per validation")
+    eval_tasks: str = _opt("", "evaluation tasks run at every --val-interval, sharded on the training layout: "
+                           "passkey, position-loss, or both comma-separated (as `loongtrain eval`; metrics "
+                           "eval/passkey/<length>, eval/position_loss/<start>-<end>; docs/design.md §14)")
+    eval_lengths: str = _opt("", "lengths of the --eval-tasks, comma-separated (4K = 4096; each divisible by "
+                             "2*hp*cp; '': the run's --seq-len): passkey at each, position-loss at the longest")
+    eval_trials: int = _opt(3, "--eval-tasks passkey: prompts per (length, depth) cell (depths 0, 0.25, 0.5, "
+                            "0.75, 1)")
+    eval_docs: int = _opt(4, "--eval-tasks position-loss: sequences of the held-out data (--val-fraction / "
+                          "--val-corpus), else of the corpus in its order")
     peak_tflops: float = _opt(
         0.0, "peak TFLOP/s of one device for MFU (0: table by CUDA device name; on CPU measured)"
     )
@@ -146,7 +181,8 @@ class TrainConfig:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices)."""
         if not isinstance(self.parallel, ParallelConfig):  # a ParallelConfig validated itself when built
             raise ValueError(f"parallel={self.parallel!r} must be a ParallelConfig")
-        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval", "val_batches")
+        positive = ("seq_len", "batch_size", "grad_accum", "steps", "log_interval", "val_batches", "eval_trials",
+                    "eval_docs")
         for name in positive:
             value = getattr(self, name)
             if value < 1:
@@ -156,6 +192,7 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)}={getattr(self, name)} must be >= 0")
         self._validate_ranges()
+        self.rope_change()
         check_fraction(self.val_fraction)
         if self.val_fraction and self.val_corpus:
             raise ValueError(f"--val-fraction={self.val_fraction} and --val-corpus={self.val_corpus!r}: give "
@@ -175,6 +212,21 @@ class TrainConfig:
         if self.chunk_layout == "balanced" and self.doc_mask != "on":
             raise ValueError("--chunk-layout=balanced balances packed documents' attention work and needs "
                              f"--doc-mask on (got --doc-mask {self.doc_mask})")
+        check_schedule(self)  # --seq-len-schedule, --schedule-tokens, and what they make of --steps, --seq-len
+        self._validate_eval_tasks()
+
+    def _validate_eval_tasks(self) -> None:
+        """--eval-tasks are known tasks, run at a validation interval; --eval-lengths parse."""
+        tasks = eval_task_list(self)
+        unknown = [t for t in tasks if t not in EVAL_TASKS]
+        if unknown or (self.eval_tasks.strip() and not tasks):
+            raise ValueError(f"--eval-tasks {self.eval_tasks!r}: {unknown or 'no task'}; choose from {EVAL_TASKS}")
+        eval_length_list(self)  # they parse (ValueError naming a bad one)
+        if self.eval_lengths.strip() and not tasks:
+            raise ValueError(f"--eval-lengths {self.eval_lengths!r} gives the lengths of --eval-tasks, and none is "
+                             f"given")
+        if tasks and not self.val_interval:
+            raise ValueError(f"--eval-tasks {self.eval_tasks!r} run at every --val-interval N; give N > 0")
 
     def _validate_ranges(self) -> None:
         """Float options: finite and inside their range (AdamW's own checks miss inf and NaN)."""
@@ -191,6 +243,10 @@ class TrainConfig:
             if not (math.isfinite(value) and inside):
                 rule = f"{'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
                 raise ValueError(f"--{_flag(name)}={value} must be finite and in {rule}")
+
+    def rope_change(self) -> RopeChange:
+        """``--rope-theta`` / ``--rope-scaling`` parsed (:func:`loongtrain.model.rope_scaling.rope_change`)."""
+        return rope_change(self.rope_theta, self.rope_scaling)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, ``parallel`` as a nested dict (what checkpoints record; :meth:`from_dict` reads it)."""
@@ -215,6 +271,10 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown parallel option(s) {unknown}; valid: {sorted(PARALLEL_FIELDS)}")
         parallel = dataclasses.replace(DEFAULT_PARALLEL, **{**nested, **flat})
+        if isinstance(own.get("seq_len_schedule"), str) and own["seq_len_schedule"]:
+            steps, longest = schedule_totals(own["seq_len_schedule"])  # what a schedule makes of --steps, --seq-len
+            own.setdefault("steps", steps)
+            own.setdefault("seq_len", longest)
         try:
             return cls(**own, parallel=parallel)
         except TypeError as exc:
@@ -224,13 +284,35 @@ class TrainConfig:
 @dataclass(frozen=True)
 class Run:
     """A run resolved once by the launcher before any worker starts (docs/design.md §10): the options, the
-    model's shape, the tokenizer (None: the batch source needs none) and the checkpoint to resume from
-    ("" for a fresh start). :class:`~loongtrain.train.trainer.Trainer` is built from it."""
+    model's shape, the tokenizer (None: the batch source needs none), the checkpoint to resume from
+    ("" for a fresh start), the in-loop evaluations (``--eval-tasks``: callables the launch path builds
+    from the evaluation tasks, :class:`~loongtrain.train.validation.Evaluation`; ``train`` does not import
+    them) and the identity of its data (the corpus's content and the tokenizer's, which every checkpoint
+    records and a resume compares; None when not known). :class:`~loongtrain.train.trainer.Trainer` is
+    built from it."""
 
     cfg: TrainConfig
     model_config: ModelConfig
     tokenizer: Tokenizer | None = None
     resume: str = ""
+    evaluations: tuple[Any, ...] = ()
+    data_identity: dict[str, Any] | None = None
+
+
+def eval_task_list(cfg: TrainConfig) -> tuple[str, ...]:
+    """``--eval-tasks`` as a tuple of task names (empty: none)."""
+    return tuple(dict.fromkeys(t.strip() for t in cfg.eval_tasks.split(",") if t.strip()))
+
+
+def eval_length_list(cfg: TrainConfig) -> tuple[int, ...]:
+    """``--eval-lengths`` as token counts (``''``: the run's ``--seq-len``); ValueError naming a bad one."""
+    parts = [p for p in cfg.eval_lengths.split(",") if p.strip()]
+    if not parts:
+        return (cfg.seq_len,)
+    lengths = tuple(parse_size(p, "--eval-lengths") for p in parts)
+    if min(lengths) < 1:
+        raise ValueError(f"--eval-lengths {cfg.eval_lengths!r}: every length must be a positive integer")
+    return tuple(dict.fromkeys(lengths))
 
 
 def param_dtype(cfg: TrainConfig) -> torch.dtype:

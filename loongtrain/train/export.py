@@ -8,11 +8,20 @@ and :func:`loongtrain.hf.export_hf` writes ``config.json`` + ``model.safetensors
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads. Native presets become
 ``LlamaForCausalLM`` with ``rms_norm_eps`` written explicitly. Exit codes: 0 ok, 2 bad input.
 
-Nothing of the user's is destroyed (docs/design.md §10): the checkpoint is verified first (checksums,
-as ``train --resume`` does); ``--hf`` must not be empty, a file, or inside the run's checkpoints (nor
-hold the checkpoint); an existing non-empty ``--hf`` is refused unless ``--overwrite``, which replaces
-it whole (nothing of the old directory stays behind). The result is written next to the target and
-renamed into place, so a failed export leaves the target as it was.
+The run's tokenizer goes with the model: a Hugging Face tokenizer (``--tokenizer PATH``, or the model
+directory's with ``auto``) has its files copied into OUT (``tokenizer.json`` ...), after checking that
+they are still the ones the run trained with (the identity the checkpoint recorded), so ``loongtrain
+eval OUT`` and ``AutoTokenizer.from_pretrained(OUT)`` read the same ids; a byte-tokenizer run writes none.
+
+Nothing of the user's is destroyed (docs/design.md §10): the checkpoint must be complete (the one rule
+of :func:`~loongtrain.train.checkpoint.check_complete`) and is verified first (checksums, as ``train
+--resume`` does); ``--hf`` follows the ownership rule (:mod:`loongtrain._files`: not empty, not the
+current directory or a parent of it, not a file, not inside the run's checkpoints nor holding the
+checkpoint or the tokenizer); an existing directory must be an earlier export (its marker) with nothing
+else in it, and is replaced only with ``--overwrite`` (whole: nothing of the old directory stays
+behind). The result is written into a locked staging directory next to the target (a second export to
+the same target exits 2 naming the first) and renamed into place, so a failed or interrupted export
+leaves the target as it was and removes its staging files.
 """
 
 from __future__ import annotations
@@ -21,19 +30,28 @@ import argparse
 import os
 import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from loongtrain._input import OneLineParser, user_error
+from loongtrain._files import (
+    LOCK_FILE,
+    DiskFullError,
+    Output,
+    OutputLock,
+    check_output,
+    disk_space,
+    remove_owned,
+    write_bytes,
+)
+from loongtrain._input import OneLineParser, failure, user_error
+from loongtrain.data.prepared import tokenizer_identity
+from loongtrain.data.tokenizer import build_tokenizer
 from loongtrain.hf.convert import export_hf
 from loongtrain.train import run_model
-from loongtrain.train.checkpoint import find_checkpoint, verify_checkpoint
+from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, param_dtype
 from loongtrain.train.run_model import model_from_record
 
@@ -50,63 +68,110 @@ def checkpoint_model_record(state: dict[str, Any]) -> dict[str, Any]:
 
 def load_trained_model(checkpoint: str | Path) -> nn.Module:
     """The model of a checkpoint with its trained weights, whole, on CPU, in the dtype it trained in."""
-    path = find_checkpoint(checkpoint)
+    path = find_checkpoint(checkpoint)  # complete checkpoints only
     state = verify_checkpoint(path)  # the checks of train --resume: state, metadata, sizes, checksums
     dtype = param_dtype(TrainConfig.from_dict(state["config"]))
     model = model_from_record(checkpoint_model_record(state), dtype)
-    weights = get_model_state_dict(model)
-    with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            dcp.load({"model": weights}, checkpoint_id=str(path))
-        except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
-            last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"checkpoint {str(path)!r} could not be loaded (a corrupt file?): {last}") from None
-    set_model_state_dict(model, weights)
+    load_model_weights(path, model)
     return model
 
 
-def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = False) -> Path:
-    """The export directory ``out_dir``, checked: not empty text, not a file, not inside the run's
-    checkpoints directory nor holding the checkpoint, and, unless ``overwrite``, not an existing
-    non-empty directory. ValueError naming the rule otherwise."""
+#: what `loongtrain export` writes into --hf (loongtrain._files: the ownership rule)
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+OUTPUT = Output("export", "--hf", ("config.json", "generation_config.json", "model.safetensors",
+                                   "model-*.safetensors", "model.safetensors.index.json", *TOKENIZER_NAMES))
+
+
+def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = False,
+                 inputs: tuple[str, ...] = ()) -> Path:
+    """The export directory ``out_dir``, checked (module docstring: the ownership rule; ``inputs``: other
+    paths the export reads, e.g. the tokenizer). ValueError naming the rule otherwise."""
     if not str(out_dir).strip():
         raise ValueError("--hf '' is empty: name the output directory")
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--hf {str(out)!r} is a file; it must be a directory (or not exist yet)")
     target, ckpt = out.resolve(), Path(checkpoint).resolve()
     root = ckpt.parent  # the run's checkpoints directory
     if target == root or root in target.parents:
         raise ValueError(f"--hf {str(out)!r} lies inside the run's checkpoints {str(root)!r}; export elsewhere")
     if target in ckpt.parents:
         raise ValueError(f"--hf {str(out)!r} holds the checkpoint {str(ckpt)!r}; export elsewhere")
+    out = check_output(OUTPUT, out, inputs=(str(checkpoint), *inputs))
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ValueError(f"--hf {str(out)!r} exists and is not empty; pass --overwrite to replace it (its "
-                         f"files are deleted) or choose a new directory")
+        raise ValueError(f"--hf {str(out)!r} holds an earlier export; pass --overwrite to replace it (its files "
+                         f"are deleted) or choose a new directory")
     return out
+
+
+def run_tokenizer(state: dict[str, Any]) -> Path | None:
+    """The Hugging Face tokenizer (file or directory) the checkpoint's run trained with, checked to be the
+    one it recorded; None for the byte tokenizer. ValueError when it is gone or its files changed."""
+    cfg = TrainConfig.from_dict(state["config"])
+    spec = run_model.tokenizer_spec(cfg)
+    if spec == "byte":
+        return None
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"the run's tokenizer {spec!r} no longer exists; the export would lose it (an export "
+                         f"without it reads text as bytes): restore it and export again")
+    recorded = (state.get("data_identity") or {}).get("tokenizer")
+    if recorded is not None:
+        now = tokenizer_identity(build_tokenizer(spec))
+        if now != recorded:
+            raise ValueError(f"the run's tokenizer {spec!r} changed since training (identity {recorded} then, "
+                             f"{now} now): restore the files the run trained with and export again")
+    return path
+
+
+def copy_tokenizer(source: Path, out: Path) -> list[str]:
+    """Copy the tokenizer files of ``source`` (a ``tokenizer.json`` file, or a directory) into ``out``;
+    ValueError unless ``out``'s copy reads as the same vocabulary and EOS. Returns the names copied."""
+    if source.is_file():
+        copies = [(source, "tokenizer.json")]
+    else:
+        copies = [(source / name, name) for name in TOKENIZER_NAMES if (source / name).is_file()]
+    for file, name in copies:
+        write_bytes(out / name, file.read_bytes())
+    want, got = build_tokenizer(str(source)), build_tokenizer(str(out))
+    if (want.vocab_size, want.eos_id) != (got.vocab_size, got.eos_id):
+        raise ValueError(f"the tokenizer copied from {str(source)!r} reads differently in the export "
+                         f"(vocab {got.vocab_size}, eos {got.eos_id}; the run's: {want.vocab_size}, {want.eos_id})")
+    return [name for _, name in copies]
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: torch.dtype | None = None,
                       overwrite: bool = False) -> Path:
-    """Write the checkpoint's model as a Hugging Face directory ``out_dir`` (``dtype``: the tensors' dtype,
-    default as trained); returns ``out_dir``. An existing non-empty ``out_dir`` is a ValueError unless
-    ``overwrite`` (then it is replaced whole); see :func:`check_target`."""
-    out = check_target(out_dir, find_checkpoint(checkpoint), overwrite=overwrite)
-    model = load_trained_model(checkpoint)
+    """Write the checkpoint's model (and its run's tokenizer) as a Hugging Face directory ``out_dir``
+    (``dtype``: the tensors' dtype, default as trained); returns ``out_dir``. An existing non-empty
+    ``out_dir`` is a ValueError unless it is an earlier export and ``overwrite`` (then it is replaced
+    whole); see :func:`check_target`."""
+    path = find_checkpoint(checkpoint)
+    state = verify_checkpoint(path)
+    tokenizer = run_tokenizer(state)
+    out = check_target(out_dir, path, overwrite=overwrite, inputs=(str(tokenizer),) if tokenizer else ())
+    model = load_trained_model(path)
     if dtype is not None:
         model = model.to(dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
     staging, old = out.with_name(f".{out.name}.export-tmp"), out.with_name(f".{out.name}.export-old")
-    for leftover in (staging, old):
-        shutil.rmtree(leftover, ignore_errors=True)
-    try:
-        export_hf(model, None, staging)
-        if out.exists():
-            os.replace(out, old)  # kept until the new directory is in place
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with OutputLock(OUTPUT, staging):  # one export to this target at a time; a dead one's staging is taken over
+        remove_owned(OUTPUT, staging)
+        shutil.rmtree(old, ignore_errors=True)
+        try:
+            with disk_space(staging):
+                export_hf(model, None, staging)
+            if tokenizer is not None:
+                copy_tokenizer(tokenizer, staging)
+            if out.exists():
+                os.replace(out, old)  # kept until the new directory is in place
+            os.replace(staging, out)
+            (out / LOCK_FILE).unlink(missing_ok=True)  # it moved with the directory; still held until here
+        except BaseException:
+            if old.exists() and not out.exists():
+                os.replace(old, out)  # the previous export back in place
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     return out
 
@@ -119,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "run directory (its latest checkpoint)")
     p.add_argument("--hf", required=True, metavar="OUT", help="output Hugging Face model directory")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written tensors (default: as trained)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --hf directory "
-                   "(its files are deleted)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --hf (its files are "
+                   "deleted; a directory holding files loongtrain did not write is never touched)")
     return p
 
 
@@ -130,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         out = export_checkpoint(args.checkpoint, args.hf, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    except DiskFullError as exc:
+        return failure("export", exc)
     except ValueError as exc:
         return user_error("export", exc)
-    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
+    tokenizer = [name for name in TOKENIZER_NAMES if (out / name).is_file()]
+    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}"
+          + (f" and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else ""))
     return 0
 
 

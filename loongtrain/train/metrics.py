@@ -35,6 +35,9 @@ from loongtrain.train.config import TrainConfig
 
 log = logging.getLogger("loongtrain.train")
 
+#: the in-loop evaluations' metrics (``eval/passkey/<length>``, ``eval/position_loss/<start>-<end>``)
+EVAL_PREFIX = "eval/"
+
 # Dense (no sparsity) bf16 tensor-core peak TFLOP/s of devices WITHOUT a cluster preset, matched by
 # substring of the name. Preset devices (A100, H100, H200) take ``peak_tflops`` from their
 # loongtrain/plan/clusters/*.toml, where ``device_names`` lists them: each peak is written once.
@@ -95,6 +98,28 @@ def measure_cpu_tflops(dtype: torch.dtype = torch.float32, size: int = 512, seco
     return best
 
 
+def host_values(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of scalar tensors (one device, any dtype) as Python floats, in ONE device-to-host
+    transfer (one synchronisation on CUDA) however many there are."""
+    return torch.stack([t.detach().to(torch.float64).reshape(()) for t in tensors]).tolist()
+
+
+#: a step record's values that may stay device tensors until a log step reads them (``Trainer.step``)
+DEVICE_VALUES = ("loss", "grad_norm", "attention_pairs")
+
+
+def read_device_values(records: list[dict[str, Any]], guard: torch.Tensor | None = None) -> bool:
+    """In place, in one :func:`host_values` transfer: each record's :data:`DEVICE_VALUES` still on the device
+    become Python numbers (``attention_pairs`` an int); returns the ``guard`` flag read with them (True
+    without one). Nothing to read and no guard: no transfer."""
+    slots = [(r, key) for r in records for key in DEVICE_VALUES if isinstance(r.get(key), torch.Tensor)]
+    tensors = [r[key] for r, key in slots] + ([guard] if guard is not None else [])
+    values = host_values(tensors) if tensors else []
+    for (r, key), value in zip(slots, values):
+        r[key] = int(value) if key == "attention_pairs" else value
+    return guard is None or bool(values[-1])
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak allocated CUDA memory of this process, or its peak resident set size on CPU."""
     if device.type == "cuda":
@@ -148,7 +173,7 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar("val/loss" if key == "val_loss" else f"train/{key}", value, step)
+                    self._tb.add_scalar(_tensorboard_tag(key), value, step)
         summary = (
             f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s | "
             f"{record['tflops']:.3f} TFLOP/s | MFU {100 * record['mfu']:.1f}% | "
@@ -156,6 +181,9 @@ class MetricsLogger:
         )
         if "val_loss" in record:
             summary += f" | val_loss {record['val_loss']:.4f}"
+        evaluated = {k: v for k, v in record.items() if k.startswith(EVAL_PREFIX)}
+        if evaluated:
+            summary += " | " + " ".join(f"{k[len(EVAL_PREFIX):]} {v:.3f}" for k, v in evaluated.items())
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix_str(summary, refresh=True)
@@ -193,8 +221,15 @@ def read_jsonl(path: str | os.PathLike, *, raw: bool = False) -> list[dict[str, 
     return records
 
 
-def plot_loss_curve(jsonl_path: Path, png_path: Path) -> bool:
-    """Write the loss curve of ``jsonl_path`` to ``png_path`` (matplotlib); False when unavailable."""
+def _tensorboard_tag(key: str) -> str:
+    """``val/loss`` for the validation loss, the in-loop evaluations under their own name (``eval/...``),
+    everything else under ``train/``."""
+    if key == "val_loss":
+        return "val/loss"
+    return key if key.startswith(EVAL_PREFIX) else f"train/{key}"
+
+
+def _pyplot(png_path: Path):
     try:
         import matplotlib
 
@@ -202,8 +237,16 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         log.info("matplotlib is not installed: skipping %s", png_path.name)
-        return False
-    records = read_jsonl(jsonl_path)
+        return None
+    return plt
+
+
+def plot_loss_curve(jsonl_path: Path, png_path: Path, *, stages: list[tuple[int, int]] = ()) -> bool:
+    """Write the loss curve of ``jsonl_path`` to ``png_path`` (matplotlib); False when unavailable.
+    ``stages``: ``(first_step, seq_len)`` of each stage of a length schedule, drawn as a dashed line
+    where it begins, labelled with its length."""
+    plt = _pyplot(png_path)
+    records = read_jsonl(jsonl_path) if plt is not None else []
     if not records:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -212,6 +255,10 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path) -> bool:
     if validated:
         ax.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], marker="o", label="validation")
         ax.legend()
+    for first_step, seq_len in stages:
+        ax.axvline(first_step + 0.5, color="grey", linestyle="--", linewidth=0.8)
+        ax.text(first_step + 0.5, 1.0, f" {size_label(seq_len)}", transform=ax.get_xaxis_transform(), va="top",
+                fontsize=8, color="grey")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("training loss" + (" and validation loss" if validated else ""))
@@ -220,6 +267,39 @@ def plot_loss_curve(jsonl_path: Path, png_path: Path) -> bool:
     fig.savefig(png_path, dpi=100)
     plt.close(fig)
     return True
+
+
+def plot_evaluations(jsonl_path: Path, png_path: Path) -> bool:
+    """Write the in-loop evaluations of ``jsonl_path`` (``eval/...`` metrics) to ``png_path``: passkey
+    retrieval by length and loss by position bucket, against the step. False when there are none or
+    matplotlib is unavailable."""
+    records = [r for r in read_jsonl(jsonl_path) if any(k.startswith(EVAL_PREFIX) for k in r)]
+    plt = _pyplot(png_path) if records else None
+    if plt is None:
+        return False
+    keys = list(dict.fromkeys(k for r in records for k in r if k.startswith(EVAL_PREFIX)))
+    tasks = list(dict.fromkeys(k.split("/")[1] for k in keys))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for key in (k for k in keys if k.split("/")[1] == task):
+            shown = [r for r in records if key in r]
+            ax.plot([r["step"] for r in shown], [r[key] for r in shown], marker="o", label=key.split("/", 2)[2])
+        ax.set_xlabel("step")
+        ax.set_ylabel("fraction of keys retrieved" if task == "passkey" else "mean loss")
+        if task == "passkey":
+            ax.set_ylim(-0.05, 1.05)
+        ax.set_title("passkey retrieval by length" if task == "passkey" else "loss by position")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def size_label(n: int) -> str:
+    """A token count as users write it: ``4096`` -> ``4K``; not a multiple of 1024: the number."""
+    return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
 def peak_flops_total(cfg: TrainConfig, device: torch.device, world: int) -> float | None:

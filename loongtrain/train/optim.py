@@ -48,21 +48,24 @@ def build_optimizer(
     return optimizer, scheduler
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """Clip the global L2 norm of the (already synchronised) gradients; return the norm before clipping.
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the global L2 norm of the (already synchronised) gradients; return the norm before clipping, a
+    float64 scalar on the gradients' device (not read back: the trainer reads it with the step's guard).
 
     Gradients are replicated after synchronisation, so every rank computes the same norm locally.
     ``max_norm <= 0`` only measures.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64)
     if any(type(g).__name__ == "DTensor" for g in grads):  # FSDP2 shards: torch reduces across ranks
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf")))
+        total = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total
+        return total.to(torch.float64)
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
                                                   for g in grads]))
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
-    return float(total)
+    return total

@@ -3,12 +3,17 @@
 - :func:`hf_model_dir`: the HF directory ``--model`` names (None for a preset).
 - :func:`tokenizer_spec`: ``--tokenizer auto`` resolved (the model directory's tokenizer when it has one).
 - :func:`model_config_for`: the :class:`ModelConfig` shape of the run (FLOPs, planning, head rules), with
-  the model's vocabulary checked against (presets: widened to) the tokenizer's.
+  the model's vocabulary checked against (presets: widened to) the tokenizer's; for a preset, the exact
+  model, its RoPE as ``--init-from``'s checkpoint recorded it and changed by ``--rope-theta`` /
+  ``--rope-scaling`` (docs/design.md §7, *RoPE scaling*).
+- :func:`hf_run_config`: the HF config a Hugging Face run trains (the directory's, its RoPE taken from
+  ``--init-from``'s record and changed by the flags; HF's own modules compute it).
 - :func:`hidden_and_head`: one forward to the final normed hidden states and the LM head weight, for
   the chunked loss (:func:`loongtrain.loss.chunked.chunked_cross_entropy`); no logits are built.
 - :func:`loss_inputs`: the same forward stopped before the final norm, and the norm, for the trainer's loss.
 - :func:`build_model`: the run's model, parallelized (sharded on the meta device under FSDP2).
 - :func:`model_record` / :func:`model_from_record`: what a checkpoint records to rebuild the model.
+- :func:`init_checkpoint`: the checkpoint ``--init-from`` names and its trainer state.
 """
 
 from __future__ import annotations
@@ -31,14 +36,16 @@ from loongtrain.hf.build import (
     hf_weight_files,
     restore_hf_buffers,
 )
-from loongtrain.hf.convert import shape_config_from_hf
+from loongtrain.hf.convert import hf_config_with_rope, raw_rope_parameters, shape_config_from_hf
 from loongtrain.hf.families import is_hf_model
-from loongtrain.hf.load import check_hf_dir, read_hf_config
+from loongtrain.hf.load import check_hf_dir, hf_config_from_dict, read_hf_config
 from loongtrain.hf.norms import LLAMA_RMS_NORMS
 from loongtrain.loss.chunked import FinalNorm
 from loongtrain.model.config import PRESETS, ModelConfig, get_preset
 from loongtrain.model.llama import Transformer, initial_weight
+from loongtrain.model.rope_scaling import REFUSED_TYPES
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.train.checkpoint import find_checkpoint, read_trainer_state
 from loongtrain.train.config import TrainConfig, param_dtype
 from loongtrain.wrap.compile import compile_enabled
 from loongtrain.wrap.parallelize import materialize_params, parallelize
@@ -91,17 +98,83 @@ def build_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
 def model_config_for(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> ModelConfig:
     """The shape of the model ``cfg`` trains. A preset is widened to the tokenizer's vocabulary if that
     is larger; a Hugging Face directory is validated (:func:`loongtrain.hf.check_hf_dir`: config.json,
-    a supported architecture, weights matching it) and must hold the tokenizer's vocabulary. ValueError
-    naming the problem otherwise."""
+    a supported architecture, weights matching it) and must hold the tokenizer's vocabulary. With
+    ``--init-from``, the checkpoint's model must be this one; a preset then takes the checkpoint's RoPE.
+    ``--rope-theta`` / ``--rope-scaling`` change the RoPE last. ValueError naming the problem otherwise."""
     directory = hf_model_dir(cfg.model)
     vocab = int((tokenizer or build_run_tokenizer(cfg)).vocab_size)
+    record = _init_record(cfg)
     if directory is None:
         config = get_preset(cfg.model)
-        return get_preset(cfg.model, vocab_size=vocab) if vocab > config.vocab_size else config
+        config = get_preset(cfg.model, vocab_size=vocab) if vocab > config.vocab_size else config
+        if record is not None:
+            config = _same_model(config, ModelConfig(**record["model_config"]), cfg)
+        theta, scaling = cfg.rope_change().apply(config.rope_theta, config.rope_scaling)
+        return dataclasses.replace(config, rope_theta=theta, rope_scaling=scaling)
     config = shape_config_from_hf(check_hf_dir(directory))
     if vocab > config.vocab_size:
         raise ValueError(f"tokenizer {tokenizer_spec(cfg)!r} has {vocab} tokens but the model {cfg.model!r} has a "
                          f"vocabulary of {config.vocab_size}: pass a --tokenizer that fits the model")
+    hf_config = hf_run_config(cfg)
+    if record is not None:
+        _same_model(config, shape_config_from_hf(hf_config_from_dict(record["hf_config"])), cfg)
+    rope_type = raw_rope_parameters(hf_config).get("rope_type")
+    if rope_type in REFUSED_TYPES:
+        raise ValueError(f"--model {cfg.model!r}: its rope type {rope_type!r} cannot train: "
+                         f"{REFUSED_TYPES[rope_type]} (--rope-scaling replaces it)")
+    return dataclasses.replace(config, rope_theta=float(raw_rope_parameters(hf_config).get("rope_theta") or 10000.0))
+
+
+def init_checkpoint(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
+    """``(checkpoint directory, trainer state)`` of ``--init-from`` (None without it); ValueError naming
+    ``--init-from`` when it names no checkpoint, or one of another model."""
+    if not cfg.init_from:
+        return None
+    try:
+        path = find_checkpoint(cfg.init_from)
+        state = read_trainer_state(path)
+    except ValueError as exc:
+        raise ValueError(f"--init-from {cfg.init_from!r}: {exc}") from None
+    saved = (state.get("config") or {}).get("model")
+    if saved is not None and saved != cfg.model:
+        raise ValueError(f"--init-from {cfg.init_from!r} holds a run of --model {saved!r}, not {cfg.model!r}: "
+                         f"pass --model {saved}")
+    if "model_config" not in state and "hf_config" not in state:
+        raise ValueError(f"--init-from {cfg.init_from!r}: the checkpoint records no model (written by an older "
+                         f"loongtrain); export it (loongtrain export) and pass the directory as --model")
+    return path, state
+
+
+def _init_record(cfg: TrainConfig) -> dict[str, Any] | None:
+    found = init_checkpoint(cfg)
+    return None if found is None else found[1]
+
+
+def _same_model(run: ModelConfig, saved: ModelConfig, cfg: TrainConfig) -> ModelConfig:
+    """``saved`` when it is ``run``'s model up to its RoPE (which ``--init-from`` carries over); ValueError
+    naming the first field that differs otherwise."""
+    for field in dataclasses.fields(ModelConfig):
+        name = field.name
+        if name not in ("rope_theta", "rope_scaling") and getattr(run, name) != getattr(saved, name):
+            raise ValueError(f"--init-from {cfg.init_from!r}: its model has {name}={getattr(saved, name)!r}, "
+                             f"this run's {getattr(run, name)!r} (same --model and --tokenizer needed)")
+    return saved
+
+
+def hf_run_config(cfg: TrainConfig) -> Any:
+    """The HF config a Hugging Face run (``--model DIR``) trains: config.json's, with the RoPE of
+    ``--init-from``'s checkpoint when given, changed by ``--rope-theta`` / ``--rope-scaling``."""
+    directory = hf_model_dir(cfg.model)
+    assert directory is not None, "hf_run_config is for Hugging Face model directories"
+    config = read_hf_config(directory)
+    record = _init_record(cfg)
+    if record is not None:
+        saved = hf_config_from_dict(record["hf_config"])
+        config.rope_parameters = raw_rope_parameters(saved)
+        config.max_position_embeddings = saved.max_position_embeddings
+    change = cfg.rope_change()
+    if change:
+        config = hf_config_with_rope(config, change.theta, change.scaling, replace_scaling=change.replace_scaling)
     return config
 
 
@@ -150,7 +223,7 @@ def model_record(model_config: ModelConfig, cfg: TrainConfig) -> dict[str, Any]:
     directory = hf_model_dir(cfg.model)
     if directory is None:
         return {"model_config": dataclasses.asdict(model_config)}
-    return {"hf_config": read_hf_config(directory).to_dict()}
+    return {"hf_config": hf_run_config(cfg).to_dict()}
 
 
 def model_from_record(record: dict[str, Any], dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -176,10 +249,11 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
     directory = hf_model_dir(cfg.model)
     compiled = compile_enabled(cfg.compile, device)  # --compile: docs/design.md §13
     if directory is not None:
+        hf_config = hf_run_config(cfg)
         if not (uses_zero(cfg.parallel) and hf_weight_files(directory)):
-            model = build_hf_model(directory, param_dtype(cfg), cfg.seed)
+            model = build_hf_model(directory, param_dtype(cfg), cfg.seed, hf_config)
             return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
-        model = build_hf_model_on_meta(directory, param_dtype(cfg))
+        model = build_hf_model_on_meta(directory, param_dtype(cfg), hf_config)
         model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
         materialize_params(model, hf_initial_weights(directory))
         restore_hf_buffers(model)

@@ -1,4 +1,5 @@
-"""Gradient synchronisation without FSDP (``--zero none``; FSDP2 reduces gradients itself).
+"""Gradient synchronisation without FSDP (``--zero none``; FSDP2 reduces gradients itself), overlapped
+with the backward (docs/design.md §7).
 
 Loss convention (``loongtrain.loss.sharded.sharded_cross_entropy``): each rank back-propagates its
 local token-loss sum divided by the replica's token count. Parameters are replicated on all
@@ -7,18 +8,29 @@ local token-loss sum divided by the replica's token count. Parameters are replic
     grad = (1 / dp) * sum over all world ranks of the local gradient
 
 (the sum over the sp ranks of a replica gives that replica's full-sequence gradient; dividing the
-sum over replicas by dp averages them). One all-reduce over the world group does both.
+sum over replicas by dp averages them). All-reduces over the world do both.
+
+:class:`GradientSync` splits the gradients into the buckets of
+:func:`loongtrain.parallel.buckets.gradient_buckets` (the order the backward produces them: the reverse of
+the model's parameter order) and all-reduces each bucket asynchronously as soon as all its gradients are
+accumulated (``register_post_accumulate_grad_hook``), while the backward goes on. Buckets are launched in
+bucket order only, so every rank issues the same collectives in the same order whatever order its own
+gradients arrive in; a parameter that got no gradient in this backward waits for :meth:`GradientSync.finish`
+(zeros, or the gradient of an earlier micro-batch). A bucket's gradients become views into its flat buffer
+(no second copy of the gradients lives while the all-reduces run).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain.parallel.buckets import BUCKET_BYTES, gradient_buckets
 from loongtrain.parallel.runtime import is_distributed
-
-BUCKET_BYTES = 32 * 1024 * 1024
 
 
 def needs_grad_sync(model: nn.Module) -> bool:
@@ -28,37 +40,83 @@ def needs_grad_sync(model: nn.Module) -> bool:
     return not any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
-@torch.no_grad()
-def all_reduce_gradients(params: list[nn.Parameter], dp: int, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """All-reduce SUM every gradient over the world in flat buckets, then divide by ``dp``.
+class GradientSync:
+    """Bucketed, overlapped all-reduce SUM of ``model``'s gradients over the world, divided by ``dp``.
 
-    Parameters without a gradient get a zero one first so that every rank issues the same
-    collectives (ranks must agree on the bucket layout).
-    """
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for p in params:
-        grad = p.grad
-        nbytes = grad.numel() * grad.element_size()
-        if bucket and (grad.dtype != bucket[0].dtype or size + nbytes > bucket_bytes):
-            _reduce_bucket(bucket, dp)
-            bucket, size = [], 0
-        bucket.append(grad)
-        size += nbytes
-    if bucket:
-        _reduce_bucket(bucket, dp)
+    ``with sync.overlapped(): loss.backward()`` reduces during that backward (the last micro-batch's; the
+    others accumulate untouched) and, on leaving the block, launches what is left and waits for every
+    bucket, so the gradients are synchronised when it returns. Collective: every rank enters the block for
+    the same backward."""
 
+    def __init__(self, model: nn.Module, dp: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.dp = dp
+        self.params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        self.buckets = gradient_buckets(sizes, bucket_bytes, [p.dtype for p in self.params])
+        self._where = {id(self.params[i]): b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._armed = False
+        self._ready: list[int] = []  # per bucket: gradients accumulated in this backward
+        self._launched: list[tuple[torch.Tensor, dist.Work | None]] = []  # (flat buffer, work) in bucket order
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
-def _reduce_bucket(grads: list[torch.Tensor], dp: int) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    if dp > 1:
-        flat.div_(dp)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
-        offset += n
+    @contextmanager
+    def overlapped(self) -> Iterator[None]:
+        """Reduce the gradients of the backward run inside the block (class docstring)."""
+        assert not self._armed, "GradientSync.overlapped is not reentrant"
+        self._armed, self._ready, self._launched = True, [0] * len(self.buckets), []
+        try:
+            yield
+            self.finish()
+        finally:
+            self._armed = False
+
+    def reduce(self) -> None:
+        """Synchronise the gradients already accumulated (no backward to overlap with)."""
+        with self.overlapped():
+            pass
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        bucket = self._where[id(param)]
+        self._ready[bucket] += 1
+        assert self._ready[bucket] <= len(self.buckets[bucket]), "a gradient was accumulated twice in one backward"
+        while len(self._launched) < len(self.buckets) and \
+                self._ready[len(self._launched)] == len(self.buckets[len(self._launched)]):
+            self._launch(len(self._launched))
+
+    @torch.no_grad()
+    def _launch(self, b: int) -> None:
+        """Gradients of bucket ``b`` into one flat buffer (missing ones as zeros), the parameters' ``.grad``
+        views of it; its all-reduce started."""
+        params = [self.params[i] for i in self.buckets[b]]
+        flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            view = flat[offset:offset + n].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+            p.grad = view
+            offset += n
+        self._launched.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch the buckets not launched yet (in order), wait for all, divide by ``dp``."""
+        while len(self._launched) < len(self.buckets):
+            self._launch(len(self._launched))
+        for flat, work in self._launched:
+            if work is not None:
+                work.wait()
+            if self.dp > 1:
+                flat.div_(self.dp)
+        self._launched = []
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

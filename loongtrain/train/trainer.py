@@ -4,15 +4,20 @@
 launcher chose), :meth:`~Trainer.open_data`, the optional start-up memory report, then per optimizer
 step :meth:`~Trainer.step` (forward/backward of every micro-batch, gradient sync, clip, AdamW),
 :meth:`~Trainer.log` and :meth:`~Trainer.save`, and :meth:`~Trainer.finish` (plot and summary).
+
+What a step costs the host (docs/design.md §10): two small host-side exchanges among the replica's
+ranks whatever the depth (the micro-batches' sharding agreed before any attention call, the digest of every
+attention call's arguments checked before the optimizer; gloo under NCCL), the gradient all-reduces
+overlapped with the backward (``train/sync.py``), and ONE device-to-host read: the bad-step guard's
+finiteness flag, together with the loss, gradient norm and attention pairs of this and the steps before
+it only when they are logged (a log, last, validation, stage's first or skipped step).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,20 +27,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain._files import remove_owned
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
+from loongtrain.parallel.agreement import attention_check_group, check_agreement, deferred_attention_checks
 from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.parallel.runtime import is_distributed
-from loongtrain.train.batch import Batch, BatchSharding
-from loongtrain.train.checkpoint import NonFiniteError, load_checkpoint, remove_stale_tmp, save_checkpoint
+from loongtrain.parallel.runtime import is_distributed, to_device
+from loongtrain.train.batch import Batch, BatchSharding, LocalBatch, sharding_fields
+from loongtrain.train.checkpoint import (
+    CHECKPOINTS_OUTPUT,
+    NonFiniteError,
+    load_checkpoint,
+    load_model_weights,
+    remove_stale_tmp,
+    save_checkpoint,
+)
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
-from loongtrain.train.metrics import MetricsLogger, peak_flops_total, peak_memory_bytes, plot_loss_curve
+from loongtrain.train.metrics import (
+    MetricsLogger,
+    peak_flops_total,
+    peak_memory_bytes,
+    plot_evaluations,
+    plot_loss_curve,
+    read_device_values,
+)
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
-from loongtrain.train.run_model import build_model, loss_inputs, model_record
-from loongtrain.train.sync import all_reduce_gradients, needs_grad_sync
+from loongtrain.train.run_model import build_model, init_checkpoint, loss_inputs, model_record
+from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
+from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
 from loongtrain.wrap.zero import uses_zero
 
@@ -60,20 +82,20 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Trainer:
     """Model, optimizer, schedule and data of one rank, and the run loop (:meth:`train`).
 
     :meth:`step` takes ``grad_accum`` micro-batches of this replica's *full* sequences; each rank keeps its
     2D zigzag shard (:class:`~loongtrain.train.batch.BatchSharding`), so the trainer is layout-agnostic.
-    ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`.
+    ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`, called with each stage's
+    options (``--seq-len-schedule``: :mod:`~loongtrain.train.stages`). The in-loop evaluations are the
+    run's (``run.evaluations``, built by the launch path). ``per_call_checks``: agree on every attention
+    call's arguments in its own exchange, as direct library use does, instead of once per step
+    (benchmarks/agreement.py compares the two).
     """
 
-    def __init__(self, run: Run, mesh: Mesh, device: torch.device, batches: BatchSource | None = None) -> None:
+    def __init__(self, run: Run, mesh: Mesh, device: torch.device, batches: BatchSource | None = None, *,
+                 per_call_checks: bool = False) -> None:
         cfg = run.cfg
         self.run, self.cfg, self.mesh, self.device = run, cfg, mesh, device
         self.model_config = run.model_config  # the shape (FLOPs, memory prediction); HF models keep their own
@@ -86,13 +108,16 @@ class Trainer:
         sharded = uses_zero(cfg.parallel)
         self.model: nn.Module = build_model(self.model_config, cfg, mesh, device, compute if sharded else None)
         self.params = [p for _, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0])]
-        self.grad_sync = needs_grad_sync(self.model)
+        self.grad_sync = GradientSync(self.model, mesh.dp) if needs_grad_sync(self.model) else None
+        self.per_call_checks = per_call_checks
+        self._peak: float | None = None  # the MFU's peak FLOP/s (train)
+        self._tokens: dict[int, int] = {}  # step -> its tokens, for records whose FLOP rates wait for a read
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
         self.amp_dtype = None if sharded else compute  # FSDP2 casts the weights: no autocast (autocast_dtype)
         self.sharding = BatchSharding(cfg, mesh, self.model_config, device)
         self.batch_source = batches or self._corpus_batches
         self.out_dir = Path(cfg.out_dir)
-        self.tokens_per_step = mesh.dp * cfg.batch_size * cfg.grad_accum * cfg.seq_len
+        self.stages = run_stages(cfg)
 
     # -- the run ---------------------------------------------------------------------------------------
 
@@ -106,23 +131,38 @@ class Trainer:
         self._tidy_out_dir(resumed=bool(state))
         batches = self.open_data(start, state)
         mem_fields = self._memory_report(batches, start) if cfg.memory_report else {}
-        peak = self._peak_flops()
+        self._peak = self._peak_flops()
         logger = self._logger(start)
         end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
-        validation = Validation(cfg, self.mesh, self.loss, self.model)  # --val-interval (train/validation.py)
+        # --val-interval: the validation loss and the in-loop evaluations (train/validation.py)
+        validation = Validation(stage_config(cfg, batches.stage), self.mesh, self.loss, self.model,
+                                evaluations=self.run.evaluations, device=self.device, amp_dtype=self.amp_dtype)
         reset_peak_memory(self.device)
         bad_steps = 0
+        unread: list[dict[str, Any]] = []  # records whose DEVICE_VALUES (metrics.py) are still on the device
         try:
             for step in range(start, end):
                 kill_point(step + 1, start)  # test hook: LOONGTRAIN_KILL_AT (parallel/failures.py)
-                record = self._timed_step(step, batches, peak, mem_fields)
-                record.update(validation.after_step(step + 1))  # {"val_loss": ...} when due, else {}
+                stage = self._enter_stage(batches, step)
+                read = self._logs(step + 1, last=step + 1 == end) or validation.due(step + 1)
+                record = self._timed_step(step, stage, batches, mem_fields, unread if read else None)
+                if read:  # read by the step, in its one transfer, with the earlier unread records
+                    unread.clear()
+                else:
+                    unread.append(record)
+                    if record["skipped"]:  # logged and warned about: one more transfer, on bad steps only
+                        self._read(unread)
+                        unread.clear()
+                # {"val_loss": ..., "eval/...": ...} when due, else {}
+                record.update(validation.after_step(step + 1, stage_config(cfg, stage)))
                 records.append(record)
                 bad_steps = self._count_bad_step(record, bad_steps)
                 self.log(logger, record, last=step + 1 == end)
                 self._stop_after_bad_steps(record, bad_steps)
                 self.save(step + 1, batches, last=step + 1 == end)
+            self._read(unread)
+            unread.clear()
         finally:
             if logger is not None:
                 logger.close()
@@ -139,79 +179,121 @@ class Trainer:
             if self.cfg.resume:
                 log.info("--resume %s: no checkpoint in %s yet; starting fresh", self.cfg.resume,
                          self.out_dir / "checkpoints")
+            if self.cfg.init_from:  # weights only: optimizer, schedule and data start fresh
+                found = init_checkpoint(self.cfg)
+                assert found is not None
+                load_model_weights(found[0], self.model)
+                log.info("initialised the weights from %s (step %d of its run)", found[0], int(found[1]["step"]))
             return 0, {}
         state = load_checkpoint(Path(choice[0]), self.model, self.optimizer, self.scheduler)
-        log.info("resumed from %s at step %d", choice[0], int(state["step"]))
+        log.info("resumed from %s at step %d%s", choice[0], int(state["step"]),
+                 f" (--init-from {self.cfg.init_from} applies to a fresh start only)" if self.cfg.init_from else "")
         return int(state["step"]), state
 
-    def open_data(self, start_step: int, state: dict[str, Any]) -> Iterator[Batch]:
-        """This replica's batch stream from ``start_step`` (its saved position checked and restored)."""
-        batches = self.batch_source(self.cfg, self.mesh, start_step * self.cfg.grad_accum)
-        if state.get("data") is not None and hasattr(batches, "load_state_dict"):
-            batches.load_state_dict(state["data"])  # checks the global batch and seed did not change
-        return batches
+    def open_data(self, start_step: int, state: dict[str, Any]) -> StageStream:
+        """This replica's batch stream from ``start_step``, in that step's stage (its saved position checked
+        and restored)."""
+        stream = StageStream(self.cfg, self.stages, lambda cfg, micro: self.batch_source(cfg, self.mesh, micro))
+        stream.start(start_step, state)
+        return stream
 
-    def step(self, micro_batches: list[Batch]) -> dict[str, Any]:
+    def step(self, micro_batches: list[Batch], *, read: list[dict[str, Any]] | bool = True) -> dict[str, Any]:
         """Forward/backward every micro-batch, synchronise and clip gradients, apply AdamW.
 
         Returns ``loss`` (mean over micro-batches and dp replicas, identical on every rank), ``grad_norm``
         (before clipping), ``lr`` (the rate used for this step), ``skipped`` (1 when the loss or gradient
         norm was NaN/inf: the optimizer did not update, every rank alike) and ``attention_pairs`` (visible
         (query, key) pairs of all replicas' rows, per layer and head: the work that FLOP counts use).
+
+        One device-to-host read (the bad-step guard's). ``read``: also read ``loss``, ``grad_norm`` and
+        ``attention_pairs`` in it (True), or leave them device tensors (False; ``metrics.DEVICE_VALUES``); a list
+        of earlier such records: read theirs in the same transfer too (filled in place).
         """
-        assert len(micro_batches) == self.cfg.grad_accum
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in micro_batches:
-            loss, value = self.loss(batch)
-            (loss / len(micro_batches)).backward()
-            loss_sum += value.detach().to(torch.float64)
-        if self.grad_sync:
-            all_reduce_gradients(self.params, self.mesh.dp)
+        local = [self.sharding.local(b) for b in micro_batches]
+        loss_value = self._forward_backward(local)
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
-        loss_value = loss_sum / len(micro_batches)
-        pairs = torch.tensor(float(sum(self.sharding.visible_pairs(b) for b in micro_batches)), dtype=torch.float64,
-                             device=self.device)
+        pairs: torch.Tensor | int = sum(self.sharding.visible_pairs(b) for b in micro_batches)
         if self.mesh.dp > 1:  # one all-reduce for the loss and the replicas' attention pairs
-            both = torch.stack([loss_value, pairs])
+            both = torch.stack([loss_value, to_device(torch.tensor(float(pairs), dtype=torch.float64), self.device)])
             dist.all_reduce(both, group=self.mesh.dp_group)
             loss_value, pairs = both[0] / self.mesh.dp, both[1]
         # the loss is dp-reduced and the norm is of synchronised gradients: every rank decides alike
-        skipped = not (math.isfinite(float(loss_value)) and math.isfinite(grad_norm))
+        finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
+        record = {"loss": loss_value, "grad_norm": grad_norm, "attention_pairs": pairs}
+        earlier = read if isinstance(read, list) else []
+        skipped = not self._read([record, *earlier] if read is not False else [], guard=finite)
         if skipped:
             self.optimizer.zero_grad(set_to_none=True)  # no update; the schedule still advances
         else:
             self.optimizer.step()
         self.scheduler.step()
-        return {"loss": float(loss_value), "grad_norm": grad_norm, "lr": float(lr), "skipped": int(skipped),
-                "attention_pairs": int(pairs)}
+        return {"loss": record["loss"], "grad_norm": record["grad_norm"], "lr": float(lr), "skipped": int(skipped),
+                "attention_pairs": record["attention_pairs"]}
+
+    def _forward_backward(self, local: list[LocalBatch]) -> torch.Tensor:
+        """Forward and backward of this rank's shards of the micro-batches, the gradients synchronised while
+        the last backward runs; the mean loss (a device scalar). Unless ``per_call_checks``, the replica's
+        ranks agree on how the micro-batches are sharded before the first attention call and on every call's arguments
+        after the last (two host-side exchanges, however deep the model: docs/design.md §10)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        checks = self.mesh.sp_group is not None and not self.per_call_checks
+        if checks:  # what shapes attention's collectives: agreed before any of them runs
+            check_agreement("training step", sharding_fields(local), attention_check_group(self.mesh))
+        with deferred_attention_checks(self.mesh) if checks else contextlib.nullcontext() as calls:
+            for i, batch in enumerate(local):
+                last = i == len(local) - 1
+                with self.grad_sync.overlapped() if self.grad_sync and last else contextlib.nullcontext():
+                    loss, value = self.local_loss(batch)
+                    (loss / len(local)).backward()
+                loss_sum += value.detach().to(torch.float64)
+        if calls is not None:
+            calls.check()  # ValueError on every rank of the replica, naming the field, before the optimizer
+        return loss_sum / len(local)
+
+    def _read(self, records: list[dict[str, Any]], guard: torch.Tensor | None = None) -> bool:
+        """:func:`~loongtrain.train.metrics.read_device_values` (one transfer), then the FLOP rates of the
+        finished records it completed."""
+        flag = read_device_values(records, guard)
+        for r in records:
+            if "tflops" in r and r["tflops"] is None:  # a finished record: its FLOP rates need the pairs
+                self._add_rates(r)
+        return flag
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
         forward to the final norm's input, then the chunked cross-entropy through the final norm and the LM
         head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
-        local = self.sharding.local(batch)
+        return self.local_loss(self.sharding.local(batch))
+
+    def local_loss(self, local: LocalBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`loss` of a micro-batch already laid on this rank (``BatchSharding.local``)."""
         with self._autocast():
             hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
                                              local.chunk_order)
             return chunked_cross_entropy(hidden, head, local.labels, self.mesh, norm=norm)
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
-        """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end and for every skipped step."""
-        if logger is not None and (record["step"] % self.cfg.log_interval == 0 or last or record["skipped"]
-                                   or "val_loss" in record):
+        """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end, for every skipped or validated
+        step and for the first step of each stage of a length schedule."""
+        if logger is not None and (self._logs(record["step"], last=last) or record["skipped"] or "val_loss" in record):
             logger.log(record)
 
-    def save(self, done: int, batches: Iterator[Batch], *, last: bool) -> None:
+    def _logs(self, step: int, *, last: bool) -> bool:
+        """Whether step ``step`` (1-based) is logged whatever its values: every ``--log-interval``, the last, and
+        the first of each stage of a length schedule."""
+        return step % self.cfg.log_interval == 0 or last or self._stage_begins(step - 1)
+
+    def save(self, done: int, batches: StageStream, *, last: bool) -> None:
         """Checkpoint after step ``done`` every ``--ckpt-interval`` steps and at the end (collective)."""
         cfg, mesh = self.cfg, self.mesh
         if not ((cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or last):
             return
-        data_state = batches.state_dict() if hasattr(batches, "state_dict") else None
         save_checkpoint(self.out_dir / "checkpoints", done, self.model, self.optimizer, self.scheduler,
-                        {"micro_step": done * cfg.grad_accum, "data": data_state, "config": cfg.to_dict(),
+                        {"micro_step": done * batches.stage.grad_accum, **batches.state(), "config": cfg.to_dict(),
+                         "data_identity": self.run.data_identity,
                          **model_record(self.model_config, cfg),
                          "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp}},
                         keep=cfg.keep_checkpoints)
@@ -220,7 +302,9 @@ class Trainer:
         """Rank 0: the loss plot and the closing summary line; then every rank waits for the others."""
         if logger is not None and records:
             if self.cfg.plot:
-                plot_loss_curve(logger.jsonl_path, self.out_dir / "loss_curve.png")
+                stages = [(s.first_step, s.seq_len) for s in self.stages] if len(self.stages) > 1 else []
+                plot_loss_curve(logger.jsonl_path, self.out_dir / "loss_curve.png", stages=stages)
+                plot_evaluations(logger.jsonl_path, self.out_dir / "eval_curve.png")
             tail = records[-min(10, len(records)):]
             timed = records[1:] or records
             log.info("done: steps %d-%d, loss %.4f -> %.4f (mean of the last %d: %.4f), %.0f tokens/s "
@@ -244,19 +328,20 @@ class Trainer:
         if self.mesh.rank != 0:
             return
         root = self.out_dir / "checkpoints"
-        if self.cfg.overwrite and not resumed and root.is_dir():
+        if self.cfg.overwrite and not resumed and root.is_dir():  # only what the trainer wrote there
             log.warning("--overwrite: deleting the checkpoints in %s", root)
-            shutil.rmtree(root)
+            remove_owned(CHECKPOINTS_OUTPUT, root)
         for stale in remove_stale_tmp(root):
             log.warning("removed the incomplete checkpoint %s", stale)
 
-    def _memory_report(self, batches: Iterator[Batch], start: int) -> dict[str, float]:
+    def _memory_report(self, batches: StageStream, start: int) -> dict[str, float]:
         """The start-up memory report (collective) on the first batch this run trains: a pure peek
         (``Batches.batch``) where the source has one, so the training stream is unchanged and the corpus
         is not read twice; else the first batch of a fresh source."""
-        micro = start * self.cfg.grad_accum
-        peek = getattr(batches, "batch", None)
-        first = peek(micro) if peek is not None else next(self.batch_source(self.cfg, self.mesh, micro))
+        first = batches.peek(start)
+        if first is None:
+            stage = batches.stage
+            first = next(self.batch_source(stage_config(self.cfg, stage), self.mesh, start * stage.grad_accum))
         return metrics_fields(startup_memory_report(self, first))
 
     def _peak_flops(self) -> float | None:
@@ -265,8 +350,25 @@ class Trainer:
         _barrier()
         if self.mesh.rank == 0:
             log.info("model %s: %.2fM parameters; %s; %d tokens per step", self.cfg.model,
-                     num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step)
+                     num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step(self.stages[0]))
+            if len(self.stages) > 1:
+                log.info("--seq-len-schedule: %s", describe(self.stages, self.mesh.dp))
         return peak
+
+    def tokens_per_step(self, stage: Stage) -> int:
+        """Tokens of all replicas in one optimizer step of ``stage``."""
+        return self.mesh.dp * stage.tokens_per_replica_step()
+
+    def _stage_begins(self, step: int) -> bool:
+        return len(self.stages) > 1 and any(s.first_step == step for s in self.stages)
+
+    def _enter_stage(self, batches: StageStream, step: int) -> Stage:
+        """The stage of ``step``, its stream opened; logs where a stage begins."""
+        stage = batches.at(step)
+        if stage.index and self._stage_begins(step):
+            log.info("step %d: stage %d of %d begins: %d tokens per sequence, batch %d x grad-accum %d",
+                     step + 1, stage.index + 1, len(self.stages), stage.seq_len, stage.batch_size, stage.grad_accum)
+        return stage
 
     def _logger(self, start: int) -> MetricsLogger | None:
         if self.mesh.rank != 0:
@@ -274,21 +376,31 @@ class Trainer:
         return MetricsLogger(self.out_dir, total_steps=self.cfg.steps, start_step=start,
                              tensorboard=self.cfg.tensorboard, progress=self.cfg.progress)
 
-    def _timed_step(self, step: int, batches: Iterator[Batch], peak: float | None,
-                    mem_fields: dict[str, float]) -> dict[str, Any]:
-        _sync(self.device)
+    def _timed_step(self, step: int, stage: Stage, batches: StageStream, mem_fields: dict[str, float],
+                    read: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """:meth:`step` and its record. The step time is the host's, without a device synchronisation: from
+        the step's start to its end, whose one read waits for its forward and backward (the optimizer's
+        kernels queued after it run into the next step's time, so steady-state steps are timed right)."""
         t0 = time.perf_counter()
-        result = self.step([next(batches) for _ in range(self.cfg.grad_accum)])
-        _sync(self.device)
+        result = self.step(batches.micro_batches(), read=read if read is not None else False)
         dt = time.perf_counter() - t0
-        # attention FLOPs of the visible (query, key) pairs only (documents, sliding window)
-        flops = step_flops(self.model_config, self.tokens_per_step, result["attention_pairs"])
-        seen = getattr(batches, "tokens_by_corpus", None)  # data: tokens each corpus supplied (all replicas)
-        return {"step": step + 1, "total_steps": self.cfg.steps, **result, "step_time_s": dt,
-                "tokens_per_s": self.tokens_per_step / dt, "tflops": flops / dt / 1e12,
-                "mfu": (flops / dt / peak) if peak else float("nan"),
-                "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
-                **({f"tokens_seen/{name}": n for name, n in seen().items()} if seen else {})}
+        tokens = self.tokens_per_step(stage)
+        seen = batches.tokens_seen()  # data: tokens each corpus supplied (all replicas)
+        record = {"step": step + 1, "total_steps": self.cfg.steps, "seq_len": stage.seq_len, **result,
+                  "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": None, "mfu": None,
+                  "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
+                  **({f"tokens_seen/{name}": n for name, n in seen.items()} if seen is not None else {})}
+        self._tokens[step + 1] = tokens
+        if not isinstance(record["attention_pairs"], torch.Tensor):
+            self._add_rates(record)
+        return record
+
+    def _add_rates(self, record: dict[str, Any]) -> None:
+        """``tflops`` and ``mfu`` of a record whose attention pairs are known: attention FLOPs of the visible
+        (query, key) pairs only (documents, sliding window)."""
+        flops = step_flops(self.model_config, self._tokens.pop(record["step"]), record["attention_pairs"])
+        record["tflops"] = flops / record["step_time_s"] / 1e12
+        record["mfu"] = (flops / record["step_time_s"] / self._peak) if self._peak else float("nan")
 
     def _count_bad_step(self, record: dict[str, Any], bad_steps: int) -> int:
         """Consecutive skipped (non-finite) steps after this one; logs each skip."""

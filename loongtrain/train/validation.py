@@ -9,28 +9,32 @@
 - :func:`validation_batches`: with ``--val-fraction`` or ``--val-corpus``, the first K batches of the
   held-out data (:func:`loongtrain.data.validation.build_val_batches`: documents the training stream never
   contains); without either, :func:`tail_batches`: the LAST ``K * dp * batch_size`` packed samples of the
-  corpus, replica ``d`` taking its own rows. The training stream samples the whole corpus, so that tail
-  is held out of nothing: it measures the same distribution, not unseen text (a corpus shorter than the
-  tail wraps around, with one warning).
-- :class:`Validation`: the training loop's hook, ``record.update(validation.after_step(step))``.
+  corpus (of each corpus of a mixture, its share), replica ``d`` taking its own rows. The training stream
+  samples the whole corpus, so that tail is held out of nothing: it measures the same distribution, not
+  unseen text (a corpus shorter than the tail wraps around; the launcher's preflight warns once:
+  :func:`check_validation`).
+- :class:`Validation`: the training loop's hook, ``record.update(validation.after_step(step, stage_cfg))``:
+  the validation loss and the in-loop evaluations (:class:`Evaluation`: callables the launch path builds
+  from ``loongtrain.eval``'s tasks, ``--eval-tasks``; run under :func:`forward_only` like the loss).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.train import run_model
 from loongtrain.train.checkpoint import rng_state, set_rng_state
 from loongtrain.train.config import TrainConfig
-
-log = logging.getLogger("loongtrain.train")
 
 Batch = dict[str, torch.Tensor]
 #: ``batch -> (loss_for_backward, replica loss value)``, e.g. ``Trainer.loss``
@@ -45,55 +49,133 @@ def validation_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
     from loongtrain.data.validation import build_val_batches
 
     held_out = build_val_batches(cfg.corpus, run_model.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
-                                 mesh.dp, seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus)
+                                 mesh.dp, seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus,
+                                 decode_errors=cfg.decode_errors)
     return list(itertools.islice(held_out, count))
 
 
+def check_validation(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list[str]:
+    """The launcher's checks of ``--val-interval`` before any worker starts, at every stage's length and
+    batch (``--seq-len-schedule``); ValueError where the run cannot validate as asked (held-out data
+    smaller than one global batch), else the one-line warnings where it can: validation that never runs,
+    ``--val-batches`` more than the held-out data holds (then fewer are used) or than the corpus's tail
+    (then samples repeat), ``--val-corpus`` equal to ``--corpus``. Reads at most ``--val-batches`` global
+    batches of each corpus's validation stream (a prepared corpus: its document index only)."""
+    from loongtrain.train.stages import run_stages, stage_config
+
+    warnings = []
+    if cfg.val_corpus and not cfg.val_interval:
+        warnings.append(f"--val-corpus {cfg.val_corpus!r} without --val-interval: the run never validates")
+    if not cfg.val_interval:
+        return warnings
+    if cfg.val_interval > cfg.steps:
+        warnings.append(f"--val-interval {cfg.val_interval} is longer than the run (--steps {cfg.steps}): the "
+                        f"run never validates")
+    if cfg.val_corpus and _same_corpus(cfg.val_corpus, cfg.corpus):
+        warnings.append(f"--val-corpus {cfg.val_corpus!r} is the training corpus: val_loss measures data the run "
+                        f"trains on, not held-out text (--val-fraction holds documents out)")
+    shapes = dict.fromkeys(_shape(stage_config(cfg, stage)) for stage in run_stages(cfg))
+    for seq_len, batch_size in shapes:
+        warnings += _check_sizes(dataclasses.replace(cfg, seq_len=seq_len, batch_size=batch_size), world, tokenizer)
+    return warnings
+
+
+def _check_sizes(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list[str]:
+    """:func:`check_validation`'s size checks at ``cfg``'s ``seq_len`` and ``batch_size``."""
+    dp, want = max(1, world // cfg.parallel.sp), cfg.val_batches
+    if cfg.val_fraction or cfg.val_corpus:
+        from loongtrain.data.validation import count_val_batches
+
+        have = count_val_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, dp, want, seed=cfg.seed,
+                                 val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus,
+                                 decode_errors=cfg.decode_errors)
+        if have >= want:
+            return []
+        return [f"--val-batches {want}: the held-out data holds {have} batch(es) of dp {dp} x --batch-size "
+                f"{cfg.batch_size} sequences of --seq-len {cfg.seq_len}; validating on {have}"]
+    from loongtrain.data.sources import open_stream, parse_corpus_spec
+
+    warnings = []
+    parts = [name for name, _ in parse_corpus_spec(cfg.corpus)]
+    for c, name in enumerate(parts):
+        need = (want // len(parts) + (c < want % len(parts))) * dp * cfg.batch_size
+        stream = open_stream(name, tokenizer, decode_errors=cfg.decode_errors)
+        have = max(stream.ensure(need * cfg.seq_len + 1) - 1, 0) // cfg.seq_len
+        if need > have:
+            warnings.append(f"--val-batches {want} x dp {dp} x --batch-size {cfg.batch_size}: {need} validation "
+                            f"sequences from the tail of {name!r}, which holds {have} of --seq-len {cfg.seq_len}: "
+                            f"the validation set repeats samples")
+    return warnings
+
+
+def _same_corpus(a: str, b: str) -> bool:
+    from pathlib import Path
+
+    from loongtrain.data.sources import parse_corpus_spec
+
+    def paths(spec: str) -> set[str]:
+        return {n if n == "stdlib" else str(Path(n).resolve()) for n, _ in parse_corpus_spec(spec)}
+
+    return bool(paths(a) & paths(b))
+
+
 def tail_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
-    """This replica's ``count`` validation batches (``[batch_size, seq_len]`` each) from the corpus's tail.
+    """This replica's ``count`` validation batches (``[batch_size, seq_len]`` each) from the corpus's tail,
+    read like the training data (:func:`loongtrain.data.sources.open_stream`: raw or prepared).
 
     The last ``count * dp * batch_size`` packed samples; batch ``k`` of replica ``d`` holds samples
-    ``first + (k * dp + d) * batch_size + b``. Tokenizes the whole corpus (once, at start-up)."""
+    ``first + (k * dp + d) * batch_size + b``. A mixture's corpora each give their share of the ``count``
+    batches, in the order given (``count // n`` each, the first ``count % n`` one more). A raw corpus is
+    tokenized whole (once, at start-up)."""
     from loongtrain import data
+    from loongtrain.data.sources import open_stream, parse_corpus_spec
 
     tokenizer = data.build_tokenizer(run_model.tokenizer_spec(cfg))
-    dataset = data.PackedDataset(data.TokenStream(data.build_corpus(cfg.corpus), tokenizer), cfg.seq_len)
-    available = dataset.num_samples()
-    need = count * mesh.dp * cfg.batch_size
-    if need > available:
-        log.warning("--val-batches %d x dp %d x --batch-size %d = %d validation sequences, but the corpus %r "
-                    "holds %d of --seq-len %d: the validation set repeats samples", count, mesh.dp,
-                    cfg.batch_size, need, cfg.corpus, available, cfg.seq_len)
-    first = available - need
+    parts = [name for name, _ in parse_corpus_spec(cfg.corpus)]
     batches = []
-    for k in range(count):
-        lo = first + (k * mesh.dp + mesh.dp_rank) * cfg.batch_size
-        rows = [dataset[(lo + b) % available] for b in range(cfg.batch_size)]
-        batches.append({key: torch.stack([row[key] for row in rows]) for key in rows[0]})
+    for c, name in enumerate(parts):
+        share = count // len(parts) + (c < count % len(parts))
+        if not share:
+            continue
+        stream = open_stream(name, tokenizer, decode_errors=cfg.decode_errors)
+        dataset = data.PackedDataset(stream, cfg.seq_len)
+        available = dataset.num_samples()
+        first = available - share * mesh.dp * cfg.batch_size
+        for k in range(share):
+            lo = first + (k * mesh.dp + mesh.dp_rank) * cfg.batch_size
+            rows = [dataset[(lo + b) % available] for b in range(cfg.batch_size)]
+            batches.append({key: torch.stack([row[key] for row in rows]) for key in rows[0]})
     return batches
 
 
 def validation_loss(loss_fn: LossFn, model: nn.Module, batches: Sequence[Batch], mesh: Mesh) -> float:
     """Mean replica loss of ``batches`` (this replica's), averaged over the dp replicas; identical on every
-    rank. Forward only: ``torch.no_grad()``, the model in eval mode for the call (then its mode restored),
-    the torch RNG states saved and restored. Collective over the replica (the loss's all-reduce) and over
+    rank. Forward only (:func:`forward_only`). Collective over the replica (the loss's all-reduce) and over
     ``mesh.dp_group`` (one all-reduce of one scalar)."""
     if not batches:
         raise ValueError("validation_loss needs at least one batch")
-    saved_rng, training = rng_state(), model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            total = sum(loss_fn(batch)[1].detach().to(torch.float64) for batch in batches)
-    finally:
-        model.train(training)
-        set_rng_state(saved_rng)
-        _reshard(model)
+    with forward_only(model):
+        total = sum(loss_fn(batch)[1].detach().to(torch.float64) for batch in batches)
     mean = total / len(batches)
     if mesh.dp > 1:
         dist.all_reduce(mean, group=mesh.dp_group)
         mean = mean / mesh.dp
     return float(mean)
+
+
+@contextlib.contextmanager
+def forward_only(model: nn.Module) -> Iterator[None]:
+    """A forward that leaves no trace on training: ``torch.no_grad()``, the model in eval mode (its mode
+    restored after), the torch RNG states saved and restored, and FSDP2's gathered root weights freed."""
+    saved_rng, training = rng_state(), model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(training)
+        set_rng_state(saved_rng)
+        _reshard(model)
 
 
 def _reshard(model: nn.Module) -> None:
@@ -104,18 +186,56 @@ def _reshard(model: nn.Module) -> None:
         reshard()
 
 
+class Evaluation(Protocol):
+    """An in-loop evaluation (``--eval-tasks``): called on every rank with the training model, its mesh and
+    device and the trainer's autocast dtype, forward only (collective); returns the metrics it adds to the
+    step's record (e.g. ``{"eval/passkey/4K": 0.8}``). ``train`` defines the call; the launch path builds
+    the evaluations from ``loongtrain.eval``'s tasks and hands them in (``Run.evaluations``)."""
+
+    def __call__(self, model: nn.Module, mesh: Mesh, device: torch.device,
+                 amp_dtype: torch.dtype | None) -> dict[str, float]: ...
+
+
 class Validation:
-    """The loop's hook: every ``cfg.val_interval`` optimizer steps, ``{"val_loss": ...}`` (else ``{}``).
-    The batches are built once, at construction, and only when ``val_interval > 0``."""
+    """The loop's hook: every ``cfg.val_interval`` optimizer steps, ``{"val_loss": ...}`` and the in-loop
+    evaluations' metrics (else ``{}``). The validation batches are those of the stage being trained
+    (``--seq-len-schedule``: its length and batch): built once per stage, the first stage's at
+    construction, and only when ``val_interval > 0``; ``batches`` replaces the first stage's (tests)."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, loss_fn: LossFn, model: nn.Module,
-                 batches: Sequence[Batch] | None = None) -> None:
+                 batches: Sequence[Batch] | None = None, *, evaluations: Sequence[Evaluation] = (),
+                 device: torch.device | None = None, amp_dtype: torch.dtype | None = None) -> None:
         self.interval, self.mesh, self.loss_fn, self.model = cfg.val_interval, mesh, loss_fn, model
-        self.batches = list(batches) if batches is not None else (
-            validation_batches(cfg, mesh, cfg.val_batches) if self.interval else [])
+        self.count, self.evaluations = cfg.val_batches, tuple(evaluations)
+        self.device, self.amp_dtype = device, amp_dtype
+        self._batches: dict[tuple[int, int], list[Batch]] = {}
+        if batches is not None:
+            self._batches[_shape(cfg)] = list(batches)
+        elif self.interval:
+            self.batches(cfg)
 
-    def after_step(self, step: int) -> dict[str, float]:
-        """``{"val_loss": loss}`` after optimizer step ``step`` (1-based) when it is due, else ``{}``."""
-        if not self.interval or step % self.interval:
+    def batches(self, cfg: TrainConfig) -> list[Batch]:
+        """This replica's validation batches at ``cfg``'s ``seq_len`` and ``batch_size`` (built once)."""
+        if _shape(cfg) not in self._batches:
+            self._batches[_shape(cfg)] = validation_batches(cfg, self.mesh, self.count)
+        return self._batches[_shape(cfg)]
+
+    def due(self, step: int) -> bool:
+        """Whether validation runs after optimizer step ``step`` (1-based)."""
+        return bool(self.interval) and step % self.interval == 0
+
+    def after_step(self, step: int, cfg: TrainConfig) -> dict[str, float]:
+        """After optimizer step ``step`` (1-based) of a stage run with ``cfg``: ``{"val_loss": loss, ...}``
+        and every evaluation's metrics when it is due, else ``{}``."""
+        if not self.due(step):
             return {}
-        return {"val_loss": validation_loss(self.loss_fn, self.model, self.batches, self.mesh)}
+        out = {"val_loss": validation_loss(self.loss_fn, self.model, self.batches(cfg), self.mesh)}
+        for evaluation in self.evaluations:
+            assert self.device is not None, "in-loop evaluations need the trainer's device"
+            with forward_only(self.model):
+                out.update(evaluation(self.model, self.mesh, self.device, self.amp_dtype))
+        return out
+
+
+def _shape(cfg: TrainConfig) -> tuple[int, int]:
+    return cfg.seq_len, cfg.batch_size

@@ -21,16 +21,24 @@ compile only with ``--compile on``.
 
 from __future__ import annotations
 
-import importlib.util
+import functools
+import hashlib
 import inspect
 import logging
-import re
-import shutil
-import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from loongtrain.wrap.compile_errors import (
+    CompileError,
+    compile_failure,
+    enter_forward,
+    from_compiler,
+    mark_backward,
+    missing_compiler,
+)
 
 log = logging.getLogger("loongtrain.train")
 
@@ -48,10 +56,6 @@ BACKEND = "inductor"
 _MASK_ARGS = ("cu_seqlens", "chunk_order")
 
 
-class CompileError(RuntimeError):
-    """torch.compile failed on a decoder block (the message names the block, the op, and ``--compile off``)."""
-
-
 def compile_enabled(mode: str, device: torch.device) -> bool:
     """Whether ``--compile mode`` compiles on ``device`` (module docstring); ValueError for an unknown mode."""
     if mode not in COMPILE_MODES:
@@ -64,32 +68,6 @@ def compile_enabled(mode: str, device: torch.device) -> bool:
     return mode == "on"
 
 
-def missing_compiler(device_type: str, backend: str | None = None) -> str | None:
-    """What ``torch.compile`` with ``backend`` lacks on ``device_type`` (a sentence), or None. Cheap: no
-    compilation, only the pieces it needs: dynamo on this Python, and for inductor a C++ compiler (CPU) or
-    Triton (CUDA)."""
-    backend = backend or BACKEND
-    import torch._dynamo
-
-    if not torch._dynamo.is_dynamo_supported():
-        return (f"torch._dynamo does not support Python {sys.version_info.major}.{sys.version_info.minor} with "
-                f"torch {torch.__version__}")
-    if backend != "inductor":
-        return None
-    if device_type == "cuda":
-        if importlib.util.find_spec("triton") is None:
-            return "the inductor backend needs Triton on CUDA, and the 'triton' package is not installed"
-        return None
-    from torch._inductor import config as inductor_config
-
-    cxx = inductor_config.cpp.cxx
-    names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)) if c] or ["g++"]
-    if not any(shutil.which(str(c)) for c in names):
-        return (f"the inductor backend needs a C++ compiler on CPU, and none of {names} is on PATH "
-                f"(install g++ or set CXX)")
-    return None
-
-
 def check_compile_backend(mode: str, device_type: str) -> None:
     """Launcher validation: ValueError naming the missing piece if ``--compile mode`` would compile on
     ``device_type`` and torch cannot (:func:`missing_compiler`)."""
@@ -98,8 +76,8 @@ def check_compile_backend(mode: str, device_type: str) -> None:
         raise ValueError(f"--compile={mode!r} is not one of {COMPILE_MODES}")
     if not wants:
         return
-    missing = missing_compiler(device_type)
-    if missing:
+    missing = missing_compiler(device_type, BACKEND)
+    if missing is not None:
         raise ValueError(f"--compile {mode}: {missing}; run with --compile off")
 
 
@@ -162,35 +140,51 @@ def compile_block(block: nn.Module, name: str, backend: str | None = None) -> No
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = block_inputs(signature, args, kwargs)
+        enter_forward(name)
         try:
-            return compiled(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+            out = compiled(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(exc, CompileError) or not from_compiler(exc):
+                raise
             raise CompileError(compile_failure(name, exc)) from exc
+        mark_backward(out, name)
+        return out
 
     block.forward = run
 
 
-def compile_failure(name: str, exc: BaseException) -> str:
-    """One message for a failed compile: the block, the op (the first ``aten.*``/``loongtrain.*`` name in the
-    error, else the failing source line) and the way out."""
-    text = str(exc)
-    op = re.search(r"\b(?:aten|loongtrain|prims)\.\w+(?:\.\w+)?", text)
-    where = op.group(0) if op else _user_frame(exc)
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return (f"torch.compile failed on decoder block {name} at op {where}: {type(exc).__name__}: {first}; "
-            f"run with --compile off")
+# The cache key
+
+#: the files whose code the compiled graphs depend on beyond what inductor's cache keys see: the custom ops'
+#: schemas and fake implementations (the output strides a compiled graph asserts)
+_OPS_SOURCES = ("attn/ops.py", "parallel/comm.py")
 
 
-def _user_frame(exc: BaseException) -> str:
-    stack = getattr(exc, "real_stack", None)
-    if stack:
-        frame = stack[-1]
-        return f"{frame.filename}:{frame.lineno} ({frame.line})"
-    return "unknown"
+@functools.cache
+def ops_digest() -> str:
+    """A digest of :data:`_OPS_SOURCES`. Inductor's caches key a graph on its ops' names, not on their fake
+    implementations: without it, graphs compiled against older fakes would be loaded after an upgrade."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for rel in _OPS_SOURCES:
+        digest.update((root / rel).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def tag_compile_cache() -> None:
+    """Add ``loongtrain-ops-<ops_digest()>`` to torch.compile's cache key tag (``torch.compiler.config``, for the
+    process: set once, not around each call, which would cost a config patch per block call), keeping a tag
+    the user set."""
+    user = torch.compiler.config.cache_key_tag
+    ours = f"loongtrain-ops-{ops_digest()}"
+    if ours not in user:
+        torch.compiler.config.cache_key_tag = f"{user}+{ours}" if user else ours
 
 
 def compile_blocks(model: nn.Module, layers: list[nn.Module], backend: str | None = None) -> list[str]:
-    """The compile step: :func:`compile_block` on each decoder block of ``model``; returns their names."""
+    """The compile step: :func:`compile_block` on each decoder block of ``model`` (the compile cache tagged
+    with the ops' digest: :func:`tag_compile_cache`); returns their names."""
+    tag_compile_cache()
     names = {id(m): n for n, m in model.named_modules()}
     compiled = []
     for block in layers:

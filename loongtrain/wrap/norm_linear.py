@@ -3,8 +3,9 @@
 In a pre-norm block ``q, k, v = Wq n, Wk n, Wv n`` with ``n = rmsnorm(x)``; autograd keeps ``n`` (``[t, dim]``
 in the compute dtype, 8 KiB per token at dim 4096) from the forward (or a checkpoint's recompute) to the
 projections' backward, beside the block's input ``x`` that the norm keeps anyway. :func:`fuse_norm_linear`
-rewires every decoder block from outside (the model stays plain): the norm's ``forward`` becomes the
-identity on the instance and each projection computes ``linear(rmsnorm(x))`` as one :class:`NormLinear`,
+rewires every decoder block from outside (the model stays plain): the norm becomes the identity
+(:class:`FusedNorm`) and each projection computes ``linear(rmsnorm(x))`` as one :class:`NormLinear`
+(:class:`FusedProjection`; both mixed into the instance's class, so all blocks share one compiled graph),
 which keeps only ``x``, the per-token scale and the weights, and rebuilds ``n`` chunk by chunk in its
 backward. The norm's forward runs once per projection (a memory-bound pass, small beside attention at long
 sequences); parameter names and checkpoints are unchanged.
@@ -22,7 +23,6 @@ float32 there; loongtrain/hf/norms.py).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -120,30 +120,54 @@ def _norm_spec(norm: nn.Module) -> tuple[float, torch.dtype | None, bool] | None
 NORMED = "_loongtrain_normed"
 
 
-def _normed_linear(norm: nn.Module, spec: tuple[float, torch.dtype | None, bool], linear: nn.Linear,
-                   x: Tensor) -> Tensor:
-    eps, stats, _ = spec
-    if getattr(x, NORMED, False):
-        return F.linear(x, linear.weight, linear.bias)
-    if not torch.is_grad_enabled():
-        return F.linear(chunked_forward(x, norm.weight, eps, stats)[0], linear.weight, linear.bias)
-    return NormLinear.apply(x, norm.weight, eps, stats, linear.weight, linear.bias, CHUNK_ELEMS)
+class FusedProjection:
+    """Mixed into a fused q/k/v projection's class (``nn.Linear``): ``forward(x) = linear(rmsnorm(x))`` with the
+    norm its block's attention input norm (held outside the module tree, so parameter names are unchanged).
+    A class of its own rather than a per-instance ``forward``: every block then runs the same code, and
+    ``torch.compile`` reuses one graph for all blocks (docs/design.md §13)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        norm, spec = self.__dict__[_NORM], self.__dict__[_SPEC]
+        eps, stats, _ = spec
+        if getattr(x, NORMED, False):
+            return F.linear(x, self.weight, self.bias)
+        if not torch.is_grad_enabled():
+            return F.linear(chunked_forward(x, norm.weight, eps, stats)[0], self.weight, self.bias)
+        return NormLinear.apply(x, norm.weight, eps, stats, self.weight, self.bias, CHUNK_ELEMS)
 
 
-def _norm_forward(norm: nn.Module, hf: bool, x: Tensor) -> Tensor:
-    """The fused norm's own forward: the identity (its projections normalise), except for a Hugging Face
-    norm's float64 input: HF rounds its statistics to float32 there, so only its own ops, once, with the
-    three projections' gradients summed before its backward as unfused, give its bits (loongtrain/hf/norms.py)."""
-    if hf and x.dtype == torch.float64:
-        out = type(norm).forward(norm, x)
-        setattr(out, NORMED, True)
-        return out
-    return x
+class FusedNorm:
+    """Mixed into a fused attention input norm's class: its own forward is the identity (its projections
+    normalise), except for a Hugging Face norm's float64 input: HF rounds its statistics to float32 there, so
+    only its own ops, once, with the three projections' gradients summed before its backward as unfused, give
+    its bits (loongtrain/hf/norms.py)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.__dict__[_SPEC][2] and x.dtype == torch.float64:
+            out = super().forward(x)
+            setattr(out, NORMED, True)
+            return out
+        return x
+
+
+_NORM, _SPEC = "_loongtrain_norm", "_loongtrain_norm_spec"  # plain attributes: not submodules, not state
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _mix_in(module: nn.Module, mixin: type, **attrs: Any) -> None:
+    """Give ``module`` the class ``(mixin, type(module))`` (one class per pair, as FSDP2 does) and plain
+    attributes ``attrs`` (set in ``__dict__``: not registered as submodules)."""
+    cls = type(module)
+    fused = _CLASSES.get((mixin, cls))
+    if fused is None:
+        fused = _CLASSES[(mixin, cls)] = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {})
+    module.__class__ = fused
+    module.__dict__.update(attrs)
 
 
 def fuse_norm_linear(model: nn.Module) -> int:
     """Fuse every block's attention input norm into its q/k/v projections (module docstring); returns the
-    number of blocks fused. Idempotent: a fused block (its norm's ``forward`` replaced) is left as it is."""
+    number of blocks fused. Idempotent: a fused block (its norm a :class:`FusedNorm`) is left as it is."""
     fused = 0
     for block in decoder_layers(model):
         for norm_name, attn_name, proj_names in NORM_AND_PROJECTIONS:
@@ -152,11 +176,12 @@ def fuse_norm_linear(model: nn.Module) -> int:
                 continue
             linears = [getattr(attn, name, None) for name in proj_names]
             spec = _norm_spec(norm)
-            if spec is None or "forward" in norm.__dict__ or any(type(lin) is not nn.Linear for lin in linears):
+            if (spec is None or isinstance(norm, FusedNorm) or "forward" in norm.__dict__
+                    or any(type(lin) is not nn.Linear for lin in linears)):
                 break
             for lin in linears:
-                lin.forward = functools.partial(_normed_linear, norm, spec, lin)
-            norm.forward = functools.partial(_norm_forward, norm, spec[2])
+                _mix_in(lin, FusedProjection, **{_NORM: norm, _SPEC: spec})
+            _mix_in(norm, FusedNorm, **{_SPEC: spec})
             fused += 1
             break
     return fused

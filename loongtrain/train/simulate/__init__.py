@@ -57,7 +57,7 @@ rest of the forward and backward, the optimizer step) peaks at ``a + b * L`` for
 simulated at two small depths (:data:`DEPTHS`, past the blocks ``offload_keep`` keeps) and each phase's peak
 (device and host, and its parts) extended linearly to the model's depth; the largest is the step's. The
 loops whose passes are alike (loss chunks, MLP tiles, norm and RoPE chunks) run their first two passes and
-their last (:func:`~loongtrain.train.fake_step.alike_loops`). Equal to the whole simulation within 1%
+their last (:func:`~loongtrain.train.simulate.fake_step.alike_loops`). Equal to the whole simulation within 1%
 (tests/test_simulate.py, every memory mode), at a fraction of its time.
 """
 
@@ -74,7 +74,7 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.fake_step import (  # noqa: F401 - fake_ranks and HostAwareTracker are this module's API too
+from loongtrain.train.simulate.fake_step import (  # noqa: F401 - fake_ranks and HostAwareTracker are this module's API too
     HOST,
     HostAwareTracker,
     alike_loops,
@@ -82,7 +82,6 @@ from loongtrain.train.fake_step import (  # noqa: F401 - fake_ranks and HostAwar
     fake_ranks,
     noop_to_is_identity,
 )
-from loongtrain.train.sync import all_reduce_gradients
 from loongtrain.train.trainer import Trainer
 from loongtrain.wrap import zero as zero_module
 from loongtrain.wrap.offload import host_allocations
@@ -153,10 +152,9 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int,
     try:
         with tracker:
             loss, _ = trainer.loss(batch)
-            loss.backward()
+            with trainer.grad_sync.overlapped() if trainer.grad_sync else contextlib.nullcontext():
+                loss.backward()
             tracker.stage = "optimizer"
-            if trainer.grad_sync:
-                all_reduce_gradients(trainer.params, trainer.mesh.dp)
             with host_allocations() if offload_params else contextlib.nullcontext():
                 trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)
@@ -178,7 +176,7 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
     """One rank's peak device and host memory for one step of ``model`` with ``parallel`` on ``world`` ranks
     (module docstring). ``fake=False`` runs the same step on real CPU tensors, counted the same way (small
     sizes: what the simulation is checked against); ``alike``: only some passes of the alike loops
-    (:func:`~loongtrain.train.fake_step.alike_loops`)."""
+    (:func:`~loongtrain.train.simulate.fake_step.alike_loops`)."""
     cfg = TrainConfig(model="tiny", seq_len=seq_len, batch_size=batch, dtype=dtype, parallel=parallel,
                       memory_report=False)
     cfg.validate()
