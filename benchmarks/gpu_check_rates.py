@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from functools import partial
 from typing import Any
 
@@ -90,14 +91,16 @@ def check_attention(ctx) -> dict[str, Any]:
     dtype = size["dtype"]
     h, hkv, d = size["attn_heads"]
     out: dict[str, Any] = {"dtype": str(dtype), "H": h, "Hkv": hkv, "D": d, "candidates": {}, "chosen": []}
+    last = 0.0  # seconds the previous measurement took (lengths ascend: a lower bound of the next one's)
     for s in size["attn_seqs"]:
         repeats = 3 if s < 100_000 else 2
         inputs = _qkv(s, h, hkv, d, dtype, device)
         fwd, bwd = attention_flops(s, h, d)
         for kernel in kernel_candidates(device, dtype, d):
             label = f"{kernel.name} S={s}"
-            if not ctx.enough(0.0, label):
+            if not ctx.enough(last, label):
                 continue
+            start = time.perf_counter()
             row: dict[str, Any] = {"S": s}
             try:
                 dense = ctx.attempt(f"{label} dense", partial(time_dense, kernel, *inputs, device, repeats))
@@ -110,17 +113,21 @@ def check_attention(ctx) -> dict[str, Any]:
             if docs:
                 row["documents"] = docs
             out["candidates"].setdefault(kernel.name, []).append(row)
+            last = time.perf_counter() - start
         del inputs
     for d_, h_, hkv_, seqs in size["chosen"]:
-        for s in seqs:
-            if not ctx.enough(0.0, f"chosen D={d_} S={s}"):
+        last = 0.0
+        for s in seqs:  # ascending: the previous call size's time is a lower bound of this one's
+            if not ctx.enough(last, f"chosen D={d_} S={s}"):
                 continue
+            start = time.perf_counter()
             kernel = choose_kernel(device, dtype, d_, h_, hkv_, s)
             times = ctx.attempt(f"chosen D={d_} S={s}", partial(_time_chosen, kernel, s, h_, hkv_, d_, dtype, device))
             if times:
                 fwd, bwd = attention_flops(s, h_, d_)
                 out["chosen"].append({"kernel": kernel.name, "D": d_, "H": h_, "Hkv": hkv_, "S": s, **times,
                                       "tflops": (fwd + bwd) / (times["forward_s"] + times["backward_s"]) / 1e12})
+            last = time.perf_counter() - start
     return out
 
 
