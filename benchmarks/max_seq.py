@@ -5,10 +5,10 @@ For each model (a Llama-3-8B-shaped config.json, 7b-gqa, 1b) and GPU count (1, 8
 - the planner's longest sequence (``loongtrain.plan.search.max_seq_len``) without the offload/tiling modes
   and with them (``modes="auto"``), each with its best configuration, device GiB per rank and host GiB per
   node;
-- the simulation (``loongtrain.train.simulate.simulate_step``: the trainer's step under FakeTensorMode with
-  the fake process group, MemTracker's peak for one rank) of the best configuration at the planner's
-  maximum (and at ``--fractions`` of it), beside the prediction: device GiB per rank and, with the
-  offload modes, host GiB per rank (the planner's ``host``; the simulation's host peak).
+- the simulation (``loongtrain.train.simulate.simulate_by_depth``: the trainer's step under FakeTensorMode with
+  the fake process group at two small depths extended to the model's, MemTracker's peak for one rank) of the
+  best configuration at the planner's maximum (and at ``--fractions`` of it), beside the prediction: device
+  GiB per rank and, with the offload modes, host GiB per rank (the planner's ``host``; the simulation's host peak).
 
 Run: ``python -m benchmarks.max_seq [--models ...] [--gpus 1 8 64] [--modes off auto]
 [--out max_seq.json]``.
@@ -24,7 +24,7 @@ from pathlib import Path
 from loongtrain.plan.cluster import load_cluster
 from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.search import plan, resolve_model
-from loongtrain.train.simulate import simulate_step
+from loongtrain.train.simulate import simulate_by_depth
 
 LLAMA3_8B = str(Path(__file__).with_name("data") / "llama3-8b" / "config.json")
 MODELS = {"llama3-8b": LLAMA3_8B, "7b-gqa": "7b-gqa", "1b": "1b"}
@@ -44,7 +44,7 @@ def row(name: str, model, cluster, gpus: int, modes: str, fraction: float, simul
     if not simulate:
         return out
     start = time.perf_counter()
-    sim = simulate_step(model, cand.config, gpus, seq_len=seq)
+    sim = simulate_by_depth(model, cand.config, gpus, seq_len=seq)
     out.update(sim.to_dict(), simulate_s=time.perf_counter() - start)
     out["predicted_over_simulated"] = out["predicted_device_gib"] / out["simulated_device_gib"]
     return out

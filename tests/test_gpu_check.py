@@ -1,91 +1,127 @@
-"""benchmarks/gpu_check.py runs on CPU at tiny sizes (``--cpu``), so the one-shot device check cannot rot,
-and its ring check can fail: a planted fault in the in-process ring shows up in its ratios."""
+"""``python -m benchmarks.gpu_check`` runs on CPU at tiny sizes (``--cpu``), so the device check cannot rot: every
+section runs and writes what the planner reads; with a tiny budget the run ends in time and records every
+section as run or skipped; an allocation failure is recorded and the run goes on; its ring check can fail (a
+planted fault in the in-process ring shows up in its ratios)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
+import time
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import gpu_check, gpu_check_exact, gpu_check_rates
+from loongtrain.plan.calibrate import calibrated
+from loongtrain.plan.cluster import load_cluster
 
 
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def gpu_check():
-    return _load_gpu_check()
-
-
-def test_cpu_run_writes_every_section(gpu_check, tmp_path):
+def test_cpu_run_writes_every_section(tmp_path):
     out = tmp_path / "check.json"
-    assert gpu_check.main(["--cpu", "--out", str(out)]) == 0
+    assert gpu_check.main(["--cpu", "--out", str(out), "--budget-s", "900"]) == 0
     result = json.loads(out.read_text())
-    for name, _ in gpu_check.SECTIONS:
-        assert "error" not in result[name], result[name].get("error")
+    for section in gpu_check.SECTIONS:
+        assert "error" not in result[section.name] and "skipped" not in result[section.name], result[section.name]
     for dtype in ("bfloat16", "float16"):
         errs = result["kernels"][dtype]["max_abs_err"]
         assert set(errs) == {"out", "lse", "dq", "dk", "dv"} and max(errs.values()) < 0.1, errs
     ring = result["ring"]
-    assert len(ring["cases"]) == 2 * len(gpu_check.RING_CASES)
-    assert {(c["hp"], c["cp"]) for c in ring["cases"]} >= {(1, 2), (1, 4), (1, 8), (4, 2)}
-    assert ring["worst_ratio"] < 4, ring["worst_ratio"]  # the sharding adds (almost) nothing to rounding
+    assert len(ring["cases"]) == 2 * len(gpu_check_exact.RING_CASES) and ring["worst_ratio"] < 4
     docs = result["documents"]
     assert {(c["window"], c["cp"]) for c in docs["cases"]} == {(w, cp) for w in (None, 32) for cp in (2, 4, 8)}
-    assert docs["worst_ratio"] < 4, docs["worst_ratio"]
-    assert 0 < docs["timing_window_None"]["visible_fraction"] < 0.5
-    assert [p["S"] for p in result["throughput"]["points"]] == list(gpu_check.SIZES["cpu"]["tput_seqs"])
-    assert all(p["tflops"] > 0 for p in result["throughput"]["points"])
-    run = result["training"]["runs"][0]
-    assert run["model"] == "tiny" and run["tokens_per_s"] > 0 and run["mfu"] > 0
-    assert run["predicted_gib"]["total"] > 0
+    assert docs["worst_ratio"] < 4 and 0 < docs["timing_window_None"]["visible_fraction"] < 0.5
+    # the rates the planner reads: every candidate at every length, dense and on documents; the chosen rows
+    attention = result["attention"]
+    for rows in attention["candidates"].values():
+        assert [r["S"] for r in rows] == list(gpu_check_rates.SIZES["cpu"]["attn_seqs"])
+        assert all(r["dense"]["forward_s"] > 0 and r["documents"]["backward_s"] > 0 for r in rows)
+    assert {r["S"] for r in attention["chosen"]} == set(gpu_check_rates.SIZES["cpu"]["chosen"][0][3])
+    assert all(p["tflops"] > 0 for p in result["matmul"]["points"]) and result["memory_bandwidth"]["gbyte_s"] > 0
+    cluster, notes = calibrated(result, load_cluster("h200"), "this run")
+    assert len(cluster.attention_rates) == len(attention["chosen"]) and "matmul_tflops: median" in notes[1]
+    # training rows with the planner beside them, memory against the planner, packed documents' MFU
+    runs = result["training"]["runs"]
+    assert [(r["model"], r["seq_len"]) for r in runs] == [("tiny", 1024), ("tiny", 512)]
+    for run in runs + result["documents_mfu"]["runs"]:
+        assert run["tokens_per_s"] > 0 and run["mfu"] > 0 and run["predicted_memory_gib"]["total"] > 0
+        assert run["planner"]["calibrated"]["planner_over_measured"] > 0
+    assert 0 < result["documents_mfu"]["runs"][0]["visible_fraction"] < 1
+    assert len(result["summary"]) == 3 and all("builtin_over_measured" in r for r in result["summary"])
     assert result["determinism"]["deterministic"]["bitwise_equal"]
     choice = result["kernel_choice"]
-    assert choice["chosen"] in choice["candidates"] and choice["fastest_documents"] in choice["candidates"]
-    assert all(t["dense_forward_s"] > 0 and t["documents_backward_s"] > 0 for t in choice["candidates"].values())
-    assert result["loss"]["ratio"] > 0
+    assert choice["chosen"] in choice["candidates"] and result["loss"]["ratio"] > 0
     compiled = result["compile"]
     assert compiled["max_loss_diff"] < 1e-4 and 1 <= compiled["graphs"] <= 2, compiled  # shared by the blocks
     assert compiled["eager_mfu"] > 0 and compiled["compiled_tokens_per_s"] > 0
-    assert [r["seq_len"] for r in result["training"]["runs"]] == [1024, 512]  # the longest, and the mid length
     offload = result["offload"]["modes"]
-    assert set(offload) == set(gpu_check.SIZES["cpu"]["offload"][3])
-    assert all(r["ratio"] > 0 and r["tokens_per_s"] > 0 for r in offload.values())
-    moved = offload["offload activations + mlp tiles auto"]
-    assert moved["offloaded_mib_per_step"] > 0 and moved["device_activations_mib"] < moved["baseline_activations_mib"]
+    assert offload and all(r["ratio"] > 0 and r["tokens_per_s"] > 0 for r in offload.values())
 
 
-def test_sharded_attention_matches_the_unsharded_kernel_exactly_in_fp64(gpu_check):
+def test_a_tiny_budget_ends_in_time_and_records_every_section(tmp_path):
+    out = tmp_path / "check.json"
+    start = time.monotonic()
+    assert gpu_check.main(["--cpu", "--budget-s", "5", "--out", str(out)]) == 0
+    assert time.monotonic() - start < 30
+    result = json.loads(out.read_text())
+    ran = [s.name for s in gpu_check.SECTIONS if "skipped" not in result[s.name]]
+    skipped = [s.name for s in gpu_check.SECTIONS if "skipped" in result[s.name]]
+    assert ran and skipped and len(ran) + len(skipped) == len(gpu_check.SECTIONS), (ran, skipped)
+    assert all("out of time" in result[name]["skipped"] for name in skipped)
+    assert all("wall_s" in result[name] for name in ran) and result["wall_s"] < 30
+
+
+def test_allocation_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    assert gpu_check.allocation_failure(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED calling cublasCreate"))
+    assert gpu_check.allocation_failure(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
+    assert gpu_check.allocation_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    assert not gpu_check.allocation_failure(RuntimeError("shape mismatch"))
+    real = gpu_check_rates.time_dense
+
+    def failing(kernel, q, *args):
+        if q.shape[2] == 512:  # the longest call: as when the device runs out of memory there
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+        return real(kernel, q, *args)
+
+    monkeypatch.setattr(gpu_check_rates, "time_dense", failing)
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--cpu", "--out", str(out), "--sections", "attention,matmul"]) == 0
+    result = json.loads(out.read_text())
+    attention = result["attention"]
+    assert any("S=512 dense: allocation failure" in note for note in attention["left_out"]), attention["left_out"]
+    assert [r["S"] for r in attention["chosen"]] == [128, 256]  # the failed size left out, the others measured
+    assert result["matmul"]["points"] and result["training"] == {"skipped": "not in --sections"}
+
+
+def test_sharded_attention_matches_the_unsharded_kernel_exactly_in_fp64():
     """The head-split x ring emulation itself (fp64 on CPU: the same math as one kernel call)."""
     from loongtrain.attn.kernels import REFERENCE
 
     gen = torch.Generator().manual_seed(0)
-    q, dout = (gpu_check._bshd(1, 64, 4, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
-    k, v = (gpu_check._bshd(1, 64, 2, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
-    want = gpu_check.run_kernel(REFERENCE, q, k, v, dout, 0.3)
-    for hp, cp, window in gpu_check.RING_CASES:
-        got = gpu_check.sharded_attention(q, k, v, dout, hp, cp, window, 0.3)
+    q, dout = (gpu_check_exact._bshd(1, 64, 4, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
+    k, v = (gpu_check_exact._bshd(1, 64, 2, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
+    want = gpu_check_exact.run_kernel(REFERENCE, q, k, v, dout, 0.3)
+    for hp, cp, window in gpu_check_exact.RING_CASES:
+        got = gpu_check_exact.sharded_attention(q, k, v, dout, hp, cp, window, 0.3)
         for name in ("out", "dq", "dk", "dv"):
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10, msg=f"{hp}x{cp}w{window} {name}")
 
 
-def test_a_wrong_head_split_is_caught(gpu_check, monkeypatch):
+def test_a_wrong_head_split_is_caught(monkeypatch):
     """Planted fault: KV heads assigned to the wrong head rank; the comparison must fail."""
     from loongtrain.attn.kernels import REFERENCE
 
     gen = torch.Generator().manual_seed(1)
-    q, dout = (gpu_check._bshd(1, 32, 4, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
-    k, v = (gpu_check._bshd(1, 32, 2, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
-    want = gpu_check.run_kernel(REFERENCE, q, k, v, dout, 0.3)
-    right = gpu_check._head_slice
-    monkeypatch.setattr(gpu_check, "_head_slice", lambda h, hkv, hp, j: (right(h, hkv, hp, j)[0], slice(0, 1)))
-    got = gpu_check.sharded_attention(q, k, v, dout, 4, 2, 1, 0.3)
+    q, dout = (gpu_check_exact._bshd(1, 32, 4, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
+    k, v = (gpu_check_exact._bshd(1, 32, 2, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
+    want = gpu_check_exact.run_kernel(REFERENCE, q, k, v, dout, 0.3)
+    right = gpu_check_exact._head_slice
+    monkeypatch.setattr(gpu_check_exact, "_head_slice", lambda h, hkv, hp, j: (right(h, hkv, hp, j)[0], slice(0, 1)))
+    got = gpu_check_exact.sharded_attention(q, k, v, dout, 4, 2, 1, 0.3)
     assert (got["out"] - want["out"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("argv", [["--cpu"], ["--cpu", "--out", "x.json", "--sections", "nope"]])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_check.main(argv)
+    assert exc.value.code == 2

@@ -20,6 +20,7 @@ from loongtrain.plan.cost import step_cost
 from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.memory_model import memory_per_rank
 from loongtrain.plan.search import best_fitting, plan, world_size
+from loongtrain.plan.step_bytes import head_bytes
 from tests.test_plan import SMALL, toy_cluster
 
 GOLDEN = Path(__file__).with_name("data") / "plan_golden.json"
@@ -90,14 +91,17 @@ def test_host_memory_decides_fit_and_the_message_names_it():
     slow = step_cost(SMALL4, off, toy_cluster(host_link_gbyte_s=1e-9), nodes=1, seq_len=256)  # 1 B/s
     fast = step_cost(SMALL4, off, toy_cluster(host_link_gbyte_s=1e9), nodes=1, seq_len=256)
     # per layer a block's input (64 tokens * 64 * 2 B) out and back at 1 B/s, beyond the layer's busy time
-    # (layers' compute and ring: the breakdown's less the head's 6 * V * d * t / rate = 3072 s)
-    busy = (slow.breakdown["compute"] - 6 * 256 * 64 * 64 / 2048 + slow.breakdown["ring-outer"]) / 4
-    assert slow.breakdown["offload"] == 4 * (2 * 64 * 64 * 2 - busy) > 0
+    # (layers' compute, memory-bound ops and ring: the breakdown's less the head's, 6 * V * d * t / rate = 3072 s
+    # of matmuls and its memory-bound bytes)
+    head = 6 * 256 * 64 * 64 / 2048 + head_bytes(SMALL4, tokens=64, dtype_bytes=2, sharded=True) / cluster.memory_bw
+    busy = (slow.breakdown["compute"] + slow.breakdown["memory-bound"] - head + slow.breakdown["ring-outer"]) / 4
+    assert busy < 2 * 64 * 64 * 2
+    assert slow.breakdown["offload"] == pytest.approx(4 * (2 * 64 * 64 * 2 - busy), rel=1e-12)
     assert fast.breakdown["offload"] == 0 and fast.step_time < slow.step_time
     # --offload-keep 2: only the first two blocks' inputs move; the kept ones cost no copy time
     kept = step_cost(SMALL4, dataclasses.replace(off, offload_keep=2), toy_cluster(host_link_gbyte_s=1e-9),
                      nodes=1, seq_len=256)
-    assert kept.breakdown["offload"] == 2 * (2 * 64 * 64 * 2 - busy) > 0
+    assert kept.breakdown["offload"] == pytest.approx(2 * (2 * 64 * 64 * 2 - busy), rel=1e-12)
     # 64K tokens: the smallest configuration without host memory needs 35.0 MiB per device (tiled MLP), with
     # offload 30.5 MiB and 34.1 MiB of host memory per node; on 33 MiB devices with 1 KiB of host memory
     # nothing fits, and the message says it is the host memory

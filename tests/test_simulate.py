@@ -152,3 +152,32 @@ def test_planner_matches_the_simulation_sharded(layout):
     simulated = simulate_step(WIDE, parallel, world, seq_len=WIDE_SEQ * world)
     assert abs(predicted["total"] / simulated.peak_bytes - 1) <= 0.10, (predicted, simulated)
     assert predicted["host"] == simulated.host_bytes, (predicted, simulated)
+
+
+#: 5 blocks, and a vocabulary whose chunked loss takes chunks of 64 tokens (the loss's alike loop runs 3 of 8)
+DEEP = ModelConfig(vocab_size=2**20, dim=64, num_layers=5, num_heads=4, num_kv_heads=2, ffn_dim=192)
+
+
+@pytest.mark.parametrize("world, parallel", [
+    (1, ParallelConfig(ac_mode="none")),
+    (1, ParallelConfig(ac_mode="selective", zero="full", offload_activations=True, mlp_tiles="auto",
+                       offload_params=True)),
+    (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="full")),
+], ids=["none", "selective-every-memory-mode", "hp2-cp2-fsdp2-full"])
+def test_simulation_by_depth_equals_the_whole_step(world, parallel):
+    """Simulations at 3 and 4 blocks, their alike loops (loss chunks, MLP tiles of 64 tokens) run in part,
+    extended phase by phase to 5 blocks, give the whole 5-block step's peaks."""
+    from loongtrain.loss import chunked
+    from loongtrain.train import simulate
+    from loongtrain.train.simulate.fake_step import alike_loops
+
+    seq = 512 * parallel.sp
+    assert simulate.DEPTHS[1] < DEEP.num_layers  # extended, not simulated whole
+    assert chunked.default_chunk_tokens(DEEP.vocab_size) == 64
+    with alike_loops():  # run in part: 3 of the 8 chunks of a rank's 512 tokens
+        assert list(chunked._chunks(512, 64)) == [(0, 64), (64, 128), (448, 512)]
+    whole = simulate_step(DEEP, parallel, world, seq_len=seq)
+    scaled = simulate.simulate_by_depth(DEEP, parallel, world, seq_len=seq)
+    assert scaled.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.01), (scaled, whole)
+    assert scaled.host_bytes == pytest.approx(whole.host_bytes, rel=0.01, abs=0), (scaled, whole)
+    assert (whole.host_bytes > 0) == (parallel.offload_activations or parallel.offload_params)

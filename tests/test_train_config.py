@@ -11,15 +11,10 @@ import torch
 from loongtrain.data.synthetic import synthetic_source
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.plan.cluster import builtin_clusters, load_cluster
+from loongtrain.plan.cluster import builtin_clusters, cluster_for_device, load_cluster
 from loongtrain.train.checkpoint import resolve_checkpoint
 from loongtrain.train.config import TrainConfig, build_parser, options, parse_args
-from loongtrain.train.metrics import (
-    CUDA_PEAK_TFLOPS,
-    cluster_for_device,
-    device_peak_tflops,
-    measure_cpu_tflops,
-)
+from loongtrain.train.metrics import CUDA_PEAK_TFLOPS, device_peak_tflops, measure_cpu_tflops
 from loongtrain.train.optim import clip_grad_norm, lr_factor
 from tests.fixtures import tiny_model
 from tests.training import fit

@@ -19,11 +19,10 @@ import torch
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.runtime import default_device
 from loongtrain.plan.calibrate import calibrate
-from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
+from loongtrain.plan.cluster import Cluster, builtin_clusters, cluster_for_device, load_cluster
 from loongtrain.plan.cost import step_cost
 from loongtrain.plan.search import best_fitting
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
-from loongtrain.train.metrics import cluster_for_device
 from loongtrain.train.run_model import model_config_for
 from loongtrain.train.stages import check_stage_layouts, run_stages
 

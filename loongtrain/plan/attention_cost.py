@@ -2,10 +2,14 @@
 
 Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window`` windows:
 
-- compute: forward causal FLOPs ``2 * B * S^2 * H * D / sp`` at ``attention_tflops``; backward 2.5x.
-  Under zigzag every ring step does the same work, so a step costs ``c = forward / cp``.
+- compute: forward causal FLOPs ``2 * B * S^2 * H * D / sp``; backward 2.5x, at the kernel rate of a step's
+  call, :meth:`Cluster.attention_rate` of its ``B * S / cp`` query tokens times ``H / hp`` heads (measured rows
+  by call size, or ``attention_tflops``). Under zigzag every ring step does the same work, so a step's kernels
+  cost ``forward / cp``; with a ring (``cp > 1``) each step also merges its partial output into the fp32
+  accumulators by log-sum-exp (backward: adds dQ and the block's dK/dV into them), memory-bound,
+  :func:`~loongtrain.plan.step_bytes.ring_step_bytes` over ``memory_bw``: ``c`` = kernels + merge.
 - all-to-all (blocking, on the critical path): per call ``max(intra bytes / intra_bw, cross bytes /
-  NIC share) + latency``; bytes from :mod:`loongtrain.plan.traffic`.
+  NIC share) / a2a_efficiency + latency``; bytes from :mod:`loongtrain.plan.traffic`.
 - ring: the pass is *simulated* event by event from the schedule the code executes
   (:func:`loongtrain.attn.schedule.pass_events`, docs/design.md §4): a post starts a transfer, a compute
   takes ``c`` (backward ``2.5 c``), a wait costs the time until the awaited transfer has arrived. Transfers of
@@ -27,14 +31,15 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from loongtrain.attn.schedule import Compute, Post, pass_events
+from loongtrain.parallel.config import effective_kv_heads
 from loongtrain.parallel.documents import Documents
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.cluster import Cluster
 from loongtrain.plan.document_work import step_work
-from loongtrain.plan.traffic import message_bytes, ring_reach
+from loongtrain.plan.step_bytes import ring_step_bytes
+from loongtrain.plan.traffic import link_stats, message_bytes, ring_reach
 
 BACKWARD_FLOPS_RATIO = 2.5
 
@@ -57,45 +62,9 @@ class AttnShape:
 
 
 @dataclass(frozen=True)
-class LinkStats:
-    """Which hops leave the node, and how many devices of the busiest node send across at once."""
-
-    a2a_intra_peers: int  # max over ranks of head-group peers on the same node
-    a2a_cross_peers: int  # max over ranks of head-group peers on other nodes
-    a2a_senders: int  # max over nodes of devices with a cross-node a2a peer
-    inner_cross: bool  # some rank's inner-ring next peer is on another node
-    inner_senders: int
-    outer_cross: bool
-    outer_senders: int
-
-
-@lru_cache(maxsize=4096)
-def link_stats(layout: Layout, ranks_per_node: int) -> LinkStats:
-    """Scan every rank of ``layout`` (node of a rank = ``rank // ranks_per_node``)."""
-    node = lambda r: r // ranks_per_node
-    a2a_in = a2a_out = 0
-    senders: dict[str, dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}
-    for rank in range(layout.world_size):
-        d, c, _ = layout.coords(rank)
-        peers = [p for p in layout.grid[d][c] if p != rank]
-        cross = sum(node(p) != node(rank) for p in peers)
-        a2a_in, a2a_out = max(a2a_in, len(peers) - cross), max(a2a_out, cross)
-        hops = {"a2a": cross > 0}
-        if layout.cp > 1:
-            ring = layout.ring_peers(rank)
-            hops["inner"] = layout.window > 1 and node(ring["inner_next"]) != node(rank)
-            hops["outer"] = layout.num_windows > 1 and node(ring["outer_next"]) != node(rank)
-        for kind, is_cross in hops.items():
-            if is_cross:
-                senders[kind][node(rank)] = senders[kind].get(node(rank), 0) + 1
-    most = {kind: max(s.values(), default=0) for kind, s in senders.items()}
-    return LinkStats(a2a_in, a2a_out, most["a2a"], most["inner"] > 0, most["inner"],
-                     most["outer"] > 0, most["outer"])
-
-
-@dataclass(frozen=True)
 class AttentionTime:
-    """Seconds per rank for one attention call; ``ring_*`` are transfer times NOT hidden by compute."""
+    """Seconds per rank for one attention call: the kernels (``compute_*``), the ring steps' log-sum-exp merges
+    and accumulations (``memory_*``, memory-bound); ``ring_*`` are transfer times NOT hidden by either."""
 
     compute_fwd: float
     compute_bwd: float
@@ -105,14 +74,16 @@ class AttentionTime:
     ring_outer_fwd: float
     ring_inner_bwd: float
     ring_outer_bwd: float
+    memory_fwd: float = 0.0
+    memory_bwd: float = 0.0
 
     @property
     def forward(self) -> float:
-        return self.compute_fwd + self.a2a_fwd + self.ring_inner_fwd + self.ring_outer_fwd
+        return self.compute_fwd + self.memory_fwd + self.a2a_fwd + self.ring_inner_fwd + self.ring_outer_fwd
 
     @property
     def backward(self) -> float:
-        return self.compute_bwd + self.a2a_bwd + self.ring_inner_bwd + self.ring_outer_bwd
+        return self.compute_bwd + self.memory_bwd + self.a2a_bwd + self.ring_inner_bwd + self.ring_outer_bwd
 
     @property
     def total(self) -> float:
@@ -245,27 +216,39 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
             return 0.0
         t_in = piece * links.a2a_intra_peers / cluster.intra_bw
         t_out = piece * links.a2a_cross_peers / cluster.cross_bw(links.a2a_senders)
-        return half * max(t_in, t_out) + (inter_lat if links.a2a_cross_peers else intra_lat)
+        seconds = half * max(t_in, t_out) / cluster.a2a_efficiency
+        return seconds + (inter_lat if links.a2a_cross_peers else intra_lat)
 
     a2a = a2a_call(msg["a2a_qkv"]) + a2a_call(msg["a2a_out"])  # per pass: q/k/v in, output back
     window = shape.sliding_window if shape.sliding_window and shape.sliding_window < shape.seq_len else None
-    rate = cluster.attention_tflops * 1e12
+    block = shape.batch * shape.seq_len / layout.cp  # a step's query tokens
+    rate = cluster.attention_rate(shape.head_dim, block * shape.num_heads / layout.hp)
+    he = effective_kv_heads(shape.num_heads, shape.num_kv_heads, layout.hp) // layout.hp
+    merge_f, merge_b = (x / cluster.memory_bw for x in ring_step_bytes(
+        block, shape.num_heads // layout.hp, he, shape.head_dim, shape.dtype_bytes, layout.cp)) \
+        if layout.cp > 1 else (0.0, 0.0)
     c: float | dict[tuple[int, int], float]
     if documents is not None:
         flops, reach = document_steps(layout, shape, documents, window)
-        c = {step: f / rate for step, f in flops.items()}
-        c_bwd: float | dict[tuple[int, int], float] = {step: BACKWARD_FLOPS_RATIO * x for step, x in c.items()}
-        compute_fwd = _pass_compute(layout, c, reach)
-        compute_bwd = _pass_compute(layout, c_bwd, reach)
+        kernel = {step: f / rate for step, f in flops.items()}
+        # a block none of whose keys a query sees costs no call and no merge (attn/step.py)
+        c = {step: x + merge_f * (x > 0) for step, x in kernel.items()}
+        c_bwd: float | dict[tuple[int, int], float] = {
+            step: BACKWARD_FLOPS_RATIO * x + merge_b * (x > 0) for step, x in kernel.items()}
+        compute_fwd = _pass_compute(layout, kernel, reach)
+        compute_bwd = BACKWARD_FLOPS_RATIO * compute_fwd
+        memory_fwd, memory_bwd = _pass_compute(layout, c, reach) - compute_fwd, _pass_compute(layout, c_bwd, reach) \
+            - compute_bwd
     else:
         reach = ring_reach(layout, shape.seq_len, window) if window is not None else None
         # the pass's compute steps share the rank's work (a short window's short pass computes only the blocks
         # within reach; a full pass with a window skips invisible blocks, approximated as evenly lighter steps)
         steps_run = layout.cp if reach is None else sum(isinstance(e, Compute) for e in pass_events(
             layout.num_windows, layout.window, False, reach))
-        c = attention_flops(shape, layout.sp) / steps_run / rate
-        c_bwd = BACKWARD_FLOPS_RATIO * c
-        compute_fwd, compute_bwd = steps_run * c, steps_run * c * BACKWARD_FLOPS_RATIO
+        kernel_s = attention_flops(shape, layout.sp) / steps_run / rate
+        c, c_bwd = kernel_s + merge_f, BACKWARD_FLOPS_RATIO * kernel_s + merge_b
+        compute_fwd, compute_bwd = steps_run * kernel_s, steps_run * kernel_s * BACKWARD_FLOPS_RATIO
+        memory_fwd, memory_bwd = steps_run * merge_f, steps_run * merge_b
     ring_fwd = ring_bwd = (0.0, 0.0)
     if layout.cp > 1:
         outer_active = layout.num_windows > 1 and links.outer_cross
@@ -285,7 +268,7 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
             exposed.append((inner.blocked, outer.blocked))
         ring_fwd, ring_bwd = exposed
     return AttentionTime(
-        compute_fwd=compute_fwd, compute_bwd=compute_bwd,
+        compute_fwd=compute_fwd, compute_bwd=compute_bwd, memory_fwd=memory_fwd, memory_bwd=memory_bwd,
         a2a_fwd=a2a, a2a_bwd=a2a,
         ring_inner_fwd=ring_fwd[0], ring_outer_fwd=ring_fwd[1],
         ring_inner_bwd=ring_bwd[0], ring_outer_bwd=ring_bwd[1],

@@ -8,6 +8,7 @@ Examples::
     loongtrain plan --config my_plan.toml --json
     loongtrain plan --model path/to/hf_model --seq-len 128K --nodes 4 --cluster h100
     loongtrain plan --calibrate --calibrate-world 4 --out this_machine.toml
+    loongtrain plan --calibrate-from gpu_check.json --out h200-measured.toml
 
 The options are the fields of :class:`~loongtrain.plan.config.PlanConfig` (train's names; old ones kept
 as aliases). ``--config FILE`` is a TOML file whose keys are the option names with ``_`` for ``-``;
@@ -28,8 +29,8 @@ from typing import Any
 from loongtrain._input import parse_size, user_error
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
-from loongtrain.plan.calibrate import calibrate
-from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
+from loongtrain.plan.calibrate import calibrate, calibrate_from_run, read_run
+from loongtrain.plan.cluster import Cluster, builtin_clusters, cluster_for_device, cluster_to_toml, load_cluster
 from loongtrain.plan.config import DTYPE_BYTES, PlanConfig, parse_plan_args
 from loongtrain.plan.cost import Candidate
 from loongtrain.plan.document_work import balance_report, lognormal_documents
@@ -69,16 +70,28 @@ def _windows(ws: list[int]) -> str:
 def format_table(rows: list[tuple[Candidate, list[int]]]) -> str:
     modes = any(_modes(c.config) for c, _ in rows)  # the column only when some row uses them
     head = (f"{'#':>3} {'hp':>3} {'cp':>3} {'win':>5} {'placement':<13} {'zero':<6} {'ac_mode':<9} {'dp':>3} "
-            f"{'step s':>9} {'MFU':>6} {'mem GiB':>8} {'fits':<4} bottleneck" + ("   offload/tiling" if modes else ""))
+            f"{'step s':>9} {'compute':>8} {'mem-bnd':>8} {'comm':>8} {'optim':>7} {'MFU':>6} {'mem GiB':>8} "
+            f"{'fits':<4} bottleneck" + ("   offload/tiling" if modes else ""))
     lines = [head, "-" * len(head)]
     for i, (c, ws) in enumerate(rows, 1):
-        g = c.config
+        g, terms = c.config, c.terms
         lines.append(
             f"{i:>3} {g.hp:>3} {g.cp:>3} {_windows(ws):>5} {g.placement:<13} {g.zero:<6} {g.ac_mode:<9} "
-            f"{c.dp:>3} {c.step_time:>9.3f} {c.mfu:>6.1%} {c.memory['total'] / 2**30:>8.1f} "
-            f"{'yes' if c.fits else 'NO':<4} {c.bottleneck}" + (f"{'':<4} {_modes(g) or '-'}" if modes else "")
+            f"{c.dp:>3} {c.step_time:>9.3f} {terms['compute']:>8.3f} {terms['memory_bound']:>8.3f} "
+            f"{terms['exposed_communication']:>8.3f} {terms['optimizer']:>7.3f} {c.mfu:>6.1%} "
+            f"{c.memory['total'] / 2**30:>8.1f} {'yes' if c.fits else 'NO':<4} {c.bottleneck}"
+            + (f"{'':<4} {_modes(g) or '-'}" if modes else "")
         )
+    lines.append("(step s = compute + mem-bnd + comm + optim: matmuls and attention kernels; the memory-bound ops; "
+                 "the communication not hidden; the AdamW step)")
     return "\n".join(lines)
+
+
+def _terms(c: Candidate) -> str:
+    """The step's four terms, in words."""
+    t = c.terms
+    return (f"compute {t['compute']:.2f} + memory-bound {t['memory_bound']:.2f} + exposed communication "
+            f"{t['exposed_communication']:.2f} + optimizer {t['optimizer']:.2f}")
 
 
 def _modes(g) -> str:
@@ -135,16 +148,34 @@ def format_document_report(rows: list[tuple[Candidate, list[int]]], report: list
     return "\n".join(lines)
 
 
+def _check_out(path: str) -> Path:
+    out = Path(path)
+    if out.is_dir() or not out.parent.is_dir():  # checked before the minutes of measuring
+        raise ValueError(f"--out {str(out)!r} is a directory; name the cluster TOML file to write"
+                         if out.is_dir() else f"--out {str(out)!r}: the directory "
+                         f"{str(out.parent)!r} does not exist")
+    return out
+
+
+def _calibrate_from(cfg: PlanConfig) -> Cluster:
+    """``--calibrate-from``: the base cluster (``--calibrate-base``, else the preset of the run's device) with the
+    run's measured rates."""
+    device = str(read_run(cfg.calibrate_from)["environment"].get("name", ""))
+    base = load_cluster(cfg.calibrate_base) if cfg.calibrate_base else cluster_for_device(device)
+    if base is None:
+        raise ValueError(f"--calibrate-from {cfg.calibrate_from!r}: no built-in cluster describes the run's device "
+                         f"{device!r}; give --calibrate-base (built-in {builtin_clusters()} or a TOML file)")
+    return calibrate_from_run(cfg.calibrate_from, base)[0]
+
+
 def run(cfg: PlanConfig, simulate: Simulator | None = None) -> int:
     """Carry out one ``loongtrain plan`` request; the exit code (ValueError for a bad request)."""
-    if cfg.calibrate:
-        out = Path(cfg.out)
-        if out.is_dir() or not out.parent.is_dir():  # checked before the minutes of measuring
-            raise ValueError(f"--out {str(out)!r} is a directory; name the cluster TOML file to write"
-                             if out.is_dir() else f"--out {str(out)!r}: the directory "
-                             f"{str(out.parent)!r} does not exist")
-        cluster = calibrate(world=cfg.calibrate_world)
-        Path(cfg.out).write_text(cluster_to_toml(cluster))
+    if cfg.calibrate or cfg.calibrate_from:
+        if cfg.calibrate and cfg.calibrate_from:
+            raise ValueError("--calibrate measures this machine, --calibrate-from reads a device run: give one")
+        out = _check_out(cfg.out)
+        cluster = calibrate(world=cfg.calibrate_world) if cfg.calibrate else _calibrate_from(cfg)
+        out.write_text(cluster_to_toml(cluster))
         print(cluster_to_toml(cluster))
         print(f"wrote {cfg.out}  (use: loongtrain plan --cluster {cfg.out} ...)")
         return 0
@@ -226,7 +257,8 @@ def _run_max_seq_len(cfg: PlanConfig, name: str, model, cluster: Cluster, device
         print(f"longest sequence for {name} on {best.world_size} devices of {cluster.name}: {length} tokens "
               f"({length / 2**20:.2f}M), {best.config.label()}: {best.memory['total'] / 2**30:.1f} GiB per device "
               f"(usable {cluster.usable_memory / 2**30:.1f}), host {best.host_per_node / 2**30:.1f} GiB per node "
-              f"(usable {cluster.usable_host_memory / 2**30:.1f}), step {best.step_time:.2f} s, MFU {best.mfu:.1%}")
+              f"(usable {cluster.usable_host_memory / 2**30:.1f}), step {best.step_time:.2f} s ({_terms(best)}), "
+              f"MFU {best.mfu:.1%}")
     return 0
 
 

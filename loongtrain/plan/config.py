@@ -74,7 +74,12 @@ class PlanConfig:
                            "the per-rank work (max/mean) of both layouts", metavar="TOKENS")
     calibrate: bool = _opt(False, "measure this machine, write a cluster TOML")
     calibrate_world: int = _opt(4, "ranks of the calibrated node")
-    out: str = _opt("cluster-calibrated.toml", "--calibrate output")
+    calibrate_from: str = _opt("", "write a cluster TOML (--out) from a device run (`python -m benchmarks.gpu_check "
+                               "--out FILE`): its attention kernel, matmul and memory-bandwidth measurements, "
+                               "everything else from --calibrate-base", metavar="GPU_CHECK_JSON")
+    calibrate_base: str = _opt("", "the cluster whose other values --calibrate-from keeps: built-in or a TOML file "
+                               "(default: the built-in cluster of the run's device)")
+    out: str = _opt("cluster-calibrated.toml", "--calibrate / --calibrate-from output")
 
     @property
     def dtype_bytes(self) -> int:

@@ -1,37 +1,42 @@
 """Time, MFU and memory of one training step for one configuration on ``nodes`` nodes of a cluster.
 
-Per layer, per device (``t = B * S / sp`` tokens, ``P_l`` layer parameters):
+The step is the sum of four terms (docs/design.md §9), each named in ``Candidate.terms``:
 
-- GEMMs: forward ``2 * P_l * t`` FLOPs at ``matmul_tflops``, backward 2x.
-- Attention: :func:`loongtrain.plan.attention_cost.attention_time` (compute, all-to-all, exposed ring); with
-  packed ``documents`` each ring step costs its busiest member's visible pairs (docs/design.md §9).
-- Recompute (``ac_mode``): ``full`` re-runs the layer forward, attention and its communication
-  included; ``selective`` re-runs only the GEMMs (attention output and lse were kept); ``none`` nothing.
-- ZeRO (FSDP2 as the trainer applies it: weights gathered in the compute dtype, ``w`` =
-  :func:`param_bytes` bytes (bf16 under its ``MixedPrecisionPolicy``), gradients reduced in fp32;
-  prefetched, so hidden behind the layer's compute up to its length, the excess exposed):
-  ``full`` (shard over all ``dp * sp`` ranks, ``z = world``): parameter all-gather in forward and again
-  in backward, ``2 * (z-1)/z * P_l * w``, and gradient reduce-scatter ``(z-1)/z * P_l * 4``;
-  ``hybrid`` (HSDP, ``z = zero_shard_size``, which the planner sets to ``gpus_per_node``): the same
-  inside the shard group plus an all-reduce of the shard across the ``N = world / z`` groups,
-  ``2 * (N-1)/N * P_l / z * 4``; ``none``: gradient all-reduce over the world,
-  ``2 * (W-1)/W * P_l * 4``. A collective spanning nodes runs at the NIC share, else intra-node.
-- LM head: ``2 * V * d * t`` forward, 2x backward; its ZeRO traffic is counted as exposed.
+- **compute**: the matmuls (forward ``2 * P_l * t`` FLOPs per layer at ``matmul_tflops``, backward 2x;
+  ``t = B * S / sp`` tokens) and the attention kernels
+  (:func:`loongtrain.plan.attention_cost.attention_time`: each ring step at the measured rate of its call
+  size); the LM head ``6 * V * d * t``; recompute by ``ac_mode``: ``full`` re-runs the layer forward,
+  attention and its communication included, ``selective`` only the matmuls (attention output and lse were
+  kept), ``none`` nothing; a tiled MLP one more MLP forward (``6 * d * f * t``).
+- **memory-bound**: the bytes of every other op (norms, RoPE, SwiGLU, residual adds, casts, the ring's
+  merges, the embedding and the chunked loss's soft-max: :mod:`loongtrain.plan.step_bytes`) over the
+  device-memory bandwidth ``memory_bw``. They run on the compute stream, so they hide nothing and nothing
+  hides them.
+- **exposed communication**: the all-to-alls and the ring's unhidden transfers (``a2a``, ``ring-inner``,
+  ``ring-outer``); ZeRO (``zero``, FSDP2 as the trainer applies it, :func:`fsdp_times`: per layer the
+  forward and backward all-gathers of the compute-dtype weights and the fp32 gradient reduce-scatter,
+  prefetched one block ahead and hidden behind the layer's busy time up to its length; the first forward
+  gather, the first backward gather and the last reduce-scatter have nothing to hide behind, nor do the
+  root's (embedding, head) gather and reduce-scatter); without ZeRO on more than one rank the bucketed
+  gradient all-reduce (``grad-sync``, :func:`grad_sync_exposed`); the offload modes' host copies
+  (``offload``).
+- **optimizer**: the AdamW step and the gradient clipping over the rank's parameters (``OPTIMIZER_BYTES``
+  per parameter over ``memory_bw``), or under ``offload_params`` the CPU AdamW step, ``P / z``
+  parameters at the node's ``cpu_adam_gparams_s`` shared by its ranks.
 
-- Offload and tiling modes (docs/design.md §9), over the host link ``host_bw`` per device: activation
-  offload copies each offloaded block's kept set ``K`` (all but the last ``offload_keep``) out in forward
-  and back in backward, ``2 * K / host_bw`` hidden behind the layer's busy time, the excess exposed
-  (``offload``); parameter offload moves the
-  fp32 shards in for both gathers and the gradient shard out, ``12 * P_l / z / host_bw`` per layer, hidden
-  the same way, plus the CPU AdamW step, ``P / z`` parameters at the node's ``cpu_adam_gparams_s`` shared
-  by its ranks; a tiled MLP recomputes its tiles in backward, one more MLP forward (``6 * d * f * t``).
+ZeRO groups: ``full`` shards over all ``dp * sp`` ranks (``z = world``); ``hybrid`` (HSDP, ``z =
+zero_shard_size``, which the planner sets to ``gpus_per_node``) shards inside the group and all-reduces the
+shard across the ``N = world / z`` groups, ``2 * (N-1)/N * P_l / z * 4``. A collective spanning nodes runs at
+the NIC share, else intra-node. Offload modes, over the host link ``host_bw`` per device: activation offload
+copies each offloaded block's kept set ``K`` (all but the last ``offload_keep``) out in forward and back in
+backward, ``2 * K / host_bw``; parameter offload moves the fp32 shards in for both gathers and the gradient
+shard out, ``12 * P_l / z / host_bw`` per layer; both hidden behind the layer's busy time, the excess exposed.
 
-Step = ``L * max(layer compute + exposed attention comm, layer ZeRO) + head``. Bottleneck: ``memory``
-when it does not fit; else the largest exposed communication component (a2a, ring-inner, ring-outer,
-zero) when it costs at least ``BOTTLENECK_SHARE`` of the step; else ``compute``. MFU uses the model's
-FLOPs (:func:`loongtrain.model.config.flops_per_token`, attention backward 2x): ``dp * B * S *
-flops_per_token / (step * world * peak_tflops)``; with ``documents`` the visible pairs' FLOPs instead
-(:func:`loongtrain.model.config.step_flops`).
+Bottleneck: ``memory`` when it does not fit; else the largest exposed communication component (a2a,
+ring-inner, ring-outer, zero, grad-sync, offload) when it costs at least ``BOTTLENECK_SHARE`` of the step;
+else ``compute``. MFU uses the model's FLOPs (:func:`loongtrain.model.config.flops_per_token`, attention
+backward 2x): ``dp * B * S * flops_per_token / (step * world * peak_tflops)``; with ``documents`` the
+visible pairs' FLOPs instead (:func:`loongtrain.model.config.step_flops`).
 """
 
 from __future__ import annotations
@@ -39,13 +44,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from loongtrain.model.config import ModelConfig, flops_per_token, num_params, step_flops
-from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.buckets import BUCKET_BYTES
+from loongtrain.parallel.buckets import gradient_buckets as buckets_of
+from loongtrain.parallel.config import ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
 from loongtrain.plan.memory_model import config_memory, layer_params
+from loongtrain.plan.step_bytes import OPTIMIZER_BYTES, head_bytes, layer_bytes
 
 GRAD_BYTES = 4
+
+COMMUNICATION = ("a2a", "ring-inner", "ring-outer", "zero", "grad-sync", "offload")
+#: the step's four terms (``Candidate.terms``) and the breakdown components each sums
+TERMS = {"compute": ("compute",), "memory_bound": ("memory-bound",), "exposed_communication": COMMUNICATION,
+         "optimizer": ("optimizer",)}
+BOTTLENECK_SHARE = 0.1
 
 
 def param_bytes(dtype_bytes: int) -> int:
@@ -54,14 +68,10 @@ def param_bytes(dtype_bytes: int) -> int:
     return min(dtype_bytes, 4)
 
 
-COMPONENTS = ("compute", "a2a", "ring-inner", "ring-outer", "zero", "offload")
-BOTTLENECK_SHARE = 0.1
-
-
 @dataclass
 class Candidate:
     """A configuration (exactly what ``loongtrain train`` runs) with its predicted cost; ``breakdown``
-    seconds per step by component."""
+    seconds per step by component, ``terms`` the same summed into the step's four terms (:data:`TERMS`)."""
 
     config: ParallelConfig
     world_size: int
@@ -75,6 +85,10 @@ class Candidate:
     breakdown: dict[str, float] = field(default_factory=dict)
     host_per_node: float = 0.0  # bytes of pinned host memory per node (the offload modes)
 
+    @property
+    def terms(self) -> dict[str, float]:
+        return {name: sum(self.breakdown.get(k, 0.0) for k in parts) for name, parts in TERMS.items()}
+
     def to_dict(self) -> dict:
         """The configuration's fields (``hp``, ..., ``ac_mode``, ``ac_fraction``) and the prediction."""
         return {
@@ -82,27 +96,77 @@ class Candidate:
             "step_time_s": self.step_time, "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
             "memory_gib": self.memory["total"] / 2**30, "host_gib_per_rank": self.memory.get("host", 0.0) / 2**30,
             "host_gib_per_node": self.host_per_node / 2**30, "fits": self.fits, "bottleneck": self.bottleneck,
-            "breakdown_s": dict(self.breakdown),
+            "terms_s": self.terms, "breakdown_s": dict(self.breakdown),
             "memory_parts_gib": {k: v / 2**30 for k, v in self.memory.items()},
         }
 
 
-def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: Cluster,
-                    dtype_bytes: int = 2) -> float:
-    """Seconds of ZeRO/gradient communication for ``params`` parameters (see module docstring)."""
+def _group_bw(cluster: Cluster, size: int, world: int) -> float:
+    """Per-device bytes/s of a collective over ``size`` ranks: intra-node, or the NIC share when it spans nodes."""
+    g = cluster.gpus_per_node
+    return cluster.cross_bw(min(g, world)) if size > g else cluster.intra_bw
+
+
+def fsdp_times(config: ParallelConfig, params: float, world: int, cluster: Cluster,
+               dtype_bytes: int = 2) -> tuple[float, float]:
+    """``(gather, reduce)`` seconds of FSDP2's collectives for ``params`` parameters: one all-gather of the
+    compute-dtype weights, ``(z-1)/z * P * u / bw(z)``, and the fp32 gradient reduce-scatter,
+    ``(z-1)/z * P * 4 / bw(z)``, plus with ``hybrid`` the shard's all-reduce across the groups. ``(0, 0)``
+    without ZeRO."""
+    if config.zero == "none":
+        return 0.0, 0.0
     g = cluster.gpus_per_node
     z = config.shard_size(world)
     groups = world // z
-
-    def bw(size: int) -> float:
-        return cluster.cross_bw(min(g, world)) if size > g else cluster.intra_bw
-
-    if config.zero == "none":
-        return 2 * (world - 1) / world * params * GRAD_BYTES / bw(world)
-    shard = (z - 1) / z * params * (2 * param_bytes(dtype_bytes) + GRAD_BYTES) / bw(z)
+    share = (z - 1) / z * params / _group_bw(cluster, z, world)
+    reduce = share * GRAD_BYTES
     if config.zero == "hybrid" and groups > 1:
-        shard += 2 * (groups - 1) / groups * params / z * GRAD_BYTES / cluster.cross_bw(g)
-    return shard
+        reduce += 2 * (groups - 1) / groups * params / z * GRAD_BYTES / cluster.cross_bw(g)
+    return share * param_bytes(dtype_bytes), reduce
+
+
+def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: Cluster,
+                    dtype_bytes: int = 2) -> float:
+    """Seconds of a block's FSDP2 communication per step: the gathers of forward and backward and the
+    gradient reduce-scatter (:func:`fsdp_times`)."""
+    gather, reduce = fsdp_times(config, params, world, cluster, dtype_bytes)
+    return 2 * gather + reduce
+
+
+def gradient_buckets(model: ModelConfig, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[float, int]]:
+    """The fp32 gradient buckets of the all-reduce without ZeRO, as the trainer makes them
+    (:func:`loongtrain.parallel.buckets.gradient_buckets` over the parameters in reverse order, the order the
+    backward produces them): ``(ready, bytes)`` with ``ready`` the layers whose backward has run when the
+    bucket's last gradient exists. The LM head and the final norm come first, at 0 (the chunked loss computed
+    their gradients in the forward: they are accumulated when the backward starts); a layer's parameters
+    follow its backward, the MLP's first, each at the share of the layer's parameters done; the embedding
+    last, at ``L`` (tied: the head's gradient is complete only then)."""
+    d, f, hd, L = model.dim, model.ffn_dim, model.head_dim, model.num_layers
+    q, kv = model.num_heads * hd * d, model.num_kv_heads * hd * d
+    layer = (d * f, f * d, d * f, d, q, kv, kv, q, d)  # w3, w2, w1, ffn_norm, wo, wv, wk, wq, attention_norm
+    params = ([] if model.tie_embeddings else [(0.0, model.vocab_size * d)]) + [(0.0, d)]
+    for done in range(L):
+        total = 0
+        for n in layer:
+            total += n
+            params.append((done + total / sum(layer), n))
+    params.append((float(L), model.vocab_size * d))
+    sizes = [GRAD_BYTES * n for _, n in params]
+    return [(params[bucket[-1]][0], sum(sizes[i] for i in bucket)) for bucket in buckets_of(sizes, bucket_bytes)]
+
+
+def grad_sync_exposed(model: ModelConfig, *, layer_backward: float, world: int, bandwidth: float,
+                      latency: float) -> float:
+    """Exposed seconds of the gradient all-reduce without ZeRO on ``world > 1`` ranks, as the trainer runs it
+    (``loongtrain.train.sync``): each bucket of :func:`gradient_buckets` is all-reduced over the world (``2 *
+    (W-1)/W * bytes / bandwidth + latency``) from the moment it is full, one after another on the communication
+    stream, beside the backward that is still running (``layer_backward`` seconds a layer), and all are waited
+    for when the backward ends (on the last micro-batch only); what runs past that end is exposed."""
+    end = model.num_layers * layer_backward
+    t = 0.0
+    for ready, nbytes in gradient_buckets(model):
+        t = max(t, ready * layer_backward) + 2 * (world - 1) / world * nbytes / bandwidth + latency
+    return max(0.0, t - end)
 
 
 def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents) -> float:
@@ -118,44 +182,59 @@ def step_cost(
     model: ModelConfig, config: ParallelConfig, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
     dtype_bytes: int = 2, documents: Documents | None = None, world: int | None = None,
 ) -> Candidate:
-    """Predicted step time, MFU, memory and bottleneck of ``config`` on ``nodes`` nodes (``documents``: packed
-    rows of every replica's batch and their chunk layout); ``world``: the devices used when fewer than
-    ``nodes`` whole nodes (one partial node)."""
+    """Predicted step time (its terms), MFU, memory and bottleneck of ``config`` on ``nodes`` nodes
+    (``documents``: packed rows of every replica's batch and their chunk layout); ``world``: the devices used
+    when fewer than ``nodes`` whole nodes (one partial node)."""
     world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
                       model.sliding_window)
     attn = attention_time(layout, shape, cluster, documents)
     t = batch * seq_len / layout.sp
-    rate = cluster.matmul_tflops * 1e12
-    p_l = layer_params(model)
+    rate, bw = cluster.matmul_tflops * 1e12, cluster.memory_bw
+    p_l, L = layer_params(model), model.num_layers
+    z = config.shard_size(world)
+    sharded = z > 1 or config.offload_params  # FSDP2 gathers the weights (the trainer's rule)
+    tiles = mlp_tile_count(config.mlp_tiles, int(t), model.dim, model.ffn_dim, strict=False)
+    he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
+    moved, moved_fwd = layer_bytes(model, tokens=t, kv_heads=he, hp=layout.hp, dtype_bytes=dtype_bytes,
+                                   sharded=sharded, checkpointed=config.ac_mode != "none", mlp_tiles=tiles)
     gemm_fwd = 2 * p_l * t / rate
-    per_layer = {
-        "compute": 3 * gemm_fwd + attn.compute_fwd + attn.compute_bwd,
-        "a2a": attn.a2a_fwd + attn.a2a_bwd,
-        "ring-inner": attn.ring_inner_fwd + attn.ring_inner_bwd,
-        "ring-outer": attn.ring_outer_fwd + attn.ring_outer_bwd,
-    }
-    if config.ac_mode == "full":
-        per_layer["compute"] += gemm_fwd + attn.compute_fwd
-        per_layer["a2a"] += attn.a2a_fwd
-        per_layer["ring-inner"] += attn.ring_inner_fwd
-        per_layer["ring-outer"] += attn.ring_outer_fwd
+    fwd = {"compute": gemm_fwd + attn.compute_fwd, "memory-bound": moved_fwd / bw + attn.memory_fwd,
+           "a2a": attn.a2a_fwd, "ring-inner": attn.ring_inner_fwd, "ring-outer": attn.ring_outer_fwd}
+    bwd = {"compute": 2 * gemm_fwd + attn.compute_bwd, "memory-bound": (moved - moved_fwd) / bw + attn.memory_bwd,
+           "a2a": attn.a2a_bwd, "ring-inner": attn.ring_inner_bwd, "ring-outer": attn.ring_outer_bwd}
+    if config.ac_mode == "full":  # the recompute in the backward: the layer forward, attention and its traffic
+        for key, value in fwd.items():
+            bwd[key] += value - (moved_fwd / bw if key == "memory-bound" else 0.0)  # its bytes are in `moved`
     elif config.ac_mode == "selective":
-        per_layer["compute"] += gemm_fwd
+        bwd["compute"] += gemm_fwd
+    if tiles > 1:
+        bwd["compute"] += 2 * 3 * model.dim * model.ffn_dim * t / rate  # each tile's MLP forward again
+    per_layer = {k: fwd[k] + bwd[k] for k in fwd}
     layer_busy = sum(per_layer.values())
-    zero_exposed = max(0.0, zero_layer_time(config, p_l, world, cluster, dtype_bytes) - layer_busy)
+    gather, reduce = fsdp_times(config, p_l, world, cluster, dtype_bytes)
+    zero_exposed = max(0.0, 2 * gather + reduce - layer_busy)
     head_params = model.vocab_size * model.dim
-    head_compute = 6 * head_params * t / rate
-    head_zero = zero_layer_time(config, head_params, world, cluster, dtype_bytes)
-    breakdown = {k: model.num_layers * v for k, v in per_layer.items()}
-    breakdown["compute"] += head_compute
-    breakdown["zero"] = model.num_layers * zero_exposed + head_zero
+    head_gather, head_reduce = fsdp_times(config, head_params, world, cluster, dtype_bytes)
+    breakdown = {k: L * v for k, v in per_layer.items()}
+    breakdown["compute"] += 6 * head_params * t / rate
+    breakdown["memory-bound"] += head_bytes(model, tokens=t, dtype_bytes=dtype_bytes, sharded=sharded) / bw
+    breakdown["zero"] = L * zero_exposed + 2 * gather + reduce + head_gather + head_reduce if z > 1 else 0.0
+    breakdown["grad-sync"] = 0.0
+    if config.zero == "none" and world > 1:
+        latency = cluster.inter_latency_us if world > cluster.gpus_per_node else cluster.intra_latency_us
+        breakdown["grad-sync"] = grad_sync_exposed(model, layer_backward=sum(bwd.values()), world=world,
+                                                   bandwidth=_group_bw(cluster, world, world), latency=latency * 1e-6)
     memory = config_memory(model, config, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                           zero_size=config.shard_size(world))
-    if config.offload_activations or config.offload_params or config.mlp_tiles != "1":
-        breakdown["offload"] = offload_time(model, config, cluster, world, t, memory, layer_busy)
-        breakdown["compute"] += mlp_recompute_time(model, config, t, rate)
+                           zero_size=z)
+    if config.offload_activations or config.offload_params:
+        breakdown["offload"] = offload_time(model, config, cluster, world, memory, layer_busy)
+    if config.offload_params:
+        ranks = min(world, cluster.gpus_per_node)
+        breakdown["optimizer"] = num_params(model) / z / (cluster.cpu_adam_gparams_s * 1e9 / ranks)
+    else:
+        breakdown["optimizer"] = OPTIMIZER_BYTES * num_params(model) / z / bw
     step = sum(breakdown.values())
     host_per_node = memory["host"] * min(world, cluster.gpus_per_node)
     fits = memory["total"] <= cluster.usable_memory and host_per_node <= cluster.usable_host_memory
@@ -163,7 +242,7 @@ def step_cost(
     model_flops = (tokens * flops_per_token(model, seq_len) if documents is None
                    else layout.dp * document_flops(model, shape, documents))
     mfu = model_flops / (step * world * cluster.peak_tflops * 1e12)
-    comm = max(COMPONENTS[1:], key=lambda k: breakdown.get(k, 0.0))
+    comm = max(COMMUNICATION, key=lambda k: breakdown.get(k, 0.0))
     bottleneck = comm if breakdown.get(comm, 0.0) >= BOTTLENECK_SHARE * step else "compute"
     if not fits:
         bottleneck = "memory"
@@ -171,21 +250,11 @@ def step_cost(
                      host_per_node)
 
 
-def offload_time(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int, tokens: float,
+def offload_time(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int,
                  memory: dict[str, float], layer_busy: float) -> float:
-    """Exposed seconds per step of the host copies and the CPU AdamW step (module docstring)."""
+    """Exposed seconds per step of the offload modes' host copies (module docstring)."""
     L, z = model.num_layers, config.shard_size(world)
     offloaded = L - min(config.offload_keep, L - 1) if config.offload_activations else 0
     acts = 2 * memory["host_activations"] / offloaded / cluster.host_bw if offloaded else 0.0  # out and back
     params = 12 * layer_params(model) / z / cluster.host_bw if config.offload_params else 0.0
-    exposed = offloaded * max(0.0, acts + params - layer_busy) + (L - offloaded) * max(0.0, params - layer_busy)
-    if config.offload_params:
-        ranks = min(world, cluster.gpus_per_node)
-        exposed += num_params(model) / z / (cluster.cpu_adam_gparams_s * 1e9 / ranks)
-    return exposed
-
-
-def mlp_recompute_time(model: ModelConfig, config: ParallelConfig, tokens: float, rate: float) -> float:
-    """Seconds of the tiled MLP's recompute in backward: one more MLP forward per layer (``mlp_tiles > 1``)."""
-    tiled = config.mlp_tiles == "auto" or int(config.mlp_tiles) > 1
-    return model.num_layers * 2 * 3 * model.dim * model.ffn_dim * tokens / rate if tiled else 0.0
+    return offloaded * max(0.0, acts + params - layer_busy) + (L - offloaded) * max(0.0, params - layer_busy)

@@ -81,7 +81,7 @@ from loongtrain.parallel.layout import Layout
 
 STATE_BYTES_PER_PARAM = 16
 #: fp32 temporaries of one parameter that torch's single-tensor AdamW step (``foreach=False``) holds at once
-#: (measured: the host's peak of the AdamW step under ``--offload-params`` in train/simulate.py)
+#: (measured: the host's peak of the AdamW step under ``--offload-params`` in train/simulate/)
 ADAMW_STEP_TEMPORARIES = 3
 
 
@@ -142,7 +142,7 @@ def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_
 def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,
                   full_layer: float, tiles: int) -> dict[str, float]:
     """Bytes live in one block's backward beyond what the step keeps (the blocks' kept sets, module
-    docstring), at its two peaks (measured: train/simulate.py at the Llama-3-8B shape):
+    docstring), at its two peaks (measured: train/simulate/ at the Llama-3-8B shape):
 
     - ``mlp``: inside the MLP's backward: the block's recomputed set (``full_layer``), two gradients of the
       residual stream (the block output's and the MLP input's), ``2 * d * r``, and SwiGLU's three

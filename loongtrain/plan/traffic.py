@@ -27,12 +27,52 @@ all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it eac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
+
 from loongtrain.attn.short_pass import pass_reach, short_hops, short_sends
 from loongtrain.parallel.config import effective_kv_heads
 from loongtrain.parallel.layout import DoubleRing, Layout
 from loongtrain.parallel.zigzag import check_sequence_length
 
 KINDS = ("a2a", "kv", "dkv")
+
+
+@dataclass(frozen=True)
+class LinkStats:
+    """Which hops leave the node, and how many devices of the busiest node send across at once."""
+
+    a2a_intra_peers: int  # max over ranks of head-group peers on the same node
+    a2a_cross_peers: int  # max over ranks of head-group peers on other nodes
+    a2a_senders: int  # max over nodes of devices with a cross-node a2a peer
+    inner_cross: bool  # some rank's inner-ring next peer is on another node
+    inner_senders: int
+    outer_cross: bool
+    outer_senders: int
+
+
+@lru_cache(maxsize=4096)
+def link_stats(layout: Layout, ranks_per_node: int) -> LinkStats:
+    """Scan every rank of ``layout`` (node of a rank = ``rank // ranks_per_node``)."""
+    node = lambda r: r // ranks_per_node
+    a2a_in = a2a_out = 0
+    senders: dict[str, dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}
+    for rank in range(layout.world_size):
+        d, c, _ = layout.coords(rank)
+        peers = [p for p in layout.grid[d][c] if p != rank]
+        cross = sum(node(p) != node(rank) for p in peers)
+        a2a_in, a2a_out = max(a2a_in, len(peers) - cross), max(a2a_out, cross)
+        hops = {"a2a": cross > 0}
+        if layout.cp > 1:
+            ring = layout.ring_peers(rank)
+            hops["inner"] = layout.window > 1 and node(ring["inner_next"]) != node(rank)
+            hops["outer"] = layout.num_windows > 1 and node(ring["outer_next"]) != node(rank)
+        for kind, is_cross in hops.items():
+            if is_cross:
+                senders[kind][node(rank)] = senders[kind].get(node(rank), 0) + 1
+    most = {kind: max(s.values(), default=0) for kind, s in senders.items()}
+    return LinkStats(a2a_in, a2a_out, most["a2a"], most["inner"] > 0, most["inner"],
+                     most["outer"] > 0, most["outer"])
 
 
 def acc_bytes(dtype_bytes: int) -> int:

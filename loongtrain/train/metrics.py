@@ -68,13 +68,6 @@ def _longest_match(device_name: str, keys: list[str]) -> str | None:
     return max(found, key=len) if found else None
 
 
-def cluster_for_device(device_name: str) -> Cluster | None:
-    """The built-in cluster preset whose ``device_names`` match ``device_name`` (longest first)."""
-    by_key = {key: c for c in _preset_clusters() for key in c.device_names}
-    key = _longest_match(device_name, list(by_key))
-    return by_key[key] if key is not None else None
-
-
 def device_peak_tflops(device_name: str) -> float | None:
     """Dense bf16 peak TFLOP/s of a CUDA device by name: the longest matching key among the presets'
     ``device_names`` and :data:`CUDA_PEAK_TFLOPS`; None when unknown."""

@@ -50,6 +50,15 @@ What is simulated, exactly:
 
 A Hugging Face model directory is simulated as loongtrain's decoder of the same shape (its
 :class:`~loongtrain.model.config.ModelConfig`), which is what the planner models.
+
+**By depth** (:func:`simulate_by_depth`, what ``loongtrain plan --simulate`` runs): the blocks are alike, so
+each phase of the step (a block's forward or backward, for the first, the last and the blocks between, the
+rest of the forward and backward, the optimizer step) peaks at ``a + b * L`` for ``L`` blocks. The step is
+simulated at two small depths (:data:`DEPTHS`, past the blocks ``offload_keep`` keeps) and each phase's peak
+(device and host, and its parts) extended linearly to the model's depth; the largest is the step's. The
+loops whose passes are alike (loss chunks, MLP tiles, norm and RoPE chunks) run their first two passes and
+their last (:func:`~loongtrain.train.simulate.fake_step.alike_loops`). Equal to the whole simulation within 1%
+(tests/test_simulate.py, every memory mode), at a fraction of its time.
 """
 
 from __future__ import annotations
@@ -57,27 +66,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.parallel import agreement
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.parallel.mesh import destroy_all_meshes, init_mesh
+from loongtrain.parallel.mesh import init_mesh
 from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.simulate.fake_step import (  # noqa: F401 - fake_ranks and HostAwareTracker are this module's API too
+    HOST,
+    HostAwareTracker,
+    alike_loops,
+    attention_workspace,
+    fake_ranks,
+    noop_to_is_identity,
+)
 from loongtrain.train.trainer import Trainer
 from loongtrain.wrap import zero as zero_module
-from loongtrain.wrap.offload import allocating_on_host, host_allocations
+from loongtrain.wrap.offload import host_allocations
 
 log = logging.getLogger("loongtrain.train")
 
-#: MemTracker's key for host memory (the offload modes' host buffers, beside the fake CPU "device")
-HOST = "host"
+#: the two depths :func:`simulate_by_depth` simulates (beyond the blocks ``offload_keep`` keeps on the device)
+DEPTHS = (3, 4)
 
 
 @dataclasses.dataclass
@@ -92,121 +104,14 @@ class Simulated:
     rank: int
     world_size: int
     host_parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: phase -> (device or host: ``(peak bytes, its parts)``) of :class:`HostAwareTracker`
+    phases: dict[tuple[str, bool], tuple[int, dict[str, int]]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"simulated_device_gib": self.peak_bytes / 2**30, "simulated_host_gib": self.host_bytes / 2**30,
                 "simulated_parts_gib": {k: v / 2**30 for k, v in self.parts.items()},
                 "simulated_host_parts_gib": {k: v / 2**30 for k, v in self.host_parts.items()}, "rank": self.rank,
                 "world_size": self.world_size}
-
-
-class HostAwareTracker(MemTracker):
-    """torch's MemTracker with host memory under its own key (:data:`HOST`) beside the (CPU) device's:
-    storages allocated inside :func:`loongtrain.wrap.offload.host_allocations`, and those moved with
-    :meth:`to_host` (FSDP2's host shards and their gradients under ``CPUOffloadPolicy``). Each key has its
-    own peak, so the device's peak is not inflated by what lives on the host, nor the host's by the device."""
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        """The per-device peaks only: MemTracker also keeps each active module's peak, a walk over every
-        tracked module after every op (most of a full-size step's time), which nothing here reads."""
-        for dev, dev_snap in self._curr_mem_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = dict(dev_snap)
-
-    def _track(self, reftype: Any, t: torch.Tensor) -> None:
-        super()._track(reftype, t)
-        if allocating_on_host():
-            self.to_host(t)
-
-    def to_host(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storages as host memory from now on (created, if not yet tracked)."""
-        from torch.distributed._tools.common_utils import get_untyped_storages
-        from torch.distributed._tools.mem_tracker import _ModState, _UpdateType
-
-        for st in get_untyped_storages(t):
-            winfo, _ = self._WINFO.get(st, (None, None))
-            if winfo is None:
-                self._update_and_maybe_create_winfos(t, _MemRefType.OTH)
-                winfo, _ = self._WINFO[st]
-            if winfo.device == HOST:
-                continue
-            if winfo.mem_consumed > 0:
-                self._update_snap(_UpdateType.DEL, winfo)
-            winfo.device = HOST
-            if winfo.mem_consumed > 0:
-                self._update_snap(_UpdateType.ADD, winfo)
-        self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
-
-
-@contextlib.contextmanager
-def _noop_to_is_identity() -> Iterator[None]:
-    """``module.to(device, dtype)`` returns the module when every parameter already has that device and
-    dtype. Under FakeTensorMode a no-op move would otherwise swap each fake parameter, which torch refuses."""
-    original = nn.Module.to
-
-    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if all((device is None or p.device == device) and (dtype is None or p.dtype == dtype)
-               for p in self.parameters()):
-            return self
-        return original(self, *args, **kwargs)
-
-    nn.Module.to = to  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.to = original  # type: ignore[method-assign]
-
-
-@contextlib.contextmanager
-def fake_ranks(world: int, rank: int = 0) -> Iterator[None]:
-    """This process as rank ``rank`` of ``world`` on torch's fake backend (collectives return at once),
-    without the cross-rank argument checks (the fake backend returns no data); everything undone after."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise ValueError("simulate: a torch.distributed process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    check = agreement.check_agreement
-    agreement.check_agreement = lambda *args, **kwargs: None
-    meshes = dict(zero_module._DEVICE_MESHES)
-    try:
-        yield
-    finally:
-        agreement.check_agreement = check
-        zero_module._DEVICE_MESHES.clear()
-        zero_module._DEVICE_MESHES.update(meshes)
-        destroy_all_meshes()
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def attention_workspace() -> Iterator[None]:
-    """Count the attention op's own workspace. MemTracker sees a custom op's inputs and results, not what its
-    implementation allocates inside (the ring's K/V blocks and fp32 accumulators), and under fake tensors the
-    op runs its fake implementation anyway; so each ring backward call holds, while it runs, one buffer of
-    :func:`loongtrain.attn.ring.backward_workspace_bytes` (that description is measured against the ring
-    code itself: tests/test_ring_workspace.py)."""
-    from loongtrain.attn import ops
-    from loongtrain.attn.ring import backward_workspace_bytes
-
-    original = ops.ring_attention_backward
-
-    def with_workspace(dout, q, k, v, out, lse, ring, *args):
-        b, s, h, d = q.shape
-        nbytes = backward_workspace_bytes(b * s, h, k.shape[2], d, q.element_size(), len(ops._RINGS[ring].ranks))
-        workspace = torch.empty(int(nbytes), dtype=torch.uint8, device=q.device)
-        try:
-            return original(dout, q, k, v, out, lse, ring, *args)
-        finally:
-            del workspace
-
-    ops.ring_attention_backward = with_workspace
-    try:
-        yield
-    finally:
-        ops.ring_attention_backward = original
 
 
 def _batch(model: ModelConfig, seq_len: int, batch: int) -> dict[str, torch.Tensor]:
@@ -218,10 +123,11 @@ def _parts(snapshot: dict[Any, dict[Any, int]], key: Any) -> dict[str, int]:
     return {str(getattr(k, "value", k)).lower(): int(v) for k, v in snapshot.get(key, {}).items()}
 
 
-def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
-                 ) -> tuple[int, dict[str, int], int, dict[str, int]]:
+def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int, dict[str, int], int, dict[str, int],
+                                                                       dict[tuple[str, bool], tuple[int, dict]]]:
     """The trainer's step (loss, backward, dp gradient sync, AdamW) under :class:`HostAwareTracker`, with
-    the optimizer states already allocated: ``(device peak bytes, its parts, host peak bytes, its parts)``.
+    the optimizer states already allocated: ``(device peak bytes, its parts, host peak bytes, its parts,
+    each phase's peaks)``.
 
     Host memory: the activation offloader's host copies (allocated inside ``host_allocations``) and, with
     ``offload_params`` (FSDP2's ``CPUOffloadPolicy``), the sharded parameters, AdamW's states, each
@@ -232,7 +138,7 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
-    tracker = HostAwareTracker()
+    tracker = HostAwareTracker(trainer.model_config.num_layers)
     tracker.track_external(trainer.model, trainer.optimizer)
     hooks = []
     if offload_params:
@@ -248,6 +154,7 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
             loss, _ = trainer.loss(batch)
             with trainer.grad_sync.overlapped() if trainer.grad_sync else contextlib.nullcontext():
                 loss.backward()
+            tracker.stage = "optimizer"
             with host_allocations() if offload_params else contextlib.nullcontext():
                 trainer.optimizer.step()
             trainer.optimizer.zero_grad(set_to_none=True)
@@ -257,14 +164,19 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]
     snapshot = tracker.get_tracker_snapshot("peak")
     device = next((d for d in snapshot if d != HOST and d.type == trainer.device.type), None)
     parts, host = _parts(snapshot, device), _parts(snapshot, HOST)
-    return parts.pop("total", 0), parts, host.pop("total", 0), host
+    phases = {(phase, dev == HOST): (total, _parts({0: snap}, 0)) for (phase, dev), (total, snap)
+              in tracker.phases.items() if dev in (HOST, device)}
+    for value in phases.values():
+        value[1].pop("total", None)
+    return parts.pop("total", 0), parts, host.pop("total", 0), host, phases
 
 
 def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
-                  dtype: str = "bf16", rank: int = 0, fake: bool = True) -> Simulated:
+                  dtype: str = "bf16", rank: int = 0, fake: bool = True, alike: bool = False) -> Simulated:
     """One rank's peak device and host memory for one step of ``model`` with ``parallel`` on ``world`` ranks
     (module docstring). ``fake=False`` runs the same step on real CPU tensors, counted the same way (small
-    sizes: what the simulation is checked against)."""
+    sizes: what the simulation is checked against); ``alike``: only some passes of the alike loops
+    (:func:`~loongtrain.train.simulate.fake_step.alike_loops`)."""
     cfg = TrainConfig(model="tiny", seq_len=seq_len, batch_size=batch, dtype=dtype, parallel=parallel,
                       memory_report=False)
     cfg.validate()
@@ -277,20 +189,44 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
             zero_module.zero_device_mesh(device, world, parallel.shard_size(world))
         modes = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if fake
                  else contextlib.nullcontext())
-        with modes, _noop_to_is_identity(), attention_workspace():
+        with modes, noop_to_is_identity(), attention_workspace(), \
+                alike_loops() if alike else contextlib.nullcontext():
             # cfg.model names a preset: the native decoder of `model`; the batches are made here, not read
             trainer = Trainer(Run(cfg, model), mesh, device, batches=lambda *args: iter(()))
-            peak, parts, host, host_parts = tracked_step(trainer, _batch(model, seq_len, batch))
-    return Simulated(peak, host, parts, rank, world, host_parts)
+            peak, parts, host, host_parts, phases = tracked_step(trainer, _batch(model, seq_len, batch))
+    return Simulated(peak, host, parts, rank, world, host_parts, phases)
+
+
+def simulate_by_depth(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
+                      dtype: str = "bf16", rank: int = 0) -> Simulated:
+    """:func:`simulate_step` of ``model`` from two small depths, the step's alike loops run in part (module
+    docstring, *By depth*): each phase's device and host peak, and its parts, extended linearly to
+    ``model.num_layers``; one simulation at the model's depth when it is that shallow."""
+    keep = min(parallel.offload_keep, model.num_layers - 1) if parallel.offload_activations else 0
+    low, high = (n + keep for n in DEPTHS)
+    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True)
+    if model.num_layers <= high:
+        return simulate_step(model, parallel, world, **kw)
+    a, b = (simulate_step(dataclasses.replace(model, num_layers=n), parallel, world, **kw) for n in (low, high))
+    scale = model.num_layers - high
+
+    def extend(key: tuple[str, bool]) -> tuple[int, dict[str, int]]:
+        (ta, pa), (tb, pb) = a.phases.get(key, (0, {})), b.phases[key]
+        return tb + scale * (tb - ta), {k: v + scale * (v - pa.get(k, 0)) for k, v in pb.items()}
+
+    phases = {key: extend(key) for key in b.phases}
+    device = max((v for (_, host), v in phases.items() if not host), default=(0, {}), key=lambda v: v[0])
+    host = max((v for (_, on_host), v in phases.items() if on_host), default=(0, {}), key=lambda v: v[0])
+    return Simulated(device[0], host[0], device[1], rank, world, host[1], phases)
 
 
 def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dict[str, Any]:
-    """``loongtrain plan --simulate``: :func:`simulate_step` for a planner candidate at the request's length,
+    """``loongtrain plan --simulate``: :func:`simulate_by_depth` for a planner candidate at the request's length,
     batch and dtype (``candidate``: :class:`loongtrain.plan.cost.Candidate`, ``plan_cfg``:
     :class:`loongtrain.plan.config.PlanConfig`)."""
     dtypes = {"bf16": "bf16", "fp32": "fp32"}
     if plan_cfg.dtype not in dtypes:
         raise ValueError(f"--simulate: dtype={plan_cfg.dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
-    result = simulate_step(model, candidate.config, candidate.world_size, seq_len=plan_cfg.seq_len,
+    result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.seq_len,
                            batch=plan_cfg.batch_size, dtype=dtypes[plan_cfg.dtype])
     return result.to_dict()

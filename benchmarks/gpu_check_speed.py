@@ -1,5 +1,4 @@
-"""gpu_check's speed sections, kept apart from its exactness sections (``benchmarks/gpu_check.py``
-imports them into its ``SECTIONS``):
+"""gpu_check's speed sections (``python -m benchmarks.gpu_check``):
 
 - ``kernel_choice``: every candidate kernel's forward and backward time, separately, on a dense causal call
   and on packed documents (the documents path: flash packs a step's pieces into varlen calls, a kernel
@@ -28,7 +27,7 @@ from loongtrain.plan.document_work import lognormal_documents
 
 Tensor = torch.Tensor
 
-SPEED_SIZES: dict[str, dict[str, Any]] = {
+SIZES: dict[str, dict[str, Any]] = {
     "gpu": {"choice": (1, 16384, 32, 8, 128), "loss": (131072, 16384, 4096), "loss_chunk": None,
             "loss_rounds": (3, 2), "compile": ("1b", 16384, 3, 2, "auto")},
     "cpu": {"choice": (1, 256, 4, 2, 32), "loss": (2048, 256, 32), "loss_chunk": 128, "loss_rounds": (1, 1),
@@ -63,7 +62,8 @@ def _kernel_times(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, dout: Tensor,
     return times
 
 
-def check_kernel_choice(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+def check_kernel_choice(ctx) -> dict[str, Any]:
+    device, size = ctx.device, SIZES[ctx.kind]
     b, s, h, hkv, d = size["choice"]
     dtype = torch.bfloat16
     q, k, v, dout = _inputs(b, s, h, hkv, d, dtype, device)
@@ -72,12 +72,15 @@ def check_kernel_choice(device: torch.device, size: dict[str, Any], state: dict[
     out: dict[str, Any] = {"S": s, "H": h, "Hkv": hkv, "D": d, "dtype": str(dtype), "documents": len(docs) - 1,
                            "candidates": {}}
     for kernel in kernel_candidates(device, dtype, d):
+        if not ctx.enough(0.0, kernel.name):
+            continue
         try:
-            out["candidates"][kernel.name] = _kernel_times(kernel, q, k, v, dout, mask, device)
+            out["candidates"][kernel.name] = ctx.attempt(
+                kernel.name, lambda kernel=kernel: _kernel_times(kernel, q, k, v, dout, mask, device))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is reported, not fatal
             out["candidates"][kernel.name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     out["chosen"] = choose_kernel(device, dtype, d, h, hkv, s).name
-    timed = {n: t for n, t in out["candidates"].items() if "error" not in t}
+    timed = {n: t for n, t in out["candidates"].items() if t and "error" not in t}
     for kind in ("dense", "documents"):
         total = {n: t[f"{kind}_forward_s"] + t[f"{kind}_backward_s"] for n, t in timed.items()}
         if total:
@@ -86,8 +89,10 @@ def check_kernel_choice(device: torch.device, size: dict[str, Any], state: dict[
     return out
 
 
-def check_loss(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+def check_loss(ctx) -> dict[str, Any]:
     from benchmarks.loss_speed import side_by_side
+
+    device, size = ctx.device, SIZES[ctx.kind]
 
     vocab, tokens, dim = size["loss"]
     dtype = "bf16" if device.type == "cuda" else "fp32"
@@ -98,10 +103,12 @@ def check_loss(device: torch.device, size: dict[str, Any], state: dict[str, Any]
             "ratio_range": [min(r["ratio"]), max(r["ratio"])]}
 
 
-def check_compile(device: torch.device, size: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+def check_compile(ctx) -> dict[str, Any]:
     from benchmarks.compile import side_by_side
     from loongtrain.model.config import get_preset
     from loongtrain.wrap import compile as compile_step
+
+    device, size = ctx.device, SIZES[ctx.kind]
 
     name, seq, steps, warmup, dtype = size["compile"]
     backend = compile_step.BACKEND if device.type == "cuda" else "aot_eager"  # CPU: fast, the same graphs
@@ -129,5 +136,3 @@ def _peak_tflops(device: torch.device) -> float:
         return cuda_peak_tflops(device) or float("nan")
     return measure_cpu_tflops()
 
-
-SPEED_SECTIONS = (("kernel_choice", check_kernel_choice), ("loss", check_loss), ("compile", check_compile))
