@@ -359,7 +359,8 @@ def test_restart_rule_and_one_line_report(monkeypatch, files, capsys):
 
 @pytest.mark.distributed  # starts processes
 @pytest.mark.parametrize("argv, needle", [
-    ([*TRAIN, "--model", D + "/hf_minimal", "--nproc", "2", "--hp", "2"], "does not state"),
+    # `plan` through the real entry point (its row is in the table above too; `train`'s subprocess case is
+    # tests/test_cli_errors.py's): each subprocess costs an interpreter start and the imports
     ([*PLAN, "--cluster", D + "/cluster_frac.toml"], "gpus_per_node = 7.5"),
 ])
 def test_bad_input_in_a_subprocess(argv, needle, files):

@@ -250,8 +250,8 @@ def test_bad_input_exits_2_with_a_message(args, needle, files, capsys):
 
 @pytest.mark.distributed  # starts processes
 @pytest.mark.parametrize("args, needle", [
-    (["--lr", "inf"], "--lr=inf"),
-    (["--corpus", D + "/invalid.jsonl"], "invalid JSON"),
+    # one case through the real entry point (the in-process table above has this row and the others; each
+    # subprocess costs an interpreter start and the imports); tests/test_bad_inputs.py runs `plan` this way
     (["--corpus", "{corpus}", "--out-dir", "{run}"], "--overwrite"),
 ])
 def test_bad_input_in_a_subprocess(args, needle, files):
