@@ -31,7 +31,6 @@ The run ends with ``summary``: planner ÷ measured for every training row.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -44,27 +43,8 @@ from typing import Any
 import torch
 
 from benchmarks import gpu_check_exact, gpu_check_rates, gpu_check_speed, gpu_check_train
+from benchmarks.gpu_check_failures import allocation_failure, release  # noqa: F401 - this module's API too
 from loongtrain.attn.kernel_choice import kernel_candidates
-
-#: words of an allocation failure in a RuntimeError's message (CUDA, cuBLAS, cuDNN)
-ALLOCATION_WORDS = ("out of memory", "alloc_failed", "cublas_status_alloc", "cudnn_status_alloc",
-                    "failed to allocate", "cannot allocate")
-
-
-def allocation_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is the device running out of memory: ``torch.OutOfMemoryError``, or a RuntimeError whose
-    message says an allocation failed (cuBLAS's ``CUBLAS_STATUS_ALLOC_FAILED``, cuDNN's
-    ``CUDNN_STATUS_ALLOC_FAILED``, "out of memory")."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(word in str(exc).lower() for word in ALLOCATION_WORDS)
-
-
-def release(device: torch.device) -> None:
-    """Free what a failed or finished measurement left: Python garbage and the CUDA allocator's cache."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 @dataclass

@@ -158,7 +158,7 @@ def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents
 
 
 def _rows(ctx, rows: list[tuple], out: dict[str, Any]) -> None:
-    from benchmarks.gpu_check import allocation_failure, release
+    from benchmarks.gpu_check_failures import allocation_failure, release
 
     for spec in rows:
         name, seq = spec[0], spec[1]
@@ -190,7 +190,7 @@ def check_training(ctx) -> dict[str, Any]:
 
 
 def check_documents_mfu(ctx) -> dict[str, Any]:
-    from benchmarks.gpu_check import allocation_failure, release
+    from benchmarks.gpu_check_failures import allocation_failure, release
 
     name, seq, median = SIZES[ctx.kind]["documents"]
     try:
