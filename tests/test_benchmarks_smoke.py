@@ -1,8 +1,11 @@
-"""The attention benchmarks run end to end at tiny sizes, so they cannot rot. Nothing here asserts a time:
-only that every case ran against its SDPA limit and that the counted work and bytes have the right order."""
+"""The attention benchmarks run end to end at tiny sizes, so they cannot rot (each benchmark's ``main`` in this
+process, its ranks and limit processes as it starts them; one of them through ``python -m``). Nothing here
+asserts a time: only that every case ran against its SDPA limit and that the counted work and bytes have the
+right order."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -23,9 +26,16 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def _main(name: str, *args: str) -> None:
+    """``benchmarks.NAME.main(args)`` in this process: the benchmark's whole path, its ranks and its limit's
+    process included, without another interpreter start (``python -m`` itself: :func:`_run`)."""
+    module = importlib.import_module(f"benchmarks.{name}")
+    assert module.main(list(args)) == 0
+
+
 def test_documents_tiny(tmp_path):
     out = tmp_path / "documents.json"
-    _run("documents.py", "--tiny", "--configs", "1x4", "--json", str(out))
+    _main("documents", "--tiny", "--configs", "1x4", "--json", str(out))
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"docs", "docs-balanced", "causal", "window"}
     for row in rows.values():
@@ -38,21 +48,23 @@ def test_documents_tiny(tmp_path):
 
 def test_attention_tiny(tmp_path):
     out = tmp_path / "attention.json"
-    _run("attention.py", "--seq-len", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+    _main("attention", "--seq-len", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
          "--iters", "1", "--rounds", "1", "--configs", "2x2", "--baselines", "none", "--json", str(out))
     (case,) = json.loads(out.read_text())["cases"]
     assert case["error"] is None and (case["hp"], case["cp"], case["kv_heads"]) == (2, 2, 2)
     assert len(case["total_s"]) == len(case["limit_s"]) == 1
 
 
-def test_agreement_tiny():
+def test_agreement_tiny(capsys):
     """benchmarks/agreement.py: the per-call check against the once-per-signature one."""
-    proc = _run("agreement.py", "--hp", "1", "--cp", "2", "--seq-lens", "64", "--iters", "1", "--rounds", "1")
-    row = proc.stdout.strip().splitlines()[-1]
-    assert row.startswith("| 64 |") and row.endswith(" us |"), proc.stdout
+    _main("agreement", "--hp", "1", "--cp", "2", "--seq-lens", "64", "--iters", "1", "--rounds", "1")
+    stdout = capsys.readouterr().out
+    row = stdout.strip().splitlines()[-1]
+    assert row.startswith("| 64 |") and row.endswith(" us |"), stdout
 
 
 def test_max_seq_planner_rows(tmp_path):
+    """Through ``python -m`` (the others call ``main`` in this process)."""
     out = tmp_path / "max_seq.json"
     _run("max_seq.py", "--models", "1b", "--gpus", "1", "--no-simulate", "--out", str(out))
     rows = json.loads(out.read_text())
