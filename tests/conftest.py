@@ -53,10 +53,10 @@ def gpu(monkeypatch):
 
 #: the slowest test files (``pytest --durations=0`` on a quiet 2-core machine), slowest first: run first, so
 #: the workers of ``--dist loadfile`` end together instead of one waiting for the other's last long file
-LONGEST_FIRST = ("test_nodes.py", "test_benchmarks_smoke.py", "test_simulate.py", "test_faults.py", "test_hf.py",
-                 "test_gpu_check.py", "test_memory_model.py", "test_launch.py", "test_compile_dist.py",
-                 "test_bad_inputs.py", "test_cli_errors.py", "test_documents.py", "test_documents_dist.py",
-                 "test_compile.py", "test_attention_dist.py")
+LONGEST_FIRST = ("test_nodes.py", "test_simulate.py", "test_hf.py", "test_faults.py", "test_launch.py",
+                 "test_documents.py", "test_compile.py", "test_compile_dist.py", "test_memory_model.py",
+                 "test_hf_train.py", "test_gpu_check.py", "test_attention_dist.py", "test_benchmarks_smoke.py",
+                 "test_documents_dist.py", "test_bad_inputs.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
