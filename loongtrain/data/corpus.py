@@ -86,15 +86,19 @@ def read_jsonl(path: Path, text_field: str = "text", decode_errors: str = "stric
         for lineno, raw in enumerate(f, 1):
             line = decode_text(raw, path, decode_errors, offset)
             offset += len(raw)
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{path}:{lineno}: no string field {text_field!r}")
-            yield record[text_field]
+            if line.strip():
+                yield record_text(line, text_field, f"{path}:{lineno}")
+
+
+def record_text(line: str, text_field: str, where: str) -> str:
+    """The ``text_field`` string of one JSON line; ValueError naming ``where`` (the file and line) otherwise."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+        raise ValueError(f"{where}: no string field {text_field!r}")
+    return record[text_field]
 
 
 #: :func:`sample_documents`: bytes read per sampled file, in this many evenly spaced blocks
@@ -162,15 +166,8 @@ def _block_lines(data: bytes, start: int, at_end: bool, file: Path, text_field: 
     for raw in lines:
         line = decode_text(raw, file, errors, offset)
         here, offset = offset, offset + len(raw) + 1
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: invalid JSON in the line at byte {here} ({e.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-            raise ValueError(f"{file}: the line at byte {here} has no string field {text_field!r}")
-        yield record[text_field]
+        if line.strip():
+            yield record_text(line, text_field, f"{file}, the line at byte {here}")
 
 
 def stdlib_files(root: str | Path | None = None) -> list[Path]:
