@@ -1,5 +1,5 @@
 """Cost of checking the attention arguments across ranks on every call, and the trainer's step with the
-per-call check against the once-per-step one (parallel/agreement.py, docs/design.md §10).
+per-call check against the once-per-step one (parallel/agreement.py, docs/launching.md).
 
 One spawn of ``--world`` gloo ranks (``--hp`` x ``--cp``, 1 torch thread each). Per sequence length and
 per round, side by side in the same processes: ``--iters`` forward + backward calls of
@@ -10,7 +10,7 @@ value is the median call; the table gives the median over rounds of every/once a
 and the digest exchange alone (``check_agreement`` with the same fields, no attention). Packed documents
 (``cu_seqlens``, 8 per row) are passed, as the trainer does with ``--doc-mask on``.
 
-``--steps N``: instead, whole training steps of the tiny preset (Selective Checkpoint++, packed documents,
+``--steps N``: instead, whole training steps of the tiny preset (selective recompute, packed documents,
 fp32) through ``Trainer.step``, side by side in the same processes: ``--rounds x N`` pairs, each a step of a
 trainer with the per-call agreement (``per_call_checks=True``: one exchange per attention call) right before
 a step of one with the step's agreement (the layout agreed up front, one digest of every call checked at the
@@ -106,7 +106,7 @@ def _measure_steps(mesh, seq: int, steps: int, rounds: int, layers: int) -> dict
     from loongtrain.train.trainer import Trainer
 
     cfg = TrainConfig(model="tiny", seq_len=seq, steps=steps * rounds + 1, dtype="fp32", doc_mask="on",
-                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, ac_mode="selective"))
+                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, recompute="selective"))
     model = dataclasses.replace(PRESETS["tiny"], num_layers=layers or PRESETS["tiny"].num_layers)
     trainers = {old: Trainer(Run(cfg, model), mesh, torch.device("cpu"), per_call_checks=old)
                 for old in (True, False)}

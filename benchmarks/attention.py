@@ -18,9 +18,10 @@ copies, merges), and it moves far less than wall time on a shared machine.
 
     .venv/bin/python -m benchmarks.attention                      # S=8192 H=8 D=64 fp32 causal, Hkv 8 and 2
     .venv/bin/python -m benchmarks.attention --seq-len 2048 --iters 3 --configs 1x4,2x2 --baselines none
-    .venv/bin/python -m benchmarks.attention --write benchmarks/RESULTS.md
+    .venv/bin/python -m benchmarks.attention --write benchmarks/results/RESULTS.md
 
-Configs are ``HPxCP`` (``2x2``) with an optional double-ring window (``1x4w2``); the default is every
+Configs are ``HPxCP`` (``2x2``) with an optional inner-ring size (``1x4w2``: a double ring of inner rings of 2);
+the default is every
 ``hp x cp == world``. Every case runs in its own spawn, so a baseline that hangs or crashes is reported
 in its row and cannot take the others with it.
 """
@@ -78,12 +79,12 @@ class Case:
     kv_heads: int
     hp: int = 1
     cp: int = 1
-    window: int = 1
+    inner_ring: int = 1
 
     @property
     def label(self) -> str:
         if self.kind == "loongtrain":
-            win = f" window={self.window}" if self.window > 1 else ""
+            win = f" inner_ring={self.inner_ring}" if self.inner_ring > 1 else ""
             return f"loongtrain hp={self.hp} cp={self.cp}{win}"
         return BASELINE_TITLES.get(self.kind, self.kind)
 
@@ -122,10 +123,10 @@ def parse_configs(text: str, world: int) -> list[tuple[int, int, int]]:
         m = re.fullmatch(r"\s*(\d+)x(\d+)(?:w(\d+))?\s*", item)
         if not m:
             raise SystemExit(f"bad config {item!r}: expected HPxCP or HPxCPwWINDOW, e.g. 2x2 or 1x4w2")
-        hp, cp, window = int(m[1]), int(m[2]), int(m[3] or 1)
+        hp, cp, inner_ring = int(m[1]), int(m[2]), int(m[3] or 1)
         if hp * cp != world:
             raise SystemExit(f"config {item!r}: hp*cp = {hp * cp} must equal --world {world}")
-        out.append((hp, cp, window))
+        out.append((hp, cp, inner_ring))
     return out
 
 
@@ -158,7 +159,7 @@ def _make_step(fwd: Callable[[], torch.Tensor], dout: torch.Tensor, leaves: tupl
 
 
 def _loongtrain_step(shape: Shape, case: Case):
-    mesh = loongtrain.init_mesh(case.hp, case.cp, window=case.window)
+    mesh = loongtrain.init_mesh(case.hp, case.cp, inner_ring=case.inner_ring)
     full = _full_inputs(shape, case.kv_heads)
     q, k, v, dout = (loongtrain.shard_sequence(t, mesh, 1).contiguous() for t in full)
     q, k, v = _leaf(q), _leaf(k), _leaf(v)

@@ -2,13 +2,13 @@
 ``python -m benchmarks.NAME [options]`` (nothing here edits ``sys.path``; ``loongtrain`` is the installed
 package, and spawned workers re-import the script by its module name).
 
-- :data:`ROOT`: the repository root (benchmark inputs under ``benchmarks/data``);
+- :data:`ROOT`: the repository root (benchmark inputs under ``benchmarks/inputs`` and ``benchmarks/results``);
 - :func:`add_common`: the arguments several scripts take, with one spelling and meaning each
   (``--rounds``, ``--threads``, ``--device``, ``--dtype``, ``--seed``);
 - :func:`setup`: what those arguments imply before a measurement (threads, the device);
 - :func:`header`: the line every printed result starts with, so a figure carries its command, date,
   machine and load (this machine's speed drifts by up to 1.5x within minutes: ratios only, docs/design.md
-  §11).
+  docs/testing.md).
 """
 
 from __future__ import annotations

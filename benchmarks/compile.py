@@ -1,5 +1,5 @@
 """Training tokens/s with compiled decoder blocks against eager, side by side in the same processes (``--compile``,
-docs/design.md §13).
+docs/compile.md).
 
 Two :class:`~loongtrain.train.trainer.Trainer` s with the same seed, one with ``compile="off"`` and one with
 ``compile="on"`` (inductor unless ``--backend``), take the same synthetic batches (packed documents whose mix
@@ -28,8 +28,8 @@ from benchmarks.common import add_common, header, setup
 from loongtrain.model.config import ModelConfig, get_preset, step_flops
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.parallelize import compile as compile_step
 from loongtrain.train.config import TrainConfig
-from loongtrain.wrap import compile as compile_step
 
 SMALL = ModelConfig(vocab_size=256, dim=256, num_layers=4, num_heads=8, num_kv_heads=2, ffn_dim=768)
 
@@ -45,13 +45,13 @@ def doc_batch(step: int, seq_len: int, vocab: int, max_docs: int = 8) -> dict[st
             "position_ids": torch.arange(seq_len)[None], "doc_starts": starts}
 
 
-def make_trainer(model: ModelConfig, compile: str, seq_len: int, dtype: str, ac_mode: str, device: torch.device,
+def make_trainer(model: ModelConfig, compile: str, seq_len: int, dtype: str, recompute: str, device: torch.device,
                  mesh=None):
     from loongtrain.train.config import Run
     from loongtrain.train.trainer import Trainer
 
     mesh = mesh or single_process_mesh()
-    parallel = ParallelConfig(ac_mode=ac_mode, hp=mesh.hp, cp=mesh.cp, window=mesh.window)
+    parallel = ParallelConfig(recompute=recompute, hp=mesh.hp, cp=mesh.cp, inner_ring=mesh.inner_ring)
     cfg = TrainConfig(seq_len=seq_len, steps=1000, warmup=1, dtype=dtype, compile=compile, doc_mask="on",
                       parallel=parallel)
     return Trainer(Run(cfg, model), mesh, device)
@@ -75,15 +75,15 @@ def timed_step(trainer, batch, device: torch.device) -> tuple[float, dict]:
     return seconds, result
 
 
-def side_by_side(model: ModelConfig, seq_len: int, steps: int, warmup: int, dtype: str, ac_mode: str,
+def side_by_side(model: ModelConfig, seq_len: int, steps: int, warmup: int, dtype: str, recompute: str,
                  device: torch.device, mesh=None) -> dict:
     """Eager and compiled trainers on the same batches; per round an eager step right before a compiled one.
     Returns per timed round: tokens/s of each, the ratio, and the step's model FLOPs (visible pairs only)."""
     from torch._dynamo.utils import counters
 
     counters.clear()
-    eager = make_trainer(model, "off", seq_len, dtype, ac_mode, device, mesh)
-    compiled = make_trainer(model, "on", seq_len, dtype, ac_mode, device, mesh)
+    eager = make_trainer(model, "off", seq_len, dtype, recompute, device, mesh)
+    compiled = make_trainer(model, "on", seq_len, dtype, recompute, device, mesh)
     out: dict = {"eager": [], "compiled": [], "ratio": [], "flops": [], "loss_diff": 0.0}
     t0 = time.perf_counter()
     for step in range(warmup + steps):
@@ -102,13 +102,13 @@ def side_by_side(model: ModelConfig, seq_len: int, steps: int, warmup: int, dtyp
     return out
 
 
-def _worker(rank: int, world: int, backend: str, hp: int, cp: int, window: int, model: ModelConfig,
+def _worker(rank: int, world: int, backend: str, hp: int, cp: int, inner_ring: int, model: ModelConfig,
             args: tuple) -> dict:
     """One gloo rank of ``--hp x --cp``: :func:`side_by_side` on its mesh (every rank times the same steps)."""
     from loongtrain.parallel.mesh import init_mesh
 
     compile_step.BACKEND = backend
-    return side_by_side(model, *args, mesh=init_mesh(hp, cp, window=window))
+    return side_by_side(model, *args, mesh=init_mesh(hp, cp, inner_ring=inner_ring))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,28 +118,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed rounds (an eager step, then a compiled one)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--dtype", default="fp32")
-    parser.add_argument("--ac-mode", default="selective")
+    parser.add_argument("--recompute", default="selective")
     parser.add_argument("--backend", default=compile_step.BACKEND)
     parser.add_argument("--hp", type=int, default=1, help="head parallelism (hp x cp gloo ranks, 1 thread each)")
     parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--window", type=int, default=1, help="double-ring window")
+    parser.add_argument("--inner-ring", type=int, default=1, help="ranks per inner ring of the double ring")
     add_common(parser, device="cpu", threads=0)
     args = parser.parse_args(argv)
     device = setup(args)
     compile_step.BACKEND = args.backend
     model = get_preset(args.model) if args.model else SMALL
-    timed = (args.seq_len, args.steps, args.warmup, args.dtype, args.ac_mode, device)
+    timed = (args.seq_len, args.steps, args.warmup, args.dtype, args.recompute, device)
     world = args.hp * args.cp
     if world == 1:
         r = side_by_side(model, *timed)
     else:
         from loongtrain.parallel.workers import run_local
 
-        r = run_local(_worker, world, args.backend, args.hp, args.cp, args.window, model, timed, backend="gloo",
+        r = run_local(_worker, world, args.backend, args.hp, args.cp, args.inner_ring, model, timed, backend="gloo",
                       threads=1, timeout=3600)[0]
     print(header())
-    print(f"\nworld {world} (hp={args.hp}, cp={args.cp}, window {args.window}), {args.dtype}, "
-          f"--ac-mode {args.ac_mode}, S={args.seq_len}, documents changing every step; {args.steps} rounds of an "
+    print(f"\nworld {world} (hp={args.hp}, cp={args.cp}, inner_ring {args.inner_ring}), {args.dtype}, "
+          f"--recompute {args.recompute}, S={args.seq_len}, documents changing every step; {args.steps} rounds of an "
           f"eager step right before a compiled step (the slowest rank's time)\n")
     print("| backend | eager tok/s | compiled tok/s | compiled / eager tok/s (median, min-max) | max loss rel diff | "
           "graphs | warm-up s |\n|---|---:|---:|---|---:|---:|---:|")

@@ -39,7 +39,7 @@ from pathlib import Path
 from benchmarks.common import add_common, header
 from benchmarks.passkey_train import write_corpus  # the passkey + copy corpus
 
-CLI = [sys.executable, "-m", "loongtrain.cli"]
+CLI = [sys.executable, "-m", "loongtrain.commands"]
 DEPTHS = "0,0.25,0.5,0.75,1"
 HEAD_DIM = 32  # the tiny preset's
 QUIET = ["--progress", "off", "--no-tensorboard", "--no-memory-report", "--hp", "1", "--cp", "1", "--nproc", "1"]

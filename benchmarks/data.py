@@ -158,7 +158,7 @@ def synthesize(source: Path, out: Path, num_tokens: int, shard_tokens: int = 1 <
 def train_startup(corpus: str, out_dir: Path, seq_len: int) -> dict:
     """Launch ``loongtrain train`` (2 workers); seconds to the first step record, rank 0's peak RSS."""
     shutil.rmtree(out_dir, ignore_errors=True)
-    cmd = [sys.executable, "-m", "loongtrain.cli", "train", "--corpus", corpus, "--out-dir", str(out_dir),
+    cmd = [sys.executable, "-m", "loongtrain.commands", "train", "--corpus", corpus, "--out-dir", str(out_dir),
            "--nproc", "2", "--hp", "1", "--cp", "2", "--seq-len", str(seq_len), "--steps", "1", "--warmup", "0",
            "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1"]
     metrics = out_dir / "metrics.jsonl"

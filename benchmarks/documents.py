@@ -20,7 +20,7 @@ max / mean (:func:`loongtrain.parallel.documents.rank_work`).
 
     .venv/bin/python -m benchmarks.documents                       # S=16384 H=8 D=64 fp32, world 4
     .venv/bin/python -m benchmarks.documents --tiny                # seconds: the smoke test's run
-    .venv/bin/python -m benchmarks.documents --rounds 2 --write benchmarks/RESULTS.md
+    .venv/bin/python -m benchmarks.documents --rounds 2 --write benchmarks/results/RESULTS.md
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Evaluation memory per rank vs training memory per rank (docs/design.md §14).
+"""Evaluation memory per rank vs training memory per rank (docs/evaluation.md).
 
 1. **Model** (the planner's memory model, ``loongtrain/plan/memory_model.py``): a training step's
-   per-rank peak for each activation-checkpointing mode, and an upper bound of the forward-only
+   per-rank peak for each recomputeing mode, and an upper bound of the forward-only
    evaluation with the same layout and ZeRO: the fp32 weight shards (``4P/z``, no gradients or AdamW
    states), the same working (gathered) weights, ONE layer's activations (what a no-grad forward has
    alive at most), the chunked loss's peak and the same attention workspace (the backward's, an upper
@@ -32,13 +32,13 @@ def modelled(preset: str, seq_len: int, world: int, hp: int, cp: int) -> list[di
     model = get_preset(preset)
     layout = ParallelConfig(hp=hp, cp=cp).layout(world)
     rows = []
-    for ac_mode in ("none", "selective", "full"):
-        parts = memory_per_rank(model, layout, seq_len=seq_len, batch=1, zero_size=world, ac_mode=ac_mode)
+    for recompute in ("none", "selective", "full"):
+        parts = memory_per_rank(model, layout, seq_len=seq_len, batch=1, zero_size=world, recompute=recompute)
         tokens = seq_len / layout.sp
         one_layer = tokens * layer_activation_bytes(model, hp, 2, True)
         evaluation = 4 * num_params(model) / world + parts["working_params"] + one_layer + parts["logits"] \
             + parts["workspace"]
-        rows.append({"ac_mode": ac_mode, "train_gib": parts["total"] / GIB, "eval_bound_gib": evaluation / GIB})
+        rows.append({"recompute": recompute, "train_gib": parts["total"] / GIB, "eval_bound_gib": evaluation / GIB})
     return rows
 
 
@@ -90,7 +90,7 @@ def main() -> int:
     print(f"model: {args.preset} at {args.plan_len} tokens, world {args.world} (hp {args.hp}, cp {args.cp}), "
           f"ZeRO full, bf16")
     for row in modelled(args.preset, args.plan_len, args.world, args.hp, args.cp):
-        print(f"  ac {row['ac_mode']:9s} training {row['train_gib']:6.2f} GiB/rank   evaluation <= "
+        print(f"  ac {row['recompute']:9s} training {row['train_gib']:6.2f} GiB/rank   evaluation <= "
               f"{row['eval_bound_gib']:6.2f} GiB/rank")
     print(f"measured (CPU, tiny, fp32, {args.seq_len} tokens, one process; peak RSS growth, {args.repeats} runs):")
     for kind in ("train", "eval"):

@@ -1,4 +1,4 @@
-"""The longest sequence per GPU count, planned and simulated at full size (docs/design.md §9).
+"""The longest sequence per GPU count, planned and simulated at full size (docs/planner.md).
 
 For each model (a Llama-3-8B-shaped config.json, 7b-gqa, 1b) and GPU count (1, 8, 64 H200s):
 
@@ -26,7 +26,7 @@ from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.search import plan, resolve_model
 from loongtrain.train.simulate import simulate_by_depth
 
-LLAMA3_8B = str(Path(__file__).with_name("data") / "llama3-8b" / "config.json")
+LLAMA3_8B = str(Path(__file__).with_name("inputs") / "llama3-8b" / "config.json")
 MODELS = {"llama3-8b": LLAMA3_8B, "7b-gqa": "7b-gqa", "1b": "1b"}
 
 

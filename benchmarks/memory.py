@@ -11,7 +11,7 @@ being driven into the OOM killer. Prints markdown, starting with the command tha
 
 The trainer's loss is the chunked cross-entropy (loongtrain/loss/chunked.py), so these runs
 include its peak; the loss's own peak, chunked against full logits, is measured in one place:
-``benchmarks/loss_memory.py`` (figures in benchmarks/RESULTS.md, "Loss memory").
+``benchmarks/loss_memory.py`` (figures in benchmarks/results/RESULTS.md, "Loss memory").
 
     python -m benchmarks.memory --seqs 4096,8192,16384
     python -m benchmarks.memory --max-seq --min-seq 8192 --modes none,selective,full,zero+selective
@@ -37,11 +37,11 @@ from loongtrain.parallel.workers import WorkerError, run_local
 # mode name -> memory options (ParallelConfig fields)
 MODES: dict[str, dict[str, Any]] = {
     "none": {},
-    "selective": {"ac_mode": "selective"},
-    "full": {"ac_mode": "full"},
+    "selective": {"recompute": "selective"},
+    "full": {"recompute": "full"},
     "zero": {"zero": "full"},
-    "zero+selective": {"zero": "full", "ac_mode": "selective"},
-    "zero+full": {"zero": "full", "ac_mode": "full"},
+    "zero+selective": {"zero": "full", "recompute": "selective"},
+    "zero+full": {"zero": "full", "recompute": "full"},
 }
 GIB = 2**30
 

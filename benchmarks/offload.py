@@ -3,8 +3,8 @@
     python -m benchmarks.offload                      # CPU, one process (this machine)
     python -m benchmarks.offload --seq-len 4096 --rounds 5
 
-One process trains one model with every mode (docs/design.md §7). Each round times, per mode, one step of
-the mode's baseline (the same ``--ac-mode`` without the mode) right before one step of the mode, and
+One process trains one model with every mode (docs/memory.md). Each round times, per mode, one step of
+the mode's baseline (the same ``--recompute`` without the mode) right before one step of the mode, and
 records their ratio of wall time and of process CPU time (steadier on a shared machine: with one thread,
 the work done); the table shows per mode the median ratios over rounds and their min-max spreads, the
 median step times, the bytes offloaded per step and the saved activations left on the device (the
@@ -29,16 +29,16 @@ from loongtrain.data.synthetic import global_batch
 from loongtrain.model.config import ModelConfig, get_preset
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.parallelize.offload import activation_offloader
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.memory_report import trainer_memory_report
 from loongtrain.train.trainer import Trainer
-from loongtrain.wrap.offload import activation_offloader
 
-#: mode name -> (its options, its baseline's options); every one on top of --ac-mode
+#: mode name -> (its options, its baseline's options); every one on top of --recompute
 MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "offload activations": ({"offload_activations": True}, {}),
     "mlp tiles auto": ({"mlp_tiles": "auto"}, {}),
-    "mlp tiles auto (ac none)": ({"ac_mode": "none", "mlp_tiles": "auto"}, {"ac_mode": "none"}),
+    "mlp tiles auto (ac none)": ({"recompute": "none", "mlp_tiles": "auto"}, {"recompute": "none"}),
     "offload activations + mlp tiles auto": ({"offload_activations": True, "mlp_tiles": "auto"}, {}),
     "offload params (zero full)": ({"zero": "full", "offload_params": True}, {"zero": "full"}),
 }
@@ -51,10 +51,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _trainer(model: ModelConfig, seq: int, device: torch.device, ac_mode: str, dtype: str,
+def _trainer(model: ModelConfig, seq: int, device: torch.device, recompute: str, dtype: str,
              opts: dict[str, Any]) -> Trainer:
     cfg = TrainConfig(seq_len=seq, steps=1000, warmup=1, dtype=dtype, memory_report=False,
-                      parallel=ParallelConfig(**{"ac_mode": ac_mode, **opts}))
+                      parallel=ParallelConfig(**{"recompute": recompute, **opts}))
     return Trainer(Run(cfg, model), single_process_mesh(), device)
 
 
@@ -70,7 +70,7 @@ def _step(trainer: Trainer, batch: dict[str, torch.Tensor], device: torch.device
     return wall, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0, cpu
 
 
-def compare_modes(model: ModelConfig, seq: int, device: torch.device, *, ac_mode: str = "selective",
+def compare_modes(model: ModelConfig, seq: int, device: torch.device, *, recompute: str = "selective",
                   dtype: str = "auto", rounds: int = 3, modes: dict[str, tuple[dict, dict]] = MODES
                   ) -> dict[str, Any]:
     """Per mode: median ratio (mode step / baseline step timed right before it), spread, median seconds,
@@ -82,7 +82,7 @@ def compare_modes(model: ModelConfig, seq: int, device: torch.device, *, ac_mode
     def trainer(opts: dict[str, Any]) -> Trainer:
         key = tuple(sorted(opts.items()))
         if key not in built:
-            built[key] = _trainer(model, seq, device, ac_mode, dtype, opts)
+            built[key] = _trainer(model, seq, device, recompute, dtype, opts)
             built[key].step([batch])  # warm-up
         return built[key]
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="", help="a preset (default: a 4-layer dim-256 model)")
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--ac-mode", default="selective")
+    parser.add_argument("--recompute", default="selective")
     parser.add_argument("--dtype", default="auto")
     add_common(parser, rounds=5, threads=1)
     args = parser.parse_args(argv)
@@ -136,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        results = compare_modes(model, args.seq_len, device, ac_mode=args.ac_mode, dtype=args.dtype,
+        results = compare_modes(model, args.seq_len, device, recompute=args.recompute, dtype=args.dtype,
                                 rounds=args.rounds)
     finally:
         dist.destroy_process_group()
-    print(f"{device}, {args.model or 'dim 256 x 4 layers'}, S={args.seq_len}, ac_mode={args.ac_mode}, "
+    print(f"{device}, {args.model or 'dim 256 x 4 layers'}, S={args.seq_len}, recompute={args.recompute}, "
           f"{args.rounds} rounds, {torch.get_num_threads()} threads")
     print(format_table(results))
     return 0

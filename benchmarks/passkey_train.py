@@ -1,4 +1,4 @@
-"""Does a short training on passkey-rich text raise the tiny preset's passkey accuracy? (docs/design.md §14)
+"""Does a short training on passkey-rich text raise the tiny preset's passkey accuracy? (docs/evaluation.md)
 
 1. Writes a corpus (JSON lines) of ``--docs`` documents of exactly ``--doc-len + 1`` bytes, so that with
    ``--seq-len doc_len + 2`` every packed sample is one document and its EOS:
@@ -8,7 +8,7 @@
      digits, repeated to fill the document. Retrieval is an induction-head task (the question repeats the
      needle's prefix; copying the token after the earlier match gives the key), and these documents train
      that copying on every repeated token, where a passkey document has only its 5 answer digits to learn
-     from. Without them the tiny preset learns the digit distribution, not retrieval (benchmarks/RESULTS.md).
+     from. Without them the tiny preset learns the digit distribution, not retrieval (benchmarks/results/RESULTS.md).
 2. Scores the untrained model (the seeded initial weights ``loongtrain train`` starts from).
 3. Trains ``loongtrain train --model tiny`` on the corpus (the trainer's own CLI; nothing in it knows about
    passkeys), then runs ``loongtrain eval RUN --task passkey`` on held-out keys (the eval's own seeded keys
@@ -21,7 +21,7 @@ mean loss (nats) of the answer digits under teacher forcing (chance: ln 10 = 2.3
 
 When copying, and then retrieval, set in is a matter of the seed (init and data order): with the defaults
 ``--seed 1`` retrieves at the trained length after 3000 steps, ``--seed 0`` had not after 3000 or 6000
-(benchmarks/RESULTS.md, "Passkey training"). One thread by default: on shared cores two threads per
+(benchmarks/results/RESULTS.md, "Passkey training"). One thread by default: on shared cores two threads per
 process ran 4x slower.
 """
 
@@ -45,7 +45,7 @@ from loongtrain.model.config import get_preset
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.wrap.parallelize import parallelize
+from loongtrain.parallelize.compose import parallelize
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 COPY_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz"
@@ -136,7 +136,7 @@ def main() -> int:
                             torch.device("cpu"))
     before = passkey(untrained, tokens, lengths, DEPTHS, args.trials, single_process_mesh(), torch.device("cpu"))
     run = out / "run"
-    cli = [sys.executable, "-m", "loongtrain.cli"]
+    cli = [sys.executable, "-m", "loongtrain.commands"]
     train = [*cli, "train", "--model", "tiny", "--corpus", str(corpus), "--seq-len", str(args.doc_len + 2),
              "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--lr", str(args.lr),
              "--warmup", str(args.warmup), "--seed", str(args.seed), "--hp", "1", "--cp", "1", "--nproc", "1",

@@ -1,6 +1,6 @@
 """The planner's predicted attention times beside measured ones: are the ratios between configs right?
 
-    .venv/bin/python -m benchmarks.plan_check testbed [--json benchmarks/data/testbed-*.json]
+    .venv/bin/python -m benchmarks.plan_check testbed [--json benchmarks/results/testbed-*.json]
     .venv/bin/python -m benchmarks.plan_check local [--cluster C.toml --json attention.json]
 
 ``testbed``: the scaled two-node testbed (benchmarks/testbed/run.py --json): world 8 = 2 nodes x 4, one
@@ -34,7 +34,7 @@ from loongtrain.plan.attention_cost import AttnShape, predict_attention_time
 from loongtrain.plan.cluster import Cluster, load_cluster
 
 TOLERANCE = 0.20
-DATA = ROOT / "benchmarks" / "data"
+DATA = ROOT / "benchmarks" / "results"
 
 
 def testbed_cluster(flops: float, nic_bit_s: float, per_node: int, duplex: bool) -> Cluster:
@@ -75,7 +75,7 @@ def check_testbed(path: Path, phase: str) -> tuple[int, int]:
     for cfg in run["configs"]:
         if phase not in cfg["ms"]:
             continue
-        layout = Layout(world, hp=cfg["hp"], cp=cfg["cp"], window=cfg["window"], placement=cfg["placement"])
+        layout = Layout(world, hp=cfg["hp"], cp=cfg["cp"], inner_ring=cfg["inner_ring"], placement=cfg["placement"])
         flops = cfg["flops_per_rank"][phase]
         pred = {duplex: predict_attention_time(layout, shape, testbed_cluster(flops, cfg["nic_bit_s"],
                                                                               run["per_node"], duplex))
@@ -113,13 +113,14 @@ def check_local(cluster_path: Path, path: Path) -> tuple[int, int]:
         cases = [c for c in run["cases"] if c["kind"] == "loongtrain" and c["kv_heads"] == kv and c["total_s"]]
         shape = AttnShape(batch=sh["batch"], seq_len=sh["seq_len"], num_heads=sh["heads"], num_kv_heads=kv,
                           head_dim=sh["head_dim"], dtype_bytes=_itemsize(sh["dtype"]))
-        preds = [predict_attention_time(Layout(world, hp=c["hp"], cp=c["cp"], window=c["window"]), shape, cluster)
+        preds = [predict_attention_time(Layout(world, hp=c["hp"], cp=c["cp"], inner_ring=c["inner_ring"]), shape,
+                                        cluster)
                  for c in cases]
         meas = [statistics.median(c["total_s"]) for c in cases]
         for c, p, m in zip(cases, preds, meas):
             q, good = _verdict(p / preds[0], m / meas[0])
             ok, total = ok + (good == "yes"), total + 1
-            label = f"hp={c['hp']} cp={c['cp']}" + (f" w{c['window']}" if c["window"] > 1 else "")
+            label = f"hp={c['hp']} cp={c['cp']}" + (f" w{c['inner_ring']}" if c["inner_ring"] > 1 else "")
             print(_row([str(kv), label, f"{p:.3f}", f"{m:.3f}", f"{p / preds[0]:.2f}", f"{m / meas[0]:.2f}",
                         f"{q:.2f}", good]))
     return ok, total

@@ -1,6 +1,5 @@
 """loongtrain: long-sequence LLM training with 2D-Attention (head-parallel x context-parallel)."""
 
-from loongtrain import _moved
 from loongtrain.attn.api import attention
 from loongtrain.hf.apply import apply_2d_attention
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
@@ -35,4 +34,3 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_moved.install()  # the module paths before the package split, for one release

@@ -1,4 +1,4 @@
-"""The files loongtrain writes (docs/design.md §10, §12): which directories it owns, one writer per
+"""The files loongtrain writes (docs/launching.md, docs/data.md): which directories it owns, one writer per
 directory, whole files or none, and a full disk named. Every command that writes a directory
 (``prepare --out``, ``train --out-dir``, ``eval --out``, ``export --hf``) goes through this module.
 

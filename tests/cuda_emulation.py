@@ -1,5 +1,5 @@
 """A CPU emulation of torch 2.13's CUDA attention ops, for testing the wrappers in
-``loongtrain.attn.cuda_kernels`` without a GPU (docs/design.md §11).
+``loongtrain.attn.cuda_kernels`` without a GPU (docs/testing.md).
 
 Every call is bound against the real op's schema (``torch.ops.aten.<op>.default._schema``: argument
 count, order, keyword-only arguments, argument kinds), then checked the way the CUDA op checks its

@@ -36,5 +36,5 @@ def test_shard_gather_roundtrip():
     from tests.attention_cases import check_shard_gather
 
     configs = [dict(hp=hp, cp=cp) for hp, cp in factorisations(8)]
-    configs.append(dict(hp=2, cp=4, window=2, placement="context_first", interleaved=True))
+    configs.append(dict(hp=2, cp=4, inner_ring=2, placement="context_first", interleaved=True))
     run_distributed(check_shard_gather, 8, configs)

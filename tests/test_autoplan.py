@@ -11,7 +11,7 @@ from loongtrain.train.config import TrainConfig
 
 
 def test_plan_auto_takes_the_best_fitting_configuration():
-    cfg = TrainConfig(model="7b-gqa", seq_len=131072, plan="auto", plan_cluster="a100", dtype="bf16")
+    cfg = TrainConfig(model="7b-gqa", seq_len=131072, plan="auto", cluster="a100", dtype="bf16")
     planned = apply_plan(cfg, 16, under_launcher=True)
     best = best_fitting("7b-gqa", "a100", nodes=2, seq_len=131072, batch=1, dtype_bytes=2)
     assert planned.parallel == best.config and planned.parallel != cfg.parallel
@@ -24,13 +24,13 @@ def test_plan_options_are_checked():
     with pytest.raises(ValueError, match="--plan='best' is not one of"):
         apply_plan(TrainConfig(plan="best"), 4, under_launcher=False)
     with pytest.raises(ValueError, match="neither part of one a100 node nor a whole number"):
-        apply_plan(TrainConfig(plan="auto", plan_cluster="a100"), 12, under_launcher=True)
+        apply_plan(TrainConfig(plan="auto", cluster="a100"), 12, under_launcher=True)
     assert apply_plan(TrainConfig(), 4, under_launcher=False) == TrainConfig()
 
 
 def test_plan_auto_on_cpu_under_torchrun_needs_a_cluster(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    with pytest.raises(ValueError, match="pass --plan-cluster"):
+    with pytest.raises(ValueError, match="pass --cluster"):
         apply_plan(TrainConfig(plan="auto"), 4, under_launcher=True)
 
 
@@ -46,7 +46,7 @@ def test_plan_auto_picks_offload_when_needed_and_reports_a_host_shortfall(tmp_pa
 
     path = tmp_path / "c.toml"
     path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=115.4 / 1024, host_memory_gib=1.0)))
-    cfg = TrainConfig(model="tiny", seq_len=65536, plan="auto", plan_cluster=str(path))
+    cfg = TrainConfig(model="tiny", seq_len=65536, plan="auto", cluster=str(path))
     picked = apply_plan(cfg, 4, under_launcher=True).parallel
     assert picked.offload_params or picked.offload_activations, picked.label()
     path.write_text(cluster_to_toml(replace(toy_cluster(), memory_gib=115.4 / 1024, host_memory_gib=1e-6)))

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loongtrain.cli import SUBCOMMANDS, main
+from loongtrain.commands import COMMANDS, main
 from loongtrain.data.tokenizer import ByteTokenizer
 from tests.test_faults import _workers
 from tests.test_hf_train import make_hf_dir
@@ -183,7 +183,7 @@ CASES = [
     ([*PLAN, "--bogus"], "unrecognized arguments: --bogus"),
     (["plan", "--seq-len", "8K"], "missing --model, --nodes"),
     ([*PLAN, "--nodes", "0"], "--nodes=0 must be >= 1"),
-    ([*PLAN, "--batch", "-1"], "--batch-size=-1 must be >= 1"),
+    ([*PLAN, "--batch-size", "-1"], "--batch-size=-1 must be >= 1"),
     ([*PLAN, "--doc-median", "-5"], "--doc-median=-5 must be >= 0"),
     ([*PLAN, "--seq-len", "lots"], "seq_len='lots'"),
     ([*PLAN, "--cluster", D + "/cluster_frac.toml"], "cluster_frac.toml': gpus_per_node = 7.5 must be of type int"),
@@ -194,10 +194,10 @@ CASES = [
     ([*PLAN, "--cluster", D + "/cluster_extra.toml"], "cluster_extra.toml': unknown key(s) ['gpus']"),
     ([*PLAN, "--cluster", D + "/cluster_bad.toml"], "cluster_bad.toml' is not valid TOML"),
     ([*PLAN, "--cluster", "h300"], "neither a built-in cluster"),
-    ([*TRAIN, "--plan", "auto", "--plan-cluster", D + "/cluster_frac.toml"], "gpus_per_node = 7.5 must be of type int"),
+    ([*TRAIN, "--plan", "auto", "--cluster", D + "/cluster_frac.toml"], "gpus_per_node = 7.5 must be of type int"),
     (["plan", "--config", D + "/plan_frac.toml"], "plan_frac.toml': nodes = 1.5 must be of type int"),
     (["plan", "--config", D + "/plan_model.toml"], "plan_model.toml': [model]: dim = 'big' must be of type int"),
-    (["plan", "--config", D + "/plan_unknown.toml"], "plan_unknown.toml': unknown keys ['bogus']"),
+    (["plan", "--config", D + "/plan_unknown.toml"], "plan_unknown.toml': unknown option 'bogus'"),
     (["plan", "--config", D + "/plan_bad.toml"], "plan_bad.toml' is not valid TOML"),
     (["plan", "--config", D + "/missing.toml"], "missing.toml' does not exist"),
     (["plan", "--calibrate", "--out", D], "is a directory; name the cluster TOML file"),
@@ -207,12 +207,13 @@ CASES = [
     ([*EXPORT, "--hf", D + "/x", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     ([*EXPORT, "--hf", D + "/x", "--bogus"], "unrecognized arguments: --bogus"),
     (["export", D + "/nowhere", "--hf", D + "/x"], "is not a loongtrain checkpoint"),
-    (["fly"], f"unknown command 'fly'; choose one of {list(SUBCOMMANDS)}"),
-    ([], f"no command; choose one of {list(SUBCOMMANDS)}"),
+    (["fly"], f"unknown command 'fly'; choose one of {list(COMMANDS)}"),
+    ([], f"no command; choose one of {list(COMMANDS)}"),
 ]
 
 PREFIX = {"train": "loongtrain train: error: ", "plan": "loongtrain plan: error: ",
-          "export": "loongtrain export: error: ", "fly": "loongtrain: unknown command", "": "loongtrain: error: "}
+          "export": "loongtrain export: error: ", "fly": "loongtrain: error: unknown command",
+          "": "loongtrain: error: "}
 
 
 def _fill(argv: list[str], files: dict[str, str]) -> list[str]:
@@ -353,7 +354,7 @@ def test_restart_rule_and_one_line_report(monkeypatch, files, capsys):
     assert main(argv) == 1
     assert calls == [1], "retried a failure a restart cannot fix"
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == "loongtrain train: training failed: rank 1 of 2: OSError: [Errno 28] No space left on device"
+    assert err[-1] == "loongtrain train: failed: rank 1 of 2: OSError: [Errno 28] No space left on device"
     assert not any("Traceback" in line for line in err), err
 
 
@@ -370,7 +371,8 @@ def test_bad_input_in_a_subprocess(argv, needle, files):
     before = _hashes(Path(files["dir"]))
     # the time bound is the in-process table's; here interpreter start and imports dominate (~3 s on
     # quiet cores, over 30 s measured on the shared 2-core machine), so only the timeout bounds it
-    proc = subprocess.run([sys.executable, "-m", "loongtrain.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "loongtrain.commands", *argv], cwd=ROOT, capture_output=True,
+                          text=True,
                           timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -444,9 +446,10 @@ def test_a_later_disagreement_raises_on_every_rank():
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Data safety (docs/design.md §10, §12, §14): the ownership rule, the output lock, the complete-checkpoint
+# Data safety (docs/launching.md, docs/data.md, docs/evaluation.md): the ownership rule, the output lock, the
+# complete-checkpoint
 # rule, corpus identity, manifest counts, the validation checks and the warnings, for prepare, train, eval,
-# export and plan. Each row runs `loongtrain.cli.main` in this process (cwd: a scratch directory, or a
+# export and plan. Each row runs `loongtrain.commands.main` in this process (cwd: a scratch directory, or a
 # fixture directory the row names), with every worker starter replaced: an error row exits 2 with one line
 # and no worker; a warning row (code 0) reaches the workers' start with exactly that one warning line.
 # Every fixture file is hashed before and after each row.
@@ -989,7 +992,7 @@ def test_prepare_interrupted_prints_one_line_and_leaves_nothing(tmp_path, capsys
 def test_ctrl_c_is_one_line_for_every_command(command, files, tmp_path, capsys, monkeypatch):
     from loongtrain.launch import eval_run as eval_launch
     from loongtrain.launch import train_run as launch
-    from loongtrain.plan import cli as plan_cli
+    from loongtrain.plan import report as plan_cli
     from loongtrain.train import export
 
     def interrupt(*args, **kwargs):

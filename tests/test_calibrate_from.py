@@ -1,6 +1,6 @@
 """``loongtrain plan --calibrate-from``: a cluster file from a gpu_check run's kernel, matmul and memory-bandwidth
 measurements only (never its training step times), the H200 training rows predicted from it, the shipped h200
-preset holding its rates, and bad runs or cluster files refused in one line (docs/design.md §9)."""
+preset holding its rates, and bad runs or cluster files refused in one line (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from loongtrain.cli import main as loongtrain_main
+from loongtrain.commands import main as loongtrain_main
 from loongtrain.model.config import get_preset
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.cluster import load_cluster
 from loongtrain.plan.cost import step_cost
 
-RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check_h200.json"
+RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu_check_h200.json"
 
 
 def _calibrate(tmp_path: Path, run: dict, name: str = "gpu_check_h200.json", *extra: str) -> tuple[int, Path]:
@@ -49,7 +49,7 @@ def test_the_h200_rows_are_predicted_within_ten_percent(tmp_path):
     assert cluster.matmul_tflops == shipped.matmul_tflops and cluster.memory_gbyte_s == shipped.memory_gbyte_s
     assert "not measured in this run" in cluster.description  # matmul and memory bandwidth: the base's
     for row in json.loads(RUN.read_text())["training"]["runs"]:  # the targets (read only here)
-        c = step_cost(get_preset(row["model"]), ParallelConfig(ac_mode=row["ac_mode"]), cluster, nodes=1, world=1,
+        c = step_cost(get_preset(row["model"]), ParallelConfig(recompute=row["recompute"]), cluster, nodes=1, world=1,
                       seq_len=row["seq_len"])
         measured = statistics.median(row["step_s"])
         assert abs(c.step_time / measured - 1) <= 0.10, (row["model"], c.step_time, measured, c.terms)

@@ -301,7 +301,7 @@ def test_fsdp2_gathered_root_head_world2():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_the_final_norm_inside_the_loss_equals_norm_then_loss(dtype):
     """``norm=FinalNorm(w, eps)`` on the norm's input: the same loss bit for bit, the same gradients (fp64 to
-    1e-12; bf16 to its rounding), and the norm's input is not kept for the backward (docs/design.md §7)."""
+    1e-12; bf16 to its rounding), and the norm's input is not kept for the backward (docs/memory.md)."""
     from loongtrain.loss.chunked import FinalNorm
     from loongtrain.model.rms_norm import rms_norm
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loongtrain.cli import main
+from loongtrain.commands import main
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--steps", "2", "--warmup", "1",
@@ -135,19 +135,19 @@ CASES = [
     (["--nproc", "-1"], "--nproc=-1"),
     (["--dtype", "fp8"], "fp8"),
     (["--progress", "maybe"], "maybe"),
-    (["--chunk-layout", "spiral"], "--chunk-layout='spiral'"),
-    (["--chunk-layout", "balanced", "--doc-mask", "off"], "needs --doc-mask on"),
+    (["--chunk-order", "spiral"], "--chunk-order='spiral'"),
+    (["--chunk-order", "balanced", "--doc-mask", "off"], "needs --doc-mask on"),
     (["--model", "huge"], "huge"),
     (["--zero", "half"], "half"),
     (["--placement", "diagonal"], "diagonal"),
-    (["--hp", "2", "--cp", "2", "--nproc", "4", "--window", "3"], "window=3"),
+    (["--hp", "2", "--cp", "2", "--nproc", "4", "--inner-ring", "3"], "inner_ring=3"),
     (["--nproc", "3", "--hp", "2"], "3"),
     (["--nproc", "4", "--hp", "2", "--cp", "2", "--seq-len", "100"], "100"),
     (["--nproc", "8", "--hp", "8"], "hp=8"),
     (["--mlp-tiles", "0"], "mlp_tiles='0'"),
     (["--mlp-tiles", "3"], "mlp_tiles=3 must divide the 16 local tokens"),
     (["--nproc", "4", "--hp", "2", "--cp", "2", "--seq-len", "32", "--mlp-tiles", "16"], "mlp_tiles=16"),
-    (["--offload-activations"], "--ac-mode none"),
+    (["--offload-activations"], "--recompute none"),
     (["--offload-params"], "needs --zero full or hybrid; got --zero none"),
     (["--config", D + "/missing.toml"], "missing.toml"),
     (["--config", D + "/bad.toml"], "bad.toml"),
@@ -258,7 +258,7 @@ def test_bad_input_in_a_subprocess(args, needle, files):
     args = _fill(args, files)
     if "--corpus" not in args:
         args = ["--corpus", files["corpus"], *args]
-    proc = subprocess.run([sys.executable, "-m", "loongtrain.cli", "train", *BASE, *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "loongtrain.commands", "train", *BASE, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -1,4 +1,4 @@
-"""`loongtrain train` end to end through ``loongtrain.cli.main``: runs, resume, help, and user errors."""
+"""`loongtrain train` end to end through ``loongtrain.commands.main``: runs, resume, help, and user errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from loongtrain.cli import main
+from loongtrain.commands import main
 from loongtrain.train.metrics import read_jsonl
 from tests.fixtures import QUIET_FLAGS
 
@@ -57,7 +57,7 @@ def test_help_exits_zero(capsys):
         (["--nproc", "3", "--hp", "2", "--cp", "1"], ["3", "hp*cp"]),
         (["--nproc", "4", "--seq-len", "100"], ["100", "2*cp*hp"]),
         (["--nproc", "8", "--hp", "8", "--cp", "1", "--seq-len", "64"], ["hp=8", "num_heads=4"]),
-        (["--window", "3"], ["window=3"]),
+        (["--inner-ring", "3"], ["inner_ring=3"]),
         (["--steps", "-1"], ["--steps=-1"]),
         (["--model", "huge"], ["huge"]),
         (["--nproc", "1", "--hp", "1", "--cp", "1", "--resume"], ["--resume", "no complete checkpoint"]),

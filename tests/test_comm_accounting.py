@@ -16,8 +16,8 @@ CONFIGS = [
     dict(hp=2, cp=2),
     dict(hp=4, cp=1),
     dict(hp=1, cp=4),
-    dict(hp=1, cp=4, window=2, placement="context_first"),
-    dict(hp=2, cp=2, window=2, placement="context_first", interleaved=True),
+    dict(hp=1, cp=4, inner_ring=2, placement="context_first"),
+    dict(hp=2, cp=2, inner_ring=2, placement="context_first", interleaved=True),
     dict(hp=2, cp=1),  # dp = 2
 ]
 

@@ -1,4 +1,4 @@
-"""``--compile``: compiled decoder blocks (docs/design.md §13), single process.
+"""``--compile``: compiled decoder blocks (docs/compile.md), single process.
 
 Compiled training equals eager training (fp64, 1e-10, documents and a sliding window, Selective
 Checkpoint++) over 20 steps whose document mix changes every step; 12-block native and Hugging Face models
@@ -23,11 +23,11 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer, rope_cos_sin
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.parallelize import compile as compile_step
+from loongtrain.parallelize import compile_errors
+from loongtrain.parallelize.compose import parallelize
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.memory_report import trainer_memory_report
-from loongtrain.wrap import compile as compile_step
-from loongtrain.wrap import compile_errors
-from loongtrain.wrap.parallelize import parallelize
 
 TOL = 1e-10
 SEQ = 32
@@ -56,11 +56,11 @@ def doc_batch(step: int, rows: int = 1) -> dict[str, torch.Tensor]:
             "position_ids": torch.arange(SEQ).expand(rows, SEQ).contiguous(), "doc_starts": starts}
 
 
-def trainer(compile: str, ac_mode: str = "selective"):
+def trainer(compile: str, recompute: str = "selective"):
     from loongtrain.train.config import Run
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(seq_len=SEQ, steps=20, warmup=1, dtype="fp64", parallel=ParallelConfig(ac_mode=ac_mode),
+    cfg = TrainConfig(seq_len=SEQ, steps=20, warmup=1, dtype="fp64", parallel=ParallelConfig(recompute=recompute),
                       doc_mask="on", compile=compile)
     return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
 
@@ -92,7 +92,7 @@ def _block_inputs():
 
 
 def test_native_block_compiles_to_one_graph_with_documents_window_and_selective_checkpointing():
-    model = parallelize(Transformer(MODEL).double(), single_process_mesh(), ParallelConfig(ac_mode="selective"),
+    model = parallelize(Transformer(MODEL).double(), single_process_mesh(), ParallelConfig(recompute="selective"),
                         torch.device("cpu"))
     block = model.layers[0]
     x, cos, sin = _block_inputs()
@@ -113,14 +113,14 @@ def _deep_model(family: str) -> torch.nn.Module:
     return _tiny(family, num_hidden_layers=12, sliding_window=12)
 
 
-@pytest.mark.parametrize(("family", "ac_mode"), [("native", "selective"), ("MistralForCausalLM", "full")])
-def test_twelve_blocks_share_at_most_two_graphs_and_train_like_eager(family, ac_mode):
+@pytest.mark.parametrize(("family", "recompute"), [("native", "selective"), ("MistralForCausalLM", "full")])
+def test_twelve_blocks_share_at_most_two_graphs_and_train_like_eager(family, recompute):
     """All blocks run one compiled graph (two: one more once a batch without documents follows documents),
     never near dynamo's recompile limit (8), without graph breaks; gradients equal eager's (fp64), under
     Selective++ (native) and full checkpointing (Hugging Face)."""
-    from loongtrain.train.run_model import loss_inputs
+    from loongtrain.train.model_setup import loss_inputs
 
-    parallel, cpu = ParallelConfig(ac_mode=ac_mode), torch.device("cpu")
+    parallel, cpu = ParallelConfig(recompute=recompute), torch.device("cpu")
     eager = parallelize(_deep_model(family), single_process_mesh(), parallel, cpu)
     compiled = parallelize(_deep_model(family), single_process_mesh(), parallel, cpu, compile=True)
     vocab = 64 if family == "native" else compiled.config.vocab_size
@@ -168,14 +168,13 @@ def test_attention_ops_fakes_match_real_for_every_input_form(masks):
 def test_compile_modes():
     cpu = torch.device("cpu")
     assert compile_step.compile_enabled("on", cpu) and not compile_step.compile_enabled("off", cpu)
-    assert not compile_step.compile_enabled("auto", cpu)  # CPU compiles only when asked
     with pytest.raises(ValueError, match="'fast'.*off"):
         compile_step.compile_enabled("fast", cpu)
     with pytest.raises(ValueError, match="--compile='fast'"):
         TrainConfig(compile="fast").validate()
     compile_step.check_compile_options(ParallelConfig())
     with pytest.raises(ValueError, match="--offload-activations.*--compile off"):
-        compile_step.check_compile_options(ParallelConfig(ac_mode="selective", offload_activations=True))
+        compile_step.check_compile_options(ParallelConfig(recompute="selective", offload_activations=True))
     with pytest.raises(ValueError, match="--mlp-tiles 4"):
         compile_step.check_compile_run("on", ParallelConfig(mlp_tiles="4"), "cpu")
 
@@ -199,7 +198,6 @@ def test_missing_compiler_is_named(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="C\\+\\+ compiler.*--compile off"):
         compile_step.check_compile_backend("on", "cpu")
     compile_step.check_compile_backend("off", "cpu")  # nothing to compile: nothing missing
-    compile_step.check_compile_backend("auto", "cpu")
     monkeypatch.setattr(shutil, "which", which)
     # a compiler without OpenMP's header (its own error line is quoted)
     fake = tmp_path / "g++"
@@ -260,7 +258,7 @@ def _wrong_stride_backend():
 
 def test_compiled_backward_failure_names_the_block_in_flight_and_the_op():
     model = parallelize(Transformer(dataclasses.replace(MODEL, num_layers=3)).double(), single_process_mesh(),
-                        ParallelConfig(ac_mode="selective"), torch.device("cpu"))
+                        ParallelConfig(recompute="selective"), torch.device("cpu"))
     for i, block in enumerate(model.layers):  # eager blocks 0 and 2 around the failing one
         if i == 1:
             compile_step.compile_block(block, "layers.1", backend=_wrong_stride_backend())
@@ -278,7 +276,7 @@ def test_compiled_backward_failure_names_the_block_in_flight_and_the_op():
 
 def test_compile_on_end_to_end_trains_like_eager_and_a_compile_failure_stops_it_in_one_line(
         tmp_path, monkeypatch, capsys):
-    from loongtrain.cli import main
+    from loongtrain.commands import main
     from loongtrain.train.metrics import read_jsonl
 
     corpus = tmp_path / "corpus.txt"
@@ -301,7 +299,7 @@ def test_compile_on_end_to_end_trains_like_eager_and_a_compile_failure_stops_it_
     monkeypatch.setattr(compile_step, "BACKEND", _wrong_stride_backend())  # fails in the first backward
     assert train("failing") == 1
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("loongtrain train:")]
-    assert len(err) == 1 and err[0].startswith("loongtrain train: training failed: torch.compile failed on decoder "
+    assert len(err) == 1 and err[0].startswith("loongtrain train: failed: torch.compile failed on decoder "
                                                "block layers.1 at op loongtrain.head_all_to_all"), err
     assert err[0].endswith("run with --compile off"), err
 
@@ -309,7 +307,7 @@ def test_compile_on_end_to_end_trains_like_eager_and_a_compile_failure_stops_it_
 def test_compile_on_without_a_compiler_exits_2_before_any_worker(monkeypatch, tmp_path, capsys):
     import shutil
 
-    from loongtrain.cli import main
+    from loongtrain.commands import main
 
     monkeypatch.setattr(compile_step, "BACKEND", "inductor")
     monkeypatch.setattr(shutil, "which", lambda name: None)

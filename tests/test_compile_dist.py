@@ -1,14 +1,14 @@
-"""``--compile on`` on 4 gloo ranks (docs/design.md §13), one spawn.
+"""``--compile on`` on 4 gloo ranks (docs/compile.md), one spawn.
 
 - **Inductor** (the backend ``--compile on`` runs, which asserts every op output's strides): on
-  ``(hp=2, cp=2)`` with full ZeRO (FSDP2), Selective Checkpoint++, packed documents and the balanced chunk
+  ``(hp=2, cp=2)`` with full ZeRO (FSDP2), selective recompute, packed documents and the balanced chunk
   layout, compiled training equals eager training (fp64, 3 AdamW steps, losses and parameters to 1e-10), all
   blocks run one compiled graph, and under compile Selective++ still runs ring attention once per layer in
   forward and never in backward, sending exactly the backward traffic of no checkpointing (the assertion of
   tests/test_recompute.py).
 - **The ops' fake implementations** give the real sizes, strides and storage offsets
   (``torch.library.opcheck``) for every call the ring makes at ``hp x cp`` = 2x2, 4x1 (one member: the whole
-  path, KV heads replicated), 1x4 and 1x4 as a double ring (window 2): batch 1 with documents in the
+  path, KV heads replicated), 1x4 and 1x4 as a double ring (inner_ring 2): batch 1 with documents in the
   balanced layout, batch 2 without documents, with a sliding window (an all-to-all's result is a view for
   batch 1, a copy otherwise).
 - A measured attention-kernel choice that differs between ranks becomes rank 0's on every rank.
@@ -25,12 +25,12 @@ from tests.dist_utils import run_distributed
 pytestmark = pytest.mark.distributed
 
 TOL = 1e-10
-LAYOUTS = ((2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 4, 2))  # (hp, cp, window)
+LAYOUTS = ((2, 2, 1), (4, 1, 1), (1, 4, 1), (1, 4, 2))  # (hp, cp, inner_ring)
 
 
 def _opcheck_layouts() -> dict[str, int]:
     """opcheck of every distinct loongtrain op call of an attention forward and backward at each layout;
-    returns the number of calls checked per ``"hp x cp / window op"``."""
+    returns the number of calls checked per ``"hp x cp / inner_ring op"``."""
     import torch
 
     from loongtrain.attn.api import attention
@@ -40,8 +40,8 @@ def _opcheck_layouts() -> dict[str, int]:
     from tests.counting import record_loongtrain_ops
 
     seq, docs, checked = 64, [0, 5, 30, 41, 64], {}
-    for hp, cp, window in LAYOUTS:
-        mesh = init_mesh(hp, cp, window=window)
+    for hp, cp, inner_ring in LAYOUTS:
+        mesh = init_mesh(hp, cp, inner_ring=inner_ring)
         # batch 1 with documents in the balanced layout; batch 2 without, with a sliding window
         for batch, masks in ((1, {"cu_seqlens": [torch.tensor(docs)],
                                   "chunk_order": balanced_chunk_order([docs], seq, cp, hp)}),
@@ -58,7 +58,7 @@ def _opcheck_layouts() -> dict[str, int]:
                                  else a for a in args)
                     tests += ("test_autograd_registration",)
                 torch.library.opcheck(op, args, test_utils=tests)
-                name = f"{hp}x{cp}/{window} {op}"
+                name = f"{hp}x{cp}/{inner_ring} {op}"
                 checked[name] = checked.get(name, 0) + 1
     return checked
 
@@ -69,8 +69,8 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.parallel.mesh import init_mesh
+    from loongtrain.parallelize import compile as compile_step
     from loongtrain.train.memory_report import trainer_loss_fn
-    from loongtrain.wrap import compile as compile_step
     from tests.counting import count_ring_forward
     from tests.test_compile import doc_batch
     from tests.test_zero import compare, full_params, make_trainer, model_config
@@ -79,10 +79,10 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     compile_step.BACKEND = "inductor"  # --compile on's backend (the unit tests use aot_eager)
     torch._inductor.config.compile_threads = 1  # no compile-worker pool per rank: 4 ranks share 2 cores
     mesh = init_mesh(2, 2)
-    opts = {"doc_mask": "on", "chunk_layout": "balanced"}
+    opts = {"doc_mask": "on", "chunk_order": "balanced"}
     runs = {}
     for mode in ("off", "on"):
-        trainer = make_trainer(mesh, ac_mode="selective", zero="full", train_opts={**opts, "compile": mode})
+        trainer = make_trainer(mesh, recompute="selective", zero="full", train_opts={**opts, "compile": mode})
         losses = [trainer.step([doc_batch(s)])["loss"] for s in range(3)]
         runs[mode] = (trainer, (losses, full_params(trainer.model)))
     out |= {"diff": compare(runs["on"][1], runs["off"][1]), "layers": model_config().num_layers}
@@ -126,7 +126,7 @@ def test_inductor_training_equals_eager_on_four_ranks_in_one_graph(results: list
 def test_op_fakes_match_the_real_layouts_of_every_ring(results: list[dict[str, Any]]) -> None:
     ops = ("head_all_to_all", "ring_attention", "ring_attention_backward")
     for rank, result in enumerate(results):
-        expected = {f"{hp}x{cp}/{window} loongtrain.{op}.default" for hp, cp, window in LAYOUTS for op in ops
+        expected = {f"{hp}x{cp}/{inner_ring} loongtrain.{op}.default" for hp, cp, inner_ring in LAYOUTS for op in ops
                     if hp > 1 or op != "head_all_to_all"}  # no all-to-all without head parallelism
         assert set(result["opcheck"]) == expected, (rank, result["opcheck"])
 

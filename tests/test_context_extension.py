@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loongtrain.cli import main
+from loongtrain.commands import main
 from loongtrain.model.rope_scaling import RopeScaling
 from tests.fixtures import QUIET_FLAGS
 
@@ -129,7 +129,7 @@ def test_hf_model_keeps_hf_modules_with_a_new_rope(tmp_path):
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.train.checkpoint import write_checksums
     from loongtrain.train.config import Run, TrainConfig
-    from loongtrain.train.run_model import hf_run_config, model_config_for, model_record
+    from loongtrain.train.model_setup import hf_run_config, model_config_for, model_record
     from loongtrain.train.trainer import Trainer
     from tests.test_hf_train import make_hf_dir
 

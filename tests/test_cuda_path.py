@@ -1,4 +1,4 @@
-"""The CUDA kernel wrappers without a GPU (docs/design.md §11): exactness through a CPU emulation of the
+"""The CUDA kernel wrappers without a GPU (docs/testing.md): exactness through a CPU emulation of the
 CUDA ops (tests/cuda_emulation.py), planted faults the checks must catch, shapes/dtypes/strides of the
 real ops on fake CUDA tensors, and kernel selection over device capabilities."""
 
@@ -274,7 +274,7 @@ def _zigzag(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
 def test_ring_on_emulated_cuda_kernels(emulate, kernel, causal):
     """The in-process ring executor with a CUDA kernel equals unsharded attention, forward and grads."""
     ops = emulate(allow_fp64=True)
-    cp, window, seq = 4, 2, 64
+    cp, inner_ring, seq = 4, 2, 64
     g = torch.Generator().manual_seed(1)
     q, dout = (torch.randn(2, seq, 4, 16, generator=g, dtype=F64) for _ in range(2))
     k, v = (torch.randn(2, seq, 2, 16, generator=g, dtype=F64) for _ in range(2))
@@ -283,9 +283,9 @@ def test_ring_on_emulated_cuda_kernels(emulate, kernel, causal):
     want = (out_full.transpose(1, 2), *torch.autograd.grad(out_full, (qa, ka, va), dout.transpose(1, 2)))
 
     qs, ks, vs, douts = ([_zigzag(t, cp, r) for r in range(cp)] for t in (q, k, v, dout))
-    fwd = local_ring_forward(qs, ks, vs, window, causal, SCALE, kernel=kernel)
+    fwd = local_ring_forward(qs, ks, vs, inner_ring, causal, SCALE, kernel=kernel)
     outs, lses = [o for o, _ in fwd], [lse for _, lse in fwd]
-    bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, window, causal, SCALE, kernel=kernel)
+    bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, causal, SCALE, kernel=kernel)
     for r in range(cp):
         got = (outs[r], *bwd[r])
         for g_r, w in zip(got, want):

@@ -1,6 +1,6 @@
 """``--doc-mask on``: a sharded training step's loss and gradients equal one process running each packed
 document separately (fp64), with positions restarting per document, under zigzag and under
-``--chunk-layout balanced``; MFU's attention work counts only the visible pairs."""
+``--chunk-order balanced``; MFU's attention work counts only the visible pairs."""
 
 from __future__ import annotations
 
@@ -46,16 +46,16 @@ def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int, str]]) ->
     from loongtrain.train.trainer import Trainer
 
     out = {}
-    for hp, cp, chunk_layout in layouts:
+    for hp, cp, chunk_order in layouts:
         mesh = init_mesh(hp, cp)
         cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0, clip=0.0, dtype="fp64",
-                          parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on", chunk_layout=chunk_layout)
+                          parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on", chunk_order=chunk_order)
         trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
         order = trainer.sharding.chunk_order(trainer.sharding.documents(packed_batch())[0], SEQ)
-        assert (order is not None) == (chunk_layout == "balanced"), (chunk_layout, order)
+        assert (order is not None) == (chunk_order == "balanced"), (chunk_order, order)
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
-        out[(hp, cp, chunk_layout)] = (result["loss"], result["attention_pairs"], grads if rank == 0 else None)
+        out[(hp, cp, chunk_order)] = (result["loss"], result["attention_pairs"], grads if rank == 0 else None)
     return out
 
 
@@ -120,19 +120,19 @@ def _hf_dir(path: str) -> str:
 
 def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[int, int, str]]) -> dict:
     from loongtrain.train.config import Run
-    from loongtrain.train.run_model import model_config_for
+    from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
 
     out = {}
-    for hp, cp, chunk_layout in layouts:
+    for hp, cp, chunk_order in layouts:
         mesh = init_mesh(hp, cp)
         cfg = TrainConfig(model=directory, tokenizer="byte", seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0,
                           clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on",
-                          chunk_layout=chunk_layout)
+                          chunk_order=chunk_order)
         trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
-        out[(hp, cp, chunk_layout)] = (result["loss"], grads if rank == 0 else None)
+        out[(hp, cp, chunk_order)] = (result["loss"], grads if rank == 0 else None)
     return out
 
 

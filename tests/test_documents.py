@@ -1,4 +1,5 @@
-"""Packed documents and sliding windows through the ring (docs/design.md §4): the in-process executor is
+"""Packed documents and sliding windows through the ring (docs/attention.md#the-ring-schedule): the in-process
+executor is
 exact (fp64, 1e-10, out/lse/dq/dk/dv) against a dense masked reference and against each document run
 alone, for every (cp, window) up to 8; pieces cover exactly the visible pairs; invisible blocks cost no
 kernel call; a short sliding window sends fewer blocks. No processes."""
@@ -86,15 +87,15 @@ def _shard(t: torch.Tensor, cp: int, order=None) -> list[torch.Tensor]:
     return [t[:, :, shard_indices(t.shape[2], 1, cp, c, 0, order)] for c in range(cp)]
 
 
-def run_ring(q, k, v, dout, cp: int, window: int, mask: AttnMask, kernel: Kernel | None = None,
+def run_ring(q, k, v, dout, cp: int, inner_ring: int, mask: AttnMask, kernel: Kernel | None = None,
              transports=None):
     """The in-process ring; returns full-sequence out, lse, dq, dk, dv (unsharded back)."""
     scale = q.shape[-1] ** -0.5
     qs, ks, vs, douts = (_shard(t, cp, mask.chunk_order) for t in (q, k, v, dout))
     fwd_t, bwd_t = transports or (None, None)
-    res = local_ring_forward(qs, ks, vs, window, mask.causal, scale, kernel, fwd_t, mask=mask)
+    res = local_ring_forward(qs, ks, vs, inner_ring, mask.causal, scale, kernel, fwd_t, mask=mask)
     outs, lses = [o for o, _ in res], [lse for _, lse in res]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, window, mask.causal, scale, kernel, bwd_t,
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, mask.causal, scale, kernel, bwd_t,
                                 mask=mask)
     idx = torch.cat([shard_indices(q.shape[2], 1, cp, c, 0, mask.chunk_order) for c in range(cp)])
 
@@ -113,25 +114,25 @@ def _windows(cp: int) -> list[int | None]:
     return [None, 1, CHUNK // 2, CHUNK + 2, seq // cp + 5, seq]
 
 
-@pytest.mark.parametrize("cp, window", RINGS)
+@pytest.mark.parametrize("cp, inner_ring", RINGS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_ring_with_documents_and_windows_is_exact(cp, window, causal):
+def test_ring_with_documents_and_windows_is_exact(cp, inner_ring, causal):
     seq = 2 * CHUNK * cp
-    layouts = doc_layouts(cp, seq, seed=cp * 10 + window)
-    heads = (4, 2) if (cp + window) % 2 else (3, 3)  # GQA and MHA (the ring never splits heads)
+    layouts = doc_layouts(cp, seq, seed=cp * 10 + inner_ring)
+    heads = (4, 2) if (cp + inner_ring) % 2 else (3, 3)  # GQA and MHA (the ring never splits heads)
     q, k, v, dout = _inputs(cp, *heads, batch=len(layouts), seed=cp)
     for i, sliding in enumerate(_windows(cp)):
         tiny = (0, 64)[i % 2]  # kernel shapes only / tiny masked pieces allowed
         for docs in (tuple(layouts.values()), None) if sliding is not None else (tuple(layouts.values()),):
             mask = AttnMask(causal, sliding, docs, tiny)
-            got = run_ring(q, k, v, dout, cp, window, mask)
+            got = run_ring(q, k, v, dout, cp, inner_ring, mask)
             want = dense_reference(q, k, v, dout, mask)
             errs = [(g - w).abs().max().item() for g, w in zip(got, want)]
-            assert max(errs) < 1e-10, (cp, window, causal, heads, sliding, tiny, docs, errs)
+            assert max(errs) < 1e-10, (cp, inner_ring, causal, heads, sliding, tiny, docs, errs)
             if docs is not None and i in (0, 2):  # no window; a window shorter than a chunk
                 per_doc = per_document_reference(q, k, v, dout, mask)
                 for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), per_doc):
-                    assert (g - w).abs().max().item() < 1e-10, (name, cp, window, sliding)
+                    assert (g - w).abs().max().item() < 1e-10, (name, cp, inner_ring, sliding)
 
 
 def _cells(pieces, rows: int, cols: int) -> torch.Tensor:
@@ -209,29 +210,29 @@ def test_invisible_blocks_make_no_kernel_call():
 
 
 # blocks a short pass sends per pass, worked out by hand: a single ring sends r each way; a double ring of
-# windows of 2 or 4 in a ring of 8 reaches ring distance 1 (or 2) with 1 outer hop each way (one way for two
-# windows) and at most one inner hop each way around every block it reaches (docs/design.md §4)
+# inner rings of 2 or 4 in a ring of 8 reaches ring distance 1 (or 2) with 1 outer hop each way (one way for two
+# inner rings) and at most one inner hop each way around every block it reaches (docs/attention.md#the-ring-schedule)
 SHORT_HOPS = {(8, 2, 0): 0, (8, 2, 1): 5, (8, 2, 2): 5, (8, 4, 0): 0, (8, 4, 1): 5}
 
 
-@pytest.mark.parametrize("cp, window", RINGS)
+@pytest.mark.parametrize("cp, inner_ring", RINGS)
 @pytest.mark.parametrize("sliding", [1, 2, CHUNK, CHUNK + 1, 2 * CHUNK + 1])
-def test_short_window_pass_sends_fewer_blocks(cp, window, sliding):
-    geometry = DoubleRing(cp // window, window)
+def test_short_window_pass_sends_fewer_blocks(cp, inner_ring, sliding):
+    geometry = DoubleRing(cp // inner_ring, inner_ring)
     reach = pass_reach(geometry, CHUNK, sliding)
     r = -(-(sliding - 1) // CHUNK)
-    single = window in (1, cp) or r == 0
-    hops = 2 * r if single else SHORT_HOPS.get((cp, window, r), cp - 1)
+    single = inner_ring in (1, cp) or r == 0
+    hops = 2 * r if single else SHORT_HOPS.get((cp, inner_ring, r), cp - 1)
     assert reach == (r if hops < cp - 1 else None), (hops, reach)
     q, k, v, dout = _inputs(cp, 2, 1, batch=2, seed=cp)
     mask = AttnMask(True, sliding, None)
-    recorders = (_Recorder(cp, window), _Recorder(cp, window))
+    recorders = (_Recorder(cp, inner_ring), _Recorder(cp, inner_ring))
     base = select_kernel(q.device, q.dtype, q.shape[-1])
-    got = run_ring(q, k, v, dout, cp, window, mask, base, tuple(r.transports for r in recorders))
+    got = run_ring(q, k, v, dout, cp, inner_ring, mask, base, tuple(r.transports for r in recorders))
     want = dense_reference(q, k, v, dout, mask)
     assert max((g - w).abs().max().item() for g, w in zip(got, want)) < 1e-10
     for recorder, backward in zip(recorders, (False, True)):
-        planned = _planned_trace(cp, window, backward, reach)
+        planned = _planned_trace(cp, inner_ring, backward, reach)
         posts = [op for op in planned if op[0] == "post"]
         full = (cp - 1) * (2 if backward else 1)
         assert len(posts) == (full if reach is None else hops * (2 if backward else 1))
@@ -368,7 +369,7 @@ def test_pieces_on_emulated_cuda_kernels(monkeypatch, kernel_name):
 
 
 def test_plan_reports_document_balance(capsys):
-    from loongtrain.plan.cli import main
+    from loongtrain.commands.plan import main
     from loongtrain.plan.document_work import balance_report, lognormal_documents
 
     docs = lognormal_documents(16384, 1024, seed=0)

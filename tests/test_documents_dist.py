@@ -34,18 +34,18 @@ def test_world4_every_factorisation_both_placements():
 
 def test_world8_rings():
     # the short pass on single rings (cp 8: windows 1 and 8) and double rings (windows of 2 and 4)
-    configs = [dict(hp=1, cp=8), dict(hp=2, cp=4), dict(hp=1, cp=8, window=2), dict(hp=1, cp=8, window=8),
-               dict(hp=1, cp=8, window=4, placement="context_first")]
+    configs = [dict(hp=1, cp=8), dict(hp=2, cp=4), dict(hp=1, cp=8, inner_ring=2), dict(hp=1, cp=8, inner_ring=8),
+               dict(hp=1, cp=8, inner_ring=4, placement="context_first")]
     counts = run_distributed(check_documents, 8, configs, [(8, 2)], [None, 1, _short, _between, _long], 1e-10)
     assert min(counts) > 0
 
 
 @pytest.mark.parametrize("world, configs, blocks", [
     # chunk = 4 tokens: reach 1, 2 blocks per pass instead of 3
-    (4, [dict(hp=1, cp=4), dict(hp=1, cp=4, window=4, placement="context_first")], 2),
-    # double rings, chunk = 2 tokens: reach 1 is one outer hop each way (one for two windows) and one inner
-    # hop each way round the blocks reached: 5 blocks per pass instead of 7 (docs/design.md §4)
-    (8, [dict(hp=1, cp=8, window=2), dict(hp=1, cp=8, window=4, placement="context_first")], 5),
+    (4, [dict(hp=1, cp=4), dict(hp=1, cp=4, inner_ring=4, placement="context_first")], 2),
+    # double rings, chunk = 2 tokens: reach 1 is one outer hop each way (one for two inner rings) and one inner
+    # hop each way round the blocks reached: 5 blocks per pass instead of 7 (docs/attention.md#the-ring-schedule)
+    (8, [dict(hp=1, cp=8, inner_ring=2), dict(hp=1, cp=8, inner_ring=4, placement="context_first")], 5),
 ])
 def test_short_window_sends_fewer_blocks_as_the_formulas_say(world, configs, blocks):
     from loongtrain.parallel.layout import Layout
@@ -73,6 +73,6 @@ def test_short_window_sends_fewer_blocks_as_the_formulas_say(world, configs, blo
 
 
 def test_balanced_layout_world4():
-    configs = [dict(hp=1, cp=4), dict(hp=2, cp=2, placement="context_first"), dict(hp=1, cp=2, window=2)]
+    configs = [dict(hp=1, cp=4), dict(hp=2, cp=2, placement="context_first"), dict(hp=1, cp=2, inner_ring=2)]
     counts = run_distributed(check_documents, 4, configs, [(4, 2)], [None, _short], 1e-10, True)
     assert min(counts) > 0

@@ -1,5 +1,5 @@
 """Double-Ring-Attention across processes: a smoke of a few layouts at world 4 and 8, at least one per
-placement and interleaving. Exactness for every (cp, window) runs in process, through the same ring
+placement and interleaving. Exactness for every (cp, inner_ring) runs in process, through the same ring
 executor (tests/test_schedule.py); placements only change which rank sits where, not the math."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ pytestmark = pytest.mark.distributed
 
 CONFIGS = {
     4: [
-        dict(hp=1, cp=4, window=2, placement="context_first", interleaved=True),
-        dict(hp=2, cp=2, window=1, placement="head_first"),
+        dict(hp=1, cp=4, inner_ring=2, placement="context_first", interleaved=True),
+        dict(hp=2, cp=2, inner_ring=1, placement="head_first"),
     ],
     8: [
-        dict(hp=1, cp=8, window=4, placement="head_first", interleaved=True),
-        dict(hp=2, cp=4, window=2, placement="context_first"),
-        dict(hp=1, cp=4, window=4, placement="head_first"),  # dp = 2
+        dict(hp=1, cp=8, inner_ring=4, placement="head_first", interleaved=True),
+        dict(hp=2, cp=4, inner_ring=2, placement="context_first"),
+        dict(hp=1, cp=4, inner_ring=4, placement="head_first"),  # dp = 2
     ],
 }
 

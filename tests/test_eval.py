@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loongtrain.commands import eval as cli
 from loongtrain.data import ByteTokenizer
 from loongtrain.eval.passkey import (
     NEEDLE_PREFIX,
@@ -20,7 +21,6 @@ from loongtrain.eval.passkey import (
     passkey_tokens,
 )
 from loongtrain.eval.position_loss import bucket_edges, bucket_sums, position_loss
-from loongtrain.launch import eval_cli as cli
 from loongtrain.loss.chunked import chunked_token_losses
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
@@ -268,25 +268,25 @@ def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
 
 
 def test_eval_follows_the_runs_chunk_layout(run_dir, monkeypatch):
-    """A run trained with --chunk-layout balanced is evaluated under it (zigzag without --doc-mask on, as in
+    """A run trained with --chunk-order balanced is evaluated under it (zigzag without --doc-mask on, as in
     training, where batches without documents stay zigzag)."""
     import dataclasses
 
-    import loongtrain.eval.job as job_module
+    import loongtrain.eval.config as job_module
     from loongtrain.launch.eval_run import prepare
 
     resolve = job_module.resolve_model
 
     def balanced(model: str):
         source = resolve(model)
-        return dataclasses.replace(source, run=dataclasses.replace(source.run, chunk_layout="balanced", doc_mask="on"))
+        return dataclasses.replace(source, run=dataclasses.replace(source.run, chunk_order="balanced", doc_mask="on"))
 
     monkeypatch.setattr(job_module, "resolve_model", balanced)
     options = dict(model=str(run_dir / "run"), task="position-loss", docs=1, nproc=1)
-    assert prepare(job_module.EvalConfig(**options)).run.chunk_layout == "balanced"
-    assert prepare(job_module.EvalConfig(**options, doc_mask="off")).run.chunk_layout == "zigzag"
+    assert prepare(job_module.EvalConfig(**options)).run.chunk_order == "balanced"
+    assert prepare(job_module.EvalConfig(**options, doc_mask="off")).run.chunk_order == "zigzag"
     monkeypatch.setattr(job_module, "resolve_model", resolve)
-    assert prepare(job_module.EvalConfig(**options)).run.chunk_layout == "zigzag"
+    assert prepare(job_module.EvalConfig(**options)).run.chunk_order == "zigzag"
 
 
 def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):
@@ -317,7 +317,7 @@ def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tokenizer_run(tmp_path_factory):
     """A 2-step run trained with a Hugging Face BPE tokenizer on a prepared corpus (and the raw corpus)."""
-    from loongtrain.cli import main
+    from loongtrain.commands import main
     from loongtrain.data.prepare import prepare
     from tests.test_bad_inputs import BASE, _bpe
 
@@ -339,7 +339,7 @@ def _position_loss(model: str, corpus: str, out, *extra: str) -> list[dict]:
 
 def test_eval_reads_the_runs_prepared_corpus_as_the_raw_one(tokenizer_run):
     """eval's default corpus is the run's (here prepared): its sequences equal the raw corpus's."""
-    from loongtrain.eval.job import EvalConfig
+    from loongtrain.eval.config import EvalConfig
     from loongtrain.launch.eval_run import prepare
 
     options = dict(model=str(tokenizer_run / "run"), task="position-loss", docs=3, nproc=1)
@@ -353,7 +353,7 @@ def test_export_carries_the_runs_tokenizer(tokenizer_run, tmp_path):
     """The export holds the run's tokenizer files, so evaluating it reads the same ids as evaluating the
     checkpoint: the same losses (the native and the transformers model, fp32); without them it would read
     bytes, and the loss differs."""
-    from loongtrain.cli import main
+    from loongtrain.commands import main
     from loongtrain.data.tokenizer import build_tokenizer
 
     hf = tmp_path / "hf"

@@ -1,5 +1,5 @@
 """Sharded evaluation equals unsharded evaluation (fp64, world 4, one launch for every layout): per-bucket
-losses (zigzag, and the run's --chunk-layout balanced, whose shard eval really takes) and validation losses
+losses (zigzag, and the run's --chunk-order balanced, whose shard eval really takes) and validation losses
 to 1e-10, the same passkey decisions; and a training step after a
 validation and the in-loop evaluations (--eval-tasks) is bit-identical to one without, under FSDP2 with two
 replicas."""
@@ -22,17 +22,17 @@ from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import destroy_mesh, init_mesh, single_process_mesh
 from loongtrain.parallel.zigzag import shard_indices
-from loongtrain.train.batch import batch_documents, chunk_order
+from loongtrain.parallelize.compose import parallelize
+from loongtrain.train.batch import batch_chunk_order, batch_documents
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.validation import Validation, validation_loss
-from loongtrain.wrap.parallelize import parallelize
 from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 MODEL = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64,
                     tie_embeddings=True)
-LAYOUTS = [dict(hp=2, cp=2), dict(hp=1, cp=4), dict(hp=4, cp=1), dict(hp=1, cp=4, window=2),
+LAYOUTS = [dict(hp=2, cp=2), dict(hp=1, cp=4), dict(hp=4, cp=1), dict(hp=1, cp=4, inner_ring=2),
            dict(hp=2, cp=1, zero="full")]  # the last: dp = 2 replicas, FSDP2
 SEQ, LENGTHS, DEPTHS, TRIALS = 64, (96, 192), (0.0, 0.5, 1.0), 1  # two 96-token prompts a forward
 CPU = torch.device("cpu")
@@ -72,7 +72,7 @@ def _evaluate(model, mesh) -> dict:
     tokens = passkey_tokens(ByteTokenizer())
     return {
         "buckets": position_loss(model, _documents(), mesh, CPU, SEQ, doc_mask="on"),
-        "balanced": position_loss(model, _documents(), mesh, CPU, SEQ, doc_mask="on", chunk_layout="balanced"),
+        "balanced": position_loss(model, _documents(), mesh, CPU, SEQ, doc_mask="on", chunk_order="balanced"),
         "passkey": passkey(model, tokens, LENGTHS, DEPTHS, TRIALS, mesh, CPU, seed=1),
     }
 
@@ -116,8 +116,8 @@ def _balanced_index(model, mesh) -> tuple[list[int], list[int], list[int]]:
     """The tokens this rank's balanced eval forward held, the trainer's balanced shard, and the zigzag one."""
     batch = _documents()[0]
     cu_seqlens, _ = batch_documents(batch, "on", True)
-    order = chunk_order(cu_seqlens, SEQ, mesh, "balanced", None)
-    held = sharded_forward(model, batch, mesh, CPU, doc_mask="on", chunk_layout="balanced").index.tolist()
+    order = batch_chunk_order(cu_seqlens, SEQ, mesh, "balanced", None)
+    held = sharded_forward(model, batch, mesh, CPU, doc_mask="on", chunk_order="balanced").index.tolist()
     return (held, shard_indices(SEQ, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank, order).tolist(),
             shard_indices(SEQ, mesh.hp, mesh.cp, mesh.cp_rank, mesh.hp_rank).tolist())
 
@@ -126,7 +126,7 @@ def _worker(rank: int, world: int) -> dict:
     results = {}
     for layout in LAYOUTS:
         parallel = ParallelConfig(**layout)
-        mesh = init_mesh(parallel.hp, parallel.cp, window=parallel.window)
+        mesh = init_mesh(parallel.hp, parallel.cp, inner_ring=parallel.inner_ring)
         model = parallelize(_model(), mesh, parallel, CPU)
         results[str(layout)] = {**_evaluate(model, mesh), "val_loss": _validate(parallel, mesh),
                                 "index": _balanced_index(model, mesh)}
@@ -152,7 +152,7 @@ def test_sharded_eval_equals_unsharded():
             for mine, ref in zip(got["buckets"], reference["buckets"]):
                 assert abs(mine["loss"] - ref["loss"]) < 1e-10, (where, mine, ref)
             assert got["passkey"] == reference["passkey"], where
-            for mine, ref in zip(got["balanced"], reference["buckets"], strict=True):  # --chunk-layout balanced
+            for mine, ref in zip(got["balanced"], reference["buckets"], strict=True):  # --chunk-order balanced
                 assert mine["tokens"] == ref["tokens"] and abs(mine["loss"] - ref["loss"]) < 1e-10, (where, mine, ref)
             held, balanced, zigzag = got["index"]
             assert held == balanced, where

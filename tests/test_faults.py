@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loongtrain.cli import main
+from loongtrain.commands import main
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.parallel.workers import WorkerError, run_local
 from loongtrain.train.metrics import read_jsonl
@@ -96,7 +96,7 @@ def _kill_rank_when(argv: list[str], rank: int, ready, what: str, capsys, restar
         assert codes == [0], err  # the restart shows as one more "start" event in metrics.jsonl
     else:
         assert codes == [1] and time.monotonic() - t0 < 10, err
-        assert f"rank {rank} of 2 failed" in err and "SIGKILL" in err, err
+        assert f"failed: rank {rank} of 2:" in err and "SIGKILL" in err, err
     assert not any(_ppid(pid) is not None for pid in workers.values()), "a worker outlived the job"
 
 
@@ -259,7 +259,7 @@ def test_torchrun_standalone_restart_resumes(tmp_path, corpus):
     checkpoint and finishes."""
     out = tmp_path / "torchrun"
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "loongtrain.cli",
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "loongtrain.commands",
            "train", "--hp", "2", "--cp", "1", "--corpus", corpus, *COMMON, "--ckpt-interval", "2",
            "--out-dir", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

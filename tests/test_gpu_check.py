@@ -11,7 +11,9 @@ import time
 import pytest
 import torch
 
-from benchmarks import gpu_check, gpu_check_exact, gpu_check_rates
+from benchmarks.gpu_check import exact as gpu_check_exact
+from benchmarks.gpu_check import rates as gpu_check_rates
+from benchmarks.gpu_check import run as gpu_check
 from loongtrain.plan.calibrate import calibrated
 from loongtrain.plan.cluster import load_cluster
 
@@ -100,10 +102,10 @@ def test_sharded_attention_matches_the_unsharded_kernel_exactly_in_fp64():
     q, dout = (gpu_check_exact._bshd(1, 64, 4, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
     k, v = (gpu_check_exact._bshd(1, 64, 2, 8, torch.float64, torch.device("cpu"), gen) for _ in range(2))
     want = gpu_check_exact.run_kernel(REFERENCE, q, k, v, dout, 0.3)
-    for hp, cp, window in gpu_check_exact.RING_CASES:
-        got = gpu_check_exact.sharded_attention(q, k, v, dout, hp, cp, window, 0.3)
+    for hp, cp, inner_ring in gpu_check_exact.RING_CASES:
+        got = gpu_check_exact.sharded_attention(q, k, v, dout, hp, cp, inner_ring, 0.3)
         for name in ("out", "dq", "dk", "dv"):
-            torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10, msg=f"{hp}x{cp}w{window} {name}")
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-10, msg=f"{hp}x{cp}w{inner_ring} {name}")
 
 
 def test_a_wrong_head_split_is_caught(monkeypatch):

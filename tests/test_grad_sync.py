@@ -1,4 +1,4 @@
-"""The replicated-weights gradient sync (``--zero none``, docs/design.md §7): the bucket plan
+"""The replicated-weights gradient sync (``--zero none``, docs/memory.md): the bucket plan
 (``loongtrain.parallel.buckets``), and on two gloo ranks the overlapped, bucketed all-reduce from gradient
 hooks (``loongtrain.train.sync.GradientSync``) against an all-reduce of every gradient after the whole
 backward (fp64, 1e-12): buckets launched while the backward runs, in bucket order on every rank, only for the

@@ -3,8 +3,8 @@
 - Trainer, one process, float64, every family: the chunked loss from the final hidden states equals
   the logits path (``sharded_cross_entropy`` of the full logits), loss and gradients (1e-10).
 - World 4 (one gloo spawn): a tiny HF Llama directory made with ``save_pretrained`` trains with full
-  ZeRO and Selective Checkpoint++, and resume is exact (bit-identical losses); with the HF model,
-  selective++ recomputes no attention and sends no extra bytes in backward, full does; a native
+  ZeRO and selective recompute, and resume is exact (bit-identical losses); with the HF model,
+  selective recompute recomputes no attention and sends no extra bytes in backward, full does; a native
   preset run for export.
 - Export -> ``from_pretrained`` -> logits equal in float64 (1e-10) for the HF run and the native run.
 - Bad input exits 2 naming the problem before any worker starts; the planner reads every family.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loongtrain.cli import main as cli_main
+from loongtrain.commands import main as cli_main
 from loongtrain.model.config import ModelConfig, flops_per_token
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.train.config import TrainConfig
@@ -79,7 +79,7 @@ def test_trainer_chunked_loss_equals_logits_path(tmp_path, family):
     from loongtrain.data.synthetic import global_batch
     from loongtrain.loss.sharded import sharded_cross_entropy
     from loongtrain.train.config import Run
-    from loongtrain.train.run_model import model_config_for
+    from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
 
     model_dir = make_hf_dir(tmp_path / family, family)
@@ -108,21 +108,21 @@ def test_trainer_chunked_loss_equals_logits_path(tmp_path, family):
         assert trainer.step([batch])["loss"] == pytest.approx(float(value), rel=1e-12)
 
 
-# ---- world 4: train, resume, selective++ with the HF model; export --------------------------------
+# ---- world 4: train, resume, selective recompute with the HF model; export --------------------------------
 
 
-def _ring_counts(cfg: TrainConfig, mesh, ac_mode: str) -> tuple[int, int]:
+def _ring_counts(cfg: TrainConfig, mesh, recompute: str) -> tuple[int, int]:
     """(ring forwards during backward, attention bytes sent during backward) of one micro-batch."""
     import dataclasses
 
     from loongtrain.data.synthetic import global_batch
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.train.config import Run
-    from loongtrain.train.run_model import model_config_for
+    from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
     from tests.counting import count_ring_forward
 
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ac_mode=ac_mode))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, recompute=recompute))
     trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
     loss, _ = trainer.loss(global_batch(0, 1, SEQ, VOCAB, seed=2))
     with count_ring_forward() as calls, CommCounter() as comm:
@@ -136,7 +136,7 @@ def _train_worker(rank: int, world: int, tmp: str, model_dir: str, tied_dir: str
 
     tmp, corpus_path = Path(tmp), Path(corpus)
     mesh = init_mesh(2, 2)
-    opts = dict(parallel=ParallelConfig(hp=2, cp=2, zero="full", ac_mode="selective++"))
+    opts = dict(parallel=ParallelConfig(hp=2, cp=2, zero="full", recompute="selective"))
 
     def losses(out: str, model: str = model_dir, **kw) -> list[float]:
         cfg = train_config(tmp / out, model, corpus_path, **{**opts, **kw})
@@ -149,7 +149,7 @@ def _train_worker(rank: int, world: int, tmp: str, model_dir: str, tied_dir: str
         "native": losses("native", model="tiny", steps=2),
     }
     cfg = train_config(tmp / "unused", model_dir, corpus_path, parallel=ParallelConfig(hp=2, cp=2))
-    result["counts"] = {mode: _ring_counts(cfg, mesh, mode) for mode in ("none", "selective++", "full")}
+    result["counts"] = {mode: _ring_counts(cfg, mesh, mode) for mode in ("none", "selective", "full")}
     result["sharded_build"] = [_sharded_build_matches(tmp, d, corpus_path, mesh) for d in (model_dir, tied_dir)]
     return result
 
@@ -159,7 +159,7 @@ def _sharded_build_matches(tmp: Path, model_dir: str, corpus: Path, mesh) -> boo
     buffers as ``load_hf_model`` (a tied head stays tied)."""
     from loongtrain.hf import load_hf_model
     from loongtrain.train.config import Run
-    from loongtrain.train.run_model import model_config_for
+    from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
 
     cfg = train_config(tmp / "unused", model_dir, corpus, parallel=ParallelConfig(hp=2, cp=2, zero="full"))
@@ -200,7 +200,7 @@ def test_train_resume_selective_and_export_world4(tmp_path, capsys):
     assert first == full[:2] and second == full[2:], "resume must be bit-identical"
     layers = COMMON["num_hidden_layers"]
     (none_calls, none_bytes), (sel_calls, sel_bytes), (full_calls, full_bytes) = (
-        got["counts"][m] for m in ("none", "selective++", "full"))
+        got["counts"][m] for m in ("none", "selective", "full"))
     assert none_calls == 0 and sel_calls == 0 and full_calls == layers
     assert sel_bytes == none_bytes > 0 and full_bytes > none_bytes
     assert got["sharded_build"] == [True, True]
@@ -241,7 +241,7 @@ def test_cli_train_and_export_one_process(tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt")
     args = ["train", "--model", str(model_dir), "--corpus", str(corpus), "--seq-len", str(SEQ), "--nproc", "1",
             "--hp", "1", "--cp", "1", "--steps", "2", "--out-dir", str(tmp_path / "run"), "--progress", "off",
-            "--no-tensorboard", "--no-plot", "--peak-tflops", "1", "--no-memory-report", "--ac-mode", "selective++"]
+            "--no-tensorboard", "--no-plot", "--peak-tflops", "1", "--no-memory-report", "--recompute", "selective"]
     assert cli_main([*args, "--stop-after", "1"]) == 0
     assert cli_main([*args, "--resume"]) == 0
     from loongtrain.train.metrics import read_jsonl
@@ -308,7 +308,7 @@ def test_bad_input_exits_2_before_workers(tmp_path, capsys, monkeypatch, case):
 def test_local_tokenizer_in_model_dir_is_used(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from loongtrain.train.run_model import model_config_for, tokenizer_spec
+    from loongtrain.train.model_setup import model_config_for, tokenizer_spec
 
     vocab = {t: i for i, t in enumerate(["<unk>", "</s>", *(f"w{i}" for i in range(198))])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -362,7 +362,7 @@ def test_autoplan_plans_the_hf_model(tmp_path, monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr(autoplan, "best_fitting", best_fitting)
-    cfg = TrainConfig(model=str(model_dir), plan="auto", plan_cluster="h100", seq_len=SEQ)
+    cfg = TrainConfig(model=str(model_dir), plan="auto", cluster="h100", seq_len=SEQ)
     with pytest.raises(ValueError, match="stop here"):
         autoplan.apply_plan(cfg, 8, under_launcher=False)
     assert seen["model"].head_dim == 16 and seen["model"].num_kv_heads == 2

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from loongtrain.cli import main
+from loongtrain.commands import main
 from loongtrain.data import build_tokenizer
 from loongtrain.eval.in_loop import in_loop_evaluations, passkey_metrics
 from loongtrain.parallel.config import ParallelConfig
@@ -34,7 +34,7 @@ def _corpus(tmp) -> str:
 
 
 def _cfg(tmp, name: str, parallel: ParallelConfig, **kw) -> TrainConfig:
-    base = dict(corpus=_corpus(tmp), seq_len_schedule="32:2,64:2", seq_len=64, steps=4, batch_size=2, warmup=1,
+    base = dict(corpus=_corpus(tmp), seq_len_stages="32:2,64:2", seq_len=64, steps=4, batch_size=2, warmup=1,
                 lr=1e-2, dtype="fp32", parallel=parallel, out_dir=str(tmp / name), peak_tflops=1.0, tensorboard=False,
                 plot=False, progress="off", memory_report=False, val_interval=2, val_batches=1)
     return TrainConfig(**{**base, **kw})
@@ -69,7 +69,7 @@ def test_training_is_bit_identical_with_in_loop_evaluation(tmp_path):
 
 
 def test_metrics_equal_loongtrain_eval_of_the_same_step(tmp_path, capsys):
-    from loongtrain.eval.job import EvalConfig, evaluate
+    from loongtrain.eval.config import EvalConfig, evaluate
     from loongtrain.eval.source import build_model
     from loongtrain.launch.eval_run import prepare
 

@@ -1,5 +1,5 @@
 """The ring's kernel choice by measurement, one per call kind (loongtrain/attn/kernel_choice.py and
-kernel_timing.py, docs/design.md §6)."""
+kernel_timing.py, docs/attention.md#kernels)."""
 
 from __future__ import annotations
 

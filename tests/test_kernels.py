@@ -64,7 +64,7 @@ def test_cpu_flash_on_strided_ring_slices():
 
 
 def test_only_cuda_flash_and_cudnn_have_a_varlen_form():
-    """The packed variable-length ops are FA2's and cuDNN's ragged one (docs/design.md §6), the latter with
+    """The packed variable-length ops are FA2's and cuDNN's ragged one (docs/attention.md#kernels), the latter with
     top-left causal masks: every other kernel, the head-dim padded flash kernel included, runs one dense call
     per piece."""
     from loongtrain.attn import cuda_kernels, kernels
@@ -80,7 +80,7 @@ def test_only_cuda_flash_and_cudnn_have_a_varlen_form():
 def test_a_ring_of_one_calls_the_kernel_once_without_accumulators(monkeypatch):
     """cp = 1, one document: forward and backward are the kernel's own results, no ring step (whose fp32 out,
     dQ and dK/dV accumulators are q- and kv-sized), bit for bit what the accumulating step computes
-    (docs/design.md §7)."""
+    (docs/memory.md)."""
     import loongtrain.attn.ring as ring
     from loongtrain import attention
 

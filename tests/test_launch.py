@@ -1,5 +1,5 @@
 """The local launcher (run_local; its lifeline: parallel/liveness.py) and the per-layout process groups of
-init_mesh (docs/design.md §10)."""
+init_mesh (docs/launching.md)."""
 
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ def _check_groups(mesh) -> None:
 
 # layouts of world 4 that the churn creates and destroys; (2, 2) stays live throughout
 DISTINCT = [
-    dict(hp=1, cp=4), dict(hp=1, cp=4, window=2), dict(hp=1, cp=4, window=2, interleaved=True),
-    dict(hp=1, cp=4, window=2, placement="context_first"), dict(hp=4, cp=1), dict(hp=1, cp=2),
-    dict(hp=2, cp=1), dict(hp=1, cp=1), dict(hp=2, cp=2, placement="context_first"), dict(hp=2, cp=2, window=2),
+    dict(hp=1, cp=4), dict(hp=1, cp=4, inner_ring=2), dict(hp=1, cp=4, inner_ring=2, interleaved=True),
+    dict(hp=1, cp=4, inner_ring=2, placement="context_first"), dict(hp=4, cp=1), dict(hp=1, cp=2),
+    dict(hp=2, cp=1), dict(hp=1, cp=1), dict(hp=2, cp=2, placement="context_first"), dict(hp=2, cp=2, inner_ring=2),
 ]
 
 

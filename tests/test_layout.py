@@ -25,19 +25,19 @@ def test_context_first_puts_ring_neighbours_on_consecutive_ranks():
 
 
 def test_double_ring_peers_and_interleaving():
-    layout = Layout(world_size=8, hp=1, cp=8, window=4, placement="context_first")
+    layout = Layout(world_size=8, hp=1, cp=8, inner_ring=4, placement="context_first")
     assert layout.ring_peers(1) == {"inner_next": 2, "inner_prev": 0, "outer_next": 5, "outer_prev": 5}
-    inter = Layout(world_size=8, hp=1, cp=8, window=4, placement="context_first", interleaved=True)
-    # ring members 0,1,2,3 of a window sit on slots 0,2,1,3: NIC-sharing pairs hold members i, i+2
+    inter = Layout(world_size=8, hp=1, cp=8, inner_ring=4, placement="context_first", interleaved=True)
+    # ring members 0,1,2,3 of an inner ring sit on slots 0,2,1,3: NIC-sharing pairs hold members i, i+2
     assert inter.context_groups() == [[0, 2, 1, 3, 4, 6, 5, 7]]
     assert inter.ring_peers(2)["inner_next"] == 1
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world_size=6, hp=4, cp=1), "not divisible by hp\\*cp"),
-    (dict(world_size=8, hp=1, cp=8, window=3), "window=3 must divide cp=8"),
+    (dict(world_size=8, hp=1, cp=8, inner_ring=3), "inner_ring=3 must divide cp=8"),
     (dict(world_size=8, hp=1, cp=8, placement="ring_first"), "placement='ring_first'"),
-    (dict(world_size=8, hp=1, cp=8, window=1, interleaved=True), "even window"),
+    (dict(world_size=8, hp=1, cp=8, inner_ring=1, interleaved=True), "even inner ring"),
     (dict(world_size=8, hp=0, cp=8), "hp=0"),
 ])
 def test_invalid_layouts_raise(kwargs, message):
@@ -92,6 +92,6 @@ def test_attention_validation(mesh, inputs, message):
 
 def test_init_mesh_without_distributed_is_single_process():
     mesh = loongtrain.init_mesh(1, 1)
-    assert (mesh.hp, mesh.cp, mesh.dp, mesh.window, mesh.placement) == (1, 1, 1, 1, "head_first")
+    assert (mesh.hp, mesh.cp, mesh.dp, mesh.inner_ring, mesh.placement) == (1, 1, 1, 1, "head_first")
     with pytest.raises(ValueError, match="world_size=1 is not divisible"):
         loongtrain.init_mesh(2, 1)

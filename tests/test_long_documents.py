@@ -1,6 +1,6 @@
 """`loongtrain prepare --min-doc-tokens N`: a corpus of the long documents only (bit-identical to the raw corpus
 of those documents), recorded in the manifest so another N is another preparation, and the long-document
-recipe: that corpus mixed with a short one under a length schedule."""
+recipe: that corpus mixed with a short one under seq-len stages."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from loongtrain.cli import main
+from loongtrain.commands import main
 from loongtrain.data import build_batches
 from loongtrain.data.prepare import prepare
 from loongtrain.data.prepared import MANIFEST
@@ -74,7 +74,7 @@ def test_long_documents_mixed_with_short_ones_under_a_schedule(tmp_path):
     assert main(["prepare", corpus, "--out", str(long_dir), "--workers", "1", "--min-doc-tokens", "60"]) == 0
     out = tmp_path / "run"
     argv = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--corpus", f"{long_dir}=0.5,{corpus}=0.5",
-            "--seq-len-schedule", "16:2,32:2", "--batch-size", "2", "--warmup", "1", "--no-memory-report",
+            "--seq-len-stages", "16:2,32:2", "--batch-size", "2", "--warmup", "1", "--no-memory-report",
             "--out-dir", str(out), *QUIET_FLAGS]
     assert main(argv) == 0
     rows = read_jsonl(out / "metrics.jsonl")

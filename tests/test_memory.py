@@ -7,10 +7,12 @@ from typing import Any
 import pytest
 import torch
 
+from loongtrain.commands.train import parse_args
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.config import parse_args
+from loongtrain.parallelize.compose import parallelize
+from loongtrain.parallelize.recompute import apply_recompute, recomputed_layers
 from loongtrain.train.memory_report import (
     SavedActivations,
     format_memory_table,
@@ -18,8 +20,6 @@ from loongtrain.train.memory_report import (
     metrics_fields,
     optimizer_state_bytes,
 )
-from loongtrain.wrap.parallelize import parallelize
-from loongtrain.wrap.recompute import apply_activation_checkpointing, recomputed_layers
 from tests.counting import count_ring_forward
 from tests.fixtures import tiny_model
 
@@ -48,8 +48,8 @@ def _loss_fn(model: torch.nn.Module) -> Any:
     ("opts", "words"),
     [
         ({"zero": "zero3"}, ["'zero3'", "none", "full", "hybrid"]),
-        ({"ac_mode": "partial"}, ["'partial'", "none", "full", "selective"]),
-        ({"ac_fraction": 1.5}, ["1.5", "[0, 1]"]),
+        ({"recompute": "partial"}, ["'partial'", "none", "full", "selective"]),
+        ({"recompute_fraction": 1.5}, ["1.5", "[0, 1]"]),
         ({"zero_shard_size": -1, "zero": "hybrid"}, ["-1", ">= 0"]),
         ({"zero_shard_size": 2, "zero": "full"}, ["zero_shard_size=2", "hybrid"]),
         ({"reshard_after_forward": "yes"}, ["'yes'"]),
@@ -73,8 +73,8 @@ def test_shard_size_must_divide_world() -> None:
 
 def test_memory_options_from_the_command_line_and_aliases() -> None:
     assert parse_args([]).parallel == ParallelConfig(hp=2, cp=2)
-    cfg = parse_args(["--zero", "full", "--ac-mode", "selective++", "--ac-fraction", "0.5"])
-    assert cfg.parallel == ParallelConfig(hp=2, cp=2, zero="full", ac_mode="selective", ac_fraction=0.5)
+    cfg = parse_args(["--zero", "full", "--recompute", "selective", "--recompute-fraction", "0.5"])
+    assert cfg.parallel == ParallelConfig(hp=2, cp=2, zero="full", recompute="selective", recompute_fraction=0.5)
     with pytest.raises(ValueError, match="parallel must be a ParallelConfig"):
         parallelize(torch.nn.Linear(2, 2), single_process_mesh(), cfg, torch.device("cpu"))  # type: ignore[arg-type]
     assert recomputed_layers(4, 0.5) == [0, 1]
@@ -88,7 +88,7 @@ def test_checkpoint_modes_keep_names_and_gradients() -> None:
     loss = _loss_fn(plain)()
     loss.backward()
     for mode, fraction in (("full", 1.0), ("selective", 1.0), ("selective", 0.5)):
-        model = _model(ac_mode=mode, ac_fraction=fraction)
+        model = _model(recompute=mode, recompute_fraction=fraction)
         assert [n for n, _ in model.named_parameters()] == names
         other = _loss_fn(model)()
         other.backward()
@@ -101,7 +101,7 @@ def test_selective_runs_attention_once_single_process() -> None:
     with count_ring_forward() as calls:
         for mode, recomputed in (("none", 0), ("selective", 0), ("full", CONFIG.num_layers)):
             calls.clear()
-            loss = _loss_fn(_model(ac_mode=mode))()
+            loss = _loss_fn(_model(recompute=mode))()
             assert calls["ring_forward"] == CONFIG.num_layers, mode
             loss.backward()
             assert calls["ring_forward"] == CONFIG.num_layers + recomputed, mode
@@ -111,7 +111,7 @@ def test_memory_report_counts_params_grads_optimizer_and_activations() -> None:
     n_params = sum(p.numel() for p in _model().parameters())
     reports = {}
     for mode in ("none", "selective", "full"):
-        model = _model(ac_mode=mode)
+        model = _model(recompute=mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
         report = memory_report(model, optimizer, _loss_fn(model))
         assert report["params"] == report["grads"] == 8 * n_params
@@ -151,4 +151,4 @@ def test_saved_activations_skip_parameters_and_count_storages_once() -> None:
     z.backward()
     assert counter.bytes == 2 * 4 * 8 * 8  # x (saved by the matmul) and y; the weight is not counted
     assert counter.tensors == 2
-    assert apply_activation_checkpointing(torch.nn.ModuleList(), "none") == []
+    assert apply_recompute(torch.nn.ModuleList(), "none") == []

@@ -1,4 +1,4 @@
-"""What a sharded run holds, and the planner's memory model against measurement (docs/design.md §7, §9).
+"""What a sharded run holds, and the planner's memory model against measurement (docs/memory.md, docs/planner.md).
 
 - Sharded bf16 (FSDP2 ``MixedPrecisionPolicy``, no autocast): the gathered weights, their unsharded
   gradients and any weight-shaped tensor autograd saves, counted with hooks at every block's forward and
@@ -24,7 +24,7 @@ from tests.dist_utils import run_distributed
 pytestmark = pytest.mark.distributed
 
 TOLERANCE = 0.15
-# (zero, ac_mode, seq_len): every ZeRO x checkpoint mode at 8K and one at 32K (time budget of the suite;
+# (zero, recompute, seq_len): every ZeRO x checkpoint mode at 8K and one at 32K (time budget of the suite;
 # predicted/measured was 0.95-0.99 in all 12 cases of 8K x 9 modes, 16K, 32K full and selective)
 PREDICTION_CASES = [(z, ac, 8192) for z in ("none", "full", "hybrid") for ac in ("none", "full", "selective")]
 PREDICTION_CASES += [("hybrid", "selective", 16384)]  # longer: activations dominate
@@ -189,15 +189,15 @@ def _prediction_worker(rank: int, world: int) -> list[dict[str, Any]]:
 
     mesh = init_mesh(2, 2)
     out = []
-    for zero, ac_mode, seq in PREDICTION_CASES:
+    for zero, recompute, seq in PREDICTION_CASES:
         shard = {"zero_shard_size": 2} if zero == "hybrid" else {}
-        parallel = ParallelConfig(hp=2, cp=2, zero=zero, ac_mode=ac_mode, **shard)
+        parallel = ParallelConfig(hp=2, cp=2, zero=zero, recompute=recompute, **shard)
         run = Run(TrainConfig(seq_len=seq, parallel=parallel), get_preset("tiny"))
         trainer = Trainer(run, mesh, torch.device("cpu"))
         batch = global_batch(0, 1, seq, 256, seed=0)
         measured = trainer_memory_report(trainer, batch)
         predicted, got = compared_totals(predicted_memory(trainer, seq_len=seq, batch=1), measured)
-        out.append({"case": (zero, ac_mode, seq), "predicted": predicted, "measured": got})
+        out.append({"case": (zero, recompute, seq), "predicted": predicted, "measured": got})
     return out
 
 

@@ -1,5 +1,5 @@
 """Mixtures of corpora and the validation split: determinism, resume, per-corpus token counts, no
-overlap between training and validation documents (docs/design.md §12)."""
+overlap between training and validation documents (docs/data.md)."""
 
 from __future__ import annotations
 

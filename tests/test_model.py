@@ -197,9 +197,9 @@ def test_apply_2d_attention_rejects_models_without_attention_fn_and_bad_meshes()
 
 
 def test_selective_checkpoint_finds_the_custom_ops_after_apply():
-    """Selective Checkpoint++ keeps the outputs of torch.ops.loongtrain.* reached through attention_fn:
+    """selective recompute keeps the outputs of torch.ops.loongtrain.* reached through attention_fn:
     the backward recomputes no attention; full checkpointing recomputes it once per layer."""
-    from loongtrain.wrap.recompute import apply_activation_checkpointing
+    from loongtrain.parallelize.recompute import apply_recompute
 
     config = ModelConfig(**SMALL)
     inputs, labels, positions = _batch(0, config.vocab_size)
@@ -207,7 +207,7 @@ def test_selective_checkpoint_finds_the_custom_ops_after_apply():
         for mode, recomputed in (("selective", 0), ("full", config.num_layers)):
             model = loongtrain.apply_2d_attention(Transformer(config, seed=0).double(),
                                                   loongtrain.single_process_mesh())
-            apply_activation_checkpointing(model.layers, mode)
+            apply_recompute(model.layers, mode)
             calls.clear()
             loss, _ = sharded_cross_entropy(model(inputs, positions), labels, None)
             loss.backward()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from loongtrain.cli import main
+from loongtrain.commands import main
 from loongtrain.train.metrics import read_jsonl
 from tests.test_faults import COMMON, _wait_for
 
@@ -65,7 +65,7 @@ class Nodes:
             cmd = [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
                    "--rdzv-conf", f"is_host={int(n == 0)},join_timeout={JOIN_TIMEOUT_S}",
-                   "-m", "loongtrain.cli", "train", *ARGS, "--corpus", corpus, "--out-dir", str(out), *extra]
+                   "-m", "loongtrain.commands", "train", *ARGS, "--corpus", corpus, "--out-dir", str(out), *extra]
             with open(log, "w") as sink:
                 self.procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT))
 
@@ -90,7 +90,7 @@ def _workers_of(out: Path) -> list[int]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"loongtrain.cli" in cmdline and str(out).encode() in cmdline:
+        if b"loongtrain.commands" in cmdline and str(out).encode() in cmdline:
             found.append(int(entry))
     return found
 
@@ -131,9 +131,9 @@ def test_agent_killed_the_other_node_ends_naming_it_and_resume_auto_finishes(tmp
     lost = time.monotonic()
     # node 0's workers end at once, naming node 1; node 1's workers ended with their agent
     _wait_for(lambda: not _workers_of(out), 30, "every worker to end", nodes.procs[0])
-    failed = [line for line in nodes.log(0).splitlines() if "training failed" in line]
+    failed = [line for line in nodes.log(0).splitlines() if "loongtrain train: failed:" in line]
     assert len(failed) == 2, nodes.log(0)[-3000:]  # ranks 0 and 1, each naming node 1
-    assert all("training failed: lost node 1 (host" in line and "ranks 2-3" in line for line in failed), failed
+    assert all("lost node 1 (host" in line and "ranks 2-3" in line for line in failed), failed
     # every node relaunched, as a user would after replacing the lost one (while node 0's old agent still
     # waits in its rendezvous for node 1, up to join_timeout)
     again = Nodes(out, corpus, "--resume", "auto", tag=".again")

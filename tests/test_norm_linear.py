@@ -1,4 +1,4 @@
-"""The attention norm fused into q/k/v (loongtrain/wrap/norm_linear.py, docs/design.md §7): the same output
+"""The attention norm fused into q/k/v (loongtrain/parallelize/norm_linear.py, docs/memory.md): the same output
 and gradients as norm-then-linear, in one chunk and in many, with bias, under autocast; the norm's output
 is not kept; loongtrain's and Hugging Face's blocks fused from outside."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.model.rms_norm import rms_norm
-from loongtrain.wrap.norm_linear import NormLinear, fuse_norm_linear
+from loongtrain.parallelize.norm_linear import NormLinear, fuse_norm_linear
 
 
 def _inputs(dtype, bias: bool, seed: int = 0):
@@ -86,7 +86,7 @@ def test_fused_native_model_equals_plain():
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-13)])
 def test_fused_hf_llama_equals_stock(dtype, tol):
     """float64: HF's norm of a float64 input rounds to float32 statistics; the fused blocks then run its own
-    ops once (wrap/norm_linear._norm_forward), so the gradients agree to float64 rounding, not float32's."""
+    ops once (parallelize/norm_linear._norm_forward), so the gradients agree to float64 rounding, not float32's."""
     import transformers  # the hf extra: installed by the test command
     config = transformers.Qwen2Config(vocab_size=64, hidden_size=24, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)  # q/k/v with bias

@@ -1,4 +1,4 @@
-"""Activation offload and the sequence-tiled MLP in one process (docs/design.md §7): exact against the plain
+"""Activation offload and the sequence-tiled MLP in one process (docs/memory.md): exact against the plain
 run (fp64, documents on), device activation memory independent of depth, the bad-input rules.
 The sharded runs (world 4, and parameter offload) are in tests/test_offload_dist.py."""
 
@@ -12,11 +12,11 @@ import torch
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig, mlp_tile_count, validate_parallel
 from loongtrain.parallel.mesh import single_process_mesh
+from loongtrain.parallelize.offload import activation_offloader, pinned_memory_available
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.memory_report import trainer_memory_report
-from loongtrain.train.run_model import model_config_for
+from loongtrain.train.model_setup import model_config_for
 from loongtrain.train.trainer import Trainer
-from loongtrain.wrap.offload import activation_offloader, pinned_memory_available
 from tests.test_doc_mask_train import MODEL, SEQ, packed_batch
 
 TOL = 1e-10
@@ -42,12 +42,12 @@ def assert_same(got: tuple[list[float], dict], ref: tuple[list[float], dict], ca
 
 
 CASES = {
-    "offload full": {"ac_mode": "full", "offload_activations": True},
-    "offload selective": {"ac_mode": "selective", "offload_activations": True},
+    "offload full": {"recompute": "full", "offload_activations": True},
+    "offload selective": {"recompute": "selective", "offload_activations": True},
     "tiles 4": {"mlp_tiles": "4"},
-    "tiles auto, offload selective, half the blocks": {"mlp_tiles": "auto", "ac_mode": "selective",
-                                                       "ac_fraction": 0.5, "offload_activations": True},
-    "offload full, the last block kept": {"ac_mode": "full", "offload_activations": True, "offload_keep": 1},
+    "tiles auto, offload selective, half the blocks": {"mlp_tiles": "auto", "recompute": "selective",
+                                                       "recompute_fraction": 0.5, "offload_activations": True},
+    "offload full, the last block kept": {"recompute": "full", "offload_activations": True, "offload_keep": 1},
 }
 
 
@@ -67,7 +67,7 @@ def test_hf_mlp_is_tiled_exactly(tmp_path):
 
     model_dir = str(make_hf_dir(tmp_path / "qwen3", "Qwen3ForCausalLM"))
     ref = losses_and_grads(make_trainer(model_dir))
-    trainer = make_trainer(model_dir, mlp_tiles="2", ac_mode="selective", offload_activations=True)
+    trainer = make_trainer(model_dir, mlp_tiles="2", recompute="selective", offload_activations=True)
     from loongtrain.hf.families import decoder_layers
 
     assert all(layer.mlp.__dict__.get("_loongtrain_tiles") == "2" for layer in decoder_layers(trainer.model))
@@ -77,7 +77,7 @@ def test_hf_mlp_is_tiled_exactly(tmp_path):
 def _device_activations(layers: int, offload: bool) -> tuple[int, int]:
     """(saved activation bytes left on the device after a forward, peak bytes brought back in backward)."""
     config = ModelConfig(vocab_size=64, dim=32, num_layers=layers, num_heads=4, num_kv_heads=2, ffn_dim=64)
-    trainer = make_trainer(config, ac_mode="full", offload_activations=offload)
+    trainer = make_trainer(config, recompute="full", offload_activations=offload)
     report = trainer_memory_report(trainer, packed_batch())
     offloader = activation_offloader(trainer.model)
     return report["activations"], offloader.peak_device_bytes if offloader else 0
@@ -101,7 +101,7 @@ def test_previous_block_is_prefetched_after_the_query_projections_gradient(monke
     attention kernel's backward, its peaks), not when block i's own inputs are fetched."""
     import traceback
 
-    from loongtrain.wrap.offload import ActivationOffloader
+    from loongtrain.parallelize.offload import ActivationOffloader
 
     fetched: list[tuple[int, str]] = []
     original = ActivationOffloader._fetch
@@ -113,15 +113,15 @@ def test_previous_block_is_prefetched_after_the_query_projections_gradient(monke
 
     monkeypatch.setattr(ActivationOffloader, "_fetch", spy)
     config = ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=64)
-    losses_and_grads(make_trainer(config, ac_mode="full", offload_activations=True))
+    losses_and_grads(make_trainer(config, recompute="full", offload_activations=True))
     assert fetched == 2 * [(3, "restore"), (2, "prefetch"), (1, "prefetch"), (0, "prefetch")], fetched  # 2 steps
 
 
 def test_mem_activations_counts_only_device_bytes():
     from loongtrain.train.memory_report import metrics_fields
 
-    plain = trainer_memory_report(make_trainer(ac_mode="selective"), packed_batch())
-    offloaded = trainer_memory_report(make_trainer(ac_mode="selective", offload_activations=True), packed_batch())
+    plain = trainer_memory_report(make_trainer(recompute="selective"), packed_batch())
+    offloaded = trainer_memory_report(make_trainer(recompute="selective", offload_activations=True), packed_batch())
     assert 0 < offloaded["activations"] < plain["activations"]
     assert metrics_fields(offloaded)["mem_activations_gib"] == offloaded["activations"] / 2**30
 
@@ -149,11 +149,11 @@ def test_auto_tile_rule():
     ({"mlp_tiles": "0"}, None, "mlp_tiles='0'"),
     ({"mlp_tiles": "x"}, None, "mlp_tiles='x'"),
     ({"mlp_tiles": "3", "hp": 2, "cp": 2}, 32, "mlp_tiles=3 must divide the 8 local tokens"),
-    ({"offload_activations": True}, None, "--ac-mode none"),
-    ({"offload_activations": True, "ac_mode": "full", "ac_fraction": 0.0}, None, "--ac-fraction 0"),
+    ({"offload_activations": True}, None, "--recompute none"),
+    ({"offload_activations": True, "recompute": "full", "recompute_fraction": 0.0}, None, "--recompute-fraction 0"),
     ({"offload_params": True}, None, "--offload-params (FSDP2's CPUOffloadPolicy) needs --zero full or hybrid"),
-    ({"offload_keep": 2, "ac_mode": "full"}, None, "--offload-keep 2 names blocks that --offload-activations"),
-    ({"offload_keep": -1, "ac_mode": "full", "offload_activations": True}, None, "offload_keep=-1"),
+    ({"offload_keep": 2, "recompute": "full"}, None, "--offload-keep 2 names blocks that --offload-activations"),
+    ({"offload_keep": -1, "recompute": "full", "offload_activations": True}, None, "offload_keep=-1"),
 ])
 def test_bad_modes_name_the_value(opts, seq_len, needle):
     with pytest.raises(ValueError) as err:
@@ -164,14 +164,14 @@ def test_bad_modes_name_the_value(opts, seq_len, needle):
 def test_train_command_runs_every_mode(tmp_path):
     """``loongtrain train`` with the offload and tiling flags on a preset and a Hugging Face directory; the
     metrics' ``mem_activations_gib`` is what stays on the device (less than the plain run's)."""
-    from loongtrain.cli import main
+    from loongtrain.commands import main
     from loongtrain.train.metrics import read_jsonl
     from tests.fixtures import QUIET_FLAGS, write_code_corpus
     from tests.test_hf_train import make_hf_dir
 
     corpus = write_code_corpus(tmp_path / "corpus.txt")
     base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "32", "--steps", "2", "--warmup", "1",
-            "--corpus", corpus, *QUIET_FLAGS, "--ac-mode", "selective"]
+            "--corpus", corpus, *QUIET_FLAGS, "--recompute", "selective"]
     runs = {"plain": [], "offload": ["--offload-activations", "--mlp-tiles", "2"],
             "hf": ["--model", str(make_hf_dir(tmp_path / "llama")), "--offload-activations", "--mlp-tiles", "auto",
                    "--offload-params", "--zero", "full"]}
@@ -192,7 +192,7 @@ def test_gradient_accumulation_with_offload():
 
     micro = [{k: v[i : i + 1] for k, v in packed_batch().items()} for i in range(2)]
     results = []
-    for opts in ({}, {"ac_mode": "selective", "offload_activations": True, "mlp_tiles": "2"}):
+    for opts in ({}, {"recompute": "selective", "offload_activations": True, "mlp_tiles": "2"}):
         t = trainer(**opts)
         loss = t.step(micro)["loss"]
         results.append((loss, {n: p.grad.clone() for n, p in t.model.named_parameters()}))
@@ -201,7 +201,7 @@ def test_gradient_accumulation_with_offload():
 
 def test_selective_offload_needs_torchs_cache(monkeypatch):
     """A torch whose selective checkpoint keeps no ``storage`` is named instead of silently not offloading."""
-    import loongtrain.wrap.offload as offload
+    import loongtrain.parallelize.offload as offload
 
     monkeypatch.setattr(offload, "create_selective_checkpoint_contexts", lambda policy: (object(), object()))
     offloader = offload.ActivationOffloader(torch.device("cpu"))
@@ -227,9 +227,9 @@ def test_cuda_runs_get_expandable_segments_and_host_collectives(monkeypatch):
 
 def test_offload_keep_leaves_the_last_blocks_on_the_device():
     """``--offload-keep 1`` of 2 blocks: only the first block's input goes to the host; keeping every
-    checkpointed block is refused, naming the count, before any step."""
+    recomputed block is refused, naming the count, before any step."""
     def host_after_forward(keep: int) -> int:
-        trainer = make_trainer(ac_mode="full", offload_activations=True, offload_keep=keep)
+        trainer = make_trainer(recompute="full", offload_activations=True, offload_keep=keep)
         loss = trainer.loss(packed_batch())  # the graph (and the host copies) live while the loss does
         host = activation_offloader(trainer.model).host_bytes
         del loss
@@ -237,16 +237,16 @@ def test_offload_keep_leaves_the_last_blocks_on_the_device():
 
     block = 2 * SEQ * MODEL.dim * 8  # one block's checkpointed input: float64
     assert MODEL.num_layers == 2 and host_after_forward(0) == 2 * block and host_after_forward(1) == block
-    with pytest.raises(ValueError, match="--offload-keep 2 keeps every one of the 2 checkpointed blocks"):
-        make_trainer(ac_mode="full", offload_activations=True, offload_keep=2)
+    with pytest.raises(ValueError, match="--offload-keep 2 keeps every one of the 2 recomputed blocks"):
+        make_trainer(recompute="full", offload_activations=True, offload_keep=2)
 
 
 def test_offload_keep_of_every_block_exits_2_before_workers(tmp_path, capsys):
-    from loongtrain.cli import main
+    from loongtrain.commands import main
 
-    code = main(["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--steps", "1", "--ac-mode", "full",
+    code = main(["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--steps", "1", "--recompute", "full",
                  "--offload-activations", "--offload-keep", "2", "--out-dir", str(tmp_path / "run")])
     assert code == 2
     err = capsys.readouterr().err
-    assert "--offload-keep 2 keeps every one of the 2 checkpointed blocks" in err and "at most 1" in err
+    assert "--offload-keep 2 keeps every one of the 2 recomputed blocks" in err and "at most 1" in err
     assert not (tmp_path / "run").exists()  # nothing started

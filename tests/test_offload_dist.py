@@ -1,4 +1,4 @@
-"""The offload and tiling modes on sharded runs (docs/design.md §7): world 4 (hp=2 x cp=2, documents on)
+"""The offload and tiling modes on sharded runs (docs/memory.md): world 4 (hp=2 x cp=2, documents on)
 and world 1 with parameter offload (FSDP2's CPUOffloadPolicy on a one-rank gloo group). Each mode's two
 AdamW steps equal the plain run of the same layout: losses, gradients and the updated weights (fp64,
 1e-10). One process launch of each size."""
@@ -17,15 +17,15 @@ pytestmark = pytest.mark.distributed
 TOL = 1e-10
 
 WORLD4_CASES: dict[str, dict[str, Any]] = {
-    "offload selective": {"ac_mode": "selective", "offload_activations": True},
-    "offload full, tiles 4": {"ac_mode": "full", "offload_activations": True, "mlp_tiles": "4"},
+    "offload selective": {"recompute": "selective", "offload_activations": True},
+    "offload full, tiles 4": {"recompute": "full", "offload_activations": True, "mlp_tiles": "4"},
     "zero full, offload params, tiles auto": {"zero": "full", "offload_params": True, "mlp_tiles": "auto"},
-    "everything": {"zero": "full", "offload_params": True, "ac_mode": "selective", "offload_activations": True,
+    "everything": {"zero": "full", "offload_params": True, "recompute": "selective", "offload_activations": True,
                    "mlp_tiles": "2"},
 }
 WORLD1_CASES: dict[str, dict[str, Any]] = {
     "offload params": {"zero": "full", "offload_params": True},
-    "everything": {"zero": "full", "offload_params": True, "ac_mode": "full", "offload_activations": True,
+    "everything": {"zero": "full", "offload_params": True, "recompute": "full", "offload_activations": True,
                    "mlp_tiles": "auto"},
 }
 
@@ -34,9 +34,9 @@ def _run(hp: int, cp: int, **opts: Any) -> dict[str, Any]:
     """Two steps on the packed test batch: losses, the second step's full gradients and the weights after."""
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
+    from loongtrain.parallelize.offload import activation_offloader
     from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
-    from loongtrain.wrap.offload import activation_offloader
     from tests.test_doc_mask_train import MODEL, ROWS, SEQ, packed_batch
 
     mesh = init_mesh(hp, cp)

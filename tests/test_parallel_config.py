@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from loongtrain.parallel.config import (
-    AC_MODES,
     PLACEMENTS,
+    RECOMPUTE_MODES,
     ZERO_MODES,
     ParallelConfig,
     effective_kv_heads,
@@ -23,18 +23,19 @@ from loongtrain.parallel.layout import Layout
     [
         ({"hp": 0}, ["hp=0", "positive"]),
         ({"cp": -2}, ["cp=-2", "positive"]),
-        ({"window": 0}, ["window=0", "positive"]),
-        ({"cp": 4, "window": 3}, ["window=3 must divide cp=4", "[1, 2, 4]"]),
+        ({"inner_ring": 0}, ["inner_ring=0", "positive"]),
+        ({"cp": 4, "inner_ring": 3}, ["inner_ring=3 must divide cp=4", "[1, 2, 4]"]),
         ({"placement": "ring_first"}, ["'ring_first'", *PLACEMENTS]),
-        ({"cp": 4, "window": 1, "interleaved": True}, ["interleaved", "even window", "window=1"]),
+        ({"cp": 4, "inner_ring": 1, "interleaved": True}, ["interleaved", "even inner ring", "inner_ring=1"]),
         ({"interleaved": "yes"}, ["interleaved='yes'"]),
         ({"zero": "zero3"}, ["'zero3'", *ZERO_MODES]),
         ({"zero_shard_size": -1, "zero": "hybrid"}, ["-1", ">= 0"]),
         ({"zero_shard_size": 2, "zero": "full"}, ["zero_shard_size=2", "hybrid"]),
         ({"reshard_after_forward": "yes"}, ["'yes'"]),
-        ({"ac_mode": "partial"}, ["'partial'", *AC_MODES, "selective++"]),
-        ({"ac_fraction": 1.5}, ["1.5", "[0, 1]"]),
-        ({"ac_fraction": True}, ["True", "[0, 1]"]),
+        ({"recompute": "partial"}, ["'partial'", *RECOMPUTE_MODES]),
+        ({"recompute": "selective++"}, ["'selective++'", *RECOMPUTE_MODES]),  # no second names
+        ({"recompute_fraction": 1.5}, ["1.5", "[0, 1]"]),
+        ({"recompute_fraction": True}, ["True", "[0, 1]"]),
     ],
 )
 def test_world_independent_rules_raise_on_construction(opts: dict[str, Any], words: list[str]) -> None:
@@ -44,18 +45,17 @@ def test_world_independent_rules_raise_on_construction(opts: dict[str, Any], wor
         assert word in str(info.value), (word, str(info.value))
 
 
-def test_valid_config_defaults_and_alias() -> None:
+def test_valid_config_defaults() -> None:
     cfg = ParallelConfig()
-    assert (cfg.hp, cfg.cp, cfg.window, cfg.placement, cfg.zero, cfg.ac_mode) == (1, 1, 1, "head_first", "none",
-                                                                                  "none")
-    assert ParallelConfig(ac_mode="selective++").ac_mode == "selective"
-    assert validate_parallel(ParallelConfig(hp=2, cp=4, window=2)) is None  # no world: nothing to return
+    assert (cfg.hp, cfg.cp, cfg.inner_ring, cfg.placement, cfg.zero, cfg.recompute) == (1, 1, 1, "head_first", "none",
+                                                                                        "none")
+    assert validate_parallel(ParallelConfig(hp=2, cp=4, inner_ring=2)) is None  # no world: nothing to return
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.hp = 2  # type: ignore[misc]
 
 
 def test_world_rules_and_returned_layout() -> None:
-    cfg = ParallelConfig(hp=2, cp=4, window=2, placement="context_first", interleaved=True)
+    cfg = ParallelConfig(hp=2, cp=4, inner_ring=2, placement="context_first", interleaved=True)
     layout = validate_parallel(cfg, 16)
     assert layout == Layout(16, 2, 4, 2, "context_first", True) == cfg.layout(16) and layout.dp == 2
     with pytest.raises(ValueError, match=r"world_size=12 is not divisible by hp\*cp=2\*4=8"):

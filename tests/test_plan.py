@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from loongtrain._options import parse_size
+from loongtrain.commands.plan import main
 from loongtrain.model.config import ModelConfig, get_preset
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.layout import Layout
@@ -17,7 +19,6 @@ from loongtrain.plan.attention_cost import (
     predict_attention_time,
     simulate_pass,
 )
-from loongtrain.plan.cli import main, parse_size
 from loongtrain.plan.cluster import Cluster, cluster_to_toml, load_cluster
 from loongtrain.plan.cost import step_cost
 from loongtrain.plan.memory_model import memory_per_rank
@@ -55,12 +56,12 @@ def test_attention_flops():
 
 def test_double_ring_overlap_hand_computed():
     # per ring step c = 16384 / 8 / 2048 = 1 s. Inner hop (NVLink) 512/1024 = 0.5 s, outer (NIC) 512/64 = 8 s.
-    # forward: window = 3*max(1, .5) + 1 = 4 s; outer exposed = 8 - 4 = 4 s.
-    # backward: c = 2.5 s, window 10 s. With 2 windows the one outer K/V hop (8 s) hides behind the first
-    # window; fp32 dK/dV (1024 B) follow K/V on the inner link (inner hops hide behind the 2.5 s steps);
-    # the chain waits for the last window's last inner dK/dV hop (1024 / 1024 = 1 s) and then sends the
-    # window's dK/dV home over the outer link (1024 / 64 = 16 s), which nothing hides.
-    t = attention_time(Layout(8, 1, 8, window=4, placement="context_first"), SHAPE, toy_cluster())
+    # forward: inner_ring = 3*max(1, .5) + 1 = 4 s; outer exposed = 8 - 4 = 4 s.
+    # backward: c = 2.5 s, inner_ring 10 s. With 2 inner rings the one outer K/V hop (8 s) hides behind the first
+    # inner_ring; fp32 dK/dV (1024 B) follow K/V on the inner link (inner hops hide behind the 2.5 s steps);
+    # the chain waits for the last inner_ring's last inner dK/dV hop (1024 / 1024 = 1 s) and then sends the
+    # inner_ring's dK/dV home over the outer link (1024 / 64 = 16 s), which nothing hides.
+    t = attention_time(Layout(8, 1, 8, inner_ring=4, placement="context_first"), SHAPE, toy_cluster())
     assert t.compute_fwd == pytest.approx(8) and t.compute_bwd == pytest.approx(20)
     assert t.ring_inner_fwd == pytest.approx(0) and t.ring_outer_fwd == pytest.approx(4)
     assert t.ring_inner_bwd == pytest.approx(1) and t.ring_outer_bwd == pytest.approx(16)
@@ -68,9 +69,9 @@ def test_double_ring_overlap_hand_computed():
     # plain ring: forward 7 steps each waiting on the slowest (cross-node) hop: 7*(8-1) = 49 s exposed.
     # backward: the outer link never idles (each K/V hop is posted as the previous one lands, dK/dV queue
     # behind): 7 K/V + 7 dK/dV hops = 7*(512 + 1024) B / 64 B/s = 168 s, i.e. 168 - 20 exposed
-    plain = attention_time(Layout(8, 1, 8, window=1), SHAPE, toy_cluster())
+    plain = attention_time(Layout(8, 1, 8, inner_ring=1), SHAPE, toy_cluster())
     assert plain.ring_outer_fwd == pytest.approx(49) and plain.ring_outer_bwd == pytest.approx(148)
-    assert predict_attention_time(Layout(8, 1, 8, window=1), SHAPE, toy_cluster()) == pytest.approx(225)
+    assert predict_attention_time(Layout(8, 1, 8, inner_ring=1), SHAPE, toy_cluster()) == pytest.approx(225)
 
 
 def test_link_shares_bandwidth_between_transfers_in_flight():
@@ -99,12 +100,12 @@ def test_simulated_pass_sends_what_the_ring_sends(steps):
 
 
 def test_half_duplex_doubles_two_window_outer_hops_and_a2a():
-    # 2 windows: outer next == previous peer, so on a half-duplex cluster the outer K/V hop moves 1024 B
-    # (16 s: 12 s exposed behind the 4-s forward window, 6 s behind the 10-s backward window) and the
+    # 2 inner rings: outer next == previous peer, so on a half-duplex cluster the outer K/V hop moves 1024 B
+    # (16 s: 12 s exposed behind the 4-s forward inner_ring, 6 s behind the 10-s backward inner_ring) and the
     # final dK/dV hop 2048 B (32 s); the inner ring (4 members) is unchanged. The hp=2 all-to-all
     # doubles too: 2 * 8 s per pass.
     half = toy_cluster(duplex=False)
-    t = attention_time(Layout(8, 1, 8, window=4, placement="context_first"), SHAPE, half)
+    t = attention_time(Layout(8, 1, 8, inner_ring=4, placement="context_first"), SHAPE, half)
     assert t.ring_outer_fwd == pytest.approx(16 - 4) and t.ring_outer_bwd == pytest.approx(6 + 32)
     assert t.ring_inner_bwd == pytest.approx(1)
     assert attention_time(Layout(8, 2, 4, placement="context_first"), SHAPE, half).a2a_fwd == pytest.approx(16)
@@ -112,7 +113,7 @@ def test_half_duplex_doubles_two_window_outer_hops_and_a2a():
 
 def test_shared_nic_and_a2a():
     # one NIC per node shared by the 4 devices sending across at once: 16 B/s each -> outer hop 32 s
-    double = Layout(8, 1, 8, window=4, placement="context_first")
+    double = Layout(8, 1, 8, inner_ring=4, placement="context_first")
     t = attention_time(double, SHAPE, toy_cluster(nics_per_node=1))
     assert t.ring_outer_fwd == pytest.approx(32 - 4)
     # hp=2 context_first: head peer 4 ranks away (other node). a2a pieces (S/sp=8 tokens):
@@ -134,12 +135,12 @@ def test_memory_hand_computed():
     full_layer = 128 * (4 * 64 * 2 + (2 * 2 * 16 + 4 * 128) * 2 + 4 * 4 + 8)
     final_norm = 128 * 64 * 2  # in the chunked loss: only its input's gradient
     kw = dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2)
-    none = memory_per_rank(SMALL, layout, ac_mode="none", **kw)
+    none = memory_per_rank(SMALL, layout, recompute="none", **kw)
     assert none["activations"] == 2 * full_layer + final_norm and none["recompute"] == 0
     assert none["states"] == 16 * 106816 / 8
     # FSDP2 gathers bf16: two blocks + the root (embedding, head, norm) + one block's bf16 grad and fp32 copy
     assert none["working_params"] == 2 * (2 * 36992 + 2 * 256 * 64 + 64) + (2 + 4) * 36992
-    keep = memory_per_rank(SMALL, layout, ac_mode="none", reshard_after_forward=False, **kw)
+    keep = memory_per_rank(SMALL, layout, recompute="none", reshard_after_forward=False, **kw)
     assert keep["working_params"] == none["working_params"]  # L = 2: all blocks are the two in flight
     assert none["logits"] == 128 * 4 + 128 * 256 * (2 + 4)  # chunked loss: fp32 lse + one chunk (all 128 tokens)
     # a block's backward, beyond its recomputed set: the larger of its two moments (memory_model.layer_moments)
@@ -152,32 +153,32 @@ def test_memory_hand_computed():
     results = 128 * 64 * 2 + kv * 2
     attention = 128 * (2 * 64 * 2 - mlp_part) + 2 * results + 4 * 128 * 64 + 3 * kv * 2 + 4 * kv * 4
     assert none["workspace"] == max(mlp, attention) == 147456
-    full = memory_per_rank(SMALL, layout, ac_mode="full", **kw)
+    full = memory_per_rank(SMALL, layout, recompute="full", **kw)
     assert full["activations"] == 2 * 128 * 64 * 2 + final_norm and full["recompute"] == full_layer
-    sel = memory_per_rank(SMALL, layout, ac_mode="selective", **kw)
+    sel = memory_per_rank(SMALL, layout, recompute="selective", **kw)
     # input, ring output, lse and (hp = 2) the all-to-alls' outputs: q, k, v, attention output
     kept = 64 * 2 + 64 * 2 + 16 + (2 * 64 + 2 * 2 * 16) * 2
     assert sel["activations"] == 2 * 128 * kept + final_norm and sel["recompute"] == full_layer
     # autocast (z = 1): fp32 residual stream, so the checkpointed layer inputs are fp32
-    full1 = memory_per_rank(SMALL, layout, ac_mode="full", **dict(kw, zero_size=1))
+    full1 = memory_per_rank(SMALL, layout, recompute="full", **dict(kw, zero_size=1))
     assert full1["activations"] == 2 * 128 * 64 * 4 + 128 * 64 * 4
-    unsharded = memory_per_rank(SMALL, layout, ac_mode="none", **dict(kw, zero_size=1))
+    unsharded = memory_per_rank(SMALL, layout, recompute="none", **dict(kw, zero_size=1))
     assert unsharded["states"] == 16 * 106816 and unsharded["working_params"] == 2 * (2 * 36992 + 256 * 64)
-    sel32 = memory_per_rank(SMALL, layout, ac_mode="selective", **dict(kw, dtype_bytes=4))
+    sel32 = memory_per_rank(SMALL, layout, recompute="selective", **dict(kw, dtype_bytes=4))
     assert sel32["working_params"] == 4 * (2 * 36992 + 2 * 256 * 64 + 64) + 4 * 36992  # fp32 gathered
 
 
 def test_step_compute_hand_computed():
     # 1 node of 4, hp=1 cp=4, S=256: t = 64 tokens; GEMM fwd per layer 2*P_l*t, P_l (no norms) = 36864
     cl = toy_cluster(intra_node_gbyte_s=1e6)  # fast links: pure compute
-    c = step_cost(SMALL, ParallelConfig(cp=4, ac_mode="none"), cl, nodes=1, seq_len=256)
+    c = step_cost(SMALL, ParallelConfig(cp=4, recompute="none"), cl, nodes=1, seq_len=256)
     gemm = 3 * 2 * 36992 * 64 / 2048  # fwd + 2x bwd (norm weights counted with the layer)
     attn = 3.5 * 2 * 256**2 * 4 * 16 / 4 / 2048
     head = 6 * 256 * 64 * 64 / 2048
     assert c.breakdown["compute"] == pytest.approx(2 * (gemm + attn) + head)
-    sel = step_cost(SMALL, ParallelConfig(cp=4, ac_mode="selective"), cl, nodes=1, seq_len=256)
+    sel = step_cost(SMALL, ParallelConfig(cp=4, recompute="selective"), cl, nodes=1, seq_len=256)
     assert sel.breakdown["compute"] - c.breakdown["compute"] == pytest.approx(2 * gemm / 3)
-    full = step_cost(SMALL, ParallelConfig(cp=4, ac_mode="full"), cl, nodes=1, seq_len=256)
+    full = step_cost(SMALL, ParallelConfig(cp=4, recompute="full"), cl, nodes=1, seq_len=256)
     assert full.breakdown["compute"] - c.breakdown["compute"] == pytest.approx(2 * (gemm / 3 + attn / 3.5))
 
 
@@ -186,7 +187,7 @@ def test_ulysses_invalid_for_gqa_and_ring_ranking():
         plan("7b-gqa", "a100", nodes=8, seq_len=1 << 20, hp=64)
     cands = plan("7b-mha", "a100", nodes=8, seq_len=128 << 10, sp=64)
     assert all(c.config.hp <= 32 for c in cands) and cands[0].fits
-    by = {(c.config.hp, c.config.cp, c.config.window, c.config.placement, c.config.zero, c.config.ac_mode): c
+    by = {(c.config.hp, c.config.cp, c.config.inner_ring, c.config.placement, c.config.zero, c.config.recompute): c
           for c in cands}
     plain = by[(1, 64, 1, "head_first", "full", "selective")]
     double = by[(1, 64, 8, "head_first", "full", "selective")]
@@ -200,8 +201,8 @@ def test_best_fitting_and_no_fit():
     assert best.fits and best.memory["total"] <= load_cluster("a100").usable_memory
     assert isinstance(best.config, ParallelConfig)  # exactly what `loongtrain train` runs
     assert best.config.zero_shard_size == (8 if best.config.zero == "hybrid" else 0)
-    hybrid = plan("7b-gqa", "a100", nodes=2, seq_len=128 << 10, zero="hybrid", ac_mode="selective")
-    assert all(c.config.zero_shard_size == 8 and c.config.ac_mode == "selective" for c in hybrid)
+    hybrid = plan("7b-gqa", "a100", nodes=2, seq_len=128 << 10, zero="hybrid", recompute="selective")
+    assert all(c.config.zero_shard_size == 8 and c.config.recompute == "selective" for c in hybrid)
     with pytest.raises(ValueError, match="closest alternative: --nodes"):
         best_fitting("7b-mha", "a100", nodes=1, seq_len=4 << 20)
 
@@ -245,12 +246,11 @@ def test_cli_json_and_errors(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["seq_len"] == 131072 and out["world_size"] == 16 and len(out["candidates"]) == 3
     assert out["candidates"][0]["fits"] and out["candidates"][0]["mfu"] > 0
-    for flag in ("--ac-mode", "--ckpt"):  # --ckpt: the deprecated alias
-        assert main(["--model", "7b-gqa", "--seq-len", "128K", "--nodes", "2", "--json", flag, "full"]) == 0
-        rows = json.loads(capsys.readouterr().out)["candidates"]
-        assert rows and all(r["ac_mode"] == "full" and "ckpt" not in r for r in rows)
+    assert main(["--model", "7b-gqa", "--seq-len", "128K", "--nodes", "2", "--json", "--recompute", "full"]) == 0
+    rows = json.loads(capsys.readouterr().out)["candidates"]
+    assert rows and all(r["recompute"] == "full" for r in rows)
     assert main(["--model", "7b-gqa", "--seq-len", "128K", "--nodes", "2", "--top", "1"]) == 0
-    assert " ac_mode " in capsys.readouterr().out
+    assert " recompute " in capsys.readouterr().out
     assert main(["--model", "7b-gqa", "--seq-len", "1M", "--nodes", "8", "--hp", "64"]) == 2
     assert "hp=64" in capsys.readouterr().err
     assert main(["--model", "7b-gqa", "--seq-len", "1001", "--nodes", "8"]) == 2
@@ -286,6 +286,6 @@ def test_sliding_window_attention_costs_only_visible_pairs_and_the_short_pass():
     assert attention_time(layout, replace(full, sliding_window=seq), cluster) == a
     mistral = replace(get_preset("7b-gqa"), sliding_window=window)
     kw = dict(nodes=2, seq_len=seq)
-    cfg = ParallelConfig(hp=1, cp=16, zero="full", ac_mode="selective")
+    cfg = ParallelConfig(hp=1, cp=16, zero="full", recompute="selective")
     dense = step_cost(get_preset("7b-gqa"), cfg, cluster, **kw)
     assert step_cost(mistral, cfg, cluster, **kw).step_time < dense.step_time

@@ -1,4 +1,4 @@
-"""The planner with packed documents (docs/design.md §9): ring steps charged by the visible pairs of the
+"""The planner with packed documents (docs/planner.md): ring steps charged by the visible pairs of the
 executor's own kernel pieces, the step at its busiest member; zigzag vs the balanced layout; predictions
 without documents unchanged. Pure arithmetic, no processes."""
 
@@ -12,13 +12,13 @@ import pytest
 
 from loongtrain.attn.masking import AttnMask, dense_mask
 from loongtrain.attn.schedule import Compute, pass_events
+from loongtrain.commands.plan import main
 from loongtrain.model.config import ModelConfig, flops_per_token
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import Documents, balanced_chunk_order, rank_work, visible_pairs
 from loongtrain.parallel.layout import DoubleRing, Layout
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.plan.attention_cost import AttnShape, _Link, attention_flops, attention_time, simulate_pass
-from loongtrain.plan.cli import main
 from loongtrain.plan.cost import step_cost
 from loongtrain.plan.document_work import balance_report, lognormal_documents, pair_work, step_work
 from loongtrain.plan.search import plan
@@ -72,8 +72,8 @@ def test_document_prediction_hand_computed():
     assert slow.ring_outer_fwd == pytest.approx(2 - 36 * 64 / 2048)
     # the same from the dense mask and the schedule's own sources, for a double ring with hp = 2
     seq, cp, hp, rows = 48, 4, 2, ((0, 5, 30, 48),)
-    layout, shape = Layout(8, hp, cp, window=2), AttnShape(1, seq, 4, 2, 4)
-    ring = DoubleRing(layout.num_windows, layout.window)
+    layout, shape = Layout(8, hp, cp, inner_ring=2), AttnShape(1, seq, 4, 2, 4)
+    ring = DoubleRing(layout.num_inner_rings, layout.inner_ring)
     expected = 0.0
     for e in pass_events(2, 2, False):
         if isinstance(e, Compute):
@@ -108,7 +108,7 @@ def test_balanced_layout_predicted_faster_where_zigzag_is_imbalanced():
     report = balance_report([skewed], seq, cp)
     assert report["zigzag_imbalance"] > 1.5 > 1.1 > report["balanced_imbalance"]
     shape = AttnShape(1, seq, 4, 4, 4)
-    for layout in (Layout(4, 1, cp), Layout(8, 2, cp, window=2)):
+    for layout in (Layout(4, 1, cp), Layout(8, 2, cp, inner_ring=2)):
         zigzag = attention_time(layout, shape, FAST, Documents((skewed,)))
         balanced = attention_time(layout, shape, FAST, Documents((skewed,), "balanced"))
         assert balanced.total < 0.8 * zigzag.total
@@ -122,7 +122,7 @@ def test_balanced_layout_predicted_faster_where_zigzag_is_imbalanced():
 def test_no_document_predictions_unchanged():
     # the formula: cp even steps of c = F / cp, backward 2.5 c; the ring replays c per compute event
     shape = AttnShape(2, 256, 8, 4, 16)
-    for layout in (Layout(8, 1, 8, window=4, placement="context_first"), Layout(8, 2, 4), Layout(4, 4, 1)):
+    for layout in (Layout(8, 1, 8, inner_ring=4, placement="context_first"), Layout(8, 2, 4), Layout(4, 4, 1)):
         t = attention_time(layout, shape, toy_cluster())
         c = attention_flops(shape, layout.sp) / layout.cp / 2048
         assert t.compute_fwd == layout.cp * c and t.compute_bwd == layout.cp * c * 2.5
@@ -136,7 +136,7 @@ def test_no_document_predictions_unchanged():
                 runs.append((simulate_pass(steps, c, inner, outer, 64, dkv), inner.blocked, outer.blocked))
             assert runs[0] == runs[1]
     # one document per row through the document path: the causal formula up to the diagonal (1/S)
-    layout = Layout(8, 1, 8, window=2)
+    layout = Layout(8, 1, 8, inner_ring=2)
     one = attention_time(layout, shape, toy_cluster(), Documents(((0, 256),)))
     assert one.total == pytest.approx(attention_time(layout, shape, toy_cluster()).total, rel=1e-2)
     # the planner's step and MFU without documents: model FLOPs per token as before
@@ -155,7 +155,7 @@ def test_documents_in_step_cost_and_errors():
     packed = step_cost(model, ParallelConfig(cp=4), FAST, documents=docs, **kw)
     assert packed.step_time < dense.step_time and 0 < packed.mfu < 1
     assert packed.memory == dense.memory
-    with pytest.raises(ValueError, match="chunk_layout"):
+    with pytest.raises(ValueError, match="chunk_order"):
         Documents(((0, 8),), "striped")
     with pytest.raises(ValueError, match="batch=3"):
         attention_time(Layout(4, 1, 4), AttnShape(3, 64, 4, 4, 4), FAST, Documents(((0, 64),) * 2))

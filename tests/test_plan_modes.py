@@ -1,5 +1,5 @@
 """The planner's offload and tiling modes, device counts, longest-sequence search and generated CLI
-(docs/design.md §9): hand-computed memory terms, bisection, JSON interface, old flags, and the old
+(docs/planner.md): hand-computed memory terms, bisection, JSON interface, old flags, and the old
 predictions bit-identical to a golden file written by the pre-change planner."""
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from loongtrain.commands.plan import main, parse_plan_args
 from loongtrain.parallel.config import ParallelConfig, mlp_tile_count
 from loongtrain.parallel.layout import Layout
-from loongtrain.plan.cli import main
 from loongtrain.plan.cluster import load_cluster
-from loongtrain.plan.config import parse_plan_args
 from loongtrain.plan.cost import step_cost
 from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.memory_model import memory_per_rank
@@ -30,8 +29,8 @@ P4, P_L = 180800, 36992
 
 def test_mlp_tiles_keep_one_tile_of_the_intermediates():
     layout, kw = Layout(8, 2, 4), dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2)  # t = 128 tokens
-    plain = memory_per_rank(SMALL, layout, ac_mode="full", **kw)
-    tiled = memory_per_rank(SMALL, layout, ac_mode="full", mlp_tiles="2", **kw)
+    plain = memory_per_rank(SMALL, layout, recompute="full", **kw)
+    tiled = memory_per_rank(SMALL, layout, recompute="full", mlp_tiles="2", **kw)
     # SwiGLU's 4 * f * b = 4 * 128 * 2 bytes per token: half of them at a time; the MLP's norm output per tile
     assert tiled["recompute"] == plain["recompute"] - 128 * 4 * 128 * 2 / 2 - 128 * 64 * 2
     assert {k: v for k, v in tiled.items() if k not in ("recompute", "workspace", "total")} == \
@@ -43,15 +42,15 @@ def test_mlp_tiles_keep_one_tile_of_the_intermediates():
     assert plain["workspace"] > mlp_plain and tiled["workspace"] > mlp_tiled
     assert tiled["recompute"] + tiled["workspace"] == plain["recompute"] + plain["workspace"]
     # auto is the trainer's rule (parallel.config.mlp_tile_count): ceil(f / d) = 2 tiles of the 128 tokens
-    auto = memory_per_rank(SMALL, layout, ac_mode="full", mlp_tiles="auto", **kw)
+    auto = memory_per_rank(SMALL, layout, recompute="full", mlp_tiles="auto", **kw)
     assert mlp_tile_count("auto", 128, SMALL.dim, SMALL.ffn_dim) == 2 and auto == tiled
 
 
 def test_activation_offload_keeps_two_blocks_on_the_device():
-    layout, kw = Layout(8, 2, 4), dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2, ac_mode="full")
+    layout, kw = Layout(8, 2, 4), dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2, recompute="full")
     plain = memory_per_rank(SMALL4, layout, **kw)
     off = memory_per_rank(SMALL4, layout, offload_activations=True, **kw)
-    block = 128 * 64 * 2  # a checkpointed block's input: t * d * r (FSDP2 bf16: r = b = 2)
+    block = 128 * 64 * 2  # a recomputed block's input: t * d * r (FSDP2 bf16: r = b = 2)
     final_norm = 128 * 64 * 2
     assert plain["activations"] == 4 * block + final_norm and plain["host"] == 0
     assert off["activations"] == 2 * block + final_norm and off["host"] == 4 * block
@@ -67,7 +66,7 @@ def test_activation_offload_keeps_two_blocks_on_the_device():
 
 
 def test_parameter_offload_moves_the_states_to_the_host():
-    layout, kw = Layout(8, 2, 4), dict(seq_len=1024, batch=1, dtype_bytes=2, ac_mode="full")
+    layout, kw = Layout(8, 2, 4), dict(seq_len=1024, batch=1, dtype_bytes=2, recompute="full")
     plain = memory_per_rank(SMALL4, layout, zero_size=8, **kw)
     off = memory_per_rank(SMALL4, layout, zero_size=8, offload_params=True, **kw)
     adamw = 3 * 4 * 256 * 64 / 8  # the host AdamW step's fp32 temporaries of the largest shard (the head's)
@@ -85,7 +84,7 @@ def test_parameter_offload_moves_the_states_to_the_host():
 
 def test_host_memory_decides_fit_and_the_message_names_it():
     cluster = toy_cluster(memory_gib=1.0, host_memory_gib=1e-6)  # ~1 KiB of host memory per node
-    off = ParallelConfig(cp=4, zero="full", ac_mode="full", offload_activations=True)
+    off = ParallelConfig(cp=4, zero="full", recompute="full", offload_activations=True)
     c = step_cost(SMALL4, off, cluster, nodes=1, seq_len=256)
     assert c.host_per_node == 4 * c.memory["host"] and not c.fits and c.memory["total"] < cluster.usable_memory
     slow = step_cost(SMALL4, off, toy_cluster(host_link_gbyte_s=1e-9), nodes=1, seq_len=256)  # 1 B/s
@@ -154,27 +153,30 @@ def test_cli_max_seq_len_and_device_errors(capsys):
     assert "gpus=12" in capsys.readouterr().err
     assert main(["--model", "13b", "--gpus", "1", "--cluster", "a100", "--max-seq-len", "--modes", "off"]) == 2
     assert "no sequence length fits" in capsys.readouterr().err
-    assert main(["--model", "1b", "--gpus", "1", "--seq-len", "8K", "--simulate"]) == 2  # needs loongtrain.cli
-    assert "--simulate" in capsys.readouterr().err
 
 
-def test_generated_parser_keeps_the_old_flags(tmp_path):
-    new = parse_plan_args(["--model", "1b", "--seq-len", "128K", "--nodes", "2", "--batch-size", "2",
-                           "--cluster", "h100", "--ac-mode", "full", "--offload-activations"])
-    old = parse_plan_args(["--model", "1b", "--seq-len", "131072", "--nodes", "2", "--batch", "2",
-                           "--plan-cluster", "h100", "--ckpt", "full", "--offload-activations"])
-    assert new == old and new.batch_size == 2 and new.cluster == "h100" and new.seq_len == 131072
-    assert new.filters() == {"ac_mode": "full", "offload_activations": True}
+def test_generated_parser_takes_train_names_only(tmp_path):
+    cfg = parse_plan_args(["--model", "1b", "--seq-len", "128K", "--nodes", "2", "--batch-size", "2",
+                           "--cluster", "h100", "--recompute", "full", "--offload-activations"])
+    assert cfg.batch_size == 2 and cfg.cluster == "h100" and cfg.seq_len == 131072
+    assert cfg.filters() == {"recompute": "full", "offload_activations": True}
+    for old in (["--batch", "2"], ["--ckpt", "full"], ["--plan-cluster", "h100"]):  # no second names
+        with pytest.raises(ValueError, match=old[0]):
+            parse_plan_args(old)
     path = tmp_path / "plan.toml"
-    path.write_text('model = "1b"\nseq_len = "1M"\nbatch = 3\nckpt = "selective"\nplan_cluster = "h200"\ngpus = 4\n')
+    path.write_text('model = "1b"\nseq_len = "1M"\nbatch_size = 3\nrecompute = "selective"\ncluster = "h200"\n'
+                    'gpus = 4\n')
     cfg = parse_plan_args(["--config", str(path), "--batch-size", "5"])
-    assert (cfg.seq_len, cfg.batch_size, cfg.ac_mode, cfg.cluster, cfg.gpus) == (1 << 20, 5, "selective", "h200", 4)
+    assert (cfg.seq_len, cfg.batch_size, cfg.recompute, cfg.cluster, cfg.gpus) == (1 << 20, 5, "selective", "h200", 4)
+    path.write_text('ckpt = "full"\n')
+    with pytest.raises(ValueError, match="unknown option 'ckpt'"):
+        parse_plan_args(["--config", str(path)])
     with pytest.raises(ValueError, match="seq_len='1G'"):
         parse_plan_args(["--seq-len", "1G"])
 
 
 def test_train_takes_the_same_sizes(tmp_path):
-    from loongtrain.train.config import parse_args
+    from loongtrain.commands.train import parse_args
 
     assert parse_args(["--seq-len", "128K"]).seq_len == 131072
     path = tmp_path / "train.toml"

@@ -1,5 +1,5 @@
 """Prepared corpora: the on-disk format, `loongtrain prepare` (idempotence, interruption, bad input),
-and memory-mapped batches bit-identical to the raw read (docs/design.md §12)."""
+and memory-mapped batches bit-identical to the raw read (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from loongtrain.cli import main as cli_main
+from loongtrain.commands import main as cli_main
 from loongtrain.data import build_batches, build_tokenizer
 from loongtrain.data.prepare import prepare
 from loongtrain.data.prepared import (

@@ -1,4 +1,4 @@
-"""Activation checkpointing: every mode trains exactly like no checkpointing, and Selective Checkpoint++
+"""Recompute: every mode trains exactly like no checkpointing, and selective recompute
 recomputes neither attention nor any of its communication.
 
 One gloo spawn of 4 ranks:
@@ -10,7 +10,7 @@ One gloo spawn of 4 ranks:
   are counted by wrapping ``loongtrain.attn.ops.ring_forward`` (test-local patch), and attention
   traffic during backward by a ``CommCounter`` entered around ``backward()`` only. Selective++ must
   run attention forward once per layer and send exactly the no-checkpoint backward's traffic; full
-  checkpointing runs it twice and sends more. Saved activations: none > selective++ > full.
+  checkpointing runs it twice and sends more. Saved activations: none > selective recompute > full.
 """
 
 from __future__ import annotations
@@ -35,19 +35,19 @@ from tests.test_zero import (
 pytestmark = pytest.mark.distributed
 
 EQUIV_CASES: dict[str, dict[str, Any]] = {
-    "full": {"ac_mode": "full"},
-    "selective": {"ac_mode": "selective"},
-    "selective_half": {"ac_mode": "selective++", "ac_fraction": 0.5},
-    "selective_zero": {"ac_mode": "selective", "zero": "full"},
-    "full_zero": {"ac_mode": "full", "zero": "full"},
-    "full_hybrid_keep": {"ac_mode": "full", "zero": "hybrid", "zero_shard_size": 2,
+    "full": {"recompute": "full"},
+    "selective": {"recompute": "selective"},
+    "selective_half": {"recompute": "selective", "recompute_fraction": 0.5},
+    "selective_zero": {"recompute": "selective", "zero": "full"},
+    "full_zero": {"recompute": "full", "zero": "full"},
+    "full_hybrid_keep": {"recompute": "full", "zero": "hybrid", "zero_shard_size": 2,
                          "reshard_after_forward": False},
 }
 PROOF_CASES: dict[str, dict[str, Any]] = {
     "none": {},
-    "selective": {"ac_mode": "selective"},
-    "full": {"ac_mode": "full"},
-    "selective_zero": {"ac_mode": "selective", "zero": "full"},
+    "selective": {"recompute": "selective"},
+    "full": {"recompute": "full"},
+    "selective_zero": {"recompute": "selective", "zero": "full"},
 }
 
 

@@ -1,4 +1,4 @@
-"""The one-function RMSNorm (loongtrain/model/rms_norm.py, docs/design.md §7): the same forward bit for bit as
+"""The one-function RMSNorm (loongtrain/model/rms_norm.py, docs/memory.md): the same forward bit for bit as
 the plain ops, the same gradients, and only the input and the per-token scale kept for the backward; Hugging
 Face's Llama-family norms routed through it (loongtrain/hf/norms.py)."""
 

@@ -1,4 +1,4 @@
-"""RoPE as one chunked autograd function (loongtrain/model/rope.py, docs/design.md §7): the plain ops' bits,
+"""RoPE as one chunked autograd function (loongtrain/model/rope.py, docs/memory.md#rope): the plain ops' bits,
 forward and gradient, in one chunk and in many, and only ``cos``/``sin`` kept for the backward."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The ring schedule (docs/design.md §4): the executor runs exactly the events the planner simulates, and
-the in-process executor is exact against unsharded attention for every (cp, window) up to 8. No processes."""
+"""The ring schedule (docs/attention.md#the-ring-schedule): the executor runs exactly the events the planner
+simulates, and
+the in-process executor is exact against unsharded attention for every (cp, inner_ring) up to 8. No processes."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ def test_peers_and_source_rule():
         for p in range(cp):
             for hop in ("inner", "outer"):
                 assert ring.peer(ring.peer(p, hop, 1), hop, -1) == p
-            assert ring.peer(p, "inner", 1) // w == p // w  # inner hops stay in the window
+            assert ring.peer(p, "inner", 1) // w == p // w  # inner hops stay in the inner ring
             assert ring.peer(p, "outer", 1) % w == p % w
             held = [ring.source(p, o, t) for o in range(cp // w) for t in range(w)]
             assert sorted(held) == list(range(cp)) and held[0] == p  # every block once, own block first
-            for o in range(cp // w):  # a block moves one inner hop per inner step, one outer hop per window
+            for o in range(cp // w):  # a block moves one inner hop per inner step, one outer hop per inner ring
                 for t in range(w - 1):
                     assert ring.source(ring.peer(p, "inner", 1), o, t + 1) == ring.source(p, o, t)
                 if o < cp // w - 1:
@@ -50,9 +51,9 @@ class _Recorder:
     """One log for all members: every schedule event is applied to members 0..cp-1 in turn, and each
     application makes exactly one entry (a post, a wait, or one kernel call)."""
 
-    def __init__(self, cp: int, window: int) -> None:
+    def __init__(self, cp: int, inner_ring: int) -> None:
         self.cp, self.log = cp, []
-        office = PostOffice(DoubleRing(cp // window, window))
+        office = PostOffice(DoubleRing(cp // inner_ring, inner_ring))
         self.transports = [_RecordingTransport(self, p, office.transport(p)) for p in range(cp)]
 
     def kernel(self, base: Kernel) -> Kernel:
@@ -87,28 +88,28 @@ class _RecordingTransport:
         return self.inner.wait(inner)
 
 
-def _planned_trace(cp: int, window: int, backward: bool, reach: int | None = None) -> list[tuple]:
+def _planned_trace(cp: int, inner_ring: int, backward: bool, reach: int | None = None) -> list[tuple]:
     trace: list[tuple] = []
-    simulate_pass((cp // window, window), 1.0, _Link(1.0, 0.0, 1.0), _Link(1.0, 0.0, 1.0), 1,
+    simulate_pass((cp // inner_ring, inner_ring), 1.0, _Link(1.0, 0.0, 1.0), _Link(1.0, 0.0, 1.0), 1,
                   1 if backward else None, trace, reach)
     return trace
 
 
-@pytest.mark.parametrize("cp, window", RINGS)
-def test_executor_runs_what_the_planner_simulates(cp, window):
+@pytest.mark.parametrize("cp, inner_ring", RINGS)
+def test_executor_runs_what_the_planner_simulates(cp, inner_ring):
     qs, ks, vs, douts = _shards(_full_inputs(cp, 2, 1, torch.float64), cp)
     kernel = select_kernel(qs[0].device, qs[0].dtype, qs[0].shape[-1])
-    fwd = _Recorder(cp, window)
-    results = local_ring_forward(qs, ks, vs, window, True, 0.5, fwd.kernel(kernel), fwd.transports)
-    bwd = _Recorder(cp, window)
-    local_ring_backward(douts, qs, ks, vs, [o for o, _ in results], [lse for _, lse in results], window, True,
+    fwd = _Recorder(cp, inner_ring)
+    results = local_ring_forward(qs, ks, vs, inner_ring, True, 0.5, fwd.kernel(kernel), fwd.transports)
+    bwd = _Recorder(cp, inner_ring)
+    local_ring_backward(douts, qs, ks, vs, [o for o, _ in results], [lse for _, lse in results], inner_ring, True,
                         0.5, bwd.kernel(kernel), bwd.transports)
     for recorder, backward in ((fwd, False), (bwd, True)):
-        planned = _planned_trace(cp, window, backward)
+        planned = _planned_trace(cp, inner_ring, backward)
         assert planned.count(("compute",)) == cp
         assert len(recorder.log) == cp * len(planned)
         for p in range(cp):
-            assert recorder.member_trace(p) == planned, (cp, window, backward, p)
+            assert recorder.member_trace(p) == planned, (cp, inner_ring, backward, p)
 
 
 def _full_inputs(cp: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = 8):
@@ -127,25 +128,25 @@ def _shards(tensors, cp: int) -> list[list[torch.Tensor]]:
     return [[t[:, :, i] for i in idx] for t in tensors]
 
 
-@pytest.mark.parametrize("cp, window", RINGS)
+@pytest.mark.parametrize("cp, inner_ring", RINGS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 1), (6, 2)])
-def test_local_ring_equals_unsharded_attention(cp, window, causal, num_heads, num_kv_heads):
+def test_local_ring_equals_unsharded_attention(cp, inner_ring, causal, num_heads, num_kv_heads):
     q, k, v, dout = _full_inputs(cp, num_heads, num_kv_heads, torch.float64)
     scale = q.shape[-1] ** -0.5
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, lse = reference_forward(*leaves, causal, scale)
     want = (out, lse, *torch.autograd.grad(out, leaves, dout))
     qs, ks, vs, douts = _shards((q, k, v, dout), cp)
-    results = local_ring_forward(qs, ks, vs, window, causal, scale)
+    results = local_ring_forward(qs, ks, vs, inner_ring, causal, scale)
     outs, lses = [o for o, _ in results], [lse for _, lse in results]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, window, causal, scale)
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, causal, scale)
     for name, got, full in zip(("out", "lse", "dq", "dk", "dv"),
                                (outs, lses, *zip(*grads)), want):
         ref = _shards((full.detach(),) if full.dim() == 4 else (full.detach().unsqueeze(-1),), cp)[0]
         for p, (g, r) in enumerate(zip(got, ref)):
             err = (g - r.reshape(g.shape)).abs().max().item()
-            assert err < 1e-10, (name, cp, window, causal, p, err)
+            assert err < 1e-10, (name, cp, inner_ring, causal, p, err)
 
 
 SHORT = [(cp, w, r) for cp, w in RINGS for r in range(4)
@@ -153,16 +154,16 @@ SHORT = [(cp, w, r) for cp, w in RINGS for r in range(4)
 
 
 def test_short_passes_exist_on_double_rings():
-    # r = 0 (a window of 1) on every double ring; longer reaches only where they save hops (cp = 8)
+    # r = 0 (a sliding window of 1) on every double ring; longer reaches only where they save hops (cp = 8)
     assert {(cp, w) for cp, w, r in SHORT if 1 < w < cp and r == 0} == {(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)}
     assert {(cp, w, r) for cp, w, r in SHORT if 1 < w < cp and r > 0} == {(8, 2, 1), (8, 2, 2), (8, 4, 1)}
 
 
-@pytest.mark.parametrize("cp, window, reach", SHORT)
-def test_short_pass_brings_each_nearby_block_once(cp, window, reach):
-    ring = DoubleRing(cp // window, window)
+@pytest.mark.parametrize("cp, inner_ring, reach", SHORT)
+def test_short_pass_brings_each_nearby_block_once(cp, inner_ring, reach):
+    ring = DoubleRing(cp // inner_ring, inner_ring)
     for backward in (False, True):
-        events = pass_events(cp // window, window, backward, reach)
+        events = pass_events(cp // inner_ring, inner_ring, backward, reach)
         for p in range(cp):
             held = [ring.source(p, e.outer, e.inner) for e in events if isinstance(e, Compute)]
             assert len(held) == len(set(held)) and held[0] == p, (p, held)
@@ -175,8 +176,8 @@ def test_short_pass_brings_each_nearby_block_once(cp, window, reach):
             assert dkv == (count if backward else 0)
 
 
-@pytest.mark.parametrize("cp, window, reach", SHORT)
-def test_executor_runs_the_planned_short_pass(cp, window, reach):
+@pytest.mark.parametrize("cp, inner_ring, reach", SHORT)
+def test_executor_runs_the_planned_short_pass(cp, inner_ring, reach):
     """Executor events == planner trace for every short pass (kernel calls aside: a window's block may
     need several pieces or none), and the result is exact."""
     from loongtrain.attn.masking import AttnMask
@@ -185,22 +186,22 @@ def test_executor_runs_the_planned_short_pass(cp, window, reach):
     mask = AttnMask(True, 2 * reach + 1, None)  # chunks of 2 tokens: reach ``reach``
     q, k, v, dout = _full_inputs(cp, 2, 1, torch.float64)
     qs, ks, vs, douts = _shards((q, k, v, dout), cp)
-    fwd, bwd = _Recorder(cp, window), _Recorder(cp, window)
+    fwd, bwd = _Recorder(cp, inner_ring), _Recorder(cp, inner_ring)
     scale = q.shape[-1] ** -0.5
-    results = local_ring_forward(qs, ks, vs, window, True, scale, None, fwd.transports, mask=mask)
+    results = local_ring_forward(qs, ks, vs, inner_ring, True, scale, None, fwd.transports, mask=mask)
     outs, lses = [o for o, _ in results], [lse for _, lse in results]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, window, True, scale, None, bwd.transports,
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, True, scale, None, bwd.transports,
                                 mask=mask)
     for recorder, backward in ((fwd, False), (bwd, True)):
-        planned = [op for op in _planned_trace(cp, window, backward, reach) if op[0] != "compute"]
+        planned = [op for op in _planned_trace(cp, inner_ring, backward, reach) if op[0] != "compute"]
         for p in range(cp):
-            assert [op for who, op in recorder.log if who == p] == planned, (cp, window, backward, p)
+            assert [op for who, op in recorder.log if who == p] == planned, (cp, inner_ring, backward, p)
     want = dense_reference(q, k, v, dout, mask)
     got = [outs, lses, *zip(*grads)]
     for name, parts, full in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         ref = _shards((full if full.dim() == 4 else full.unsqueeze(-1),), cp)[0]
         err = max((g - r.reshape(g.shape)).abs().max().item() for g, r in zip(parts, ref))
-        assert err < 1e-10, (name, cp, window, reach, err)
+        assert err < 1e-10, (name, cp, inner_ring, reach, err)
 
 
 def test_planner_runs_the_short_pass_of_a_double_ring():
@@ -214,7 +215,7 @@ def test_planner_runs_the_short_pass_of_a_double_ring():
     cluster = load_cluster("h100")
     seq, sliding = 131072, 4096  # chunk 4096 on a ring of 16: reach 1
     full = AttnShape(1, seq, 32, 8, 128, 2)
-    layout = Layout(16, 1, 16, window=4)  # 4 windows of 4
+    layout = Layout(16, 1, 16, inner_ring=4)  # 4 inner rings of 4
     assert ring_reach(layout, seq, sliding) == 1
     assert attention_ops(layout, seq_len=seq, sliding_window=sliding)["dkv"] == 6  # 2 outer + 2 + 1 + 1 inner
     windowed = attention_time(layout, replace(full, sliding_window=sliding), cluster)

@@ -1,4 +1,4 @@
-"""The full-size memory simulation (docs/design.md §9) checked where real tensors fit: the trainer's step
+"""The full-size memory simulation (docs/planner.md) checked where real tensors fit: the trainer's step
 under FakeTensorMode peaks within 5% of the same step on real CPU tensors (both counted by torch's
 MemTracker, storage by storage, host memory apart from the device's), on one rank and as one rank of four
 with the fake process group, with and without the offload and tiling modes; the host side against an
@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from loongtrain.cli import main as loongtrain_main
+from loongtrain.commands import main as loongtrain_main
 from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.memory_model import memory_per_rank
@@ -25,11 +25,11 @@ SEQ = 512
 
 
 @pytest.mark.parametrize("world, parallel", [
-    (1, ParallelConfig(ac_mode="full")),
-    (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="selective")),
-    (4, ParallelConfig(hp=1, cp=2, zero="none", ac_mode="none")),  # dp = 2: the gradient all-reduce too
-    (1, ParallelConfig(ac_mode="selective", offload_activations=True, mlp_tiles="auto")),
-    (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="full", offload_activations=True, offload_params=True,
+    (1, ParallelConfig(recompute="full")),
+    (4, ParallelConfig(hp=2, cp=2, zero="full", recompute="selective")),
+    (4, ParallelConfig(hp=1, cp=2, zero="none", recompute="none")),  # dp = 2: the gradient all-reduce too
+    (1, ParallelConfig(recompute="selective", offload_activations=True, mlp_tiles="auto")),
+    (4, ParallelConfig(hp=2, cp=2, zero="full", recompute="full", offload_activations=True, offload_params=True,
                        mlp_tiles="2")),
 ])
 def test_simulation_matches_real_tensors(world, parallel):
@@ -44,13 +44,13 @@ def test_simulation_matches_real_tensors(world, parallel):
 
 def test_host_bytes_are_what_the_offload_modes_move():
     # activation offload, full checkpointing: every block's input (fp32 residual stream under autocast)
-    acts = simulate_step(MODEL, ParallelConfig(ac_mode="full", offload_activations=True), 1, seq_len=SEQ,
+    acts = simulate_step(MODEL, ParallelConfig(recompute="full", offload_activations=True), 1, seq_len=SEQ,
                          fake=False)
     assert acts.host_bytes == MODEL.num_layers * SEQ * MODEL.dim * 4
     assert acts.host_parts["activation"] == acts.host_bytes
     # parameter offload: fp32 parameters, gradients and AdamW's m, v on the host (plus the host step's
     # temporaries: a few fp32 tensors of one parameter's size at a time); none of them on the device
-    params = simulate_step(MODEL, ParallelConfig(zero="full", ac_mode="full", offload_params=True), 1,
+    params = simulate_step(MODEL, ParallelConfig(zero="full", recompute="full", offload_params=True), 1,
                            seq_len=SEQ)
     states = 16 * num_params(MODEL)
     largest = 4 * MODEL.vocab_size * MODEL.dim  # fp32 bytes of the embedding (or the head)
@@ -60,7 +60,7 @@ def test_host_bytes_are_what_the_offload_modes_move():
 
 def _offloaded(layers: int):
     model = ModelConfig(vocab_size=64, dim=32, num_layers=layers, num_heads=4, num_kv_heads=2, ffn_dim=64)
-    return simulate_step(model, ParallelConfig(ac_mode="full", offload_activations=True), 1, seq_len=4096)
+    return simulate_step(model, ParallelConfig(recompute="full", offload_activations=True), 1, seq_len=4096)
 
 
 def test_simulated_device_activations_do_not_grow_with_depth():
@@ -86,8 +86,8 @@ WIDE_SEQ = 65536
     {},  # none of them: full checkpointing under autocast
 ], ids=["offload_activations", "mlp_tiles", "offload_params", "all", "none"])
 def test_planner_matches_the_simulation_per_mode(modes):
-    parallel = ParallelConfig(ac_mode="full", **modes)
-    predicted = memory_per_rank(WIDE, parallel.layout(1), seq_len=WIDE_SEQ, batch=1, zero_size=1, ac_mode="full",
+    parallel = ParallelConfig(recompute="full", **modes)
+    predicted = memory_per_rank(WIDE, parallel.layout(1), seq_len=WIDE_SEQ, batch=1, zero_size=1, recompute="full",
                                 offload_activations=parallel.offload_activations, mlp_tiles=parallel.mlp_tiles,
                                 offload_params=parallel.offload_params)
     simulated = simulate_step(WIDE, parallel, 1, seq_len=WIDE_SEQ)
@@ -104,7 +104,7 @@ def test_startup_report_counts_offloaded_states_on_the_host():
     from loongtrain.train.trainer import Trainer
 
     cfg = TrainConfig(model="tiny", seq_len=64, batch_size=1, dtype="fp32", memory_report=False,
-                      parallel=ParallelConfig(zero="full", ac_mode="full", offload_params=True,
+                      parallel=ParallelConfig(zero="full", recompute="full", offload_params=True,
                                               offload_activations=True))
     ids = torch.randint(0, MODEL.vocab_size, (1, 64))
     batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(64)[None]}
@@ -145,7 +145,7 @@ def test_planner_matches_the_simulation_sharded(layout):
     host exact (every offloaded block's input)."""
     from loongtrain.plan.memory_model import config_memory
 
-    parallel = ParallelConfig(ac_mode="full", zero="full", offload_activations=True, mlp_tiles="4", **layout)
+    parallel = ParallelConfig(recompute="full", zero="full", offload_activations=True, mlp_tiles="4", **layout)
     world = parallel.sp
     predicted = config_memory(WIDE, parallel, parallel.layout(world), seq_len=WIDE_SEQ * world, batch=1,
                               dtype_bytes=2, zero_size=world)
@@ -159,10 +159,10 @@ DEEP = ModelConfig(vocab_size=2**20, dim=64, num_layers=5, num_heads=4, num_kv_h
 
 
 @pytest.mark.parametrize("world, parallel", [
-    (1, ParallelConfig(ac_mode="none")),
-    (1, ParallelConfig(ac_mode="selective", zero="full", offload_activations=True, mlp_tiles="auto",
+    (1, ParallelConfig(recompute="none")),
+    (1, ParallelConfig(recompute="selective", zero="full", offload_activations=True, mlp_tiles="auto",
                        offload_params=True)),
-    (4, ParallelConfig(hp=2, cp=2, zero="full", ac_mode="full")),
+    (4, ParallelConfig(hp=2, cp=2, zero="full", recompute="full")),
 ], ids=["none", "selective-every-memory-mode", "hp2-cp2-fsdp2-full"])
 def test_simulation_by_depth_equals_the_whole_step(world, parallel):
     """Simulations at 3 and 4 blocks, their alike loops (loss chunks, MLP tiles of 64 tokens) run in part,

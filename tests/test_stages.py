@@ -1,4 +1,4 @@
-"""The length schedule (``--seq-len-schedule``): the stages' batch rule, the checks before any worker starts,
+"""The seq-len stages (``--seq-len-stages``): the stages' batch rule, the checks before any worker starts,
 and a stop and resume on and between stage boundaries that continues bit for bit (tiny preset, one process)."""
 
 from __future__ import annotations
@@ -8,29 +8,30 @@ import time
 
 import pytest
 
-from loongtrain.cli import main
+from loongtrain.commands import main
+from loongtrain.commands.train import parse_args
 from loongtrain.launch.train_run import validate_run
-from loongtrain.train.config import TrainConfig, parse_args
+from loongtrain.train.config import TrainConfig
 from loongtrain.train.metrics import read_jsonl
 from loongtrain.train.optim import lr_factor
-from loongtrain.train.stages import parse_schedule, run_stages, stage_at, stage_config
+from loongtrain.train.stages import parse_stages, run_stages, stage_at, stage_config
 from tests.fixtures import QUIET_FLAGS
 
-SCHEDULE = ["--seq-len-schedule", "32:3,64:2,128:2", "--batch-size", "2", "--grad-accum", "2"]
+SCHEDULE = ["--seq-len-stages", "32:3,64:2,128:2", "--batch-size", "2", "--grad-accum", "2"]
 
 
 def test_parse_schedule_and_the_totals_it_makes():
-    assert parse_schedule("8K:1000, 32K:400,128K:100") == ((8192, 1000), (32768, 400), (131072, 100))
-    cfg = parse_args(["--seq-len-schedule", "1K:10,4K:5", "--grad-accum", "4"])
+    assert parse_stages("8K:1000, 32K:400,128K:100") == ((8192, 1000), (32768, 400), (131072, 100))
+    cfg = parse_args(["--seq-len-stages", "1K:10,4K:5", "--grad-accum", "4"])
     assert (cfg.steps, cfg.seq_len) == (15, 4096)
     again = TrainConfig.from_dict(cfg.to_dict())  # what a checkpoint records reads back unchanged
     again.validate()
     assert again == cfg
-    assert parse_args(["--seq-len-schedule", "1K:10,4K:5", "--grad-accum", "4", "--steps", "15"]).steps == 15
+    assert parse_args(["--seq-len-stages", "1K:10,4K:5", "--grad-accum", "4", "--steps", "15"]).steps == 15
 
 
 def test_constant_tokens_shrink_the_batch_then_the_accumulation():
-    cfg = parse_args(["--seq-len-schedule", "1K:10,2K:5,4K:4,8K:3", "--batch-size", "4", "--grad-accum", "2"])
+    cfg = parse_args(["--seq-len-stages", "1K:10,2K:5,4K:4,8K:3", "--batch-size", "4", "--grad-accum", "2"])
     stages = run_stages(cfg)
     shapes = [(s.seq_len, s.batch_size, s.grad_accum, s.first_step, s.steps) for s in stages]
     assert shapes == [(1024, 4, 2, 0, 10), (2048, 2, 2, 10, 5), (4096, 1, 2, 15, 4), (8192, 1, 1, 19, 3)]
@@ -38,21 +39,21 @@ def test_constant_tokens_shrink_the_batch_then_the_accumulation():
     assert [stage_at(stages, step).index for step in (0, 9, 10, 14, 15, 18, 19, 21, 99)] == [0, 0, 1, 1, 2, 2, 3, 3, 3]
     late = stage_config(cfg, stages[2])
     assert (late.seq_len, late.batch_size, late.grad_accum, late.steps) == (4096, 1, 2, cfg.steps)
-    free = run_stages(parse_args(["--seq-len-schedule", "1K:10,8K:3", "--batch-size", "4", "--schedule-tokens",
+    free = run_stages(parse_args(["--seq-len-stages", "1K:10,8K:3", "--batch-size", "4", "--stage-tokens",
                                   "free"]))
     assert [(s.batch_size, s.grad_accum) for s in free] == [(4, 1), (4, 1)]
 
 
 @pytest.mark.parametrize("argv, needles", [
-    (["--seq-len-schedule", "8K:10,4K:5"], ["'4K:5'", "increase"]),
-    (["--seq-len-schedule", "8K:10,8K:5"], ["'8K:5'", "increase"]),
-    (["--seq-len-schedule", "8K:10,32K"], ["'32K'", "LENGTH:STEPS"]),
-    (["--seq-len-schedule", "8K:0"], ["'8K:0'"]),
-    (["--seq-len-schedule", "8K:10,32K:5", "--steps", "12"], ["--steps=12", "15 steps"]),
-    (["--seq-len-schedule", "8K:10,32K:5", "--seq-len", "8K"], ["--seq-len=8192", "32768"]),
-    (["--seq-len-schedule", "8K:10,32K:5", "--grad-accum", "2"], ["32768", "multiple of 4", "free"]),
-    (["--schedule-tokens", "free"], ["--seq-len-schedule"]),
-    (["--seq-len-schedule", "1K:2,2K:2", "--schedule-tokens", "fixed"], ["'fixed'", "constant"]),
+    (["--seq-len-stages", "8K:10,4K:5"], ["'4K:5'", "increase"]),
+    (["--seq-len-stages", "8K:10,8K:5"], ["'8K:5'", "increase"]),
+    (["--seq-len-stages", "8K:10,32K"], ["'32K'", "LENGTH:STEPS"]),
+    (["--seq-len-stages", "8K:0"], ["'8K:0'"]),
+    (["--seq-len-stages", "8K:10,32K:5", "--steps", "12"], ["--steps=12", "15 steps"]),
+    (["--seq-len-stages", "8K:10,32K:5", "--seq-len", "8K"], ["--seq-len=8192", "32768"]),
+    (["--seq-len-stages", "8K:10,32K:5", "--grad-accum", "2"], ["32768", "multiple of 4", "free"]),
+    (["--stage-tokens", "free"], ["--seq-len-stages"]),
+    (["--seq-len-stages", "1K:2,2K:2", "--stage-tokens", "fixed"], ["'fixed'", "constant"]),
 ])
 def test_bad_schedules_are_value_errors_naming_the_value(argv, needles):
     with pytest.raises(ValueError) as err:
@@ -61,16 +62,16 @@ def test_bad_schedules_are_value_errors_naming_the_value(argv, needles):
 
 
 def test_every_stage_must_suit_the_layout():
-    cfg = parse_args(["--seq-len-schedule", "64:2,100:2", "--hp", "2", "--cp", "2", "--schedule-tokens", "free"])
+    cfg = parse_args(["--seq-len-stages", "64:2,100:2", "--hp", "2", "--cp", "2", "--stage-tokens", "free"])
     with pytest.raises(ValueError, match=r"stage 2 \(100 tokens\).*100"):
         validate_run(cfg, 4)
-    validate_run(parse_args(["--seq-len-schedule", "64:2,128:2", "--batch-size", "2", "--hp", "2", "--cp", "2"]), 4)
+    validate_run(parse_args(["--seq-len-stages", "64:2,128:2", "--batch-size", "2", "--hp", "2", "--cp", "2"]), 4)
 
 
 def test_cli_refuses_a_bad_stage_before_any_worker(tmp_path, capsys):
     t0 = time.perf_counter()
-    argv = ["train", "--nproc", "4", "--hp", "2", "--cp", "2", "--seq-len-schedule", "64:2,100:2",
-            "--schedule-tokens", "free", "--out-dir", str(tmp_path)]
+    argv = ["train", "--nproc", "4", "--hp", "2", "--cp", "2", "--seq-len-stages", "64:2,100:2",
+            "--stage-tokens", "free", "--out-dir", str(tmp_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "loongtrain train: error:" in err and "100" in err and "stage 2" in err
@@ -135,14 +136,14 @@ def test_a_stage_that_does_not_fit_exits_2_naming_it(tmp_path, capsys):
     from loongtrain.model.config import PRESETS
     from loongtrain.plan.cluster import load_cluster
 
-    argv = ["--seq-len-schedule", "1K:1,64K:1", "--schedule-tokens", "free", "--dtype", "fp32", "--hp", "1",
+    argv = ["--seq-len-stages", "1K:1,64K:1", "--stage-tokens", "free", "--dtype", "fp32", "--hp", "1",
             "--cp", "1", "--nproc", "1"]
     with pytest.raises(ValueError, match=r"stage 2 \(65536 tokens, batch 1\) does not fit on small") as err:
         check_stage_memory(parse_args(argv), 1, PRESETS["tiny"], load_cluster(_small_cluster(tmp_path, 0.5)))
     assert "0.45 usable" in str(err.value)
     check_stage_memory(parse_args(argv), 1, PRESETS["tiny"], load_cluster(_small_cluster(tmp_path, 2.0)))
     out = tmp_path / "run"
-    assert main(["train", *argv, "--plan-cluster", _small_cluster(tmp_path, 0.5), "--out-dir", str(out)]) == 2
+    assert main(["train", *argv, "--cluster", _small_cluster(tmp_path, 0.5), "--out-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "stage 2 (65536 tokens" in err and not out.exists()
 
@@ -151,12 +152,12 @@ def test_plan_auto_plans_for_the_longest_stage():
     from loongtrain.launch.autoplan import apply_plan
     from loongtrain.plan.search import best_fitting
 
-    cfg = parse_args(["--model", "7b-gqa", "--seq-len-schedule", "32K:10,128K:5", "--grad-accum", "4",
-                      "--plan", "auto", "--plan-cluster", "a100", "--dtype", "bf16"])
+    cfg = parse_args(["--model", "7b-gqa", "--seq-len-stages", "32K:10,128K:5", "--grad-accum", "4",
+                      "--plan", "auto", "--cluster", "a100", "--dtype", "bf16"])
     planned = apply_plan(cfg, 16, under_launcher=True)
     best = best_fitting("7b-gqa", "a100", nodes=2, seq_len=131072, batch=1, dtype_bytes=2, modes="auto")
     first = best_fitting("7b-gqa", "a100", nodes=2, seq_len=32768, batch=1, dtype_bytes=2, modes="auto")
-    assert planned.parallel == best.config != first.config and planned.seq_len_schedule == cfg.seq_len_schedule
+    assert planned.parallel == best.config != first.config and planned.seq_len_stages == cfg.seq_len_stages
     validate_run(planned, 16)
 
 

@@ -12,7 +12,7 @@ from loongtrain.data.tokenizer import ByteTokenizer
 from loongtrain.launch import train_run as launch_module
 from loongtrain.launch.train_run import resolve_run
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train import run_model
+from loongtrain.train import model_setup
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.trainer import Trainer
 
@@ -45,7 +45,7 @@ def test_each_document_is_tokenized_once_per_rank_with_the_memory_report_on(tmp_
 
 def test_the_launcher_builds_the_tokenizer_once(tmp_path, monkeypatch):
     built = []
-    real = run_model.build_run_tokenizer
+    real = model_setup.build_run_tokenizer
 
     def counting(cfg):
         built.append(cfg.tokenizer)

@@ -1,5 +1,5 @@
-"""What one training step costs the host (docs/design.md §10), counted on two gloo ranks (cp = 2, documents on,
-Selective Checkpoint++, two micro-batches):
+"""What one training step costs the host (docs/launching.md), counted on two gloo ranks (cp = 2, documents on,
+selective recompute, two micro-batches):
 
 - the host-side exchanges of a steady-state step (every torch.distributed collective but attention's own
   all-to-all and P2P) are as many for a 12-layer model as for a 2-layer one, while the per-call agreement
@@ -80,7 +80,7 @@ def make_trainer(mesh: Any, layers: int, grad_accum: int = 2, **options: Any) ->
     from loongtrain.train.trainer import Trainer
 
     cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, grad_accum=grad_accum, steps=4, warmup=1, dtype="fp64",
-                      doc_mask="on", parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, ac_mode="selective"))
+                      doc_mask="on", parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, recompute="selective"))
     return Trainer(Run(cfg, tiny_model(num_layers=layers)), mesh, torch.device("cpu"), **options)
 
 

@@ -1,4 +1,4 @@
-"""The planner's step clock (docs/design.md §9): the memory-bound bytes are the code's own (counted op by op under
+"""The planner's step clock (docs/planner.md): the memory-bound bytes are the code's own (counted op by op under
 fake tensors), the ring's merges likewise, the gradient all-reduce overlaps the backward as the trainer runs
 it, kernel rates follow the call size, and the step is the sum of its four named terms."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from loongtrain.cli import main as loongtrain_main
+from loongtrain.commands import main as loongtrain_main
 from loongtrain.model.config import ModelConfig, get_preset, num_params
 from loongtrain.parallel.buckets import BUCKET_BYTES
 from loongtrain.parallel.config import ParallelConfig, effective_kv_heads, mlp_tile_count
@@ -27,13 +27,13 @@ SHAPE = ModelConfig(vocab_size=2048, dim=1536, num_layers=2, num_heads=12, num_k
 
 
 @pytest.mark.parametrize("parallel, world, dtype", [
-    (ParallelConfig(ac_mode="selective"), 1, "bf16"),
-    (ParallelConfig(ac_mode="none"), 1, "bf16"),
-    (ParallelConfig(ac_mode="full", zero="full"), 2, "bf16"),  # FSDP2's bf16 weights
-    (ParallelConfig(ac_mode="selective"), 1, "fp32"),
-    (ParallelConfig(ac_mode="selective", hp=2, mlp_tiles="2"), 2, "bf16"),
-    (ParallelConfig(ac_mode="full", zero="full", mlp_tiles="4"), 2, "bf16"),
-    (ParallelConfig(ac_mode="none", mlp_tiles="3"), 1, "fp32"),
+    (ParallelConfig(recompute="selective"), 1, "bf16"),
+    (ParallelConfig(recompute="none"), 1, "bf16"),
+    (ParallelConfig(recompute="full", zero="full"), 2, "bf16"),  # FSDP2's bf16 weights
+    (ParallelConfig(recompute="selective"), 1, "fp32"),
+    (ParallelConfig(recompute="selective", hp=2, mlp_tiles="2"), 2, "bf16"),
+    (ParallelConfig(recompute="full", zero="full", mlp_tiles="4"), 2, "bf16"),
+    (ParallelConfig(recompute="none", mlp_tiles="3"), 1, "fp32"),
 ], ids=["autocast-selective", "autocast-none", "fsdp2-full", "fp32-selective", "hp2-tiles2", "fsdp2-tiles4",
         "fp32-tiles3"])
 def test_memory_bound_bytes_are_what_the_code_moves(parallel, world, dtype):
@@ -43,7 +43,7 @@ def test_memory_bound_bytes_are_what_the_code_moves(parallel, world, dtype):
     sharded = parallel.shard_size(world) > 1
     tiles = mlp_tile_count(parallel.mlp_tiles, int(t), SHAPE.dim, SHAPE.ffn_dim, strict=False)
     layer, forward = layer_bytes(SHAPE, tokens=t, kv_heads=effective_kv_heads(12, 4, parallel.hp), hp=parallel.hp,
-                                 dtype_bytes=b, sharded=sharded, checkpointed=parallel.ac_mode != "none",
+                                 dtype_bytes=b, sharded=sharded, checkpointed=parallel.recompute != "none",
                                  mlp_tiles=tiles)
     predicted = SHAPE.num_layers * layer + head_bytes(SHAPE, tokens=t, dtype_bytes=b, sharded=sharded)
     assert predicted == pytest.approx(counted["forward"] + counted["backward"], rel=0.03), counted
@@ -130,7 +130,7 @@ def test_kernel_rates_follow_the_call_size():
 
 
 def test_the_step_is_its_four_terms(capsys):
-    c = step_cost(get_preset("7b-gqa"), ParallelConfig(hp=2, cp=4, zero="full", ac_mode="selective"),
+    c = step_cost(get_preset("7b-gqa"), ParallelConfig(hp=2, cp=4, zero="full", recompute="selective"),
                   load_cluster("h200"), nodes=1, seq_len=131072)
     assert c.step_time == pytest.approx(sum(c.terms.values()), rel=1e-12)
     assert set(c.terms) == set(TERMS) and all(v >= 0 for v in c.terms.values()) and c.terms["memory_bound"] > 0

@@ -20,15 +20,15 @@ SHAPE = dict(batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=4, dtype
 
 def test_plain_ring_vs_double_ring_cross_node_kv():
     # world 8 = 2 nodes x 4, pure ring cp=8. KV block = 2 * Hkv * S/cp * D * b = 2*2*8*4*2 = 256 bytes.
-    plain = Layout(8, 1, 8, window=1)
+    plain = Layout(8, 1, 8, inner_ring=1)
     fwd = {r: attention_traffic(plain, r, backward=False, **SHAPE) for r in range(8)}
     assert fwd[3]["kv"] == {4: 7 * 256}  # ring 3 -> 4 crosses nodes, all 7 blocks
     assert fwd[0]["kv"] == {1: 7 * 256}
     assert split_by_node(fwd[3]["kv"], 3, 4) == (0, 1792)
     assert split_by_node(fwd[7]["kv"], 7, 4) == (0, 1792)  # wrap-around 7 -> 0
     assert split_by_node(fwd[1]["kv"], 1, 4) == (1792, 0)
-    # double ring, window 4: 2 windows = the 2 nodes; 2*(4-1) = 6 inner sends, 1 outer send per rank
-    double = Layout(8, 1, 8, window=4, placement="context_first")
+    # double ring, inner_ring 4: 2 inner rings = the 2 nodes; 2*(4-1) = 6 inner sends, 1 outer send per rank
+    double = Layout(8, 1, 8, inner_ring=4, placement="context_first")
     for r in range(8):
         t = attention_traffic(double, r, backward=False, **SHAPE)
         assert split_by_node(t["kv"], r, 4) == (6 * 256, 256)
@@ -71,10 +71,10 @@ def test_gqa_replication_and_fp64():
 
 
 def test_ops_and_report():
-    assert attention_ops(Layout(8, 2, 4, window=2)) == {"a2a": 4, "kv": 6, "dkv": 3}
+    assert attention_ops(Layout(8, 2, 4, inner_ring=2)) == {"a2a": 4, "kv": 6, "dkv": 3}
     assert attention_ops(Layout(8, 2, 4), backward=False) == {"a2a": 2, "kv": 3, "dkv": 0}
     assert attention_ops(Layout(4, 1, 1)) == {"a2a": 0, "kv": 0, "dkv": 0}
-    rows = traffic_report(Layout(8, 1, 8, window=4, placement="context_first"), 4, **SHAPE)
+    rows = traffic_report(Layout(8, 1, 8, inner_ring=4, placement="context_first"), 4, **SHAPE)
     assert [r["kv_cross"] for r in rows] == [2 * 256] * 8
     assert all(r["cross"] == r["kv_cross"] + r["dkv_cross"] for r in rows)
     assert "kv_cross" in format_traffic_report(rows)
@@ -89,7 +89,7 @@ def test_invalid_heads():
 
 # ---------------------------------------------------------------- against the real code (gloo, world 4)
 
-CASES = [  # (hp, cp, window, placement, interleaved, num_heads, num_kv_heads)
+CASES = [  # (hp, cp, inner_ring, placement, interleaved, num_heads, num_kv_heads)
     (2, 2, 1, "head_first", False, 4, 2),
     (1, 4, 2, "context_first", False, 4, 2),
     (4, 1, 1, "head_first", False, 4, 1),
@@ -107,8 +107,8 @@ def _count(rank: int, world: int) -> list:
     from loongtrain.parallel.mesh import init_mesh
 
     results = []
-    for hp, cp, window, placement, interleaved, h, hkv in CASES:
-        mesh = init_mesh(hp, cp, window=window, placement=placement, interleaved=interleaved)
+    for hp, cp, inner_ring, placement, interleaved, h, hkv in CASES:
+        mesh = init_mesh(hp, cp, inner_ring=inner_ring, placement=placement, interleaved=interleaved)
         s_local, d = 32 // (hp * cp), 4
         q = torch.randn(1, s_local, h, d, dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(1, s_local, hkv, d, dtype=torch.bfloat16, requires_grad=True)
@@ -124,8 +124,8 @@ def test_formulas_match_counted_bytes():
     from tests.dist_utils import run_distributed
 
     per_rank = run_distributed(_count, 4)
-    for i, (hp, cp, window, placement, interleaved, h, hkv) in enumerate(CASES):
-        layout = Layout(4, hp, cp, window, placement, interleaved)
+    for i, (hp, cp, inner_ring, placement, interleaved, h, hkv) in enumerate(CASES):
+        layout = Layout(4, hp, cp, inner_ring, placement, interleaved)
         for rank in range(4):
             ops, nbytes, by_peer = per_rank[rank][i]
             t = attention_traffic(layout, rank, batch=1, seq_len=32, num_heads=h, num_kv_heads=hkv,

@@ -8,12 +8,14 @@ from dataclasses import fields
 import pytest
 import torch
 
+from loongtrain.commands.parser import build_parser, options
+from loongtrain.commands.train import parse_args
 from loongtrain.data.synthetic import synthetic_source
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.plan.cluster import builtin_clusters, cluster_for_device, load_cluster
 from loongtrain.train.checkpoint import resolve_checkpoint
-from loongtrain.train.config import TrainConfig, build_parser, options, parse_args
+from loongtrain.train.config import TrainConfig
 from loongtrain.train.metrics import CUDA_PEAK_TFLOPS, device_peak_tflops, measure_cpu_tflops
 from loongtrain.train.optim import clip_grad_norm, lr_factor
 from tests.fixtures import tiny_model
@@ -21,8 +23,8 @@ from tests.training import fit
 
 
 def test_help_documents_every_field_with_default():
-    text = " ".join(build_parser().format_help().split())
-    names = [f.name for f, _ in options()]
+    text = " ".join(build_parser(TrainConfig, "loongtrain train", "").format_help().split())
+    names = [opt.name for opt in options(TrainConfig)]
     assert set(names) == {f.name for f in fields(TrainConfig)} - {"parallel"} | {f.name for f in fields(ParallelConfig)}
     for name in names:
         flag = "--" + name.replace("_", "-")
@@ -34,28 +36,28 @@ def test_help_documents_every_field_with_default():
 
 def test_parallel_flags_round_trip_into_cfg_parallel():
     assert TrainConfig().parallel == ParallelConfig(hp=2, cp=2)  # the README's default run: 4 workers
-    argv = ["--hp", "1", "--cp", "4", "--window", "2", "--placement", "context_first", "--interleaved",
+    argv = ["--hp", "1", "--cp", "4", "--inner-ring", "2", "--placement", "context_first", "--interleaved",
             "--zero", "hybrid", "--zero-shard-size", "2", "--no-reshard-after-forward",
-            "--ac-mode", "selective++", "--ac-fraction", "0.5"]
+            "--recompute", "selective", "--recompute-fraction", "0.5"]
     cfg = parse_args(argv)
-    assert cfg.parallel == ParallelConfig(hp=1, cp=4, window=2, placement="context_first", interleaved=True,
+    assert cfg.parallel == ParallelConfig(hp=1, cp=4, inner_ring=2, placement="context_first", interleaved=True,
                                           zero="hybrid", zero_shard_size=2, reshard_after_forward=False,
-                                          ac_mode="selective", ac_fraction=0.5)
+                                          recompute="selective", recompute_fraction=0.5)
     assert parse_args(["--hp", "4"]).parallel == ParallelConfig(hp=4, cp=2)  # the others keep defaults
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # what checkpoints record reads back
-    assert cfg.to_dict()["parallel"]["ac_mode"] == "selective"
+    assert cfg.to_dict()["parallel"]["recompute"] == "selective"
 
 
 def test_toml_parallel_keys_flat_or_in_a_table(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('zero = "full"\n[parallel]\nhp = 1\ncp = 4\nac-mode = "full"\n')
+    path.write_text('zero = "full"\n[parallel]\nhp = 1\ncp = 4\nrecompute = "full"\n')
     cfg = parse_args(["--config", str(path), "--cp", "8"])
-    assert cfg.parallel == ParallelConfig(hp=1, cp=8, zero="full", ac_mode="full")
+    assert cfg.parallel == ParallelConfig(hp=1, cp=8, zero="full", recompute="full")
     path.write_text('[parallel]\nhp = "two"\n')
     with pytest.raises(ValueError, match="hp = 'two' must be of type int"):
         parse_args(["--config", str(path)])
-    with pytest.raises(ValueError, match="window=3 must divide cp=2"):
-        parse_args(["--window", "3"])
+    with pytest.raises(ValueError, match="inner_ring=3 must divide cp=2"):
+        parse_args(["--inner-ring", "3"])
     with pytest.raises(ValueError, match="unknown parallel option"):
         TrainConfig.from_dict({"parallel": {"tp": 2}})
 
@@ -83,21 +85,18 @@ def test_bad_options_raise_value_error(argv, needle):
         parse_args(argv)
 
 
-def test_validation_flags_keep_their_old_names_for_one_release(tmp_path, caplog):
-    """--eval-interval/--eval-batches (now --val-interval/--val-batches) on the command line, in a TOML
-    file and in the options an older checkpoint recorded: the same config, with a warning naming both."""
-    new = parse_args(["--val-interval", "3", "--val-batches", "2"])
-    with caplog.at_level("WARNING", logger="loongtrain.train"):
-        old = parse_args(["--eval-interval", "3", "--eval-batches=2"])
-    assert (old.val_interval, old.val_batches) == (new.val_interval, new.val_batches) == (3, 2)
-    assert "--eval-interval is now --val-interval" in caplog.text
+def test_no_second_names(tmp_path):
+    """One name per option: the old names of validation and recompute are unknown options, everywhere."""
+    for argv in (["--eval-interval", "3"], ["--ac-mode", "full"], ["--window", "2"], ["--plan-cluster", "h100"],
+                 ["--seq-len-schedule", "8K:1"], ["--chunk-layout", "balanced"]):
+        with pytest.raises(ValueError, match=argv[0]):
+            parse_args(argv)
     toml = tmp_path / "run.toml"
-    toml.write_text("eval_interval = 5\neval-batches = 7\n")
-    from_file = parse_args(["--config", str(toml)])
-    assert (from_file.val_interval, from_file.val_batches) == (5, 7)
-    recorded = {k: v for k, v in new.to_dict().items() if k not in ("val_interval", "val_batches")}
-    restored = TrainConfig.from_dict({**recorded, "eval_interval": 3, "eval_batches": 2})
-    assert restored == new
+    toml.write_text("eval_interval = 5\n")
+    with pytest.raises(ValueError, match="unknown option 'eval_interval'"):
+        parse_args(["--config", str(toml)])
+    with pytest.raises(ValueError, match="eval_interval"):
+        TrainConfig.from_dict({"eval_interval": 3})
 
 
 def test_bad_toml_key(tmp_path):

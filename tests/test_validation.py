@@ -117,7 +117,7 @@ def test_tail_batches_read_prepared_corpora_and_mixtures(tmp_path):
 def test_val_interval_trains_on_prepared_corpora_and_mixtures(tmp_path):
     """`--val-interval` without a split on a prepared corpus and on a mixture runs to the end (the
     workers once failed reading the prepared directory as raw) and logs val_loss."""
-    from loongtrain.cli import main
+    from loongtrain.commands import main
     from loongtrain.data.prepare import prepare
     from loongtrain.train.metrics import read_jsonl
 

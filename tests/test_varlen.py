@@ -1,4 +1,4 @@
-"""Packed documents through the CUDA kernels' variable-length ops (docs/design.md §4, §6), without a GPU:
+"""Packed documents through the CUDA kernels' variable-length ops (docs/attention.md), without a GPU:
 the in-process ring with ``cuda_flash`` over a CPU emulation of ``_flash_attention_forward/_backward``, and
 with ``cuda_cudnn`` over one of cuDNN's ragged ``_cudnn_attention_forward/_backward``
 (tests/cuda_emulation.py), is exact in fp64 against a dense masked reference; a step packs its pieces into
@@ -21,7 +21,7 @@ from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_FLASH
 from loongtrain.attn.kernels import reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, piece_mask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
-from loongtrain.attn.step import Pieces, plan_step, varlen_flag
+from loongtrain.attn.ring_step import Pieces, plan_step, varlen_flag
 from loongtrain.parallel.zigzag import shard_indices
 from tests.counting import counted_reads
 from tests.cuda_emulation import VARLEN_FAULTS, install
@@ -65,13 +65,13 @@ def dense_reference(q, k, v, dout, mask: AttnMask):
     return (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, dout.double().transpose(1, 2)))
 
 
-def run_ring(q, k, v, dout, cp: int, window: int, mask: AttnMask, kernel=CUDA_FLASH):
+def run_ring(q, k, v, dout, cp: int, inner_ring: int, mask: AttnMask, kernel=CUDA_FLASH):
     """The in-process ring on zigzag shards; out, lse, dq, dk, dv unsharded to ``[B, H, S, ...]``."""
     idx = [shard_indices(q.shape[1], 1, cp, c, 0) for c in range(cp)]
     qs, ks, vs, douts = ([t[:, i].transpose(1, 2) for i in idx] for t in (q, k, v, dout))
-    res = local_ring_forward(qs, ks, vs, window, mask.causal, HEAD_DIM ** -0.5, kernel, mask=mask)
+    res = local_ring_forward(qs, ks, vs, inner_ring, mask.causal, HEAD_DIM ** -0.5, kernel, mask=mask)
     outs, lses = [o for o, _ in res], [m for _, m in res]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, window, mask.causal, HEAD_DIM ** -0.5, kernel,
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, mask.causal, HEAD_DIM ** -0.5, kernel,
                                 mask=mask)
     order = torch.cat(idx)
 
@@ -101,32 +101,32 @@ def assert_close(got, want, tol: float) -> None:
 # ---------------------------------------------------------------- exactness (fp64 emulation)
 
 
-@pytest.mark.parametrize("cp, window", [(1, 1), (2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize("cp, inner_ring", [(1, 1), (2, 1), (4, 1), (4, 2)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("sliding", [None, 3, CHUNK + 2])  # 3: smaller than a chunk
-def test_ring_with_varlen_calls_is_exact(emulate, cp, window, causal, sliding):
+def test_ring_with_varlen_calls_is_exact(emulate, cp, inner_ring, causal, sliding):
     ops = emulate(allow_fp64=True)
     seq = 2 * CHUNK * cp
-    docs = layouts(seq, seed=cp + window)
+    docs = layouts(seq, seed=cp + inner_ring)
     mask = AttnMask(causal, sliding, docs, 16 if sliding == CHUNK + 2 else 0)  # 16: some masked pieces too
-    kv_heads = 2 if (cp + window + causal) % 2 else 1  # GQA and MQA
+    kv_heads = 2 if (cp + inner_ring + causal) % 2 else 1  # GQA and MQA
     q, k, v, dout = inputs(len(docs), seq, 4, kv_heads, seed=cp)
-    assert_close(run_ring(q, k, v, dout, cp, window, mask), dense_reference(q, k, v, dout, mask), 1e-10)
+    assert_close(run_ring(q, k, v, dout, cp, inner_ring, mask), dense_reference(q, k, v, dout, mask), 1e-10)
     assert VARLEN in ops.calls and "_flash_attention_backward" in ops.calls
     if sliding is not None:  # pieces sharing query rows: the forward merges them in several rounds
         assert max(len(call.rounds) for call in plans(mask, cp, len(docs), seq) for call in call.varlen) > 1
 
 
-@pytest.mark.parametrize("cp, window, causal, sliding", [(1, 1, True, None), (2, 1, True, None), (4, 2, True, 3),
+@pytest.mark.parametrize("cp, inner_ring, causal, sliding", [(1, 1, True, None), (2, 1, True, None), (4, 2, True, 3),
                                                         (4, 1, False, None), (2, 1, True, CHUNK + 2)])
-def test_ring_with_cudnn_ragged_calls_is_exact(emulate, cp, window, causal, sliding):
+def test_ring_with_cudnn_ragged_calls_is_exact(emulate, cp, inner_ring, causal, sliding):
     """cuDNN's ragged op aligns causal masks top-left: the ring packs only squares into its causal calls."""
     ops = emulate(allow_fp64=True)
     seq = 2 * CHUNK * cp
-    docs = layouts(seq, seed=cp + window + 7)
+    docs = layouts(seq, seed=cp + inner_ring + 7)
     mask = AttnMask(causal, sliding, docs, 16 if sliding == CHUNK + 2 else 0)
     q, k, v, dout = inputs(len(docs), seq, 4, 2, seed=cp + 1)
-    assert_close(run_ring(q, k, v, dout, cp, window, mask, CUDA_CUDNN), dense_reference(q, k, v, dout, mask), 1e-10)
+    assert_close(run_ring(q, k, v, dout, cp, inner_ring, mask, CUDA_CUDNN), dense_reference(q, k, v, dout, mask), 1e-10)
     assert RAGGED in ops.calls and "_cudnn_attention_backward" in ops.calls and VARLEN not in ops.calls
 
 
@@ -235,7 +235,7 @@ def test_plans_cover_exactly_the_visible_pairs(seed):
 @pytest.mark.parametrize("kernel", [CUDA_FLASH, CUDA_CUDNN], ids=lambda k: k.name)
 def test_the_varlen_path_reads_nothing_from_the_device(emulate, kernel):
     """A ring pass over packed documents through the emulated varlen ops, forward and backward, reads no
-    floating value back (docs/design.md §10: no synchronisation inside a layer)."""
+    floating value back (docs/launching.md: no synchronisation inside a layer)."""
     emulate(allow_fp64=True)
     cp, seq = 2, 4 * CHUNK
     docs = layouts(seq, seed=6)[:2]
@@ -248,7 +248,7 @@ def test_the_varlen_path_reads_nothing_from_the_device(emulate, kernel):
 def test_a_document_mix_is_copied_to_the_device_once_without_blocking(monkeypatch):
     """Every index tensor of a varlen plan reaches the device through ``runtime.to_device`` (pinned memory,
     non-blocking on CUDA), once per document mix (the plan cache)."""
-    from loongtrain.attn import step
+    from loongtrain.attn import ring_step as step
 
     copies = []
 

@@ -114,7 +114,7 @@ def _zero_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
             out["memory"][(hp, cp, name)] = memory_report(trainer.model, trainer.optimizer)
 
     # the trainer's start-up report: measured on a micro-batch, gathered from every rank
-    trainer = make_trainer(init_mesh(2, 1), zero="full", ac_mode="selective")
+    trainer = make_trainer(init_mesh(2, 1), zero="full", recompute="selective")
     out["startup"] = startup_memory_report(trainer, replica_batch(trainer.mesh, 0))
     out["startup_grads"] = [p.grad for p in trainer.model.parameters()]
 

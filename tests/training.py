@@ -12,7 +12,7 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.train.checkpoint import resolve_checkpoint
 from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.run_model import build_run_tokenizer, model_config_for
+from loongtrain.train.model_setup import build_run_tokenizer, model_config_for
 from loongtrain.train.trainer import BatchSource, Trainer
 
 

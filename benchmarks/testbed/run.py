@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 
 CONFIGS = [
-    # name, hp, cp, window, placement
+    # name, hp, cp, inner_ring, placement
     ("ring", 1, 8, 1, "context_first"),
     ("dring-w4", 1, 8, 4, "context_first"),
     ("dring-w2", 1, 8, 2, "context_first"),
@@ -192,13 +192,13 @@ def print_report(args, argv, results, rate_bps, calib, rate_info, configs, wall,
         print("NIC rate: unshaped (--rate 0).")
     print(f"Total wall time {wall:.0f} s.")
     print()
-    head = ("| config | hp x cp | window | placement | GFLOP/s/rank | NIC Mbit/s | median ms "
+    head = ("| config | hp x cp | inner_ring | placement | GFLOP/s/rank | NIC Mbit/s | median ms "
             "| split-directions ms | unshaped ms | network ms "
             "| cross-node MB/rank (max / mean) | intra-node MB/rank (mean) | NIC tx MB/rank (max) "
             "| blocked ms (mean) | CPU busy | ratio vs ring |")
     print(head)
     print("|" + "|".join(["---"] * (head.count("|") - 1)) + "|")
-    for name, hp, cp, window, placement in configs:
+    for name, hp, cp, inner_ring, placement in configs:
         rows = shaped[name]
         ms = statistics.median(r["median_s"] for r in rows) * 1e3  # identical on all ranks
         split = by.get(("shaped-split", name))
@@ -211,7 +211,7 @@ def print_report(args, argv, results, rate_bps, calib, rate_info, configs, wall,
         cpu = statistics.mean(r["cpu_frac"] for r in rows)
         blocked = statistics.mean(r["blocked_s"] for r in rows) * 1e3
         cfg_rate, cfg_flops = config_rates.get(name, (rate_bps, statistics.median(calib["flops"])))
-        print(f"| {name} | {hp} x {cp} | {window} | {placement} | {cfg_flops / 1e9:.1f} | {cfg_rate / 1e6:.2f} | "
+        print(f"| {name} | {hp} x {cp} | {inner_ring} | {placement} | {cfg_flops / 1e9:.1f} | {cfg_rate / 1e6:.2f} | "
               f"{ms:.0f} | {f'{split_ms:.0f}' if split_ms else '-'} | "
               f"{f'{ums:.0f}' if ums else '-'} | {f'{ms - ums:.0f}' if ums else '-'} | "
               f"{fmt_mb(max(cross))} / {fmt_mb(statistics.mean(cross))} | {fmt_mb(statistics.mean(intra))} | "
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             "phases": ["shaped"] + (["shaped-split"] if args.split_directions else [])
                       + ([] if args.no_baseline else ["unshaped"]),
             "recalibrate": not args.no_recalibrate,
-            "configs": [dict(zip(("name", "hp", "cp", "window", "placement"), c, strict=True))
+            "configs": [dict(zip(("name", "hp", "cp", "inner_ring", "placement"), c, strict=True))
                         for c in configs],
         }
         events: queue.Queue = queue.Queue()
@@ -357,14 +357,14 @@ def summarize(args, argv, results, configs, config_rates, phase_flops) -> dict:
     mean blocked ms by category (shaped phase). ``benchmarks/plan_check.py testbed`` reads this."""
     out = {"argv": argv, "seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads,
            "head_dim": args.head_dim, "dtype": args.dtype, "iters": args.iters, "per_node": 4, "configs": []}
-    for name, hp, cp, window, placement in configs:
+    for name, hp, cp, inner_ring, placement in configs:
         rate_bps = config_rates.get(name, (0.0, 0.0))[0]
         rows = [r for r in results if r["config"] == name]
         phases = sorted({r["phase"] for r in rows})
         shaped = [r for r in rows if r["phase"] == "shaped"]
         cats = sorted({k for r in shaped for k in r.get("blocked_by", {})})
         out["configs"].append({
-            "name": name, "hp": hp, "cp": cp, "window": window, "placement": placement,
+            "name": name, "hp": hp, "cp": cp, "inner_ring": inner_ring, "placement": placement,
             "nic_bit_s": rate_bps,
             "flops_per_rank": {ph: f[name] for ph, f in phase_flops.items() if name in f},
             "ms": {ph: statistics.median(r["median_s"] for r in rows if r["phase"] == ph) * 1e3 for ph in phases},

@@ -167,7 +167,7 @@ def main() -> None:
     calibrate("start")
 
     meshes = {  # collective: every rank builds every config's groups, once
-        cfg["name"]: init_mesh(cfg["hp"], cfg["cp"], window=cfg["window"], placement=cfg["placement"])
+        cfg["name"]: init_mesh(cfg["hp"], cfg["cp"], inner_ring=cfg["inner_ring"], placement=cfg["placement"])
         for cfg in spec["configs"]
     }
     split_post = None

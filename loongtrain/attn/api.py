@@ -1,4 +1,4 @@
-"""``loongtrain.attention``: 2D-Attention over a :class:`~loongtrain.parallel.mesh.Mesh` (docs/design.md §5, §4).
+"""``loongtrain.attention``: 2D-Attention over a :class:`~loongtrain.parallel.mesh.Mesh` (docs/attention.md).
 
 Per rank::
 
@@ -54,7 +54,8 @@ def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, *,
         raise ValueError(
             f"k/v shape {tuple(k.shape)} must match q {tuple(q.shape)} in batch, seq and head_dim"
         )
-    # the GQA rule and the sequence-length rule, as everywhere else (docs/design.md §5, §8)
+    # the GQA rule and the sequence-length rule, as everywhere else (docs/attention.md#the-gqa-rule,
+    # docs/configuration.md)
     validate_parallel(ParallelConfig.from_layout(mesh.layout), seq_len=seq * mesh.sp,
                       num_heads=num_heads, num_kv_heads=num_kv_heads)
 
@@ -84,22 +85,23 @@ def attention(
     with ``i - w < j <= i`` (non-causal: ``|i - j| < w``), with or without documents. Blocks with no
     visible pair are skipped (no kernel call), and a window reaching ``r`` chunks shortens the ring pass
     (single or double ring) to the hops that bring the blocks of the members at most ``r`` ring positions
-    away, when that sends fewer than ``cp - 1`` blocks (docs/design.md §4). Invalid ``cu_seqlens``/``sliding_window``
-    raise ValueError before any data is exchanged; only the agreement check (docs/design.md §10: a
-    digest of the arguments exchanged on every call) runs first, so an input that differs between ranks
-    raises on every rank instead of hanging the others, however many agreed calls came before.
+    away, when that sends fewer than ``cp - 1`` blocks (docs/attention.md#the-ring-schedule). Invalid
+    ``cu_seqlens``/``sliding_window`` raise ValueError before any data is exchanged; only the agreement check
+    (docs/launching.md: a digest of the arguments exchanged on every call) runs first, so an input that differs
+    between ranks raises on every rank instead of hanging the others, however many agreed calls came before.
 
     ``chunk_order``: the tokens' layout when they were sharded with ``shard_sequence(..., chunk_order=)``
     (e.g. :func:`loongtrain.balanced_chunk_order` for packed documents); default zigzag.
 
-    Inside a ``torch.compile``-d block (docs/design.md §13) the shape checks are traced, while the values of
+    Inside a ``torch.compile``-d block (docs/compile.md) the shape checks are traced, while the values of
     ``cu_seqlens`` and ``chunk_order`` are checked by the ops when they run (give them as tensors, or each
     new value is a new graph) and the agreement exchange is skipped.
     """
     mesh = mesh or single_process_mesh()
     compiling = torch.compiler.is_compiling()
     if not compiling:
-        agree_on_attention(mesh, q, k, v, causal, softmax_scale, cu_seqlens, sliding_window, chunk_order)  # §10
+        # the agreement check (docs/launching.md)
+        agree_on_attention(mesh, q, k, v, causal, softmax_scale, cu_seqlens, sliding_window, chunk_order)
     validate_attention_inputs(q, k, v, mesh, softmax_scale=softmax_scale)  # shapes: traced, checked at trace time
     validate_sliding_window(sliding_window)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
@@ -141,9 +143,9 @@ def _ring_key(mesh: Mesh) -> str:
 def _traced_masks(cu_seqlens: CuSeqlens | None, chunk_order: Sequence[int] | Tensor | None
                   ) -> tuple[Tensor | None, Tensor | None]:
     """The ops' tensor forms of the masks while a compiled block is traced. Tensors stay graph inputs (their
-    values are never guarded: :func:`loongtrain.wrap.compile.compile_blocks` hands blocks tensors); Python
+    values are never guarded: :func:`loongtrain.parallelize.compile.compile_blocks` hands blocks tensors); Python
     ints would become constants of the graph (correct, but a new value recompiles). The ops check the
-    values when they run (``ops._mask``); the once-per-signature agreement (§10) does not run here."""
+    values when they run (``ops._mask``); the once-per-signature agreement (docs/launching.md) does not run here."""
     cu = None
     if cu_seqlens is not None:
         rows = [cu_seqlens] if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else list(cu_seqlens)

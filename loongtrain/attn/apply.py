@@ -1,5 +1,5 @@
 """``bind_attention_fn``: give a model that follows the ``attention_fn`` protocol 2D-Attention by swapping its
-attention core (docs/design.md §7); :func:`loongtrain.apply_2d_attention` (``hf/apply.py``) calls it for
+attention core (docs/memory.md); :func:`loongtrain.apply_2d_attention` (``hf/apply.py``) calls it for
 every model that is not a Hugging Face one.
 
 Protocol: a model takes part when every attention module routes its core through one replaceable
@@ -82,7 +82,7 @@ def bind_attention_fn(model: nn.Module, mesh: Mesh) -> nn.Module:
     if not targets:
         raise ValueError(
             f"{type(model).__name__} has no module with an '{ATTENTION_FN_ATTR}' attribute: its attention "
-            f"must call a replaceable attention_fn(q, k, v, causal=...) (docs/design.md §7)"
+            f"must call a replaceable attention_fn(q, k, v, causal=...) (docs/memory.md)"
         )
     for module in targets:
         current = getattr(module, ATTENTION_FN_ATTR)

@@ -1,9 +1,9 @@
 """The CUDA kernels of :mod:`loongtrain.attn.kernels` (the table there): FlashAttention-2, cuDNN and
-the memory-efficient op, through the torch 2.13 ops, with their variable-length forms (docs/design.md §6).
+the memory-efficient op, through the torch 2.13 ops, with their variable-length forms (docs/attention.md#kernels).
 
 (``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a zero-padded head dim.) ``cuda_flash``'s
 backward runs one query head at a time once FA2's own workspace would pass :data:`SPLIT_BACKWARD_BYTES`
-(:func:`per_head_backward`; docs/design.md §7).
+(:func:`per_head_backward`; docs/memory.md).
 
 Variable-length form (``Kernel.varlen_forward`` / ``varlen_backward``; ``None`` where a kernel has none):
 ``cuda_flash`` through ``_flash_attention_forward`` / ``_flash_attention_backward`` (FA2's ``mha_varlen_fwd`` /

@@ -1,4 +1,4 @@
-"""Which kernel the ring runs on this device: capability rules, then a measurement (docs/design.md §6).
+"""Which kernel the ring runs on this device: capability rules, then a measurement (docs/attention.md#kernels).
 
 Rules (:func:`kernel_candidates`, following torch's own dispatcher checks; :func:`select_kernel` takes the
 first): CPU -> ``cpu_flash`` (all float dtypes). NVIDIA CUDA: fp16/bf16 on sm80..sm121 with head dim a

@@ -1,4 +1,4 @@
-"""Timing the attention kernels for their choice (:mod:`loongtrain.attn.kernel_choice`, docs/design.md §6): a
+"""Timing the attention kernels for their choice (:mod:`loongtrain.attn.kernel_choice`, docs/attention.md#kernels): a
 dense causal call, and packed documents as the varlen calls take them, each forward + backward, with the check
 that keeps a varlen op whose results differ from the reference kernel's from being chosen."""
 

@@ -1,9 +1,9 @@
-"""Local attention kernels returning ``(out, lse)`` with an explicit backward (docs/design.md §6).
+"""Local attention kernels returning ``(out, lse)`` with an explicit backward (docs/attention.md#kernels).
 
 All tensors are ``[B, H, S, D]``, possibly non-contiguous (transposed views of ``[B, S, H, D]``, slices
 along S); ``lse`` is ``[B, H, S]`` (natural log; fp32, fp64 for the fp64 kernels). Causal masks are
 top-left aligned and only used with ``Sq == Sk``. K/V may have fewer heads than Q (GQA, docs/design.md
-§5); the returned dK/dV have K/V's head count.
+docs/attention.md#the-gqa-rule); the returned dK/dV have K/V's head count.
 
 Kernels and the torch 2.13 ops behind them (schemas: ``torch.ops.aten.<op>.default._schema``):
 

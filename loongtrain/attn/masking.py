@@ -1,4 +1,5 @@
-"""Which (query, key) pairs see each other, and the kernel calls that cover exactly those (docs/design.md §4).
+"""Which (query, key) pairs see each other, and the kernel calls that cover exactly those
+(docs/attention.md#the-ring-schedule).
 
 Visibility of query ``i`` and key ``j`` (global token positions of the replica's full sequence):
 
@@ -85,7 +86,7 @@ class Piece:
 @lru_cache(maxsize=1024)
 def member_runs(seq_len: int, cp: int, position: int, chunk_order: tuple[int, ...] | None = None) -> tuple[Run, ...]:
     """Runs of ring member ``position``'s block: its chunks of ``chunk_order`` (default zigzag: chunks
-    ``position`` and ``2 cp - 1 - position``, docs/design.md §3), neighbouring chunks merged."""
+    ``position`` and ``2 cp - 1 - position``, docs/attention.md#zigzag-sharding), neighbouring chunks merged."""
     order = chunk_order or tuple(x for c in range(cp) for x in (c, 2 * cp - 1 - c))
     chunk, per_rank = seq_len // len(order), len(order) // cp
     runs: list[Run] = []

@@ -1,10 +1,10 @@
 """The 2D-Attention communication/compute steps as ``torch.library`` custom ops.
 
-Being custom ops (not plain autograd Functions) lets selective activation checkpointing save their
+Being custom ops (not plain autograd Functions) lets selective recompute save their
 outputs (``CheckpointPolicy.MUST_SAVE`` on ``torch.ops.loongtrain.*``), so a recompute pass re-runs
-neither attention nor any of its communication (Selective Checkpoint++; docs/design.md §6). Process
+neither attention nor any of its communication (selective recompute; docs/attention.md#kernels). Process
 groups travel as their registered names, a context ring as the key of its registered :class:`Ring`.
-To ``torch.compile`` they are opaque nodes (docs/design.md §13): the ring backward is an op of its own,
+To ``torch.compile`` they are opaque nodes (docs/compile.md): the ring backward is an op of its own,
 document boundaries and chunk orders are CPU int64 tensors (data, not constants of a graph), and the
 fake implementations' shapes depend on q/k/v alone.
 """
@@ -62,15 +62,15 @@ def _ring_groups(ring: Ring) -> tuple:
 
 
 def ring_key(mesh: Mesh) -> str:
-    """Register this rank's context ring (ranks, position, window, its four process groups) once per
+    """Register this rank's context ring (ranks, position, inner_ring, its four process groups) once per
     mesh and return the key the ``ring_attention`` op finds it by (like torch, which resolves process
     groups by name)."""
     groups = (mesh.inner_group, mesh.outer_group, mesh.inner_grad_group, mesh.outer_grad_group)
     names = ",".join(g.group_name if g is not None else "-" for g in groups)
-    key = f"{mesh.rank}:{mesh.window}:{','.join(map(str, mesh.ring_ranks))}:{names}"
+    key = f"{mesh.rank}:{mesh.inner_ring}:{','.join(map(str, mesh.ring_ranks))}:{names}"
     ring = _RINGS.get(key)
     if ring is None or any(a is not b for a, b in zip(_ring_groups(ring), groups)):  # a group was remade
-        _RINGS[key] = Ring(tuple(mesh.ring_ranks), mesh.cp_rank, mesh.window, *groups)
+        _RINGS[key] = Ring(tuple(mesh.ring_ranks), mesh.cp_rank, mesh.inner_ring, *groups)
     return key
 
 
@@ -96,7 +96,7 @@ def as_index_tensor(values: Sequence[int] | Tensor | None) -> Tensor | None:
     """``cu_seqlens`` (flattened) or ``chunk_order`` as the ops take them: a CPU int64 tensor (None stays None).
 
     As tensors they are data to a compiled block, not constants: a new document mix or chunk order reuses
-    the compiled graph instead of recompiling it (docs/design.md §13)."""
+    the compiled graph instead of recompiling it (docs/compile.md)."""
     if values is None or isinstance(values, Tensor):
         return values if values is None else values.to(device="cpu", dtype=torch.int64)
     return torch.tensor(list(values), dtype=torch.int64)
@@ -113,7 +113,7 @@ def ring_attention(
     at 0; None: one document), a CPU int64 tensor (:func:`as_index_tensor`); ``sliding_window``: Mistral's
     window (None: none); ``chunk_order``: the tokens' layout (None: zigzag), a CPU int64 tensor.
     Backward: :func:`ring_attention_backward` (ring backward, K/V re-circulated and dK/dV returned to their
-    owners); lse is not differentiable (docs/design.md §4, §6)."""
+    owners); lse is not differentiable (docs/attention.md)."""
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
     out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask)
     return out.transpose(1, 2).contiguous(), lse

@@ -1,4 +1,4 @@
-"""Zigzag (double-)ring attention: an executor of the ring schedule (docs/design.md §4, §3).
+"""Zigzag (double-)ring attention: an executor of the ring schedule (docs/attention.md).
 
 Tensors are ``[B, H, S_c, D]`` with ``S_c = S/cp`` a member's zigzag pair ``[front ; back]``. The order
 of every transfer, compute and wait comes from :func:`loongtrain.attn.schedule.pass_events`; this module
@@ -10,8 +10,8 @@ hands each block to the step math and moves tensors through a :class:`Transport`
 - :class:`PostOffice`: all members of a ring in one process, hops are tensor hand-offs; each event is
   applied to every member before the next one (:func:`local_ring_forward`, :func:`local_ring_backward`).
 
-The math of a step lives in :mod:`loongtrain.attn.step` (:class:`~loongtrain.attn.step.ForwardStep`,
-:class:`~loongtrain.attn.step.BackwardStep`): which local queries see which keys of the source's block is
+The math of a step lives in :mod:`loongtrain.attn.ring_step` (:class:`~loongtrain.attn.ring_step.ForwardStep`,
+:class:`~loongtrain.attn.ring_step.BackwardStep`): which local queries see which keys of the source's block is
 decided from the global token positions of both zigzag blocks (:mod:`loongtrain.attn.masking`: causal,
 documents, sliding window); the visible pieces become kernel calls (packed into variable-length calls where
 the kernel has them), merged by log-sum-exp; a block with nothing visible costs nothing. Plain causal
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from loongtrain.attn.kernel_choice import kernel_for
 from loongtrain.attn.kernels import Kernel
 from loongtrain.attn.masking import AttnMask, Piece
+from loongtrain.attn.ring_step import BackwardStep, ForwardStep, Pieces, acc_dtype, whole_piece
 from loongtrain.attn.schedule import DKV_OWN, KV_OUTER, Compute, Event, Payload, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach
-from loongtrain.attn.step import BackwardStep, ForwardStep, Pieces, acc_dtype, whole_piece
 from loongtrain.parallel.comm import Exchange, post_exchange
 from loongtrain.parallel.layout import DoubleRing, Hop
 
@@ -58,15 +58,15 @@ class Ring:
 
     ranks: tuple[int, ...]
     position: int
-    window: int
-    inner_group: dist.ProcessGroup | None = None  # K/V inside a window
-    outer_group: dist.ProcessGroup | None = None  # K/V between windows
+    inner_ring: int
+    inner_group: dist.ProcessGroup | None = None  # K/V inside an inner ring
+    outer_group: dist.ProcessGroup | None = None  # K/V between inner rings
     inner_grad_group: dist.ProcessGroup | None = None  # dK/dV, same paths, own groups
     outer_grad_group: dist.ProcessGroup | None = None
 
     @property
     def geometry(self) -> DoubleRing:
-        return DoubleRing(len(self.ranks) // self.window, self.window)
+        return DoubleRing(len(self.ranks) // self.inner_ring, self.inner_ring)
 
     def group(self, hop: Hop, payload: Payload) -> dist.ProcessGroup | None:
         if hop == "inner":
@@ -158,14 +158,14 @@ class _Member:
 def run_pass(geometry: DoubleRing, members: Sequence[_Member], backward: bool, reach: int | None = None) -> None:
     """Apply the pass's events in order, each to every member before the next event (``reach``: the
     short-window pass of :func:`~loongtrain.attn.schedule.pass_events`)."""
-    for event in pass_events(geometry.num_windows, geometry.window, backward, reach):
+    for event in pass_events(geometry.num_inner_rings, geometry.inner_ring, backward, reach):
         for member in members:
             member.apply(event)
     assert all(not m.in_flight for m in members)
 
 
 def _kernel(kernel: Kernel | None, q: Tensor, k: Tensor) -> Kernel:
-    return kernel or kernel_for(q, k)  # the rule, or measured once per shape class (docs/design.md §6)
+    return kernel or kernel_for(q, k)  # the rule, or measured once per shape class (docs/attention.md#kernels)
 
 
 def _whole(geometry: DoubleRing, mask: AttnMask, q: Tensor) -> Piece | None:
@@ -263,12 +263,12 @@ def token_major(x: Tensor) -> Tensor:
 
 
 def _local_members(
-    window: int, steps: Sequence, ks: Sequence[Tensor], vs: Sequence[Tensor],
+    inner_ring: int, steps: Sequence, ks: Sequence[Tensor], vs: Sequence[Tensor],
     transports: Sequence[Transport] | None,
 ) -> tuple[DoubleRing, list[_Member]]:
     cp = len(steps)
-    assert cp % window == 0 and len(ks) == len(vs) == cp, (cp, window, len(ks), len(vs))
-    geometry = DoubleRing(cp // window, window)
+    assert cp % inner_ring == 0 and len(ks) == len(vs) == cp, (cp, inner_ring, len(ks), len(vs))
+    geometry = DoubleRing(cp // inner_ring, inner_ring)
     if transports is None:
         office = PostOffice(geometry)
         transports = [office.transport(p) for p in range(cp)]
@@ -278,7 +278,7 @@ def _local_members(
 
 
 def local_ring_forward(
-    qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], window: int, causal: bool,
+    qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], inner_ring: int, causal: bool,
     scale: float, kernel: Kernel | None = None, transports: Sequence[Transport] | None = None,
     *, mask: AttnMask | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
@@ -287,21 +287,21 @@ def local_ring_forward(
     member (default: hand-offs through one :class:`PostOffice`)."""
     mask, cp = mask or AttnMask(causal), len(qs)
     steps = [ForwardStep(q, p, mask, cp, scale, _kernel(kernel, q, ks[p])) for p, q in enumerate(qs)]
-    geometry, members = _local_members(window, steps, ks, vs, transports)
+    geometry, members = _local_members(inner_ring, steps, ks, vs, transports)
     run_pass(geometry, members, False, _reach(geometry, qs[0], mask))
     return [s.result() for s in steps]
 
 
 def local_ring_backward(
     douts: Sequence[Tensor], qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor],
-    outs: Sequence[Tensor], lses: Sequence[Tensor], window: int, causal: bool, scale: float,
+    outs: Sequence[Tensor], lses: Sequence[Tensor], inner_ring: int, causal: bool, scale: float,
     kernel: Kernel | None = None, transports: Sequence[Transport] | None = None, *, mask: AttnMask | None = None,
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`ring_backward` of all members of one ring in this process; returns each member's dq, dk, dv."""
     mask, cp = mask or AttnMask(causal), len(qs)
     steps = [BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q, ks[p]))
              for p, q in enumerate(qs)]
-    geometry, members = _local_members(window, steps, ks, vs, transports)
+    geometry, members = _local_members(inner_ring, steps, ks, vs, transports)
     run_pass(geometry, members, True, _reach(geometry, qs[0], mask))
     return [(s.dq.to(q.dtype), m.registers[DKV_OWN][0].to(k.dtype), m.registers[DKV_OWN][1].to(v.dtype))
             for s, m, q, k, v in zip(steps, members, qs, ks, vs)]

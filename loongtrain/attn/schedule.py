@@ -1,10 +1,10 @@
 """The (double-)ring pass as data: one description, run by ``attn/ring.py`` and simulated by the planner
-(docs/design.md §4).
+(docs/attention.md#the-ring-schedule).
 
-A context ring of ``size = num_windows * window`` members is cut into ``num_windows`` windows of
-``window`` consecutive members; member ``p`` is ``(j, i) = divmod(p, window)``. Inner hops go round a
-window, outer hops go to the same position of the next window. At outer step ``o`` and inner step ``t``
-member ``(j, i)`` holds the K/V block of member ``((j - o) mod n, (i - t) mod window)`` (:meth:`DoubleRing.source`).
+A context ring of ``size = num_inner_rings * inner_ring`` members is cut into ``num_inner_rings`` inner rings of
+``inner_ring`` consecutive members; member ``p`` is ``(j, i) = divmod(p, inner_ring)``. Inner hops go round a
+inner_ring, outer hops go to the same position of the next inner ring. At outer step ``o`` and inner step ``t``
+member ``(j, i)`` holds the K/V block of member ``((j - o) mod n, (i - t) mod inner_ring)`` (:meth:`DoubleRing.source`).
 
 A pass is a list of events, the same for every member (a member only adds its own position):
 
@@ -14,12 +14,12 @@ A pass is a list of events, the same for every member (a member only adds its ow
   dK/dV contribution in ``dkv``);
 - :class:`Wait` blocks until a transfer has arrived and stores (or adds) what was received in a register.
 
-Forward: the outer K/V hop is posted at the start of an outer step and awaited after its ``window`` inner
+Forward: the outer K/V hop is posted at the start of an outer step and awaited after its ``inner_ring`` inner
 steps; each inner hop is posted before the step's compute and awaited after it. Backward: the same
 K/V moves, and dK/dV partial sums travel *behind* the blocks along the same path to their owner: after
 step ``t > 0`` a member adds the partial received for the block it holds and passes it on (inner hop);
-a window's last inner dK/dV hop is awaited only after the next block's compute (deferred), then the
-window's sum goes one outer hop. ``window - 1`` inner and ``1`` outer dK/dV hop per outer step, ``cp - 1``
+an inner ring's last inner dK/dV hop is awaited only after the next block's compute (deferred), then the
+inner_ring's sum goes one outer hop. ``inner_ring - 1`` inner and ``1`` outer dK/dV hop per outer step, ``cp - 1``
 in all, like K/V.
 
 A sliding window shorter than a few chunks needs only the blocks of nearby members: the short pass
@@ -44,7 +44,7 @@ PAYLOADS: tuple[Payload, ...] = ("kv", "dkv")
 KV_OUTER = "kv_outer"  # the block received by the last outer hop (at the start: the member's own K/V)
 KV_INNER = "kv_inner"  # the block received by the last inner hop
 DKV_OWN = "dkv_own"  # dK/dV of the member's own block: the pass's result
-DKV_CHAIN = "dkv_chain"  # partial dK/dV passed along a window
+DKV_CHAIN = "dkv_chain"  # partial dK/dV passed along an inner ring
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class Wait:
 Event = Post | Compute | Wait
 
 
-def _window_register(outer: int) -> str:
-    """Register of a window's dK/dV sum; two alternate, because window ``o``'s sum is finished after the
-    first compute of window ``o + 1``."""
+def _inner_ring_register(outer: int) -> str:
+    """Register of an inner ring's dK/dV sum; two alternate, because inner ring ``o``'s sum is finished after the
+    first compute of inner ring ``o + 1``."""
     return DKV_OWN if outer == 0 else f"dkv_window{outer % 2}"
 
 
@@ -100,7 +100,7 @@ def _short_pass(ring: DoubleRing, backward: bool, reach: int) -> tuple[Event, ..
     Registers: ``kv_outer_f``/``kv_outer_b`` (block after ``k`` outer hops forward/back), ``kv_inner_f``/
     ``kv_inner_b``; ``dkv_o{k}`` (partial of the block after ``k`` outer hops, ``dkv_own`` for 0) and
     ``dkv_o{k}f{t}``/``dkv_o{k}b{t}`` (its inner walk's partials)."""
-    n, w = ring.num_windows, ring.window
+    n, w = ring.num_inner_rings, ring.inner_ring
     (out_a, out_b), _ = short_plan(n, w, reach)
     stages = {k: (inner, ts) for k, inner, ts in short_stages(n, w, reach)}
     assert short_hops(ring, reach) < ring.size - 1, (reach, ring)
@@ -177,10 +177,10 @@ def _short_pass(ring: DoubleRing, backward: bool, reach: int) -> tuple[Event, ..
 
 
 @lru_cache(maxsize=256)
-def pass_events(num_windows: int, window: int, backward: bool, reach: int | None = None) -> tuple[Event, ...]:
+def pass_events(num_inner_rings: int, inner_ring: int, backward: bool, reach: int | None = None) -> tuple[Event, ...]:
     """The events of one forward (or backward) pass round a double ring, in the order every member runs them.
     ``reach`` (from :func:`pass_reach`): the short pass of a short sliding window instead."""
-    ring = DoubleRing(num_windows, window)
+    ring = DoubleRing(num_inner_rings, inner_ring)
     if reach is not None:
         return _short_pass(ring, backward, reach)
     events: list[Event] = []
@@ -190,8 +190,8 @@ def pass_events(num_windows: int, window: int, backward: bool, reach: int | None
 
     def finish_window(outer: int, last_inner: str | None) -> None:
         nonlocal grad_out
-        register = _window_register(outer)
-        if last_inner is not None:  # the rest of the window's sum for the block held at (outer, 0)
+        register = _inner_ring_register(outer)
+        if last_inner is not None:  # the rest of the inner ring's sum for the block held at (outer, 0)
             events.append(Wait(last_inner, register, add=True))
         if outer > 0:
             if grad_out is not None:
@@ -199,19 +199,19 @@ def pass_events(num_windows: int, window: int, backward: bool, reach: int | None
             grad_out = f"dkv.outer.{outer}"
             events.append(Post(grad_out, "outer", "dkv", register))
 
-    for o in range(ring.num_windows):
-        outer_kv = f"kv.outer.{o}" if o < ring.num_windows - 1 else None
+    for o in range(ring.num_inner_rings):
+        outer_kv = f"kv.outer.{o}" if o < ring.num_inner_rings - 1 else None
         if outer_kv is not None:
             events.append(Post(outer_kv, "outer", "kv", KV_OUTER))
-        for t in range(ring.window):
+        for t in range(ring.inner_ring):
             block = KV_OUTER if t == 0 else KV_INNER
-            inner_kv = f"kv.inner.{o}.{t}" if t < ring.window - 1 else None
+            inner_kv = f"kv.inner.{o}.{t}" if t < ring.inner_ring - 1 else None
             if inner_kv is not None:
                 events.append(Post(inner_kv, "inner", "kv", block))
             if not backward:
                 events.append(Compute(o, t, block))
             else:
-                events.append(Compute(o, t, block, _window_register(o) if t == 0 else DKV_CHAIN))
+                events.append(Compute(o, t, block, _inner_ring_register(o) if t == 0 else DKV_CHAIN))
                 if deferred is not None:
                     finish_window(*deferred)
                     deferred = None
@@ -220,7 +220,7 @@ def pass_events(num_windows: int, window: int, backward: bool, reach: int | None
                         events.append(Wait(chain, DKV_CHAIN, add=True))
                     chain = f"dkv.inner.{o}.{t}"
                     events.append(Post(chain, "inner", "dkv", DKV_CHAIN))
-                if t == ring.window - 1:
+                if t == ring.inner_ring - 1:
                     deferred, chain = (o, chain), None
             if inner_kv is not None:
                 events.append(Wait(inner_kv, KV_INNER))

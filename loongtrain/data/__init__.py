@@ -1,6 +1,6 @@
 """Corpora, tokenizers, packing and per-replica sampling; :func:`build_batches` ties them together.
 Prepared (memory-mapped) corpora (written by :func:`loongtrain.data.prepare.prepare`), mixtures and the
-validation split: docs/design.md §12."""
+validation split: docs/data.md."""
 
 from loongtrain.data.corpus import Corpus, FilesCorpus, HFDatasetCorpus, build_corpus, stdlib_files
 from loongtrain.data.packing import PackedDataset, TokenStream

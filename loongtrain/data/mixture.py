@@ -1,4 +1,4 @@
-"""Weighted mixtures of corpora, deterministic and resumable (docs/design.md §12).
+"""Weighted mixtures of corpora, deterministic and resumable (docs/data.md).
 
 The global sample positions ``g`` (the sampler's; :mod:`loongtrain.data.sampler`) are cut into blocks
 of :data:`BLOCK` positions. Each block gives corpus ``c`` exactly ``counts[c]`` positions, the weights

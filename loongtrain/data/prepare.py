@@ -1,5 +1,5 @@
 """``loongtrain prepare``'s work: tokenize corpora once into a prepared directory (format:
-:mod:`loongtrain.data.prepared`; docs/design.md §12).
+:mod:`loongtrain.data.prepared`; docs/data.md).
 
 The parent reads the documents in corpus order and cuts them into shards of about ``shard_bytes`` bytes
 of text (so the output does not depend on the number of workers); worker processes tokenize a shard

@@ -1,4 +1,4 @@
-"""The on-disk format of a prepared (tokenized once) corpus, and reading it by memory map (docs/design.md §12).
+"""The on-disk format of a prepared (tokenized once) corpus, and reading it by memory map (docs/data.md).
 
 A prepared directory holds::
 

@@ -11,7 +11,7 @@ full-sequence batch; each rank then slices its own shard). Position ``g`` maps t
 The permutation: ``torch.randperm`` (8 bytes per sample, built when an epoch starts) up to
 :data:`RANDPERM_MAX` samples; above, a stateless one (:func:`feistel_index`: a 4-round Feistel network
 on the next even power of two, cycle-walked into ``[0, num_samples)``), so that opening a corpus of any
-size costs neither time nor memory per sample. The choice is part of the state (docs/design.md §12).
+size costs neither time nor memory per sample. The choice is part of the state (docs/data.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``--corpus`` specs: one corpus (prepared directory or raw) or a weighted mixture, opened as token
-streams (docs/design.md §12). The one corpus reader: training, validation (with or without a split),
+streams (docs/data.md). The one corpus reader: training, validation (with or without a split),
 ``loongtrain eval``'s corpus and its passkey filler all open corpora here.
 
 - ``DIR`` holding a prepared manifest: memory-mapped (:class:`~loongtrain.data.prepared.PreparedStream`);

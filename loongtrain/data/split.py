@@ -1,4 +1,4 @@
-"""The validation split: which documents are held out (docs/design.md §12).
+"""The validation split: which documents are held out (docs/data.md).
 
 Document ``i`` (its number in corpus order, the same whether the corpus is read raw or prepared) is
 held out for validation iff ``u(i, seed) < fraction``, where ``u`` is the splitmix64 hash of ``i`` and

@@ -1,5 +1,5 @@
 """Validation batches: the held-out documents (``--val-fraction``) or a corpus of their own
-(``--val-corpus``), for the evaluation loop (docs/design.md §12).
+(``--val-corpus``), for the evaluation loop (docs/data.md).
 
 API for the evaluation loop::
 

@@ -1,8 +1,8 @@
-"""One sharded, forward-only pass of an evaluation sequence (docs/design.md §14).
+"""One sharded, forward-only pass of an evaluation sequence (docs/evaluation.md).
 
 :func:`sharded_forward` shards a full-sequence batch over the replica in the run's layout
-(:func:`~loongtrain.parallel.sharding.shard_sequence`: zigzag, or with ``--chunk-layout balanced`` and
-documents the trainer's balanced chunk order, :func:`loongtrain.train.batch.chunk_order`), runs the model
+(:func:`~loongtrain.parallel.sharding.shard_sequence`: zigzag, or with ``--chunk-order balanced`` and
+documents the trainer's balanced chunk order, :func:`loongtrain.train.batch.batch_chunk_order`), runs the model
 to its final hidden states under ``torch.no_grad()`` (nothing kept for a backward) and returns this
 rank's hidden states, the LM head, its labels, and the *global* position of each of its tokens
 (:func:`~loongtrain.parallel.zigzag.shard_indices` of that layout), so that the tasks score tokens where
@@ -24,8 +24,8 @@ from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.parallel.zigzag import shard_indices
-from loongtrain.train.batch import batch_documents, chunk_order
-from loongtrain.train.run_model import hidden_and_head
+from loongtrain.train.batch import batch_chunk_order, batch_documents
+from loongtrain.train.model_setup import hidden_and_head
 
 Batch = dict[str, torch.Tensor]
 
@@ -46,14 +46,14 @@ class LocalTokens:
 @torch.no_grad()
 def sharded_forward(model: nn.Module, batch: Batch, mesh: Mesh, device: torch.device, *,
                     amp_dtype: torch.dtype | None = None, doc_mask: str = "off",
-                    position_reset: bool = True, chunk_layout: str = "zigzag",
+                    position_reset: bool = True, chunk_order: str = "zigzag",
                     sliding_window: int | None = None) -> LocalTokens:
     """Forward ``batch`` (full sequences ``[B, S]``) on this rank's shard; see the module docstring.
-    ``chunk_layout`` and ``sliding_window``: the run's ``--chunk-layout`` and the model's window (they choose
+    ``chunk_order`` and ``sliding_window``: the run's ``--chunk-order`` and the model's window (they choose
     the balanced order). Collective over the replica (the model's attention communication)."""
     seq_len = batch["input_ids"].shape[1]
     cu_seqlens, positions = batch_documents(batch, doc_mask, position_reset)
-    order = chunk_order(cu_seqlens, seq_len, mesh, chunk_layout, sliding_window)
+    order = batch_chunk_order(cu_seqlens, seq_len, mesh, chunk_order, sliding_window)
 
     def local(x: torch.Tensor) -> torch.Tensor:
         return shard_sequence(x, mesh, dim=1, chunk_order=order).to(device)

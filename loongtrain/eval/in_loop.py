@@ -1,5 +1,5 @@
 """Evaluation inside the training loop (``loongtrain train --eval-tasks passkey,position-loss --eval-lengths
-4K,16K``, docs/design.md §14): ``loongtrain eval``'s tasks as
+4K,16K``, docs/evaluation.md): ``loongtrain eval``'s tasks as
 :class:`~loongtrain.train.validation.Evaluation` callables, which the trainer runs at every
 ``--val-interval`` on its own model, mesh and autocast, forward only, after the validation loss.
 
@@ -14,7 +14,7 @@
   keys retrieved at that length.
 - :class:`PositionLossEvaluation`: ``--eval-docs`` sequences of the longest length, from the held-out data
   (``--val-fraction`` / ``--val-corpus``) or else the corpus in its order (unshuffled, as ``loongtrain
-  eval`` reads it), under the run's ``--doc-mask``, ``--position-reset`` and ``--chunk-layout``; metric
+  eval`` reads it), under the run's ``--doc-mask``, ``--position-reset`` and ``--chunk-order``; metric
   ``eval/position_loss/<start>-<end>`` per non-empty bucket. The sequences are read once per rank, at
   the first call (what the launcher checked).
 """
@@ -42,7 +42,7 @@ from loongtrain.parallel.config import validate_parallel
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.train.config import TrainConfig, eval_length_list, eval_task_list
 from loongtrain.train.metrics import size_label
-from loongtrain.train.run_model import hf_model_dir
+from loongtrain.train.model_setup import hf_model_dir
 
 log = logging.getLogger("loongtrain.eval")
 
@@ -123,7 +123,7 @@ class PositionLossEvaluation:
     sequences: PositionSequences
     doc_mask: str
     position_reset: bool
-    chunk_layout: str
+    chunk_order: str
     sliding_window: int | None
     _batches: list[Batch] = field(default_factory=list, repr=False)
 
@@ -133,7 +133,7 @@ class PositionLossEvaluation:
             self._batches = self.sequences.read()
         rows = position_loss(model, self._batches, mesh, device, self.sequences.seq_len, amp_dtype=amp_dtype,
                              doc_mask=self.doc_mask, position_reset=self.position_reset,
-                             chunk_layout=self.chunk_layout, sliding_window=self.sliding_window)
+                             chunk_order=self.chunk_order, sliding_window=self.sliding_window)
         return {f"eval/position_loss/{span_label(r['start'], r['end'])}": r["loss"] for r in rows
                 if r["loss"] is not None}
 
@@ -165,7 +165,7 @@ def in_loop_evaluations(cfg: TrainConfig, model_config: ModelConfig, tokenizer: 
                                       cfg.val_corpus, cfg.decode_errors)
         sequences.check()
         out.append(PositionLossEvaluation(sequences, cfg.doc_mask, cfg.position_reset,
-                                          cfg.chunk_layout if cfg.doc_mask == "on" else "zigzag",
+                                          cfg.chunk_order if cfg.doc_mask == "on" else "zigzag",
                                           model_config.sliding_window))
     return tuple(out)
 

@@ -1,4 +1,4 @@
-"""``loongtrain eval --task passkey``: a random key hidden in filler, asked for at the end (docs/design.md §14).
+"""``loongtrain eval --task passkey``: a random key hidden in filler, asked for at the end (docs/evaluation.md).
 
 A prompt of length ``L`` is built from token ids, each piece tokenized once, so no tokenizer merge
 across a boundary can shift the key::
@@ -17,7 +17,7 @@ holds and one all-reduce sums the mismatches per trial.
 
 Trials of one length share forwards: ``longest // length`` prompts a forward (rows of one batch), so no
 forward holds more tokens than one prompt of the longest length (the memory of a single longest
-prompt), and short prompts do not pay per-forward costs one at a time (docs/design.md §14).
+prompt), and short prompts do not pay per-forward costs one at a time (docs/evaluation.md).
 """
 
 from __future__ import annotations

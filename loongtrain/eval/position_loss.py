@@ -1,4 +1,4 @@
-"""``loongtrain eval --task position-loss``: mean loss per position bucket (docs/design.md §14).
+"""``loongtrain eval --task position-loss``: mean loss per position bucket (docs/evaluation.md).
 
 Buckets are powers of two, ``[0, b0), [b0, 2 b0), [2 b0, 4 b0) ... [.., seq_len)``, with ``b0 = 1024``
 from ``seq_len >= 8192`` and ``2**floor(log2 seq_len) / 8`` below (so a short evaluation still has four
@@ -48,7 +48,7 @@ def bucket_sums(losses: torch.Tensor, positions: torch.Tensor, valid: torch.Tens
 
 def position_loss(model: nn.Module, batches: list[Batch], mesh: Mesh, device: torch.device, seq_len: int, *,
                   amp_dtype: torch.dtype | None = None, doc_mask: str = "off",
-                  position_reset: bool = True, chunk_layout: str = "zigzag",
+                  position_reset: bool = True, chunk_order: str = "zigzag",
                   sliding_window: int | None = None) -> list[dict]:
     """``[{start, end, loss, tokens}]`` over every bucket of ``batches`` (all replicas' batches, each
     ``[1, seq_len]``; replica ``d`` evaluates every ``dp``-th one), laid out as the run's
@@ -59,7 +59,7 @@ def position_loss(model: nn.Module, batches: list[Batch], mesh: Mesh, device: to
     for item in replica_items(len(batches), mesh):
         tokens = sharded_forward(model, batches[item if item is not None else 0], mesh, device,
                                  amp_dtype=amp_dtype, doc_mask=doc_mask, position_reset=position_reset,
-                                 chunk_layout=chunk_layout, sliding_window=sliding_window)
+                                 chunk_order=chunk_order, sliding_window=sliding_window)
         losses, _ = chunked_token_losses(tokens.hidden, tokens.head, tokens.labels)
         if item is not None:  # padding rounds (see replica_items) only keep the collectives in step
             totals += bucket_sums(losses, tokens.positions, tokens.labels != IGNORE_INDEX, edges)

@@ -1,4 +1,4 @@
-"""What ``loongtrain eval MODEL`` evaluates (docs/design.md §14): a run directory (its
+"""What ``loongtrain eval MODEL`` evaluates (docs/evaluation.md): a run directory (its
 ``checkpoints/latest``), a checkpoint directory, or a Hugging Face model directory.
 
 - :func:`resolve_model` (launcher, before any worker): the kind, the checkpoint (complete, every file
@@ -7,8 +7,8 @@
   or ``TrainConfig(model=DIR)``): its tokenizer, corpus, dtype and ``--doc-mask`` are the evaluation's
   defaults. ValueError naming the path when it is none of the three kinds.
 - :func:`build_model` (every rank): the model with its weights under the evaluation's layout. A
-  checkpoint: :func:`~loongtrain.train.run_model.model_from_record` (whole, on CPU), then
-  :func:`~loongtrain.wrap.parallelize.parallelize` (2D-Attention, FSDP2 with ``--zero``), then the
+  checkpoint: :func:`~loongtrain.train.model_setup.model_from_record` (whole, on CPU), then
+  :func:`~loongtrain.parallelize.compose.parallelize` (2D-Attention, FSDP2 with ``--zero``), then the
   weights read with ``torch.distributed.checkpoint`` into whatever shards the rank holds (any training
   layout). A Hugging Face directory: the trainer's own builder.
 """
@@ -25,12 +25,12 @@ from torch import nn
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallelize.compose import parallelize
+from loongtrain.parallelize.zero import uses_zero
 from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.export import checkpoint_model_record
-from loongtrain.train.run_model import model_from_record
-from loongtrain.wrap.parallelize import parallelize
-from loongtrain.wrap.zero import uses_zero
+from loongtrain.train.model_setup import model_from_record
 
 log = logging.getLogger("loongtrain.eval")
 
@@ -100,7 +100,7 @@ def build_model(source: ModelSource, cfg: TrainConfig, mesh: Mesh, device: torch
     """The model of ``source`` with its weights, parallelized on ``mesh`` by ``cfg.parallel`` (collective)."""
     fsdp_dtype = autocast_dtype(cfg, device) if uses_zero(cfg.parallel) else None
     if source.kind == "hf":
-        from loongtrain.train.run_model import build_model as build_trained
+        from loongtrain.train.model_setup import build_model as build_trained
 
         model = build_trained(model_config(source), cfg, mesh, device, fsdp_dtype)
     else:

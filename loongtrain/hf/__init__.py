@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs trained with loongtrain's 2D-Attention (docs/design.md §7).
+"""Hugging Face causal LMs trained with loongtrain's 2D-Attention (docs/memory.md).
 
 ``import loongtrain.hf`` needs neither transformers nor safetensors; the functions that use them
 import them when called (``pip install loongtrain[hf]``).

@@ -1,4 +1,4 @@
-"""``apply_2d_attention``: give any model 2D-Attention from outside (docs/design.md §7).
+"""``apply_2d_attention``: give any model 2D-Attention from outside (docs/memory.md).
 
 One entry point for both kinds of model: a Hugging Face causal LM routes its attention through
 transformers' attention interface (:func:`loongtrain.hf.attention.apply_to_hf`); any other module tree

@@ -1,4 +1,4 @@
-"""2D-Attention inside Hugging Face causal LMs, through transformers' attention interface (docs/design.md §7).
+"""2D-Attention inside Hugging Face causal LMs, through transformers' attention interface (docs/memory.md).
 
 :func:`apply_to_hf` registers the ``"loongtrain"`` attention implementation (and a mask function
 that builds no dense mask), switches the model to it, and gives each attention module the same
@@ -77,7 +77,7 @@ def hf_attention_forward(
         documents["chunk_order"] = kwargs["chunk_order"]
     position_ids = kwargs.get("position_ids")
     # a value check (host-side) in the first layer: eager only, and the layer's index is not read while compiling
-    # (an int attribute is a constant to dynamo: reading it would give every layer a graph; docs/design.md §13)
+    # (an int attribute is a constant to dynamo: reading it would give every layer a graph; docs/compile.md)
     if (not torch.compiler.is_compiling() and isinstance(position_ids, Tensor) and "cu_seqlens" not in documents
             and getattr(module, "layer_idx", 0) == 0):
         _check_positions(position_ids, mesh, seq_len, documents.get("chunk_order"))

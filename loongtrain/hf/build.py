@@ -1,4 +1,4 @@
-"""Building Hugging Face causal LMs for training (docs/design.md §7): whole on CPU, or on the meta device
+"""Building Hugging Face causal LMs for training (docs/memory.md): whole on CPU, or on the meta device
 to be sharded and then filled one tensor at a time, and one forward to the final hidden states.
 
 - :func:`build_hf_model`: the model on CPU in the weight dtype (its weights, or a seeded random init);
@@ -54,7 +54,7 @@ def build_hf_model_on_meta(directory: str | Path, dtype: torch.dtype, config: An
 
 
 def hf_initial_weights(directory: str | Path) -> Callable[[str, torch.Size], Tensor]:
-    """``initial(name, shape)`` for :func:`loongtrain.wrap.parallelize.materialize_params`: the tensor
+    """``initial(name, shape)`` for :func:`loongtrain.parallelize.compose.materialize_params`: the tensor
     ``name`` read alone from the directory's safetensors files (a tied head reads the embedding)."""
     from safetensors import safe_open
 

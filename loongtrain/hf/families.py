@@ -2,7 +2,7 @@
 
 An architecture is supported when every layer other than attention is token-wise (RMSNorm, RoPE on
 the given position ids, gated MLP, optional q/k norms and qkv bias), so that running it on zigzag
-shards with global ``position_ids`` and 2D-Attention as its core is exact (docs/design.md §7).
+shards with global ``position_ids`` and 2D-Attention as its core is exact (docs/memory.md).
 """
 
 from __future__ import annotations

@@ -119,7 +119,7 @@ def check_hf_dir(path: str | Path) -> Any:
     be exactly the tensors of the model built from config.json (ValueError naming the tensor otherwise).
     """
     config = read_hf_config(path)
-    model = build_on_meta(config, Path(path) / "config.json")  # with or without weights (docs/design.md §10)
+    model = build_on_meta(config, Path(path) / "config.json")  # with or without weights (docs/launching.md)
     files = sorted(Path(path).glob("*.safetensors"))
     if files:
         _check_weights(model, _read_shapes(files))

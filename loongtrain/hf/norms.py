@@ -1,4 +1,4 @@
-"""Hugging Face's Llama-family RMSNorms through loongtrain's one-function norm (docs/design.md §7).
+"""Hugging Face's Llama-family RMSNorms through loongtrain's one-function norm (docs/memory.md).
 
 ``LlamaRMSNorm`` and its copies (Mistral, Qwen2, Qwen3) compute ``weight * (x32 * rsqrt(mean(x32**2) +
 eps)).to(x.dtype)`` with ``x32 = x.to(float32)``; as plain ops autograd keeps the float32 upcast and the

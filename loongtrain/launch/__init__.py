@@ -1,3 +1,3 @@
 """The launch path of the commands that start workers (``loongtrain train``, ``loongtrain eval``): their
 command lines, the checks before any worker starts, ``--plan auto``, torchrun restarts, and the workers
-(docs/design.md §10)."""
+(docs/launching.md)."""

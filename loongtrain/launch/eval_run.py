@@ -1,8 +1,8 @@
-"""``loongtrain eval``'s processes, on ``train``'s launcher (docs/design.md §10, §14): under torchrun this
+"""``loongtrain eval``'s processes, on ``train``'s launcher (docs/launching.md, docs/evaluation.md): under torchrun this
 process is one rank; otherwise ``--nproc`` local workers (:func:`~loongtrain.parallel.workers.run_local`),
 or this process alone for one rank. Everything is checked by :func:`prepare` first.
 
-:func:`~loongtrain.eval.job.evaluate` is one rank's evaluation of an already built model (tests call it
+:func:`~loongtrain.eval.config.evaluate` is one rank's evaluation of an already built model (tests call it
 with their own models); :func:`run_rank` builds the mesh and the model, evaluates, and rank 0 writes the outputs.
 """
 
@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 
-from loongtrain.eval.job import EvalConfig, Job, eval_run_config, evaluate, resolve_job
+from loongtrain.eval.config import EvalConfig, Job, eval_run_config, evaluate, resolve_job
 from loongtrain.eval.report import plot, table, write_results
 from loongtrain.eval.source import build_model
 from loongtrain.launch.autoplan import apply_plan
@@ -25,7 +25,7 @@ log = logging.getLogger("loongtrain.eval")
 
 
 def prepare(options: EvalConfig) -> Job:
-    """Check ``options`` and resolve them into a :class:`~loongtrain.eval.job.Job` in the launcher, before
+    """Check ``options`` and resolve them into a :class:`~loongtrain.eval.config.Job` in the launcher, before
     any worker starts: the evaluation's run config, then the world size and ``--plan`` as training
     resolves them (ValueError on bad input)."""
     source, lengths, run = eval_run_config(options)
@@ -48,8 +48,9 @@ def run_rank(job: Job, rank: int, world: int) -> list[dict]:
 def _write(job: Job, rows: list[dict], mesh: Mesh) -> None:
     out = Path(job.options.out)
     meta = {"model": str(job.source.path), "kind": job.source.kind, "lengths": list(job.lengths),
-            "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp, "window": mesh.window},
-            "chunk_layout": job.run.chunk_layout, "dtype": job.run.dtype, "doc_mask": job.run.doc_mask,
+            "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp,
+                       "inner_ring": mesh.inner_ring},
+            "chunk_order": job.run.chunk_order, "dtype": job.run.dtype, "doc_mask": job.run.doc_mask,
             "seed": job.options.seed}
     path = write_results(out, job.options.task, rows, meta)
     print(table(job.options.task, rows), flush=True)

@@ -1,4 +1,4 @@
-"""Checks of a run's files, made by the launcher before any worker starts (docs/design.md §10).
+"""Checks of a run's files, made by the launcher before any worker starts (docs/launching.md).
 
 :func:`preflight` raises ValueError naming the offending value and the rule, so ``loongtrain train``
 exits 2 within seconds instead of failing inside the workers. It checks:
@@ -22,17 +22,17 @@ exits 2 within seconds instead of failing inside the workers. It checks:
   trained on: the corpus's and the tokenizer's identity (:func:`data_identity`) equal the ones the
   checkpoint recorded (a corpus whose files only got new modification times: a warning);
 - ``--init-from``: the checkpoint's files are readable and it lies outside this run's checkpoints (its
-  model is checked against the run's by :func:`loongtrain.train.run_model.model_config_for`).
+  model is checked against the run's by :func:`loongtrain.train.model_setup.model_config_for`).
 
 Resume rule: the data stream, the optimizer state and the model must continue unchanged, so the model
-preset, tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seq-len-schedule`` and ``--schedule-tokens``,
+preset, tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seq-len-stages`` and ``--stage-tokens``,
 ``--seed``, ``--grad-accum``, the RoPE (``--rope-theta``, ``--rope-scaling``, compared by meaning), the global
 batch (``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``,
 ``--beta1``, ``--beta2``, ``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may
-change: the layout (``--hp``, ``--cp``, ``--window``, ``--placement``, ZeRO, ``--ac-mode``, the number of
+change: the layout (``--hp``, ``--cp``, ``--inner-ring``, ``--placement``, ZeRO, ``--recompute``, the number of
 ranks at the same global batch), ``--steps`` (without a schedule), ``--warmup``, ``--min-lr-ratio``,
 ``--clip``, logging and intervals. Continuing the trained weights at another length or RoPE is a new run:
-``--init-from CHECKPOINT`` (weights only) in a new ``--out-dir`` (docs/design.md §7, *RoPE scaling*).
+``--init-from CHECKPOINT`` (weights only) in a new ``--out-dir`` (docs/context-extension.md#rope-scaling).
 """
 
 from __future__ import annotations
@@ -62,16 +62,16 @@ from loongtrain.train.checkpoint import (
     verify_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.run_model import build_run_tokenizer, hf_model_dir, tokenizer_spec
+from loongtrain.train.model_setup import build_run_tokenizer, hf_model_dir, tokenizer_spec
 from loongtrain.train.validation import check_validation
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
 
-MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_schedule", "schedule_tokens",
+MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_stages", "stage_tokens",
               "seed", "grad_accum", "rope_theta", "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay")
 #: options a new run with --init-from may change where a resume may not
-NEW_RUN_CHANGES = ("seq_len", "seq_len_schedule", "rope_theta", "rope_scaling")
+NEW_RUN_CHANGES = ("seq_len", "seq_len_stages", "rope_theta", "rope_scaling")
 
 
 class RunComplete(Exception):

@@ -1,5 +1,5 @@
 """torchrun jobs on one or several nodes: one agreed attempt, one start decision, workers that end with
-their agent, and a lost node named (docs/design.md §10).
+their agent, and a lost node named (docs/launching.md).
 
 - **Attempt** (:func:`join_attempt`). torchrun (c10d rendezvous) hands every attempt of a job the same
   TCPStore (its node-0 agent's), whose keys outlive the attempt, and ``TORCHELASTIC_RESTART_COUNT``

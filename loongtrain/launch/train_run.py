@@ -37,15 +37,15 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh, destroy_all_meshes, init_mesh
 from loongtrain.parallel.runtime import configure_cuda_allocator, default_backend, default_device
 from loongtrain.parallel.workers import WorkerError, resolve_backend, run_local
+from loongtrain.parallelize.compile import check_compile_run
+from loongtrain.parallelize.compile_errors import named_compile_failures
+from loongtrain.parallelize.offload import offloaded_blocks
+from loongtrain.parallelize.recompute import recomputed_layers
 from loongtrain.train.checkpoint import AUTO, RUN_OUTPUT
 from loongtrain.train.config import Run, TrainConfig, eval_task_list
-from loongtrain.train.run_model import build_run_tokenizer, model_config_for
+from loongtrain.train.model_setup import build_run_tokenizer, model_config_for
 from loongtrain.train.stages import check_stage_layouts
 from loongtrain.train.trainer import Trainer
-from loongtrain.wrap.compile import check_compile_run
-from loongtrain.wrap.compile_errors import named_compile_failures
-from loongtrain.wrap.offload import offloaded_blocks
-from loongtrain.wrap.recompute import recomputed_layers
 
 log = logging.getLogger("loongtrain.train")
 
@@ -67,10 +67,10 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
     cfg.validate()
     model_config = model_config or model_config_for(cfg)
     p = cfg.parallel
-    # one layout serves every stage of a --seq-len-schedule (without one: the run's --seq-len)
+    # one layout serves every stage of a --seq-len-stages (without one: the run's --seq-len)
     check_stage_layouts(cfg, p, world, model_config.num_heads, model_config.num_kv_heads, cfg.model)
     if p.offload_activations:  # --offload-keep must leave a block to offload (the rule of parallelize's step)
-        offloaded_blocks(recomputed_layers(model_config.num_layers, p.ac_fraction), p.offload_keep)
+        offloaded_blocks(recomputed_layers(model_config.num_layers, p.recompute_fraction), p.offload_keep)
     check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
@@ -165,7 +165,7 @@ def rank_mesh(rank: int, world: int, cfg: TrainConfig) -> Iterator[tuple[Mesh, t
         owns_group = True
     try:
         p = cfg.parallel
-        yield init_mesh(p.hp, p.cp, window=p.window, placement=p.placement, interleaved=p.interleaved,
+        yield init_mesh(p.hp, p.cp, inner_ring=p.inner_ring, placement=p.placement, interleaved=p.interleaved,
                         timeout=cfg.timeout), device
     finally:
         if owns_group and dist.is_initialized():
@@ -176,7 +176,7 @@ def rank_mesh(rank: int, world: int, cfg: TrainConfig) -> Iterator[tuple[Mesh, t
 def run_worker(rank: int, world: int, run: Run) -> list[dict]:
     """One rank: :func:`rank_mesh`, then train. (The worker function of
     :func:`~loongtrain.parallel.workers.run_local`, and the torchrun rank's.)"""
-    with rank_mesh(rank, world, run.cfg) as (mesh, device), named_compile_failures():  # --compile: §13
+    with rank_mesh(rank, world, run.cfg) as (mesh, device), named_compile_failures():  # --compile: docs/compile.md
         return Trainer(run, mesh, device).train()
 
 
@@ -220,7 +220,7 @@ def _run_local_with_restarts(run: Run, world: int, backend: str) -> None:
     cfg = run.cfg
     for attempt in range(cfg.max_restarts + 1):
         try:
-            # the training stack is imported once, by the fork server (docs/design.md §10)
+            # the training stack is imported once, by the fork server (docs/launching.md)
             run_local(run_worker, world, run, backend=backend, threads=None, timeout=None,
                       collective_timeout=cfg.timeout, heartbeat_timeout=cfg.heartbeat_timeout,
                       preload=["loongtrain.launch.train_run"])

@@ -98,7 +98,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     backward: those gradients times the upstream gradient, in place. One matmul per chunk fewer than
     recomputing the logits in backward (three instead of four: as many as the unchunked loss). With
     ``norm_weight`` the final RMSNorm runs per chunk first (``hidden`` is its input) and its backward too, so
-    neither the norm's input nor its output is kept: only the input's gradient (docs/design.md §7)."""
+    neither the norm's input nor its output is kept: only the input's gradient (docs/memory.md)."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,

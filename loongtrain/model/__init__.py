@@ -1,7 +1,7 @@
 """A plain LLaMA-style decoder (no meshes, no process groups), its presets and FLOP counts; RoPE scaling
 (``ModelConfig(rope_scaling=RopeScaling("yarn", factor=4, original_max_position_embeddings=8192))``).
 
-Parallelism is applied from outside (docs/design.md §7): :func:`loongtrain.apply_2d_attention`
+Parallelism is applied from outside (docs/memory.md): :func:`loongtrain.apply_2d_attention`
 replaces each attention module's ``attention_fn``; the sharded loss lives in
 :mod:`loongtrain.loss.sharded`.
 """

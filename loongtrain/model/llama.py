@@ -3,7 +3,7 @@
 The model knows nothing of meshes or process groups. Each :class:`Attention` calls its replaceable
 ``attention_fn`` (default :func:`~loongtrain.model.local_attention.local_attention`); the training
 stack swaps it for 2D-Attention from outside with :func:`loongtrain.apply_2d_attention`
-(docs/design.md §7). Sharded, each rank then holds its own ``S/sp`` tokens (the zigzag shard of
+(docs/memory.md). Sharded, each rank then holds its own ``S/sp`` tokens (the zigzag shard of
 :func:`loongtrain.shard_sequence`, not contiguous) with their *global* ``position_ids``; the forward
 is the same code.
 """
@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention; its core is the replaceable ``attention_fn`` (docs/design.md §7)."""
+    """GQA self-attention; its core is the replaceable ``attention_fn`` (docs/memory.md)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -173,7 +173,7 @@ def initial_weight(name: str, shape: torch.Size | tuple[int, ...], seed: int,
                    device: torch.device | str = "cpu") -> Tensor:
     """The initial value (float32, whole tensor) of parameter ``name``: ones for norm weights, else
     N(0, 0.02) from a generator seeded with ``seed`` and the name. Sharded set-ups build the model on
-    the meta device and copy each rank's shard of this tensor (loongtrain.wrap.parallelize)."""
+    the meta device and copy each rank's shard of this tensor (loongtrain.parallelize.compose)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.float32, device=device)
     gen = torch.Generator(device=device).manual_seed(seed + _stable_hash(name))

@@ -1,4 +1,4 @@
-"""The model's default attention core and the protocol every replacement follows (docs/design.md §7).
+"""The model's default attention core and the protocol every replacement follows (docs/memory.md).
 
 Each attention module stores its core as a plain attribute ``attention_fn`` and calls it as::
 

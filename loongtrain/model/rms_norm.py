@@ -1,4 +1,4 @@
-"""RMSNorm as one autograd function that keeps only its input and the per-token scale (docs/design.md §7).
+"""RMSNorm as one autograd function that keeps only its input and the per-token scale (docs/memory.md).
 
 ``y = (x * rstd).to(x.dtype) * weight`` with ``rstd = 1 / sqrt(mean(x**2) + eps)`` over the last dim, the
 statistics in float32 for 16-bit inputs (float64 stays float64). Written with plain ops, autograd would keep

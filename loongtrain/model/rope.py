@@ -1,4 +1,4 @@
-"""Rotary position embedding (RoPE) on given position ids, split-halves convention (docs/design.md §7);
+"""Rotary position embedding (RoPE) on given position ids, split-halves convention (docs/memory.md#rope);
 scaled RoPE (linear, YaRN, Llama 3) through :mod:`loongtrain.model.rope_scaling`.
 
 :func:`apply_rope` rotates in the statistics dtype (float32 for 16-bit inputs, float64 for float64), as the

@@ -1,4 +1,4 @@
-"""RoPE scaling (docs/design.md §7, *RoPE scaling*): ``linear``, ``yarn`` and ``llama3`` as Hugging Face
+"""RoPE scaling (docs/context-extension.md#rope-scaling): ``linear``, ``yarn`` and ``llama3`` as Hugging Face
 defines them, the one implementation loongtrain's decoder uses.
 
 A :class:`RopeScaling` holds a type and its parameters under Hugging Face's key names. It changes two

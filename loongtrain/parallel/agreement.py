@@ -1,4 +1,4 @@
-"""Cross-rank agreement before collectives: ranks that disagree fail at once, by name (docs/design.md §10).
+"""Cross-rank agreement before collectives: ranks that disagree fail at once, by name (docs/launching.md).
 
 Collectives called with different shapes, dtypes or flags on different ranks either hang, abort inside
 the backend with a message that names nothing, or (a different ``causal`` flag) complete with wrong
@@ -7,15 +7,15 @@ differ does it gather them (one ``all_gather_object``) and raise the same ValueE
 naming each field that differs and which ranks hold which value.
 
 :func:`agree_on_attention` checks EVERY call (:data:`ATTENTION_CHECK` = "every"): a digest of the
-arguments (shapes, dtypes, causal, scale, document boundaries, window, chunk order), one all-reduce of
+arguments (shapes, dtypes, causal, scale, document boundaries, inner_ring, chunk order), one all-reduce of
 two int64 on the replica's ranks, so a rank that changes its arguments after any number of agreed calls
 fails with its peers instead of hanging them. Under NCCL the digest travels on a gloo group of the same
 ranks (``Mesh.check_group``): no device synchronisation. Its cost is measured in
-``benchmarks/agreement.py`` (benchmarks/RESULTS.md). :func:`agree_once` (the "once" mode) checks once per
+``benchmarks/agreement.py`` (benchmarks/results/RESULTS.md). :func:`agree_once` (the "once" mode) checks once per
 distinct signature and group, a set lookup afterwards; its limit: a rank that reaches a signature the
 others have already checked calls the exchange alone and waits for the process group's timeout.
 
-:func:`deferred_attention_checks` (the trainer's steady state, docs/design.md §10) replaces the per-call
+:func:`deferred_attention_checks` (the trainer's steady state, docs/launching.md) replaces the per-call
 exchange inside a ``with`` block: each call's fields are digested on the host (Python values, no device
 data) and kept; :meth:`AttentionLog.check` compares the digest of all of them, in order, in ONE exchange
 at the block's end, and on a mismatch names the first call and field that differ. It cannot tell a
@@ -112,7 +112,7 @@ def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, causal: Any, softmax_s
     pass the same arguments to this ``loongtrain.attention`` call, taken as given (before validation, so
     a rank whose arguments are invalid and differ from its peers' does not leave them waiting): the
     shapes of q, k, v (batch, S, heads, KV heads, head dim), dtypes, causal, softmax_scale, sliding
-    window, document boundaries and chunk order. Every call (:data:`ATTENTION_CHECK`): one all-reduce of
+    inner_ring, document boundaries and chunk order. Every call (:data:`ATTENTION_CHECK`): one all-reduce of
     a digest on :func:`attention_check_group`; inside :func:`deferred_attention_checks` for that group,
     no exchange: the fields are recorded and checked at the block's end."""
     if mesh.sp_group is None or torch.compiler.is_compiling():

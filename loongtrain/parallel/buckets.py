@@ -1,4 +1,4 @@
-"""The gradient buckets of the replicated-weights sync (``--zero none``; docs/design.md §7): which
+"""The gradient buckets of the replicated-weights sync (``--zero none``; docs/memory.md): which
 parameters' gradients travel together in one all-reduce.
 
 Pure arithmetic on sizes, so the trainer's sync (``train/sync.py``) and the planner's charge for it use the

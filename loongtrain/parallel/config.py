@@ -1,79 +1,75 @@
 """``ParallelConfig``: the degrees and memory modes of a run, and the one function that validates them.
 
-One frozen object carries hp, cp, the double-ring window, the rank placement, ZeRO and activation
+One frozen object carries hp, cp, the double ring's inner-ring size, the rank placement, ZeRO and activation
 checkpointing from the command line (``loongtrain train``) or the planner (``loongtrain plan``) to the
-mesh, the trainer's :func:`~loongtrain.wrap.parallelize.parallelize` and the cost model
-(docs/design.md §8). :func:`validate_parallel` checks every rule that the given facts allow (the world
+mesh, the trainer's :func:`~loongtrain.parallelize.compose.parallelize` and the cost model
+(docs/configuration.md). :func:`validate_parallel` checks every rule that the given facts allow (the world
 size, the sequence length, the model's head counts) and raises ``ValueError`` naming the offending
-value and the valid choices; :func:`effective_kv_heads` is the GQA rule (docs/design.md §5).
+value and the valid choices; :func:`effective_kv_heads` is the GQA rule (docs/attention.md#the-gqa-rule).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from loongtrain._options import option
 from loongtrain.parallel.layout import PLACEMENTS, Layout
 from loongtrain.parallel.zigzag import check_sequence_length, divisors
 
 ZERO_MODES = ("none", "full", "hybrid")
-AC_MODES = ("none", "full", "selective")
-AC_ALIASES = {"selective++": "selective", "sac": "selective"}
+RECOMPUTE_MODES = ("none", "full", "selective")
 
 __all__ = [
-    "AC_ALIASES", "AC_MODES", "PLACEMENTS", "ZERO_MODES", "ParallelConfig", "effective_kv_heads",
+    "RECOMPUTE_MODES", "PLACEMENTS", "ZERO_MODES", "ParallelConfig", "effective_kv_heads",
     "mlp_tile_count", "validate_parallel",
 ]
-
-
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """How one run is parallelised (validated on construction, world-independent rules only).
 
-    Layout: ``hp`` head-parallel degree, ``cp`` context-parallel degree, ``window`` inner-ring size of the
-    double ring, ``placement`` and ``interleaved`` (docs/design.md §2). Memory (docs/design.md §7):
+    Layout: ``hp`` head-parallel degree, ``cp`` context-parallel degree, ``inner_ring`` ranks per inner ring of the
+    double ring, ``placement`` and ``interleaved`` (docs/attention.md#rank-placement). Memory (docs/memory.md):
     ``zero`` none / full / hybrid FSDP2 sharding over groups of ``zero_shard_size`` ranks (0: all),
-    ``reshard_after_forward``, ``ac_mode`` none / full / selective (Selective Checkpoint++; the alias
-    ``selective++`` is normalised) on the first ``ac_fraction`` of the blocks; the offload and tiling
-    modes ``offload_activations`` (all checkpointed blocks but the last ``offload_keep``), ``mlp_tiles`` and
-    ``offload_params`` (docs/design.md §7).
+    ``reshard_after_forward``, ``recompute`` none / full / selective (LoongTrain's Selective Checkpoint++)
+    on the first ``recompute_fraction`` of the blocks; the offload and tiling
+    modes ``offload_activations`` (all recomputed blocks but the last ``offload_keep``), ``mlp_tiles`` and
+    ``offload_params`` (docs/memory.md).
     """
 
-    hp: int = _opt(1, "head-parallel degree (all-to-all group size)")
-    cp: int = _opt(1, "context-parallel degree (ring size)")
-    window: int = _opt(1, "double-ring window: inner ring size (must divide cp)")
-    placement: str = _opt("head_first", "rank placement: head_first or context_first")
-    interleaved: bool = _opt(False, "interleave ring members inside a window (needs an even window)")
-    zero: str = _opt("none", "ZeRO via FSDP2: none (replicated weights, all-reduced gradients), full "
-                     "(shard over all dp*sp ranks) or hybrid (shard over --zero-shard-size ranks)")
-    zero_shard_size: int = _opt(0, "ranks per shard group for --zero hybrid (0: all ranks)")
-    reshard_after_forward: bool = _opt(True, "FSDP2: free gathered weights after each block's forward")
-    ac_mode: str = _opt("none", "activation checkpointing: none, full, or selective (Selective "
-                        "Checkpoint++: attention outputs kept, its recompute and communication skipped)")
-    ac_fraction: float = _opt(1.0, "fraction of the blocks (the first ones) that are checkpointed")
-    offload_activations: bool = _opt(False, "copy the tensors kept between forward and backward (checkpointed "
-                                     "blocks' inputs, selective++'s attention outputs) to pinned host memory "
+    hp: int = option(1, group="layout (2D-Attention)", help="head-parallel degree (all-to-all group size)")
+    cp: int = option(1, "context-parallel degree (ring size)")
+    inner_ring: int = option(1, "ranks per inner ring of the double ring (must divide cp; 1: a single ring)")
+    placement: str = option("head_first", "rank placement: head_first or context_first")
+    interleaved: bool = option(False, "interleave ring members inside an inner ring (needs an even --inner-ring)")
+    zero: str = option("none", group="memory (ZeRO, recompute, offload, tiles)",
+                       help="ZeRO (FSDP2): none (replicated weights, all-reduced gradients), full "
+                       "(shard over all dp*sp ranks) or hybrid (shard over --zero-shard-size ranks)")
+    zero_shard_size: int = option(0, "ranks per shard group for --zero hybrid (0: all ranks)")
+    reshard_after_forward: bool = option(True, "FSDP2: free gathered weights after each block's forward")
+    recompute: str = option("none", "recompute in the backward: none (keep every activation), full (keep each block's "
+                        "input), or selective (also keep the attention outputs: no attention or communication is "
+                        "recomputed)")
+    recompute_fraction: float = option(1.0, "fraction of the blocks (the first ones) that --recompute applies to")
+    offload_activations: bool = option(False, "copy the tensors kept between forward and backward (recomputed "
+                                     "blocks' inputs, selective recompute's attention outputs) to pinned host memory "
                                      "and bring each block's back one block ahead of its backward")
-    offload_keep: int = _opt(0, "with --offload-activations: the last N checkpointed blocks keep what they save on "
+    offload_keep: int = option(0, "with --offload-activations: the last N recomputed blocks keep what they save on "
                              "the device (they run backward first): device memory traded for host memory")
-    mlp_tiles: str = _opt("1", "sequence tiles of each feed-forward (with its norm): a positive integer (1: "
+    mlp_tiles: str = option("1", "sequence tiles of each feed-forward (with its norm): a positive integer (1: "
                           "untiled) or auto; the backward recomputes one tile at a time")
-    offload_params: bool = _opt(False, "FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW states on the "
+    offload_params: bool = option(False, "FSDP2 CPUOffloadPolicy: parameters, gradients and AdamW states on the "
                                 "host, the optimizer step on the CPU")
 
     def __post_init__(self) -> None:
-        if isinstance(self.ac_mode, str):
-            object.__setattr__(self, "ac_mode", AC_ALIASES.get(self.ac_mode, self.ac_mode))
         validate_parallel(self)
 
     @classmethod
     def from_layout(cls, layout: Layout, **memory: Any) -> ParallelConfig:
         """The configuration of ``layout``'s degrees and placement (memory options from ``memory``)."""
-        return cls(hp=layout.hp, cp=layout.cp, window=layout.window, placement=layout.placement,
+        return cls(hp=layout.hp, cp=layout.cp, inner_ring=layout.inner_ring, placement=layout.placement,
                    interleaved=layout.interleaved, **memory)
 
     @property
@@ -109,12 +105,12 @@ class ParallelConfig:
         modes = "".join(f" {name}" for name in ("offload_activations", "offload_params") if getattr(self, name))
         tiles = f" mlp_tiles={self.mlp_tiles}" if self.mlp_tiles != "1" else ""
         keep = f" offload_keep={self.offload_keep}" if self.offload_keep else ""
-        return (f"hp={self.hp} cp={self.cp} w={self.window} {self.placement}{inter} "
-                f"zero={self.zero}{shard} ac_mode={self.ac_mode}{modes}{keep}{tiles}")
+        return (f"hp={self.hp} cp={self.cp} inner_ring={self.inner_ring} {self.placement}{inter} "
+                f"zero={self.zero}{shard} recompute={self.recompute}{modes}{keep}{tiles}")
 
 
 def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
-    """The GQA rule (docs/design.md §5): ``He``, the KV heads entering the head all-to-all.
+    """The GQA rule (docs/attention.md#the-gqa-rule): ``He``, the KV heads entering the head all-to-all.
 
     ``hp`` must divide ``num_heads``; with ``num_kv_heads >= hp`` the KV heads are split (``hp`` must
     divide them, ``He = num_kv_heads``), otherwise each is replicated ``hp / num_kv_heads`` times
@@ -142,13 +138,13 @@ def effective_kv_heads(num_heads: int, num_kv_heads: int, hp: int) -> int:
 
 
 def mlp_tile_count(mlp_tiles: str, local_tokens: int, dim: int, ffn_dim: int, *, strict: bool = True) -> int:
-    """Tiles of a rank's ``local_tokens`` for the sequence-tiled MLP (docs/design.md §7).
+    """Tiles of a rank's ``local_tokens`` for the sequence-tiled MLP (docs/memory.md).
 
     ``"N"``: ``N`` (with ``strict``, ValueError unless it divides ``local_tokens``). ``"auto"``: tiles of at most
     ``dim`` tokens (ALST's rule: ``ceil(local_tokens / dim)`` tiles) and at least ``ceil(ffn_dim / dim)`` of
     them, so one tile's ``[tokens / N, ffn_dim]`` intermediate is at most ``dim x ffn_dim`` elements (a
     constant, whatever the length) and never more than the block's hidden input ``[local_tokens, dim]``; at
-    most ``local_tokens``. The tiles need not be equal (:func:`loongtrain.wrap.mlp_tiles.tile_bounds`), so
+    most ``local_tokens``. The tiles need not be equal (:func:`loongtrain.parallelize.mlp_tiles.tile_bounds`), so
     ``auto`` never falls back to one-token tiles when ``local_tokens`` has no divisor of the right size.
     """
     if mlp_tiles == "auto":
@@ -175,8 +171,8 @@ def validate_parallel(
 ) -> Layout | None:
     """Check every rule that the given facts allow; return the Layout when ``world_size`` is given.
 
-    Always: the modes (``zero``, ``ac_mode``, flags, ``ac_fraction``, ``zero_shard_size``) and the layout
-    rules that need no world (positive degrees, ``placement``, ``window`` divides ``cp``, an even window
+    Always: the modes (``zero``, ``recompute``, flags, ``recompute_fraction``, ``zero_shard_size``) and the layout
+    rules that need no world (positive degrees, ``placement``, ``inner_ring`` divides ``cp``, an even inner ring
     for ``interleaved``; :class:`~loongtrain.parallel.layout.Layout` states them). With ``world_size``:
     ``hp*cp`` divides it and so does ``zero_shard_size``. With ``seq_len``: divisible by ``2*hp*cp``.
     With ``num_heads`` (and ``num_kv_heads``, default ``num_heads``): the GQA rule. Raises ValueError
@@ -195,18 +191,18 @@ def validate_parallel(
     for name in ("interleaved", "reshard_after_forward", "offload_activations", "offload_params"):
         if not isinstance(getattr(cfg, name), bool):
             raise ValueError(f"{name}={getattr(cfg, name)!r} must be True or False")
-    if cfg.ac_mode not in AC_MODES:
-        raise ValueError(f"ac_mode={cfg.ac_mode!r} is not one of {AC_MODES} (alias: 'selective++')")
-    if isinstance(cfg.ac_fraction, bool) or not isinstance(cfg.ac_fraction, (int, float)) \
-            or not 0.0 <= cfg.ac_fraction <= 1.0:
-        raise ValueError(f"ac_fraction={cfg.ac_fraction!r} must be a number in [0, 1]")
+    if cfg.recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={cfg.recompute!r} is not one of {RECOMPUTE_MODES}")
+    if isinstance(cfg.recompute_fraction, bool) or not isinstance(cfg.recompute_fraction, (int, float)) \
+            or not 0.0 <= cfg.recompute_fraction <= 1.0:
+        raise ValueError(f"recompute_fraction={cfg.recompute_fraction!r} must be a number in [0, 1]")
     _check_offload(cfg)
-    for name in ("hp", "cp", "window"):
+    for name in ("hp", "cp", "inner_ring"):
         value = getattr(cfg, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     world = cfg.sp if world_size is None else world_size
-    layout = Layout(world, cfg.hp, cfg.cp, cfg.window, cfg.placement, cfg.interleaved)
+    layout = Layout(world, cfg.hp, cfg.cp, cfg.inner_ring, cfg.placement, cfg.interleaved)
     if world_size is not None:
         cfg.shard_size(world_size)
     if seq_len is not None:
@@ -219,11 +215,12 @@ def validate_parallel(
 
 
 def _check_offload(cfg: ParallelConfig) -> None:
-    """The offload modes' prerequisites: what they move must exist (docs/design.md §7)."""
-    if cfg.offload_activations and (cfg.ac_mode == "none" or cfg.ac_fraction == 0):
-        raise ValueError(f"--offload-activations moves what checkpointed blocks keep: it needs --ac-mode full or "
-                         f"selective and --ac-fraction > 0; got --ac-mode {cfg.ac_mode}, --ac-fraction "
-                         f"{cfg.ac_fraction}")
+    """The offload modes' prerequisites: what they move must exist (docs/memory.md)."""
+    if cfg.offload_activations and (cfg.recompute == "none" or cfg.recompute_fraction == 0):
+        raise ValueError(f"--offload-activations moves what recomputed blocks keep: it needs --recompute full or "
+                         f"selective and --recompute-fraction > 0; got --recompute {cfg.recompute}, "
+                         f"--recompute-fraction "
+                         f"{cfg.recompute_fraction}")
     if isinstance(cfg.offload_keep, bool) or not isinstance(cfg.offload_keep, int) or cfg.offload_keep < 0:
         raise ValueError(f"offload_keep={cfg.offload_keep!r} must be an integer >= 0 (blocks kept on the device)")
     if cfg.offload_keep and not cfg.offload_activations:

@@ -3,7 +3,7 @@
 A packed row is documents back to back, each closed by an EOS token (``loongtrain.data``'s packing). Its
 document boundaries in flash-attn's convention (``cu_seqlens``: ``0 = c_0 < ... < c_n = S``) are what
 :func:`loongtrain.attention` takes (always of the **full** sequence); the position ids restart at 0 in
-each document and are sharded like the tokens (:func:`loongtrain.shard_sequence`, docs/design.md §3).
+each document and are sharded like the tokens (:func:`loongtrain.shard_sequence`, docs/attention.md#zigzag-sharding).
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ from loongtrain.parallel.zigzag import check_chunk_order, shard_indices
 Tensor = torch.Tensor
 
 
-CHUNK_LAYOUTS = ("zigzag", "balanced")
+CHUNK_ORDERS = ("zigzag", "balanced")
 
 
 @dataclass(frozen=True)
 class Documents:
-    """Packed documents of a batch, for the planner (docs/design.md §9): one ``cu_seqlens`` per row (a single
+    """Packed documents of a batch, for the planner (docs/planner.md): one ``cu_seqlens`` per row (a single
     row stands for every row) and the chunk layout the tokens are sharded with: ``"zigzag"`` (the default)
     or ``"balanced"`` (:func:`balanced_chunk_order` of this batch)."""
 
     cu_seqlens: tuple[tuple[int, ...], ...]
-    chunk_layout: str = "zigzag"
+    chunk_order: str = "zigzag"
 
     def __post_init__(self) -> None:
-        if self.chunk_layout not in CHUNK_LAYOUTS:
-            raise ValueError(f"chunk_layout={self.chunk_layout!r} is not one of {CHUNK_LAYOUTS}")
+        if self.chunk_order not in CHUNK_ORDERS:
+            raise ValueError(f"chunk_order={self.chunk_order!r} is not one of {CHUNK_ORDERS}")
         if not self.cu_seqlens:
             raise ValueError("Documents needs at least one row of cu_seqlens")
 
@@ -43,9 +43,9 @@ class Documents:
             raise ValueError(f"{len(self.cu_seqlens)} rows of cu_seqlens for batch={batch}: give 1 or {batch}")
         return list(self.cu_seqlens) * (batch // len(self.cu_seqlens))
 
-    def chunk_order(self, seq_len: int, cp: int, hp: int, sliding_window: int | None) -> tuple[int, ...] | None:
+    def order(self, seq_len: int, cp: int, hp: int, sliding_window: int | None) -> tuple[int, ...] | None:
         """The ``chunk_order`` of a ``cp x hp`` layout (``None``: zigzag), for every row of the batch."""
-        if self.chunk_layout == "zigzag":
+        if self.chunk_order == "zigzag":
             return None
         return balanced_chunk_order(list(self.cu_seqlens), seq_len, cp, hp, sliding_window=sliding_window)
 

@@ -1,4 +1,4 @@
-"""Worker failures (docs/design.md §10): which ones a restart can fix, and the one tests inject.
+"""Worker failures (docs/launching.md): which ones a restart can fix, and the one tests inject.
 
 :func:`restartable` looks through an exception, the exceptions it was raised from, and the per-rank
 failures a wrapper carries, for a cause that fails every attempt alike (a user error, a full disk, NaN

@@ -1,17 +1,17 @@
-"""Rank placement for 2D-Attention: a pure function of (world_size, hp, cp, window, placement, interleaved).
+"""Rank placement for 2D-Attention: a pure function of (world_size, hp, cp, inner_ring, placement, interleaved).
 
 Every rank has coordinates ``(dp_rank, cp_rank, hp_rank)``; ``cp_rank`` is the rank's position in its
 context ring. ``Layout.grid[d][c][h]`` is the global rank at those coordinates. No process group is
 touched here, so the same object serves the mesh, the traffic accounting and the planner.
 
-Placement rules (docs/design.md §2):
+Placement rules (docs/attention.md#rank-placement):
 - ``dp`` is outermost: replica ``d`` owns global ranks ``[d*sp, (d+1)*sp)``.
 - ``head_first``: a head group is ``hp`` consecutive ranks; context neighbours are ``hp`` apart.
 - ``context_first``: ring neighbours are consecutive ranks; head-group members are ``cp`` apart.
-- Double ring: the ring is cut into ``cp // window`` windows of ``window`` consecutive ring members.
-- ``interleaved``: inside each window, ring member ``i`` sits on physical slot ``2*i`` for the first
-  half of the window and ``2*(i - window/2) + 1`` for the second half, so that two devices that share
-  a NIC (slots ``2k``, ``2k+1``) hold ring members half a window apart instead of ring neighbours.
+- Double ring: the ring is cut into ``cp // inner_ring`` inner rings of ``inner_ring`` consecutive ring members.
+- ``interleaved``: inside each inner ring, ring member ``i`` sits on physical slot ``2*i`` for the first
+  half of the inner ring and ``2*(i - inner_ring/2) + 1`` for the second half, so that two devices that share
+  a NIC (slots ``2k``, ``2k+1``) hold ring members half an inner ring apart instead of ring neighbours.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ class Layout:
     world_size: int
     hp: int
     cp: int
-    window: int = 1
+    inner_ring: int = 1
     placement: str = "head_first"
     interleaved: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "hp", "cp", "window"):
+        for name in ("world_size", "hp", "cp", "inner_ring"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -50,14 +50,14 @@ class Layout:
             )
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is not one of {PLACEMENTS}")
-        if self.cp % self.window != 0:
+        if self.cp % self.inner_ring != 0:
             raise ValueError(
-                f"window={self.window} must divide cp={self.cp}; valid windows: {divisors(self.cp)}"
+                f"inner_ring={self.inner_ring} must divide cp={self.cp}; valid sizes: {divisors(self.cp)}"
             )
-        if self.interleaved and (self.window < 2 or self.window % 2 != 0):
+        if self.interleaved and (self.inner_ring < 2 or self.inner_ring % 2 != 0):
             raise ValueError(
-                f"interleaved=True needs an even window >= 2 (devices pair up inside a window); "
-                f"got window={self.window}"
+                f"interleaved=True needs an even inner ring >= 2 (devices pair up inside an inner ring); "
+                f"got inner_ring={self.inner_ring}"
             )
 
     @property
@@ -69,16 +69,16 @@ class Layout:
         return self.world_size // self.sp
 
     @property
-    def num_windows(self) -> int:
-        return self.cp // self.window
+    def num_inner_rings(self) -> int:
+        return self.cp // self.inner_ring
 
     def physical_context_slot(self, cp_rank: int) -> int:
         """Physical position (0..cp-1) along the context axis of ring member ``cp_rank``."""
-        window_idx, inner = divmod(cp_rank, self.window)
+        ring_idx, inner = divmod(cp_rank, self.inner_ring)
         if self.interleaved:
-            half = self.window // 2
+            half = self.inner_ring // 2
             inner = 2 * inner if inner < half else 2 * (inner - half) + 1
-        return window_idx * self.window + inner
+        return ring_idx * self.inner_ring + inner
 
     def global_rank(self, dp_rank: int, cp_rank: int, hp_rank: int) -> int:
         slot_c = self.physical_context_slot(cp_rank)
@@ -119,16 +119,17 @@ class Layout:
         return [[plane[c][h] for c in range(self.cp)] for plane in self.grid for h in range(self.hp)]
 
     def inner_ring_groups(self) -> list[list[int]]:
-        """Ranks of each double-ring window (``window`` consecutive ring members), in ring order."""
+        """Ranks of each double-ring inner ring (``inner_ring`` consecutive ring members), in ring order."""
         return self._ring_cycles("inner")
 
     def outer_ring_groups(self) -> list[list[int]]:
-        """Ring members at the same position ``i`` of every window, in window order."""
+        """Ring members at the same position ``i`` of every inner ring, in inner-ring order."""
         return self._ring_cycles("outer")
 
     def _ring_cycles(self, hop: str) -> list[list[int]]:
-        """Every ``hop`` cycle of every context ring, as global ranks (cycles from DoubleRing, §4)."""
-        ring = DoubleRing(self.num_windows, self.window)
+        """Every ``hop`` cycle of every context ring, as global ranks (cycles from DoubleRing,
+        docs/attention.md#the-ring-schedule)."""
+        ring = DoubleRing(self.num_inner_rings, self.inner_ring)
         firsts = sorted({ring.cycle(p, hop)[0] for p in range(self.cp)})
         return [[ranks[p] for p in ring.cycle(first, hop)] for ranks in self.context_groups() for first in firsts]
 
@@ -144,40 +145,40 @@ class Layout:
 
     def ring_peers(self, rank: int) -> dict[str, int]:
         """Global ranks this rank exchanges with: inner-ring next/prev and outer-ring next/prev (the ring
-        arithmetic of :class:`loongtrain.parallel.layout.DoubleRing`, docs/design.md §4)."""
+        arithmetic of :class:`loongtrain.parallel.layout.DoubleRing`, docs/attention.md#the-ring-schedule)."""
         d, c, h = self.coords(rank)
-        ring = DoubleRing(self.num_windows, self.window)
+        ring = DoubleRing(self.num_inner_rings, self.inner_ring)
         return {f"{hop}_{name}": self.grid[d][ring.peer(c, hop, step)][h]
                 for hop in ("inner", "outer") for name, step in (("next", 1), ("prev", -1))}
 
 
 @dataclass(frozen=True)
 class DoubleRing:
-    """Position arithmetic of a double ring: ``num_windows`` windows of ``window`` members."""
+    """Position arithmetic of a double ring: ``num_inner_rings`` inner rings of ``inner_ring`` members."""
 
-    num_windows: int
-    window: int
+    num_inner_rings: int
+    inner_ring: int
 
     def __post_init__(self) -> None:
-        assert self.num_windows >= 1 and self.window >= 1, self
+        assert self.num_inner_rings >= 1 and self.inner_ring >= 1, self
 
     @property
     def size(self) -> int:
-        return self.num_windows * self.window
+        return self.num_inner_rings * self.inner_ring
 
     def peer(self, position: int, hop: Hop, step: int) -> int:
         """Position ``step`` members away along ``hop`` (``+1``: next, ``-1``: previous)."""
-        j, i = divmod(position, self.window)
+        j, i = divmod(position, self.inner_ring)
         if hop == "inner":
-            i = (i + step) % self.window
+            i = (i + step) % self.inner_ring
         else:
-            j = (j + step) % self.num_windows
-        return j * self.window + i
+            j = (j + step) % self.num_inner_rings
+        return j * self.inner_ring + i
 
     def cycle(self, position: int, hop: Hop) -> list[int]:
-        """Positions of the ``hop`` cycle through ``position`` (its window, or its column across the
-        windows), in ring order starting from the cycle's first member."""
-        n = self.window if hop == "inner" else self.num_windows
+        """Positions of the ``hop`` cycle through ``position`` (its inner ring, or its column across the
+        inner rings), in ring order starting from the cycle's first member."""
+        n = self.inner_ring if hop == "inner" else self.num_inner_rings
         start = position
         for _ in range(n):
             prev = self.peer(start, hop, -1)
@@ -191,5 +192,5 @@ class DoubleRing:
 
     def source(self, position: int, outer: int, inner: int) -> int:
         """Position whose K/V block member ``position`` holds at step ``(outer, inner)``."""
-        j, i = divmod(position, self.window)
-        return ((j - outer) % self.num_windows) * self.window + (i - inner) % self.window
+        j, i = divmod(position, self.inner_ring)
+        return ((j - outer) % self.num_inner_rings) * self.inner_ring + (i - inner) % self.inner_ring

@@ -1,4 +1,4 @@
-"""Signs of life between the local launcher and its workers: heartbeat and lifeline (docs/design.md §10).
+"""Signs of life between the local launcher and its workers: heartbeat and lifeline (docs/launching.md).
 
 Used by :func:`loongtrain.parallel.workers.run_local`, one pair of pipes per worker:
 

@@ -20,8 +20,8 @@ class Mesh:
 
     ``hp_group``: the head group (all-to-all). ``cp_group``: the whole context ring.
     Ring traffic runs on four groups so no transfer queues behind another (NCCL serialises the
-    operations of one group): ``inner_group`` / ``outer_group`` carry K/V inside a double-ring window /
-    between windows, ``inner_grad_group`` / ``outer_grad_group`` carry dK/dV on the same paths.
+    operations of one group): ``inner_group`` / ``outer_group`` carry K/V inside a double-ring inner ring /
+    between inner rings, ``inner_grad_group`` / ``outer_grad_group`` carry dK/dV on the same paths.
     ``sp_group``: the replica's ``hp*cp`` ranks. ``dp_group``: same coordinates across replicas.
     ``check_group``: under NCCL, a gloo group of the replica's ranks for the per-call agreement digest
     (``parallel/agreement.py``; CPU tensors, no device synchronisation); ``None`` under gloo (the sp group serves).
@@ -57,8 +57,8 @@ class Mesh:
         return self.layout.sp
 
     @property
-    def window(self) -> int:
-        return self.layout.window
+    def inner_ring(self) -> int:
+        return self.layout.inner_ring
 
     @property
     def placement(self) -> str:
@@ -97,7 +97,7 @@ class Mesh:
 
     def __repr__(self) -> str:
         return (
-            f"Mesh(rank={self.rank}, dp={self.dp}, hp={self.hp}, cp={self.cp}, window={self.window}, "
+            f"Mesh(rank={self.rank}, dp={self.dp}, hp={self.hp}, cp={self.cp}, inner_ring={self.inner_ring}, "
             f"placement={self.placement!r}, interleaved={self.interleaved}, "
             f"coords(dp,cp,hp)=({self.dp_rank},{self.cp_rank},{self.hp_rank}))"
         )
@@ -112,7 +112,7 @@ def init_mesh(
     hp: int,
     cp: int,
     *,
-    window: int = 1,
+    inner_ring: int = 1,
     placement: str = "head_first",
     interleaved: bool = False,
     timeout: float | None = None,
@@ -127,12 +127,13 @@ def init_mesh(
     Groups are made once per layout: while a mesh is live, the same arguments return the same
     :class:`Mesh`, and a new layout reuses the live groups of a role that splits the ranks alike (e.g.
     the head groups of every layout with the same ``hp`` and placement). :func:`destroy_mesh` frees
-    them (docs/design.md §10).
+    them (docs/launching.md).
     """
     if timeout is not None and not 0 < timeout < float("inf"):
         raise ValueError(f"init_mesh: timeout={timeout} must be a positive, finite number of seconds (or None)")
-    check_agreement("init_mesh", dict(hp=hp, cp=cp, window=window, placement=placement, interleaved=interleaved))
-    parallel = ParallelConfig(hp=hp, cp=cp, window=window, placement=placement, interleaved=interleaved)
+    check_agreement("init_mesh", dict(hp=hp, cp=cp, inner_ring=inner_ring, placement=placement,
+                                      interleaved=interleaved))
+    parallel = ParallelConfig(hp=hp, cp=cp, inner_ring=inner_ring, placement=placement, interleaved=interleaved)
     if not is_distributed():
         return Mesh(layout=parallel.layout(1), rank=0)
     layout = parallel.layout(dist.get_world_size())
@@ -185,7 +186,7 @@ def _partitions(layout: Layout) -> dict[str, list[list[int]]]:
 
 @dataclass
 class _Registry:
-    """The live meshes and their process groups in one default process group (docs/design.md §10).
+    """The live meshes and their process groups in one default process group (docs/launching.md).
 
     Every rank holds the same keys: they change only through collective calls (``init_mesh``,
     ``destroy_mesh``) made in the same order everywhere, and a key is a whole partition of the ranks,

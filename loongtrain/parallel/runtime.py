@@ -55,7 +55,7 @@ ALLOC_CONF = "expandable_segments:True"
 def configure_cuda_allocator() -> bool:
     """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` for a CUDA run unless the user set an
     allocator configuration (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``): segments grow in
-    place instead of fragmenting the cache as long-sequence activations change size (docs/design.md §7).
+    place instead of fragmenting the cache as long-sequence activations change size (docs/memory.md).
     Must run before the first CUDA allocation (workers inherit it); returns whether it was set."""
     if not torch.cuda.is_available() or "PYTORCH_CUDA_ALLOC_CONF" in os.environ \
             or "PYTORCH_ALLOC_CONF" in os.environ:

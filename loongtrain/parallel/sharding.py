@@ -1,4 +1,4 @@
-"""The 2D zigzag sequence layout on a mesh (docs/design.md §3): :func:`shard_sequence` and its exact
+"""The 2D zigzag sequence layout on a mesh (docs/attention.md#zigzag-sharding): :func:`shard_sequence` and its exact
 inverse :func:`gather_sequence`. The mesh-free arithmetic (chunk orders, shard indices, the
 sequence-length rule) is :mod:`loongtrain.parallel.zigzag`.
 """

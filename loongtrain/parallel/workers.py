@@ -1,7 +1,7 @@
 """The one local launcher: run a function on N processes of this machine inside one process group.
 
 :func:`run_local` is used by ``loongtrain train`` (local workers), the distributed tests, the benchmarks
-and the calibration (docs/design.md §10). Design:
+and the calibration (docs/launching.md). Design:
 
 - Start: a ``forkserver`` whose server imported torch once; each worker forks from it (fresh
   interpreter state, no N-fold import, safe with CUDA).

@@ -1,4 +1,5 @@
-"""Mesh-free zigzag arithmetic (docs/design.md §3): the sequence-length rule, chunk orders, shard indices.
+"""Mesh-free zigzag arithmetic (docs/attention.md#zigzag-sharding): the sequence-length rule, chunk orders, shard
+indices.
 
 Split the sequence into ``2*cp`` chunks; context rank ``c`` owns ``T_c = chunk(c) ++ chunk(2cp-1-c)``;
 ``T_c`` is cut into ``hp`` equal pieces and head rank ``h`` holds piece ``h``. The head group's

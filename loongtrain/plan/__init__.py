@@ -4,7 +4,7 @@ Python entry points (``loongtrain train --plan auto`` uses :func:`best_fitting`)
 
     from loongtrain.plan import plan, best_fitting
     best = best_fitting("7b-gqa", "a100", nodes=8, seq_len=1 << 20)
-    c = best.config  # a ParallelConfig: c.hp, c.cp, c.window, c.placement, c.zero, c.ac_mode, ...
+    c = best.config  # a ParallelConfig: c.hp, c.cp, c.inner_ring, c.placement, c.zero, c.recompute, ...
 """
 
 from loongtrain.plan.attention_cost import AttentionTime, AttnShape, attention_time, predict_attention_time

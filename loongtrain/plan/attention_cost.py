@@ -1,6 +1,6 @@
 """Time of one 2D-Attention call (forward + backward) on a cluster: compute, all-to-all, ring overlap.
 
-Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window`` windows:
+Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / inner_ring`` inner rings:
 
 - compute: forward causal FLOPs ``2 * B * S^2 * H * D / sp``; backward 2.5x, at the kernel rate of a step's
   call, :meth:`Cluster.attention_rate` of its ``B * S / cp`` query tokens times ``H / hp`` heads (measured rows
@@ -11,20 +11,21 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / window
 - all-to-all (blocking, on the critical path): per call ``max(intra bytes / intra_bw, cross bytes /
   NIC share) / a2a_efficiency + latency``; bytes from :mod:`loongtrain.plan.traffic`.
 - ring: the pass is *simulated* event by event from the schedule the code executes
-  (:func:`loongtrain.attn.schedule.pass_events`, docs/design.md §4): a post starts a transfer, a compute
+  (:func:`loongtrain.attn.schedule.pass_events`, docs/attention.md#the-ring-schedule): a post starts a transfer, a
+  compute
   takes ``c`` (backward ``2.5 c``), a wait costs the time until the awaited transfer has arrived. Transfers of
   one hop class (inner, outer) share that link's bandwidth equally while in flight (K/V and dK/dV use
   two process groups over one link), so the backward's overlap of the dK/dV chain with K/V hops is
-  exact for every ``window`` and number of windows. ``X = bytes / bandwidth + latency`` with the
+  exact for every ``inner_ring`` and number of inner rings. ``X = bytes / bandwidth + latency`` with the
   bandwidth of the link's class: intra-node, or the NIC shared by the node's devices sending across at
   once. All ranks run the same schedule, so a rank's own send stands for the block it receives, and a
   synchronous ring runs at its slowest hop: the worst rank's link decides.
 - documents (:class:`~loongtrain.parallel.documents.Documents`: packed rows, zigzag or the balanced chunk
   layout): a compute event takes as long as its *slowest* ring member (hand-offs are synchronous), whose
   visible pairs against the block it holds (:func:`~loongtrain.plan.document_work.step_work`: the executor's
-  own kernel pieces, windows included) cost ``4 H D / hp`` FLOPs each. Without documents: as above.
+  own kernel pieces, inner rings included) cost ``4 H D / hp`` FLOPs each. Without documents: as above.
 - ``cluster.duplex = False`` (gloo over TCP): an all-to-all, and a ring hop whose next and previous
-  peer are the same rank (``window == 2`` inner, two windows outer), carry both directions over one
+  peer are the same rank (``inner_ring == 2`` inner, two inner rings outer), carry both directions over one
   connection, one after the other: twice the bytes on that link.
 """
 
@@ -151,7 +152,7 @@ def simulate_pass(
     steps: tuple[int, int], c: float | dict[tuple[int, int], float], inner: _Link, outer: _Link, kv: int,
     dkv: int | None, trace: list[tuple] | None = None, reach: int | None = None,
 ) -> float:
-    """Rank time of one pass round a double ring of ``n`` windows of ``w`` (``steps = (n, w)``): the events of
+    """Rank time of one pass round a double ring of ``n`` inner rings of ``w`` (``steps = (n, w)``): the events of
     :func:`loongtrain.attn.schedule.pass_events` (the ones ``attn/ring.py`` executes), forward when ``dkv is
     None``, else backward with ``dkv`` bytes per dK/dV hop. A post starts a transfer on its hop's link now;
     a compute takes ``c`` (a dict: ``c[outer, inner]`` of the event); a wait blocks until the transfer has
@@ -187,9 +188,9 @@ def document_steps(layout: Layout, shape: AttnShape, documents: Documents,
     """Forward FLOPs of every compute step ``(outer, inner)`` of the pass under ``documents`` (its busiest
     member's visible pairs, :func:`~loongtrain.plan.document_work.step_work`, at ``4 H D / hp`` FLOPs a pair),
     and the pass's ``reach`` (:func:`~loongtrain.plan.traffic.ring_reach`, as the ring runs it)."""
-    order = documents.chunk_order(shape.seq_len, layout.cp, layout.hp, window)
+    order = documents.order(shape.seq_len, layout.cp, layout.hp, window)
     reach = ring_reach(layout, shape.seq_len, window, zigzag=order is None)
-    work = step_work(documents.rows(shape.batch), shape.seq_len, layout.num_windows, layout.window,
+    work = step_work(documents.rows(shape.batch), shape.seq_len, layout.num_inner_rings, layout.inner_ring,
                      chunk_order=order, sliding_window=window, reach=reach)
     per_pair = 4.0 * shape.num_heads * shape.head_dim / layout.hp
     return {step: per_pair * pairs for step, pairs in work.items()}, reach
@@ -197,7 +198,7 @@ def document_steps(layout: Layout, shape: AttnShape, documents: Documents,
 
 def _pass_compute(layout: Layout, c: float | dict[tuple[int, int], float], reach: int | None) -> float:
     """Compute time of one forward pass: the sum of its compute events' times."""
-    events = [e for e in pass_events(layout.num_windows, layout.window, False, reach) if isinstance(e, Compute)]
+    events = [e for e in pass_events(layout.num_inner_rings, layout.inner_ring, False, reach) if isinstance(e, Compute)]
     return sum(c[e.outer, e.inner] for e in events) if isinstance(c, dict) else len(events) * c
 
 
@@ -231,7 +232,7 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
     if documents is not None:
         flops, reach = document_steps(layout, shape, documents, window)
         kernel = {step: f / rate for step, f in flops.items()}
-        # a block none of whose keys a query sees costs no call and no merge (attn/step.py)
+        # a block none of whose keys a query sees costs no call and no merge (attn/ring_step.py)
         c = {step: x + merge_f * (x > 0) for step, x in kernel.items()}
         c_bwd: float | dict[tuple[int, int], float] = {
             step: BACKWARD_FLOPS_RATIO * x + merge_b * (x > 0) for step, x in kernel.items()}
@@ -244,14 +245,14 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
         # the pass's compute steps share the rank's work (a short window's short pass computes only the blocks
         # within reach; a full pass with a window skips invisible blocks, approximated as evenly lighter steps)
         steps_run = layout.cp if reach is None else sum(isinstance(e, Compute) for e in pass_events(
-            layout.num_windows, layout.window, False, reach))
+            layout.num_inner_rings, layout.inner_ring, False, reach))
         kernel_s = attention_flops(shape, layout.sp) / steps_run / rate
         c, c_bwd = kernel_s + merge_f, BACKWARD_FLOPS_RATIO * kernel_s + merge_b
         compute_fwd, compute_bwd = steps_run * kernel_s, steps_run * kernel_s * BACKWARD_FLOPS_RATIO
         memory_fwd, memory_bwd = steps_run * merge_f, steps_run * merge_b
     ring_fwd = ring_bwd = (0.0, 0.0)
     if layout.cp > 1:
-        outer_active = layout.num_windows > 1 and links.outer_cross
+        outer_active = layout.num_inner_rings > 1 and links.outer_cross
         in_senders = links.inner_senders + (links.outer_senders if outer_active else 0)
         out_senders = links.outer_senders + (links.inner_senders if links.inner_cross else 0)
         bw_in = cluster.cross_bw(in_senders) if links.inner_cross else cluster.intra_bw
@@ -259,8 +260,8 @@ def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
         lat_in = inter_lat if links.inner_cross else intra_lat
         lat_out = inter_lat if links.outer_cross else intra_lat
         # next and previous peer are one rank: one connection carries both directions
-        f_in, f_out = (half if layout.window == 2 else 1.0), (half if layout.num_windows == 2 else 1.0)
-        steps = (layout.num_windows, layout.window)
+        f_in, f_out = (half if layout.inner_ring == 2 else 1.0), (half if layout.num_inner_rings == 2 else 1.0)
+        steps = (layout.num_inner_rings, layout.inner_ring)
         exposed = []
         for compute, dkv in ((c, None), (c_bwd, msg["dkv"])):
             inner, outer = _Link(bw_in, lat_in, f_in), _Link(bw_out, lat_out, f_out)

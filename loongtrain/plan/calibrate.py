@@ -124,7 +124,7 @@ def calibrate(world: int = 4, threads: int = 1, name: str = "calibrated") -> Clu
 
 
 # --------------------------------------------------------------------------------------------------
-# A cluster file from a device run (benchmarks/gpu_check.py --out FILE)
+# A cluster file from a device run (python -m benchmarks.gpu_check --out FILE)
 
 #: the measurements a cluster file takes from a gpu_check run, by section (nothing else is read: the training
 #: section's step times, in particular, are what a calibrated planner is checked against, never an input)

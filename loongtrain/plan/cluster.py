@@ -5,7 +5,7 @@ Units in the files: memory in GiB per device (host memory in GiB per node), FLOP
 device, device-memory, intra-node and host-link bandwidth in GB/s per device (links one direction), NIC
 bandwidth in Gbit/s per NIC one direction, latencies in microseconds.
 
-Rates by shape (docs/design.md §9): ``attention_rates`` holds measured rows ``[head_dim, head_tokens,
+Rates by shape (docs/planner.md): ``attention_rates`` holds measured rows ``[head_dim, head_tokens,
 TFLOP/s]`` of one causal kernel call (forward + backward, FLOPs as ``attention_tflops`` counts them),
 ``head_tokens`` being the call's query tokens times its query heads; :meth:`Cluster.attention_rate` takes
 the rows of the nearest head dim and interpolates linearly in ``log(head_tokens)``, flat beyond the
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from loongtrain._input import check_fields, read_toml
+from loongtrain._options import check_fields, read_toml
 
 CLUSTER_DIR = Path(__file__).with_name("clusters")
 
@@ -46,7 +46,7 @@ class Cluster:
     # False when one connection moves one direction at a time (measured for gloo over TCP): an exchange
     # whose send and receive peer are the same rank, and every all-to-all pair, then take twice as long
     duplex: bool = True
-    # host side of the offload modes (docs/design.md §9): pinned host memory per node, the achieved fraction
+    # host side of the offload modes (docs/planner.md): pinned host memory per node, the achieved fraction
     # of it left to training, the host link per device (PCIe, GB/s one direction, x link_efficiency), and
     # the CPU AdamW rate of a node (billions of parameters per second, shared by its ranks)
     host_memory_gib: float = 1024.0

@@ -1,11 +1,11 @@
 """Time, MFU and memory of one training step for one configuration on ``nodes`` nodes of a cluster.
 
-The step is the sum of four terms (docs/design.md §9), each named in ``Candidate.terms``:
+The step is the sum of four terms (docs/planner.md), each named in ``Candidate.terms``:
 
 - **compute**: the matmuls (forward ``2 * P_l * t`` FLOPs per layer at ``matmul_tflops``, backward 2x;
   ``t = B * S / sp`` tokens) and the attention kernels
   (:func:`loongtrain.plan.attention_cost.attention_time`: each ring step at the measured rate of its call
-  size); the LM head ``6 * V * d * t``; recompute by ``ac_mode``: ``full`` re-runs the layer forward,
+  size); the LM head ``6 * V * d * t``; recompute by ``recompute``: ``full`` re-runs the layer forward,
   attention and its communication included, ``selective`` only the matmuls (attention output and lse were
   kept), ``none`` nothing; a tiled MLP one more MLP forward (``6 * d * f * t``).
 - **memory-bound**: the bytes of every other op (norms, RoPE, SwiGLU, residual adds, casts, the ring's
@@ -13,7 +13,7 @@ The step is the sum of four terms (docs/design.md §9), each named in ``Candidat
   device-memory bandwidth ``memory_bw``. They run on the compute stream, so they hide nothing and nothing
   hides them.
 - **exposed communication**: the all-to-alls and the ring's unhidden transfers (``a2a``, ``ring-inner``,
-  ``ring-outer``); ZeRO (``zero``, FSDP2 as the trainer applies it, :func:`fsdp_times`: per layer the
+  ``ring-outer``); ZeRO (``zero``, FSDP2 as the trainer applies it, :func:`zero_times`: per layer the
   forward and backward all-gathers of the compute-dtype weights and the fp32 gradient reduce-scatter,
   prefetched one block ahead and hidden behind the layer's busy time up to its length; the first forward
   gather, the first backward gather and the last reduce-scatter have nothing to hide behind, nor do the
@@ -90,7 +90,7 @@ class Candidate:
         return {name: sum(self.breakdown.get(k, 0.0) for k in parts) for name, parts in TERMS.items()}
 
     def to_dict(self) -> dict:
-        """The configuration's fields (``hp``, ..., ``ac_mode``, ``ac_fraction``) and the prediction."""
+        """The configuration's fields (``hp``, ..., ``recompute``, ``recompute_fraction``) and the prediction."""
         return {
             **asdict(self.config), "dp": self.dp, "world_size": self.world_size,
             "step_time_s": self.step_time, "mfu": self.mfu, "tokens_per_s": self.tokens_per_s,
@@ -107,7 +107,7 @@ def _group_bw(cluster: Cluster, size: int, world: int) -> float:
     return cluster.cross_bw(min(g, world)) if size > g else cluster.intra_bw
 
 
-def fsdp_times(config: ParallelConfig, params: float, world: int, cluster: Cluster,
+def zero_times(config: ParallelConfig, params: float, world: int, cluster: Cluster,
                dtype_bytes: int = 2) -> tuple[float, float]:
     """``(gather, reduce)`` seconds of FSDP2's collectives for ``params`` parameters: one all-gather of the
     compute-dtype weights, ``(z-1)/z * P * u / bw(z)``, and the fp32 gradient reduce-scatter,
@@ -123,14 +123,6 @@ def fsdp_times(config: ParallelConfig, params: float, world: int, cluster: Clust
     if config.zero == "hybrid" and groups > 1:
         reduce += 2 * (groups - 1) / groups * params / z * GRAD_BYTES / cluster.cross_bw(g)
     return share * param_bytes(dtype_bytes), reduce
-
-
-def zero_layer_time(config: ParallelConfig, params: float, world: int, cluster: Cluster,
-                    dtype_bytes: int = 2) -> float:
-    """Seconds of a block's FSDP2 communication per step: the gathers of forward and backward and the
-    gradient reduce-scatter (:func:`fsdp_times`)."""
-    gather, reduce = fsdp_times(config, params, world, cluster, dtype_bytes)
-    return 2 * gather + reduce
 
 
 def gradient_buckets(model: ModelConfig, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[float, int]]:
@@ -198,25 +190,25 @@ def step_cost(
     tiles = mlp_tile_count(config.mlp_tiles, int(t), model.dim, model.ffn_dim, strict=False)
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     moved, moved_fwd = layer_bytes(model, tokens=t, kv_heads=he, hp=layout.hp, dtype_bytes=dtype_bytes,
-                                   sharded=sharded, checkpointed=config.ac_mode != "none", mlp_tiles=tiles)
+                                   sharded=sharded, checkpointed=config.recompute != "none", mlp_tiles=tiles)
     gemm_fwd = 2 * p_l * t / rate
     fwd = {"compute": gemm_fwd + attn.compute_fwd, "memory-bound": moved_fwd / bw + attn.memory_fwd,
            "a2a": attn.a2a_fwd, "ring-inner": attn.ring_inner_fwd, "ring-outer": attn.ring_outer_fwd}
     bwd = {"compute": 2 * gemm_fwd + attn.compute_bwd, "memory-bound": (moved - moved_fwd) / bw + attn.memory_bwd,
            "a2a": attn.a2a_bwd, "ring-inner": attn.ring_inner_bwd, "ring-outer": attn.ring_outer_bwd}
-    if config.ac_mode == "full":  # the recompute in the backward: the layer forward, attention and its traffic
+    if config.recompute == "full":  # the recompute in the backward: the layer forward, attention and its traffic
         for key, value in fwd.items():
             bwd[key] += value - (moved_fwd / bw if key == "memory-bound" else 0.0)  # its bytes are in `moved`
-    elif config.ac_mode == "selective":
+    elif config.recompute == "selective":
         bwd["compute"] += gemm_fwd
     if tiles > 1:
         bwd["compute"] += 2 * 3 * model.dim * model.ffn_dim * t / rate  # each tile's MLP forward again
     per_layer = {k: fwd[k] + bwd[k] for k in fwd}
     layer_busy = sum(per_layer.values())
-    gather, reduce = fsdp_times(config, p_l, world, cluster, dtype_bytes)
+    gather, reduce = zero_times(config, p_l, world, cluster, dtype_bytes)
     zero_exposed = max(0.0, 2 * gather + reduce - layer_busy)
     head_params = model.vocab_size * model.dim
-    head_gather, head_reduce = fsdp_times(config, head_params, world, cluster, dtype_bytes)
+    head_gather, head_reduce = zero_times(config, head_params, world, cluster, dtype_bytes)
     breakdown = {k: L * v for k, v in per_layer.items()}
     breakdown["compute"] += 6 * head_params * t / rate
     breakdown["memory-bound"] += head_bytes(model, tokens=t, dtype_bytes=dtype_bytes, sharded=sharded) / bw

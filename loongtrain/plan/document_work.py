@@ -1,4 +1,4 @@
-"""What packed documents leave to each rank, for the planner (docs/design.md §9): visible pairs per ring
+"""What packed documents leave to each rank, for the planner (docs/planner.md): visible pairs per ring
 step counted from the executor's own kernel pieces, imbalance, and a realistic document mix.
 
 The per-token rule (:func:`loongtrain.parallel.documents.visible_keys`, :func:`rank_work`) lives with the
@@ -23,8 +23,9 @@ def pair_work(cu_seqlens: list | None, seq_len: int, cp: int, *, chunk_order: tu
     """``work[p][s]``: visible (query, key) pairs of context rank ``p``'s queries against rank ``s``'s keys,
     summed over the batch's rows (``cu_seqlens`` as in :func:`rank_work`): exactly the pairs the ring's kernel
     calls cover, counted from the executor's own pieces (:func:`loongtrain.attn.masking.visible_pieces` of
-    :func:`~loongtrain.attn.masking.member_runs`, docs/design.md §4), so ``sum(work[p]) == rank_work(...)[p]``.
-    The planner charges ring steps with it (docs/design.md §9)."""
+    :func:`~loongtrain.attn.masking.member_runs`, docs/attention.md#the-ring-schedule), so ``sum(work[p]) ==
+    rank_work(...)[p]``.
+    The planner charges ring steps with it (docs/planner.md)."""
     rows = [None] if cu_seqlens is None else [tuple(int(x) for x in cu) for cu in cu_seqlens]
     for cu in rows:
         if cu is not None:
@@ -50,17 +51,17 @@ def _pair_work(rows: tuple[tuple[tuple[int, ...] | None, int], ...], seq_len: in
     return tuple(tuple(pairs(p, s) for s in range(cp)) for p in range(cp))
 
 
-def step_work(cu_seqlens: list | None, seq_len: int, num_windows: int, window: int, *,
+def step_work(cu_seqlens: list | None, seq_len: int, num_inner_rings: int, inner_ring: int, *,
               chunk_order: tuple[int, ...] | None = None, causal: bool = True, sliding_window: int | None = None,
               reach: int | None = None) -> dict[tuple[int, int], int]:
     """Per compute step ``(outer, inner)`` of the ring pass (:func:`loongtrain.attn.schedule.pass_events`,
     ``reach``: the short pass), the visible pairs of its busiest member: member ``p`` holds the block of
     :meth:`~loongtrain.attn.schedule.DoubleRing.source` and computes :func:`pair_work` against it."""
-    ring = DoubleRing(num_windows, window)
+    ring = DoubleRing(num_inner_rings, inner_ring)
     work = pair_work(cu_seqlens, seq_len, ring.size, chunk_order=chunk_order, causal=causal,
                      sliding_window=sliding_window)
     steps = {(e.outer, e.inner) for backward in (False, True)
-             for e in pass_events(num_windows, window, backward, reach) if isinstance(e, Compute)}
+             for e in pass_events(num_inner_rings, inner_ring, backward, reach) if isinstance(e, Compute)}
     return {(o, t): max(work[p][ring.source(p, o, t)] for p in range(ring.size)) for o, t in steps}
 
 

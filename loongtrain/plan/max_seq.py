@@ -1,5 +1,5 @@
 """The longest sequence that fits: :func:`max_seq_len` bisects it for a model, device count and cluster,
-and names its best configuration (``loongtrain plan --max-seq-len``, docs/design.md §9)."""
+and names its best configuration (``loongtrain plan --max-seq-len``, docs/planner.md)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
 ``t = B * S / sp`` tokens per device, ``b`` bytes of the compute dtype, ``z`` the ZeRO shard group size.
 
 - ``states``: fp32 master weights + fp32 gradients + Adam m, v = ``16 * P / z``.
-- ``working_params`` (as the trainer runs, docs/design.md §7): with ZeRO (``z > 1``), FSDP2's gathered
+- ``working_params`` (as the trainer runs, docs/memory.md): with ZeRO (``z > 1``), FSDP2's gathered
   weights in the gathered dtype ``w`` (``b`` when narrower than fp32: ``MixedPrecisionPolicy``, no
   autocast; else fp32): the root's ``R = V*d*(1 or 2 untied) + d`` stays gathered through the step, plus
   two blocks in flight (this one and the prefetched one) or, with ``reshard_after_forward=False``, all
@@ -19,14 +19,14 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   all-to-all, SwiGLU's w1/w3/silu/product, fp32 lse and two RMSNorm ``rsqrt``) plus the ``d``-sized
   tensors (the MLP norm's input and output, q, attention output), whose dtypes depend on how bf16 is
   applied. The norms keep only their input and a per-token fp32 scale (loongtrain/model/rms_norm.py), and
-  the attention norm's output is never kept (fused into q/k/v: loongtrain/wrap/norm_linear.py): fp32 /
+  the attention norm's output is never kept (fused into q/k/v: loongtrain/parallelize/norm_linear.py): fp32 /
   fp64 runs ``5*d*b``; FSDP2 bf16 weights (``z > 1``, no autocast) ``4*d*b``; autocast (``z = 1``)
   ``2*d*4 + 4*d*b`` (fp32 residual stream, and one bf16 cast of the MLP norm's output per projection). With
   ``mlp_tiles > 1`` the MLP's norm output exists per tile: one ``d*b`` less (autocast: its two casts,
   ``2*d*b``). The residual
   stream (a layer's input) is ``r`` = 4 bytes under autocast, else ``b``; the final norm runs inside the
   chunked loss, which keeps only the gradient of its input (``d*r``).
-  By ``ac_mode``: ``none``: ``L * t * a_b``; ``full``: ``L * t * d * r`` plus ``recompute =
+  By ``recompute``: ``none``: ``L * t * a_b``; ``full``: ``L * t * d * r`` plus ``recompute =
   t * a_b``; ``selective``: ``L * t * (d * r + d * b + 4H)`` (input, attention output, lse; with
   ``hp > 1`` also the all-to-alls' outputs, ``(2d + 2*He*hd) * b``: q, k, v and the attention output
   back in token layout) plus the same ``recompute``.
@@ -39,9 +39,9 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   inside the attention kernel's (the residual, output and query gradients, the ring's K/V and dK/dV blocks,
   with a ring an fp32 dQ accumulator; with ``hp > 1`` in the heads' layout), less the MLP's part of the
   set, which is gone by then. The CUDA kernels' own workspace is not counted (FA2's: at most
-  ``cuda_kernels.SPLIT_BACKWARD_BYTES`` per call, or one query head's fp32 dQ accumulator; docs/design.md §9).
+  ``cuda_kernels.SPLIT_BACKWARD_BYTES`` per call, or one query head's fp32 dQ accumulator; docs/planner.md).
 
-Offload and tiling modes (docs/design.md §9; :class:`~loongtrain.parallel.config.ParallelConfig`'s
+Offload and tiling modes (docs/planner.md; :class:`~loongtrain.parallel.config.ParallelConfig`'s
 ``offload_activations``, ``mlp_tiles``, ``offload_params``), each changing only its own terms; ``host``
 is the pinned host memory per rank they need (0 without them):
 
@@ -76,7 +76,7 @@ from __future__ import annotations
 from loongtrain.attn.ring import backward_workspace_bytes
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, num_params
-from loongtrain.parallel.config import AC_MODES, ParallelConfig, effective_kv_heads, mlp_tile_count
+from loongtrain.parallel.config import RECOMPUTE_MODES, ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.layout import Layout
 
 STATE_BYTES_PER_PARAM = 16
@@ -106,7 +106,7 @@ def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharde
     mlp = 4 * model.ffn_dim * b if mlp_tiles == 1 else 4 * model.ffn_dim * b / mlp_tiles
     rest = 2 * he * model.head_dim * b + mlp + 4 * model.num_heads + 8
     tiled = mlp_tiles > 1  # the MLP's norm output (autocast: its two bf16 casts) exists per tile too
-    if b >= 4:  # the attention's norm output is never kept (fused into q/k/v: loongtrain/wrap/norm_linear.py)
+    if b >= 4:  # the attention's norm output is never kept (fused into q/k/v: loongtrain/parallelize/norm_linear.py)
         return (5 - tiled) * d * b + rest
     return ((4 - tiled) * d * b if sharded else 2 * d * 4 + (4 - 2 * tiled) * d * b) + rest
 
@@ -122,20 +122,20 @@ def final_norm_bytes(dim: int, dtype_bytes: int, sharded: bool) -> float:
     return dim * residual_bytes(dtype_bytes, sharded)
 
 
-def working_param_bytes(model: ModelConfig, zero_size: int, ac_mode: str, dtype_bytes: int,
-                        reshard_after_forward: bool = True, fsdp: bool | None = None) -> float:
+def working_param_bytes(model: ModelConfig, zero_size: int, recompute: str, dtype_bytes: int,
+                        reshard_after_forward: bool = True, gathered: bool | None = None) -> float:
     """Bytes of gathered weights, their unsharded gradients and autocast copies (``working_params``);
-    ``fsdp``: whether FSDP2 gathers the weights (default ``zero_size > 1``)."""
+    ``gathered``: whether ZeRO (FSDP2) gathers the weights (default ``zero_size > 1``)."""
     p_l, d, L = layer_params(model), model.dim, model.num_layers
     head = model.vocab_size * d
-    if zero_size > 1 if fsdp is None else fsdp:
+    if zero_size > 1 if gathered is None else gathered:
         w = min(dtype_bytes, 4)
         root = head * (1 if model.tie_embeddings else 2) + d
         in_flight = 2 if reshard_after_forward else L
         grad = w + 4 if w < 4 else w
         return float(w * (in_flight * p_l + root) + grad * max(p_l, root))
     if dtype_bytes < 4:
-        return float(dtype_bytes * ((L if ac_mode == "none" else 1) * p_l + head))
+        return float(dtype_bytes * ((L if recompute == "none" else 1) * p_l + head))
     return 0.0
 
 
@@ -182,15 +182,15 @@ def peak_bytes(parts: dict[str, float], gradient_bytes: float, layer_kept: float
 
 
 def memory_per_rank(
-    model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, ac_mode: str,
+    model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, recompute: str,
     dtype_bytes: int = 2, reshard_after_forward: bool = True, offload_activations: bool = False,
     mlp_tiles: str = "1", offload_params: bool = False, offload_keep: int = 0,
 ) -> dict[str, float]:
     """Bytes per device by part (``states``, ``working_params``, ``activations``, ``recompute``, ``logits``,
     ``workspace``), the step's peak ``total`` (:func:`peak_bytes`), the pinned ``host`` bytes per rank of the
     offload modes (module docstring) and, of those, the offloaded activations' ``host_activations``."""
-    if ac_mode not in AC_MODES:
-        raise ValueError(f"ac_mode={ac_mode!r} is not one of {AC_MODES}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
     if zero_size < 1 or layout.world_size % zero_size:
         raise ValueError(f"zero shard group size {zero_size} must divide world_size={layout.world_size}")
     b, d, L = dtype_bytes, model.dim, model.num_layers
@@ -201,31 +201,31 @@ def memory_per_rank(
     tiles = mlp_tile_count(mlp_tiles, int(t), d, model.ffn_dim, strict=False)  # the trainer's own rule
     full_layer = t * layer_activation_bytes(model, layout.hp, b, sharded, tiles)
     r = residual_bytes(b, sharded)
-    if ac_mode == "none":
-        acts, recompute = L * full_layer, 0.0
-    elif ac_mode == "full":
-        acts, recompute = L * t * d * r, full_layer
+    if recompute == "none":
+        acts, rebuilt = L * full_layer, 0.0
+    elif recompute == "full":
+        acts, rebuilt = L * t * d * r, full_layer
     else:  # input, ring output and lse; with hp > 1 also the all-to-alls' outputs (q, k, v; attention out)
         kept = d * b + (2 * d + 2 * he * model.head_dim) * b * (layout.hp > 1)
-        acts, recompute = L * t * (d * r + kept + 4 * model.num_heads), full_layer
+        acts, rebuilt = L * t * (d * r + kept + 4 * model.num_heads), full_layer
     host = 0.0
     layer_kept = acts  # in a block's backward (the last one's: every block's kept set)
     if offload_activations:  # on the host: every offloaded block's kept set; on the device: the blocks in flight
         keep = min(offload_keep, L - 1)  # the last blocks, not offloaded
         host = acts / L * (L - keep)
         layer_kept = acts / L * max(1, keep)  # the last block's backward: the kept blocks (the previous
-        # offloaded block is fetched after the peaks: wrap/offload.py)
+        # offloaded block is fetched after the peaks: parallelize/offload.py)
         acts = acts / L * min(L, keep + 2)  # at the loss: the kept blocks and two offloaded ones' copies in flight
     acts += t * final_norm_bytes(d, b, sharded)  # with the loss: its input's gradient (the residual's in backward)
     moments = layer_moments(model, layout, t, b, sharded, full_layer, tiles)
-    # beyond the block's set (kept, with ac_mode none, else its recompute: full_layer either way)
+    # beyond the block's set (kept, with recompute none, else its recompute: full_layer either way)
     workspace = max(moments["mlp"], moments["attention"]) - full_layer
-    working = working_param_bytes(model, zero_size, ac_mode, b, reshard_after_forward, fsdp=sharded)
+    working = working_param_bytes(model, zero_size, recompute, b, reshard_after_forward, gathered=sharded)
     parts = {
         "states": STATE_BYTES_PER_PARAM * p / zero_size,
         "working_params": float(working),
         "activations": float(acts),
-        "recompute": float(recompute),
+        "recompute": float(rebuilt),
         "logits": float(chunked_loss_peak_bytes(int(t), model.vocab_size, d, compute_bytes=b, weight_bytes=b,
                                                 stats_bytes=8 if b == 8 else 4)),
         "workspace": float(workspace),
@@ -245,10 +245,10 @@ def memory_per_rank(
 
 def config_memory(model: ModelConfig, config: ParallelConfig, layout: Layout, *, seq_len: int, batch: int,
                   dtype_bytes: int, zero_size: int) -> dict[str, float]:
-    """:func:`memory_per_rank` for ``config`` (its ``ac_mode``, resharding and memory modes) on ``layout``: the
+    """:func:`memory_per_rank` for ``config`` (its ``recompute``, resharding and memory modes) on ``layout``: the
     one mapping the planner, ``--max-seq-len`` and the trainer's start-up report share."""
     return memory_per_rank(
-        model, layout, seq_len=seq_len, batch=batch, zero_size=zero_size, ac_mode=config.ac_mode,
+        model, layout, seq_len=seq_len, batch=batch, zero_size=zero_size, recompute=config.recompute,
         dtype_bytes=dtype_bytes, reshard_after_forward=config.reshard_after_forward,
         offload_activations=config.offload_activations, mlp_tiles=config.mlp_tiles,
         offload_params=config.offload_params, offload_keep=config.offload_keep,

@@ -1,16 +1,16 @@
-"""Configuration search: enumerate valid ParallelConfigs (hp, cp, window, placement, zero, ac_mode), cost
+"""Configuration search: enumerate valid ParallelConfigs (hp, cp, inner_ring, placement, zero, recompute), cost
 each, rank them. A candidate's ``config`` is exactly what ``loongtrain train`` runs (``zero="hybrid"``
 shards over ``zero_shard_size = gpus_per_node`` ranks: one node).
 
 Ranking: configurations that fit in memory first, by MFU (throughput per device; step time alone
 would favour small ``sp`` with many replicas) rounded to 0.1 point, then by memory; then the others
 by memory. Equivalent points
-are listed once: with ``hp == 1`` or ``cp == 1`` both placements are the same ranks; ``window == cp``
-is the same ring as ``window == 1`` (listed as the latter unless asked for); ``zero="hybrid"`` on one
+are listed once: with ``hp == 1`` or ``cp == 1`` both placements are the same ranks; ``inner_ring == cp``
+is the same ring as ``inner_ring == 1`` (listed as the latter unless asked for); ``zero="hybrid"`` on one
 node is ``zero="full"`` (and needs two devices per node). The offload and tiling modes
-(``offload_activations`` with ``ac_mode`` full or selective, ``mlp_tiles`` "1" or "auto", ``offload_params``
+(``offload_activations`` with ``recompute`` full or selective, ``mlp_tiles`` "1" or "auto", ``offload_params``
 with ZeRO) are enumerated with ``modes="on"``, or with ``modes="auto"`` only when nothing fits without
-them (docs/design.md §9). ``gpus`` plans any device count: part of one node (1, 2, 4, ...) or whole
+them (docs/planner.md). ``gpus`` plans any device count: part of one node (1, 2, 4, ...) or whole
 nodes (:func:`world_size`). Every candidate passes
 :func:`~loongtrain.parallel.config.validate_parallel` for the world size, sequence length and heads.
 """
@@ -23,9 +23,8 @@ from loongtrain.hf.convert import shape_config_from_hf
 from loongtrain.hf.load import check_hf_dir
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.parallel.config import (
-    AC_ALIASES,
-    AC_MODES,
     PLACEMENTS,
+    RECOMPUTE_MODES,
     ZERO_MODES,
     ParallelConfig,
     effective_kv_heads,
@@ -76,10 +75,10 @@ MODE_SEARCH = ("off", "auto", "on")
 OFFLOAD_KEEPS = (0, 2, 4, 8)
 
 
-def mode_choices(ac_mode: str, zero: str, modes: bool, offload_activations: bool | None = None,
+def mode_choices(recompute: str, zero: str, modes: bool, offload_activations: bool | None = None,
                  mlp_tiles: str | None = None, offload_params: bool | None = None,
                  num_layers: int = 0) -> list[dict]:
-    """The offload/tiling settings to try with one (ac_mode, zero): the defaults only, unless ``modes``;
+    """The offload/tiling settings to try with one (recompute, zero): the defaults only, unless ``modes``;
     a given filter fixes its mode. Activation offload needs checkpointing, parameter offload FSDP2; with
     ``modes`` it also tries keeping the last :data:`OFFLOAD_KEEPS` blocks (fewer than ``num_layers``) on
     the device, for when host memory is the limit."""
@@ -89,22 +88,21 @@ def mode_choices(ac_mode: str, zero: str, modes: bool, offload_activations: bool
     keeps = [k for k in OFFLOAD_KEEPS if k < num_layers] if modes else [0]
     return [dict(offload_activations=a, mlp_tiles=m, offload_params=o, offload_keep=k) for o in params
             for a in acts for m in tiles for k in (keeps if a else [0])
-            if not (a and ac_mode == "none") and not (o and zero == "none")]
+            if not (a and recompute == "none") and not (o and zero == "none")]
 
 
 def enumerate_configs(
     model: ModelConfig, world: int, gpus_per_node: int, seq_len: int, *, sp: int | None = None,
-    hp: int | None = None, cp: int | None = None, window: int | None = None, placement: str | None = None,
-    zero: str | None = None, ac_mode: str | None = None, modes: bool = False,
+    hp: int | None = None, cp: int | None = None, inner_ring: int | None = None, placement: str | None = None,
+    zero: str | None = None, recompute: str | None = None, modes: bool = False,
     offload_activations: bool | None = None, mlp_tiles: str | None = None, offload_params: bool | None = None,
 ) -> list[ParallelConfig]:
     """All distinct valid configurations matching the given filters (``None`` = any), with the offload and
     tiling modes when ``modes`` (:func:`mode_choices`). Raises ValueError naming the offending value and
     the valid alternatives when a filter cannot be met."""
-    ac_mode = AC_ALIASES.get(ac_mode, ac_mode) if ac_mode else ac_mode
     _check_choice("placement", placement, list(PLACEMENTS))
     _check_choice("zero", zero, list(ZERO_MODES))
-    _check_choice("ac_mode", ac_mode, list(AC_MODES))
+    _check_choice("recompute", recompute, list(RECOMPUTE_MODES))
     _check_choice("sp", sp, divisors(world))
     heads = f"{model.num_heads} heads, {model.num_kv_heads} KV heads"
     if hp is not None and not head_ok(model, hp):
@@ -126,30 +124,30 @@ def enumerate_configs(
             c = s // h
             if (hp is not None and h != hp) or (cp is not None and c != cp) or not head_ok(model, h):
                 continue
-            windows = [w for w in divisors(c) if w == window or (window is None and (w < c or c == 1))]
+            inner_rings = [w for w in divisors(c) if w == inner_ring or (inner_ring is None and (w < c or c == 1))]
             places = list(PLACEMENTS) if h > 1 and c > 1 else ["head_first"]
             zeros = [z for z in ZERO_MODES if z != "hybrid" or multi_node]
-            for w in windows:
+            for w in inner_rings:
                 for p in places if placement is None else [placement]:
                     for z in zeros if zero is None else [zero]:
-                        for k in AC_MODES if ac_mode is None else [ac_mode]:
+                        for k in RECOMPUTE_MODES if recompute is None else [recompute]:
                             for m in mode_choices(k, z, modes, offload_activations, mlp_tiles, offload_params,
                                                    model.num_layers):
                                 config = ParallelConfig(
-                                    hp=h, cp=c, window=w, placement=p, zero=z, ac_mode=k,
+                                    hp=h, cp=c, inner_ring=w, placement=p, zero=z, recompute=k,
                                     zero_shard_size=gpus_per_node if z == "hybrid" else 0, **m,
                                 )
                                 validate_parallel(config, world, seq_len=seq_len, num_heads=model.num_heads,
                                                   num_kv_heads=model.num_kv_heads)
                                 configs.append(config)
     if not configs:
-        _explain_empty(model, world, seq_len, sp, hp, cp, window)
+        _explain_empty(model, world, seq_len, sp, hp, cp, inner_ring)
     return configs
 
 
-def _explain_empty(model, world, seq_len, sp, hp, cp, window) -> None:
-    if window is not None and cp is not None and cp % window:
-        raise ValueError(f"window={window} must divide cp={cp}; valid windows: {divisors(cp)}")
+def _explain_empty(model, world, seq_len, sp, hp, cp, inner_ring) -> None:
+    if inner_ring is not None and cp is not None and cp % inner_ring:
+        raise ValueError(f"inner_ring={inner_ring} must divide cp={cp}; valid sizes: {divisors(cp)}")
     valid_sp = [s for s in divisors(world) if valid_sequence_length(seq_len, s, 1)]
     if not valid_sp or (sp is not None and sp not in valid_sp):
         unit = 2 * (sp or world)
@@ -160,7 +158,7 @@ def _explain_empty(model, world, seq_len, sp, hp, cp, window) -> None:
         )
     options = sorted({(h, s // h) for s in valid_sp for h in divisors(s) if head_ok(model, h)})
     raise ValueError(
-        f"no valid configuration with hp={hp}, cp={cp}, window={window}, sp={sp} for {model.num_heads} "
+        f"no valid configuration with hp={hp}, cp={cp}, inner_ring={inner_ring}, sp={sp} for {model.num_heads} "
         f"heads / {model.num_kv_heads} KV heads on {world} devices; valid (hp, cp) pairs: {options}"
     )
 
@@ -195,8 +193,8 @@ def plan(
 ) -> list[Candidate]:
     """Every distinct valid configuration with its predicted cost, best first (see module docstring), on
     ``nodes`` whole nodes or ``gpus`` devices. ``documents``: packed rows of the batch, charged by visible
-    pairs (docs/design.md §9); ``modes``: off | auto | on (the offload and tiling modes: never, only when
-    nothing fits without them, always); ``filters``: sp, hp, cp, window, placement, zero, ac_mode,
+    pairs (docs/planner.md); ``modes``: off | auto | on (the offload and tiling modes: never, only when
+    nothing fits without them, always); ``filters``: sp, hp, cp, inner_ring, placement, zero, recompute,
     offload_activations, mlp_tiles, offload_params."""
     _, cfg = resolve_model(model)
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
@@ -218,8 +216,8 @@ def _rank_key(c: Candidate) -> tuple:
     """Fitting first; among them higher MFU (to 0.1 point: closer is a tie), then less memory; the
     rest by memory, smallest first (the closest to fitting)."""
     if c.fits:
-        return (0, -round(c.mfu, 3), c.memory["total"], c.config.window)
-    return (1, c.memory["total"], -c.mfu, c.config.window)
+        return (0, -round(c.mfu, 3), c.memory["total"], c.config.inner_ring)
+    return (1, c.memory["total"], -c.mfu, c.config.inner_ring)
 
 
 def best_fitting(

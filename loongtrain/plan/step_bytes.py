@@ -1,4 +1,4 @@
-"""Bytes the memory-bound work of one training step moves through device memory (docs/design.md §9).
+"""Bytes the memory-bound work of one training step moves through device memory (docs/planner.md).
 
 Everything that is not a matmul or an attention kernel (the norms, RoPE, SwiGLU's activation and product,
 the residual adds, the casts autocast and FSDP2 make, gradient accumulation, the ring's log-sum-exp merges,
@@ -14,7 +14,7 @@ Per decoder layer and rank, ``t`` local tokens (``B * S / sp``), ``P_a = 2 d (H 
 
     layer bytes = t * (c_d d + c_f f + c_q H hd + c_kv He hd + c_hd hd + c_1) + c_a P_a + c_m P_m
 
-with ``He`` the KV heads after the all-to-all's replication (docs/design.md §5) and the coefficients of
+with ``He`` the KV heads after the all-to-all's replication (docs/attention.md#the-gqa-rule) and the coefficients of
 :data:`LAYER_BYTES` by precision (``autocast``: fp32 weights and residual stream, bf16 matmuls;
 ``sharded``: FSDP2's bf16 weights, bf16 everywhere; ``fp32``) and by whether the block is checkpointed
 (``full`` and ``selective`` re-run the same non-attention ops; ``none`` re-runs nothing). ``forward`` is
@@ -97,7 +97,7 @@ OPTIMIZER_BYTES = 96
 
 
 def precision(dtype_bytes: int, sharded: bool) -> str:
-    """The precision path of the trainer (docs/design.md §7): FSDP2's gathered weights or autocast."""
+    """The precision path of the trainer (docs/memory.md): FSDP2's gathered weights or autocast."""
     if dtype_bytes >= 4:
         return "fp32-sharded" if sharded else "fp32"
     return "sharded" if sharded else "autocast"
@@ -131,7 +131,7 @@ def head_bytes(model: ModelConfig, *, tokens: float, dtype_bytes: int, sharded: 
 def ring_step_bytes(q_tokens: float, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int,
                     steps: int) -> tuple[float, float]:
     """``(forward, backward)`` bytes per ring step of the memory-bound work of a pass of ``steps`` steps
-    (``attn/step.py``, ``attn/ring.py``), for ``q_tokens`` local queries of ``heads`` heads against blocks of as
+    (``attn/ring_step.py``, ``attn/ring.py``), for ``q_tokens`` local queries of ``heads`` heads against blocks of as
     many tokens of ``kv_heads`` heads (``q`` and ``kv`` elements of Q and of K and V). Forward: the log-sum-exp
     merge of a piece's output into the fp32 accumulator (read and written twice, the piece cast and scaled:
     ``28 + c`` bytes per element, ``c = 4 + b`` the cast, none for fp32); once a pass, the accumulator zeroed,

@@ -13,8 +13,8 @@ all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it eac
       qkv piece = B * (S/sp) * (H + 2*He) * D * b / hp        out piece = B * (S/sp) * H * D * b / hp
 
 - ``kv`` (ring, only when ``cp > 1``): a block ``[2, B, Hkv', S/cp, D]`` of ``2*B*Hkv'*(S/cp)*D*b`` bytes.
-  The forward sends ``cp - 1`` blocks: ``window - 1`` to the inner-next peer per outer step
-  (``num_windows * (window - 1)`` in all) and ``num_windows - 1`` to the outer-next peer; the backward
+  The forward sends ``cp - 1`` blocks: ``inner_ring - 1`` to the inner-next peer per outer step
+  (``num_inner_rings * (inner_ring - 1)`` in all) and ``num_inner_rings - 1`` to the outer-next peer; the backward
   re-circulates the same ``cp - 1`` blocks.
 - ``dkv`` (backward only): ``cp - 1`` dK/dV partial sums of the same shape in the accumulation dtype
   (``max(4, b)`` bytes: fp32 for fp16/bf16/fp32, fp64 for fp64), same peers as ``kv``.
@@ -65,8 +65,8 @@ def link_stats(layout: Layout, ranks_per_node: int) -> LinkStats:
         hops = {"a2a": cross > 0}
         if layout.cp > 1:
             ring = layout.ring_peers(rank)
-            hops["inner"] = layout.window > 1 and node(ring["inner_next"]) != node(rank)
-            hops["outer"] = layout.num_windows > 1 and node(ring["outer_next"]) != node(rank)
+            hops["inner"] = layout.inner_ring > 1 and node(ring["inner_next"]) != node(rank)
+            hops["outer"] = layout.num_inner_rings > 1 and node(ring["outer_next"]) != node(rank)
         for kind, is_cross in hops.items():
             if is_cross:
                 senders[kind][node(rank)] = senders[kind].get(node(rank), 0) + 1
@@ -123,7 +123,7 @@ def attention_traffic(
                 _add(out["a2a"], peer, passes * (msg["a2a_qkv"] + msg["a2a_out"]))
     if layout.cp > 1:
         peers = layout.ring_peers(rank)
-        n, w = layout.num_windows, layout.window
+        n, w = layout.num_inner_rings, layout.inner_ring
         reach = ring_reach(layout, seq_len, sliding_window)
         if reach is None:
             per_pass = [(peers["inner_next"], n * (w - 1)), (peers["outer_next"], n - 1)]
@@ -146,7 +146,7 @@ def ring_reach(layout: Layout, seq_len: int, sliding_window: int | None, zigzag:
     backward: as many dK/dV partials back); else ``None``."""
     if layout.cp == 1:
         return None
-    return pass_reach(DoubleRing(layout.num_windows, layout.window), seq_len // (2 * layout.cp), sliding_window,
+    return pass_reach(DoubleRing(layout.num_inner_rings, layout.inner_ring), seq_len // (2 * layout.cp), sliding_window,
                       zigzag)
 
 
@@ -157,7 +157,7 @@ def attention_ops(layout: Layout, *, backward: bool = True, seq_len: int = 0,
     (:func:`ring_reach` ``r``) the short pass's hop count (``2 r`` on a single ring) instead of ``cp - 1``."""
     passes = 2 if backward else 1
     reach = ring_reach(layout, seq_len, sliding_window) if sliding_window is not None else None
-    ring = layout.cp - 1 if reach is None else short_hops(DoubleRing(layout.num_windows, layout.window), reach)
+    ring = layout.cp - 1 if reach is None else short_hops(DoubleRing(layout.num_inner_rings, layout.inner_ring), reach)
     return {
         "a2a": 2 * passes if layout.hp > 1 else 0,
         "kv": passes * ring,

@@ -1,4 +1,5 @@
-"""Batch sharding: how one full-sequence micro-batch is laid on this rank (docs/design.md §3): its packed documents, the
+"""Batch sharding: how one full-sequence micro-batch is laid on this rank (docs/attention.md#zigzag-sharding): its
+packed documents, the
 chunk order it is sharded with, this rank's shard of tokens, labels and positions, and the attention
 work its rows compute (for FLOP counts)."""
 
@@ -46,17 +47,17 @@ def batch_documents(batch: Batch, doc_mask: str, position_reset: bool) -> tuple[
     return cu_seqlens, document_position_ids(cu_seqlens, batch["input_ids"].shape[1])
 
 
-def chunk_order(cu_seqlens: list[torch.Tensor] | None, seq_len: int, mesh: Mesh, chunk_layout: str,
+def batch_chunk_order(cu_seqlens: list[torch.Tensor] | None, seq_len: int, mesh: Mesh, chunk_order: str,
                 sliding_window: int | None) -> ChunkOrder | None:
-    """The chunk order a full-sequence batch is sharded with: ``None`` (zigzag), or with ``chunk_layout ==
+    """The chunk order a full-sequence batch is sharded with: ``None`` (zigzag), or with ``chunk_order ==
     "balanced"``, documents (``cu_seqlens``) and ``cp > 1`` the
     :func:`~loongtrain.parallel.documents.balanced_chunk_order` of its documents (every rank of the replica
     computes the same one from the same batch). The one chunk-order rule of training, validation and
     ``loongtrain eval``."""
     if cu_seqlens is None or mesh.cp == 1:
         return None
-    documents = Documents(tuple(tuple(cu.tolist()) for cu in cu_seqlens), chunk_layout)
-    return documents.chunk_order(seq_len, mesh.cp, mesh.hp, sliding_window)
+    documents = Documents(tuple(tuple(cu.tolist()) for cu in cu_seqlens), chunk_order)
+    return documents.order(seq_len, mesh.cp, mesh.hp, sliding_window)
 
 
 class BatchSharding:
@@ -72,8 +73,8 @@ class BatchSharding:
         return batch_documents(batch, self.cfg.doc_mask, self.cfg.position_reset)
 
     def chunk_order(self, cu_seqlens: list[torch.Tensor] | None, seq_len: int) -> ChunkOrder | None:
-        """:func:`chunk_order` under ``--chunk-layout``."""
-        return chunk_order(cu_seqlens, seq_len, self.mesh, self.cfg.chunk_layout, self.sliding_window)
+        """:func:`batch_chunk_order` under ``--chunk-order``."""
+        return batch_chunk_order(cu_seqlens, seq_len, self.mesh, self.cfg.chunk_order, self.sliding_window)
 
     def local(self, batch: Batch) -> LocalBatch:
         """This rank's shard: tokens, labels and positions sharded with one chunk order (:meth:`chunk_order`),
@@ -97,7 +98,7 @@ class BatchSharding:
 def sharding_fields(batches: Sequence[LocalBatch]) -> dict[str, Any]:
     """What the ranks of a replica must agree on before attention runs on ``batches`` (this rank's shards of
     one step's micro-batches), because it decides the shapes of attention's collectives or which of them
-    run: the shards' sizes, the documents and the chunk order (docs/design.md §10). Host values only."""
+    run: the shards' sizes, the documents and the chunk order (docs/launching.md). Host values only."""
     return {
         "micro_batches": len(batches),
         "input_ids": tuple(tuple(b.input_ids.shape) for b in batches),

@@ -147,7 +147,7 @@ def save_checkpoint(
 @contextlib.contextmanager
 def _disk_full_named(path: Path) -> Iterator[None]:
     """A full disk while saving (also inside DCP's per-rank failures) as one DiskFullError naming ``path``
-    (the ``step_N.tmp`` directory is removed by whoever sees the workers gone: launch/train_cli.py, or the next
+    (the ``step_N.tmp`` directory is removed by whoever sees the workers gone: commands/train.py, or the next
     run's start)."""
     try:
         yield

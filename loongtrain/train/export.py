@@ -1,8 +1,8 @@
-"""``loongtrain export CHECKPOINT --hf OUT``: a training checkpoint as a Hugging Face model directory.
+"""A training checkpoint as a Hugging Face model directory (``loongtrain export CHECKPOINT --hf OUT``).
 
 CHECKPOINT is a checkpoint directory (``OUT_DIR/checkpoints/step_N``), a checkpoints root or a run's
 ``--out-dir`` (their ``latest`` is taken). The model is rebuilt from what the checkpoint records
-(:func:`loongtrain.train.run_model.model_record`: the preset's ModelConfig, or the HF model's config),
+(:func:`loongtrain.train.model_setup.model_record`: the preset's ModelConfig, or the HF model's config),
 its weights are read with ``torch.distributed.checkpoint`` in this one process (any training layout),
 and :func:`loongtrain.hf.export_hf` writes ``config.json`` + ``model.safetensors``, which
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads. Native presets become
@@ -13,7 +13,7 @@ directory's with ``auto``) has its files copied into OUT (``tokenizer.json`` ...
 they are still the ones the run trained with (the identity the checkpoint recorded), so ``loongtrain
 eval OUT`` and ``AutoTokenizer.from_pretrained(OUT)`` read the same ids; a byte-tokenizer run writes none.
 
-Nothing of the user's is destroyed (docs/design.md §10): the checkpoint must be complete (the one rule
+Nothing of the user's is destroyed (docs/launching.md): the checkpoint must be complete (the one rule
 of :func:`~loongtrain.train.checkpoint.check_complete`) and is verified first (checksums, as ``train
 --resume`` does); ``--hf`` follows the ownership rule (:mod:`loongtrain._files`: not empty, not the
 current directory or a parent of it, not a file, not inside the run's checkpoints nor holding the
@@ -26,10 +26,8 @@ leaves the target as it was and removes its staging files.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +36,6 @@ from torch import nn
 
 from loongtrain._files import (
     LOCK_FILE,
-    DiskFullError,
     Output,
     OutputLock,
     check_output,
@@ -46,14 +43,13 @@ from loongtrain._files import (
     remove_owned,
     write_bytes,
 )
-from loongtrain._input import OneLineParser, failure, user_error
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.tokenizer import build_tokenizer
 from loongtrain.hf.convert import export_hf
-from loongtrain.train import run_model
+from loongtrain.train import model_setup
 from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, param_dtype
-from loongtrain.train.run_model import model_from_record
+from loongtrain.train.model_setup import model_from_record
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -63,7 +59,7 @@ def checkpoint_model_record(state: dict[str, Any]) -> dict[str, Any]:
     if "model_config" in state or "hf_config" in state:
         return state
     cfg = TrainConfig.from_dict(state["config"])
-    return run_model.model_record(run_model.model_config_for(cfg), cfg)
+    return model_setup.model_record(model_setup.model_config_for(cfg), cfg)
 
 
 def load_trained_model(checkpoint: str | Path) -> nn.Module:
@@ -108,7 +104,7 @@ def run_tokenizer(state: dict[str, Any]) -> Path | None:
     """The Hugging Face tokenizer (file or directory) the checkpoint's run trained with, checked to be the
     one it recorded; None for the byte tokenizer. ValueError when it is gone or its files changed."""
     cfg = TrainConfig.from_dict(state["config"])
-    spec = run_model.tokenizer_spec(cfg)
+    spec = model_setup.tokenizer_spec(cfg)
     if spec == "byte":
         return None
     path = Path(spec)
@@ -174,36 +170,3 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     return out
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="loongtrain export", allow_abbrev=False,
-                      description="Write a training checkpoint's model as a Hugging Face directory (config.json + "
-                      "model.safetensors) for from_pretrained.")
-    p.add_argument("checkpoint", help="checkpoint directory (OUT_DIR/checkpoints/step_N), checkpoints root or "
-                   "run directory (its latest checkpoint)")
-    p.add_argument("--hf", required=True, metavar="OUT", help="output Hugging Face model directory")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the written tensors (default: as trained)")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --hf (its files are "
-                   "deleted; a directory holding files loongtrain did not write is never touched)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        out = export_checkpoint(args.checkpoint, args.hf, dtype=DTYPES.get(args.dtype), overwrite=args.overwrite)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except DiskFullError as exc:
-        return failure("export", exc)
-    except ValueError as exc:
-        return user_error("export", exc)
-    tokenizer = [name for name in TOKENIZER_NAMES if (out / name).is_file()]
-    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}"
-          + (f" and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else ""))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,12 +3,12 @@
 Parameters, gradients and optimizer state are counted from this rank's tensors (the local shard of an
 FSDP2 DTensor). Saved activations are measured during one forward: every tensor autograd saves goes
 through :func:`torch.autograd.graph.saved_tensors_hooks`, and what checkpointing keeps outside that
-mechanism is added explicitly (a checkpointed block's inputs are saved through the hook by
-``torch.utils.checkpoint`` itself; the outputs Selective Checkpoint++ caches are reported by its policy).
+mechanism is added explicitly (a recomputed block's inputs are saved through the hook by
+``torch.utils.checkpoint`` itself; the outputs selective recompute caches are reported by its policy).
 Tensors are counted once per underlying storage, and storages of parameters (weights saved by
 matmuls, possibly FSDP's gathered copies) are excluded.
 
-Device and host are reported apart (docs/design.md §7, *Memory modes*): ``params``, ``grads``,
+Device and host are reported apart (docs/memory.md#memory-modes): ``params``, ``grads``,
 ``optimizer_state`` and ``activations`` count only what is on the device, ``host`` what the offload
 modes keep on the host: under ``--offload-params`` (FSDP2's ``CPUOffloadPolicy``) the parameter and
 gradient shards and AdamW's states (``host_states``), under ``--offload-activations`` the saved tensors
@@ -28,11 +28,11 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain.parallel.runtime import is_distributed
+from loongtrain.parallelize.offload import activation_offloader
+from loongtrain.parallelize.recompute import saved_output_sink
+from loongtrain.parallelize.zero import uses_zero
 from loongtrain.plan.memory_model import config_memory
 from loongtrain.train.config import autocast_dtype, param_dtype
-from loongtrain.wrap.offload import activation_offloader
-from loongtrain.wrap.recompute import saved_output_sink
-from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.train")
 
@@ -255,7 +255,7 @@ def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, i
 
 def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, float]:
     """:func:`loongtrain.plan.memory_model.memory_per_rank` for what ``trainer`` runs: its model, layout, ZeRO
-    shard group (1 without FSDP), ``ac_mode``, ``reshard_after_forward``, compute dtype and memory modes."""
+    shard group (1 without FSDP), ``recompute``, ``reshard_after_forward``, compute dtype and memory modes."""
     cfg, mesh = trainer.cfg, trainer.mesh
     parallel = cfg.parallel
     zero_size = parallel.shard_size(mesh.world_size) if uses_zero(parallel) else 1

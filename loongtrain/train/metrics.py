@@ -243,7 +243,7 @@ def _pyplot(png_path: Path):
 
 def plot_loss_curve(jsonl_path: Path, png_path: Path, *, stages: list[tuple[int, int]] = ()) -> bool:
     """Write the loss curve of ``jsonl_path`` to ``png_path`` (matplotlib); False when unavailable.
-    ``stages``: ``(first_step, seq_len)`` of each stage of a length schedule, drawn as a dashed line
+    ``stages``: ``(first_step, seq_len)`` of each stage of --seq-len-stages, drawn as a dashed line
     where it begins, labelled with its length."""
     plt = _pyplot(png_path)
     records = read_jsonl(jsonl_path) if plt is not None else []

@@ -1,11 +1,11 @@
-"""The length schedule (``--seq-len-schedule 8K:1000,32K:400``, docs/design.md §10 *Length schedules*):
+"""The seq-len stages (``--seq-len-stages 8K:1000,32K:400``, docs/context-extension.md#seq-len-stages):
 a run trained in stages of growing sequence length.
 
-- :func:`parse_schedule`: ``LENGTH:STEPS,...`` -> ``((length, steps), ...)``; lengths strictly increasing.
+- :func:`parse_stages`: ``LENGTH:STEPS,...`` -> ``((length, steps), ...)``; lengths strictly increasing.
 - :func:`run_stages`: the run's :class:`Stage` list, each with its optimizer steps, micro-batch and
-  gradient accumulation. Without a schedule: one stage of ``--seq-len``, ``--batch-size``, ``--grad-accum``
+  gradient accumulation. Without stages: one stage of ``--seq-len``, ``--batch-size``, ``--grad-accum``
   for ``--steps`` steps (the run as it always was).
-- Tokens per optimizer step (``--schedule-tokens``): ``constant`` (default) keeps the first stage's
+- Tokens per optimizer step (``--stage-tokens``): ``constant`` (default) keeps the first stage's
   ``batch_size * grad_accum * seq_len`` per replica: a stage of length ``L`` takes
   ``n = batch_size * grad_accum * first_len / L`` sequences per step (a whole number, else ValueError),
   as the largest micro-batch ``b`` dividing ``n`` with ``b * L <= batch_size * first_len`` (at least 1)
@@ -28,25 +28,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from loongtrain._input import parse_size
+from loongtrain._options import parse_size
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
 
 
-class ScheduleOptions(Protocol):
-    """The options a schedule reads (:class:`~loongtrain.train.config.TrainConfig` has them; that module
+class StageOptions(Protocol):
+    """The options the stages read (:class:`~loongtrain.train.config.TrainConfig` has them; that module
     imports this one for its checks)."""
 
-    seq_len_schedule: str
-    schedule_tokens: str
+    seq_len_stages: str
+    stage_tokens: str
     seq_len: int
     steps: int
     batch_size: int
     grad_accum: int
 
 
-Options = TypeVar("Options", bound=ScheduleOptions)
+Options = TypeVar("Options", bound=StageOptions)
 
-SCHEDULE_TOKENS = ("constant", "free")
+STAGE_TOKENS = ("constant", "free")
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Stage:
         return self.batch_size * self.grad_accum * self.seq_len
 
 
-def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
+def parse_stages(text: str) -> tuple[tuple[int, int], ...]:
     """``"8K:1000,32K:400"`` -> ``((8192, 1000), (32768, 400))``. ValueError naming the part when a part is
     not ``LENGTH:STEPS`` with positive numbers, or when the lengths do not strictly increase."""
     stages: list[tuple[int, int]] = []
@@ -81,81 +81,81 @@ def parse_schedule(text: str) -> tuple[tuple[int, int], ...]:
         except ValueError:
             length, steps = 0, -1
         if not sep or length < 1 or steps < 1:
-            raise ValueError(f"--seq-len-schedule {text!r}: stage {part!r} is not LENGTH:STEPS with a positive "
+            raise ValueError(f"--seq-len-stages {text!r}: stage {part!r} is not LENGTH:STEPS with a positive "
                              f"length (e.g. 8192, 8K) and a positive number of steps, e.g. 8K:1000,32K:400")
         if stages and length <= stages[-1][0]:
-            raise ValueError(f"--seq-len-schedule {text!r}: stage lengths must increase; {part!r} follows "
+            raise ValueError(f"--seq-len-stages {text!r}: stage lengths must increase; {part!r} follows "
                              f"length {stages[-1][0]}")
         stages.append((length, steps))
     return tuple(stages)
 
 
-def schedule_totals(text: str) -> tuple[int, int]:
-    """``(total steps, longest length)`` of a schedule: what ``--steps`` and ``--seq-len`` become."""
-    stages = parse_schedule(text)
+def stage_totals(text: str) -> tuple[int, int]:
+    """``(total steps, longest length)`` of the stages: what ``--steps`` and ``--seq-len`` become."""
+    stages = parse_stages(text)
     return sum(steps for _, steps in stages), stages[-1][0]
 
 
-def check_schedule(cfg: ScheduleOptions) -> None:
-    """ValueError naming the value: ``--schedule-tokens`` not a choice (or given without a schedule), a
-    schedule that does not parse or increase, ``--steps`` / ``--seq-len`` other than its total / longest
+def check_stages(cfg: StageOptions) -> None:
+    """ValueError naming the value: ``--stage-tokens`` not a choice (or given without stages), stages
+    that do not parse or increase, ``--steps`` / ``--seq-len`` other than its total / longest
     length, a stage whose sequences per step are not whole (:func:`run_stages`)."""
-    if cfg.schedule_tokens not in SCHEDULE_TOKENS:
-        raise ValueError(f"--schedule-tokens={cfg.schedule_tokens!r} is not one of {SCHEDULE_TOKENS}")
-    if not cfg.seq_len_schedule:
-        if cfg.schedule_tokens != "constant":
-            raise ValueError(f"--schedule-tokens {cfg.schedule_tokens} applies to a --seq-len-schedule, and none "
+    if cfg.stage_tokens not in STAGE_TOKENS:
+        raise ValueError(f"--stage-tokens={cfg.stage_tokens!r} is not one of {STAGE_TOKENS}")
+    if not cfg.seq_len_stages:
+        if cfg.stage_tokens != "constant":
+            raise ValueError(f"--stage-tokens {cfg.stage_tokens} applies to a --seq-len-stages, and none "
                              f"is given")
         return
-    steps, longest = schedule_totals(cfg.seq_len_schedule)
+    steps, longest = stage_totals(cfg.seq_len_stages)
     if cfg.steps != steps:
-        raise ValueError(f"--steps={cfg.steps} differs from the {steps} steps of --seq-len-schedule "
-                         f"{cfg.seq_len_schedule!r}; leave --steps out (it is the stages' sum)")
+        raise ValueError(f"--steps={cfg.steps} differs from the {steps} steps of --seq-len-stages "
+                         f"{cfg.seq_len_stages!r}; leave --steps out (it is the stages' sum)")
     if cfg.seq_len != longest:
         raise ValueError(f"--seq-len={cfg.seq_len} differs from the longest length {longest} of "
-                         f"--seq-len-schedule {cfg.seq_len_schedule!r}; leave --seq-len out")
+                         f"--seq-len-stages {cfg.seq_len_stages!r}; leave --seq-len out")
     run_stages(cfg)
 
 
-def run_stages(cfg: ScheduleOptions) -> tuple[Stage, ...]:
+def run_stages(cfg: StageOptions) -> tuple[Stage, ...]:
     """The run's stages (module docstring: the batch rule); ValueError naming the stage whose sequences
-    per step are not a whole number under ``--schedule-tokens constant``."""
-    if not cfg.seq_len_schedule:
+    per step are not a whole number under ``--stage-tokens constant``."""
+    if not cfg.seq_len_stages:
         return (Stage(0, cfg.seq_len, cfg.steps, 0, cfg.batch_size, cfg.grad_accum),)
-    parsed = parse_schedule(cfg.seq_len_schedule)
+    parsed = parse_stages(cfg.seq_len_stages)
     first_len = parsed[0][0]
     out: list[Stage] = []
     first_step = 0
     for index, (length, steps) in enumerate(parsed):
         batch, accum = cfg.batch_size, cfg.grad_accum
-        if cfg.schedule_tokens == "constant" and index:
+        if cfg.stage_tokens == "constant" and index:
             batch, accum = _constant_tokens_batch(cfg, first_len, length)
         out.append(Stage(index, length, steps, first_step, batch, accum))
         first_step += steps
     return tuple(out)
 
 
-def _constant_tokens_batch(cfg: ScheduleOptions, first_len: int, length: int) -> tuple[int, int]:
+def _constant_tokens_batch(cfg: StageOptions, first_len: int, length: int) -> tuple[int, int]:
     tokens = cfg.batch_size * cfg.grad_accum * first_len
     if tokens % length:
         raise ValueError(
-            f"--seq-len-schedule stage of length {length}: --schedule-tokens constant keeps the first stage's "
+            f"--seq-len-stages stage of length {length}: --stage-tokens constant keeps the first stage's "
             f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum} x {first_len} = {tokens} tokens per "
             f"replica step, which is not a whole number of sequences of {length}; make --batch-size x "
-            f"--grad-accum a multiple of {length // math.gcd(first_len, length)}, or pass --schedule-tokens free")
+            f"--grad-accum a multiple of {length // math.gcd(first_len, length)}, or pass --stage-tokens free")
     sequences = tokens // length
     limit = cfg.batch_size * first_len
     batch = max([b for b in range(1, sequences + 1) if sequences % b == 0 and b * length <= limit], default=1)
     return batch, sequences // batch
 
 
-def check_stage_layouts(cfg: ScheduleOptions, parallel: ParallelConfig, world: int, num_heads: int,
+def check_stage_layouts(cfg: StageOptions, parallel: ParallelConfig, world: int, num_heads: int,
                         num_kv_heads: int, model: str) -> None:
     """Every stage's length suits the one layout of the run (:func:`~loongtrain.parallel.config.validate_parallel`:
     divisible by ``2*hp*cp``, and by the MLP tiles); ValueError naming the stage and the rule."""
     for stage in run_stages(cfg):
-        where = f"--seq-len {stage.seq_len}" if not cfg.seq_len_schedule else \
-            f"--seq-len-schedule stage {stage.index + 1} ({stage.seq_len} tokens)"
+        where = f"--seq-len {stage.seq_len}" if not cfg.seq_len_stages else \
+            f"--seq-len-stages stage {stage.index + 1} ({stage.seq_len} tokens)"
         try:
             validate_parallel(parallel, world, seq_len=stage.seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads)
         except ValueError as exc:
@@ -193,7 +193,7 @@ class StageStream:
     tokens plus the open stream's since its stage began (a stream counts from its own step 0). A
     checkpoint records the stage and that total (:meth:`state`), so :meth:`start` continues it."""
 
-    def __init__(self, cfg: ScheduleOptions, stages: tuple[Stage, ...], open_stream: OpenStream) -> None:
+    def __init__(self, cfg: StageOptions, stages: tuple[Stage, ...], open_stream: OpenStream) -> None:
         self.cfg, self.stages, self.open_stream = cfg, stages, open_stream
         self.stage = stages[0]
         self.batches: Iterator[Any] = iter(())

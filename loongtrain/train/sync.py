@@ -1,5 +1,5 @@
 """Gradient synchronisation without FSDP (``--zero none``; FSDP2 reduces gradients itself), overlapped
-with the backward (docs/design.md §7).
+with the backward (docs/memory.md).
 
 Loss convention (``loongtrain.loss.sharded.sharded_cross_entropy``): each rank back-propagates its
 local token-loss sum divided by the replica's token count. Parameters are replicated on all

@@ -1,11 +1,11 @@
-"""The training run of one rank (docs/design.md §10): ``Trainer(run, mesh, device).train()``.
+"""The training run of one rank (docs/launching.md): ``Trainer(run, mesh, device).train()``.
 
 :meth:`Trainer.train` is the whole run in named steps: :meth:`~Trainer.resume` (load the checkpoint the
 launcher chose), :meth:`~Trainer.open_data`, the optional start-up memory report, then per optimizer
 step :meth:`~Trainer.step` (forward/backward of every micro-batch, gradient sync, clip, AdamW),
 :meth:`~Trainer.log` and :meth:`~Trainer.save`, and :meth:`~Trainer.finish` (plot and summary).
 
-What a step costs the host (docs/design.md §10): two small host-side exchanges among the replica's
+What a step costs the host (docs/launching.md): two small host-side exchanges among the replica's
 ranks whatever the depth (the micro-batches' sharding agreed before any attention call, the digest of every
 attention call's arguments checked before the optimizer; gloo under NCCL), the gradient all-reduces
 overlapped with the backward (``train/sync.py``), and ONE device-to-host read: the bad-step guard's
@@ -35,6 +35,7 @@ from loongtrain.parallel.agreement import attention_check_group, check_agreement
 from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed, to_device
+from loongtrain.parallelize.zero import uses_zero
 from loongtrain.train.batch import Batch, BatchSharding, LocalBatch, sharding_fields
 from loongtrain.train.checkpoint import (
     CHECKPOINTS_OUTPUT,
@@ -54,12 +55,11 @@ from loongtrain.train.metrics import (
     plot_loss_curve,
     read_device_values,
 )
+from loongtrain.train.model_setup import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
-from loongtrain.train.run_model import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
-from loongtrain.wrap.zero import uses_zero
 
 log = logging.getLogger("loongtrain.train")
 
@@ -88,7 +88,7 @@ class Trainer:
     :meth:`step` takes ``grad_accum`` micro-batches of this replica's *full* sequences; each rank keeps its
     2D zigzag shard (:class:`~loongtrain.train.batch.BatchSharding`), so the trainer is layout-agnostic.
     ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`, called with each stage's
-    options (``--seq-len-schedule``: :mod:`~loongtrain.train.stages`). The in-loop evaluations are the
+    options (``--seq-len-stages``: :mod:`~loongtrain.train.stages`). The in-loop evaluations are the
     run's (``run.evaluations``, built by the launch path). ``per_call_checks``: agree on every attention
     call's arguments in its own exchange, as direct library use does, instead of once per step
     (benchmarks/agreement.py compares the two).
@@ -237,7 +237,7 @@ class Trainer:
         """Forward and backward of this rank's shards of the micro-batches, the gradients synchronised while
         the last backward runs; the mean loss (a device scalar). Unless ``per_call_checks``, the replica's
         ranks agree on how the micro-batches are sharded before the first attention call and on every call's arguments
-        after the last (two host-side exchanges, however deep the model: docs/design.md §10)."""
+        after the last (two host-side exchanges, however deep the model: docs/launching.md)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         checks = self.mesh.sp_group is not None and not self.per_call_checks
         if checks:  # what shapes attention's collectives: agreed before any of them runs
@@ -277,13 +277,13 @@ class Trainer:
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
         """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end, for every skipped or validated
-        step and for the first step of each stage of a length schedule."""
+        step and for the first step of each stage of --seq-len-stages."""
         if logger is not None and (self._logs(record["step"], last=last) or record["skipped"] or "val_loss" in record):
             logger.log(record)
 
     def _logs(self, step: int, *, last: bool) -> bool:
         """Whether step ``step`` (1-based) is logged whatever its values: every ``--log-interval``, the last, and
-        the first of each stage of a length schedule."""
+        the first of each stage of --seq-len-stages."""
         return step % self.cfg.log_interval == 0 or last or self._stage_begins(step - 1)
 
     def save(self, done: int, batches: StageStream, *, last: bool) -> None:
@@ -352,7 +352,7 @@ class Trainer:
             log.info("model %s: %.2fM parameters; %s; %d tokens per step", self.cfg.model,
                      num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step(self.stages[0]))
             if len(self.stages) > 1:
-                log.info("--seq-len-schedule: %s", describe(self.stages, self.mesh.dp))
+                log.info("--seq-len-stages: %s", describe(self.stages, self.mesh.dp))
         return peak
 
     def tokens_per_step(self, stage: Stage) -> int:

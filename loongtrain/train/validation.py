@@ -1,4 +1,4 @@
-"""Validation during training (``--val-interval N --val-batches K``, docs/design.md §14).
+"""Validation during training (``--val-interval N --val-batches K``, docs/evaluation.md).
 
 - :func:`validation_loss`: the mean loss of K full-sequence batches, forward only under
   ``torch.no_grad()`` (no activations kept, no checkpoint recompute), with the run's own layout and loss
@@ -32,7 +32,7 @@ from torch import nn
 
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train import run_model
+from loongtrain.train import model_setup
 from loongtrain.train.checkpoint import rng_state, set_rng_state
 from loongtrain.train.config import TrainConfig
 
@@ -48,7 +48,7 @@ def validation_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
         return tail_batches(cfg, mesh, count)
     from loongtrain.data.validation import build_val_batches
 
-    held_out = build_val_batches(cfg.corpus, run_model.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
+    held_out = build_val_batches(cfg.corpus, model_setup.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
                                  mesh.dp, seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus,
                                  decode_errors=cfg.decode_errors)
     return list(itertools.islice(held_out, count))
@@ -56,7 +56,7 @@ def validation_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
 
 def check_validation(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list[str]:
     """The launcher's checks of ``--val-interval`` before any worker starts, at every stage's length and
-    batch (``--seq-len-schedule``); ValueError where the run cannot validate as asked (held-out data
+    batch (``--seq-len-stages``); ValueError where the run cannot validate as asked (held-out data
     smaller than one global batch), else the one-line warnings where it can: validation that never runs,
     ``--val-batches`` more than the held-out data holds (then fewer are used) or than the corpus's tail
     (then samples repeat), ``--val-corpus`` equal to ``--corpus``. Reads at most ``--val-batches`` global
@@ -130,7 +130,7 @@ def tail_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
     from loongtrain import data
     from loongtrain.data.sources import open_stream, parse_corpus_spec
 
-    tokenizer = data.build_tokenizer(run_model.tokenizer_spec(cfg))
+    tokenizer = data.build_tokenizer(model_setup.tokenizer_spec(cfg))
     parts = [name for name, _ in parse_corpus_spec(cfg.corpus)]
     batches = []
     for c, name in enumerate(parts):
@@ -199,7 +199,7 @@ class Evaluation(Protocol):
 class Validation:
     """The loop's hook: every ``cfg.val_interval`` optimizer steps, ``{"val_loss": ...}`` and the in-loop
     evaluations' metrics (else ``{}``). The validation batches are those of the stage being trained
-    (``--seq-len-schedule``: its length and batch): built once per stage, the first stage's at
+    (``--seq-len-stages``: its length and batch): built once per stage, the first stage's at
     construction, and only when ``val_interval > 0``; ``batches`` replaces the first stage's (tests)."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, loss_fn: LossFn, model: nn.Module,

@@ -1,4 +1,4 @@
-"""Memory of one training step at full size without the hardware (docs/design.md §9).
+"""Memory of one training step at full size without the hardware (docs/planner.md).
 
 :func:`simulate_step` runs the trainer's own step, :class:`~loongtrain.train.trainer.Trainer` (model build,
 parallelisation, optimizer), its ``loss`` (forward and chunked loss), backward, the dp gradient
@@ -16,7 +16,7 @@ What is simulated, exactly:
   which under fake tensors runs its registered fake implementation, so its inputs and outputs are counted
   (out, the fp32 log-sum-exp, dQ and the packed dK/dV) but no kernel's own workspace (on CUDA, FA2's
   backward also holds an fp32 dQ accumulator and, with GQA, dK/dV expanded to the query heads:
-  docs/design.md §9, *Not modelled*), FSDP2 without its
+  docs/planner.md), FSDP2 without its
   all-gather stream (so at most the block in use is gathered, not also the prefetched one: one block's
   compute-dtype weights less than on CUDA), no CUDA caching-allocator rounding (512 B per block) or
   fragmentation, no CUDA context or NCCL buffers. The compute dtype is given (``bf16`` as on an H200).
@@ -28,7 +28,7 @@ What is simulated, exactly:
 - **Host memory is counted apart from the device's** (:class:`HostAwareTracker`: MemTracker with a second
   key, :data:`HOST`, each key with its own peak). Device and host are both the CPU here, so what is host
   memory is told by the code that puts it there: the activation offloader allocates its host copies
-  inside :func:`loongtrain.wrap.offload.host_allocations`; with ``offload_params`` (FSDP2's
+  inside :func:`loongtrain.parallelize.offload.host_allocations`; with ``offload_params`` (FSDP2's
   ``CPUOffloadPolicy``) the sharded parameters and AdamW's states are host memory from the start, each
   gradient shard from the moment FSDP2 hands it to the parameter (on a GPU it is copied to the host and
   the device buffer freed there; on the CPU device the reduce-scatter's output becomes the gradient,
@@ -73,6 +73,8 @@ import torch
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
+from loongtrain.parallelize import zero as zero_module
+from loongtrain.parallelize.offload import host_allocations
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.simulate.fake_step import (  # noqa: F401 - fake_ranks and HostAwareTracker are this module's API too
     HOST,
@@ -83,8 +85,6 @@ from loongtrain.train.simulate.fake_step import (  # noqa: F401 - fake_ranks and
     noop_to_is_identity,
 )
 from loongtrain.train.trainer import Trainer
-from loongtrain.wrap import zero as zero_module
-from loongtrain.wrap.offload import host_allocations
 
 log = logging.getLogger("loongtrain.train")
 
@@ -183,7 +183,7 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
     device = torch.device("cpu")
     fsdp = zero_module.zero_applies(parallel, world)  # the fake group below makes uses_zero agree
     with fake_ranks(world, rank) if world > 1 or fsdp else contextlib.nullcontext():
-        mesh = init_mesh(parallel.hp, parallel.cp, window=parallel.window, placement=parallel.placement,
+        mesh = init_mesh(parallel.hp, parallel.cp, inner_ring=parallel.inner_ring, placement=parallel.placement,
                          interleaved=parallel.interleaved)
         if fsdp:  # collective set-up outside the fake tensors
             zero_module.zero_device_mesh(device, world, parallel.shard_size(world))

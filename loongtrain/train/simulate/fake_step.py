@@ -1,4 +1,4 @@
-"""What a simulated training step runs under (docs/design.md §9, :mod:`loongtrain.train.simulate`): torch's fake
+"""What a simulated training step runs under (docs/planner.md, :mod:`loongtrain.train.simulate`): torch's fake
 process group as the other ranks (:func:`fake_ranks`), the attention op's own workspace held around each ring
 backward (:func:`attention_workspace`), the alike passes of its loops (:func:`alike_loops`), module
 moves that change nothing (:func:`noop_to_is_identity`), and the memory tracker that counts host memory apart
@@ -18,8 +18,8 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 
 from loongtrain.parallel import agreement
 from loongtrain.parallel.mesh import destroy_all_meshes
-from loongtrain.wrap import zero as zero_module
-from loongtrain.wrap.offload import allocating_on_host
+from loongtrain.parallelize import zero as zero_module
+from loongtrain.parallelize.offload import allocating_on_host
 
 #: MemTracker's key for host memory (the offload modes' host buffers, beside the fake CPU "device")
 HOST = "host"
@@ -28,7 +28,7 @@ _BLOCK = re.compile(r"\.layers\.(\d+)$")
 
 class HostAwareTracker(MemTracker):
     """torch's MemTracker with host memory under its own key (:data:`HOST`) beside the (CPU) device's:
-    storages allocated inside :func:`loongtrain.wrap.offload.host_allocations`, and those moved with
+    storages allocated inside :func:`loongtrain.parallelize.offload.host_allocations`, and those moved with
     :meth:`to_host` (FSDP2's host shards and their gradients under ``CPUOffloadPolicy``). Each key has its
     own peak, so the device's peak is not inflated by what lives on the host, nor the host's by the device.
     ``phases`` keeps each phase's peaks too (:meth:`phase`), keyed ``(phase, device)``."""
@@ -165,14 +165,15 @@ def attention_workspace() -> Iterator[None]:
 @contextlib.contextmanager
 def alike_loops() -> Iterator[None]:
     """Run only the first two and the last pass of the step's loops whose passes are alike: the chunked loss's
-    chunks (``loss/chunked.py``), a tiled MLP's tiles (``wrap/mlp_tiles.py``) and the norms' and RoPE's row chunks
+    chunks (``loss/chunked.py``), a tiled MLP's tiles (``parallelize/mlp_tiles.py``) and the norms' and RoPE's
+    row chunks
     (``model/rms_norm.py``, ``model/rope.py``). Each pass frees its working set before the next and writes its
     result into a tensor allocated for all passes first (the gradients of weights are sums), so the peak is the
     same with a fraction of the ops (at the Llama-3-8B shape and 2M tokens: 3 of 3943 loss chunks, of 504 tiles
     and of 252 norm chunks)."""
     from loongtrain.loss import chunked
     from loongtrain.model import rms_norm, rope
-    from loongtrain.wrap import mlp_tiles
+    from loongtrain.parallelize import mlp_tiles
 
     def alike(spans: list) -> list:
         return spans if len(spans) <= 3 else spans[:2] + spans[-1:]

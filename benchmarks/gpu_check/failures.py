@@ -1,0 +1,28 @@
+"""gpu_check's allocation failures: what counts as the device running out of memory, and freeing what a
+measurement left, shared by its sections (``benchmarks/gpu_check/run.py`` records a failure and goes on)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+#: words of an allocation failure in a RuntimeError's message (CUDA, cuBLAS, cuDNN)
+ALLOCATION_WORDS = ("out of memory", "alloc_failed", "cublas_status_alloc", "cudnn_status_alloc",
+                    "failed to allocate", "cannot allocate")
+
+
+def allocation_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device running out of memory: ``torch.OutOfMemoryError``, or a RuntimeError whose
+    message says an allocation failed (cuBLAS's ``CUBLAS_STATUS_ALLOC_FAILED``, cuDNN's
+    ``CUDNN_STATUS_ALLOC_FAILED``, "out of memory")."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(word in str(exc).lower() for word in ALLOCATION_WORDS)
+
+
+def release(device: torch.device) -> None:
+    """Free what a failed or finished measurement left: Python garbage and the CUDA allocator's cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

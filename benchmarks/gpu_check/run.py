@@ -1,0 +1,181 @@
+"""One device check of the GPU path that fits any device loan: exactness, kernel rates, training, the planner.
+
+    python -m benchmarks.gpu_check --out gpu_check.json                   # one GPU, at most --budget-s (420 s)
+    python -m benchmarks.gpu_check --out gpu_check.json --sections training,compile
+    python -m benchmarks.gpu_check --cpu --budget-s 5 --out /tmp/check.json   # tiny sizes on CPU (the tests)
+
+The sections (:data:`SECTIONS`) run in that order, most wanted first. Each has a budget of its own, a
+minimum and a maximum of seconds per device kind: a section starts only when the run has at least its
+minimum left and then gets its maximum or what is left, whichever is less; it checks that deadline between
+its measurements and records what it left out. A section that does not run is recorded as ``{"skipped":
+reason}`` (out of time, or not in ``--sections``). Results go to ``--out`` after every section (and after
+every training row), so a run cut short keeps what it measured. A section that fails records its error and
+the next one runs; an allocation failure (out of memory, cuBLAS or cuDNN unable to allocate:
+:func:`allocation_failure`) inside a section is recorded with the measurement it hit, the device memory is
+released, and the section goes on with its next measurement.
+
+- exactness (``benchmarks/gpu_check/exact.py``): ``kernels``, ``ring``, ``documents``, ``determinism``;
+- rates (``benchmarks/gpu_check/rates.py``): ``attention`` (every kernel candidate's forward and backward,
+  dense and varlen, at 16K, 64K and 128K, and the ring's kernel at more call sizes and head dims: the rows
+  ``loongtrain plan --calibrate-from`` reads), ``matmul`` (the models' GEMM shapes), ``memory_bandwidth``;
+- speed (``benchmarks/gpu_check/speed.py``): ``kernel_choice``, ``loss`` (chunked against unchunked),
+  ``compile`` (eager against compiled for the whole 1b, with dynamo's graph count);
+- training (``benchmarks/gpu_check/train.py``): ``training`` (1b at 128K and 7b-gqa at 64K with the
+  configuration the planner picks, memory against the planner, planner ÷ measured step time with the
+  shipped cluster and with the one calibrated from this run's rates), ``documents_mfu`` (MFU with packed
+  documents), ``offload`` (the offload modes' cost).
+
+The run ends with ``summary``: planner ÷ measured for every training row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.gpu_check import exact, rates, speed, train
+from benchmarks.gpu_check.failures import allocation_failure, release  # noqa: F401 - this module's API too
+from loongtrain.attn.kernel_choice import kernel_candidates
+
+
+@dataclass
+class Context:
+    """What a section gets: the device, the sizes of its kind (``gpu``/``cpu``), the results so far, this section's
+    ``deadline`` (``time.monotonic()``) and ``flush`` (write the results now)."""
+
+    device: torch.device
+    kind: str
+    results: dict[str, Any]
+    deadline: float
+    flush: Callable[[], None]
+    skipped: list[str] = field(default_factory=list)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def attempt(self, label: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, or None after recording an allocation failure under ``label`` (the memory released)."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - only allocation failures are absorbed
+            if not allocation_failure(exc):
+                raise
+            self.skipped.append(f"{label}: allocation failure ({type(exc).__name__}: {str(exc)[:200]})")
+            release(self.device)
+            return None
+
+    def enough(self, seconds: float, label: str) -> bool:
+        """Whether ``seconds`` fit before the deadline; if not, ``label`` is recorded as left out."""
+        if self.left() >= seconds:
+            return True
+        self.skipped.append(f"{label}: out of time (section budget, {self.left():.0f} s left)")
+        return False
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    run: Callable[[Context], dict[str, Any]]
+    gpu: tuple[float, float]  # (minimum, maximum) seconds on one H200
+    cpu: tuple[float, float]  # the same at the tiny CPU sizes
+
+
+SECTIONS = (
+    Section("kernels", exact.check_kernels, (5, 15), (0.2, 3)),
+    Section("attention", rates.check_attention, (20, 80), (0.3, 3)),
+    Section("matmul", rates.check_matmul, (3, 8), (0.1, 2)),
+    Section("memory_bandwidth", rates.check_memory_bandwidth, (2, 4), (0.1, 1)),
+    Section("training", train.check_training, (60, 180), (0.5, 10)),
+    Section("documents_mfu", train.check_documents_mfu, (15, 30), (0.3, 5)),
+    Section("loss", speed.check_loss, (5, 12), (0.2, 3)),
+    Section("ring", exact.check_ring, (3, 10), (0.3, 5)),
+    Section("documents", exact.check_documents, (5, 15), (0.3, 5)),
+    Section("determinism", exact.check_determinism, (3, 8), (0.1, 2)),
+    Section("kernel_choice", speed.check_kernel_choice, (5, 15), (0.2, 3)),
+    Section("compile", speed.check_compile, (30, 60), (3, 30)),
+    Section("offload", train.check_offload, (20, 40), (0.5, 10)),
+)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env = {"torch": torch.__version__, "device": str(device), "python": sys.version.split()[0]}
+    if device.type == "cuda":
+        env.update(name=torch.cuda.get_device_name(device), capability=list(torch.cuda.get_device_capability(device)),
+                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+    env["kernels"] = {str(dt): [k.name for k in kernel_candidates(device, dt, 128)]
+                      for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    return env
+
+
+def run_section(section: Section, ctx: Context) -> dict[str, Any]:
+    """One section's result (its error when it failed), with its wall time and what it left out."""
+    t0 = time.perf_counter()
+    try:
+        out = section.run(ctx)
+    except Exception as exc:  # noqa: BLE001 - record it and run the next section
+        out = {"error": traceback.format_exc()[-2000:], "allocation_failure": allocation_failure(exc)}
+    release(ctx.device)
+    if ctx.skipped:
+        out["left_out"] = list(ctx.skipped)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="tiny sizes on CPU (the tests of this script)")
+    parser.add_argument("--out", required=True, help="JSON output path (written after every section)")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="wall-time budget of the whole run")
+    parser.add_argument("--sections", default=",".join(s.name for s in SECTIONS), help="comma-separated sections")
+    args = parser.parse_args(argv)
+    if not args.cpu and not torch.cuda.is_available():
+        parser.error("no CUDA device: pass --cpu for the tiny CPU run")
+    wanted = args.sections.split(",")
+    unknown = sorted(set(wanted) - {s.name for s in SECTIONS})
+    if unknown:
+        parser.error(f"unknown sections {unknown}; valid: {[s.name for s in SECTIONS]}")
+    start = time.monotonic()
+    end = start + args.budget_s
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
+    kind = "cpu" if args.cpu else "gpu"
+    results: dict[str, Any] = {"command": " ".join(["python -m benchmarks.gpu_check", *(argv or sys.argv[1:])]),
+                               "budget_s": args.budget_s, "environment": environment(device)}
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def flush() -> None:
+        out_path.write_text(json.dumps(results, indent=1, default=str))
+
+    for section in SECTIONS:
+        least, most = getattr(section, kind)
+        left = end - time.monotonic()
+        if section.name not in wanted:
+            results[section.name] = {"skipped": "not in --sections"}
+        elif left < least:
+            results[section.name] = {"skipped": f"out of time: {left:.1f} s of --budget-s {args.budget_s:g} left, "
+                                                f"the section needs at least {least:g} s"}
+        else:
+            ctx = Context(device, kind, results, time.monotonic() + min(most, left), flush)
+            results[section.name] = {"running": True}
+            results[section.name] = run_section(section, ctx)
+        print(f"== {section.name}: {json.dumps(results[section.name], default=str)[:1500]}", flush=True)
+        flush()
+    results["summary"] = train.summary(results)
+    results["wall_s"] = time.monotonic() - start
+    flush()
+    print(f"== summary: {json.dumps(results['summary'], indent=1, default=str)}\n"
+          f"wall {results['wall_s']:.1f} s of --budget-s {args.budget_s:g}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,303 @@
+"""The math of one ring step: the kernel calls covering what a member's queries see of one K/V block, and
+the log-sum-exp merge (docs/attention.md).
+
+:class:`Pieces` lists a step's visible pieces (:func:`~loongtrain.attn.masking.visible_pieces`, per group
+of batch rows); :func:`plan_step` turns them into kernel calls. Each piece is one dense call, except with a
+kernel that has a variable-length op (``Kernel.varlen_forward``): then the step's ``full`` pieces go into
+one varlen call and its ``causal`` and ``anticausal`` pieces (rows and columns packed in reversed order: a
+causal square) into another, each once it has two or more pieces (a single piece stays dense: no packing
+cost; one op call takes one causal flag). Where the op aligns causal masks bottom-right (FA2's), a full piece
+of one query row (a length-1 document) joins the causal call (:func:`varlen_flag`). Every (batch row, piece) is one
+packed sequence; ``masked`` pieces stay reference calls.
+
+Forward (:class:`ForwardStep`): partial results are merged into fp32 (fp64 for fp64 inputs) accumulators
+by log-sum-exp; a varlen call's rows are merged in *rounds* whose (batch row, query) sets are disjoint,
+one gather and one scatter each. Backward (:class:`BackwardStep`): dQ and the block's dK/dV contribution
+are sums, so a varlen call's gradients are added back with accumulating ``index_put_`` (pieces may share
+rows or columns). A block with no visible pair costs no call and no merge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+
+import torch
+
+from loongtrain.attn.kernels import Kernel, reference_backward, reference_forward
+from loongtrain.attn.masking import AttnMask, Piece, member_runs, piece_mask, visible_pieces
+from loongtrain.parallel.runtime import to_device
+
+Tensor = torch.Tensor
+Item = tuple[slice, Piece]  # (batch rows, piece)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulator dtype of the merge: fp64 for fp64 inputs, else fp32 (docs/attention.md#the-ring-schedule)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def merge(out_acc: Tensor, lse_acc: Tensor, out_blk: Tensor, lse_blk: Tensor) -> None:
+    """In place: combine two partial softmax results by their log-sum-exp, in the accumulators' dtype."""
+    lse_blk = lse_blk.to(lse_acc.dtype)
+    new_lse = torch.logaddexp(lse_acc, lse_blk)
+    out_acc.mul_(torch.exp(lse_acc - new_lse).unsqueeze(-1))
+    out_acc.add_(out_blk.to(out_acc.dtype) * torch.exp(lse_blk - new_lse).unsqueeze(-1))
+    lse_acc.copy_(new_lse)
+
+
+def piece_forward(kernel: Kernel, piece: Piece, band: tuple[int, int], q: Tensor, k: Tensor, v: Tensor,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) of one piece as a dense call (rows ``q``, columns ``k``/``v`` already cut out)."""
+    if piece.kind in ("full", "causal"):
+        return kernel.forward(q, k, v, piece.kind == "causal", scale)
+    if piece.kind == "anticausal":  # reversed on both sides, it is the top-left causal square
+        out, lse = kernel.forward(q.flip(2), k.flip(2), v.flip(2), True, scale)
+        return out.flip(2), lse.flip(-1)
+    acc = acc_dtype(q.dtype)
+    mask = piece_mask(piece, band, q.device)
+    return reference_forward(q.to(acc), k.to(acc), v.to(acc), False, scale, mask)
+
+
+def piece_backward(kernel: Kernel, piece: Piece, band: tuple[int, int], dout: Tensor, q: Tensor, k: Tensor,
+                   v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one piece as a dense call, given the rows' final out and lse."""
+    if piece.kind in ("full", "causal"):
+        return kernel.backward(dout, q, k, v, out, lse, piece.kind == "causal", scale)
+    if piece.kind == "anticausal":
+        dq, dk, dv = kernel.backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1),
+                                     True, scale)
+        return dq.flip(2), dk.flip(2), dv.flip(2)
+    acc = acc_dtype(q.dtype)
+    mask = piece_mask(piece, band, q.device)
+    return reference_backward(*(t.to(acc) for t in (dout, q, k, v, out, lse)), False, scale, mask)
+
+
+class Pieces:
+    """What a member computes against each source's block: per group of batch rows, the
+    :func:`~loongtrain.attn.masking.visible_pieces` of its runs (zigzag, or ``mask.chunk_order``) against
+    the source's."""
+
+    def __init__(self, mask: AttnMask, batch: int, block_len: int, cp: int, position: int) -> None:
+        self.mask, self.band, self.cp, self.seq_len = mask, mask.band(), cp, block_len * cp
+        self.groups = mask.row_groups(batch)
+        self.q_runs = member_runs(self.seq_len, cp, position, mask.chunk_order)
+
+    def __call__(self, src: int) -> list[Item]:
+        k_runs = member_runs(self.seq_len, self.cp, src, self.mask.chunk_order)
+        return [(rows, piece) for rows, cu in self.groups
+                for piece in visible_pieces(self.q_runs, k_runs, cu, self.band, self.mask.causal, self.mask.tiny)]
+
+
+def whole_piece(items: Sequence[Item], length: int) -> Piece | None:
+    """The step's only piece when it is one full or causal call over every batch row and all ``length`` local
+    positions both ways (a ring of one member, one document, no sliding window): its kernel result is the answer as
+    it is, so the step needs no accumulator (docs/memory.md, "cp = 1")."""
+    if len(items) != 1:
+        return None
+    rows, piece = items[0]
+    whole = rows == slice(None) and (piece.r0, piece.r1, piece.c0, piece.c1) == (0, length, 0, length)
+    return piece if whole and piece.kind in ("full", "causal") else None
+
+
+# ---------------------------------------------------------------- packing pieces into varlen calls
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One variable-length kernel call: packed query row ``i`` is local row ``q_pos[i]`` of batch row
+    ``q_row[i]`` (keys likewise); sequences ``cu_q`` / ``cu_k`` (int32); the forward merges packed rows
+    ``[a, b)`` of each of ``rounds`` at once (no (batch row, query) twice in a round)."""
+
+    causal: bool
+    q_row: Tensor
+    q_pos: Tensor
+    k_row: Tensor
+    k_pos: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    rounds: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's kernel calls: pieces run one dense call each, and varlen calls."""
+
+    dense: tuple[Item, ...]
+    varlen: tuple[VarlenCall, ...]
+
+
+def varlen_flag(piece: Piece, bottom_right: bool = True) -> bool | None:
+    """The causal flag of the varlen call that takes ``piece``: ``True`` for causal and anticausal squares and,
+    when the op aligns causal masks bottom-right (``bottom_right``), for full pieces of one query row (that row
+    then sees every key); ``False`` for other full pieces, ``None`` for masked ones."""
+    if piece.kind == "masked":
+        return None
+    return piece.kind != "full" or (bottom_right and piece.r1 - piece.r0 == 1)
+
+
+def plan_step(items: Sequence[Item], batch: int, device: torch.device, varlen: bool,
+              bottom_right: bool = True) -> StepPlan:
+    """The kernel calls of one step's pieces (module docstring); ``varlen``: the kernel has the op, which aligns
+    causal masks bottom-right when ``bottom_right`` (``Kernel.varlen_bottom_right``)."""
+    if not varlen:
+        return StepPlan(tuple(items), ())
+    spans = tuple((rows.indices(batch)[:2], piece) for rows, piece in items)
+    return _plan(spans, torch.device(device), bottom_right)
+
+
+@lru_cache(maxsize=64)  # per document mix: its index tensors are copied to the device once, without blocking
+def _plan(spans: tuple[tuple[tuple[int, int], Piece], ...], device: torch.device, bottom_right: bool) -> StepPlan:
+    classes: dict[bool, list[int]] = {False: [], True: []}
+    for i, (_, piece) in enumerate(spans):
+        flag = varlen_flag(piece, bottom_right)
+        if flag is not None:
+            classes[flag].append(i)
+    packed = {i for members in classes.values() if len(members) > 1 for i in members}
+    dense = tuple((slice(*rows), piece) for i, (rows, piece) in enumerate(spans) if i not in packed)
+    calls = tuple(_varlen_call([spans[i] for i in members], causal, device)
+                  for causal, members in classes.items() if len(members) > 1)
+    return StepPlan(dense, calls)
+
+
+def _rounds(members: Sequence[tuple[tuple[int, int], Piece]]) -> list[int]:
+    """Each piece's merge round: the first in which no piece of the same batch rows overlaps its query rows
+    (interval colouring in order of first row, so the fewest rounds). Row groups never partly overlap."""
+    ends: dict[tuple[int, int], list[int]] = {}
+    rounds = [0] * len(members)
+    for i in sorted(range(len(members)), key=lambda i: members[i][1].r0):
+        rows, piece = members[i]
+        last = ends.setdefault(rows, [])
+        r = next((j for j, end in enumerate(last) if end <= piece.r0), len(last))
+        last[r:r + 1] = [piece.r1]
+        rounds[i] = r
+    return rounds
+
+
+def _positions(first: list[int], lengths: list[int], reverse: list[bool]) -> Tensor:
+    """Concatenated ranges ``first[i] + [0, lengths[i])``, each counted down instead when ``reverse[i]``."""
+    n = torch.tensor(lengths)
+    start = torch.tensor([f + m - 1 if r else f for f, m, r in zip(first, lengths, reverse)])
+    step = torch.tensor([-1 if r else 1 for r in reverse])
+    offset = torch.arange(int(n.sum())) - (torch.cumsum(n, 0) - n).repeat_interleave(n)
+    return start.repeat_interleave(n) + step.repeat_interleave(n) * offset
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> Tensor:
+    """``cu_seqlens`` of these lengths: int32, ``[0, l0, l0 + l1, ...]``."""
+    return to_device(torch.tensor([0, *accumulate(lengths)], dtype=torch.int32), device)
+
+
+def _varlen_call(members: list[tuple[tuple[int, int], Piece]], causal: bool, device: torch.device) -> VarlenCall:
+    """Pack pieces of one causal flag, a sequence per (batch row, piece), ordered by merge round."""
+    rounds = _rounds(members)
+    order = sorted(range(len(members)), key=lambda i: rounds[i])  # stable: a round is a run of packed rows
+    seqs = [(b, members[i][1], rounds[i]) for i in order for b in range(*members[i][0])]
+    q_len, k_len = [p.r1 - p.r0 for _, p, _ in seqs], [p.c1 - p.c0 for _, p, _ in seqs]
+    assert not causal or all(n in (1, m) for n, m in zip(q_len, k_len)), "causal: squares or single rows"
+    rev = [p.kind == "anticausal" for _, p, _ in seqs]
+    batch_rows = torch.tensor([b for b, _, _ in seqs])
+    ends = [0, *accumulate(q_len)]
+    bounds = [ends[j] for j in range(len(seqs) + 1) if j in (0, len(seqs)) or seqs[j][2] != seqs[j - 1][2]]
+    return VarlenCall(
+        causal,
+        to_device(batch_rows.repeat_interleave(torch.tensor(q_len)), device),
+        to_device(_positions([p.r0 for _, p, _ in seqs], q_len, rev), device),
+        to_device(batch_rows.repeat_interleave(torch.tensor(k_len)), device),
+        to_device(_positions([p.c0 for _, p, _ in seqs], k_len, rev), device),
+        _cumulative(q_len, device), _cumulative(k_len, device), max(q_len), max(k_len),
+        tuple(zip(bounds, bounds[1:])),
+    )
+
+
+def _gather(x: Tensor, row: Tensor, pos: Tensor) -> Tensor:
+    """``[B, H, S, ...]`` -> ``[T, H, ...]``: the packed rows ``(row, pos)``."""
+    return x.transpose(1, 2)[row, pos]
+
+
+# ---------------------------------------------------------------- the steps
+
+
+class ForwardStep:
+    """Online-softmax accumulation of one member's queries over the blocks it is handed; a block none of
+    whose keys a local query sees costs nothing (no kernel call, no merge)."""
+
+    def __init__(self, q: Tensor, position: int, mask: AttnMask, cp: int, scale: float, kernel: Kernel) -> None:
+        self.q, self.scale, self.kernel = q, scale, kernel
+        self.pieces = Pieces(mask, q.shape[0], q.shape[2], cp, position)
+        acc = acc_dtype(q.dtype)
+        self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        self.lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+
+    def __call__(self, src: int, block: Tensor) -> None:
+        plan = plan_step(self.pieces(src), self.q.shape[0], self.q.device, self.kernel.varlen_forward is not None,
+                         self.kernel.varlen_bottom_right)
+        band = self.pieces.band
+        for rows, p in plan.dense:
+            out, lse = piece_forward(self.kernel, p, band, self.q[rows, :, p.r0:p.r1],
+                                     block[0][rows, :, p.c0:p.c1], block[1][rows, :, p.c0:p.c1], self.scale)
+            merge(self.out[rows, :, p.r0:p.r1], self.lse[rows, :, p.r0:p.r1], out, lse)
+        for call in plan.varlen:
+            self._varlen(call, block)
+
+    def _varlen(self, call: VarlenCall, block: Tensor) -> None:
+        kv = block.transpose(2, 3)[:, call.k_row, call.k_pos]  # [2, Tk, Hkv, D]
+        out, lse = self.kernel.varlen_forward(_gather(self.q, call.q_row, call.q_pos), kv[0], kv[1], call.cu_q,
+                                              call.cu_k, call.max_q, call.max_k, call.causal, self.scale)
+        out_acc, lse_acc = self.out.transpose(1, 2), self.lse.transpose(1, 2)
+        for a, b in call.rounds:
+            index = (call.q_row[a:b], call.q_pos[a:b])
+            o, m = out_acc[index], lse_acc[index]
+            merge(o, m, out[a:b], lse[:, a:b].t())
+            out_acc[index], lse_acc[index] = o, m
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        return self.out.to(self.q.dtype), self.lse
+
+
+class BackwardStep:
+    """dQ accumulation of one member; returns each block's dK/dV contribution ``[2, B, Hkv, S_c, D]``
+    (zeros, without a kernel call, for a block no local query sees)."""
+
+    def __init__(self, dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, position: int, mask: AttnMask,
+                 cp: int, scale: float, kernel: Kernel) -> None:
+        self.dout, self.q, self.out, self.lse = dout, q, out, lse
+        self.scale, self.kernel = scale, kernel
+        self.pieces = Pieces(mask, q.shape[0], q.shape[2], cp, position)
+        b, h, sq, d = q.shape  # [B, S, H, D] storage: the op's result layout, so no copy at the end
+        self.dq = torch.zeros((b, sq, h, d), dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
+
+    def __call__(self, src: int, block: Tensor) -> Tensor:
+        contrib = torch.zeros(block.shape, dtype=self.dq.dtype, device=block.device)
+        plan = plan_step(self.pieces(src), self.q.shape[0], self.q.device, self.kernel.varlen_backward is not None,
+                         self.kernel.varlen_bottom_right)
+        band = self.pieces.band
+        for rows, p in plan.dense:
+            r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
+            dq, dk, dv = piece_backward(
+                self.kernel, p, band, self.dout[rows, :, r], self.q[rows, :, r], block[0][rows, :, c],
+                block[1][rows, :, c], self.out[rows, :, r], self.lse[rows, :, r], self.scale,
+            )
+            self.dq[rows, :, r].add_(dq)
+            contrib[0, rows, :, c].add_(dk)
+            contrib[1, rows, :, c].add_(dv)
+        for call in plan.varlen:
+            self._varlen(call, block, contrib)
+        return contrib
+
+    def _varlen(self, call: VarlenCall, block: Tensor, contrib: Tensor) -> None:
+        rows = (call.q_row, call.q_pos)
+        kv = block.transpose(2, 3)[:, call.k_row, call.k_pos]  # [2, Tk, Hkv, D]
+        lse = _gather(self.lse, *rows).t().contiguous()  # [H, Tq]
+        dq, dk, dv = self.kernel.varlen_backward(
+            _gather(self.dout, *rows), _gather(self.q, *rows), kv[0], kv[1], _gather(self.out, *rows), lse,
+            call.cu_q, call.cu_k, call.max_q, call.max_k, call.causal, self.scale,
+        )
+        cols = (call.k_row, call.k_pos)
+        self.dq.transpose(1, 2).index_put_(rows, dq.to(self.dq.dtype), accumulate=True)
+        contrib[0].transpose(1, 2).index_put_(cols, dk.to(contrib.dtype), accumulate=True)
+        contrib[1].transpose(1, 2).index_put_(cols, dv.to(contrib.dtype), accumulate=True)

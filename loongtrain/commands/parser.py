@@ -1,0 +1,245 @@
+"""The one parser generator of every ``loongtrain`` command (docs/configuration.md).
+
+A command's options are the fields of its config dataclass, declared with :func:`loongtrain._options.option`.
+:func:`parse` turns them into an argparse parser (one ``--option`` per field, its help line and default, a
+section of ``--help`` where a field says ``group=``) and a TOML reader (``--config FILE``: the same names,
+with ``-`` or ``_``), and returns the values given, flat: field default < TOML file < command line. A field
+whose type is a dataclass (``TrainConfig.parallel``) contributes its own fields as options (``--hp``), with
+the outer default's values; its TOML keys may also sit in a table of its name (``[parallel]``).
+
+Every usage error is a one-line ValueError naming the option and, for a choice, the valid values
+(:class:`OneLineParser`); values from a TOML file are checked against the field's type
+(:func:`~loongtrain._options.check_value`), its choices and its lower bound, with the file and key named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from loongtrain._options import check_fields, check_value, parse_size, read_toml
+
+__all__ = ["OneLineParser", "Option", "build", "build_parser", "check_given", "options", "parse", "read_config"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises ValueError with its one-line message (the option, the value and the expected
+    type or choices) instead of printing the whole usage and exiting 2. ``--help`` still exits 0."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        raise ValueError(f"{message} (run `{self.prog} --help` for the options)")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: the field, its type, its default (the outer default's value for a nested field) and the
+    nested field it sits in (``""``: the config's own)."""
+
+    field: dataclasses.Field
+    kind: Any
+    default: Any
+    parent: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        return self.field.metadata.get(key, default)
+
+
+def _value_type(kind: Any) -> Any:
+    """``X`` of ``X | None``; else ``kind``."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return next(k for k in typing.get_args(kind) if k is not type(None))
+    return kind
+
+
+def options(cls: type) -> list[Option]:
+    """The options of config dataclass ``cls``, in ``--help`` order: its fields, each nested dataclass field
+    replaced by its own (or those its ``only=`` names)."""
+    hints = typing.get_type_hints(cls)
+    out: list[Option] = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
+        if dataclasses.is_dataclass(kind):
+            inner = typing.get_type_hints(kind)
+            only = f.metadata.get("only")
+            for g in dataclasses.fields(kind):
+                if only is None or g.name in only:
+                    out.append(Option(g, inner[g.name], getattr(default, g.name), f.name))
+            continue
+        out.append(Option(f, kind, default))
+    return out
+
+
+def _list_of(item: Callable[[str], Any], name: str) -> Callable[[str], tuple]:
+    def parse_list(text: str) -> tuple:
+        try:
+            return tuple(item(part.strip()) for part in str(text).split(",") if part.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{name} {text!r}: {exc}") from None
+
+    return parse_list
+
+
+def _size(name: str) -> Callable[[str], int]:
+    def size(text: str) -> int:
+        try:
+            return parse_size(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return size
+
+
+def _converter(opt: Option) -> Callable[[str], Any]:
+    """The command-line text of ``opt`` -> its value."""
+    kind = opt.meta("kind") or _value_type(opt.kind)
+    if typing.get_origin(kind) is tuple:
+        (item,) = {k for k in typing.get_args(kind) if k is not Ellipsis}
+        item_parse = _size(opt.flag) if opt.meta("size") else item
+        return _list_of(item_parse, opt.flag)
+    return _size(opt.name) if opt.meta("size") else kind
+
+
+def _help(opt: Option) -> str:
+    text = opt.meta("help", "")
+    shown = opt.default not in (dataclasses.MISSING, None, "", ())
+    return text + (f" (default: {_shown(opt.default)})" if shown else "")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value)
+    return repr(value)
+
+
+def build_parser(cls: type, prog: str, description: str) -> OneLineParser:
+    """The argparse parser of config ``cls`` (defaults suppressed in the namespace, so only the options given
+    on the command line override the TOML file)."""
+    parser = OneLineParser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
+                           allow_abbrev=False)
+    parser.add_argument("--config", metavar="FILE", help="TOML file setting any of the options below (the same "
+                        "names, with - or _); the command line wins")
+    group: Any = parser
+    for opt in options(cls):
+        if opt.meta("command_line", True) is False:
+            continue
+        if opt.meta("group"):
+            group = parser.add_argument_group(opt.meta("group"))
+        kind = _value_type(opt.kind)
+        common: dict[str, Any] = {"dest": opt.name, "help": _help(opt)}
+        if opt.meta("positional"):
+            nargs = "*" if typing.get_origin(kind) is tuple else None
+            group.add_argument(opt.name, metavar=opt.meta("metavar", opt.name.upper()), nargs=nargs,
+                               type=_converter(opt) if nargs is None else str, help=common["help"],
+                               **({} if opt.default is dataclasses.MISSING else {"default": argparse.SUPPRESS}))
+            continue
+        if opt.default is dataclasses.MISSING:
+            common["required"] = True
+        if kind is bool:
+            group.add_argument(opt.flag, action=argparse.BooleanOptionalAction, **common)
+            continue
+        extra: dict[str, Any] = {"metavar": opt.meta("metavar", opt.name.upper())}
+        if opt.meta("const") is not None:
+            extra.update(nargs="?", const=opt.meta("const"))
+        if opt.meta("choices") and typing.get_origin(kind) is not tuple:
+            extra.update(choices=opt.meta("choices"), metavar=opt.meta("metavar"))
+        group.add_argument(opt.flag, type=_converter(opt), **common, **extra)
+    return parser
+
+
+def read_config(path: str, cls: type, tables: Sequence[str] = ()) -> dict[str, Any]:
+    """The options of TOML file ``path`` as flat values of config ``cls``, types checked. Keys may sit at the top
+    or in a table named in ``tables`` or after a nested field (``[parallel]``); a field with ``toml_table=T``
+    also takes a table of ``T``'s fields. ValueError naming the file and the key otherwise."""
+    where = f"config file {str(path)!r}"
+    data = read_toml(path)
+    by_name = {opt.name: opt for opt in options(cls)}
+    nested = {opt.parent for opt in by_name.values() if opt.parent}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if isinstance(value, dict) and (name in tables or name in nested):
+            flat.update({k: v for k, v in value.items()})
+        else:
+            flat[key] = value
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        name = key.replace("-", "_")
+        opt = by_name.get(name)
+        if opt is None:
+            raise ValueError(f"{where}: unknown option {key!r}; valid: {sorted(by_name)}")
+        table = opt.meta("toml_table")
+        if table is not None and isinstance(value, dict):
+            values = check_fields(f"{where}: [{key}]", value, table)
+            try:
+                out[name] = table(**values)
+            except ValueError as exc:
+                raise ValueError(f"{where}: [{key}]: {exc}") from None
+            continue
+        kind = opt.meta("kind") or opt.kind
+        if opt.meta("size") and isinstance(value, str):
+            value = parse_size(value, name)
+        elif typing.get_origin(_value_type(kind)) is tuple and isinstance(value, str):
+            value = _converter(opt)(value)
+        out[name] = check_value(where, key, value, kind)
+    return out
+
+
+def check_given(cls: type, values: Mapping[str, Any]) -> None:
+    """Choices and lower bounds of the given ``values`` (the same messages for a TOML file as for the command
+    line); ValueError naming the option."""
+    for opt in options(cls):
+        value = values.get(opt.name)
+        if value is None:
+            continue
+        low, allowed = opt.meta("at_least"), opt.meta("choices")
+        if low is not None and value < low:
+            raise ValueError(f"{opt.flag}={value} must be >= {low}")
+        items = value if isinstance(value, tuple) else (value,)
+        if allowed and any(v not in allowed for v in items):
+            raise ValueError(f"{opt.flag}={value!r} is not one of {list(allowed)}")
+
+
+def parse(cls: type, argv: Sequence[str], prog: str, description: str, tables: Sequence[str] = ()) -> dict[str, Any]:
+    """The options given on the command line ``argv`` (and in the TOML file its ``--config`` names) as flat
+    values of config ``cls``; ``--help`` exits 0 (SystemExit). ValueError on bad input."""
+    given = vars(build_parser(cls, prog, description).parse_args(list(argv)))
+    path = given.pop("config", None)
+    values = read_config(path, cls, tables) if path is not None else {}
+    values.update(given)
+    check_given(cls, values)
+    return values
+
+
+def build(cls: type, values: Mapping[str, Any]) -> Any:
+    """An instance of config ``cls`` from flat ``values``: each nested dataclass field is its default with the
+    given fields of it replaced. ValueError for a value the dataclass refuses."""
+    by_name = {opt.name: opt for opt in options(cls)}
+    own: dict[str, Any] = {}
+    inner: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        parent = by_name[name].parent
+        (inner.setdefault(parent, {}) if parent else own)[name] = value
+    defaults = {f.name: f for f in dataclasses.fields(cls)}
+    for parent, given in inner.items():
+        f = defaults[parent]
+        start = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        own[parent] = dataclasses.replace(start, **given)
+    try:
+        return cls(**own)
+    except TypeError as exc:
+        raise ValueError(f"invalid option: {exc}") from None
