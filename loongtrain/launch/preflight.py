@@ -9,11 +9,12 @@ exits 2 within seconds instead of failing inside the workers. It checks:
   already holds checkpoints needs ``--resume`` (continue) or ``--overwrite`` (start afresh);
 - the corpus (and ``--val-corpus``), each corpus of a mixture (weights parse, >= 0, one > 0): a raw
   corpus exists, is text (every ``.jsonl`` line a JSON object with a string ``text`` field; a corpus of
-  more than :data:`SAMPLE_ALL_BYTES` is checked on a sample, the reader still checks every byte), and
-  holds at least ``seq_len + 1`` tokens (one sample); a prepared directory has a manifest of a format
-  this version reads, made with the run's tokenizer, whose counts its files agree with, and its files
-  pass the quick size + sampled-digest check (:func:`loongtrain.data.prepared.verify_prepared`); with
-  ``--val-fraction`` the training part holds a sample too;
+  more than :data:`loongtrain.data.checks.SAMPLE_ALL_BYTES` is checked on a sample, the reader still
+  checks every byte), and holds at least ``seq_len + 1`` tokens (one sample); a prepared directory has a
+  manifest of a format this version reads, made with the run's tokenizer, whose counts its files agree
+  with, and its files pass the quick size + sampled-digest check
+  (:func:`loongtrain.data.prepared.verify_prepared`); with ``--val-fraction`` the training part holds a
+  sample too (:mod:`loongtrain.data.checks`);
 - validation (:func:`loongtrain.train.validation.check_validation`): held-out data smaller than one
   global batch is an error; ``--val-batches`` more than it holds, a ``--val-interval`` longer than
   the run, a ``--val-corpus`` that is the training corpus are one-line warnings;
@@ -44,10 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from loongtrain._files import check_output, foreign_entries
-from loongtrain.data.corpus import FilesCorpus, build_corpus, non_text_chars, sample_documents
-from loongtrain.data.packing import TokenStream
-from loongtrain.data.prepared import check_prepared, is_prepared_dir, tokenizer_identity
-from loongtrain.data.sources import corpus_identity, identity_change, open_stream, parse_corpus_spec
+from loongtrain.data.checks import check_corpora
+from loongtrain.data.prepared import tokenizer_identity
+from loongtrain.data.sources import corpus_identity, identity_change, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.rope_scaling import rope_change
 from loongtrain.train.checkpoint import (
@@ -164,114 +164,10 @@ def check_init_from(cfg: TrainConfig) -> TrainConfig:
 
 
 def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
-    """Every corpus of ``--corpus`` and ``--val-corpus`` (each part of a mixture) can be read and holds one
-    sample of ``seq_len + 1`` tokens (with ``--val-fraction``, the training part of each ``--corpus``
-    too); a raw one is text (:func:`check_text`), a prepared one matches ``tokenizer``, its counts its
-    files, and passes its quick checksum check (:func:`loongtrain.data.prepared.check_prepared`)."""
-    for flag, spec in (("--corpus", cfg.corpus), ("--val-corpus", cfg.val_corpus)):
-        if not spec:
-            continue
-        try:
-            parts = parse_corpus_spec(spec)
-        except ValueError as exc:
-            raise ValueError(f"{flag} {spec!r}: {exc}") from None
-        for name, _ in parts:
-            where = f"{flag} {spec!r}" if name == spec else f"{flag} {spec!r}, corpus {name!r}"
-            if is_prepared_dir(name):
-                try:
-                    check_prepared(name, tokenizer, cfg.seq_len + 1)
-                except ValueError as exc:
-                    raise ValueError(f"{where}: {exc}") from None
-            else:
-                check_raw_corpus(name, tokenizer, cfg.seq_len, where, cfg.decode_errors)
-            if flag == "--corpus" and cfg.val_fraction:
-                _check_training_part(cfg, name, tokenizer, where)
-
-
-def _check_training_part(cfg: TrainConfig, name: str, tokenizer: Tokenizer, where: str) -> None:
-    """The documents ``--val-fraction`` leaves for training hold one sample."""
-    need = cfg.seq_len + 1
-    try:
-        have = open_stream(name, tokenizer, val_fraction=cfg.val_fraction, seed=cfg.seed, part="train",
-                           decode_errors=cfg.decode_errors).ensure(need)
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    if have < need:
-        raise ValueError(f"{where}: --val-fraction {cfg.val_fraction} leaves {have} tokens for training; one "
-                         f"sample needs --seq-len + 1 = {need} (lower --val-fraction)")
-
-
-#: a raw corpus of up to this many bytes is read whole by the preflight; a larger one is sampled
-#: (:func:`loongtrain.data.corpus.sample_documents`; the reader still checks every byte as it reads)
-SAMPLE_ALL_BYTES = 64 << 20
-
-
-def check_raw_corpus(spec: str, tokenizer: Tokenizer, seq_len: int, where: str, decode_errors: str = "strict") -> None:
-    """A raw corpus can be read as text (every document of its files, or a sample of a large one) and
-    holds at least ``seq_len + 1`` tokens."""
-    try:
-        corpus = build_corpus(spec, decode_errors=decode_errors)
-    except (ImportError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    need = seq_len + 1
-    if isinstance(corpus, FilesCorpus) and spec != "stdlib":
-        size = sum(f.stat().st_size for f in corpus.files)
-        if not size:
-            raise ValueError(f"{where} is empty (every file has 0 bytes)")
-        sampled = size > SAMPLE_ALL_BYTES
-        if check_text(corpus, tokenizer, where, decode_errors, sample=sampled, need=need) >= need:
-            return  # the sample alone holds a sample's tokens
-    try:
-        have = TokenStream(corpus, tokenizer).ensure(need)
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    if have < need:
-        raise ValueError(f"{where} holds {have} tokens; one sample needs --seq-len + 1 = {need}")
-
-
-#: a corpus whose first characters are more than this share control characters or U+FFFD gets a warning
-NON_TEXT_WARNING = 0.3
-_SAMPLE_CHARS = 1 << 22
-
-
-def check_text(corpus: FilesCorpus, tokenizer: Tokenizer, where: str, decode_errors: str = "strict", *,
-               sample: bool = False, need: int = 0) -> int:
-    """Read every document of a files corpus once (every line of every file is decoded and parsed, so a
-    bad byte or line anywhere is found now), or with ``sample`` the documents of
-    :func:`~loongtrain.data.corpus.sample_documents`: ValueError when no document holds a token; a warning
-    when the first 4 Mi characters read are mostly control characters or replaced bytes (U+FFFD). Returns
-    the tokens (EOS included) counted in a sample, up to about ``need`` (0 without ``sample``)."""
-    def read(errors: str):
-        if sample:
-            return sample_documents(corpus.files, corpus.text_field, errors)
-        return FilesCorpus(corpus.files, corpus.name, corpus.text_field, decode_errors=errors)
-
-    has_tokens, tokens = False, 0
-    try:
-        for doc in read(decode_errors):
-            if sample and tokens < need:
-                count = len(tokenizer.encode(doc))
-                tokens, has_tokens = tokens + count + 1, has_tokens or count > 0
-            elif not has_tokens and doc:
-                has_tokens = len(tokenizer.encode(doc[:4096])) > 0
-        sampled = non_text = 0  # the share of non-text, whatever --decode-errors drops or replaces
-        for doc in read("replace"):
-            part = doc[: _SAMPLE_CHARS - sampled]
-            sampled, non_text = sampled + len(part), non_text + non_text_chars(part)
-            if sampled >= _SAMPLE_CHARS:
-                break
-    except (ValueError, OSError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    if not has_tokens:
-        raise ValueError(f"{where}: its documents hold no tokens (every document is empty after tokenization "
-                         f"with {tokenizer.name!r})")
-    if sampled and non_text / sampled > NON_TEXT_WARNING:
-        log.warning("%s: %.0f%% of its first %d characters are control characters or undecodable bytes "
-                    "(U+FFFD): is it text?", where, 100 * non_text / sampled, sampled)
-    if decode_errors != "strict":
-        log.info("%s, --decode-errors %s: bytes that are not UTF-8 are %s", where, decode_errors,
-                 "replaced by U+FFFD" if decode_errors == "replace" else "dropped")
-    return tokens
+    """The run's ``--corpus`` and ``--val-corpus`` can be read and hold a sample each
+    (:func:`loongtrain.data.checks.check_corpora`)."""
+    check_corpora(cfg.corpus, cfg.val_corpus, tokenizer, cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed,
+                  decode_errors=cfg.decode_errors)
 
 
 def data_identity(cfg: TrainConfig, tokenizer: Tokenizer) -> dict[str, Any]:
