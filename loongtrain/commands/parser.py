@@ -191,27 +191,32 @@ def read_config(path: str, cls: type, tables: Sequence[str] = ()) -> dict[str, A
                 raise ValueError(f"{where}: [{key}]: {exc}") from None
             continue
         kind = opt.meta("kind") or opt.kind
-        if opt.meta("size") and isinstance(value, str):
-            value = parse_size(value, name)
-        elif typing.get_origin(_value_type(kind)) is tuple and isinstance(value, str):
-            value = _converter(opt)(value)
+        try:
+            if opt.meta("size") and isinstance(value, str):
+                value = parse_size(value, name)
+            elif typing.get_origin(_value_type(kind)) is tuple and isinstance(value, str):
+                value = _converter(opt)(value)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
         out[name] = check_value(where, key, value, kind)
+    check_given(cls, out, where)
     return out
 
 
-def check_given(cls: type, values: Mapping[str, Any]) -> None:
-    """Choices and lower bounds of the given ``values`` (the same messages for a TOML file as for the command
-    line); ValueError naming the option."""
+def check_given(cls: type, values: Mapping[str, Any], where: str = "") -> None:
+    """Choices and lower bounds of the given ``values`` (the same messages for a TOML file, named by ``where``,
+    as for the command line); ValueError naming the option."""
+    prefix = f"{where}: " if where else ""
     for opt in options(cls):
         value = values.get(opt.name)
         if value is None:
             continue
         low, allowed = opt.meta("at_least"), opt.meta("choices")
         if low is not None and value < low:
-            raise ValueError(f"{opt.flag}={value} must be >= {low}")
+            raise ValueError(f"{prefix}{opt.flag}={value} must be >= {low}")
         items = value if isinstance(value, tuple) else (value,)
         if allowed and any(v not in allowed for v in items):
-            raise ValueError(f"{opt.flag}={value!r} is not one of {list(allowed)}")
+            raise ValueError(f"{prefix}{opt.flag}={value!r} is not one of {list(allowed)}")
 
 
 def parse(cls: type, argv: Sequence[str], prog: str, description: str, tables: Sequence[str] = ()) -> dict[str, Any]:
@@ -219,9 +224,9 @@ def parse(cls: type, argv: Sequence[str], prog: str, description: str, tables: S
     values of config ``cls``; ``--help`` exits 0 (SystemExit). ValueError on bad input."""
     given = vars(build_parser(cls, prog, description).parse_args(list(argv)))
     path = given.pop("config", None)
+    check_given(cls, given)
     values = read_config(path, cls, tables) if path is not None else {}
     values.update(given)
-    check_given(cls, values)
     return values
 
 
