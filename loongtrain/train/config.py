@@ -79,7 +79,7 @@ class TrainConfig:
                         "with --seq-len-stages, its longest length", size=True)
     seq_len_stages: str = option(
         "", "train in stages of increasing length: LENGTH:STEPS,... e.g. 8K:1000,32K:400,128K:100 (--steps is "
-        "their sum; every length must suit the layout; docs/launching.md)")
+        "their sum; every length must suit the layout; docs/context-extension.md#seq-len-stages)")
     stage_tokens: str = option(
         "constant", "with --seq-len-stages: constant (every stage keeps the first stage's tokens per step: "
         "fewer sequences per micro-step or fewer micro-steps as the length grows) or free (every stage "
@@ -119,7 +119,7 @@ class TrainConfig:
     nproc: int = option(0, group="processes", help="local worker processes to spawn (0: CUDA device count, or "
                         "hp*cp without GPUs); ignored under torchrun")
     plan: str = option("", "'auto': let the planner (loongtrain plan) choose hp, cp, inner_ring, placement, zero and "
-                     "ac-mode for this world size and seq-len, overriding those options")
+                     "recompute for this world size and seq-len, overriding those options")
     cluster: str = option("auto", "cluster for --plan auto: a preset (a100, h100, h200), a TOML path, or "
                              "auto (the CUDA device's preset; on CPU this machine, measured)")
     threads: int = option(0, "torch threads per worker (0: 1 when several CPU workers share a machine)")

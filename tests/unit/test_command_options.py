@@ -126,7 +126,7 @@ def test_only_commands_build_parsers():
 def test_no_second_names_or_shims():
     texts = {str(p.relative_to(ROOT)): p.read_text() for p in _modules()}
     assert not [n for n, t in texts.items() if "DeprecationWarning" in t]
-    assert not [n for n, t in texts.items() if "§" in t], "cite docs/FILE.md#heading, not a section number"
+    assert not [n for n, t in texts.items() if "§" in t], "cite a docs file and its heading, not a section number"
     old = ("ac_mode", "ac_fraction", "plan_cluster", "chunk_layout", "seq_len_schedule", "schedule_tokens")
     for name, text in texts.items():
         tree = ast.parse(text)
