@@ -7,7 +7,7 @@ adapted module, :func:`loongtrain.model.lora.adapter_params`), ``A_l`` a layer's
   m, v: ``(4 * P + 16 * A) / z`` instead of ``16 * P / z`` (:func:`state_bytes`), gradients ``4 * A / z``.
 - **working_params**: FSDP2 gathers the same weights; the unsharded gradient of a block is its adapters'
   (``A_l``), the root has none.
-- **activations** (:func:`layer_bytes`, per token per layer, the change to ``a_b``): a frozen projection keeps
+- **activations** (:func:`lora_layer_bytes`, per token per layer, the change to ``a_b``): a frozen projection keeps
   no input for a weight gradient, so the MLP's norm output (the input of ``gate_proj`` / ``up_proj``; under
   autocast, one bf16 cast per projection) is kept only when an adapter reads it, and SwiGLU's product (the
   input of ``down_proj``) only when ``down_proj`` is adapted; every adapter keeps its ``A x`` (``r`` values in
@@ -45,7 +45,7 @@ def layer_adapter_params(model: ModelConfig, lora: LoraConfig | None) -> int:
     return adapter_params(model, lora) // model.num_layers if lora is not None else 0
 
 
-def layer_bytes(model: ModelConfig, lora: LoraConfig | None, dtype_bytes: int, sharded: bool,
+def lora_layer_bytes(model: ModelConfig, lora: LoraConfig | None, dtype_bytes: int, sharded: bool,
                 tiles: int) -> tuple[float, float]:
     """``(attention part, MLP part)``: the change LoRA makes to the bytes a layer keeps per token without
     checkpointing (module docstring; both 0 without LoRA). ``sharded``: bf16 through FSDP2's gathered weights

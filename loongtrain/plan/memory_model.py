@@ -82,7 +82,13 @@ from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.model.lora import LoraConfig, adapter_shapes
 from loongtrain.parallel.config import RECOMPUTE_MODES, ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.layout import Layout
-from loongtrain.plan import lora_terms
+from loongtrain.plan.lora_terms import (
+    adapts_attention,
+    layer_adapter_params,
+    lora_layer_bytes,
+    product_bytes,
+    state_bytes,
+)
 
 STATE_BYTES_PER_PARAM = 16
 #: fp32 temporaries of one parameter that torch's single-tensor AdamW step (``foreach=False``) holds at once
@@ -106,9 +112,9 @@ def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharde
     """``a_b``: bytes saved per token per layer without checkpointing (module docstring); ``sharded``:
     bf16 through FSDP2's gathered weights rather than autocast; ``mlp_tiles``: SwiGLU's intermediates
     exist for one tile of the sequence at a time; ``lora``: the frozen base's and the adapters' change
-    (:func:`loongtrain.plan.lora_terms.layer_bytes`)."""
+    (:func:`loongtrain.plan.lora_terms.lora_layer_bytes`)."""
     return _base_layer_bytes(model, hp, dtype_bytes, sharded, mlp_tiles) + sum(
-        lora_terms.layer_bytes(model, lora, dtype_bytes, sharded, mlp_tiles))
+        lora_layer_bytes(model, lora, dtype_bytes, sharded, mlp_tiles))
 
 
 def _base_layer_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharded: bool, mlp_tiles: int) -> float:
@@ -146,7 +152,7 @@ def working_param_bytes(model: ModelConfig, zero_size: int, recompute: str, dtyp
         root = head * (1 if model.tie_embeddings else 2) + d
         in_flight = 2 if reshard_after_forward else L
         grad = w + 4 if w < 4 else w
-        trained = max(p_l, root) if lora is None else lora_terms.layer_adapter_params(model, lora)
+        trained = max(p_l, root) if lora is None else layer_adapter_params(model, lora)
         return float(w * (in_flight * p_l + root) + grad * trained)
     if dtype_bytes < 4:
         return float(dtype_bytes * ((L if recompute == "none" else 1) * p_l + head))
@@ -159,7 +165,7 @@ def mlp_part_bytes(model: ModelConfig, dtype_bytes: int, sharded: bool, tiles: i
     output when untiled; ``lora``: what its frozen MLP and adapters keep): the rest is the attention's."""
     b, d, f = dtype_bytes, model.dim, model.ffn_dim
     return (d * residual_bytes(b, sharded) + 4 * f * b / tiles + (d * b if tiles == 1 else 0)
-            + lora_terms.layer_bytes(model, lora, b, sharded, tiles)[1])
+            + lora_layer_bytes(model, lora, b, sharded, tiles)[1])
 
 
 def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,
@@ -187,7 +193,7 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
     attention = (full_layer - t * mlp_part + t * (d * r + d * b) + results
                  + backward_workspace_bytes(t, model.num_heads, he, model.head_dim, b, layout.cp))
     swiglu_grads = 3 * f * b / tiles if tiles > 1 else 2 * f * b
-    swiglu_grads += lora_terms.product_bytes(model, lora, b, tiles)  # --lora: as high without the product kept
+    swiglu_grads += product_bytes(model, lora, b, tiles)  # --lora: as high without the product kept
     return {"mlp": full_layer + t * (2 * d * r + swiglu_grads), "attention": attention}
 
 
@@ -228,7 +234,7 @@ def memory_per_rank(
     r = residual_bytes(b, sharded)
     if recompute == "none":
         acts, rebuilt = L * full_layer, 0.0
-        if lora is not None and not lora_terms.adapts_attention(model, lora):  # no gradient reaches the first
+        if lora is not None and not adapts_attention(model, lora):  # no gradient reaches the first
             acts -= full_layer - t * mlp_part_bytes(model, b, sharded, tiles, lora)  # block's attention: it keeps none
     elif recompute == "full":
         acts, rebuilt = L * t * d * r, full_layer
@@ -251,7 +257,7 @@ def memory_per_rank(
     workspace = max(moments["mlp"], moments["attention"]) - full_layer
     working = working_param_bytes(model, zero_size, recompute, b, reshard_after_forward, gathered=sharded, lora=lora)
     states, grads = ((STATE_BYTES_PER_PARAM * p, 4.0 * p) if lora is None
-                     else lora_terms.state_bytes(model, lora, p))
+                     else state_bytes(model, lora, p))
     parts = {
         "states": states / zero_size,
         "working_params": float(working),

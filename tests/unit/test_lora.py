@@ -184,3 +184,22 @@ def test_planner_matches_the_simulation_with_lora(world, modes, seq, lora):
     assert simulated.parts["optstate"] <= 16 * adapter_params(WIDE, parse_lora(lora))  # AdamW's m, v: adapters'
     if parallel.offload_activations:
         assert predicted["host"] == pytest.approx(simulated.host_bytes, rel=1e-6)  # AdamW's step counters aside
+
+
+@pytest.mark.parametrize("world, modes", [
+    (4, {"hp": 2, "cp": 2, "zero": "full", "recompute": "selective"}),
+    (4, {"hp": 2, "cp": 2, "zero": "full", "recompute": "full", "offload_activations": True, "offload_params": True,
+         "mlp_tiles": "2"}),
+], ids=["zero", "zero-offload-tiles"])
+def test_simulation_of_a_lora_step_matches_real_tensors(world, modes):
+    """The bf16 step (FSDP2 gathering bf16 weights, frozen base and adapters in one group) on real CPU tensors as
+    one rank of four (torch's fake process group), against the same step under fake tensors."""
+    from loongtrain.train.simulate import simulate_step
+
+    small = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=192)
+    parallel = ParallelConfig(**modes)
+    kw = dict(seq_len=512, dtype="bf16", lora="r=4,targets=all-linear")
+    fake, real = (simulate_step(small, parallel, world, fake=f, **kw) for f in (True, False))
+    assert real.parts["activation"] > 0 and real.parts["optstate"] <= 16 * adapter_params(small, parse_lora(kw["lora"]))
+    assert abs(fake.peak_bytes - real.peak_bytes) <= 0.05 * real.peak_bytes, (fake, real)
+    assert abs(fake.host_bytes - real.host_bytes) <= 0.05 * real.host_bytes, (fake, real)
