@@ -66,7 +66,7 @@ from loongtrain.train.checkpoint import (
 )
 from loongtrain.train.config import TrainConfig
 from loongtrain.train.lora_base import check_base
-from loongtrain.train.model_setup import build_run_tokenizer, hf_model_dir, tokenizer_spec
+from loongtrain.train.model_setup import build_run_tokenizer, hf_model_dir, model_config_for, tokenizer_spec
 from loongtrain.train.validation import check_validation
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
@@ -215,8 +215,11 @@ def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = N
         return dataclasses.replace(cfg, resume="")
     state = verify_checkpoint(path)
     check_compatible(cfg, world, state, path)
-    check_base(state, str(path))  # --lora: the base the adapters trained on is still there, unchanged
-    check_same_data(cfg, tokenizer or build_run_tokenizer(cfg), state, path)
+    tokenizer = tokenizer or build_run_tokenizer(cfg)
+    if state.get("lora"):  # --lora: the base the adapters trained on is still there, unchanged
+        preset = hf_model_dir(cfg.model) is None  # a preset: the shape this run builds
+        check_base(state, str(path), model_config_for(cfg, tokenizer) if preset else None)
+    check_same_data(cfg, tokenizer, state, path)
     return dataclasses.replace(cfg, resume=str(path))
 
 

@@ -17,6 +17,7 @@ launcher, ``export``), ValueError naming what changed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -74,15 +75,18 @@ def base_directory(record: dict[str, Any]) -> Path | None:
     return Path(base["directory"]) if base["kind"] == "hf" else None
 
 
-def check_base(state: dict[str, Any], where: str) -> None:
+def check_base(state: dict[str, Any], where: str, present: ModelConfig | None = None) -> None:
     """ValueError naming the checkpoint ``where`` when its LoRA base is no longer the one it trained on (gone,
-    or its files changed); nothing for a checkpoint without adapters."""
+    or its files changed; a preset: ``present``, the shape the run builds now, when given, else the recorded
+    one); nothing for a checkpoint without adapters."""
     record = state.get("lora")
     if not record:
         return
     base = record["base"]
     if base["kind"] == "preset":
-        now = preset_identity(state.get("model_config"), base["seed"])
+        shape = state.get("model_config") if present is None else json.loads(json.dumps(
+            dataclasses.asdict(present), default=str))
+        now = preset_identity(shape, base["seed"])
         if now != base["identity"]:
             raise ValueError(f"checkpoint {where!r}: its LoRA base, preset {base['model']!r} with seed {base['seed']}, "
                              f"has another shape now than it trained on (identity {base['identity']} then, {now} now)")

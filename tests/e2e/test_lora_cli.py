@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -72,8 +73,6 @@ def test_bad_lora_exits_2_before_any_worker(model, lora, message, hf_dir, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert err.startswith("loongtrain train: error: ")
-    import re
-
     assert re.search(message, err), err
 
 

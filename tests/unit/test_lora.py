@@ -203,3 +203,24 @@ def test_simulation_of_a_lora_step_matches_real_tensors(world, modes):
     assert real.parts["activation"] > 0 and real.parts["optstate"] <= 16 * adapter_params(small, parse_lora(kw["lora"]))
     assert abs(fake.peak_bytes - real.peak_bytes) <= 0.05 * real.peak_bytes, (fake, real)
     assert abs(fake.host_bytes - real.host_bytes) <= 0.05 * real.host_bytes, (fake, real)
+
+
+def test_a_preset_base_of_another_shape_is_refused():
+    import dataclasses
+
+    from loongtrain.train.lora_base import base_record, check_base
+
+    cfg = TrainConfig(lora="r=4")
+    state = {"model_config": json_record(NATIVE), "lora": base_record(cfg, {"model_config": json_record(NATIVE)})}
+    check_base(state, "ckpt", NATIVE)  # the same shape: fine
+    with pytest.raises(ValueError, match="checkpoint 'ckpt': its LoRA base, preset 'tiny' with seed 0, has another "
+                                         "shape now than it trained on"):
+        check_base(state, "ckpt", dataclasses.replace(NATIVE, norm_eps=1e-6))
+
+
+def json_record(config: ModelConfig) -> dict:
+    """A ModelConfig as a checkpoint's trainer_state.json holds it."""
+    import dataclasses
+    import json
+
+    return json.loads(json.dumps(dataclasses.asdict(config), default=str))
