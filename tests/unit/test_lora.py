@@ -224,3 +224,20 @@ def json_record(config: ModelConfig) -> dict:
     import json
 
     return json.loads(json.dumps(dataclasses.asdict(config), default=str))
+
+
+def test_dropout_drops_in_training_only():
+    batch = global_batch(0, 1, SEQ, NATIVE.vocab_size, seed=1)
+    values = {}
+    for dropout in (0.0, 0.5):
+        cfg = TrainConfig(seq_len=SEQ, dtype="fp64", memory_report=False, parallel=ParallelConfig(),
+                          lora=f"r=4,alpha=8,dropout={dropout},targets=q_proj,up_proj")
+        trainer = Trainer(Run(cfg, NATIVE), single_process_mesh(), torch.device("cpu"), batches=lambda *a: iter(()))
+        set_adapters(trainer.model)
+        trainer.model.train()
+        values[dropout, "train"] = float(trainer.loss(batch)[1])
+        trainer.model.eval()
+        with torch.no_grad():
+            values[dropout, "eval"] = float(trainer.loss(batch)[1])
+    assert values[0.5, "eval"] == values[0.0, "eval"] == values[0.0, "train"]
+    assert abs(values[0.5, "train"] - values[0.0, "train"]) > 1e-6
