@@ -56,7 +56,7 @@ def gpu(monkeypatch):
 LONGEST_FIRST = ("test_nodes.py", "test_simulate.py", "test_hf.py", "test_faults.py", "test_launch.py",
                  "test_documents.py", "test_compile.py", "test_compile_dist.py", "test_memory_model.py",
                  "test_hf_train.py", "test_gpu_check.py", "test_attention_dist.py", "test_benchmarks_smoke.py",
-                 "test_documents_dist.py", "test_bad_inputs.py")
+                 "test_documents_dist.py", "test_lora_dist.py", "test_bad_inputs.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

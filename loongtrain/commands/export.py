@@ -1,6 +1,6 @@
 """``loongtrain export CHECKPOINT --hf OUT``: a training checkpoint as a Hugging Face model directory
-(:func:`loongtrain.train.export.export_checkpoint`; docs/hf-models.md). Exit codes: 0 written, 2 bad input
-(one line), 1 a full disk, 130 / 143 Ctrl-C / SIGTERM (the target left as it was)."""
+(:func:`loongtrain.train.export.export_checkpoint`; docs/hf-models.md; a LoRA run's adapters: docs/lora.md).
+Exit codes: 0 written, 2 bad input (one line), 1 a full disk, 130 / 143 Ctrl-C / SIGTERM (the target left as it was)."""
 
 from __future__ import annotations
 
@@ -38,8 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
         out = export_checkpoint(cfg.checkpoint, cfg.hf, dtype=TORCH_DTYPES.get(cfg.dtype), overwrite=cfg.overwrite)
         tokenizer = [name for name in TOKENIZER_NAMES if (out / name).is_file()]
+        lora = [f"{out / name}/" for name in ("adapter", "base") if (out / name).is_dir()]
         print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}"
-              + (f" and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else ""))
+              + (f" and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else "")
+              + (f"; LoRA: the merged model, and {' and '.join(lora)} (PEFT's adapter; the base)" if lora else ""))
 
     return guarded("export", body)
 

@@ -10,7 +10,9 @@
   checkpoint: :func:`~loongtrain.train.model_setup.model_from_record` (whole, on CPU), then
   :func:`~loongtrain.parallelize.compose.parallelize` (2D-Attention, FSDP2 with ``--zero``), then the
   weights read with ``torch.distributed.checkpoint`` into whatever shards the rank holds (any training
-  layout). A Hugging Face directory: the trainer's own builder.
+  layout). A LoRA checkpoint (docs/lora.md): its base rebuilt and checked unchanged
+  (:mod:`loongtrain.train.lora_base`), the adapters applied by ``parallelize`` and read from the checkpoint.
+  A Hugging Face directory: the trainer's own builder.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from loongtrain.parallelize.zero import uses_zero
 from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
 from loongtrain.train.export import checkpoint_model_record
+from loongtrain.train.lora_base import build_base, check_base
 from loongtrain.train.model_setup import model_from_record
 
 log = logging.getLogger("loongtrain.eval")
@@ -58,6 +61,7 @@ def resolve_model(model: str) -> ModelSource:
         checkpoint = find_checkpoint(path)  # complete checkpoints only
         state = verify_checkpoint(checkpoint)  # every file against its checksum: the bad one is named here
         run = TrainConfig.from_dict(state.get("config") or {})
+        check_base(state, str(checkpoint))  # a LoRA checkpoint's base: still the one it trained on
         return ModelSource("checkpoint", checkpoint, run, checkpoint_model_record(state))
     if path.is_dir() and (path / "config.json").is_file():
         if not any(path.glob("*.safetensors")):
@@ -103,6 +107,11 @@ def build_model(source: ModelSource, cfg: TrainConfig, mesh: Mesh, device: torch
         from loongtrain.train.model_setup import build_model as build_trained
 
         model = build_trained(model_config(source), cfg, mesh, device, fsdp_dtype)
+    elif source.record.get("lora"):  # the base, then the adapters on it (only they are in the checkpoint)
+        model = build_base(source.record).to(param_dtype(cfg))
+        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_dtype,
+                            lora=source.run.lora_config(), seed=source.run.seed)
+        load_model_weights(source.path, model)
     else:
         model = model_from_record(source.record, param_dtype(cfg))
         model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_dtype)

@@ -181,6 +181,15 @@ def _name_map(config: ModelConfig) -> dict[str, str]:
     return names
 
 
+def native_module_name(module: str, config: ModelConfig) -> str:
+    """The ``LlamaForCausalLM`` name of a linear module of ``Transformer(config)`` (``layers.0.attention.wq`` ->
+    ``model.layers.0.self_attn.q_proj``), by the weight mapping above; ValueError for a module it has none for."""
+    name = _name_map(config).get(f"{module}.weight")
+    if name is None:
+        raise ValueError(f"{module!r} is not a module of loongtrain's decoder with a Hugging Face name")
+    return name[: -len(".weight")]
+
+
 def _rename(state: dict[str, Tensor], mapping: dict[str, str], drop: set[str], what: str) -> dict[str, Tensor]:
     state = {k: v for k, v in state.items() if k not in drop}
     unknown, missing = sorted(set(state) - set(mapping)), sorted(set(mapping) - set(state))

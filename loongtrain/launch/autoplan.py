@@ -66,7 +66,7 @@ def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool,
     longest = run_stages(cfg)[-1]  # a --seq-len-stages is planned for its longest stage
     try:
         best = best_fitting(model, cluster, gpus=world, seq_len=longest.seq_len, batch=longest.batch_size,
-                            dtype_bytes=_compute_bytes(cfg), modes="auto")
+                            dtype_bytes=_compute_bytes(cfg), modes="auto", lora=cfg.lora_config())
     except ValueError as exc:
         raise ValueError(f"--plan auto on {cluster.name}: {exc}") from None
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, %.1f GiB host "
@@ -108,7 +108,7 @@ def check_stage_memory(cfg: TrainConfig, world: int, model: ModelConfig, cluster
     nodes = -(-world // cluster.gpus_per_node)
     for stage in run_stages(cfg):
         cost = step_cost(model, cfg.parallel, cluster, nodes=nodes, world=world, seq_len=stage.seq_len,
-                         batch=stage.batch_size, dtype_bytes=_compute_bytes(cfg))
+                         batch=stage.batch_size, dtype_bytes=_compute_bytes(cfg), lora=cfg.lora_config())
         if cost.fits:
             continue
         device, host = cost.memory["total"] / 2**30, cost.host_per_node / 2**30

@@ -26,14 +26,16 @@ exits 2 within seconds instead of failing inside the workers. It checks:
   model is checked against the run's by :func:`loongtrain.train.model_setup.model_config_for`).
 
 Resume rule: the data stream, the optimizer state and the model must continue unchanged, so the model
-preset, tokenizer, corpus, ``--val-fraction``, ``--seq-len``, ``--seq-len-stages`` and ``--stage-tokens``,
-``--seed``, ``--grad-accum``, the RoPE (``--rope-theta``, ``--rope-scaling``, compared by meaning), the global
-batch (``dp * batch_size``) and the AdamW hyper-parameters restored from the checkpoint (``--lr``,
-``--beta1``, ``--beta2``, ``--eps``, ``--weight-decay``) must equal the checkpoint's. Everything else may
-change: the layout (``--hp``, ``--cp``, ``--inner-ring``, ``--placement``, ZeRO, ``--recompute``, the number of
-ranks at the same global batch), ``--steps`` (without a schedule), ``--warmup``, ``--min-lr-ratio``,
-``--clip``, logging and intervals. Continuing the trained weights at another length or RoPE is a new run:
-``--init-from CHECKPOINT`` (weights only) in a new ``--out-dir`` (docs/context-extension.md#rope-scaling).
+preset, ``--lora`` (compared by meaning; a LoRA checkpoint's base must be the one it trained on:
+:func:`loongtrain.train.lora_base.check_base`), tokenizer, corpus, ``--val-fraction``, ``--seq-len``,
+``--seq-len-stages`` and ``--stage-tokens``, ``--seed``, ``--grad-accum``, the RoPE (``--rope-theta``,
+``--rope-scaling``, compared by meaning), the global batch (``dp * batch_size``) and the AdamW
+hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``, ``--eps``,
+``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout (``--hp``, ``--cp``,
+``--inner-ring``, ``--placement``, ZeRO, ``--recompute``, the number of ranks at the same global batch),
+``--steps`` (without a schedule), ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
+Continuing the trained weights at another length or RoPE is a new run: ``--init-from CHECKPOINT`` (weights
+only) in a new ``--out-dir`` (docs/context-extension.md#rope-scaling).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from loongtrain.data.checks import check_corpora
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.sources import corpus_identity, identity_change, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.model.lora import parse_lora
 from loongtrain.model.rope_scaling import rope_change
 from loongtrain.train.checkpoint import (
     AUTO,
@@ -62,13 +65,14 @@ from loongtrain.train.checkpoint import (
     verify_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
-from loongtrain.train.model_setup import build_run_tokenizer, hf_model_dir, tokenizer_spec
+from loongtrain.train.lora_base import check_base
+from loongtrain.train.model_setup import build_run_tokenizer, hf_model_dir, model_config_for, tokenizer_spec
 from loongtrain.train.validation import check_validation
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
 
-MUST_MATCH = ("model", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_stages", "stage_tokens",
+MUST_MATCH = ("model", "lora", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_stages", "stage_tokens",
               "seed", "grad_accum", "rope_theta", "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay")
 #: options a new run with --init-from may change where a resume may not
 NEW_RUN_CHANGES = ("seq_len", "seq_len_stages", "rope_theta", "rope_scaling")
@@ -211,7 +215,11 @@ def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = N
         return dataclasses.replace(cfg, resume="")
     state = verify_checkpoint(path)
     check_compatible(cfg, world, state, path)
-    check_same_data(cfg, tokenizer or build_run_tokenizer(cfg), state, path)
+    tokenizer = tokenizer or build_run_tokenizer(cfg)
+    if state.get("lora"):  # --lora: the base the adapters trained on is still there, unchanged
+        preset = hf_model_dir(cfg.model) is None  # a preset: the shape this run builds
+        check_base(state, str(path), model_config_for(cfg, tokenizer) if preset else None)
+    check_same_data(cfg, tokenizer, state, path)
     return dataclasses.replace(cfg, resume=str(path))
 
 
@@ -220,6 +228,11 @@ def _same_option(name: str, saved: Any, current: Any) -> bool:
     if name == "rope_scaling" and isinstance(saved, str):
         try:
             return rope_change(0.0, saved) == rope_change(0.0, current)
+        except ValueError:
+            return False
+    if name == "lora" and isinstance(saved, str):
+        try:
+            return parse_lora(saved) == parse_lora(current)
         except ValueError:
             return False
     return saved == current

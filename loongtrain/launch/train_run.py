@@ -43,7 +43,7 @@ from loongtrain.parallelize.offload import offloaded_blocks
 from loongtrain.parallelize.recompute import recomputed_layers
 from loongtrain.train.checkpoint import AUTO, RUN_OUTPUT
 from loongtrain.train.config import Run, TrainConfig, eval_task_list
-from loongtrain.train.model_setup import build_run_tokenizer, model_config_for
+from loongtrain.train.model_setup import build_run_tokenizer, lora_targets, model_config_for
 from loongtrain.train.stages import check_stage_layouts
 from loongtrain.train.trainer import Trainer
 
@@ -72,6 +72,7 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
     if p.offload_activations:  # --offload-keep must leave a block to offload (the rule of parallelize's step)
         offloaded_blocks(recomputed_layers(model_config.num_layers, p.recompute_fraction), p.offload_keep)
     check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
+    lora_targets(cfg, model_config)  # --lora: its targets name modules of this model (docs/lora.md)
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
     return model_config

@@ -5,7 +5,8 @@
 
 1. **2D-Attention**: :func:`loongtrain.hf.apply.apply_2d_attention` rebinds every ``attention_fn`` to
    attention over ``mesh``; the attention's input norm is fused into q/k/v
-   (:mod:`loongtrain.parallelize.norm_linear`) and HF norms run as one function;
+   (:mod:`loongtrain.parallelize.norm_linear`) and HF norms run as one function; with ``lora``, the base
+   frozen and LoRA adapters on its target modules (:mod:`loongtrain.parallelize.lora`, docs/lora.md);
 2. **MLP tiles** (``mlp_tiles``, :mod:`loongtrain.parallelize.mlp_tiles`): every block's norm + MLP over tiles
    of the local sequence;
 3. **recompute** (:mod:`loongtrain.parallelize.recompute`) of the first
@@ -34,9 +35,11 @@ from torch import nn
 from loongtrain.hf.apply import apply_2d_attention
 from loongtrain.hf.families import decoder_layers
 from loongtrain.hf.norms import use_rms_norm_function
+from loongtrain.model.lora import LoraConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallelize.compile import check_compile_options, compile_blocks
+from loongtrain.parallelize.lora import apply_lora
 from loongtrain.parallelize.mlp_tiles import apply_mlp_tiling
 from loongtrain.parallelize.norm_linear import fuse_norm_linear
 from loongtrain.parallelize.offload import OFFLOADER_ATTR, ActivationOffloader, offload_blocks, offloaded_blocks
@@ -49,9 +52,11 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: torch.device, *,
-                param_dtype: torch.dtype | None = None, compile: bool = False) -> nn.Module:
+                param_dtype: torch.dtype | None = None, compile: bool = False, lora: LoraConfig | None = None,
+                seed: int = 0) -> nn.Module:
     """Move ``model`` to ``device``, then 2D-Attention on ``mesh`` -> the attention norm fused into q/k/v
-    (:func:`~loongtrain.parallelize.norm_linear.fuse_norm_linear`) -> HF norms as one function -> MLP tiling
+    (:func:`~loongtrain.parallelize.norm_linear.fuse_norm_linear`) -> HF norms as one function -> with ``lora``,
+    LoRA adapters (:func:`~loongtrain.parallelize.lora.apply_lora`, their A drawn from ``seed``) -> MLP tiling
     -> recompute -> activation offload -> (with ``compile``) compiled blocks -> FSDP2 (with
     ``offload_params``, CPU offload).
 
@@ -73,6 +78,8 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     model = apply_2d_attention(model if meta else model.to(device), mesh)
     fuse_norm_linear(model)  # the attention's input norm inside its q/k/v projections: its output is never kept
     use_rms_norm_function(model)  # HF's Llama-family norms keep only their input (before the tiles wrap them)
+    if lora is not None:  # the base frozen, adapters on the targets (before the tiles and recompute wrap them)
+        apply_lora(model, lora, seed)
     apply_mlp_tiling(model, parallel.mlp_tiles)
     offloader = ActivationOffloader(device, record_saved_output) if parallel.offload_activations else None
     selective = partial(offloader.selective_contexts, offloaded_selective_policy) if offloader else None

@@ -32,7 +32,14 @@ from torch import nn
 from loongtrain.hf.families import decoder_layers
 from loongtrain.hf.norms import LLAMA_RMS_NORMS
 from loongtrain.model.llama import RMSNorm
-from loongtrain.model.rms_norm import CHUNK_ELEMS, chunked_forward, rms_norm_backward, rms_norm_forward, row_chunks
+from loongtrain.model.rms_norm import (
+    CHUNK_ELEMS,
+    chunked_forward,
+    rms_norm,
+    rms_norm_backward,
+    rms_norm_forward,
+    row_chunks,
+)
 
 Tensor = torch.Tensor
 
@@ -127,13 +134,34 @@ class FusedProjection:
     ``torch.compile`` reuses one graph for all blocks (docs/compile.md)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        norm, spec = self.__dict__[_NORM], self.__dict__[_SPEC]
-        eps, stats, _ = spec
-        if getattr(x, NORMED, False):
-            return F.linear(x, self.weight, self.bias)
-        if not torch.is_grad_enabled():
-            return F.linear(chunked_forward(x, norm.weight, eps, stats)[0], self.weight, self.bias)
-        return NormLinear.apply(x, norm.weight, eps, stats, self.weight, self.bias, CHUNK_ELEMS)
+        return projection_linear(self, x, self.weight, self.bias)
+
+
+def is_fused(module: nn.Module) -> bool:
+    """Whether ``module`` is a projection whose input norm :func:`fuse_norm_linear` moved into it."""
+    return _NORM in module.__dict__
+
+
+def projection_linear(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``linear(input, weight, bias)`` with the input projection ``module`` multiplies: ``x`` itself, or for a
+    fused projection ``rmsnorm(x)`` through :class:`NormLinear` (never kept). ``weight`` may be another
+    matrix than the module's own over the same input (a LoRA adapter's A: loongtrain/parallelize/lora.py)."""
+    if not is_fused(module) or getattr(x, NORMED, False):
+        return F.linear(x, weight, bias)
+    norm, (eps, stats, _) = module.__dict__[_NORM], module.__dict__[_SPEC]
+    if not torch.is_grad_enabled():
+        return F.linear(chunked_forward(x, norm.weight, eps, stats)[0], weight, bias)
+    return NormLinear.apply(x, norm.weight, eps, stats, weight, bias, CHUNK_ELEMS)
+
+
+def projection_input(module: nn.Module, x: Tensor) -> Tensor:
+    """The input projection ``module`` multiplies, as a tensor of its own: ``x``, or for a fused projection
+    ``rmsnorm(x)`` (with autograd: the norm keeps its input and scale), for a caller that must transform it
+    before its matmul (a LoRA adapter's dropout)."""
+    if not is_fused(module) or getattr(x, NORMED, False):
+        return x
+    norm, (eps, stats, _) = module.__dict__[_NORM], module.__dict__[_SPEC]
+    return rms_norm(x, norm.weight, eps, stats_dtype=stats)
 
 
 class FusedNorm:
@@ -154,7 +182,7 @@ _NORM, _SPEC = "_loongtrain_norm", "_loongtrain_norm_spec"  # plain attributes: 
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
-def _mix_in(module: nn.Module, mixin: type, **attrs: Any) -> None:
+def mix_in(module: nn.Module, mixin: type, **attrs: Any) -> None:
     """Give ``module`` the class ``(mixin, type(module))`` (one class per pair, as FSDP2 does) and plain
     attributes ``attrs`` (set in ``__dict__``: not registered as submodules)."""
     cls = type(module)
@@ -180,8 +208,8 @@ def fuse_norm_linear(model: nn.Module) -> int:
                     or any(type(lin) is not nn.Linear for lin in linears)):
                 break
             for lin in linears:
-                _mix_in(lin, FusedProjection, **{_NORM: norm, _SPEC: spec})
-            _mix_in(norm, FusedNorm, **{_SPEC: spec})
+                mix_in(lin, FusedProjection, **{_NORM: norm, _SPEC: spec})
+            mix_in(norm, FusedNorm, **{_SPEC: spec})
             fused += 1
             break
     return fused

@@ -13,6 +13,7 @@ from typing import Any
 
 from loongtrain._options import option
 from loongtrain.model.config import PRESETS, ModelConfig
+from loongtrain.model.lora import LoraConfig, parse_lora
 from loongtrain.parallel.config import PLACEMENTS, RECOMPUTE_MODES, ZERO_MODES, ParallelConfig
 from loongtrain.plan.cluster import builtin_clusters
 from loongtrain.plan.search import MODE_SEARCH
@@ -52,6 +53,9 @@ class PlanConfig:
     offload_activations: bool | None = _filter("offload_activations", bool)
     mlp_tiles: str | None = _filter("mlp_tiles", str)
     offload_params: bool | None = _filter("offload_params", bool)
+    lora: str = option("", "plan a LoRA run: adapters on a frozen base, as loongtrain train --lora takes them "
+                       "(r=16,alpha=32,dropout=0,targets=q_proj,k_proj,v_proj,o_proj; docs/lora.md): smaller "
+                       "optimizer state and gradients, no weight gradients for the base")
     modes: str = option("auto", "offload and tiling modes to consider: off, auto (only when nothing fits without "
                       "them), on", choices=MODE_SEARCH)
     simulate: bool = option(False, "also run the trainer's step for the best configuration under fake tensors "
@@ -77,6 +81,10 @@ class PlanConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    def lora_config(self) -> LoraConfig | None:
+        """``--lora`` parsed (None: full training)."""
+        return parse_lora(self.lora)
 
     def filters(self) -> dict[str, Any]:
         """The configuration filters that are set (``search.plan``'s keyword arguments)."""

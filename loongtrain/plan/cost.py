@@ -32,6 +32,12 @@ copies each offloaded block's kept set ``K`` (all but the last ``offload_keep``)
 backward, ``2 * K / host_bw``; parameter offload moves the fp32 shards in for both gathers and the gradient
 shard out, ``12 * P_l / z / host_bw`` per layer; both hidden behind the layer's busy time, the excess exposed.
 
+With ``lora`` (adapters on a frozen base, docs/lora.md) every term changes as
+:mod:`loongtrain.plan.lora_terms` says: no weight gradients for the base (a layer's matmuls and the head
+cost ``4`` FLOPs per weight and token instead of ``6``, plus the adapters' ``6 * A_l``), ZeRO's and the
+all-reduce's gradients and the AdamW step only the adapters', and MFU counts the FLOPs that run
+(:func:`loongtrain.model.lora.lora_flops_saved`).
+
 Bottleneck: ``memory`` when it does not fit; else the largest exposed communication component (a2a,
 ring-inner, ring-outer, zero, grad-sync, offload) when it costs at least ``BOTTLENECK_SHARE`` of the step;
 else ``compute``. MFU uses the model's FLOPs (:func:`loongtrain.model.config.flops_per_token`, attention
@@ -44,12 +50,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from loongtrain.model.config import ModelConfig, flops_per_token, num_params, step_flops
+from loongtrain.model.lora import LoraConfig, adapter_params, adapter_shapes, lora_flops_saved
 from loongtrain.parallel.buckets import BUCKET_BYTES
 from loongtrain.parallel.buckets import gradient_buckets as buckets_of
 from loongtrain.parallel.config import ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
+from loongtrain.plan.lora_terms import layer_adapter_params, matmul_factor
 from loongtrain.plan.memory_model import config_memory, layer_params
 from loongtrain.plan.step_bytes import OPTIMIZER_BYTES, head_bytes, layer_bytes
 
@@ -125,30 +133,39 @@ def zero_times(config: ParallelConfig, params: float, world: int, cluster: Clust
     return share * param_bytes(dtype_bytes), reduce
 
 
-def gradient_buckets(model: ModelConfig, bucket_bytes: int = BUCKET_BYTES) -> list[tuple[float, int]]:
+def gradient_buckets(model: ModelConfig, bucket_bytes: int = BUCKET_BYTES,
+                     lora: LoraConfig | None = None) -> list[tuple[float, int]]:
     """The fp32 gradient buckets of the all-reduce without ZeRO, as the trainer makes them
     (:func:`loongtrain.parallel.buckets.gradient_buckets` over the parameters in reverse order, the order the
     backward produces them): ``(ready, bytes)`` with ``ready`` the layers whose backward has run when the
     bucket's last gradient exists. The LM head and the final norm come first, at 0 (the chunked loss computed
     their gradients in the forward: they are accumulated when the backward starts); a layer's parameters
     follow its backward, the MLP's first, each at the share of the layer's parameters done; the embedding
-    last, at ``L`` (tied: the head's gradient is complete only then)."""
+    last, at ``L`` (tied: the head's gradient is complete only then). With ``lora`` only the adapters': a
+    module's in its place, nothing of the frozen rest."""
     d, f, hd, L = model.dim, model.ffn_dim, model.head_dim, model.num_layers
     q, kv = model.num_heads * hd * d, model.num_kv_heads * hd * d
     layer = (d * f, f * d, d * f, d, q, kv, kv, q, d)  # w3, w2, w1, ffn_norm, wo, wv, wk, wq, attention_norm
-    params = ([] if model.tie_embeddings else [(0.0, model.vocab_size * d)]) + [(0.0, d)]
+    head = model.vocab_size * d
+    if lora is not None:  # the adapters of the same modules, in the same order
+        shapes = adapter_shapes(model, lora)
+        names = ("up_proj", "down_proj", "gate_proj", "", "o_proj", "v_proj", "k_proj", "q_proj", "")
+        layer = tuple(lora.r * sum(shapes[n]) if n in shapes else 0 for n in names)
+        head = d = 0
+    params = ([] if model.tie_embeddings else [(0.0, head)]) + [(0.0, d)]
     for done in range(L):
         total = 0
         for n in layer:
             total += n
             params.append((done + total / sum(layer), n))
-    params.append((float(L), model.vocab_size * d))
+    params.append((float(L), head))
+    params = [(ready, n) for ready, n in params if n]
     sizes = [GRAD_BYTES * n for _, n in params]
     return [(params[bucket[-1]][0], sum(sizes[i] for i in bucket)) for bucket in buckets_of(sizes, bucket_bytes)]
 
 
 def grad_sync_exposed(model: ModelConfig, *, layer_backward: float, world: int, bandwidth: float,
-                      latency: float) -> float:
+                      latency: float, lora: LoraConfig | None = None) -> float:
     """Exposed seconds of the gradient all-reduce without ZeRO on ``world > 1`` ranks, as the trainer runs it
     (``loongtrain.train.sync``): each bucket of :func:`gradient_buckets` is all-reduced over the world (``2 *
     (W-1)/W * bytes / bandwidth + latency``) from the moment it is full, one after another on the communication
@@ -156,27 +173,29 @@ def grad_sync_exposed(model: ModelConfig, *, layer_backward: float, world: int, 
     for when the backward ends (on the last micro-batch only); what runs past that end is exposed."""
     end = model.num_layers * layer_backward
     t = 0.0
-    for ready, nbytes in gradient_buckets(model):
+    for ready, nbytes in gradient_buckets(model, lora=lora):
         t = max(t, ready * layer_backward) + 2 * (world - 1) / world * nbytes / bandwidth + latency
     return max(0.0, t - end)
 
 
-def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents) -> float:
+def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents,
+                   lora: LoraConfig | None = None) -> float:
     """Model FLOPs of one replica's step of packed ``documents``: attention counts only the visible pairs
     (:func:`loongtrain.model.config.step_flops`)."""
     tokens = shape.batch * shape.seq_len
     window = model.sliding_window if model.sliding_window and model.sliding_window < shape.seq_len else None
     visible = sum(visible_pairs(cu, shape.seq_len, sliding_window=window) for cu in documents.rows(shape.batch))
-    return step_flops(model, tokens, visible)
+    return step_flops(model, tokens, visible) - lora_flops_saved(model, lora, tokens)
 
 
 def step_cost(
     model: ModelConfig, config: ParallelConfig, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
     dtype_bytes: int = 2, documents: Documents | None = None, world: int | None = None,
+    lora: LoraConfig | None = None,
 ) -> Candidate:
     """Predicted step time (its terms), MFU, memory and bottleneck of ``config`` on ``nodes`` nodes
     (``documents``: packed rows of every replica's batch and their chunk layout); ``world``: the devices used
-    when fewer than ``nodes`` whole nodes (one partial node)."""
+    when fewer than ``nodes`` whole nodes (one partial node); ``lora``: adapters on a frozen base."""
     world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
@@ -192,9 +211,11 @@ def step_cost(
     moved, moved_fwd = layer_bytes(model, tokens=t, kv_heads=he, hp=layout.hp, dtype_bytes=dtype_bytes,
                                    sharded=sharded, checkpointed=config.recompute != "none", mlp_tiles=tiles)
     gemm_fwd = 2 * p_l * t / rate
-    fwd = {"compute": gemm_fwd + attn.compute_fwd, "memory-bound": moved_fwd / bw + attn.memory_fwd,
+    adapters = 2 * layer_adapter_params(model, lora) * t / rate  # --lora: the adapters' forward (backward 2x)
+    fwd = {"compute": gemm_fwd + adapters + attn.compute_fwd, "memory-bound": moved_fwd / bw + attn.memory_fwd,
            "a2a": attn.a2a_fwd, "ring-inner": attn.ring_inner_fwd, "ring-outer": attn.ring_outer_fwd}
-    bwd = {"compute": 2 * gemm_fwd + attn.compute_bwd, "memory-bound": (moved - moved_fwd) / bw + attn.memory_bwd,
+    bwd = {"compute": (matmul_factor(lora) - 1) * gemm_fwd + 2 * adapters + attn.compute_bwd,
+           "memory-bound": (moved - moved_fwd) / bw + attn.memory_bwd,
            "a2a": attn.a2a_bwd, "ring-inner": attn.ring_inner_bwd, "ring-outer": attn.ring_outer_bwd}
     if config.recompute == "full":  # the recompute in the backward: the layer forward, attention and its traffic
         for key, value in fwd.items():
@@ -205,34 +226,39 @@ def step_cost(
         bwd["compute"] += 2 * 3 * model.dim * model.ffn_dim * t / rate  # each tile's MLP forward again
     per_layer = {k: fwd[k] + bwd[k] for k in fwd}
     layer_busy = sum(per_layer.values())
-    gather, reduce = zero_times(config, p_l, world, cluster, dtype_bytes)
+    trained = p_l if lora is None else layer_adapter_params(model, lora)  # the gradients reduced
+    gather, reduce = zero_times(config, p_l, world, cluster, dtype_bytes)[0], \
+        zero_times(config, trained, world, cluster, dtype_bytes)[1]
     zero_exposed = max(0.0, 2 * gather + reduce - layer_busy)
     head_params = model.vocab_size * model.dim
     head_gather, head_reduce = zero_times(config, head_params, world, cluster, dtype_bytes)
+    head_reduce = head_reduce if lora is None else 0.0  # a frozen head has no gradient
     breakdown = {k: L * v for k, v in per_layer.items()}
-    breakdown["compute"] += 6 * head_params * t / rate
+    breakdown["compute"] += 2 * matmul_factor(lora) * head_params * t / rate
     breakdown["memory-bound"] += head_bytes(model, tokens=t, dtype_bytes=dtype_bytes, sharded=sharded) / bw
     breakdown["zero"] = L * zero_exposed + 2 * gather + reduce + head_gather + head_reduce if z > 1 else 0.0
     breakdown["grad-sync"] = 0.0
     if config.zero == "none" and world > 1:
         latency = cluster.inter_latency_us if world > cluster.gpus_per_node else cluster.intra_latency_us
         breakdown["grad-sync"] = grad_sync_exposed(model, layer_backward=sum(bwd.values()), world=world,
-                                                   bandwidth=_group_bw(cluster, world, world), latency=latency * 1e-6)
+                                                   bandwidth=_group_bw(cluster, world, world), latency=latency * 1e-6,
+                                                   lora=lora)
     memory = config_memory(model, config, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                           zero_size=z)
+                           zero_size=z, lora=lora)
     if config.offload_activations or config.offload_params:
-        breakdown["offload"] = offload_time(model, config, cluster, world, memory, layer_busy)
+        breakdown["offload"] = offload_time(model, config, cluster, world, memory, layer_busy, lora)
+    stepped = num_params(model) if lora is None else adapter_params(model, lora)  # what AdamW updates
     if config.offload_params:
         ranks = min(world, cluster.gpus_per_node)
-        breakdown["optimizer"] = num_params(model) / z / (cluster.cpu_adam_gparams_s * 1e9 / ranks)
+        breakdown["optimizer"] = stepped / z / (cluster.cpu_adam_gparams_s * 1e9 / ranks)
     else:
-        breakdown["optimizer"] = OPTIMIZER_BYTES * num_params(model) / z / bw
+        breakdown["optimizer"] = OPTIMIZER_BYTES * stepped / z / bw
     step = sum(breakdown.values())
     host_per_node = memory["host"] * min(world, cluster.gpus_per_node)
     fits = memory["total"] <= cluster.usable_memory and host_per_node <= cluster.usable_host_memory
     tokens = layout.dp * batch * seq_len
-    model_flops = (tokens * flops_per_token(model, seq_len) if documents is None
-                   else layout.dp * document_flops(model, shape, documents))
+    model_flops = (tokens * flops_per_token(model, seq_len) - lora_flops_saved(model, lora, tokens)
+                   if documents is None else layout.dp * document_flops(model, shape, documents, lora))
     mfu = model_flops / (step * world * cluster.peak_tflops * 1e12)
     comm = max(COMMUNICATION, key=lambda k: breakdown.get(k, 0.0))
     bottleneck = comm if breakdown.get(comm, 0.0) >= BOTTLENECK_SHARE * step else "compute"
@@ -243,10 +269,12 @@ def step_cost(
 
 
 def offload_time(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int,
-                 memory: dict[str, float], layer_busy: float) -> float:
-    """Exposed seconds per step of the offload modes' host copies (module docstring)."""
+                 memory: dict[str, float], layer_busy: float, lora: LoraConfig | None = None) -> float:
+    """Exposed seconds per step of the offload modes' host copies (module docstring; ``lora``: only the
+    adapters' gradient shards go out)."""
     L, z = model.num_layers, config.shard_size(world)
     offloaded = L - min(config.offload_keep, L - 1) if config.offload_activations else 0
     acts = 2 * memory["host_activations"] / offloaded / cluster.host_bw if offloaded else 0.0  # out and back
-    params = 12 * layer_params(model) / z / cluster.host_bw if config.offload_params else 0.0
+    grads = layer_params(model) if lora is None else layer_adapter_params(model, lora)
+    params = (8 * layer_params(model) + 4 * grads) / z / cluster.host_bw if config.offload_params else 0.0
     return offloaded * max(0.0, acts + params - layer_busy) + (L - offloaded) * max(0.0, params - layer_busy)

@@ -4,6 +4,7 @@ and names its best configuration (``loongtrain plan --max-seq-len``, docs/planne
 from __future__ import annotations
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.model.lora import LoraConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.cluster import Cluster, load_cluster
 from loongtrain.plan.cost import Candidate
@@ -14,35 +15,36 @@ MAX_SEQ_LEN = 1 << 36  # the bisection's ceiling (tokens)
 
 
 def fits_memory(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int, seq_len: int,
-                batch: int, dtype_bytes: int) -> bool:
+                batch: int, dtype_bytes: int, lora: LoraConfig | None = None) -> bool:
     """Whether ``config`` fits in device and host memory (what :func:`step_cost` decides, without the time)."""
     memory = config_memory(model, config, config.layout(world), seq_len=seq_len, batch=batch,
-                           dtype_bytes=dtype_bytes, zero_size=config.shard_size(world))
+                           dtype_bytes=dtype_bytes, zero_size=config.shard_size(world), lora=lora)
     host = memory["host"] * min(world, cluster.gpus_per_node)
     return memory["total"] <= cluster.usable_memory and host <= cluster.usable_host_memory
 
 
 def max_seq_len(
     model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, gpus: int | None = None,
-    batch: int = 1, dtype_bytes: int = 2, modes: str = "auto", **filters,
+    batch: int = 1, dtype_bytes: int = 2, modes: str = "auto", lora: LoraConfig | None = None, **filters,
 ) -> tuple[int, Candidate]:
     """The longest sequence that fits (device and host memory) and its best configuration: bisected on
     the lengths every configuration on these devices accepts (multiples of ``2 * sp``, ``sp`` the largest
     sequence-parallel degree allowed: the world, or the ``sp`` / ``hp * cp`` filters). Memory grows with
     the length for every configuration, so "some configuration fits" holds below the answer and fails
-    above it. ValueError naming the shortest length when even that does not fit."""
+    above it. ValueError naming the shortest length when even that does not fit. ``lora``: adapters on a
+    frozen base (smaller states and gradients: a longer sequence fits; docs/lora.md)."""
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     world, nodes = world_size(cl, nodes, gpus)
     sp = filters.get("sp") or (filters["hp"] * filters["cp"] if filters.get("hp") and filters.get("cp") else world)
     unit = 2 * sp
     kw = dict(nodes=nodes if gpus is None else None, gpus=gpus, batch=batch, dtype_bytes=dtype_bytes,
-              modes=modes, **filters)
+              modes=modes, lora=lora, **filters)
 
     _, cfg = resolve_model(model)
     search = dict(filters, modes=modes != "off")
 
     def fits(k: int) -> bool:  # memory only (the ranking, by step time, is computed once at the end)
-        return any(fits_memory(cfg, c, cl, world, k * unit, batch, dtype_bytes)
+        return any(fits_memory(cfg, c, cl, world, k * unit, batch, dtype_bytes, lora)
                    for c in enumerate_configs(cfg, world, cl.gpus_per_node, k * unit, **search))
 
     if not fits(1):

@@ -64,6 +64,9 @@ is the pinned host memory per rank they need (0 without them):
   the larger of the forward's end (the states without gradients, ``12 * P / z``, and the offloaded
   activations) and the AdamW step (the states and its temporaries; the activations are gone).
 
+With ``lora`` (a :class:`~loongtrain.model.lora.LoraConfig`) the base is frozen and only the adapters train:
+the states, the gathered gradients, the activations each changes as :mod:`loongtrain.plan.lora_terms` says.
+
 ``total`` is the step's peak, not the sum of the parts (:func:`peak_bytes`): the largest of the loss's
 moment (the kept activations and the loss's peak), a block's backward (the activations still kept then,
 its recomputed set and its ``workspace``), both before any fp32 gradient (``4P/z`` of ``states``) exists,
@@ -76,8 +79,16 @@ from __future__ import annotations
 from loongtrain.attn.ring import backward_workspace_bytes
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, num_params
+from loongtrain.model.lora import LoraConfig, adapter_shapes
 from loongtrain.parallel.config import RECOMPUTE_MODES, ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.layout import Layout
+from loongtrain.plan.lora_terms import (
+    adapts_attention,
+    layer_adapter_params,
+    lora_layer_bytes,
+    product_bytes,
+    state_bytes,
+)
 
 STATE_BYTES_PER_PARAM = 16
 #: fp32 temporaries of one parameter that torch's single-tensor AdamW step (``foreach=False``) holds at once
@@ -97,10 +108,16 @@ def layer_params(model: ModelConfig) -> int:
 
 
 def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharded: bool,
-                           mlp_tiles: int = 1) -> float:
+                           mlp_tiles: int = 1, lora: LoraConfig | None = None) -> float:
     """``a_b``: bytes saved per token per layer without checkpointing (module docstring); ``sharded``:
     bf16 through FSDP2's gathered weights rather than autocast; ``mlp_tiles``: SwiGLU's intermediates
-    exist for one tile of the sequence at a time."""
+    exist for one tile of the sequence at a time; ``lora``: the frozen base's and the adapters' change
+    (:func:`loongtrain.plan.lora_terms.lora_layer_bytes`)."""
+    return _base_layer_bytes(model, hp, dtype_bytes, sharded, mlp_tiles) + sum(
+        lora_layer_bytes(model, lora, dtype_bytes, sharded, mlp_tiles))
+
+
+def _base_layer_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharded: bool, mlp_tiles: int) -> float:
     b, d = dtype_bytes, model.dim
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
     mlp = 4 * model.ffn_dim * b if mlp_tiles == 1 else 4 * model.ffn_dim * b / mlp_tiles
@@ -123,9 +140,11 @@ def final_norm_bytes(dim: int, dtype_bytes: int, sharded: bool) -> float:
 
 
 def working_param_bytes(model: ModelConfig, zero_size: int, recompute: str, dtype_bytes: int,
-                        reshard_after_forward: bool = True, gathered: bool | None = None) -> float:
+                        reshard_after_forward: bool = True, gathered: bool | None = None,
+                        lora: LoraConfig | None = None) -> float:
     """Bytes of gathered weights, their unsharded gradients and autocast copies (``working_params``);
-    ``gathered``: whether ZeRO (FSDP2) gathers the weights (default ``zero_size > 1``)."""
+    ``gathered``: whether ZeRO (FSDP2) gathers the weights (default ``zero_size > 1``); ``lora``: only the
+    adapters have gradients (a block's, ``A_l``)."""
     p_l, d, L = layer_params(model), model.dim, model.num_layers
     head = model.vocab_size * d
     if zero_size > 1 if gathered is None else gathered:
@@ -133,14 +152,24 @@ def working_param_bytes(model: ModelConfig, zero_size: int, recompute: str, dtyp
         root = head * (1 if model.tie_embeddings else 2) + d
         in_flight = 2 if reshard_after_forward else L
         grad = w + 4 if w < 4 else w
-        return float(w * (in_flight * p_l + root) + grad * max(p_l, root))
+        trained = max(p_l, root) if lora is None else layer_adapter_params(model, lora)
+        return float(w * (in_flight * p_l + root) + grad * trained)
     if dtype_bytes < 4:
         return float(dtype_bytes * ((L if recompute == "none" else 1) * p_l + head))
     return 0.0
 
 
+def mlp_part_bytes(model: ModelConfig, dtype_bytes: int, sharded: bool, tiles: int,
+                   lora: LoraConfig | None = None) -> float:
+    """Bytes per token of a layer's kept set that belong to its MLP (its input, SwiGLU's intermediates, its norm
+    output when untiled; ``lora``: what its frozen MLP and adapters keep): the rest is the attention's."""
+    b, d, f = dtype_bytes, model.dim, model.ffn_dim
+    return (d * residual_bytes(b, sharded) + 4 * f * b / tiles + (d * b if tiles == 1 else 0)
+            + lora_layer_bytes(model, lora, b, sharded, tiles)[1])
+
+
 def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,
-                  full_layer: float, tiles: int) -> dict[str, float]:
+                  full_layer: float, tiles: int, lora: LoraConfig | None = None) -> dict[str, float]:
     """Bytes live in one block's backward beyond what the step keeps (the blocks' kept sets, module
     docstring), at its two peaks (measured: train/simulate/ at the Llama-3-8B shape):
 
@@ -159,11 +188,12 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
     r = residual_bytes(b, sharded)
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     q_bytes = model.num_heads * model.head_dim * b
-    mlp_part = d * r + 4 * f * b / tiles + (d * b if tiles == 1 else 0)
+    mlp_part = mlp_part_bytes(model, b, sharded, tiles, lora)
     results = t * (q_bytes + 2 * he * model.head_dim * b)  # the op's dQ and packed dK/dV
     attention = (full_layer - t * mlp_part + t * (d * r + d * b) + results
                  + backward_workspace_bytes(t, model.num_heads, he, model.head_dim, b, layout.cp))
     swiglu_grads = 3 * f * b / tiles if tiles > 1 else 2 * f * b
+    swiglu_grads += product_bytes(model, lora, b, tiles)  # --lora: as high without the product kept
     return {"mlp": full_layer + t * (2 * d * r + swiglu_grads), "attention": attention}
 
 
@@ -184,11 +214,12 @@ def peak_bytes(parts: dict[str, float], gradient_bytes: float, layer_kept: float
 def memory_per_rank(
     model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, recompute: str,
     dtype_bytes: int = 2, reshard_after_forward: bool = True, offload_activations: bool = False,
-    mlp_tiles: str = "1", offload_params: bool = False, offload_keep: int = 0,
+    mlp_tiles: str = "1", offload_params: bool = False, offload_keep: int = 0, lora: LoraConfig | None = None,
 ) -> dict[str, float]:
     """Bytes per device by part (``states``, ``working_params``, ``activations``, ``recompute``, ``logits``,
     ``workspace``), the step's peak ``total`` (:func:`peak_bytes`), the pinned ``host`` bytes per rank of the
-    offload modes (module docstring) and, of those, the offloaded activations' ``host_activations``."""
+    offload modes (module docstring) and, of those, the offloaded activations' ``host_activations``;
+    ``lora``: the adapters train on a frozen base (:mod:`loongtrain.plan.lora_terms`)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
     if zero_size < 1 or layout.world_size % zero_size:
@@ -199,10 +230,12 @@ def memory_per_rank(
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     sharded = zero_size > 1 or offload_params  # offload_params is FSDP2's, even on one rank
     tiles = mlp_tile_count(mlp_tiles, int(t), d, model.ffn_dim, strict=False)  # the trainer's own rule
-    full_layer = t * layer_activation_bytes(model, layout.hp, b, sharded, tiles)
+    full_layer = t * layer_activation_bytes(model, layout.hp, b, sharded, tiles, lora)
     r = residual_bytes(b, sharded)
     if recompute == "none":
         acts, rebuilt = L * full_layer, 0.0
+        if lora is not None and not adapts_attention(model, lora):  # no gradient reaches the first
+            acts -= full_layer - t * mlp_part_bytes(model, b, sharded, tiles, lora)  # block's attention: it keeps none
     elif recompute == "full":
         acts, rebuilt = L * t * d * r, full_layer
     else:  # input, ring output and lse; with hp > 1 also the all-to-alls' outputs (q, k, v; attention out)
@@ -216,13 +249,17 @@ def memory_per_rank(
         layer_kept = acts / L * max(1, keep)  # the last block's backward: the kept blocks (the previous
         # offloaded block is fetched after the peaks: parallelize/offload.py)
         acts = acts / L * min(L, keep + 2)  # at the loss: the kept blocks and two offloaded ones' copies in flight
+        if lora is not None:  # the first block's input needs no gradient (a frozen embedding): it stays on the device
+            host, acts, layer_kept = host - t * d * r, acts + t * d * r, layer_kept + t * d * r
     acts += t * final_norm_bytes(d, b, sharded)  # with the loss: its input's gradient (the residual's in backward)
-    moments = layer_moments(model, layout, t, b, sharded, full_layer, tiles)
+    moments = layer_moments(model, layout, t, b, sharded, full_layer, tiles, lora)
     # beyond the block's set (kept, with recompute none, else its recompute: full_layer either way)
     workspace = max(moments["mlp"], moments["attention"]) - full_layer
-    working = working_param_bytes(model, zero_size, recompute, b, reshard_after_forward, gathered=sharded)
+    working = working_param_bytes(model, zero_size, recompute, b, reshard_after_forward, gathered=sharded, lora=lora)
+    states, grads = ((STATE_BYTES_PER_PARAM * p, 4.0 * p) if lora is None
+                     else state_bytes(model, lora, p))
     parts = {
-        "states": STATE_BYTES_PER_PARAM * p / zero_size,
+        "states": states / zero_size,
         "working_params": float(working),
         "activations": float(acts),
         "recompute": float(rebuilt),
@@ -233,23 +270,25 @@ def memory_per_rank(
     }
     if offload_params:  # the states and the AdamW step's temporaries on the host, the larger of two moments:
         # the forward's end (no gradient yet, every offloaded activation) and the AdamW step (no activation)
-        grads = 4 * p / zero_size
-        host = max(host + parts["states"] - grads,
-                   parts["states"] + ADAMW_STEP_TEMPORARIES * 4 * largest_param(model) / zero_size)
+        largest = largest_param(model) if lora is None else lora.r * max(max(s) for s in
+                                                                          adapter_shapes(model, lora).values())
+        host = max(host + parts["states"] - grads / zero_size,
+                   parts["states"] + ADAMW_STEP_TEMPORARIES * 4 * largest / zero_size)
         parts["states"] = 0.0
-    parts["total"] = peak_bytes(parts, gradient_bytes=0.0 if offload_params else 4 * p / zero_size,
+    parts["total"] = peak_bytes(parts, gradient_bytes=0.0 if offload_params else grads / zero_size,
                                 layer_kept=layer_kept)
     parts["host"] = float(host)
     return parts
 
 
 def config_memory(model: ModelConfig, config: ParallelConfig, layout: Layout, *, seq_len: int, batch: int,
-                  dtype_bytes: int, zero_size: int) -> dict[str, float]:
-    """:func:`memory_per_rank` for ``config`` (its ``recompute``, resharding and memory modes) on ``layout``: the
-    one mapping the planner, ``--max-seq-len`` and the trainer's start-up report share."""
+                  dtype_bytes: int, zero_size: int, lora: LoraConfig | None = None) -> dict[str, float]:
+    """:func:`memory_per_rank` for ``config`` (its ``recompute``, resharding and memory modes) on ``layout``
+    (``lora``: adapters on a frozen base): the one mapping the planner, ``--max-seq-len`` and the trainer's
+    start-up report share."""
     return memory_per_rank(
         model, layout, seq_len=seq_len, batch=batch, zero_size=zero_size, recompute=config.recompute,
         dtype_bytes=dtype_bytes, reshard_after_forward=config.reshard_after_forward,
         offload_activations=config.offload_activations, mlp_tiles=config.mlp_tiles,
-        offload_params=config.offload_params, offload_keep=config.offload_keep,
+        offload_params=config.offload_params, offload_keep=config.offload_keep, lora=lora,
     )

@@ -172,7 +172,8 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
     world, nodes = world_size(cluster, **devices)
     if cfg.max_seq_len:
         return _run_max_seq_len(cfg, name, model, cluster, devices, simulate)
-    kw = dict(seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, **devices)
+    kw = dict(seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes,
+              lora=cfg.lora_config(), **devices)
     documents = packed_documents(cfg.seq_len, cfg.doc_median, cfg.batch_size) if cfg.doc_median else None
     cands = plan(model, cluster, **kw, documents=documents, **cfg.filters())
     if cfg.simulate:
@@ -228,21 +229,29 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
 
 def _run_max_seq_len(cfg: PlanConfig, name: str, model, cluster: Cluster, devices: dict,
                      simulate: Simulator) -> int:
-    """``--max-seq-len``: the bisected length and its best configuration (text or JSON)."""
-    length, best = max_seq_len(model, cluster, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes,
-                               modes=cfg.modes, **devices, **cfg.filters())
+    """``--max-seq-len``: the bisected length and its best configuration (text or JSON); with ``--lora`` also the
+    length full training fits, for the comparison."""
+    lora = cfg.lora_config()
+    kw = dict(batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, **devices, **cfg.filters())
+    length, best = max_seq_len(model, cluster, lora=lora, **kw)
     if cfg.simulate:
         return _print_simulation(dataclasses.replace(cfg, seq_len=length), name, model, best, simulate)
+    full = max_seq_len(model, cluster, **kw)[0] if lora is not None else None
     if cfg.json:
         print(json.dumps({"model": name, "cluster": cluster.name, "world_size": best.world_size,
                           "max_seq_len": length, "dtype": cfg.dtype, "batch": cfg.batch_size,
+                          **({"lora": lora.to_text(), "full_training_max_seq_len": full} if lora else {}),
                           "configuration": best.config.label(), "candidate": best.to_dict()}, indent=1))
     else:
-        print(f"longest sequence for {name} on {best.world_size} devices of {cluster.name}: {length} tokens "
-              f"({length / 2**20:.2f}M), {best.config.label()}: {best.memory['total'] / 2**30:.1f} GiB per device "
-              f"(usable {cluster.usable_memory / 2**30:.1f}), host {best.host_per_node / 2**30:.1f} GiB per node "
-              f"(usable {cluster.usable_host_memory / 2**30:.1f}), step {best.step_time:.2f} s ({_terms(best)}), "
-              f"MFU {best.mfu:.1%}")
+        with_lora = f" with --lora {lora.to_text()}" if lora else ""
+        print(f"longest sequence for {name}{with_lora} on {best.world_size} devices of {cluster.name}: {length} "
+              f"tokens ({length / 2**20:.2f}M), {best.config.label()}: {best.memory['total'] / 2**30:.1f} GiB per "
+              f"device (usable {cluster.usable_memory / 2**30:.1f}), host {best.host_per_node / 2**30:.1f} GiB per "
+              f"node (usable {cluster.usable_host_memory / 2**30:.1f}), step {best.step_time:.2f} s "
+              f"({_terms(best)}), MFU {best.mfu:.1%}")
+        if full is not None:
+            print(f"full training (without --lora) fits {full} tokens ({full / 2**20:.2f}M): LoRA fits "
+                  f"{length / full:.2f}x as long a sequence")
     return 0
 
 

@@ -19,6 +19,10 @@ naming it, wherever a checkpoint is accepted. The model and optimizer state dict
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (keyed by parameter name), and weights
 are replicated over the sp ranks, so a checkpoint saved with one (dp, hp, cp) layout loads into
 another (or into a single process). All ranks must see the same filesystem.
+
+A model with frozen parameters (``--lora``: the base) saves and loads only its trainable ones
+(:func:`state_dict_options`): a LoRA checkpoint holds the adapters and their optimizer state, and the
+trainer state names the base they belong to (loongtrain/train/lora_base.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -119,7 +124,7 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
     with _disk_full_named(tmp):
         with warnings.catch_warnings():  # single process: DCP warns that it saves without torch.distributed
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -353,6 +358,22 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
+def state_dict_options(model: nn.Module) -> StateDictOptions:
+    """What a checkpoint of ``model`` holds: every parameter, or when some are frozen (a LoRA run's base) only
+    the trainable ones (loaded non-strictly: :func:`_check_loaded` checks that only frozen ones were left)."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+
+
+def _check_loaded(model: nn.Module, result: Any, path: Path) -> None:
+    """ValueError naming the checkpoint when a trainable parameter of ``model`` was not in it."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(getattr(result, "missing_keys", ()) or ()) & trainable)
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} holds no {missing[0]} ({len(missing)} trainable parameter(s) "
+                         f"missing): it was written for another model or --lora")
+
+
 def parameters_finite(model: nn.Module) -> bool:
     """Collective when torch.distributed is initialised: True when every rank's parameters are finite."""
     bad = torch.zeros((), dtype=torch.float32)
@@ -372,7 +393,8 @@ def parameters_finite(model: nn.Module) -> bool:
 def load_model_weights(path: Path, model: nn.Module) -> None:
     """Collective when sharded: read only the model weights of checkpoint ``path`` (DCP, any saved layout)
     into ``model``'s parameters, whole or sharded; ValueError naming the checkpoint when it cannot."""
-    weights = get_model_state_dict(model)
+    options = state_dict_options(model)
+    weights = get_model_state_dict(model, options=options)
     with warnings.catch_warnings():  # one process: DCP warns that torch.distributed is off
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -380,7 +402,7 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
         except (Exception, dcp.api.CheckpointException) as exc:  # DCP's is a BaseException
             last = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"checkpoint {str(path)!r} could not be loaded (a corrupt file?): {last}") from None
-    set_model_state_dict(model, weights)
+    _check_loaded(model, set_model_state_dict(model, weights, options=options), path)
 
 
 def load_checkpoint(
@@ -392,7 +414,8 @@ def load_checkpoint(
     """Collective: load model, optimizer, scheduler and RNG state from ``path``; return the trainer state."""
     path = Path(path)
     state = read_trainer_state(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = state_dict_options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     to_load = {"model": model_sd, "optim": optim_sd}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -402,7 +425,9 @@ def load_checkpoint(
             raise RuntimeError(f"checkpoint {str(path)!r} could not be loaded (a corrupt file?): "
                                f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__}"
                                ) from exc
-    set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"])
+    loaded = set_state_dict(model, optimizer, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"],
+                            options=options)
+    _check_loaded(model, loaded, path)
     scheduler.load_state_dict(state["scheduler"])
     rng_file = path / f"rng_rank{_rank()}.pt"
     if not rng_file.is_file():  # resumed with more ranks than saved: reuse rank 0's stream

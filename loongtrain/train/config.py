@@ -23,6 +23,7 @@ from loongtrain.data.corpus import DECODE_ERRORS
 from loongtrain.data.split import check_fraction
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.config import ModelConfig
+from loongtrain.model.lora import LoraConfig, parse_lora
 from loongtrain.model.rope_scaling import RopeChange, rope_change
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import CHUNK_ORDERS
@@ -62,6 +63,11 @@ class TrainConfig:
                           "stream; the model and its RoPE are the checkpoint's, changed by --rope-theta / "
                           "--rope-scaling; --seq-len may differ. A run that has checkpoints of its own resumes "
                           "those instead (--resume)")
+    lora: str = option("", "train LoRA adapters on a frozen base instead of every weight: "
+                       "r=16,alpha=32,dropout=0,targets=q_proj,k_proj,v_proj,o_proj (each key optional, these are the "
+                       "defaults; targets: Hugging Face's module names, or all-linear; loongtrain's decoder also "
+                       "takes its own, wq,wk,wv,wo,w1,w2,w3); checkpoints hold only the adapters, export also "
+                       "writes them in PEFT's format (docs/lora.md); '': off")
     corpus: str = option(
         "stdlib", "corpus: 'stdlib' (this Python's standard-library sources, no download), a .txt/.jsonl "
         "file, a directory of them, a saved Hugging Face dataset, a directory made by `loongtrain prepare` "
@@ -207,6 +213,26 @@ class TrainConfig:
                              f"--doc-mask on (got --doc-mask {self.doc_mask})")
         check_stages(self)  # --seq-len-stages, --stage-tokens, and what they make of --steps, --seq-len
         self._validate_eval_tasks()
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        """--lora parses; it composes with the other options (its targets are checked against the model by
+        the launcher: loongtrain.train.model_setup.lora_targets)."""
+        lora = self.lora_config()
+        if lora is None:
+            return
+        if self.init_from:
+            raise ValueError(f"--lora with --init-from {self.init_from!r}: a LoRA run's base is a preset or a Hugging "
+                             f"Face directory; export the checkpoint (loongtrain export) and pass it as --model")
+        mlp = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "all-linear"}
+        if lora.dropout and str(self.parallel.mlp_tiles) != "1" and mlp & set(lora.targets):
+            raise ValueError(f"--lora dropout={lora.dropout:g} on MLP modules with --mlp-tiles "
+                             f"{self.parallel.mlp_tiles}: the tiles' recompute would draw new dropout masks; use "
+                             f"--mlp-tiles 1, dropout=0, or attention targets only")
+
+    def lora_config(self) -> LoraConfig | None:
+        """``--lora`` parsed (:func:`loongtrain.model.lora.parse_lora`; None without adapters)."""
+        return parse_lora(self.lora)
 
     def _validate_eval_tasks(self) -> None:
         """--eval-tasks are known tasks, run at a validation interval; --eval-lengths parse."""

@@ -8,6 +8,13 @@ and :func:`loongtrain.hf.export_hf` writes ``config.json`` + ``model.safetensors
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads. Native presets become
 ``LlamaForCausalLM`` with ``rms_norm_eps`` written explicitly. Exit codes: 0 ok, 2 bad input.
 
+A LoRA run (``--lora``; docs/lora.md) is exported as the merged model (``W + alpha / r * B A``, the same
+files) and its adapters in PEFT's format in ``OUT/adapter/`` (:mod:`loongtrain.hf.peft_format`); the base
+comes back from where the run took it, checked to be unchanged (:mod:`loongtrain.train.lora_base`), and a
+preset's base, which exists nowhere else, is written too, as ``OUT/base/``, so ``peft.PeftModel.from_pretrained(
+AutoModelForCausalLM.from_pretrained(OUT/base), OUT/adapter)`` equals ``from_pretrained(OUT)``. The adapter
+records the base's absolute path (the Hugging Face directory, or ``OUT/base``) as ``base_model_name_or_path``.
+
 The run's tokenizer goes with the model: a Hugging Face tokenizer (``--tokenizer PATH``, or the model
 directory's with ``auto``) has its files copied into OUT (``tokenizer.json`` ...), after checking that
 they are still the ones the run trained with (the identity the checkpoint recorded), so ``loongtrain
@@ -46,9 +53,13 @@ from loongtrain._files import (
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.tokenizer import build_tokenizer
 from loongtrain.hf.convert import export_hf
+from loongtrain.hf.peft_format import write_peft_adapter
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallelize.lora import adapter_state, apply_lora, is_adapter, merge_lora
 from loongtrain.train import model_setup
 from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, verify_checkpoint
 from loongtrain.train.config import TrainConfig, param_dtype
+from loongtrain.train.lora_base import base_directory, build_base, check_base
 from loongtrain.train.model_setup import model_from_record
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -63,12 +74,25 @@ def checkpoint_model_record(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_trained_model(checkpoint: str | Path) -> nn.Module:
-    """The model of a checkpoint with its trained weights, whole, on CPU, in the dtype it trained in."""
+    """The model of a checkpoint with its trained weights, whole, on CPU, in the dtype it trained in (a LoRA
+    checkpoint's merged into its base: :func:`load_lora_model`)."""
     path = find_checkpoint(checkpoint)  # complete checkpoints only
     state = verify_checkpoint(path)  # the checks of train --resume: state, metadata, sizes, checksums
+    if state.get("lora"):
+        return merge_lora(load_lora_model(path, state))
     dtype = param_dtype(TrainConfig.from_dict(state["config"]))
     model = model_from_record(checkpoint_model_record(state), dtype)
     load_model_weights(path, model)
+    return model
+
+
+def load_lora_model(path: Path, state: dict[str, Any]) -> nn.Module:
+    """A LoRA checkpoint's base (checked unchanged) with its trained adapters, unmerged, whole, on CPU."""
+    check_base(state, str(path))
+    model = build_base(state)
+    cfg = TrainConfig.from_dict(state["config"])
+    apply_lora(model, cfg.lora_config(), cfg.seed)
+    load_model_weights(path, model)  # the adapters only: the base is frozen (train/checkpoint.py)
     return model
 
 
@@ -76,8 +100,10 @@ def load_trained_model(checkpoint: str | Path) -> nn.Module:
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
                    "sentencepiece.bpe.model")
+ADAPTER_DIR, BASE_DIR = "adapter", "base"  # a LoRA run's adapters (PEFT's format) and a preset's base
 OUTPUT = Output("export", "--hf", ("config.json", "generation_config.json", "model.safetensors",
-                                   "model-*.safetensors", "model.safetensors.index.json", *TOKENIZER_NAMES))
+                                   "model-*.safetensors", "model.safetensors.index.json", *TOKENIZER_NAMES,
+                                   ADAPTER_DIR, BASE_DIR))
 
 
 def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = False,
@@ -145,8 +171,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
     path = find_checkpoint(checkpoint)
     state = verify_checkpoint(path)
     tokenizer = run_tokenizer(state)
-    out = check_target(out_dir, path, overwrite=overwrite, inputs=(str(tokenizer),) if tokenizer else ())
-    model = load_trained_model(path)
+    lora = state.get("lora")
+    base_dir = base_directory(lora) if lora else None
+    inputs = tuple(str(p) for p in (tokenizer, base_dir) if p is not None)
+    out = check_target(out_dir, path, overwrite=overwrite, inputs=inputs)
+    if lora:  # unmerged: its adapters are written first, then merged (_export_adapters)
+        model = load_lora_model(path, state)
+        adapters = {name: t.clone() for name, t in adapter_state(model).items()}
+    else:
+        model = load_trained_model(path)
     if dtype is not None:
         model = model.to(dtype)
     staging, old = out.with_name(f".{out.name}.export-tmp"), out.with_name(f".{out.name}.export-old")
@@ -155,6 +188,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
         shutil.rmtree(old, ignore_errors=True)
         try:
             with disk_space(staging):
+                if lora:  # the base (a preset's), the adapters in PEFT's format, then the merged model
+                    _export_adapters(model, adapters, state, staging, out, base_dir, dtype)
+                    merge_lora(model)
                 export_hf(model, None, staging)
             if tokenizer is not None:
                 copy_tokenizer(tokenizer, staging)
@@ -170,3 +206,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _export_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], state: dict[str, Any], staging: Path,
+                     out: Path, base_dir: Path | None, dtype: torch.dtype | None) -> None:
+    """``staging/adapter`` (PEFT's format) and, for a preset's base, ``staging/base`` (the base before the merge:
+    ``model`` still holds its adapters unmerged, which export_hf leaves out)."""
+    native = None
+    if base_dir is None:
+        native = ModelConfig(**state["model_config"])
+        base = {n: p for n, p in model.state_dict().items() if not is_adapter(n)}
+        export_hf(base, native, staging / BASE_DIR)
+    if dtype is not None:
+        adapters = {name: t.to(dtype) for name, t in adapters.items()}
+    cfg = TrainConfig.from_dict(state["config"])
+    recorded = str(base_dir) if base_dir is not None else str(out.resolve() / BASE_DIR)
+    write_peft_adapter(staging / ADAPTER_DIR, adapters, cfg.lora_config(), native=native, base=recorded)

@@ -261,7 +261,8 @@ def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, flo
     zero_size = parallel.shard_size(mesh.world_size) if uses_zero(parallel) else 1
     compute = autocast_dtype(cfg, trainer.device) or param_dtype(cfg)
     return config_memory(trainer.model_config, parallel, mesh.layout, seq_len=seq_len, batch=batch,
-                         dtype_bytes=torch.empty((), dtype=compute).element_size(), zero_size=zero_size)
+                         dtype_bytes=torch.empty((), dtype=compute).element_size(), zero_size=zero_size,
+                         lora=cfg.lora_config())
 
 
 #: the planner's parts that the measured report counts: (planner parts, report parts)

@@ -11,7 +11,8 @@
 - :func:`hidden_and_head`: one forward to the final normed hidden states and the LM head weight, for
   the chunked loss (:func:`loongtrain.loss.chunked.chunked_cross_entropy`); no logits are built.
 - :func:`loss_inputs`: the same forward stopped before the final norm, and the norm, for the trainer's loss.
-- :func:`build_model`: the run's model, parallelized (sharded on the meta device under FSDP2).
+- :func:`build_model`: the run's model, parallelized (sharded on the meta device under FSDP2), with
+  ``--lora``'s adapters on a frozen base (:func:`lora_targets`: the modules they adapt, checked by the launcher).
 - :func:`model_record` / :func:`model_from_record`: what a checkpoint records to rebuild the model.
 - :func:`init_checkpoint`: the checkpoint ``--init-from`` names and its trainer state.
 """
@@ -47,6 +48,7 @@ from loongtrain.model.rope_scaling import REFUSED_TYPES
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallelize.compile import compile_enabled
 from loongtrain.parallelize.compose import materialize_params, parallelize
+from loongtrain.parallelize.lora import find_targets, with_adapters
 from loongtrain.parallelize.zero import uses_zero
 from loongtrain.train.checkpoint import find_checkpoint, read_trainer_state
 from loongtrain.train.config import TrainConfig, param_dtype
@@ -247,22 +249,38 @@ def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device:
     tensor at a time; without FSDP2, or without weight files (a seeded init from the config), it is
     built whole on CPU and then parallelized."""
     directory = hf_model_dir(cfg.model)
-    compiled = compile_enabled(cfg.compile, device)  # --compile: docs/compile.md
+    steps = dict(compile=compile_enabled(cfg.compile, device),  # --compile: docs/compile.md
+                 lora=cfg.lora_config(), seed=cfg.seed)  # --lora: docs/lora.md
     if directory is not None:
         hf_config = hf_run_config(cfg)
         if not (uses_zero(cfg.parallel) and hf_weight_files(directory)):
             model = build_hf_model(directory, param_dtype(cfg), cfg.seed, hf_config)
-            return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
+            return parallelize(model, mesh, cfg.parallel, device, **steps)
         model = build_hf_model_on_meta(directory, param_dtype(cfg), hf_config)
-        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
-        materialize_params(model, hf_initial_weights(directory))
+        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, **steps)
+        materialize_params(model, with_adapters(hf_initial_weights(directory), cfg.seed))
         restore_hf_buffers(model)
         return model
     if not uses_zero(cfg.parallel):
         model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
-        return parallelize(model, mesh, cfg.parallel, device, compile=compiled)
+        return parallelize(model, mesh, cfg.parallel, device, **steps)
     with torch.device("meta"):
         model = Transformer(model_config, seed=None).to(param_dtype(cfg))
-    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, compile=compiled)
-    materialize_params(model, lambda name, shape: initial_weight(name, shape, cfg.seed))
+    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, **steps)
+    materialize_params(model, with_adapters(lambda name, shape: initial_weight(name, shape, cfg.seed), cfg.seed))
     return model
+
+
+def lora_targets(cfg: TrainConfig, model_config: ModelConfig) -> list[str]:
+    """The modules ``--lora`` adapts (none without it), found on the run's model built on the meta device, so
+    the launcher refuses targets that match nothing (naming the valid ones) before any worker starts."""
+    lora = cfg.lora_config()
+    if lora is None:
+        return []
+    directory = hf_model_dir(cfg.model)
+    if directory is None:
+        with torch.device("meta"):
+            model = Transformer(model_config, seed=None)
+    else:
+        model = build_hf_model_on_meta(directory, torch.float32, hf_run_config(cfg))
+    return [name for name, _ in find_targets(model, lora)]

@@ -31,6 +31,7 @@ from loongtrain._files import remove_owned
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
+from loongtrain.model.lora import adapter_params, lora_flops_saved
 from loongtrain.parallel.agreement import attention_check_group, check_agreement, deferred_attention_checks
 from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
@@ -46,6 +47,7 @@ from loongtrain.train.checkpoint import (
     save_checkpoint,
 )
 from loongtrain.train.config import Run, TrainConfig, autocast_dtype
+from loongtrain.train.lora_base import base_record
 from loongtrain.train.memory_report import metrics_fields, startup_memory_report
 from loongtrain.train.metrics import (
     MetricsLogger,
@@ -118,6 +120,7 @@ class Trainer:
         self.batch_source = batches or self._corpus_batches
         self.out_dir = Path(cfg.out_dir)
         self.stages = run_stages(cfg)
+        self._lora_base: dict[str, Any] | None = None  # --lora: the checkpoints' record of the base (on first save)
 
     # -- the run ---------------------------------------------------------------------------------------
 
@@ -291,10 +294,13 @@ class Trainer:
         cfg, mesh = self.cfg, self.mesh
         if not ((cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or last):
             return
+        record = model_record(self.model_config, cfg)
+        if cfg.lora and self._lora_base is None:  # --lora: the base the adapters belong to (train/lora_base.py)
+            self._lora_base = base_record(cfg, record)
         save_checkpoint(self.out_dir / "checkpoints", done, self.model, self.optimizer, self.scheduler,
                         {"micro_step": done * batches.stage.grad_accum, **batches.state(), "config": cfg.to_dict(),
-                         "data_identity": self.run.data_identity,
-                         **model_record(self.model_config, cfg),
+                         "data_identity": self.run.data_identity, **record,
+                         **({"lora": self._lora_base} if cfg.lora else {}),
                          "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp}},
                         keep=cfg.keep_checkpoints)
 
@@ -351,6 +357,11 @@ class Trainer:
         if self.mesh.rank == 0:
             log.info("model %s: %.2fM parameters; %s; %d tokens per step", self.cfg.model,
                      num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step(self.stages[0]))
+            if self.cfg.lora:
+                lora = self.cfg.lora_config()
+                log.info("--lora %s: %.3fM adapter parameters train (%.3f%% of the model), the base is frozen",
+                         lora.to_text(), adapter_params(self.model_config, lora) / 1e6,
+                         100 * adapter_params(self.model_config, lora) / num_params(self.model_config))
             if len(self.stages) > 1:
                 log.info("--seq-len-stages: %s", describe(self.stages, self.mesh.dp))
         return peak
@@ -398,7 +409,9 @@ class Trainer:
     def _add_rates(self, record: dict[str, Any]) -> None:
         """``tflops`` and ``mfu`` of a record whose attention pairs are known: attention FLOPs of the visible
         (query, key) pairs only (documents, sliding window)."""
-        flops = step_flops(self.model_config, self._tokens.pop(record["step"]), record["attention_pairs"])
+        tokens = self._tokens.pop(record["step"])
+        flops = (step_flops(self.model_config, tokens, record["attention_pairs"])  # --lora: the FLOPs that run
+                 - lora_flops_saved(self.model_config, self.cfg.lora_config(), tokens))
         record["tflops"] = flops / record["step_time_s"] / 1e12
         record["mfu"] = (flops / record["step_time_s"] / self._peak) if self._peak else float("nan")
 

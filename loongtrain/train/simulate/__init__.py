@@ -135,7 +135,8 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int,
     everything the AdamW step allocates (it runs on the host)."""
     offload_params = trainer.cfg.parallel.offload_params
     for p in trainer.model.parameters():  # steady state: AdamW's m and v exist before the step
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:  # (--lora: the adapters only)
+            p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     tracker = HostAwareTracker(trainer.model_config.num_layers)
@@ -144,7 +145,8 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int,
     if offload_params:
         for p in trainer.model.parameters():
             tracker.to_host(p)
-            hooks.append(p.register_post_accumulate_grad_hook(lambda p: tracker.to_host(p.grad)))
+            if p.requires_grad:  # (--lora: a frozen base has no gradient)
+                hooks.append(p.register_post_accumulate_grad_hook(lambda p: tracker.to_host(p.grad)))
         for state in trainer.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
@@ -172,13 +174,15 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int,
 
 
 def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
-                  dtype: str = "bf16", rank: int = 0, fake: bool = True, alike: bool = False) -> Simulated:
+                  dtype: str = "bf16", rank: int = 0, fake: bool = True, alike: bool = False,
+                  lora: str = "") -> Simulated:
     """One rank's peak device and host memory for one step of ``model`` with ``parallel`` on ``world`` ranks
     (module docstring). ``fake=False`` runs the same step on real CPU tensors, counted the same way (small
     sizes: what the simulation is checked against); ``alike``: only some passes of the alike loops
-    (:func:`~loongtrain.train.simulate.fake_step.alike_loops`)."""
+    (:func:`~loongtrain.train.simulate.fake_step.alike_loops`); ``lora``: ``--lora``'s adapters on a frozen
+    base (docs/lora.md)."""
     cfg = TrainConfig(model="tiny", seq_len=seq_len, batch_size=batch, dtype=dtype, parallel=parallel,
-                      memory_report=False)
+                      memory_report=False, lora=lora)
     cfg.validate()
     device = torch.device("cpu")
     fsdp = zero_module.zero_applies(parallel, world)  # the fake group below makes uses_zero agree
@@ -198,13 +202,13 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
 
 
 def simulate_by_depth(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
-                      dtype: str = "bf16", rank: int = 0) -> Simulated:
+                      dtype: str = "bf16", rank: int = 0, lora: str = "") -> Simulated:
     """:func:`simulate_step` of ``model`` from two small depths, the step's alike loops run in part (module
     docstring, *By depth*): each phase's device and host peak, and its parts, extended linearly to
     ``model.num_layers``; one simulation at the model's depth when it is that shallow."""
     keep = min(parallel.offload_keep, model.num_layers - 1) if parallel.offload_activations else 0
     low, high = (n + keep for n in DEPTHS)
-    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True)
+    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True, lora=lora)
     if model.num_layers <= high:
         return simulate_step(model, parallel, world, **kw)
     a, b = (simulate_step(dataclasses.replace(model, num_layers=n), parallel, world, **kw) for n in (low, high))
@@ -228,5 +232,5 @@ def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dic
     if plan_cfg.dtype not in dtypes:
         raise ValueError(f"--simulate: dtype={plan_cfg.dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
     result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.seq_len,
-                           batch=plan_cfg.batch_size, dtype=dtypes[plan_cfg.dtype])
+                               batch=plan_cfg.batch_size, dtype=dtypes[plan_cfg.dtype], lora=plan_cfg.lora)
     return result.to_dict()

@@ -26,6 +26,16 @@ HOST = "host"
 _BLOCK = re.compile(r"\.layers\.(\d+)$")
 
 
+class _NoHook:
+    """The handle of a hook that was never registered."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class HostAwareTracker(MemTracker):
     """torch's MemTracker with host memory under its own key (:data:`HOST`) beside the (CPU) device's:
     storages allocated inside :func:`loongtrain.parallelize.offload.host_allocations`, and those moved with
@@ -66,6 +76,14 @@ class HostAwareTracker(MemTracker):
             key = (phase, dev)
             if self.phases.get(key, (-1,))[0] < total:
                 self.phases[key] = (total, dict(dev_snap))
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        """MemTracker's, for frozen parameters too (``--lora``'s base): they get no gradient, and torch refuses
+        gradient hooks on them, so they are marked as hooked already (with handles that remove nothing)."""
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         super()._track(reftype, t)
