@@ -50,7 +50,8 @@ def conversation_of(record: Any, where: str, field: str = "messages") -> list[Me
     found = sorted(record) if isinstance(record, dict) else type(record).__name__
     messages = record.get(field) if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: no {field!r} list of {{'role', 'content'}} messages (the row holds {found})")
+        hint = "; plain text trains with --objective pretrain" if found == ["text"] else ""
+        raise ValueError(f"{where}: no {field!r} list of {{'role', 'content'}} messages (the row holds {found}){hint}")
     return [_message(m, where, f"{field}[{i}]") for i, m in enumerate(messages)]
 
 

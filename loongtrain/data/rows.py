@@ -14,15 +14,16 @@ from loongtrain.data.corpus import corpus_files, decode_text
 
 def row_files(spec: str, what: str) -> list[Path]:
     """The ``.jsonl`` files of ``spec``; ValueError naming ``spec`` for a plain-text corpus (``.txt`` files,
-    ``stdlib``, a dataset) or a path that holds none. ``what``: the objective's rows, for the message."""
+    ``stdlib``, a dataset) or a path that holds none. ``what``: the objective (it "reads" rows), for the
+    message."""
     if spec == "stdlib":
-        raise ValueError(f"corpus 'stdlib' is plain text; {what} read .jsonl rows (plain text trains with "
+        raise ValueError(f"corpus 'stdlib' is plain text; {what} reads .jsonl rows (plain text trains with "
                          f"--objective pretrain)")
     kind, files = corpus_files(spec)
     text = [f for f in files if f.suffix != ".jsonl"]
     if kind != "files" or text:
         example = str(text[0]) if text else spec
-        raise ValueError(f"corpus {spec!r} holds plain text ({example}); {what} read .jsonl rows (plain text "
+        raise ValueError(f"corpus {spec!r} holds plain text ({example}); {what} reads .jsonl rows (plain text "
                          f"trains with --objective pretrain)")
     return files
 

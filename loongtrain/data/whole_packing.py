@@ -83,9 +83,9 @@ def pack_whole(lengths: np.ndarray, seq_len: int, on_long: str, what: str) -> tu
     lengths = np.asarray(lengths, dtype=np.int64)
     long = np.flatnonzero(lengths > seq_len)
     if len(long) and on_long == "error":
-        raise ValueError(f"{what} {int(long[0])} has {int(lengths[long[0]])} tokens, more than --seq-len {seq_len} "
-                         f"({len(long)} of {len(lengths)} are longer): raise --seq-len, or --on-long drop to leave "
-                         f"them out")
+        raise ValueError(f"{what.rstrip('s')} {int(long[0])} (counting from 0) has {int(lengths[long[0]])} tokens, "
+                         f"more than --seq-len {seq_len} ({len(long)} of {len(lengths)} {what} are longer): raise "
+                         f"--seq-len, or --on-long drop to leave them out")
     if len(lengths) and len(long) == len(lengths):
         raise ValueError(f"every one of the {len(lengths)} {what} is longer than --seq-len {seq_len} (the shortest "
                          f"has {int(lengths.min())} tokens): raise --seq-len to at least {int(lengths.min())}")
