@@ -172,11 +172,12 @@ def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents) -
 
 def step_cost(
     model: ModelConfig, config: ParallelConfig, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2, documents: Documents | None = None, world: int | None = None,
+    dtype_bytes: int = 2, documents: Documents | None = None, world: int | None = None, reference: bool = False,
 ) -> Candidate:
     """Predicted step time (its terms), MFU, memory and bottleneck of ``config`` on ``nodes`` nodes
     (``documents``: packed rows of every replica's batch and their chunk layout); ``world``: the devices used
-    when fewer than ``nodes`` whole nodes (one partial node)."""
+    when fewer than ``nodes`` whole nodes (one partial node); ``reference``: a DPO run's memory includes its
+    reference pass (loongtrain/plan/memory_model.py)."""
     world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
@@ -219,7 +220,7 @@ def step_cost(
         breakdown["grad-sync"] = grad_sync_exposed(model, layer_backward=sum(bwd.values()), world=world,
                                                    bandwidth=_group_bw(cluster, world, world), latency=latency * 1e-6)
     memory = config_memory(model, config, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                           zero_size=z)
+                           zero_size=z, reference=reference)
     if config.offload_activations or config.offload_params:
         breakdown["offload"] = offload_time(model, config, cluster, world, memory, layer_busy)
     if config.offload_params:

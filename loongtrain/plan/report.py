@@ -172,7 +172,8 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
     world, nodes = world_size(cluster, **devices)
     if cfg.max_seq_len:
         return _run_max_seq_len(cfg, name, model, cluster, devices, simulate)
-    kw = dict(seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, **devices)
+    kw = dict(seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes,
+              reference=cfg.objective == "dpo", **devices)
     documents = packed_documents(cfg.seq_len, cfg.doc_median, cfg.batch_size) if cfg.doc_median else None
     cands = plan(model, cluster, **kw, documents=documents, **cfg.filters())
     if cfg.simulate:
@@ -230,7 +231,7 @@ def _run_max_seq_len(cfg: PlanConfig, name: str, model, cluster: Cluster, device
                      simulate: Simulator) -> int:
     """``--max-seq-len``: the bisected length and its best configuration (text or JSON)."""
     length, best = max_seq_len(model, cluster, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes,
-                               modes=cfg.modes, **devices, **cfg.filters())
+                               modes=cfg.modes, reference=cfg.objective == "dpo", **devices, **cfg.filters())
     if cfg.simulate:
         return _print_simulation(dataclasses.replace(cfg, seq_len=length), name, model, best, simulate)
     if cfg.json:

@@ -121,7 +121,7 @@ class DPOObjective(Objective):
         self._stats: Tensor | None = None
 
     def targets(self, batches: Sequence[Batch]) -> int:
-        return int(sum(int(b["num_pairs"].sum()) for b in batches))
+        return sum(sum(b["num_pairs"].tolist()) for b in batches)
 
     def begin_step(self, micro_batches: Sequence[Batch], *, dp_reduce: bool = True) -> bool:
         if self.reference is not None:
@@ -137,7 +137,7 @@ class DPOObjective(Objective):
 
     def loss(self, local: LocalBatch, hidden: Tensor, head: Tensor, norm: FinalNorm | None) -> tuple[Tensor, Tensor]:
         num_pairs = local.extras["num_pairs"]
-        sequences = 2 * int(num_pairs.max())
+        sequences = 2 * max(num_pairs.tolist())  # host values (tolist: also under fake tensors)
         token_logps = chunked_token_logprobs(hidden, head, local.labels, norm=norm)
         policy = sequence_logps(token_logps, local.extras["segment"], sequences, self.mesh)
         reference = self.reference_logps(local.extras, sequences).to(policy.device)

@@ -5,7 +5,7 @@ The reference is the policy's initial weights (the run's ``--model``, or ``--ini
 ``--ref-model``: a loongtrain run or checkpoint of the same model, or a Hugging Face directory of the
 policy's architecture and vocabulary (:func:`check_reference`, before any worker starts). It is built and
 sharded like the policy (the run's layout, ZeRO and compute dtype: :func:`~loongtrain.train.model_setup.
-build_model`), frozen (forward only, no gradient), and :meth:`Reference.prepare` computes the summed
+build_model`), frozen (it runs only forward, under ``torch.no_grad``), and :meth:`Reference.prepare` computes the summed
 completion log-probabilities of every row the run trains on (its sampler's rows for its steps) and every
 validation row, one row at a time (so a row's values do not depend on the rows it is batched with: a
 resume recomputes them bit for bit), keyed by the row's ``ref_key``. On a fresh start with the default
@@ -108,7 +108,6 @@ def build_reference_model(trainer: Any) -> nn.Module:
                         compute if uses_zero(cfg.parallel) else None)
     if checkpoint is not None:
         load_model_weights(checkpoint, model)
-    model.requires_grad_(False)
     return model
 
 
@@ -174,13 +173,16 @@ class Reference:
     def row_logps(self, model: nn.Module, batch: Batch) -> Tensor:
         """``[B, 2 * max_pairs]``: ``model``'s summed completion log-probabilities of ``batch``'s sequences,
         forward only, on the trainer's layout, loss path and autocast (collective over the replica)."""
+        return self.local_logps(model, self.trainer.sharding.local(batch))
+
+    def local_logps(self, model: nn.Module, local: Any) -> Tensor:
+        """:meth:`row_logps` of a batch already laid on this rank (``BatchSharding.local``)."""
         trainer = self.trainer
-        local = trainer.sharding.local(batch)
         with forward_only(model), trainer._autocast():
             hidden, head, norm = loss_inputs(model, local.input_ids, local.position_ids, local.cu_seqlens,
                                              local.chunk_order)
             token_logps = chunked_token_logprobs(hidden, head, local.labels, norm=norm)
-            return sequence_logps(token_logps, local.extras["segment"], 2 * int(local.extras["num_pairs"].max()),
+            return sequence_logps(token_logps, local.extras["segment"], 2 * max(local.extras["num_pairs"].tolist()),
                                   trainer.mesh)
 
     def lookup(self, keys: Tensor, num_pairs: Tensor, sequences: int) -> Tensor:
