@@ -5,8 +5,8 @@
   the same for DPO on identical pairs with a ``--ref-model`` unlike the policy (world 1 and hp1 x cp4), its
   ``rewards/*`` metrics too.
 - A run stopped and resumed gives the losses of an uninterrupted one bit for bit (SFT, and DPO with the
-  default reference, which a resume rebuilds from the initial weights), with validation (``val_loss``) on,
-  and ``loongtrain export`` of it loads in transformers.
+  default reference, which a resume rebuilds from the initial weights), with validation (``val_loss``) and,
+  for SFT, the in-loop passkey evaluation on, and ``loongtrain export`` of it loads in transformers.
 - A prepared SFT corpus trains like the raw rows; a step whose rows hold no target is skipped with a message.
 """
 
@@ -87,6 +87,8 @@ def test_resume_is_bitwise_with_validation_and_export(dirs, tmp_path, objective)
     args = ["--model", str(dirs / "policy"), "--objective", objective, "--corpus", str(corpus), "--steps", "4",
             "--ckpt-interval", "2", "--val-interval", "2", "--val-fraction", "0.25", "--seq-len", "256",
             *_layout(1, 1, 1)]
+    if objective == "sft":  # in-loop evaluation beside val_loss
+        args += ["--eval-tasks", "passkey", "--eval-lengths", "256", "--eval-trials", "1"]
     whole = _train(tmp_path, "whole", *args)
     _train(tmp_path, "parts", *args, "--stop-after", "2")
     resumed = _train(tmp_path, "parts", *args, "--resume", "auto")
@@ -94,6 +96,8 @@ def test_resume_is_bitwise_with_validation_and_export(dirs, tmp_path, objective)
     assert [r["grad_norm"] for r in whole] == [r["grad_norm"] for r in resumed]
     assert whole[1]["val_loss"] == resumed[1]["val_loss"] and whole[3]["val_loss"] == resumed[3]["val_loss"]
     assert all(torch.isfinite(torch.tensor(r["loss"])) and not r["skipped"] for r in whole)
+    if objective == "sft":
+        assert 0 <= whole[1]["eval/passkey/256"] <= 1 and whole[3]["eval/passkey/256"] == resumed[3]["eval/passkey/256"]
     if objective == "dpo":
         assert abs(whole[0]["loss"] - 0.6931471805599453) < 1e-6  # the reference is the policy's initial weights
         assert whole[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
