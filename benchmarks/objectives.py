@@ -9,12 +9,14 @@
 
 One process per layout (``--world`` ranks, gloo, 1 thread each; world 1 in this process), a native preset
 (``--model``, fp32) with random weights and random rows (conversations of ``--docs`` documents per row,
-the first third of each a prompt; pairs with a prompt and two completions). Per round, side by side: the
-baseline's step right before the case's, each ``--steps`` steps after one warm-up step, timed on the
-slowest rank from a barrier; the table gives the median over rounds of case / baseline in tokens/s with its
+the first third of each a prompt; pairs with a prompt and two completions), one warm-up step each. Per
+round, side by side: ``--steps`` steps of the baseline right before ``--steps`` of the case, timed on the
+slowest rank from a barrier, both by the wall clock and by the process's CPU time (``time.process_time``:
+on a machine shared with other jobs the CPU time of a one-thread process is its work, the wall clock also
+its waiting); the table gives the median over rounds of case / baseline in tokens/s with its quartiles and
 min-max spread.
 
-    .venv/bin/python -m benchmarks.objectives                        # world 1, S 2048, 5 rounds
+    .venv/bin/python -m benchmarks.objectives                        # world 1, S 2048, 21 rounds of 1 step
     .venv/bin/python -m benchmarks.objectives --world 4 --hp 2 --cp 2 --seq-len 4096
 """
 
@@ -76,24 +78,24 @@ def _trainer(args, mesh, objective: str):
     return Trainer(Run(cfg, get_preset(args.model)), mesh, torch.device("cpu"), batches=lambda *a: iter(()))
 
 
-def _timed(trainer, batches: list[dict[str, torch.Tensor]], steps: int, distributed: bool) -> float:
-    """Seconds per step of ``steps`` steps (after one warm-up), the slowest rank's."""
-    trainer.step([batches[0]])
+def _timed(trainer, batches: list[dict[str, torch.Tensor]], steps: int, distributed: bool) -> tuple[float, float]:
+    """(wall, CPU) seconds per step of ``steps`` steps, the slowest rank's."""
     if distributed:
         dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(steps):
-        trainer.step([batches[(i + 1) % len(batches)]])
-    seconds = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+        trainer.step([batches[i % len(batches)]])
+    seconds = torch.tensor([(time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps],
+                           dtype=torch.float64)
     if distributed:
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds)
+    return float(seconds[0]), float(seconds[1])
 
 
 def _measure(rank: int, world: int, args) -> dict[str, list[float]]:
     import loongtrain
 
-    torch.set_num_threads(1 if world > 1 else max(1, args.threads or torch.get_num_threads()))
+    torch.set_num_threads(1 if world > 1 else (args.threads or torch.get_num_threads()))
     mesh = loongtrain.init_mesh(args.hp, args.cp) if world > 1 else loongtrain.single_process_mesh()
     vocab = get_preset(args.model).vocab_size
     sft_rows = _rows(vocab, args.seq_len, args.docs, 4, args.seed)
@@ -102,14 +104,18 @@ def _measure(rank: int, world: int, args) -> dict[str, list[float]]:
     two_sft = [{k: r[k] for k in ("input_ids", "labels", "position_ids", "doc_starts")} for r in pair_rows]
     trainers = {name: _trainer(args, mesh, name) for name in ("pretrain", "sft", "dpo")}
     batched = lambda rows: [_collate([r]) for r in rows]  # noqa: E731
-    out: dict[str, list[float]] = {"sft/pretrain": [], "dpo/2sft": []}
+    pairs = {"sft / pretrain": ((trainers["pretrain"], batched(pretrain_rows)), (trainers["sft"], batched(sft_rows))),
+             "dpo / 2 sft": ((trainers["sft"], batched(two_sft)), (trainers["dpo"], batched(pair_rows)))}
+    for (base, rows), (case, case_rows) in pairs.values():  # warm-up
+        _timed(base, rows, 1, world > 1)
+        _timed(case, case_rows, 1, world > 1)
+    out: dict[str, list[float]] = {f"{name} ({clock})": [] for name in pairs for clock in ("wall", "CPU")}
     for _ in range(args.rounds):
-        base = _timed(trainers["pretrain"], batched(pretrain_rows), args.steps, world > 1)
-        case = _timed(trainers["sft"], batched(sft_rows), args.steps, world > 1)
-        out["sft/pretrain"].append(base / case)  # tokens/s ratio: the same tokens per step
-        base = _timed(trainers["sft"], batched(two_sft), args.steps, world > 1)
-        case = _timed(trainers["dpo"], batched(pair_rows), args.steps, world > 1)
-        out["dpo/2sft"].append(base / case)
+        for name, ((base, rows), (case, case_rows)) in pairs.items():
+            before = _timed(base, rows, args.steps, world > 1)
+            after = _timed(case, case_rows, args.steps, world > 1)
+            for clock, b, c in zip(("wall", "CPU"), before, after):
+                out[f"{name} ({clock})"].append(b / c)  # tokens/s ratio: the same tokens per step
     return out
 
 
@@ -118,11 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="tiny", help="native preset (default tiny)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--docs", type=int, default=4, help="conversations (and pairs) per row (default 4)")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per measurement (default 4)")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per measurement (default 1)")
     parser.add_argument("--world", type=int, default=1)
     parser.add_argument("--hp", type=int, default=1)
     parser.add_argument("--cp", type=int, default=1)
-    add_common(parser, rounds=5, threads=0, seed=0)
+    add_common(parser, rounds=21, threads=1, seed=0)
     args = parser.parse_args(argv)
     print(header())
     if args.world == 1:
@@ -131,10 +137,12 @@ def main(argv: list[str] | None = None) -> None:
         result = run_local(_measure, args.world, args, backend="gloo", threads=1, timeout=3600)[0]
     print(f"model {args.model}, seq_len {args.seq_len}, {args.docs} documents (pairs) per row, world {args.world} "
           f"(hp {args.hp} x cp {args.cp}), fp32, {args.rounds} rounds of {args.steps} steps")
-    print("| ratio (tokens/s, case / baseline) | median | min | max |")
+    print("| ratio (tokens/s, case / baseline) | median | quartiles | min-max |")
     print("|---|---:|---:|---:|")
     for name, values in result.items():
-        print(f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} |")
+        q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+        print(f"| {name} | {statistics.median(values):.3f} | {q1:.3f}-{q3:.3f} | {min(values):.3f}-"
+              f"{max(values):.3f} |")
 
 
 if __name__ == "__main__":

@@ -119,7 +119,11 @@ class PostTrainingReader:
 
         if len(parse_corpus_spec(spec)) > 1:
             raise ValueError(f"--corpus {spec!r}: --objective {self.objective} reads one corpus, not a mixture")
-        lines = [f"--objective {self.objective}: {self.chat.describe()}"] if self.chat is not None else []
+        if self.objective == SFT:
+            lines = [f"--objective sft: {self.chat.describe()}"]
+        else:
+            lines = ["--objective dpo: targets: each completion's tokens and its EOS (TRL's tokenization)"
+                     + ("; conversational rows rendered with the chat template" if self.chat is not None else "")]
         train = self.dataset(spec, val_fraction=val_fraction, part="train" if val_fraction else "all")
         if not train.num_samples():
             raise ValueError(f"--corpus {spec!r}: --val-fraction {val_fraction} leaves no row for training")

@@ -177,8 +177,8 @@ class TrainConfig:
                             "of a text corpus), sft (conversations {\"messages\": [...]} of .jsonl rows or a "
                             "prepared corpus: their assistant tokens), dpo (preference pairs {\"prompt\", "
                             "\"chosen\", \"rejected\"})")
-    loss_on: str = option("assistant", "--objective sft: the targets: assistant (the chat template's generation blocks, "
-                          "else each assistant turn and its end-of-turn token) or all (every token)")
+    loss_on: str = option("assistant", "--objective sft: the targets: assistant (the chat template's generation "
+                          "blocks, else each assistant turn and its end-of-turn token) or all (every token)")
     chat_template: str = option("", "--objective sft/dpo: a Jinja chat template file to render conversations with "
                                 "('': the tokenizer's own)")
     on_long: str = option("drop", "--objective sft/dpo: a conversation or pair longer than --seq-len is left out "
