@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -180,7 +181,9 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor], reference_pas
                 if isinstance(value, torch.Tensor):
                     tracker.to_host(value)
     try:
-        with tracker:
+        with tracker, warnings.catch_warnings():
+            # the reference pass's model is gone before the backward, whose hooks then skip it (one warning each)
+            warnings.filterwarnings("ignore", message="Module is None. Skipping")
             if reference_pass is not None:
                 tracker.stage = "reference"
                 reference_pass()
