@@ -243,8 +243,9 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
                     trainer.objective.begin_step([data], dp_reduce=False)
                 loss_fn = lambda: trainer.local_loss(local)  # noqa: E731
                 reference = (lambda: _reference_pass(trainer, row)) if objective == "dpo" else None
+            objective_step = (reference, loss_fn) if data is not None else ()  # pretraining: the plain call
             peak, parts, host, host_parts, phases = tracked_step(
-                trainer, data if data is not None else _batch(model, seq_len, batch), reference, loss_fn)
+                trainer, data if data is not None else _batch(model, seq_len, batch), *objective_step)
     return Simulated(peak, host, parts, rank, world, host_parts, phases)
 
 
