@@ -42,6 +42,12 @@ class PrepareConfig:
                                  "keep all", metavar="N", at_least=0)
     progress: str = option("auto", "progress bar on stderr (auto: when it is a terminal and tqdm is installed)",
                            choices=tuple(PROGRESS))
+    objective: str = option("pretrain", "what the corpus is for: pretrain (text) or sft (.jsonl conversations "
+                            "{\"messages\": [...]}: their tokens and target masks, docs/post-training.md)",
+                            choices=("pretrain", "sft"))
+    chat_template: str = option("", "--objective sft: a Jinja chat template file ('': the tokenizer's own)")
+    loss_on: str = option("assistant", "--objective sft: the targets: assistant or all (as `loongtrain train`)",
+                          choices=("assistant", "all"))
     verify: bool = option(False, "check every byte of the finished DIR against its manifest's checksums instead "
                           "of preparing")
 
@@ -75,7 +81,8 @@ def _run(argv: list[str]) -> None:
         raise ValueError("prepare needs at least one CORPUS (or --verify)")
     prepare(list(cfg.corpus), cfg.out, cfg.tokenizer, workers=cfg.workers, overwrite=cfg.overwrite,
             text_field=cfg.text_field, shard_bytes=cfg.shard_bytes, decode_errors=cfg.decode_errors,
-            progress=PROGRESS[cfg.progress], min_doc_tokens=cfg.min_doc_tokens)
+            progress=PROGRESS[cfg.progress], min_doc_tokens=cfg.min_doc_tokens, objective=cfg.objective,
+            chat_template=cfg.chat_template, loss_on=cfg.loss_on)
 
 
 if __name__ == "__main__":

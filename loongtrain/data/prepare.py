@@ -56,6 +56,8 @@ from loongtrain._files import (
     write_atomic,
     write_bytes,
 )
+from loongtrain.data.chat import ChatFormat
+from loongtrain.data.conversations import SFT, ConversationRows, tokenize_conversation_shard
 from loongtrain.data.corpus import Corpus, FilesCorpus, build_corpus
 from loongtrain.data.prepared import (
     FORMAT,
@@ -161,6 +163,9 @@ def prepare(
     progress: bool | None = None,
     on_shard: Callable[[int], None] | None = None,
     min_doc_tokens: int = 0,
+    objective: str = "pretrain",
+    chat_template: str = "",
+    loss_on: str = "assistant",
 ) -> PrepareResult:
     """Tokenize ``sources`` (any ``--corpus`` spec each, concatenated in order) into directory ``out``.
 
@@ -168,7 +173,10 @@ def prepare(
     UTF-8 (strict: an error; replace; ignore). ``progress``: a tqdm bar on stderr (None: when tqdm is
     installed and stderr is a terminal). ``on_shard(k)`` is called after shard ``k`` is written (tests
     use it to simulate a crash). ``min_doc_tokens``: keep only the documents of at least that many tokens
-    (EOS not counted; 0 keeps all), recorded in the manifest. Raises ValueError for bad input (module
+    (EOS not counted; 0 keeps all), recorded in the manifest. ``objective="sft"``: the sources are ``.jsonl``
+    conversations, encoded by the chat format of ``chat_template`` and ``loss_on``
+    (:class:`~loongtrain.data.chat.ChatFormat`), their target masks stored beside the tokens
+    (:mod:`loongtrain.data.conversations`). Raises ValueError for bad input (module
     docstring: which directories are accepted), :class:`~loongtrain._files.DiskFullError` for a full disk."""
     t0 = time.perf_counter()
     if not sources:
@@ -179,11 +187,17 @@ def prepare(
         raise ValueError(f"--workers={workers} must be >= 0 (0: one per core)")
     if min_doc_tokens < 0:
         raise ValueError(f"--min-doc-tokens={min_doc_tokens} must be >= 0 (0: keep every document)")
+    if objective not in ("pretrain", SFT):
+        raise ValueError(f"--objective={objective!r} is not one of ('pretrain', 'sft')")
     tok = build_tokenizer(tokenizer)
-    corpora = [build_corpus(s, text_field, decode_errors) for s in sources]
+    chat = ChatFormat(tok, chat_template, loss_on) if objective == SFT else None
+    corpora = ([ConversationRows(s, decode_errors) for s in sources] if chat is not None else
+               [build_corpus(s, text_field, decode_errors) for s in sources])
     inputs = [s for s in sources if s != "stdlib"] + ([tok.name] if isinstance(tok, HFTokenizer) else [])
     out = check_output(OUTPUT, out, inputs=inputs)
     want = request(sources, tok, text_field, shard_bytes, decode_errors, min_doc_tokens)
+    if chat is not None:  # the manifest records what made the targets
+        want.update(objective=SFT, chat={"identity": chat.identity(), "rule": chat.rule, "loss_on": loss_on})
     identity = [source_identity(s, text_field) for s in sources]
     state = check_out_dir(out, want, overwrite, identity)
     if state == "done":
@@ -197,7 +211,8 @@ def prepare(
         with OutputLock(OUTPUT, out):
             _clear_leftovers(out, state)
             try:
-                manifest = _prepare_into(out, corpora, tok, want, identity, workers, shard_bytes, progress, on_shard)
+                manifest = _prepare_into(out, corpora, chat or tok, want, identity, workers, shard_bytes, progress,
+                                         on_shard)
             except (ValueError, OSError, KeyboardInterrupt):  # bad input, a full disk, Ctrl-C: remove our files
                 _remove_partial(out, fresh=state == "fresh")
                 raise
@@ -211,19 +226,19 @@ def prepare(
     return PrepareResult("prepared", out, manifest["num_tokens"], manifest["num_documents"], seconds)
 
 
-def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer, want: dict[str, Any],
+def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer | ChatFormat, want: dict[str, Any],
                   identity: list[dict[str, Any]], workers: int, shard_bytes: int, progress: bool | None,
                   on_shard: Callable[[int], None] | None) -> dict[str, Any]:
     """The prepare itself, in the locked directory ``out``: shards in ``.tmp-<pid>``, then the swap."""
     write_atomic(out / IN_PROGRESS, json.dumps(want))
     tmp = out / f".tmp-{os.getpid()}"
     tmp.mkdir()
-    dtype = token_dtype(tok.vocab_size)
+    dtype = token_dtype((tok.tokenizer if isinstance(tok, ChatFormat) else tok).vocab_size)
     shards, lengths = _write_shards(corpora, tok, tmp, dtype, workers or os.cpu_count() or 1, shard_bytes,
                                     _want_progress(progress), _total_bytes(corpora), on_shard, want["min_doc_tokens"])
     _check_kept(lengths, shards, want["min_doc_tokens"])
     num_tokens = int(lengths.sum())
-    if num_tokens == len(lengths):
+    if num_tokens == (0 if isinstance(tok, ChatFormat) else len(lengths)):
         raise ValueError(f"every one of the {len(lengths)} documents of {want['sources']} is empty: nothing to "
                          f"prepare")
     offsets = np.zeros(len(lengths) + 1, dtype="<u8")
@@ -306,7 +321,7 @@ def _shard_texts(corpora: list[Corpus], shard_bytes: int) -> Iterator[tuple[int,
         yield k, batch
 
 
-def _write_shards(corpora: list[Corpus], tok: Tokenizer, tmp: Path, dtype: np.dtype, workers: int,
+def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path, dtype: np.dtype, workers: int,
                   shard_bytes: int, progress: bool, total: int | None, on_shard: Callable[[int], None] | None,
                   min_doc_tokens: int = 0) -> tuple[list[dict[str, Any]], np.ndarray]:
     tasks = ((k, docs, str(tmp), dtype.str, min_doc_tokens) for k, docs in _shard_texts(corpora, shard_bytes))
@@ -349,10 +364,10 @@ def _write_shards(corpora: list[Corpus], tok: Tokenizer, tmp: Path, dtype: np.dt
     return shards, np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
 
 
-_WORKER_TOKENIZER: Tokenizer | None = None
+_WORKER_TOKENIZER: Tokenizer | ChatFormat | None = None
 
 
-def _init_worker(tok: Tokenizer, parallel_tokenizer: bool = False) -> None:
+def _init_worker(tok: Tokenizer | ChatFormat, parallel_tokenizer: bool = False) -> None:
     global _WORKER_TOKENIZER
     if not parallel_tokenizer:  # a pool process: one per core already, no tokenizer thread pool on top
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -367,6 +382,8 @@ def _tokenize_shard(task: tuple[int, list[str], str, str, int]) -> tuple[int, di
     k, docs, tmp, dtype, min_doc_tokens = task
     tok = _WORKER_TOKENIZER
     assert tok is not None
+    if isinstance(tok, ChatFormat):  # --objective sft: conversations and their target masks
+        return tokenize_conversation_shard(task, tok)
     encoded = [e for e in tok.encode_many(docs) if e.size >= min_doc_tokens]
     lengths = np.fromiter((e.size + 1 for e in encoded), dtype=np.int64, count=len(encoded))
     tokens = np.empty(int(lengths.sum()), dtype=np.dtype(dtype))

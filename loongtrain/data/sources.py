@@ -66,6 +66,9 @@ def open_stream(spec: str | Corpus, tokenizer: Tokenizer, *, text_field: str = "
     bytes that are not UTF-8 are read (``--decode-errors``)."""
     if isinstance(spec, str) and is_prepared_dir(spec):
         manifest = verify_prepared(spec, tokenizer, digests=False)
+        if manifest.data.get("objective", "pretrain") != "pretrain":
+            raise ValueError(f"{spec!r} was prepared for --objective {manifest.data['objective']}: train it with "
+                             f"--objective {manifest.data['objective']}, or prepare the text with `loongtrain prepare`")
         return PreparedStream(manifest, tokenizer, selected(manifest.num_documents, val_fraction, seed, part))
     corpus = build_corpus(spec, text_field, decode_errors=decode_errors)
     if selected(0, val_fraction, seed, part) is not None:  # a split applies (checks part and fraction)

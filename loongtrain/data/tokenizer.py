@@ -31,6 +31,11 @@ class Tokenizer:
         """``encode`` of each text as a 1-D integer array (the tokenizer's batch path where it has one)."""
         return [self.encode_tensor(t).numpy() for t in texts]
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids [n], offsets [n, 2])``: ``encode(text)`` and each token's ``[start, end)`` in characters of
+        ``text`` (what a chat template's target spans are mapped through: loongtrain/data/chat.py)."""
+        raise NotImplementedError
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens (vocab 256). End of document = byte 0 (NUL, which text files do not contain)."""
@@ -48,6 +53,12 @@ class ByteTokenizer(Tokenizer):
 
     def encode_many(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """One token per UTF-8 byte; a byte's span is its character's."""
+        sizes = np.fromiter((len(c.encode("utf-8")) for c in text), dtype=np.int64, count=len(text))
+        chars = np.repeat(np.arange(len(text), dtype=np.int64), sizes)
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64), np.stack([chars, chars + 1], 1)
 
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         """Invalid UTF-8 (e.g. a sequence cut mid-character) decodes to U+FFFD."""
@@ -121,6 +132,15 @@ class HFTokenizer(Tokenizer):
         if self._tok is None:
             return super().encode_many(texts)
         return [np.array(e.ids, dtype=np.int64) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        if self._tok is not None:
+            encoding = self._tok.encode(text, add_special_tokens=False)
+            ids, offsets = encoding.ids, encoding.offsets
+        else:
+            encoding = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+        return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
 
     def decode(self, ids: list[int] | torch.Tensor) -> str:
         values = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)

@@ -66,7 +66,8 @@ def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool,
     longest = run_stages(cfg)[-1]  # a --seq-len-stages is planned for its longest stage
     try:
         best = best_fitting(model, cluster, gpus=world, seq_len=longest.seq_len, batch=longest.batch_size,
-                            dtype_bytes=_compute_bytes(cfg), modes="auto", lora=cfg.lora_config())
+                            dtype_bytes=_compute_bytes(cfg), modes="auto", lora=cfg.lora_config(),
+                            reference=cfg.objective == "dpo")
     except ValueError as exc:
         raise ValueError(f"--plan auto on {cluster.name}: {exc}") from None
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, %.1f GiB host "

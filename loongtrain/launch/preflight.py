@@ -48,6 +48,7 @@ from typing import Any
 
 from loongtrain._files import check_output, foreign_entries
 from loongtrain.data.checks import check_corpora
+from loongtrain.data.post_training import PRETRAIN, PostTrainingReader, chat_format
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.sources import corpus_identity, identity_change, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
@@ -73,7 +74,8 @@ from loongtrain.train.validation import check_validation
 log = logging.getLogger("loongtrain.train")
 
 MUST_MATCH = ("model", "lora", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_stages", "stage_tokens",
-              "seed", "grad_accum", "rope_theta", "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay")
+              "seed", "grad_accum", "rope_theta", "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay",
+              "objective", "loss_on", "chat_template", "on_long", "ref_model")
 #: options a new run with --init-from may change where a resume may not
 NEW_RUN_CHANGES = ("seq_len", "seq_len_stages", "rope_theta", "rope_scaling")
 
@@ -93,7 +95,7 @@ def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, 
     cfg = check_init_from(cfg)
     check_out_dir(cfg)
     tokenizer = tokenizer or build_run_tokenizer(cfg)
-    check_corpus(cfg, tokenizer)
+    check_corpus(cfg, tokenizer, world)
     for warning in check_validation(cfg, world, tokenizer):
         log.warning("%s", warning)
     try:
@@ -167,17 +169,32 @@ def check_init_from(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, init_from=str(path))
 
 
-def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer, world: int = 1) -> None:
     """The run's ``--corpus`` and ``--val-corpus`` can be read and hold a sample each
-    (:func:`loongtrain.data.checks.check_corpora`)."""
+    (:func:`loongtrain.data.checks.check_corpora`); ``--objective sft|dpo``: their rows parse, encode and pack
+    (:meth:`loongtrain.data.post_training.PostTrainingReader.check`, its lines logged)."""
+    if cfg.objective != PRETRAIN:
+        try:
+            lines = PostTrainingReader.of(cfg, tokenizer).check(cfg.corpus, cfg.val_corpus, cfg.val_fraction,
+                                                                max(1, world // cfg.parallel.sp) * cfg.batch_size)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--corpus {cfg.corpus!r}: {exc}" if cfg.corpus not in str(exc) else str(exc)) from None
+        for line in lines:
+            log.info("%s", line)
+        return
     check_corpora(cfg.corpus, cfg.val_corpus, tokenizer, cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed,
                   decode_errors=cfg.decode_errors)
 
 
 def data_identity(cfg: TrainConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """What the run reads, by content: ``{"corpus": corpus_identity(--corpus), "tokenizer": identity}``
-    (:func:`loongtrain.data.sources.corpus_identity`; recorded in every checkpoint)."""
-    return {"corpus": corpus_identity(cfg.corpus), "tokenizer": tokenizer_identity(tokenizer)}
+    (:func:`loongtrain.data.sources.corpus_identity`; recorded in every checkpoint); ``--objective sft|dpo``
+    adds ``"chat"``, the chat format's identity (its template's digest and target rule)."""
+    out = {"corpus": corpus_identity(cfg.corpus), "tokenizer": tokenizer_identity(tokenizer)}
+    if cfg.objective != PRETRAIN:
+        chat = chat_format(cfg.objective, tokenizer, cfg.chat_template, cfg.loss_on)
+        out["chat"] = chat.identity() if chat is not None else None
+    return out
 
 
 def check_same_data(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, Any], path: Path) -> None:
@@ -191,6 +208,9 @@ def check_same_data(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, Any
     if saved.get("tokenizer") not in (None, now["tokenizer"]):
         raise ValueError(f"--tokenizer {cfg.tokenizer!r}: its files changed since the checkpoint {str(path)!r} "
                          f"(identity {saved['tokenizer']} then, {now['tokenizer']} now); a resumed run must keep them")
+    if saved.get("chat") != now.get("chat"):
+        raise ValueError(f"--chat-template {cfg.chat_template!r}: the chat template changed since the checkpoint "
+                         f"{str(path)!r} ({saved.get('chat')} then, {now.get('chat')} now); a resumed run must keep it")
     error, warning = identity_change(saved.get("corpus") or [], now["corpus"])
     if error:
         raise ValueError(f"--corpus {cfg.corpus!r}: {error} since the checkpoint {str(path)!r}; a resumed run must "

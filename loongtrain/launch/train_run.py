@@ -44,6 +44,7 @@ from loongtrain.parallelize.recompute import recomputed_layers
 from loongtrain.train.checkpoint import AUTO, RUN_OUTPUT
 from loongtrain.train.config import Run, TrainConfig, eval_task_list
 from loongtrain.train.model_setup import build_run_tokenizer, lora_targets, model_config_for
+from loongtrain.train.reference import check_reference
 from loongtrain.train.stages import check_stage_layouts
 from loongtrain.train.trainer import Trainer
 
@@ -133,6 +134,7 @@ def prepare_run(cfg: TrainConfig, world: int) -> Run:
     planned = bool(cfg.plan)
     cfg = apply_plan(cfg, world, under_launcher=under_torchrun(), model_config=model_config)
     validate_run(cfg, world, model_config)
+    check_reference(cfg, model_config, tokenizer)  # --objective dpo --ref-model: the policy's architecture
     if not planned:  # --plan auto checked every stage on the cluster it planned for
         check_stage_memory(cfg, world, model_config, stage_memory_cluster(cfg))
     evaluations: tuple = ()

@@ -199,6 +199,22 @@ def chunked_cross_entropy(
     all-reduce (sum) of two scalars over ``mesh.sp_group`` (none when ``mesh`` is None or ``sp == 1``);
     backward, none.
     """
+    local_sum = chunked_token_sum(hidden, weight, labels, chunk_tokens=chunk_tokens, bias=bias, norm=norm)
+    return replica_mean(local_sum, (labels != IGNORE_INDEX).sum(), mesh)
+
+
+def chunked_token_sum(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    bias: Tensor | None = None,
+    norm: FinalNorm | None = None,
+) -> Tensor:
+    """``sum over this rank's valid tokens of (lse - target logit)``: the differentiable local sum of
+    :func:`chunked_cross_entropy` (statistics dtype), before any normalisation (arguments as there; the
+    gradients computed in the forward, module docstring). Communication: none."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
             f"hidden shape {tuple(hidden.shape)} must be labels shape {tuple(labels.shape)} + (dim,)"
@@ -223,11 +239,10 @@ def chunked_cross_entropy(
     if norm is not None and (norm.weight.shape != hidden.shape[-1:] or isinstance(norm.weight, DTensor)):
         raise ValueError(f"norm weight shape {tuple(norm.weight.shape)} must be ({hidden.shape[-1]},), gathered")
     norm_weight, eps, stats = (norm.weight, norm.eps, norm.stats_dtype) if norm is not None else (None, 0.0, None)
-    local_sum = _ChunkedCrossEntropy.apply(
+    return _ChunkedCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, norm_weight, labels.reshape(-1), chunk_tokens, compute,
         fused, eps, stats,
     )
-    return replica_mean(local_sum, (labels != IGNORE_INDEX).sum(), mesh)
 
 
 def chunked_loss_peak_bytes(

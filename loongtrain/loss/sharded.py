@@ -6,11 +6,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from loongtrain.data.labels import IGNORE_INDEX
 from loongtrain.parallel.mesh import Mesh
 
 Tensor = torch.Tensor
-
-IGNORE_INDEX = -100
 
 
 def sharded_cross_entropy(logits: Tensor, labels: Tensor, mesh: Mesh | None) -> tuple[Tensor, Tensor]:

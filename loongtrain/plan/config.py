@@ -58,6 +58,9 @@ class PlanConfig:
                        "optimizer state and gradients, no weight gradients for the base")
     modes: str = option("auto", "offload and tiling modes to consider: off, auto (only when nothing fits without "
                       "them), on", choices=MODE_SEARCH)
+    objective: str = option("pretrain", "what the run trains (as `loongtrain train --objective`): pretrain, sft, or "
+                            "dpo (its reference pass before the first step counted too: docs/post-training.md)",
+                            choices=("pretrain", "sft", "dpo"))
     simulate: bool = option(False, "also run the trainer's step for the best configuration under fake tensors "
                           "(memory at full size without the hardware) and print its peak beside the prediction")
     top: int = option(15, at_least=1, help="rows to print")

@@ -191,11 +191,12 @@ def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents,
 def step_cost(
     model: ModelConfig, config: ParallelConfig, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
     dtype_bytes: int = 2, documents: Documents | None = None, world: int | None = None,
-    lora: LoraConfig | None = None,
+    lora: LoraConfig | None = None, reference: bool = False,
 ) -> Candidate:
     """Predicted step time (its terms), MFU, memory and bottleneck of ``config`` on ``nodes`` nodes
     (``documents``: packed rows of every replica's batch and their chunk layout); ``world``: the devices used
-    when fewer than ``nodes`` whole nodes (one partial node); ``lora``: adapters on a frozen base."""
+    when fewer than ``nodes`` whole nodes (one partial node); ``lora``: adapters on a frozen base;
+    ``reference``: a DPO run's memory includes its reference pass (loongtrain/plan/memory_model.py)."""
     world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
@@ -244,7 +245,7 @@ def step_cost(
                                                    bandwidth=_group_bw(cluster, world, world), latency=latency * 1e-6,
                                                    lora=lora)
     memory = config_memory(model, config, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                           zero_size=z, lora=lora)
+                           zero_size=z, lora=lora, reference=reference)
     if config.offload_activations or config.offload_params:
         breakdown["offload"] = offload_time(model, config, cluster, world, memory, layer_busy, lora)
     stepped = num_params(model) if lora is None else adapter_params(model, lora)  # what AdamW updates

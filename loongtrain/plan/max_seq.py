@@ -15,17 +15,19 @@ MAX_SEQ_LEN = 1 << 36  # the bisection's ceiling (tokens)
 
 
 def fits_memory(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int, seq_len: int,
-                batch: int, dtype_bytes: int, lora: LoraConfig | None = None) -> bool:
+                batch: int, dtype_bytes: int, lora: LoraConfig | None = None, reference: bool = False) -> bool:
     """Whether ``config`` fits in device and host memory (what :func:`step_cost` decides, without the time)."""
     memory = config_memory(model, config, config.layout(world), seq_len=seq_len, batch=batch,
-                           dtype_bytes=dtype_bytes, zero_size=config.shard_size(world), lora=lora)
+                           dtype_bytes=dtype_bytes, zero_size=config.shard_size(world), lora=lora,
+                           reference=reference)
     host = memory["host"] * min(world, cluster.gpus_per_node)
     return memory["total"] <= cluster.usable_memory and host <= cluster.usable_host_memory
 
 
 def max_seq_len(
     model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, gpus: int | None = None,
-    batch: int = 1, dtype_bytes: int = 2, modes: str = "auto", lora: LoraConfig | None = None, **filters,
+    batch: int = 1, dtype_bytes: int = 2, modes: str = "auto", lora: LoraConfig | None = None,
+    reference: bool = False, **filters,
 ) -> tuple[int, Candidate]:
     """The longest sequence that fits (device and host memory) and its best configuration: bisected on
     the lengths every configuration on these devices accepts (multiples of ``2 * sp``, ``sp`` the largest
@@ -38,13 +40,13 @@ def max_seq_len(
     sp = filters.get("sp") or (filters["hp"] * filters["cp"] if filters.get("hp") and filters.get("cp") else world)
     unit = 2 * sp
     kw = dict(nodes=nodes if gpus is None else None, gpus=gpus, batch=batch, dtype_bytes=dtype_bytes,
-              modes=modes, lora=lora, **filters)
+              modes=modes, lora=lora, reference=reference, **filters)
 
     _, cfg = resolve_model(model)
     search = dict(filters, modes=modes != "off")
 
     def fits(k: int) -> bool:  # memory only (the ranking, by step time, is computed once at the end)
-        return any(fits_memory(cfg, c, cl, world, k * unit, batch, dtype_bytes, lora)
+        return any(fits_memory(cfg, c, cl, world, k * unit, batch, dtype_bytes, lora, reference)
                    for c in enumerate_configs(cfg, world, cl.gpus_per_node, k * unit, **search))
 
     if not fits(1):

@@ -66,6 +66,8 @@ is the pinned host memory per rank they need (0 without them):
 
 With ``lora`` (a :class:`~loongtrain.model.lora.LoraConfig`) the base is frozen and only the adapters train:
 the states, the gathered gradients, the activations each changes as :mod:`loongtrain.plan.lora_terms` says.
+``reference`` (``--objective dpo``, :func:`reference_phase_bytes`): the reference pass before the first step
+(loongtrain/train/reference.py), whose peak ``total`` includes when it is the larger.
 
 ``total`` is the step's peak, not the sum of the parts (:func:`peak_bytes`): the largest of the loss's
 moment (the kept activations and the loss's peak), a block's backward (the activations still kept then,
@@ -211,15 +213,41 @@ def peak_bytes(parts: dict[str, float], gradient_bytes: float, layer_kept: float
     return max(loss, layer, end)
 
 
+def reference_phase_bytes(model: ModelConfig, parts: dict[str, float], t: float, dtype_bytes: int, zero_size: int,
+                          sharded: bool, tiles: int, reshard_after_forward: bool, offload_params: bool) -> float:
+    """Device bytes of DPO's reference pass (loongtrain/train/reference.py), forward only under ``no_grad``,
+    before the first step (measured: train/simulate/, phase ``reference``): the policy's weights and, on a
+    resume, its AdamW moments (``states`` less the gradients' ``4 * P / z``), the reference's own fp32
+    weights sharded as the policy's (``4 * P / z``; on the host with ``offload_params``), its gathered weights
+    without gradients (ZeRO: ``w * (n * P_l + R)``, ``n`` = 2 blocks, or all ``L`` without resharding;
+    autocast: one block's and the head's copies, ``b * (P_l + V * d)``), and the larger of a block's MLP
+    moment (the residual stream in and out, the norm's output and SwiGLU's four intermediates of a tile:
+    ``t * (2 * d * r + d * b + 4 * f * b / n)``) and the loss's (the final hidden states and ``logits``)."""
+    p, p_l, d, b = num_params(model), layer_params(model), model.dim, dtype_bytes
+    weights = 0.0 if offload_params else 12 * p / zero_size + 4 * p / zero_size
+    if sharded:
+        w = min(b, 4)
+        root = model.vocab_size * d * (1 if model.tie_embeddings else 2) + d
+        gathered = w * ((2 if reshard_after_forward else model.num_layers) * p_l + root)
+    else:
+        gathered = b * (p_l + model.vocab_size * d) if b < 4 else 0.0
+    r = residual_bytes(b, sharded)
+    block = t * (2 * d * r + d * b + 4 * model.ffn_dim * b / tiles)
+    return weights + gathered + max(block, t * d * r + parts["logits"])
+
+
 def memory_per_rank(
     model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, recompute: str,
     dtype_bytes: int = 2, reshard_after_forward: bool = True, offload_activations: bool = False,
     mlp_tiles: str = "1", offload_params: bool = False, offload_keep: int = 0, lora: LoraConfig | None = None,
+    reference: bool = False,
 ) -> dict[str, float]:
     """Bytes per device by part (``states``, ``working_params``, ``activations``, ``recompute``, ``logits``,
     ``workspace``), the step's peak ``total`` (:func:`peak_bytes`), the pinned ``host`` bytes per rank of the
     offload modes (module docstring) and, of those, the offloaded activations' ``host_activations``;
-    ``lora``: the adapters train on a frozen base (:mod:`loongtrain.plan.lora_terms`)."""
+    ``lora``: the adapters train on a frozen base (:mod:`loongtrain.plan.lora_terms`). ``reference``: a DPO
+    run's (``--objective dpo``): ``reference``, the reference pass's bytes (:func:`reference_phase_bytes`), and
+    ``total`` the larger of it and the step's peak."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
     if zero_size < 1 or layout.world_size % zero_size:
@@ -277,18 +305,23 @@ def memory_per_rank(
         parts["states"] = 0.0
     parts["total"] = peak_bytes(parts, gradient_bytes=0.0 if offload_params else grads / zero_size,
                                 layer_kept=layer_kept)
-    parts["host"] = float(host)
+    if reference:
+        parts["reference"] = float(reference_phase_bytes(model, parts, t, b, zero_size, sharded, tiles,
+                                                         reshard_after_forward, offload_params))
+        parts["total"] = max(parts["total"], parts["reference"])
+    parts["host"] = float(host) + (4 * p / zero_size if reference and offload_params else 0.0)
     return parts
 
 
 def config_memory(model: ModelConfig, config: ParallelConfig, layout: Layout, *, seq_len: int, batch: int,
-                  dtype_bytes: int, zero_size: int, lora: LoraConfig | None = None) -> dict[str, float]:
+                  dtype_bytes: int, zero_size: int, lora: LoraConfig | None = None,
+                  reference: bool = False) -> dict[str, float]:
     """:func:`memory_per_rank` for ``config`` (its ``recompute``, resharding and memory modes) on ``layout``
-    (``lora``: adapters on a frozen base): the one mapping the planner, ``--max-seq-len`` and the trainer's
-    start-up report share."""
+    (``lora``: adapters on a frozen base; ``reference``: a DPO run's reference pass): the one mapping the
+    planner, ``--max-seq-len`` and the trainer's start-up report share."""
     return memory_per_rank(
         model, layout, seq_len=seq_len, batch=batch, zero_size=zero_size, recompute=config.recompute,
         dtype_bytes=dtype_bytes, reshard_after_forward=config.reshard_after_forward,
         offload_activations=config.offload_activations, mlp_tiles=config.mlp_tiles,
-        offload_params=config.offload_params, offload_keep=config.offload_keep, lora=lora,
+        offload_params=config.offload_params, offload_keep=config.offload_keep, lora=lora, reference=reference,
     )

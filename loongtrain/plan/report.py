@@ -173,7 +173,7 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
     if cfg.max_seq_len:
         return _run_max_seq_len(cfg, name, model, cluster, devices, simulate)
     kw = dict(seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes,
-              lora=cfg.lora_config(), **devices)
+              lora=cfg.lora_config(), reference=cfg.objective == "dpo", **devices)
     documents = packed_documents(cfg.seq_len, cfg.doc_median, cfg.batch_size) if cfg.doc_median else None
     cands = plan(model, cluster, **kw, documents=documents, **cfg.filters())
     if cfg.simulate:
@@ -232,7 +232,8 @@ def _run_max_seq_len(cfg: PlanConfig, name: str, model, cluster: Cluster, device
     """``--max-seq-len``: the bisected length and its best configuration (text or JSON); with ``--lora`` also the
     length full training fits, for the comparison."""
     lora = cfg.lora_config()
-    kw = dict(batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, **devices, **cfg.filters())
+    kw = dict(batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, reference=cfg.objective == "dpo",
+              **devices, **cfg.filters())
     length, best = max_seq_len(model, cluster, lora=lora, **kw)
     if cfg.simulate:
         return _print_simulation(dataclasses.replace(cfg, seq_len=length), name, model, best, simulate)

@@ -190,13 +190,14 @@ def world_size(cluster: Cluster, nodes: int | None = None, gpus: int | None = No
 def plan(
     model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, seq_len: int, batch: int = 1,
     dtype_bytes: int = 2, documents: Documents | None = None, gpus: int | None = None, modes: str = "off",
-    lora: LoraConfig | None = None, **filters,
+    lora: LoraConfig | None = None, reference: bool = False, **filters,
 ) -> list[Candidate]:
     """Every distinct valid configuration with its predicted cost, best first (see module docstring), on
     ``nodes`` whole nodes or ``gpus`` devices. ``documents``: packed rows of the batch, charged by visible
     pairs (docs/planner.md); ``modes``: off | auto | on (the offload and tiling modes: never, only when
-    nothing fits without them, always); ``lora``: adapters on a frozen base (docs/lora.md); ``filters``: sp,
-    hp, cp, inner_ring, placement, zero, recompute, offload_activations, mlp_tiles, offload_params."""
+    nothing fits without them, always); ``lora``: adapters on a frozen base (docs/lora.md); ``reference``: a DPO
+    run (its reference pass counted in memory); ``filters``: sp, hp, cp, inner_ring, placement, zero, recompute,
+    offload_activations, mlp_tiles, offload_params."""
     _, cfg = resolve_model(model)
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     _check_choice("modes", modes, list(MODE_SEARCH))
@@ -204,7 +205,7 @@ def plan(
     _positive("batch", batch)
     world, nodes = world_size(cl, nodes, gpus)
     kw = dict(nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, documents=documents,
-              world=world if gpus is not None else None, lora=lora)
+              world=world if gpus is not None else None, lora=lora, reference=reference)
     configs = enumerate_configs(cfg, world, cl.gpus_per_node, seq_len, modes=modes == "on", **filters)
     cands = sorted((step_cost(cfg, c, cl, **kw) for c in configs), key=_rank_key)
     if modes == "auto" and not cands[0].fits:
@@ -224,11 +225,13 @@ def _rank_key(c: Candidate) -> tuple:
 def best_fitting(
     model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, seq_len: int, batch: int = 1,
     dtype_bytes: int = 2, gpus: int | None = None, modes: str = "off", lora: LoraConfig | None = None,
-    **filters,
+    reference: bool = False, **filters,
 ) -> Candidate:
     """The best configuration that fits in device and host memory (for ``loongtrain train --plan auto``,
-    with ``modes="auto"``); ValueError naming the closest feasible alternatives when none fits."""
-    kw = dict(seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, gpus=gpus, modes=modes, lora=lora, **filters)
+    with ``modes="auto"``; ``reference``: a DPO run); ValueError naming the closest feasible alternatives when
+    none fits."""
+    kw = dict(seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, gpus=gpus, modes=modes, lora=lora,
+              reference=reference, **filters)
     cands = plan(model, cluster, nodes=nodes, **kw)
     if cands[0].fits:
         return cands[0]

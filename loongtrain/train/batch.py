@@ -6,7 +6,7 @@ work its rows compute (for FLOP counts)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,17 +20,22 @@ from loongtrain.train.config import TrainConfig
 
 Batch = dict[str, torch.Tensor]
 ChunkOrder = tuple[int, ...]
+#: the fields every batch has (``doc_starts``: packed corpora's), laid out by :meth:`BatchSharding.local` itself
+_SHARDED_FIELDS = ("input_ids", "labels", "position_ids", "doc_starts")
 
 
 @dataclass(frozen=True)
 class LocalBatch:
-    """This rank's shard of a micro-batch, with what attention needs to mask it."""
+    """This rank's shard of a micro-batch, with what attention needs to mask it. ``extras``: the batch's other
+    fields (post-training's, e.g. DPO's ``segment``): a per-token one ``[batch, seq_len]`` sharded like the
+    tokens, the others as they are."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: list[torch.Tensor] | None
     chunk_order: ChunkOrder | None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def batch_documents(batch: Batch, doc_mask: str, position_reset: bool) -> tuple[list[torch.Tensor] | None,
@@ -85,7 +90,10 @@ class BatchSharding:
         def shard(x: torch.Tensor) -> torch.Tensor:
             return to_device(shard_sequence(x, self.mesh, dim=1, chunk_order=order), self.device)
 
-        return LocalBatch(shard(batch["input_ids"]), shard(batch["labels"]), shard(positions), cu_seqlens, order)
+        extras = {key: shard(value) if value.shape == batch["input_ids"].shape else value
+                  for key, value in batch.items() if key not in _SHARDED_FIELDS}
+        return LocalBatch(shard(batch["input_ids"]), shard(batch["labels"]), shard(positions), cu_seqlens, order,
+                          extras)
 
     def visible_pairs(self, batch: Batch) -> int:
         """Attention (query, key) pairs the batch's rows compute (per layer and head), for FLOP counts."""

@@ -19,9 +19,12 @@ import torch
 
 from loongtrain._options import flag, option, parse_size
 from loongtrain.attn.kernel_choice import bf16_supported
+from loongtrain.data.chat import LOSS_ON
 from loongtrain.data.corpus import DECODE_ERRORS
+from loongtrain.data.post_training import OBJECTIVES, PRETRAIN
 from loongtrain.data.split import check_fraction
 from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.data.whole_packing import ON_LONG
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.lora import LoraConfig, parse_lora
 from loongtrain.model.rope_scaling import RopeChange, rope_change
@@ -175,6 +178,21 @@ class TrainConfig:
     tensorboard: bool = option(True, "write TensorBoard events when tensorboard is installed")
     plot: bool = option(True, "write loss_curve.png at the end when matplotlib is installed")
     log_all_ranks: bool = option(False, "log from every rank, not only rank 0")
+    # post-training (docs/post-training.md)
+    objective: str = option(PRETRAIN, group="post-training", help="what the run trains on: pretrain (every token "
+                            "of a text corpus), sft (conversations {\"messages\": [...]} of .jsonl rows or a "
+                            "prepared corpus: their assistant tokens), dpo (preference pairs {\"prompt\", "
+                            "\"chosen\", \"rejected\"})")
+    loss_on: str = option("assistant", "--objective sft: the targets: assistant (the chat template's generation "
+                          "blocks, else each assistant turn and its end-of-turn token) or all (every token)")
+    chat_template: str = option("", "--objective sft/dpo: a Jinja chat template file to render conversations with "
+                                "('': the tokenizer's own)")
+    on_long: str = option("drop", "--objective sft/dpo: a conversation or pair longer than --seq-len is left out "
+                          "(drop, counted in the log) or refused (error)")
+    dpo_beta: float = option(0.1, "--objective dpo: beta, the strength of the KL penalty toward the reference")
+    ref_model: str = option("", "--objective dpo: the frozen reference: a loongtrain run or checkpoint, or a Hugging "
+                            "Face model directory, of the policy's architecture and vocabulary ('': the policy's "
+                            "initial weights)")
 
     def validate(self) -> None:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices)."""
@@ -214,6 +232,7 @@ class TrainConfig:
         check_stages(self)  # --seq-len-stages, --stage-tokens, and what they make of --steps, --seq-len
         self._validate_eval_tasks()
         self._validate_lora()
+        self._validate_objective()
 
     def _validate_lora(self) -> None:
         """--lora parses; it composes with the other options (its targets are checked against the model by
@@ -233,6 +252,34 @@ class TrainConfig:
     def lora_config(self) -> LoraConfig | None:
         """``--lora`` parsed (:func:`loongtrain.model.lora.parse_lora`; None without adapters)."""
         return parse_lora(self.lora)
+
+
+    def _validate_objective(self) -> None:
+        """--objective and the options that belong to it (docs/post-training.md)."""
+        for name, choices in (("objective", OBJECTIVES), ("loss_on", LOSS_ON), ("on_long", ON_LONG)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{flag(name)}={getattr(self, name)!r} is not one of {choices}")
+        if not (math.isfinite(self.dpo_beta) and self.dpo_beta > 0):
+            raise ValueError(f"--dpo-beta={self.dpo_beta} must be finite and > 0")
+        given = {"loss_on": self.loss_on != "assistant", "chat_template": bool(self.chat_template),
+                 "on_long": self.on_long != "drop", "dpo_beta": self.dpo_beta != 0.1, "ref_model": bool(self.ref_model)}
+        applies = {"loss_on": ("sft",), "chat_template": ("sft", "dpo"), "on_long": ("sft", "dpo"),
+                   "dpo_beta": ("dpo",), "ref_model": ("dpo",)}
+        for name, used in given.items():
+            if used and self.objective not in applies[name]:
+                raise ValueError(f"{flag(name)} applies to --objective {' or '.join(applies[name])}, not "
+                                 f"--objective {self.objective}")
+        if self.objective == PRETRAIN:
+            return
+        if self.doc_mask != "on" or not self.position_reset:
+            raise ValueError(f"--objective {self.objective} packs conversations and pairs as documents: it needs "
+                             f"--doc-mask on and --position-reset (got --doc-mask {self.doc_mask}, --position-reset "
+                             f"{self.position_reset})")
+        if self.seq_len_stages:
+            raise ValueError(f"--seq-len-stages applies to --objective pretrain, not --objective {self.objective}")
+        if "position-loss" in eval_task_list(self):
+            raise ValueError(f"--eval-tasks position-loss measures plain text; with --objective {self.objective} "
+                             f"use --eval-tasks passkey (and val_loss: --val-interval)")
 
     def _validate_eval_tasks(self) -> None:
         """--eval-tasks are known tasks, run at a validation interval; --eval-lengths parse."""

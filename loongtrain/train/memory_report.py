@@ -262,7 +262,7 @@ def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, flo
     compute = autocast_dtype(cfg, trainer.device) or param_dtype(cfg)
     return config_memory(trainer.model_config, parallel, mesh.layout, seq_len=seq_len, batch=batch,
                          dtype_bytes=torch.empty((), dtype=compute).element_size(), zero_size=zero_size,
-                         lora=cfg.lora_config())
+                         lora=cfg.lora_config(), reference=cfg.objective == "dpo")
 
 
 #: the planner's parts that the measured report counts: (planner parts, report parts)
@@ -294,8 +294,10 @@ def format_prediction(predicted: dict[str, float], measured: dict[str, int]) -> 
         lines.append(f"| host (offload modes) | {_mib(int(predicted.get('host', 0)))} | "
                      f"{_mib(measured.get('host', 0))} |")
     transient = {k: v for k, v in predicted.items()
-                 if k not in ("total", "states", "activations", "host", "host_activations")}
+                 if k not in ("total", "states", "activations", "host", "host_activations", "reference")}
     lines.append(f"| transient ({', '.join(transient)}) | {_mib(int(sum(transient.values())))} | - |")
+    if "reference" in predicted:  # --objective dpo: the reference pass before the first step
+        lines.append(f"| DPO reference pass (before the first step) | {_mib(int(predicted['reference']))} | - |")
     lines.append(f"| planner's peak of the step | {_mib(int(predicted['total']))} | - |")
     return "\n".join(lines)
 

@@ -58,6 +58,7 @@ from loongtrain.train.metrics import (
     read_device_values,
 )
 from loongtrain.train.model_setup import build_model, init_checkpoint, loss_inputs, model_record
+from loongtrain.train.objectives import build_objective, post_training_batches
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
 from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import GradientSync, needs_grad_sync
@@ -121,6 +122,7 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         self.stages = run_stages(cfg)
         self._lora_base: dict[str, Any] | None = None  # --lora: the checkpoints' record of the base (on first save)
+        self.objective = build_objective(self)  # --objective sft|dpo (train/objectives.py); None: pretraining
 
     # -- the run ---------------------------------------------------------------------------------------
 
@@ -133,6 +135,9 @@ class Trainer:
         start, state = self.resume()
         self._tidy_out_dir(resumed=bool(state))
         batches = self.open_data(start, state)
+        if self.objective is not None:  # DPO: the reference's log-probabilities, before the first forward
+            self.objective.prepare(batches, start, cfg.steps if not cfg.stop_after else min(cfg.steps,
+                                                                                            start + cfg.stop_after))
         mem_fields = self._memory_report(batches, start) if cfg.memory_report else {}
         self._peak = self._peak_flops()
         logger = self._logger(start)
@@ -140,7 +145,9 @@ class Trainer:
         records: list[dict[str, Any]] = []
         # --val-interval: the validation loss and the in-loop evaluations (train/validation.py)
         validation = Validation(stage_config(cfg, batches.stage), self.mesh, self.loss, self.model,
-                                evaluations=self.run.evaluations, device=self.device, amp_dtype=self.amp_dtype)
+                                evaluations=self.run.evaluations, device=self.device, amp_dtype=self.amp_dtype,
+                                measure=None if self.objective is None else
+                                lambda val: self.objective.validation_loss(self, val))
         reset_peak_memory(self.device)
         bad_steps = 0
         unread: list[dict[str, Any]] = []  # records whose DEVICE_VALUES (metrics.py) are still on the device
@@ -214,6 +221,8 @@ class Trainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.objective is not None and not self.objective.begin_step(micro_batches):
+            return self._no_targets(read)
         local = [self.sharding.local(b) for b in micro_batches]
         loss_value = self._forward_backward(local)
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
@@ -234,7 +243,18 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         return {"loss": record["loss"], "grad_norm": record["grad_norm"], "lr": float(lr), "skipped": int(skipped),
-                "attention_pairs": record["attention_pairs"]}
+                "attention_pairs": record["attention_pairs"],
+                **(self.objective.metrics() if self.objective is not None else {})}
+
+    def _no_targets(self, read: list[dict[str, Any]] | bool) -> dict[str, Any]:
+        """A post-training step whose sequences hold no target at all: no forward, no update (every rank
+        alike: the count is the step's, all-reduced); the schedule advances as for a skipped step."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        if isinstance(read, list):
+            self._read(read)
+        self.scheduler.step()
+        return {"loss": 0.0, "grad_norm": 0.0, "lr": float(lr), "skipped": 1, "no_targets": 1, "attention_pairs": 0,
+                **self.objective.metrics()}
 
     def _forward_backward(self, local: list[LocalBatch]) -> torch.Tensor:
         """Forward and backward of this rank's shards of the micro-batches, the gradients synchronised while
@@ -268,7 +288,10 @@ class Trainer:
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
         forward to the final norm's input, then the chunked cross-entropy through the final norm and the LM
-        head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract)."""
+        head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract).
+        With ``--objective sft|dpo``: the objective's loss of this batch on its own (train/objectives.py)."""
+        if self.objective is not None:
+            self.objective.begin_step([batch], dp_reduce=False)
         return self.local_loss(self.sharding.local(batch))
 
     def local_loss(self, local: LocalBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,6 +299,8 @@ class Trainer:
         with self._autocast():
             hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
                                              local.chunk_order)
+            if self.objective is not None:
+                return self.objective.loss(local, hidden, head, norm)
             return chunked_cross_entropy(hidden, head, local.labels, self.mesh, norm=norm)
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
@@ -325,6 +350,8 @@ class Trainer:
         """Batches from ``loongtrain.data`` for this rank's dp replica (the run's tokenizer, built once)."""
         tokenizer = self.run.tokenizer
         assert tokenizer is not None, "a corpus run needs the tokenizer the launcher resolved (Run.tokenizer)"
+        if self.objective is not None:  # conversations or pairs, packed whole
+            return post_training_batches(cfg, tokenizer, mesh, start_micro_step)
         return build_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp, cfg.seed,
                              start_micro_step, val_fraction=cfg.val_fraction,
                              decode_errors=cfg.decode_errors)
@@ -417,6 +444,9 @@ class Trainer:
 
     def _count_bad_step(self, record: dict[str, Any], bad_steps: int) -> int:
         """Consecutive skipped (non-finite) steps after this one; logs each skip."""
+        if record.get("no_targets"):  # a step without targets: skipped, not a bad step
+            log.warning("%s", self.objective.no_targets_message(record["step"]))
+            return 0
         if not record["skipped"]:
             return 0
         log.warning("step %d skipped: loss %s, gradient norm %s (not finite); %d consecutive (--max-bad-steps=%d)",

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain.data.post_training import PRETRAIN, PostTrainingReader
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.train import model_setup
@@ -43,7 +44,14 @@ LossFn = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
 
 def validation_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
     """This replica's ``count`` validation batches (fewer when the held-out data has fewer): the held-out
-    split when the run has one, else the corpus's tail (module docstring)."""
+    split when the run has one, else the corpus's tail (module docstring). ``--objective sft|dpo``: rows of
+    whole conversations or pairs, by the same rules (:class:`~loongtrain.data.post_training.PostTrainingReader`)."""
+    if cfg.objective != PRETRAIN:
+        from loongtrain.data import build_tokenizer
+
+        reader = PostTrainingReader.of(cfg, build_tokenizer(model_setup.tokenizer_spec(cfg)))
+        return reader.validation_batches(cfg.corpus, cfg.val_corpus, cfg.val_fraction, cfg.batch_size, mesh.dp_rank,
+                                         mesh.dp, count)
     if not (cfg.val_fraction or cfg.val_corpus):
         return tail_batches(cfg, mesh, count)
     from loongtrain.data.validation import build_val_batches
@@ -74,6 +82,8 @@ def check_validation(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list
     if cfg.val_corpus and _same_corpus(cfg.val_corpus, cfg.corpus):
         warnings.append(f"--val-corpus {cfg.val_corpus!r} is the training corpus: val_loss measures data the run "
                         f"trains on, not held-out text (--val-fraction holds documents out)")
+    if cfg.objective != PRETRAIN:  # the held-out rows: checked with the corpus (PostTrainingReader.check)
+        return warnings
     shapes = dict.fromkeys(_shape(stage_config(cfg, stage)) for stage in run_stages(cfg))
     for seq_len, batch_size in shapes:
         warnings += _check_sizes(dataclasses.replace(cfg, seq_len=seq_len, batch_size=batch_size), world, tokenizer)
@@ -200,12 +210,16 @@ class Validation:
     """The loop's hook: every ``cfg.val_interval`` optimizer steps, ``{"val_loss": ...}`` and the in-loop
     evaluations' metrics (else ``{}``). The validation batches are those of the stage being trained
     (``--seq-len-stages``: its length and batch): built once per stage, the first stage's at
-    construction, and only when ``val_interval > 0``; ``batches`` replaces the first stage's (tests)."""
+    construction, and only when ``val_interval > 0``; ``batches`` replaces the first stage's (tests). ``measure``:
+    the validation loss of the batches instead of :func:`validation_loss` (the post-training objectives' mean
+    over every target: loongtrain/train/objectives.py)."""
 
     def __init__(self, cfg: TrainConfig, mesh: Mesh, loss_fn: LossFn, model: nn.Module,
                  batches: Sequence[Batch] | None = None, *, evaluations: Sequence[Evaluation] = (),
-                 device: torch.device | None = None, amp_dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | None = None, amp_dtype: torch.dtype | None = None,
+                 measure: Callable[[Sequence[Batch]], float] | None = None) -> None:
         self.interval, self.mesh, self.loss_fn, self.model = cfg.val_interval, mesh, loss_fn, model
+        self.measure = measure
         self.count, self.evaluations = cfg.val_batches, tuple(evaluations)
         self.device, self.amp_dtype = device, amp_dtype
         self._batches: dict[tuple[int, int], list[Batch]] = {}
@@ -229,7 +243,9 @@ class Validation:
         and every evaluation's metrics when it is due, else ``{}``."""
         if not self.due(step):
             return {}
-        out = {"val_loss": validation_loss(self.loss_fn, self.model, self.batches(cfg), self.mesh)}
+        batches = self.batches(cfg)
+        out = {"val_loss": self.measure(batches) if self.measure is not None else
+               validation_loss(self.loss_fn, self.model, batches, self.mesh)}
         for evaluation in self.evaluations:
             assert self.device is not None, "in-loop evaluations need the trainer's device"
             with forward_only(self.model):

@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import warnings
 from typing import Any
 
 import torch
@@ -119,12 +120,40 @@ def _batch(model: ModelConfig, seq_len: int, batch: int) -> dict[str, torch.Tens
     return {"input_ids": ids, "labels": ids, "position_ids": torch.arange(seq_len).expand(batch, seq_len)}
 
 
+def _dpo_batch(model: ModelConfig, seq_len: int, batch: int) -> dict[str, torch.Tensor]:
+    """A DPO batch of one pair a row (prompt and completions ``seq_len // 4`` tokens each: the row is full), its
+    reference log-probabilities given (what the reference pass caches). Real tensors: made before the fake mode."""
+    from loongtrain.data.pipeline import _collate
+    from loongtrain.data.whole_packing import build_row
+
+    quarter = seq_len // 4
+    completion = torch.arange(2 * quarter) >= quarter
+    rows = []
+    for b in range(batch):
+        prompt, chosen, rejected = torch.randint(0, model.vocab_size, (3, quarter))
+        docs = [(torch.cat([prompt, c]).numpy(), completion.numpy()) for c in (chosen, rejected)]
+        row = build_row(docs, seq_len, 0, segments=[0, 1])
+        row.update(num_pairs=torch.tensor(1), ref_key=torch.tensor(b), ref_logps=torch.zeros(2, dtype=torch.float64))
+        rows.append(row)
+    return _collate(rows)
+
+
+def _reference_pass(trainer: Trainer, row: Any) -> None:
+    """DPO's reference pass as the run makes it before its first step (loongtrain/train/reference.py): the
+    reference built and sharded like the policy, one row (``row``: laid on this rank) forward only, released."""
+    from loongtrain.train.reference import build_reference_model
+
+    model = build_reference_model(trainer)
+    trainer.objective.reference.local_logps(model, row)
+    del model
+
+
 def _parts(snapshot: dict[Any, dict[Any, int]], key: Any) -> dict[str, int]:
     return {str(getattr(k, "value", k)).lower(): int(v) for k, v in snapshot.get(key, {}).items()}
 
 
-def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int, dict[str, int], int, dict[str, int],
-                                                                       dict[tuple[str, bool], tuple[int, dict]]]:
+def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor], reference_pass: Any = None, loss_fn: Any = None,
+                 ) -> tuple[int, dict[str, int], int, dict[str, int], dict[tuple[str, bool], tuple[int, dict]]]:
     """The trainer's step (loss, backward, dp gradient sync, AdamW) under :class:`HostAwareTracker`, with
     the optimizer states already allocated: ``(device peak bytes, its parts, host peak bytes, its parts,
     each phase's peaks)``.
@@ -132,7 +161,9 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int,
     Host memory: the activation offloader's host copies (allocated inside ``host_allocations``) and, with
     ``offload_params`` (FSDP2's ``CPUOffloadPolicy``), the sharded parameters, AdamW's states, each
     gradient shard once FSDP2 hands it over (on a GPU: copied to the host, the device buffer freed), and
-    everything the AdamW step allocates (it runs on the host)."""
+    everything the AdamW step allocates (it runs on the host). ``reference_pass``: a DPO run's, tracked first
+    as the phase ``reference`` (with the AdamW states already allocated: a resumed run's pass); ``loss_fn``:
+    the micro-batch's ``(loss, value)`` instead of ``trainer.loss(batch)``."""
     offload_params = trainer.cfg.parallel.offload_params
     for p in trainer.model.parameters():  # steady state: AdamW's m and v exist before the step
         if p.requires_grad:  # (--lora: the adapters only)
@@ -152,8 +183,14 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int,
                 if isinstance(value, torch.Tensor):
                     tracker.to_host(value)
     try:
-        with tracker:
-            loss, _ = trainer.loss(batch)
+        with tracker, warnings.catch_warnings():
+            # the reference pass's model is gone before the backward, whose hooks then skip it (one warning each)
+            warnings.filterwarnings("ignore", message="Module is None. Skipping")
+            if reference_pass is not None:
+                tracker.stage = "reference"
+                reference_pass()
+                tracker.stage = ""
+            loss, _ = loss_fn() if loss_fn is not None else trainer.loss(batch)
             with trainer.grad_sync.overlapped() if trainer.grad_sync else contextlib.nullcontext():
                 loss.backward()
             tracker.stage = "optimizer"
@@ -175,14 +212,15 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor]) -> tuple[int,
 
 def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
                   dtype: str = "bf16", rank: int = 0, fake: bool = True, alike: bool = False,
-                  lora: str = "") -> Simulated:
+                  lora: str = "", objective: str = "pretrain") -> Simulated:
     """One rank's peak device and host memory for one step of ``model`` with ``parallel`` on ``world`` ranks
     (module docstring). ``fake=False`` runs the same step on real CPU tensors, counted the same way (small
     sizes: what the simulation is checked against); ``alike``: only some passes of the alike loops
     (:func:`~loongtrain.train.simulate.fake_step.alike_loops`); ``lora``: ``--lora``'s adapters on a frozen
-    base (docs/lora.md)."""
+    base (docs/lora.md). ``objective="dpo"``: the DPO step (one pair a row) and, before it, the reference pass
+    (phase ``reference``: the reference model built and sharded like the policy, a row forward, released)."""
     cfg = TrainConfig(model="tiny", seq_len=seq_len, batch_size=batch, dtype=dtype, parallel=parallel,
-                      memory_report=False, lora=lora)
+                      memory_report=False, lora=lora, objective=objective)
     cfg.validate()
     device = torch.device("cpu")
     fsdp = zero_module.zero_applies(parallel, world)  # the fake group below makes uses_zero agree
@@ -193,22 +231,34 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
             zero_module.zero_device_mesh(device, world, parallel.shard_size(world))
         modes = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if fake
                  else contextlib.nullcontext())
+        # a post-training objective counts its targets on the host: its batch is made of real tensors
+        data = {"dpo": _dpo_batch, "sft": _batch}.get(objective, lambda *args: None)(model, seq_len, batch)
         with modes, noop_to_is_identity(), attention_workspace(), \
                 alike_loops() if alike else contextlib.nullcontext():
             # cfg.model names a preset: the native decoder of `model`; the batches are made here, not read
             trainer = Trainer(Run(cfg, model), mesh, device, batches=lambda *args: iter(()))
-            peak, parts, host, host_parts, phases = tracked_step(trainer, _batch(model, seq_len, batch))
+            reference = loss_fn = None
+            if data is not None:  # host-side work on real tensors: the batch laid on this rank, its targets counted
+                with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                    local = trainer.sharding.local(data)
+                    row = trainer.sharding.local({k: v[:1] for k, v in data.items()})
+                    trainer.objective.begin_step([data], dp_reduce=False)
+                loss_fn = lambda: trainer.local_loss(local)  # noqa: E731
+                reference = (lambda: _reference_pass(trainer, row)) if objective == "dpo" else None
+            objective_step = (reference, loss_fn) if data is not None else ()  # pretraining: the plain call
+            peak, parts, host, host_parts, phases = tracked_step(
+                trainer, data if data is not None else _batch(model, seq_len, batch), *objective_step)
     return Simulated(peak, host, parts, rank, world, host_parts, phases)
 
 
 def simulate_by_depth(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
-                      dtype: str = "bf16", rank: int = 0, lora: str = "") -> Simulated:
+                      dtype: str = "bf16", rank: int = 0, lora: str = "", objective: str = "pretrain") -> Simulated:
     """:func:`simulate_step` of ``model`` from two small depths, the step's alike loops run in part (module
     docstring, *By depth*): each phase's device and host peak, and its parts, extended linearly to
     ``model.num_layers``; one simulation at the model's depth when it is that shallow."""
     keep = min(parallel.offload_keep, model.num_layers - 1) if parallel.offload_activations else 0
     low, high = (n + keep for n in DEPTHS)
-    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True, lora=lora)
+    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True, lora=lora, objective=objective)
     if model.num_layers <= high:
         return simulate_step(model, parallel, world, **kw)
     a, b = (simulate_step(dataclasses.replace(model, num_layers=n), parallel, world, **kw) for n in (low, high))
@@ -232,5 +282,6 @@ def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dic
     if plan_cfg.dtype not in dtypes:
         raise ValueError(f"--simulate: dtype={plan_cfg.dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
     result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.seq_len,
-                               batch=plan_cfg.batch_size, dtype=dtypes[plan_cfg.dtype], lora=plan_cfg.lora)
+                               batch=plan_cfg.batch_size, dtype=dtypes[plan_cfg.dtype], lora=plan_cfg.lora,
+                               objective=plan_cfg.objective)
     return result.to_dict()

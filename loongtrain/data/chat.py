@@ -1,0 +1,246 @@
+"""Chat templates and target masks for supervised fine-tuning on conversations (docs/post-training.md).
+
+A conversation is ``[{"role": ..., "content": ...}, ...]`` (TRL's and the HF hub's format). It is
+rendered to text by the tokenizer's own Jinja chat template (``chat_template.jinja`` or the
+``chat_template`` of ``tokenizer_config.json`` beside the tokenizer; ``--chat-template FILE`` instead),
+with Hugging Face's renderer (``transformers.utils.chat_template_utils.render_jinja_template``, the one
+``apply_chat_template`` uses, with the tokenizer's special tokens as variables), and the text is tokenized
+by the run's tokenizer (no special tokens added, as ``apply_chat_template`` does). Which tokens are
+targets (:class:`ChatFormat`, its ``rule``, logged once per run):
+
+- ``generation``: the template has ``{% generation %}`` blocks: the tokens inside them, mapped from
+  characters to tokens as HF's ``return_assistant_tokens_mask`` does (a token is a target when its
+  character span overlaps a block's);
+- ``role``: a template without them: every assistant turn's tokens and its end-of-turn token: the
+  characters from the end of ``render(messages[:i], add_generation_prompt=True)`` to the end of
+  ``render(messages[:i + 1])`` without its trailing whitespace, for each assistant message ``i`` (the
+  template must render a conversation's prefixes as prefixes of its text, else ValueError);
+- ``all`` (``--loss-on all``): every token of the rendered conversation;
+- ``plain`` (``--loss-on all`` and no template at all): each message's content followed by the
+  tokenizer's EOS, every token a target.
+
+Every message must render as some text: a role the template drops (or refuses) is a ValueError naming
+the row. Errors name the row as ``FILE:LINE``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loongtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+LOSS_ON = ("assistant", "all")
+ASSISTANT = "assistant"
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+Message = dict[str, str]
+
+
+def conversation_of(record: Any, where: str, field: str = "messages") -> list[Message]:
+    """The ``field`` list of messages of one JSON row; ValueError naming ``where`` when it is not a non-empty
+    list of ``{"role": str, "content": str}``."""
+    found = sorted(record) if isinstance(record, dict) else type(record).__name__
+    messages = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        hint = "; plain text trains with --objective pretrain" if found == ["text"] else ""
+        raise ValueError(f"{where}: no {field!r} list of {{'role', 'content'}} messages (the row holds {found}){hint}")
+    return [_message(m, where, f"{field}[{i}]") for i, m in enumerate(messages)]
+
+
+def _message(message: Any, where: str, name: str) -> Message:
+    if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)):
+        raise ValueError(f"{where}: {name} is not a {{'role': str, 'content': str}} message: {str(message)[:80]}")
+    return {"role": message["role"], "content": message["content"]}
+
+
+def read_template(tokenizer: Tokenizer, template_file: str = "") -> str | None:
+    """The chat template: ``template_file``'s text (a ``.json`` file: its ``chat_template``), else the
+    tokenizer's own (``chat_template.jinja``, or ``tokenizer_config.json``'s ``chat_template`` beside it);
+    None when there is none."""
+    if template_file:
+        path = Path(template_file)
+        if not path.is_file():
+            raise ValueError(f"--chat-template {template_file!r}: no such file (a Jinja chat template)")
+        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".json":
+            template = _config_template(json.loads(text))
+            if template is None:
+                raise ValueError(f"--chat-template {template_file!r}: the JSON file holds no 'chat_template'")
+            return template
+        return text
+    root = _tokenizer_dir(tokenizer)
+    if root is None:
+        return None
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text(encoding="utf-8")
+    config = _tokenizer_config(root)
+    return _config_template(config) if config else None
+
+
+def _tokenizer_dir(tokenizer: Tokenizer) -> Path | None:
+    if not isinstance(tokenizer, HFTokenizer):
+        return None
+    path = Path(tokenizer.name)
+    return path if path.is_dir() else path.parent
+
+
+def _tokenizer_config(root: Path) -> dict[str, Any]:
+    file = root / "tokenizer_config.json"
+    return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+
+
+def _config_template(config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def special_tokens(tokenizer: Tokenizer) -> dict[str, str]:
+    """The tokenizer's special tokens by name (``eos_token``, ``bos_token``, ...): the variables HF's
+    ``apply_chat_template`` gives a template. The byte tokenizer's EOS is NUL."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return {"eos_token": "\0"}
+    out: dict[str, str] = {}
+    root = _tokenizer_dir(tokenizer)
+    if root is not None:
+        sources = [_tokenizer_config(root)]
+        if (root / "special_tokens_map.json").is_file():
+            sources.append(json.loads((root / "special_tokens_map.json").read_text(encoding="utf-8")))
+        for source in sources:
+            for key in _SPECIAL_KEYS:
+                value = source.get(key)
+                value = value.get("content") if isinstance(value, dict) else value
+                if isinstance(value, str) and key not in out:
+                    out[key] = value
+    out.setdefault("eos_token", tokenizer.decode([tokenizer.eos_id]))
+    return out
+
+
+class ChatFormat:
+    """How the run turns a conversation into tokens and targets (module docstring: the rules)."""
+
+    def __init__(self, tokenizer: Tokenizer, template_file: str = "", loss_on: str = "assistant") -> None:
+        if loss_on not in LOSS_ON:
+            raise ValueError(f"--loss-on={loss_on!r} is not one of {LOSS_ON}")
+        self.tokenizer, self.loss_on = tokenizer, loss_on
+        self.template = read_template(tokenizer, template_file)
+        self.special = special_tokens(tokenizer)
+        if self.template is None:
+            if loss_on != "all":
+                raise ValueError(f"the tokenizer {tokenizer.name!r} has no chat template to render conversations: "
+                                 f"pass --chat-template FILE (a Jinja chat template), or --loss-on all to train on "
+                                 f"every token of the messages' contents, each followed by EOS")
+            self.rule = "plain"
+        elif loss_on == "all":
+            self.rule = "all"
+        else:
+            self.rule = "generation" if _GENERATION.search(self.template) else "role"
+        self._known_roles: set[str] = set()
+
+    def describe(self) -> str:
+        """One line for the run's log: which tokens are targets."""
+        return {
+            "generation": "targets: the chat template's {% generation %} blocks (HF's return_assistant_tokens_mask)",
+            "role": "targets by role: each assistant turn's tokens and its end-of-turn token (the chat template "
+                    "has no {% generation %} blocks)",
+            "all": "--loss-on all: every token of the rendered conversations is a target",
+            "plain": "--loss-on all without a chat template: each message's content followed by EOS, every token "
+                     "a target",
+        }[self.rule]
+
+    def identity(self) -> str:
+        """What decides the tokens and targets beyond the tokenizer: the template's digest and the rule."""
+        digest = hashlib.sha256((self.template or "").encode()).hexdigest()[:16]
+        return f"{self.rule}:{digest}"
+
+    def render(self, messages: Sequence[Message], where: str, *, add_generation_prompt: bool = False,
+               spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, generation spans)`` of ``messages`` by the template (spans only when asked for and the
+        template has ``{% generation %}`` blocks); ValueError naming ``where`` when the template fails."""
+        assert self.template is not None, "render needs a chat template"
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, indices = render_jinja_template(
+                conversations=[list(messages)], chat_template=self.template, return_assistant_tokens_mask=spans,
+                add_generation_prompt=add_generation_prompt, **self.special)
+        except Exception as exc:  # jinja2's TemplateError (the template's raise_exception), or its own bugs
+            raise ValueError(f"{where}: the chat template refuses this conversation: {type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no details'}") from None
+        return rendered[0], [tuple(s) for s in (indices[0] if indices else [])]
+
+    def encode(self, messages: Sequence[Message], where: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids int64 [n], targets bool [n])`` of one conversation (module docstring: the rules)."""
+        if self.rule == "plain":
+            eos = np.array([self.tokenizer.eos_id], dtype=np.int64)
+            ids = np.concatenate([p for m in messages for p in (np.asarray(self.tokenizer.encode(m["content"]),
+                                                                           dtype=np.int64), eos)])
+            return ids, np.ones(ids.size, dtype=bool)
+        text, spans = self.render(messages, where, spans=self.rule == "generation")
+        if self.rule == "role":
+            spans = self._role_spans(messages, text, where)
+        else:
+            self._check_roles(messages, where)
+        ids, offsets = self.tokenizer.encode_offsets(text)
+        if self.rule == "all":
+            return ids, np.ones(ids.size, dtype=bool)
+        targets = np.zeros(ids.size, dtype=bool)
+        for start, end in spans:  # HF's rule: a token overlapping a span is a target
+            targets |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+        return ids, targets
+
+    def _prefix(self, messages: Sequence[Message], count: int, where: str, *, prompt: bool = False) -> str:
+        """The text of the first ``count`` messages ('' for none when the template needs one)."""
+        if count == 0 and not prompt:
+            return ""
+        try:
+            return self.render(messages[:count], where, add_generation_prompt=prompt)[0]
+        except ValueError:
+            if count == 0:
+                return ""
+            raise
+
+    def _check_roles(self, messages: Sequence[Message], where: str) -> None:
+        """Each message whose role this format has not yet seen renders as some text."""
+        for i, message in enumerate(messages):
+            if message["role"] not in self._known_roles:
+                before, upto = self._prefix(messages, i, where), self._prefix(messages, i + 1, where)
+                self._check_rendered(messages, i, before, upto, where)
+
+    def _check_rendered(self, messages: Sequence[Message], i: int, before: str, upto: str, where: str) -> None:
+        role = messages[i]["role"]
+        if len(upto) <= len(before) or not upto.startswith(before):
+            known = sorted(self._known_roles) or "none yet"
+            raise ValueError(f"{where}: message {i} has role {role!r}, which the chat template does not render "
+                             f"(roles it rendered so far: {known}); use a role the template knows, or give a "
+                             f"template that renders it (--chat-template FILE)")
+        self._known_roles.add(role)
+
+    def _role_spans(self, messages: Sequence[Message], text: str, where: str) -> list[tuple[int, int]]:
+        """The assistant turns' character spans (module docstring, rule ``role``)."""
+        spans = []
+        before = ""
+        for i, message in enumerate(messages):
+            upto = self._prefix(messages, i + 1, where)
+            self._check_rendered(messages, i, before, upto, where)
+            if not text.startswith(upto):
+                raise ValueError(f"{where}: the chat template does not render this conversation's first {i + 1} "
+                                 f"messages as the start of its text, so its assistant turns cannot be found by "
+                                 f"role; give a template with {{% generation %}} blocks (--chat-template FILE)")
+            if message["role"] == ASSISTANT:
+                head = self._prefix(messages, i, where, prompt=True)
+                start = len(head) if upto.startswith(head) and len(head) >= len(before) else len(before)
+                spans.append((start, len(upto.rstrip())))
+            before = upto
+        return spans

@@ -1,0 +1,197 @@
+"""DPO's reference model (``--ref-model``, docs/post-training.md#the-reference): its log-probabilities are
+computed once, before training, and cached; the model is then released.
+
+The reference is the policy's initial weights (the run's ``--model``, or ``--init-from``'s weights), or
+``--ref-model``: a loongtrain run or checkpoint of the same model, or a Hugging Face directory of the
+policy's architecture and vocabulary (:func:`check_reference`, before any worker starts). It is built and
+sharded like the policy (the run's layout, ZeRO and compute dtype: :func:`~loongtrain.train.model_setup.
+build_model`), frozen (it runs only forward, under ``torch.no_grad``), and :meth:`Reference.prepare` computes the summed
+completion log-probabilities of every row the run trains on (its sampler's rows for its steps) and every
+validation row, one row at a time (so a row's values do not depend on the rows it is batched with: a
+resume recomputes them bit for bit), keyed by the row's ``ref_key``. On a fresh start with the default
+reference the policy itself is the reference (it holds its initial weights then): no second model.
+
+Why cached rather than kept beside the policy: during training the device holds no second model (its
+weights and its forward are gone by the first step), and a step costs what an SFT step on the same rows
+costs. The cost moves to the start: one forward per row (what a frozen reference would spend over an
+epoch). A batch source without a sampler (tests, benchmarks) keeps the reference model and computes a
+row when it is first asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loongtrain.loss.dpo import sequence_logps
+from loongtrain.loss.token_logprobs import chunked_token_logprobs
+from loongtrain.model.config import ModelConfig
+from loongtrain.parallelize.zero import uses_zero
+from loongtrain.train.batch import Batch
+from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, read_trainer_state
+from loongtrain.train.config import TrainConfig, autocast_dtype
+from loongtrain.train.model_setup import build_model, loss_inputs, model_config_for
+from loongtrain.train.validation import forward_only, validation_batches
+
+log = logging.getLogger("loongtrain.train")
+Tensor = torch.Tensor
+
+
+def reference_config(cfg: TrainConfig) -> tuple[TrainConfig, Path | None]:
+    """``(options that build the reference, checkpoint to load into it)``: ``--ref-model``'s model (a Hugging
+    Face directory's own, or a loongtrain run's ``--model`` with its checkpoint), else the policy's initial
+    weights (``--init-from``'s checkpoint when given)."""
+    plain = dict(rope_theta=0.0, rope_scaling="", ref_model="")
+    if not cfg.ref_model:
+        return cfg, Path(cfg.init_from) if cfg.init_from else None
+    path = Path(cfg.ref_model)
+    if (path / "config.json").is_file():
+        return dataclasses.replace(cfg, model=str(path), init_from="", lora="", **plain), None
+    try:
+        checkpoint = find_checkpoint(cfg.ref_model)
+        state = read_trainer_state(checkpoint)
+    except ValueError as exc:
+        raise ValueError(f"--ref-model {cfg.ref_model!r}: neither a Hugging Face model directory (config.json) nor "
+                         f"a loongtrain run: {exc}") from None
+    recorded = state.get("config") or {}
+    # the reference run's own adapters (--lora; "" for full weights), not the policy's
+    return dataclasses.replace(cfg, model=recorded.get("model", cfg.model), lora=recorded.get("lora", ""),
+                               init_from=str(checkpoint), **plain), checkpoint
+
+
+def check_reference(cfg: TrainConfig, model_config: ModelConfig, tokenizer: Any) -> None:
+    """``--ref-model`` builds a model of the policy's architecture and vocabulary; ValueError naming the
+    first field that differs (the launcher's check, before any worker)."""
+    if not cfg.ref_model:
+        return
+    if not Path(cfg.ref_model).exists():
+        raise ValueError(f"--ref-model {cfg.ref_model!r}: no such directory (a loongtrain run or checkpoint, or a "
+                         f"Hugging Face model directory)")
+    ref_cfg, _ = reference_config(cfg)
+    try:
+        ref = model_config_for(ref_cfg, tokenizer)
+    except ValueError as exc:
+        raise ValueError(f"--ref-model {cfg.ref_model!r}: {exc}") from None
+    policy_kind, ref_kind = _architecture(cfg), _architecture(ref_cfg)
+    if policy_kind != ref_kind:
+        raise ValueError(f"--ref-model {cfg.ref_model!r} is a {ref_kind} model, the policy a {policy_kind} one: the "
+                         f"reference must have the policy's architecture and vocabulary")
+    for field in dataclasses.fields(ModelConfig):
+        name = field.name
+        if name not in ("rope_theta", "rope_scaling") and getattr(ref, name) != getattr(model_config, name):
+            raise ValueError(f"--ref-model {cfg.ref_model!r}: its model has {name}={getattr(ref, name)!r}, the "
+                             f"policy's {getattr(model_config, name)!r}: the reference must have the policy's "
+                             f"architecture and vocabulary")
+
+
+def _architecture(cfg: TrainConfig) -> str:
+    from loongtrain.hf.load import read_hf_config
+    from loongtrain.train.model_setup import hf_model_dir
+
+    directory = hf_model_dir(cfg.model)
+    if directory is None:
+        return "loongtrain preset"
+    return ",".join(read_hf_config(directory).architectures or ["unknown"])
+
+
+def build_reference_model(trainer: Any) -> nn.Module:
+    """The reference (module docstring), built and sharded like the trainer's policy."""
+    cfg = trainer.cfg
+    ref_cfg, checkpoint = reference_config(cfg)
+    model_config = trainer.model_config if not cfg.ref_model else model_config_for(ref_cfg, trainer.run.tokenizer)
+    compute = autocast_dtype(cfg, trainer.device)
+    model = build_model(model_config, ref_cfg, trainer.mesh, trainer.device,
+                        compute if uses_zero(cfg.parallel) else None)
+    if checkpoint is not None:
+        load_model_weights(checkpoint, model)
+    return model
+
+
+class Reference:
+    """The reference log-probabilities of a DPO run (module docstring), by ``ref_key``."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.values: dict[int, Tensor] = {}
+        self.model: nn.Module | None = None
+
+    def prepare(self, stream: Any, start: int, end: int) -> None:
+        """Compute the rows of optimizer steps ``[start, end)`` of ``stream`` (the trainer's
+        :class:`~loongtrain.train.stages.StageStream`) and the validation rows; release the model. Without a
+        sampler, keep a reference model for the rows asked for later. Collective."""
+        trainer, t0 = self.trainer, time.perf_counter()
+        source = stream.batches
+        rows = self._rows(source, stream.stage.grad_accum, start, end)
+        if rows is None:
+            self.model = build_reference_model(trainer)
+            log.info("DPO reference: %s, computed for each row as it comes (the batch source has no sampler)",
+                     self._describe())
+            return
+        model = trainer.model if start == 0 and not trainer.cfg.ref_model else build_reference_model(trainer)
+        for index in rows:
+            self._fill(model, {k: v[None] for k, v in source.dataset[index].items()})
+        if trainer.cfg.val_interval:
+            for batch in validation_batches(trainer.cfg, trainer.mesh, trainer.cfg.val_batches):
+                self._fill(model, batch)
+        del model
+        log.info("DPO reference: %s; log-probabilities of %d rows computed in %.1f s and cached (the reference "
+                 "model is released)", self._describe(), len(self.values), time.perf_counter() - t0)
+
+    def _describe(self) -> str:
+        cfg = self.trainer.cfg
+        return f"--ref-model {cfg.ref_model}" if cfg.ref_model else "the policy's initial weights"
+
+    @staticmethod
+    def _rows(source: Any, accum: int, start: int, end: int) -> list[int] | None:
+        sampler, dataset = getattr(source, "sampler", None), getattr(source, "dataset", None)
+        if sampler is None or dataset is None:
+            return None
+        found: dict[int, None] = {}
+        for micro in range(start * accum, end * accum):
+            found.update(dict.fromkeys(sampler.indices(micro)))
+        return list(found)
+
+    def ensure(self, batches: list[Batch]) -> None:
+        """Without a sampler (:meth:`prepare`): compute the rows of ``batches`` not cached yet (collective)."""
+        if self.model is not None:
+            for batch in batches:
+                if "ref_logps" not in batch:
+                    self._fill(self.model, batch)
+
+    def _fill(self, model: nn.Module, batch: Batch) -> None:
+        """The values of ``batch``'s rows not cached yet, one row at a time."""
+        for b in range(batch["input_ids"].shape[0]):
+            key = int(batch["ref_key"][b])
+            if key not in self.values:
+                row = {k: v[b:b + 1] for k, v in batch.items()}
+                self.values[key] = self.row_logps(model, row)[0, :2 * int(row["num_pairs"][0])].to(torch.float64).cpu()
+
+    def row_logps(self, model: nn.Module, batch: Batch) -> Tensor:
+        """``[B, 2 * max_pairs]``: ``model``'s summed completion log-probabilities of ``batch``'s sequences,
+        forward only, on the trainer's layout, loss path and autocast (collective over the replica)."""
+        return self.local_logps(model, self.trainer.sharding.local(batch))
+
+    def local_logps(self, model: nn.Module, local: Any) -> Tensor:
+        """:meth:`row_logps` of a batch already laid on this rank (``BatchSharding.local``)."""
+        trainer = self.trainer
+        with forward_only(model), trainer._autocast():
+            hidden, head, norm = loss_inputs(model, local.input_ids, local.position_ids, local.cu_seqlens,
+                                             local.chunk_order)
+            token_logps = chunked_token_logprobs(hidden, head, local.labels, norm=norm)
+            return sequence_logps(token_logps, local.extras["segment"], 2 * max(local.extras["num_pairs"].tolist()),
+                                  trainer.mesh)
+
+    def lookup(self, keys: Tensor, num_pairs: Tensor, sequences: int) -> Tensor:
+        """``[B, sequences]`` cached values of the rows ``keys`` (zeros past each row's pairs)."""
+        out = torch.zeros(len(keys), sequences, dtype=torch.float64)
+        for b, key in enumerate(keys.tolist()):
+            assert key in self.values, f"row {key}: no reference log-probabilities were computed for it"
+            values = self.values[key]
+            out[b, :len(values)] = values
+        return out
