@@ -1,7 +1,6 @@
 """`loongtrain` itself given bad input (no command, an unknown one), and the size of the commands' tables.
 
-Each row exits 2 before any worker starts (within 10 s), with one line on stderr naming the file or option, no
-traceback, and every fixture file untouched (hashed before and after); the tables are in tests/helpers/bad_inputs.py."""
+The rows, and what each must show: tests/helpers/bad_inputs.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """`loongtrain plan` given bad input: model files that say the wrong thing, usage, TOML and cluster-file errors,
 named by file and key; the real entry point once; Ctrl-C; nothing that fits.
 
-Each row exits 2 before any worker starts (within 10 s), with one line on stderr naming the file or option, no
-traceback, and every fixture file untouched (hashed before and after); the tables are in tests/helpers/bad_inputs.py."""
+The rows, and what each must show: tests/helpers/bad_inputs.py."""
 
 from __future__ import annotations
 
@@ -17,10 +16,10 @@ from loongtrain.commands import main
 from tests.helpers.bad_inputs import (
     CASES,
     PLAN,
-    TRAIN,
     D,
     case_ids,
     check_bad_input,
+    check_ctrl_c,
     fill,
     hashes,
     rows_of,
@@ -58,27 +57,7 @@ def test_bad_input_in_a_subprocess(argv, needle, files):
 
 
 def test_ctrl_c_is_one_line(files, tmp_path, capsys, monkeypatch):
-    from loongtrain.launch import eval_run as eval_launch
-    from loongtrain.launch import train_run as launch
-    from loongtrain.plan import report as plan_cli
-    from loongtrain.train import export
-
-    def interrupt(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(eval_launch, "launch", interrupt)
-    monkeypatch.setattr(export, "export_hf", interrupt)
-    monkeypatch.setattr(plan_cli, "plan", interrupt)
-    monkeypatch.setattr(launch, "_launch_local", interrupt)
-    command = "plan"
-    argv = {"eval": ["eval", files["run"], "--task", "position-loss", "--nproc", "1", "--out", str(tmp_path / "e")],
-            "export": ["export", files["ckpt"], "--hf", str(tmp_path / "hf")],
-            "plan": PLAN, "train": [*TRAIN, "--corpus", files["corpus"], "--out-dir", str(tmp_path / "t")]}[command]
-    assert main(argv) == 130
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"loongtrain {command}: interrupted" and not any("Traceback" in line for line in err), err
-    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.export-*"))
-    assert not list(tmp_path.rglob(".loongtrain.lock")), "a lock outlived its command"
+    check_ctrl_c("plan", files, tmp_path, capsys, monkeypatch)
 
 
 def test_plan_nothing_fits_on_gpus_is_a_message_not_a_crash(capsys):

@@ -3,8 +3,7 @@ files, bytes that are not text, usage and TOML errors, the data-safety rows (own
 checkpoints, corpus identity, validation), and how a run ends on SIGTERM, Ctrl-C, a full disk or a failure a
 restart cannot fix.
 
-Each row exits 2 before any worker starts (within 10 s), with one line on stderr naming the file or option, no
-traceback, and every fixture file untouched (hashed before and after); the tables are in tests/helpers/bad_inputs.py."""
+The rows, and what each must show: tests/helpers/bad_inputs.py."""
 
 from __future__ import annotations
 
@@ -23,11 +22,10 @@ from loongtrain.commands import main
 from loongtrain.data.tokenizer import ByteTokenizer
 from tests.helpers.bad_inputs import (
     CASES,
-    PLAN,
     SAFETY,
-    TRAIN,
     case_ids,
     check_bad_input,
+    check_ctrl_c,
     check_safety,
     rows_of,
 )
@@ -135,27 +133,7 @@ def test_sigterm_is_handled_like_sigint(files, tmp_path, capsys):
 
 
 def test_ctrl_c_is_one_line(files, tmp_path, capsys, monkeypatch):
-    from loongtrain.launch import eval_run as eval_launch
-    from loongtrain.launch import train_run as launch
-    from loongtrain.plan import report as plan_cli
-    from loongtrain.train import export
-
-    def interrupt(*args, **kwargs):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(eval_launch, "launch", interrupt)
-    monkeypatch.setattr(export, "export_hf", interrupt)
-    monkeypatch.setattr(plan_cli, "plan", interrupt)
-    monkeypatch.setattr(launch, "_launch_local", interrupt)
-    command = "train"
-    argv = {"eval": ["eval", files["run"], "--task", "position-loss", "--nproc", "1", "--out", str(tmp_path / "e")],
-            "export": ["export", files["ckpt"], "--hf", str(tmp_path / "hf")],
-            "plan": PLAN, "train": [*TRAIN, "--corpus", files["corpus"], "--out-dir", str(tmp_path / "t")]}[command]
-    assert main(argv) == 130
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"loongtrain {command}: interrupted" and not any("Traceback" in line for line in err), err
-    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.export-*"))
-    assert not list(tmp_path.rglob(".loongtrain.lock")), "a lock outlived its command"
+    check_ctrl_c("train", files, tmp_path, capsys, monkeypatch)
 
 
 def test_a_full_disk_in_a_checkpoint_save_is_named(tmp_path, monkeypatch):

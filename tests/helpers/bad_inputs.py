@@ -247,6 +247,31 @@ def check_bad_input(argv: list[str], needle: str, files: dict[str, str], capsys)
     assert hashes(Path(files["dir"])) == before, "a file changed"
 
 
+def check_ctrl_c(command: str, files: dict[str, str], tmp_path: Path, capsys, monkeypatch) -> None:
+    """Ctrl-C while ``command`` works (its work replaced by a KeyboardInterrupt): exit 130, one last line
+    saying so, no traceback, no partial output and no lock left."""
+    from loongtrain.launch import eval_run as eval_launch
+    from loongtrain.launch import train_run as launch
+    from loongtrain.plan import report as plan_cli
+    from loongtrain.train import export
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eval_launch, "launch", interrupt)
+    monkeypatch.setattr(export, "export_hf", interrupt)
+    monkeypatch.setattr(plan_cli, "plan", interrupt)
+    monkeypatch.setattr(launch, "_launch_local", interrupt)
+    argv = {"eval": ["eval", files["run"], "--task", "position-loss", "--nproc", "1", "--out", str(tmp_path / "e")],
+            "export": ["export", files["ckpt"], "--hf", str(tmp_path / "hf")],
+            "plan": PLAN, "train": [*TRAIN, "--corpus", files["corpus"], "--out-dir", str(tmp_path / "t")]}[command]
+    assert main(argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"loongtrain {command}: interrupted" and not any("Traceback" in line for line in err), err
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.export-*"))
+    assert not list(tmp_path.rglob(".loongtrain.lock")), "a lock outlived its command"
+
+
 # Data safety (docs/launching.md, docs/data.md, docs/evaluation.md): the ownership rule, the output lock, the
 # complete-checkpoint rule, corpus identity, manifest counts, the validation checks and the warnings, for prepare,
 # train, eval, export and plan. Each row runs `loongtrain.commands.main` in this process (cwd: a scratch directory,
