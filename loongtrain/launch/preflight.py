@@ -60,9 +60,12 @@ from loongtrain.train.checkpoint import (
     LATEST,
     RUN_OUTPUT,
     STATE_FILE,
+    check_complete,
     find_checkpoint,
     newest_checkpoint,
+    read_latest,
     resolve_checkpoint,
+    resume_candidates,
     verify_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
@@ -230,10 +233,14 @@ def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = N
                              f"pass --resume auto to continue that run, or --overwrite to delete them and "
                              f"start afresh")
         return cfg
-    path = resolve_checkpoint(cfg.resume, Path(cfg.out_dir))
-    if path is None:
-        return dataclasses.replace(cfg, resume="")
-    state = verify_checkpoint(path)
+    if cfg.resume == AUTO:
+        path, state = _newest_complete(root)
+        if path is None:
+            return dataclasses.replace(cfg, resume="")
+    else:
+        path = resolve_checkpoint(cfg.resume, Path(cfg.out_dir))
+        assert path is not None  # only 'auto' may find none
+        state = verify_checkpoint(path)
     check_compatible(cfg, world, state, path)
     tokenizer = tokenizer or build_run_tokenizer(cfg)
     if state.get("lora"):  # --lora: the base the adapters trained on is still there, unchanged
@@ -241,6 +248,34 @@ def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = N
         check_base(state, str(path), model_config_for(cfg, tokenizer) if preset else None)
     check_same_data(cfg, tokenizer, state, path)
     return dataclasses.replace(cfg, resume=str(path))
+
+
+def _newest_complete(root: Path) -> tuple[Path | None, dict[str, Any]]:
+    """``--resume auto``: the newest checkpoint under ``root`` that passes :func:`verify_checkpoint` and its
+    trainer state, passing over incomplete ones with one warning line naming the first and why
+    (docs/files-and-checkpoints.md#a-checkpoint-is-its-checksums); (None, {}) when ``root`` holds no
+    checkpoint; ValueError when it holds some but none is complete."""
+    skipped: list[tuple[Path, str]] = []
+    try:
+        read_latest(root)
+    except ValueError as exc:
+        skipped.append((root / LATEST, str(exc)))
+    for path in resume_candidates(root, complete=False):
+        try:
+            state = verify_checkpoint(check_complete(path))
+        except ValueError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        if skipped:
+            first, why = skipped[0]
+            log.warning("--resume auto: passing over %d incomplete checkpoint(s) (%s: %s); continuing from the "
+                        "newest complete one, %s", len(skipped), first.name, why, path)
+        return path, state
+    if skipped:
+        first, why = skipped[0]
+        raise ValueError(f"--resume auto: {str(root)!r} holds no complete checkpoint ({first.name}: {why}); "
+                         f"restore it, or start afresh with --overwrite")
+    return None, {}
 
 
 def _same_option(name: str, saved: Any, current: Any) -> bool:

@@ -1,0 +1,200 @@
+"""Every output owned and every input known by its identity (issue 41; docs/files-and-checkpoints.md).
+
+One table of commands a new user writes: checkpoints without (or disagreeing with) their checksums, an
+unreadable ``latest``, outputs that would replace a user's file or an input of the same command, links
+(followed: the output lands in the target, the link stays; dangling or looping: one line), continuations
+from another tokenizer, vocabulary, architecture or RoPE, a length schedule that does not divide, a planner
+asked about absurd clusters. Each row: the exit code (2, or 0 where the command goes on: a warning row, an
+output in a link's target), one line on stderr, no traceback, within 10 s, and every fixture file hashed
+before and after (a row that writes does so only under its own scratch directory or a link's target there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from loongtrain.commands import main
+
+BASE = ("--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--warmup", "1", "--progress", "off",
+        "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1", "--no-memory-report")
+
+
+def _flip(file: Path) -> None:
+    file.write_bytes(bytes(255 - b for b in file.read_bytes()))  # same size, other bytes
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst / "checkpoints" / "step_00000004"
+
+
+@pytest.fixture(scope="module")
+def fx(tmp_path_factory) -> dict[str, str]:
+    """A run of 4 steps with checkpoints at 2 and 4, and damaged copies of it."""
+    d = tmp_path_factory.mktemp("identity")
+    corpus = d / "corpus.txt"
+    corpus.write_text("".join(f"line {i}: the quick brown fox\n" for i in range(50)))
+    run = d / "run"
+    assert main(["train", *BASE, "--steps", "4", "--ckpt-interval", "2", "--corpus", str(corpus),
+                 "--out-dir", str(run)]) == 0
+    (_copy_run(run, d / "nosums") / "checksums.json").unlink()
+    _flip(next(_copy_run(run, d / "flipped").glob("*.distcp")))
+    (_copy_run(run, d / "garbled_sums") / "checksums.json").write_text("[1, 2")
+    (_copy_run(run, d / "extra_file") / "notes.txt").write_text("added later")
+    _copy_run(run, d / "bad_latest")
+    (d / "bad_latest" / "checkpoints" / "latest").write_bytes(b"\xb3\xff garbage\n")
+    _copy_run(run, d / "none_complete")
+    for step in (2, 4):
+        (d / "none_complete" / "checkpoints" / f"step_{step:08d}" / "checksums.json").unlink()
+    (d / "user.toml").write_text("# the user's own cluster file\n")
+    return {"D": str(d), "corpus": str(corpus), "run": str(run), "ckpt": str(run / "checkpoints" / "step_00000004")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One row: ``argv`` ({D}, {run}, {ckpt}, {corpus}: the fixture; {tmp}: this row's scratch directory),
+    the text the one line must hold (a code-0 row: the warning line, "" for none), the exit code, and
+    ``check``: a function of the scratch directory run after a code-0 row (where the output landed)."""
+
+    name: str
+    argv: tuple[str, ...]
+    needle: str
+    code: int = 2
+
+
+D = "{D}"
+TR = ("train", *BASE, "--corpus", "{corpus}")
+EV = ("eval", "--task", "position-loss", "--nproc", "1")
+
+
+def _case(name: str, *argv: str, needle: str, code: int = 2) -> Case:
+    return Case(name, argv, needle, code)
+
+
+CASES = [
+    # 1. a checkpoint is its checksums
+    _case("resume-auto-passes-over-a-checkpoint-without-checksums", *TR, "--steps", "6", "--resume", "auto",
+          "--out-dir", "{tmp}/copy", needle="passing over 1 incomplete checkpoint(s) (step_00000004: checkpoint "
+          "'{tmp}/copy/checkpoints/step_00000004' has no checksums.json", code=0),
+    _case("resume-auto-passes-over-a-flipped-byte", *TR, "--steps", "6", "--resume", "auto",
+          "--out-dir", "{tmp}/copy_flipped", needle=".distcp' is corrupt", code=0),
+    _case("resume-auto-passes-over-an-unreadable-latest", *TR, "--steps", "6", "--resume", "auto",
+          "--out-dir", "{tmp}/copy_bad_latest", needle="checkpoint pointer", code=0),
+    _case("resume-auto-none-complete", *TR, "--steps", "6", "--resume", "auto", "--out-dir", D + "/none_complete",
+          needle="holds no complete checkpoint (step_00000004: checkpoint '{D}/none_complete/checkpoints/"
+          "step_00000004' has no checksums.json"),
+    _case("resume-latest-unreadable-is-named", *TR, "--steps", "6", "--resume", "latest", "--out-dir",
+          D + "/bad_latest", needle="checkpoint pointer '{D}/bad_latest/checkpoints/latest' cannot be read"),
+    _case("resume-path-without-checksums", *TR, "--steps", "6", "--out-dir", "{tmp}/r", "--resume",
+          D + "/nosums/checkpoints/step_00000004", needle="step_00000004' has no checksums.json"),
+    _case("init-from-without-checksums", *TR, "--steps", "2", "--out-dir", "{tmp}/r", "--init-from",
+          D + "/nosums", needle="--init-from '{D}/nosums': checkpoint '{D}/nosums/checkpoints/step_00000004' has "
+          "no checksums.json"),
+    _case("init-from-flipped-byte", *TR, "--steps", "2", "--out-dir", "{tmp}/r", "--init-from", D + "/flipped",
+          needle=".distcp' is corrupt"),
+    _case("init-from-unreadable-latest", *TR, "--steps", "2", "--out-dir", "{tmp}/r", "--init-from",
+          D + "/bad_latest", needle="checkpoint pointer '{D}/bad_latest/checkpoints/latest' cannot be read"),
+    _case("eval-without-checksums", *EV, D + "/nosums", "--out", "{tmp}/ev", needle="has no checksums.json"),
+    _case("eval-garbled-checksums", *EV, D + "/garbled_sums", "--out", "{tmp}/ev",
+          needle="garbled_sums/checkpoints/step_00000004/checksums.json' is corrupt or unreadable"),
+    _case("eval-unreadable-latest", *EV, D + "/bad_latest", "--out", "{tmp}/ev", needle="checkpoint pointer"),
+    _case("export-without-checksums", "export", D + "/nosums", "--hf", "{tmp}/h", needle="has no checksums.json"),
+    _case("export-flipped-byte", "export", D + "/flipped", "--hf", "{tmp}/h", needle=".distcp' is corrupt"),
+    _case("export-a-file-not-in-the-checksums", "export", D + "/extra_file", "--hf", "{tmp}/h",
+          needle="notes.txt' is not in"),
+    _case("export-unreadable-latest", "export", D + "/bad_latest", "--hf", "{tmp}/h",
+          needle="checkpoint pointer '{D}/bad_latest/checkpoints/latest' cannot be read"),
+]
+
+#: rows that continue a copy of a fixture run: ``{tmp}/NAME`` is a copy of ``{D}/SOURCE`` first
+COPIES = {"copy": "nosums", "copy_flipped": "flipped", "copy_bad_latest": "bad_latest"}
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() and not p.is_symlink() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def reached(monkeypatch):
+    """Worker starters replaced: starting one fails the test; reaching train's or eval's workers (after
+    every check) is recorded and returns."""
+    from loongtrain.launch import eval_run, train_run
+    from loongtrain.parallel import workers
+
+    def started(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    seen: list[str] = []
+    for module, name in ((workers, "run_local"), (train_run, "run_local"), (train_run, "run_worker")):
+        monkeypatch.setattr(module, name, started)
+    monkeypatch.setattr(train_run, "_launch_local", lambda run, world: seen.append("train"))
+    monkeypatch.setattr(eval_run, "launch", lambda job: seen.append("eval") or [])
+    return seen
+
+
+def test_enough_cases():
+    assert len(CASES) >= 16 and len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_one_line_and_the_files_untouched(case, fx, tmp_path, monkeypatch, capsys, reached):
+    fill = {**fx, "tmp": str(tmp_path)}
+    argv = [a.format(**fill) for a in case.argv]
+    for name, source in COPIES.items():
+        if f"{tmp_path}/{name}" in argv:
+            shutil.copytree(Path(fx["D"]) / source, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    before = _hashes(Path(fx["D"]))
+    t0 = time.perf_counter()
+    code = main(argv)
+    elapsed = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == case.code, err
+    assert "Traceback" not in err and elapsed < 10, (elapsed, err)
+    needle = case.needle.format(**fill)
+    if case.code:
+        assert reached == [], "the workers' start was reached"
+        assert len(lines) == 1 and lines[0].startswith(f"loongtrain {argv[0]}: error: "), err
+        assert needle in lines[0], (needle, err)
+    else:
+        warned = [line for line in lines if "WARNING" in line or "[rank 0]" in line or " loongtrain" not in line]
+        if needle:
+            assert len(warned) == 1 and needle in warned[0], err
+        else:
+            assert not warned, err
+    assert _hashes(Path(fx["D"])) == before, "a fixture file changed"
+
+
+def test_resume_auto_continues_from_the_newest_complete_checkpoint(fx, tmp_path, capsys):
+    """The fallback, run for real: a copy whose step 4 lost its checksums continues from step 2, to the
+    same weights as the intact run's step 4 (the checkpoints of step 2 are bitwise the same)."""
+    shutil.copytree(Path(fx["D"]) / "nosums", tmp_path / "r")
+    argv = ["train", *BASE, "--corpus", fx["corpus"], "--steps", "4", "--ckpt-interval", "2", "--resume", "auto",
+            "--out-dir", str(tmp_path / "r")]
+    assert main(argv) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "continuing from the newest complete one" in err and "step_00000002" in err, err
+    redone = tmp_path / "r" / "checkpoints" / "step_00000004"
+    assert (redone / "checksums.json").is_file()
+    intact = Path(fx["ckpt"])
+    shards = sorted(p.name for p in intact.glob("*.distcp"))
+    assert [(redone / s).read_bytes() for s in shards] == [(intact / s).read_bytes() for s in shards]
+
+
+def test_check_time_is_small(fx):
+    """The checks of this issue on the fixture's checkpoint (checksums, ``latest``): well under 0.1 s."""
+    from loongtrain.train.checkpoint import find_checkpoint, verify_checkpoint
+
+    t0 = time.perf_counter()
+    verify_checkpoint(find_checkpoint(fx["run"]))
+    assert time.perf_counter() - t0 < 0.1
+    assert os.path.isdir(fx["ckpt"])
