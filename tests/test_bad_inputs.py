@@ -200,7 +200,7 @@ CASES = [
     (["plan", "--config", D + "/plan_unknown.toml"], "plan_unknown.toml': unknown option 'bogus'"),
     (["plan", "--config", D + "/plan_bad.toml"], "plan_bad.toml' is not valid TOML"),
     (["plan", "--config", D + "/missing.toml"], "missing.toml' does not exist"),
-    (["plan", "--calibrate", "--out", D], "is a directory; name the cluster TOML file"),
+    (["plan", "--calibrate", "--out", D], "is a directory; name the file to write"),
     (["plan", "--calibrate", "--out", D + "/no/such/dir/c.toml"], "does not exist"),
     (["plan", "--calibrate", "--calibrate-world", "0"], "--calibrate-world=0 must be >= 1"),
     (["export", "{ckpt}"], "the following arguments are required: --hf"),

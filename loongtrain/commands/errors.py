@@ -110,6 +110,11 @@ def guarded(command: str, body: Callable[[], int | None], *,
     except KeyboardInterrupt as exc:
         return interrupted(command, exc, on_interrupt() if on_interrupt else "")
     except BaseException as exc:  # every other way out: one line, and the clean-up
+        from loongtrain.parallel.failures import causes
+
+        stop = next((c for c in causes(exc) if isinstance(c, KeyboardInterrupt)), None)
+        if stop is not None:  # an interrupt a library wrapped (DCP's CheckpointException): the same line
+            return interrupted(command, stop, on_interrupt() if on_interrupt else "")
         if on_failure is not None:
             with contextlib.suppress(BaseException):
                 on_failure()

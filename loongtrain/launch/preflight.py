@@ -46,7 +46,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loongtrain._files import check_output, foreign_entries
+from loongtrain._files import check_output, follow_link, foreign_entries
 from loongtrain.data.checks import check_corpora
 from loongtrain.data.post_training import PRETRAIN, PostTrainingReader, chat_format
 from loongtrain.data.prepared import tokenizer_identity
@@ -134,7 +134,7 @@ def check_out_dir(cfg: TrainConfig) -> None:
     """``--out-dir`` is (or can become) a writable directory of this run's own (the ownership rule,
     :func:`loongtrain._files.check_output`), and not inside a run's checkpoints."""
     if cfg.out_dir.strip():
-        out = Path(cfg.out_dir)
+        out = follow_link("--out-dir", cfg.out_dir)
         for place in (out.resolve(), *out.resolve().parents):
             if (place.name.startswith("step_") and (place / STATE_FILE).is_file()) or (
                     place.name == "checkpoints" and (place / LATEST).is_file()):

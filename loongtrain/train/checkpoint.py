@@ -164,6 +164,9 @@ def _disk_full_named(path: Path) -> Iterator[None]:
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit, DiskFullError)):
             raise
+        stop = next((c for c in causes(exc) if isinstance(c, KeyboardInterrupt)), None)
+        if stop is not None:  # Ctrl-C / SIGTERM inside DCP's writer: the interrupt itself (commands/errors.py)
+            raise stop.with_traceback(None) from None
         full = next((c for c in causes(exc) if is_disk_full(c)), None)
         if full is None:
             raise

@@ -47,6 +47,7 @@ from loongtrain._files import (
     OutputLock,
     check_output,
     disk_space,
+    follow_link,
     remove_owned,
     write_bytes,
 )
@@ -112,7 +113,7 @@ def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = Fal
     paths the export reads, e.g. the tokenizer). ValueError naming the rule otherwise."""
     if not str(out_dir).strip():
         raise ValueError("--hf '' is empty: name the output directory")
-    out = Path(out_dir)
+    out = follow_link("--hf", out_dir)  # a link: the export lands in its target, the link stays
     target, ckpt = out.resolve(), Path(checkpoint).resolve()
     root = ckpt.parent  # the run's checkpoints directory
     if target == root or root in target.parents:

@@ -22,6 +22,7 @@ import pytest
 
 from loongtrain.commands import main
 
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ("--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--warmup", "1", "--progress", "off",
         "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1", "--no-memory-report")
 
@@ -54,19 +55,28 @@ def fx(tmp_path_factory) -> dict[str, str]:
     for step in (2, 4):
         (d / "none_complete" / "checkpoints" / f"step_{step:08d}" / "checksums.json").unlink()
     (d / "user.toml").write_text("# the user's own cluster file\n")
+    shutil.copy(ROOT / "benchmarks" / "results" / "gpu_check_h200.json", d / "g.json")
+    assert main(["plan", "--calibrate-from", str(d / "g.json"), "--out", str(d / "earlier.toml")]) == 0
+    (d / "user_dir").mkdir()
+    (d / "user_dir" / "notes.txt").write_text("the user's notes")
     return {"D": str(d), "corpus": str(corpus), "run": str(run), "ckpt": str(run / "checkpoints" / "step_00000004")}
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One row: ``argv`` ({D}, {run}, {ckpt}, {corpus}: the fixture; {tmp}: this row's scratch directory),
-    the text the one line must hold (a code-0 row: the warning line, "" for none), the exit code, and
-    ``check``: a function of the scratch directory run after a code-0 row (where the output landed)."""
+    the text the one line must hold (a code-0 row: the warning line, "" for none), the exit code,
+    ``links``: (link, target) pairs made first (a loop: two links to each other; a target "" for a directory
+    made empty in {tmp}), ``copies``: (name, fixture directory) copied to ``{tmp}/name`` first, and
+    ``lands``: for a code-0 row, a file (under {tmp}) the command must have written."""
 
     name: str
     argv: tuple[str, ...]
     needle: str
     code: int = 2
+    links: tuple[tuple[str, str], ...] = ()
+    copies: tuple[tuple[str, str], ...] = ()
+    lands: str = ""
 
 
 D = "{D}"
@@ -74,19 +84,27 @@ TR = ("train", *BASE, "--corpus", "{corpus}")
 EV = ("eval", "--task", "position-loss", "--nproc", "1")
 
 
-def _case(name: str, *argv: str, needle: str, code: int = 2) -> Case:
-    return Case(name, argv, needle, code)
+def _case(name: str, *argv: str, needle: str, code: int = 2, **kw) -> Case:
+    return Case(name, argv, needle, code, **kw)
+
+
+CAL = ("plan", "--calibrate-from", D + "/g.json")
+LOOP = (("{tmp}/loop_a", "{tmp}/loop_b"), ("{tmp}/loop_b", "{tmp}/loop_a"))
+DANGLING = (("{tmp}/dangling", "{tmp}/nowhere"),)
 
 
 CASES = [
     # 1. a checkpoint is its checksums
     _case("resume-auto-passes-over-a-checkpoint-without-checksums", *TR, "--steps", "6", "--resume", "auto",
-          "--out-dir", "{tmp}/copy", needle="passing over 1 incomplete checkpoint(s) (step_00000004: checkpoint "
+          "--out-dir", "{tmp}/copy", copies=(("copy", "nosums"),),
+          needle="passing over 1 incomplete checkpoint(s) (step_00000004: checkpoint "
           "'{tmp}/copy/checkpoints/step_00000004' has no checksums.json", code=0),
     _case("resume-auto-passes-over-a-flipped-byte", *TR, "--steps", "6", "--resume", "auto",
-          "--out-dir", "{tmp}/copy_flipped", needle=".distcp' is corrupt", code=0),
+          "--out-dir", "{tmp}/copy_flipped", copies=(("copy_flipped", "flipped"),),
+          needle=".distcp' is corrupt", code=0),
     _case("resume-auto-passes-over-an-unreadable-latest", *TR, "--steps", "6", "--resume", "auto",
-          "--out-dir", "{tmp}/copy_bad_latest", needle="checkpoint pointer", code=0),
+          "--out-dir", "{tmp}/copy_bad_latest", copies=(("copy_bad_latest", "bad_latest"),),
+          needle="checkpoint pointer", code=0),
     _case("resume-auto-none-complete", *TR, "--steps", "6", "--resume", "auto", "--out-dir", D + "/none_complete",
           needle="holds no complete checkpoint (step_00000004: checkpoint '{D}/none_complete/checkpoints/"
           "step_00000004' has no checksums.json"),
@@ -113,8 +131,67 @@ CASES = [
           needle="checkpoint pointer '{D}/bad_latest/checkpoints/latest' cannot be read"),
 ]
 
-#: rows that continue a copy of a fixture run: ``{tmp}/NAME`` is a copy of ``{D}/SOURCE`` first
-COPIES = {"copy": "nosums", "copy_flipped": "flipped", "copy_bad_latest": "bad_latest"}
+CASES += [
+    # 2. one ownership rule for every file: the planner's --out
+    _case("plan-out-a-user-file", *CAL, "--out", D + "/user.toml", needle="is a file loongtrain did not write"),
+    _case("plan-out-a-user-file-overwrite", *CAL, "--out", D + "/user.toml", "--overwrite",
+          needle="is a file loongtrain did not write"),
+    _case("plan-out-is-its-input", *CAL, "--out", D + "/g.json", "--overwrite",
+          needle="--out '{D}/g.json' is '{D}/g.json', an input of this command"),
+    _case("plan-out-a-link-to-its-input", *CAL, "--out", "{tmp}/g_link.json", links=(("{tmp}/g_link.json",
+          D + "/g.json"),), needle="an input of this command"),
+    _case("plan-out-is-the-base-cluster", *CAL, "--calibrate-base", D + "/earlier.toml", "--out",
+          D + "/earlier.toml", "--overwrite", needle="an input of this command"),
+    _case("plan-out-an-earlier-output", *CAL, "--out", D + "/earlier.toml",
+          needle="holds an earlier output of loongtrain; pass --overwrite"),
+    _case("plan-out-an-earlier-output-overwrite", *CAL, "--out", "{tmp}/copy/earlier.toml", "--overwrite",
+          copies=(("copy", "."),), needle="", code=0, lands="copy/earlier.toml"),
+    _case("plan-out-a-link-to-a-user-file", *CAL, "--out", "{tmp}/l.toml", links=(("{tmp}/l.toml",
+          D + "/user.toml"),), needle="is a file loongtrain did not write"),
+    _case("plan-out-a-link-lands-in-its-target", *CAL, "--out", "{tmp}/l.toml", "--overwrite", copies=(("copy", "."),),
+          links=(("{tmp}/l.toml", "{tmp}/copy/earlier.toml"),), needle="", code=0, lands="copy/earlier.toml"),
+    _case("plan-out-dangling-link", *CAL, "--out", "{tmp}/dangling", links=DANGLING, needle="is a dangling link"),
+    _case("plan-out-link-loop", *CAL, "--out", "{tmp}/loop_a", links=LOOP, needle="is a link loop (ELOOP"),
+    _case("plan-out-a-directory", *CAL, "--out", D + "/user_dir", needle="is a directory"),
+    # links to directories: followed (the output in the target, the link stays); dangling or looping: one line
+    _case("export-hf-link-to-an-empty-directory", "export", "{ckpt}", "--hf", "{tmp}/hf_link",
+          links=(("{tmp}/hf_link", "{tmp}/hf_target"),), needle="", code=0, lands="hf_target/config.json"),
+    _case("export-hf-link-to-an-earlier-export-overwrite", "export", "{ckpt}", "--hf", "{tmp}/hf_link",
+          "--overwrite", links=(("{tmp}/hf_link", "{tmp}/hf_target"),), needle="", code=0,
+          lands="hf_target/model.safetensors"),
+    _case("export-hf-link-to-a-user-dir", "export", "{ckpt}", "--hf", "{tmp}/hf_link", "--overwrite",
+          links=(("{tmp}/hf_link", D + "/user_dir"),), needle="holds files loongtrain did not write (notes.txt)"),
+    _case("export-hf-dangling-link", "export", "{ckpt}", "--hf", "{tmp}/dangling", links=DANGLING,
+          needle="--hf '{tmp}/dangling' is a dangling link (to '{tmp}/nowhere'"),
+    _case("export-hf-link-loop", "export", "{ckpt}", "--hf", "{tmp}/loop_a", links=LOOP,
+          needle="--hf '{tmp}/loop_a' is a link loop (ELOOP"),
+    _case("train-out-dir-dangling-link", *TR, "--steps", "2", "--out-dir", "{tmp}/dangling", links=DANGLING,
+          needle="--out-dir '{tmp}/dangling' is a dangling link"),
+    _case("train-out-dir-link-loop", *TR, "--steps", "2", "--out-dir", "{tmp}/loop_a", links=LOOP,
+          needle="is a link loop (ELOOP"),
+    _case("train-out-dir-link-to-a-user-dir", *TR, "--steps", "2", "--out-dir", "{tmp}/l",
+          links=(("{tmp}/l", D + "/user_dir"),), needle="holds files loongtrain did not write (notes.txt)"),
+    _case("train-out-dir-link-to-an-empty-dir", *TR, "--steps", "2", "--out-dir", "{tmp}/l",
+          links=(("{tmp}/l", "{tmp}/t"),), needle="", code=0),
+    _case("eval-out-dangling-link", *EV, "{run}", "--out", "{tmp}/dangling", links=DANGLING,
+          needle="--out '{tmp}/dangling' is a dangling link"),
+    _case("eval-out-link-loop", *EV, "{run}", "--out", "{tmp}/loop_a", links=LOOP, needle="link loop (ELOOP"),
+    _case("prepare-out-link-loop", "prepare", "--workers", "1", "{corpus}", "--out", "{tmp}/loop_a", links=LOOP,
+          needle="link loop (ELOOP"),
+    _case("prepare-out-dangling-link", "prepare", "--workers", "1", "{corpus}", "--out", "{tmp}/dangling",
+          links=DANGLING, needle="is a dangling link"),
+]
+
+
+def _make_links(case: Case, fill: dict[str, str]) -> None:
+    """The row's links; a target directory under {tmp} that does not exist yet is made empty (a dangling
+    link's and a loop's are left as they are)."""
+    for link, target in case.links:
+        link, target = Path(link.format(**fill)), target.format(**fill)
+        if target.startswith(fill["tmp"]) and not Path(target).suffix and not any(
+                word in target for word in ("loop", "nowhere")):
+            Path(target).mkdir(parents=True, exist_ok=True)
+        link.symlink_to(target)
 
 
 def _hashes(root: Path) -> dict[str, str]:
@@ -148,9 +225,13 @@ def test_enough_cases():
 def test_one_line_and_the_files_untouched(case, fx, tmp_path, monkeypatch, capsys, reached):
     fill = {**fx, "tmp": str(tmp_path)}
     argv = [a.format(**fill) for a in case.argv]
-    for name, source in COPIES.items():
-        if f"{tmp_path}/{name}" in argv:
-            shutil.copytree(Path(fx["D"]) / source, tmp_path / name)
+    for name, source in case.copies:
+        shutil.copytree(Path(fx["D"]) / source, tmp_path / name, symlinks=True)
+    _make_links(case, fill)
+    if case.name == "export-hf-link-to-an-earlier-export-overwrite":
+        assert main(["export", fx["ckpt"], "--hf", str(tmp_path / "hf_target")]) == 0
+        (tmp_path / "hf_target" / "model.safetensors").write_bytes(b"old")
+        capsys.readouterr()
     monkeypatch.chdir(tmp_path)
     before = _hashes(Path(fx["D"]))
     t0 = time.perf_counter()
@@ -171,6 +252,12 @@ def test_one_line_and_the_files_untouched(case, fx, tmp_path, monkeypatch, capsy
             assert len(warned) == 1 and needle in warned[0], err
         else:
             assert not warned, err
+        if case.lands:
+            landed = tmp_path / case.lands
+            assert landed.is_file() and not landed.is_symlink() and landed.read_bytes() != b"old", case.lands
+        for link, _ in case.links:
+            assert Path(link.format(**fill)).is_symlink(), "a link was replaced"
+        assert not list(tmp_path.glob(".*.export-*")), "a staging directory was left"
     assert _hashes(Path(fx["D"])) == before, "a fixture file changed"
 
 
