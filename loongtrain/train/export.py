@@ -33,8 +33,11 @@ leaves the target as it was and removes its staging files.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,7 +191,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
         remove_owned(OUTPUT, staging)
         shutil.rmtree(old, ignore_errors=True)
         try:
-            with disk_space(staging):
+            with disk_space(staging), _os_errors_named(staging / "model.safetensors"):
                 if lora:  # the base (a preset's), the adapters in PEFT's format, then the merged model
                     _export_adapters(model, adapters, state, staging, out, base_dir, dtype)
                     merge_lora(model)
@@ -207,6 +210,20 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def _os_errors_named(path: Path) -> Iterator[None]:
+    """safetensors' writer reports an OS error as its own exception, "... (os error N)": as the OSError it
+    is, naming ``path`` (a full disk: :class:`~loongtrain._files.DiskFullError`; read-only: exit 2)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - only safetensors' errors with an errno are turned
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if type(exc).__name__ != "SafetensorError" or found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def _export_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], state: dict[str, Any], staging: Path,

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -285,3 +289,137 @@ def test_check_time_is_small(fx):
     verify_checkpoint(find_checkpoint(fx["run"]))
     assert time.perf_counter() - t0 < 0.1
     assert os.path.isdir(fx["ckpt"])
+
+
+# -- 3. one-line exits for interrupts and OS errors, at any process count
+
+
+def _train_argv(fx: dict[str, str], out: Path, *extra: str) -> list[str]:
+    return ["train", *BASE, "--steps", "2", "--corpus", fx["corpus"], "--out-dir", str(out), *extra]
+
+
+def test_ctrl_c_during_a_checkpoint_save_at_one_process(fx, tmp_path, monkeypatch, capsys):
+    """--nproc 1 (the one-GPU case): Ctrl-C inside DCP's writer, which wraps it in its CheckpointException,
+    is the workers' one line, exit 130, and the partial step_N.tmp is removed."""
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    def interrupted(self, *args, **kwargs):
+        (Path(self.path) / "__0_0.distcp").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp_files.FileSystemWriter, "write_data", interrupted)
+    assert main(_train_argv(fx, tmp_path / "r")) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "loongtrain train: interrupted; removed 1 partial checkpoint(s)", err
+    assert not any("Traceback" in line or line.startswith("  ") for line in err), err
+    assert list((tmp_path / "r" / "checkpoints").iterdir()) == []
+
+
+def test_a_full_disk_during_training_removes_the_partial_save(fx, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_files
+
+    def full(self, *args, **kwargs):
+        (Path(self.path) / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(Path(self.path) / "__0_0.distcp"))
+
+    monkeypatch.setattr(dcp_files.FileSystemWriter, "write_data", full)
+    assert main(_train_argv(fx, tmp_path / "r")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("loongtrain train: failed: ") and "no space left on device" in err[-1], err
+    assert not any("Traceback" in line for line in err), err
+    assert list((tmp_path / "r" / "checkpoints").iterdir()) == []
+
+
+@pytest.mark.parametrize("code, exit_code", [("EROFS", 2), ("ENOSPC", 1)])
+def test_export_onto_a_read_only_or_full_target_is_one_line(fx, tmp_path, monkeypatch, capsys, code, exit_code):
+    """safetensors reports the OS error as its own exception: one line naming the file, the target as it
+    was, no staging directory left."""
+    import errno
+
+    from loongtrain.train import export
+
+    def fails(model, config, out):
+        (out / "model.safetensors").write_bytes(b"partial")
+        number = getattr(errno, code)
+        raise type("SafetensorError", (Exception,), {})(f"Error while serializing: I/O error: {os.strerror(number)} "
+                                                       f"(os error {number})")
+
+    monkeypatch.setattr(export, "export_hf", fails)
+    assert main(["export", fx["ckpt"], "--hf", str(tmp_path / "hf")]) == exit_code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path}/.hf.export-tmp/model.safetensors: " in err[0], err
+    assert ("read-only file system" if code == "EROFS" else "no space left on device") in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _subprocess(argv: list[str], *, prelude: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = prelude + "\nimport sys\nfrom loongtrain.commands import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=str(ROOT))
+
+
+BLOCK = """
+import sys
+class _Missing:
+    def find_spec(self, name, path=None, target=None):
+        top = name.split(".")[0]
+        if top in {names!r}:
+            raise ModuleNotFoundError(f"No module named {{top!r}}", name=top)
+        return None
+sys.meta_path.insert(0, _Missing())
+"""
+
+
+@pytest.mark.parametrize("package", ["safetensors", "transformers"])
+def test_a_missing_package_is_one_line_with_the_extra(fx, tmp_path, package):
+    done = _subprocess(["export", fx["ckpt"], "--hf", str(tmp_path / "hf")], prelude=BLOCK.format(names={package}))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"loongtrain export: error: {package} is not installed: pip install " \
+                                  f"'loongtrain[hf]'", done.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_ctrl_c_while_torch_imports_is_one_line(fx, tmp_path):
+    """``import loongtrain.commands`` imports no torch (loongtrain/__init__.py is lazy), so a Ctrl-C while the
+    command imports it is the command's one line."""
+    prelude = """
+import sys
+class _CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise KeyboardInterrupt
+        return None
+sys.meta_path.insert(0, _CtrlC())
+"""
+    done = _subprocess(["export", fx["ckpt"], "--hf", str(tmp_path / "hf")], prelude=prelude)
+    assert done.returncode == 130 and done.stderr == "loongtrain export: interrupted\n", done.stderr
+    bare = subprocess.run([sys.executable, "-c", "import sys, loongtrain.commands, loongtrain.commands.export; "
+                           "print('torch' in sys.modules)"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bare.stdout.strip() == "False", bare.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups")
+def test_ctrl_c_in_prepare_with_two_workers_is_one_line(tmp_path):
+    """Ctrl-C reaches the whole process group (a terminal's): the pool's workers neither print a traceback
+    (started with SIGINT ignored, SIGTERM at its default), and nothing is left behind. Three tries: the
+    race it had was in about one of three."""
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": f"document {i} " + "the quick brown fox " * 50}) + "\n"
+                           for i in range(20000)))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for attempt in range(3):
+        out = tmp_path / f"p{attempt}"
+        proc = subprocess.Popen([sys.executable, "-m", "loongtrain.commands", "prepare", str(big), "--out", str(out),
+                                 "--workers", "2", "--shard-bytes", "100000"], stderr=subprocess.PIPE, text=True,
+                                env=env, start_new_session=True)
+        t0 = time.time()
+        while time.time() - t0 < 60 and not list(out.glob(".tmp-*/tokens-0000[2-9].bin")) and proc.poll() is None:
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and err == "loongtrain prepare: interrupted\n", err
+        assert not out.exists()
