@@ -38,7 +38,6 @@ import os
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -369,15 +368,16 @@ _WORKER_TOKENIZER: Tokenizer | ChatFormat | None = None
 
 
 def _start_pool(context: Any, workers: int, tok: Tokenizer | ChatFormat) -> Any:
-    """The tokenizer pool, its processes started with Ctrl-C ignored (a Ctrl-C before their initializer ran
-    would print a worker's traceback; the parent stops the pool and prints one line)."""
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    """The tokenizer pool, its processes started with Ctrl-C held until their initializer ignores it (a
+    Ctrl-C before it ran printed a worker's traceback); the parent stops the pool and prints one line."""
+    block = hasattr(signal, "pthread_sigmask")  # held, not lost: the parent sees it once the pool is up
+    if block:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         return context.Pool(workers, initializer=_init_worker, initargs=(tok,))
     finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
+        if block:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _init_worker(tok: Tokenizer | ChatFormat, parallel_tokenizer: bool = False) -> None:
@@ -387,6 +387,8 @@ def _init_worker(tok: Tokenizer | ChatFormat, parallel_tokenizer: bool = False) 
         os.environ["RAYON_NUM_THREADS"] = "1"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool, prints one line
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool.terminate(): end quietly (not the parent's handler)
+        if hasattr(signal, "pthread_sigmask"):  # started with SIGINT held (_start_pool): ignored from here on
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _WORKER_TOKENIZER = tok
 
 

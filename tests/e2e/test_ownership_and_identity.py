@@ -409,7 +409,7 @@ def test_ctrl_c_in_prepare_with_two_workers_is_one_line(tmp_path):
     race it had was in about one of three."""
     big = tmp_path / "big.jsonl"
     big.write_text("".join(json.dumps({"text": f"document {i} " + "the quick brown fox " * 50}) + "\n"
-                           for i in range(20000)))
+                           for i in range(40000)))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for attempt in range(3):
         out = tmp_path / f"p{attempt}"
@@ -419,7 +419,8 @@ def test_ctrl_c_in_prepare_with_two_workers_is_one_line(tmp_path):
         t0 = time.time()
         while time.time() - t0 < 60 and not list(out.glob(".tmp-*/tokens-0000[2-9].bin")) and proc.poll() is None:
             time.sleep(0.02)
+        assert proc.poll() is None, f"prepare ended before the Ctrl-C: {proc.stderr.read()}"
         os.killpg(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 130 and err == "loongtrain prepare: interrupted\n", err
+        assert (proc.returncode, err) == (130, "loongtrain prepare: interrupted\n"), (proc.returncode, err)
         assert not out.exists()
