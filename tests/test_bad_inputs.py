@@ -1078,7 +1078,7 @@ def test_a_full_disk_in_export_and_checkpoint_saves(files, tmp_path, capsys, mon
     assert main(["export", files["ckpt"], "--hf", str(previous)]) == 0
     before = _hashes(previous)
 
-    def full(model, config, out):
+    def full(model, config, out, **kwargs):
         (out / "model.safetensors").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device", str(out / "model.safetensors"))
 

@@ -52,6 +52,9 @@ from loongtrain.data.post_training import PRETRAIN, PostTrainingReader, chat_for
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.sources import corpus_identity, identity_change, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.hf.convert import shape_config_from_hf
+from loongtrain.hf.load import hf_config_from_dict
+from loongtrain.model.config import ModelConfig
 from loongtrain.model.lora import parse_lora
 from loongtrain.model.rope_scaling import rope_change
 from loongtrain.train.checkpoint import (
@@ -64,6 +67,7 @@ from loongtrain.train.checkpoint import (
     find_checkpoint,
     newest_checkpoint,
     read_latest,
+    read_trainer_state,
     resolve_checkpoint,
     resume_candidates,
     verify_checkpoint,
@@ -98,6 +102,7 @@ def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, 
     cfg = check_init_from(cfg)
     check_out_dir(cfg)
     tokenizer = tokenizer or build_run_tokenizer(cfg)
+    check_init_identity(cfg, tokenizer)
     check_corpus(cfg, tokenizer, world)
     for warning in check_validation(cfg, world, tokenizer):
         log.warning("%s", warning)
@@ -169,7 +174,47 @@ def check_init_from(cfg: TrainConfig) -> TrainConfig:
     if own == path.resolve().parent:
         raise ValueError(f"--init-from {cfg.init_from!r} is a checkpoint of this run (--out-dir {cfg.out_dir!r}); "
                          f"--resume continues it, --init-from starts a new run in another --out-dir")
+    source = path.resolve().parent  # the checkpoints directory, and the run directory holding it
+    source = source.parent if source.name == "checkpoints" else source
+    out = Path(cfg.out_dir).resolve() if cfg.out_dir.strip() else None
+    if out is not None and (out == source or source in out.parents):
+        raise ValueError(f"--out-dir {cfg.out_dir!r} lies inside {str(source)!r}, the run --init-from "
+                         f"{cfg.init_from!r} continues; a new run writes outside its source: choose another --out-dir")
     return dataclasses.replace(cfg, init_from=str(path))
+
+
+def check_init_identity(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+    """``--init-from``: the run reads text as its source did: the tokenizer, compared by content (its
+    identity, as a resume compares it; the vocabulary and the architecture are compared by
+    :func:`loongtrain.train.model_setup.model_config_for`, the RoPE is logged at the start)."""
+    if not cfg.init_from:
+        return
+    state = read_trainer_state(Path(cfg.init_from))
+    saved = (state.get("data_identity") or {}).get("tokenizer")
+    now = tokenizer_identity(tokenizer)
+    if saved is not None and saved != now:
+        then = (state.get("config") or {}).get("tokenizer") or "the model's"
+        raise ValueError(f"--tokenizer {cfg.tokenizer!r} ({tokenizer.name}) is not the tokenizer --init-from "
+                         f"{cfg.init_from!r} trained with ({then!r}; identity {saved} then, {now} now): the weights "
+                         f"read tokens as that tokenizer writes them; pass it as --tokenizer")
+
+
+def check_same_model(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, Any], path: Path) -> None:
+    """A resume builds the checkpoint's model: the vocabulary and the architecture it recorded (the RoPE:
+    :data:`MUST_MATCH`). ValueError naming the first field that differs; checkpoints without a record pass."""
+    if "model_config" in state:
+        saved = ModelConfig(**state["model_config"])
+    elif "hf_config" in state:
+        saved = shape_config_from_hf(hf_config_from_dict(state["hf_config"]))
+    else:
+        return
+    now = model_config_for(cfg, tokenizer)
+    for field in dataclasses.fields(ModelConfig):
+        name = field.name
+        if name not in ("rope_theta", "rope_scaling") and getattr(saved, name) != getattr(now, name):
+            raise ValueError(f"--model {cfg.model!r} with --tokenizer {cfg.tokenizer!r}: {name}="
+                             f"{getattr(now, name)!r}, the checkpoint {str(path)!r} has {getattr(saved, name)!r}; "
+                             f"a resumed run must build the model it saved")
 
 
 def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer, world: int = 1) -> None:
@@ -246,6 +291,7 @@ def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = N
     if state.get("lora"):  # --lora: the base the adapters trained on is still there, unchanged
         preset = hf_model_dir(cfg.model) is None  # a preset: the shape this run builds
         check_base(state, str(path), model_config_for(cfg, tokenizer) if preset else None)
+    check_same_model(cfg, tokenizer, state, path)
     check_same_data(cfg, tokenizer, state, path)
     return dataclasses.replace(cfg, resume=str(path))
 

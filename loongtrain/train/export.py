@@ -195,7 +195,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
                 if lora:  # the base (a preset's), the adapters in PEFT's format, then the merged model
                     _export_adapters(model, adapters, state, staging, out, base_dir, dtype)
                     merge_lora(model)
-                export_hf(model, None, staging)
+                export_hf(model, None, staging, max_position_embeddings=trained_positions(state))
             if tokenizer is not None:
                 copy_tokenizer(tokenizer, staging)
             if out.exists():
@@ -210,6 +210,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def trained_positions(state: dict[str, Any]) -> int | None:
+    """The ``max_position_embeddings`` an export of a loongtrain model states: the longest length the run
+    trained at (``--seq-len``, the longest of ``--seq-len-stages``), unless its RoPE scaling sets one
+    (``original_max_position_embeddings * factor``); None for a Hugging Face model (its config's own)."""
+    record = state.get("model_config")
+    if not record:
+        return None
+    scaling = ModelConfig(**record).rope_scaling
+    if scaling is not None and scaling.original_max_position_embeddings:
+        return None
+    return int(TrainConfig.from_dict(state["config"]).seq_len)
 
 
 @contextlib.contextmanager

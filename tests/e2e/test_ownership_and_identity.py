@@ -40,6 +40,17 @@ def _copy_run(src: Path, dst: Path) -> Path:
     return dst / "checkpoints" / "step_00000004"
 
 
+def _bpe(path: Path, texts: list[str], vocab_size: int = 300) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory) -> dict[str, str]:
     """A run of 4 steps with checkpoints at 2 and 4, and damaged copies of it."""
@@ -63,6 +74,15 @@ def fx(tmp_path_factory) -> dict[str, str]:
     assert main(["plan", "--calibrate-from", str(d / "g.json"), "--out", str(d / "earlier.toml")]) == 0
     (d / "user_dir").mkdir()
     (d / "user_dir" / "notes.txt").write_text("the user's notes")
+    # 4. a run with a BPE tokenizer, and another tokenizer of the same size; an export of the byte run
+    tok_a = _bpe(d / "tok_a.json", [f"document {i}: the quick brown fox" for i in range(50)])
+    tok_b = _bpe(d / "tok_b.json", [f"other text {i} jumps over lazy dogs" for i in range(50)])
+    from loongtrain.data.tokenizer import build_tokenizer
+
+    assert build_tokenizer(str(tok_a)).vocab_size == build_tokenizer(str(tok_b)).vocab_size
+    assert main(["train", *BASE, "--steps", "1", "--corpus", str(corpus), "--tokenizer", str(tok_a),
+                 "--out-dir", str(d / "tokrun")]) == 0
+    assert main(["export", str(run), "--hf", str(d / "hf")]) == 0
     return {"D": str(d), "corpus": str(corpus), "run": str(run), "ckpt": str(run / "checkpoints" / "step_00000004")}
 
 
@@ -186,6 +206,49 @@ CASES += [
           links=DANGLING, needle="is a dangling link"),
 ]
 
+CASES += [
+    # 4. identity on every continuation
+    _case("init-from-another-tokenizer-of-the-same-size", *TR, "--steps", "1", "--tokenizer", D + "/tok_b.json",
+          "--init-from", D + "/tokrun", "--out-dir", "{tmp}/r", needle="is not the tokenizer --init-from"),
+    _case("init-from-the-byte-run-with-a-bpe-tokenizer", *TR, "--steps", "1", "--tokenizer", D + "/tok_a.json",
+          "--init-from", "{run}", "--out-dir", "{tmp}/r", needle="its model has vocab_size=256, this run's 300"),
+    _case("init-from-out-dir-inside-its-source", *TR, "--steps", "1", "--init-from", "{run}", "--out-dir",
+          "{run}/longer", needle="lies inside '{run}', the run --init-from"),
+    _case("init-from-out-dir-is-its-source", *TR, "--steps", "1", "--init-from", "{ckpt}", "--out-dir",
+          "{run}", needle="is a checkpoint of this run"),
+    _case("init-from-the-same-tokenizer", *TR, "--steps", "1", "--tokenizer", D + "/tok_a.json",
+          "--init-from", D + "/tokrun", "--out-dir", "{tmp}/r", needle="", code=0),
+    _case("resume-with-another-tokenizer-of-the-same-size", *TR, "--steps", "2", "--tokenizer", D + "/tok_b.json",
+          "--resume", "auto", "--out-dir", "{tmp}/copy", copies=(("copy", "tokrun"),),
+          needle="differs from the checkpoint's"),
+    _case("eval-of-an-export-past-its-trained-length", *EV, "--seq-len", "32", D + "/hf", "--corpus", "{corpus}",
+          "--out", "{tmp}/ev", needle="length 32 is past the model's max_position_embeddings 16", code=0),
+    _case("eval-of-an-export-at-its-trained-length", *EV, "--seq-len", "16", D + "/hf", "--corpus", "{corpus}",
+          "--out", "{tmp}/ev", needle="", code=0),
+]
+
+
+def test_export_states_the_length_trained_at(fx):
+    config = json.loads((Path(fx["D"]) / "hf" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 16  # the run's --seq-len, not the 8192 of before
+
+
+def test_a_resume_builds_the_model_it_saved(fx, tmp_path):
+    """The vocabulary and the architecture a checkpoint recorded against the run's (here a recorded
+    num_layers edited: the run's tiny preset differs)."""
+    from loongtrain.data.tokenizer import ByteTokenizer
+    from loongtrain.launch.preflight import check_same_model
+    from loongtrain.train.checkpoint import read_trainer_state
+    from loongtrain.train.config import TrainConfig
+
+    state = read_trainer_state(Path(fx["ckpt"]))
+    cfg = TrainConfig.from_dict(state["config"])
+    check_same_model(cfg, ByteTokenizer(), state, Path(fx["ckpt"]))  # as saved: passes
+    for name, value in (("num_layers", 3), ("vocab_size", 512)):
+        edited = {**state, "model_config": {**state["model_config"], name: value}}
+        with pytest.raises(ValueError, match=f"{name}=.*the checkpoint .* has {value}"):
+            check_same_model(cfg, ByteTokenizer(), edited, Path(fx["ckpt"]))
+
 
 def _make_links(case: Case, fill: dict[str, str]) -> None:
     """The row's links; a target directory under {tmp} that does not exist yet is made empty (a dangling
@@ -271,9 +334,11 @@ def test_resume_auto_continues_from_the_newest_complete_checkpoint(fx, tmp_path,
     shutil.copytree(Path(fx["D"]) / "nosums", tmp_path / "r")
     argv = ["train", *BASE, "--corpus", fx["corpus"], "--steps", "4", "--ckpt-interval", "2", "--resume", "auto",
             "--out-dir", str(tmp_path / "r")]
-    assert main(argv) == 0, capsys.readouterr().err
+    code = main(argv)
     err = capsys.readouterr().err
+    assert code == 0, err
     assert "continuing from the newest complete one" in err and "step_00000002" in err, err
+    assert "tokens per step; RoPE theta 10000, no scaling" in err, err  # the log states the RoPE in use
     redone = tmp_path / "r" / "checkpoints" / "step_00000004"
     assert (redone / "checksums.json").is_file()
     intact = Path(fx["ckpt"])
@@ -340,7 +405,7 @@ def test_export_onto_a_read_only_or_full_target_is_one_line(fx, tmp_path, monkey
 
     from loongtrain.train import export
 
-    def fails(model, config, out):
+    def fails(model, config, out, **kwargs):
         (out / "model.safetensors").write_bytes(b"partial")
         number = getattr(errno, code)
         raise type("SafetensorError", (Exception,), {})(f"Error while serializing: I/O error: {os.strerror(number)} "
