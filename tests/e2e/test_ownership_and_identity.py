@@ -227,6 +227,19 @@ CASES += [
           "--out", "{tmp}/ev", needle="", code=0),
 ]
 
+STAGED = ("train", *(a for a in BASE if a not in ("--seq-len", "16")), "--corpus", "{corpus}")
+CASES += [
+    # 5. the length schedule counts tokens from the longest stage
+    _case("stages-the-natural-command-with-batch-size-1", *STAGED, "--seq-len-stages", "16:1,32:1,64:1",
+          "--out-dir", "{tmp}/r", needle="the stages' memory is not checked", code=0),
+    _case("stages-a-length-that-does-not-divide-the-longest", *STAGED, "--seq-len-stages", "24:1,64:1",
+          "--out-dir", "{tmp}/r", needle="the stage of length 24 does not divide the longest, 64"),
+    _case("stages-names-the-option-that-allows-free-tokens", *STAGED, "--seq-len-stages", "24:1,64:1",
+          "--out-dir", "{tmp}/r", needle="or pass --stage-tokens free"),
+    _case("stages-free-tokens-take-any-lengths", *STAGED, "--seq-len-stages", "24:1,64:1", "--stage-tokens", "free",
+          "--out-dir", "{tmp}/r", needle="the stages' memory is not checked", code=0),
+]
+
 
 def test_export_states_the_length_trained_at(fx):
     config = json.loads((Path(fx["D"]) / "hf" / "config.json").read_text())
