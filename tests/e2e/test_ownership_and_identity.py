@@ -240,6 +240,16 @@ CASES += [
           "--out-dir", "{tmp}/r", needle="the stages' memory is not checked", code=0),
 ]
 
+PL = ("plan", "--model", "tiny", "--seq-len", "8K", "--cluster", "a100")
+CASES += [
+    # 6. bounded planning: an answer within seconds, or exit 2 saying what is out of range
+    _case("plan-gpus-100000000", *PL, "--gpus", "100000000", needle="--gpus=100000000 is out of range: the "
+          "planner plans for at most 65536 devices (8192 nodes of 8 on a100)"),
+    _case("plan-nodes-100000", *PL, "--nodes", "100000", needle="--nodes=100000 is out of range"),
+    _case("train-plan-auto-nodes-out-of-range", *TR, "--steps", "1", "--plan", "auto", "--cluster", "a100",
+          "--nproc", "100000000", "--out-dir", "{tmp}/r", needle="out of range"),
+]
+
 
 def test_export_states_the_length_trained_at(fx):
     config = json.loads((Path(fx["D"]) / "hf" / "config.json").read_text())
@@ -357,6 +367,17 @@ def test_resume_auto_continues_from_the_newest_complete_checkpoint(fx, tmp_path,
     intact = Path(fx["ckpt"])
     shards = sorted(p.name for p in intact.glob("*.distcp"))
     assert [(redone / s).read_bytes() for s in shards] == [(intact / s).read_bytes() for s in shards]
+
+
+@pytest.mark.parametrize("argv", [["--gpus", "65536"], ["--nodes", "8192", "--seq-len", "1M"]])
+def test_the_largest_plans_answer_within_seconds(argv, capsys):
+    """The open search is bounded by the sizes that can matter (a shard of at least 64 tokens, a ring of
+    at most 1024, a sequence group of at most 4096): the largest cluster in range answers in seconds
+    (about 4-8 s on a loaded 2-core machine; minutes before)."""
+    t0 = time.perf_counter()
+    assert main(["plan", "--model", "tiny", "--seq-len", "8K", "--cluster", "a100", *argv]) == 0
+    assert time.perf_counter() - t0 < 30
+    assert "hp" in capsys.readouterr().out
 
 
 def test_check_time_is_small(fx):
