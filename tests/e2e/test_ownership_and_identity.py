@@ -83,6 +83,9 @@ def fx(tmp_path_factory) -> dict[str, str]:
     assert main(["train", *BASE, "--steps", "1", "--corpus", str(corpus), "--tokenizer", str(tok_a),
                  "--out-dir", str(d / "tokrun")]) == 0
     assert main(["export", str(run), "--hf", str(d / "hf")]) == 0
+    from tests.helpers import chat_data
+
+    chat_data.write_pairs(d / "pairs.jsonl", 4)
     return {"D": str(d), "corpus": str(corpus), "run": str(run), "ckpt": str(run / "checkpoints" / "step_00000004")}
 
 
@@ -151,6 +154,10 @@ CASES = [
     _case("export-flipped-byte", "export", D + "/flipped", "--hf", "{tmp}/h", needle=".distcp' is corrupt"),
     _case("export-a-file-not-in-the-checksums", "export", D + "/extra_file", "--hf", "{tmp}/h",
           needle="notes.txt' is not in"),
+    _case("dpo-ref-model-flipped-byte", *TR, "--steps", "1", "--objective", "dpo", "--corpus", D + "/pairs.jsonl",
+          "--ref-model", D + "/flipped", "--out-dir", "{tmp}/r", needle="--ref-model '{D}/flipped': checkpoint file"),
+    _case("dpo-ref-model-without-checksums", *TR, "--steps", "1", "--objective", "dpo", "--corpus",
+          D + "/pairs.jsonl", "--ref-model", D + "/nosums", "--out-dir", "{tmp}/r", needle="has no checksums.json"),
     _case("export-unreadable-latest", "export", D + "/bad_latest", "--hf", "{tmp}/h",
           needle="checkpoint pointer '{D}/bad_latest/checkpoints/latest' cannot be read"),
 ]
