@@ -60,7 +60,7 @@ def test_a_full_disk_in_export_is_one_line_and_keeps_the_earlier_export(files, t
     assert main(["export", files["ckpt"], "--hf", str(previous)]) == 0
     before = hashes(previous)
 
-    def full(model, config, out):
+    def full(model, config, out, **kwargs):
         (out / "model.safetensors").write_bytes(b"partial")
         raise OSError(errno.ENOSPC, "No space left on device", str(out / "model.safetensors"))
 
