@@ -1,4 +1,5 @@
-"""The router's load-balancing loss over the whole sequence of a micro-batch (docs/moe-and-gpt-oss.md#mixture-of-experts).
+"""The router's load-balancing loss over the whole sequence of a micro-batch
+(docs/moe-and-gpt-oss.md#mixture-of-experts).
 
 Hugging Face's ``load_balancing_loss_func`` (Switch Transformer, eqs. 4-6): with ``f_e`` the fraction of top-k
 assignments that went to expert ``e`` and ``P_e`` the mean router probability of ``e``, both over every token and

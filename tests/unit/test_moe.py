@@ -33,7 +33,8 @@ def test_bound_model_equals_hf_eager_logits_grads_and_loss(family):
     # HF's out.loss is float32 (its cross-entropy upcasts to float32, its aux sums in float32): the reference
     # differentiated is the same loss of HF's own logits and router logits in float64
     ref_aux = reference_aux_loss(out.router_logits, layout.num_experts, layout.top_k)
-    ref_total = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), targets.reshape(-1)) + layout.aux_loss_coef * ref_aux
+    ref_ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB), targets.reshape(-1))
+    ref_total = ref_ce + layout.aux_loss_coef * ref_aux
     ref_total.backward()
     model = copy.deepcopy(tiny_moe(family))
     stats = bind_moe(model)
