@@ -94,7 +94,9 @@ def block_weights(block: nn.Module) -> ExpertWeights:
 def bind_moe(model: nn.Module, grouped: bool | None = None) -> RouterStats | None:
     """Run every HF sparse block of ``model`` through :func:`~loongtrain.model.moe.moe_forward` (binding again
     rebinds); returns the model's :class:`RouterStats` (None without sparse blocks). ``grouped``: as
-    ``moe_forward``'s (None: grouped GEMMs where the device supports them)."""
+    ``moe_forward``'s (None: grouped GEMMs where the device supports them). HF's own ``router_logits`` are no
+    longer recorded: call the model with ``output_router_logits=False`` (:func:`loongtrain.hf.build.
+    hf_hidden_and_head` does) and take the load-balancing loss from the stats (loongtrain/loss/router.py)."""
     blocks = [m for m in model.modules() if _sparse_kind(m) is not None]
     if not blocks:
         return None

@@ -1,4 +1,4 @@
-"""Shared pieces of the MoE tests: tiny random Hugging Face MoE models (fp64, eager attention) of each family,
+"""Shared pieces of the MoE tests: tiny random Hugging Face MoE models (fp64, HF's eager experts) of each family,
 and an independent float64 reference of the router's load-balancing loss from HF's own router logits."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def hf_moe_config(family: str, **overrides):
     config_name, extra = MOE_FAMILIES[family]
     config = getattr(transformers, config_name)(**{**COMMON, **extra, **overrides})
     config.architectures = [family]
-    config._attn_implementation = "eager"
+    config._attn_implementation = "sdpa"  # exact in float64 (HF's "eager" attention rounds its softmax to float32)
     config._experts_implementation = "eager"  # HF's default here is its grouped GEMMs, which refuse float64
     return config
 
@@ -51,7 +51,7 @@ def tiny_moe(family: str, seed: int = 3, dtype: torch.dtype = torch.float64, **o
 
 
 def write_moe_dir(path: Path, family: str, seed: int = 3, **overrides) -> Path:
-    """A tiny MoE model directory: config.json (eager attention not recorded) and its weights in fp32."""
+    """A tiny MoE model directory: config.json (the implementations chosen here not recorded), fp32 weights."""
     model = tiny_moe(family, seed, torch.float32, **overrides)
     model.save_pretrained(path)
     values = json.loads((path / "config.json").read_text())
