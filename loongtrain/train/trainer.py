@@ -59,8 +59,8 @@ from loongtrain.train.metrics import (
 )
 from loongtrain.train.model_setup import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.objectives import build_objective, post_training_batches
-from loongtrain.train.router_loss import build_router_loss
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
+from loongtrain.train.router_loss import build_router_loss
 from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
