@@ -15,6 +15,7 @@ from torch import nn
 
 from loongtrain.hf.expert_files import fuse_shapes, fuse_tensors
 from loongtrain.hf.families import check_architecture
+from loongtrain.hf.moe import moe_layout
 
 # buffers older checkpoints saved that current models recompute
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -45,6 +46,10 @@ def read_hf_config(path: str | Path) -> Any:
         check_architecture(name)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     check_architecture(getattr(model_class, "__name__", f"{type(config).__name__} (no causal LM class)"))
+    try:
+        moe_layout(config)  # experts and top-k that fit each other
+    except ValueError as exc:
+        raise ValueError(f"{str(path / 'config.json')!r}: {exc}") from None
     return config
 
 
