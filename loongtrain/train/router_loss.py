@@ -55,7 +55,15 @@ class RouterLoss:
 
 
 def build_router_loss(model: nn.Module, mesh: Mesh) -> RouterLoss | None:
-    """The :class:`RouterLoss` of a model whose MoE blocks :func:`~loongtrain.hf.moe.bind_moe` bound, else None."""
+    """The :class:`RouterLoss` of a model with experts, else None: an HF model whose MoE blocks
+    :func:`~loongtrain.hf.moe.bind_moe` bound (its config.json's coefficient), or loongtrain's decoder with
+    ``moe_layers`` (a shape for planning: its ``aux_loss`` is reported, not trained on)."""
     stats = router_stats(model)
-    layout = moe_layout(model.config) if stats is not None else None
-    return None if layout is None else RouterLoss(stats, layout, mesh)
+    if stats is not None:
+        layout = moe_layout(model.config)
+        return None if layout is None else RouterLoss(stats, layout, mesh)
+    native = getattr(model, "router_stats", None)
+    if isinstance(native, RouterStats):
+        c = model.config
+        return RouterLoss(native, MoELayout(c.moe_layers, c.num_experts, c.top_k, c.moe_ffn_dim, 0.0, False), mesh)
+    return None
