@@ -195,31 +195,36 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     """``y[t] = sum_j top[t, j] * out[slots[t k + j]]``: the experts' outputs (in expert order) weighted and summed
-    per token. Saves ``out``, ``top`` and the indices; backward: ``d top`` by one batched product, ``d out`` the
+    per token. Saves the outputs in (token, j) order, ``top`` and ``order``; backward: ``d top`` by one batched product, ``d out`` the
     weighted gradient put back in expert order (``order``)."""
 
     @staticmethod
     def forward(ctx: Any, out: Tensor, top: Tensor, order: Tensor, slots: Tensor) -> Tensor:
-        ctx.save_for_backward(out, top, order, slots)
         gathered = out[slots].reshape(top.shape[0], top.shape[1], -1)
+        ctx.save_for_backward(gathered, top, order)
         return torch.bmm(top.unsqueeze(1), gathered).squeeze(1)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        out, top, order, slots = ctx.saved_tensors
+        gathered, top, order = ctx.saved_tensors
         t, k = top.shape
-        gathered = out[slots].reshape(t, k, -1)
-        grad = grad.to(out.dtype)
+        grad = grad.to(gathered.dtype)
         d_top = torch.bmm(gathered, grad.unsqueeze(2)).squeeze(2)
-        d_out = (top.unsqueeze(2) * grad.unsqueeze(1)).reshape(t * k, -1)[order]
+        d_out = grad[order // k]  # each sorted row's token's gradient (one [T k, dim] tensor, scaled in place)
+        d_out.mul_(top.reshape(-1)[order].unsqueeze(1))
         return d_out, d_top, None, None
 
 
 def _looped_mlp(rows: Tensor, counts: Tensor, w: ExpertWeights, spec: MoESpec) -> Tensor:
-    """Each expert's contiguous rows through its MLP, one expert at a time (experts without rows skipped). The
-    rows are split and the weights unbound once, so that each backward assembles its gradient once (a slice or
-    an index per expert would add a zero-filled full-size gradient per expert)."""
+    """Each expert's contiguous rows through its MLP, one expert at a time (experts without rows skipped):
+    Qwen3-MoE's and Mixtral's experts by :class:`_LoopedSwiGLU`; others (biases, gpt-oss's layout and activation)
+    with autograd over each expert's ops, the rows split and the weights unbound once, so that each backward
+    assembles its gradient once (a slice or an index per expert would add a zero-filled full-size gradient)."""
     sizes = counts.tolist()
+    if spec.activation == SILU and not (spec.interleaved or spec.transposed or w.gate_up_bias is not None
+                                        or w.down_bias is not None):
+        dtype = rows.dtype  # the compute dtype (the rows were cast to it: autocast does not enter a Function)
+        return _LoopedSwiGLU.apply(rows, w.gate_up.to(dtype), w.down.to(dtype), sizes)
     parts = rows.split(sizes)
     gate_up, down = w.gate_up.unbind(0), w.down.unbind(0)
     gate_up_bias = w.gate_up_bias.unbind(0) if w.gate_up_bias is not None else [None] * len(sizes)
@@ -231,6 +236,60 @@ def _looped_mlp(rows: Tensor, counts: Tensor, w: ExpertWeights, spec: MoESpec) -
         h = _activate(_project(part, gate_up[e], gate_up_bias[e], spec), spec)
         outs.append(_project(h, down[e], down_bias[e], spec))
     return torch.cat(outs) if outs else rows.new_zeros(0, w.down.shape[2 if spec.transposed else 1])
+
+
+class _LoopedSwiGLU(torch.autograd.Function):
+    """Expert ``e``'s ``down[e] @ swiglu(gate_up[e] @ row)`` for its contiguous block of ``rows [N, dim]`` (``sizes``
+    rows each). Every matmul writes into one preallocated tensor (the outputs, the rows' and the weights'
+    gradients), so that nothing is concatenated or stacked; saves the rows, the gate/up outputs and the activation
+    (``dim + 3 ffn`` per row; SiLU is recomputed in the backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, gate_up: Tensor, down: Tensor, sizes: list[int]) -> Tensor:
+        n, f = rows.shape[0], down.shape[2]
+        h, act, out = rows.new_empty(n, 2 * f), rows.new_empty(n, f), rows.new_empty(n, down.shape[1])
+        for e, part in _blocks(sizes):
+            torch.mm(rows[part], gate_up[e].t(), out=h[part])
+            gate, up = h[part].chunk(2, dim=-1)
+            torch.mul(F.silu(gate), up, out=act[part])
+            torch.mm(act[part], down[e].t(), out=out[part])
+        ctx.save_for_backward(rows, gate_up, down, h, act)
+        ctx.sizes = sizes
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        rows, gate_up, down, h, act = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_rows = torch.empty_like(rows)  # every row is written below
+        d_gate_up, d_down = torch.empty_like(gate_up), torch.empty_like(down)
+        for e, n in enumerate(ctx.sizes):
+            if n == 0:  # an expert without rows: no gradient
+                d_gate_up[e].zero_()
+                d_down[e].zero_()
+        for e, part in _blocks(ctx.sizes):
+            g = grad[part]
+            torch.mm(g.t(), act[part], out=d_down[e])
+            d_act = g @ down[e]
+            gate, up = h[part].chunk(2, dim=-1)
+            sig = torch.sigmoid(gate)
+            dh = torch.empty_like(h[part])
+            d_g, d_u = dh.chunk(2, dim=-1)
+            torch.mul(d_act * up, sig * (1 + gate * (1 - sig)), out=d_g)
+            torch.mul(d_act, gate * sig, out=d_u)
+            torch.mm(dh.t(), rows[part], out=d_gate_up[e])
+            torch.mm(dh, gate_up[e], out=d_rows[part])
+        return d_rows, d_gate_up, d_down, None
+
+
+def _blocks(sizes: list[int]) -> list[tuple[int, slice]]:
+    """``(expert, its rows)`` of the experts with rows, in order."""
+    out, start = [], 0
+    for e, n in enumerate(sizes):
+        if n:
+            out.append((e, slice(start, start + n)))
+        start += n
+    return out
 
 
 def _grouped_mlp(rows: Tensor, counts: Tensor, sorted_experts: Tensor, w: ExpertWeights, spec: MoESpec) -> Tensor:

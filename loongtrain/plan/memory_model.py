@@ -191,6 +191,16 @@ def mlp_part_bytes(model: ModelConfig, dtype_bytes: int, sharded: bool, tiles: i
             + lora_layer_bytes(model, lora, b, sharded, tiles)[1])
 
 
+def dispatch_backward_bytes(model: ModelConfig, dtype_bytes: int) -> float:
+    """Bytes per token (averaged over the layers) an MoE layer's backward holds beyond a dense MLP's: the gradient
+    of its ``k`` expert outputs in expert order and, as the rows' gradient is summed back per token, the ``k``
+    rows' gradient with its copy in token order (``2 k d b``; loongtrain/model/moe.py's ``_Combine`` and
+    ``_Dispatch``). 0 for a dense model."""
+    if not model.moe_layers:
+        return 0.0
+    return 2 * model.top_k * model.dim * dtype_bytes * len(model.moe_layers) / model.num_layers
+
+
 def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,
                   full_layer: float, tiles: int, lora: LoraConfig | None = None) -> dict[str, float]:
     """Bytes live in one block's backward beyond what the step keeps (the blocks' kept sets, module
@@ -217,6 +227,7 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
                  + backward_workspace_bytes(t, model.num_heads, he, model.head_dim, b, layout.cp))
     swiglu_grads = 3 * f * b / tiles if tiles > 1 else 2 * f * b
     swiglu_grads += product_bytes(model, lora, b, tiles)  # --lora: as high without the product kept
+    swiglu_grads += dispatch_backward_bytes(model, b)
     return {"mlp": full_layer + t * (2 * d * r + swiglu_grads), "attention": attention}
 
 
