@@ -195,8 +195,8 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     """``y[t] = sum_j top[t, j] * out[slots[t k + j]]``: the experts' outputs (in expert order) weighted and summed
-    per token. Saves the outputs in (token, j) order, ``top`` and ``order``; backward: ``d top`` by one batched product, ``d out`` the
-    weighted gradient put back in expert order (``order``)."""
+    per token. Saves the outputs in (token, j) order, ``top`` and ``order``; backward: ``d top`` by one batched
+    product, ``d out`` each sorted row's token's gradient times its weight (one ``[T k, dim]`` tensor)."""
 
     @staticmethod
     def forward(ctx: Any, out: Tensor, top: Tensor, order: Tensor, slots: Tensor) -> Tensor:
