@@ -107,17 +107,20 @@ def _no_workers(monkeypatch) -> None:
     ({"num_experts_per_tok": 0}, r"num_experts_per_tok=0 must be between 1 and the number of experts \(8\)"),
     ({"num_local_experts": 4}, r"weight 'model\.layers\.0\.mlp\.\S+' has shape \(8, .*\) but config\.json needs "
                                r"\(4, "),
-], ids=["top-k-over-experts", "top-k-zero", "experts-not-the-weights"])
+    ({"mlp_tiles": "2"}, r"--mlp-tiles 2: .* has experts, whose MLPs run untiled; use --mlp-tiles 1"),
+], ids=["top-k-over-experts", "top-k-zero", "experts-not-the-weights", "mlp-tiles"])
 def test_experts_or_top_k_that_do_not_fit_exit_2_before_any_worker(change, message, moe_dir, tmp_path, monkeypatch,
                                                                      capsys):
     _no_workers(monkeypatch)
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "model.safetensors").symlink_to(moe_dir / "model.safetensors")
+    change = dict(change)
+    tiles = change.pop("mlp_tiles", None)
     values = {**json.loads((moe_dir / "config.json").read_text()), **change}
     (bad / "config.json").write_text(json.dumps(values))
     argv = ["train", *BASE, "--nproc", "4", "--hp", "2", "--cp", "2", "--model", str(bad), "--out-dir",
-            str(tmp_path / "run")]
+            str(tmp_path / "run"), *(["--mlp-tiles", tiles] if tiles else [])]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
