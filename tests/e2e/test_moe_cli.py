@@ -1,6 +1,6 @@
 """``loongtrain train --model MOE_DIR`` from the command line (docs/moe-and-gpt-oss.md#mixture-of-experts): a tiny
 Qwen3-MoE directory (per-expert weight files, as ``save_pretrained`` writes them) trains with the same losses and
-``aux_loss`` at world 1 and at world 4 (hp2 x cp2, ZeRO full; fp32, rel 1e-5) for three steps; resuming continues
+``aux_loss`` at world 1 and at world 4 (hp2 x cp2, ZeRO full; fp32, rel 1e-5) for three steps, and with recompute; resuming continues
 the run bit for bit; the export loads in transformers; experts or a top-k that do not fit exit 2 before any worker."""
 
 from __future__ import annotations
@@ -51,6 +51,16 @@ def test_world_1_and_world_4_give_the_same_losses_and_aux_loss(runs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
         assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-5), (a, b)
     assert one[0]["loss"] != one[-1]["loss"] and one[0]["aux_loss"] != one[-1]["aux_loss"]  # it trains
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_gives_the_same_losses(recompute, runs, moe_dir, tmp_path):
+    # the recomputing backward records no router statistics (they were the forward's) and saves what it did
+    rows = _train(moe_dir, tmp_path / "run", "--nproc", "1", "--hp", "1", "--cp", "1", "--recompute", recompute)
+    for a, b in zip(_rows(runs["w1"]), rows, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["aux_loss"] == pytest.approx(a["aux_loss"],
+                                                                                                     rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
 def test_resume_continues_bit_for_bit(runs, moe_dir, tmp_path):
