@@ -1,7 +1,8 @@
 """``loongtrain train --model MOE_DIR`` from the command line (docs/moe-and-gpt-oss.md#mixture-of-experts): a tiny
 Qwen3-MoE directory (per-expert weight files, as ``save_pretrained`` writes them) trains with the same losses and
-``aux_loss`` at world 1 and at world 4 (hp2 x cp2, ZeRO full; fp32, rel 1e-5) for three steps, and with recompute; resuming continues
-the run bit for bit; the export loads in transformers; experts or a top-k that do not fit exit 2 before any worker."""
+``aux_loss`` at world 1 and at world 4 (hp2 x cp2, ZeRO full; fp32, rel 1e-5) for three steps, and with recompute;
+resuming continues the run bit for bit; the export loads in transformers; experts or a top-k that do not fit exit 2
+before any worker; ``plan --max-seq-len`` of Qwen3-30B-A3B agrees with the simulation within 5%."""
 
 from __future__ import annotations
 
