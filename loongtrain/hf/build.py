@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from loongtrain.hf.expert_files import expert_plan, fuse
 from loongtrain.hf.families import check_architecture
 from loongtrain.hf.load import check_hf_dir, hf_config_from_dict, load_hf_model
+from loongtrain.hf.moe import router_stats
 
 Tensor = torch.Tensor
 
@@ -62,11 +64,19 @@ def hf_initial_weights(directory: str | Path) -> Callable[[str, torch.Size], Ten
     for file in hf_weight_files(directory):
         with safe_open(str(file), framework="pt") as handle:
             where.update(dict.fromkeys(handle.keys(), file))
+    plan = expert_plan(where)  # MoE checkpoints: per-expert tensors, fused on reading
 
-    def initial(name: str, shape: torch.Size) -> Tensor:
+    def read(name: str) -> Tensor:
         assert name in where, f"{name} is in no weight file (check_hf_dir let it through)"
         with safe_open(str(where[name]), framework="pt") as handle:
-            tensor = handle.get_tensor(name)
+            return handle.get_tensor(name)
+
+    def initial(name: str, shape: torch.Size) -> Tensor:
+        if name in plan:
+            how, sources = plan[name]
+            tensor = fuse(how, [[read(source) for source in group] for group in sources])
+        else:
+            tensor = read(name)
         assert tensor.shape == shape, (name, tensor.shape, shape)
         return tensor
 
@@ -94,6 +104,8 @@ def hf_hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor
                        **model_kwargs: Any) -> tuple[Tensor, Tensor]:
     """``(last_hidden_state, lm_head weight)`` of one forward of an HF causal LM, with ``logits_to_keep`` an
     empty index so that no logits are computed (the chunked loss builds them a chunk at a time)."""
+    if router_stats(model) is not None:  # bound MoE blocks: the router's statistics are loongtrain's
+        model_kwargs["output_router_logits"] = False
     captured: list[Tensor] = []
     handle = model.base_model.register_forward_hook(
         lambda _module, _args, output: captured.append(output.last_hidden_state))
