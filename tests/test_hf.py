@@ -170,7 +170,7 @@ def test_unsupported_inputs_raise():
 def test_unsupported_architecture_lists_supported():
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    assert supported_architectures() == list(FAMILIES)
+    assert set(FAMILIES) <= set(supported_architectures())
     model = LlamaForSequenceClassification(LlamaConfig(**COMMON))
     with pytest.raises(ValueError, match="LlamaForSequenceClassification.*Qwen3ForCausalLM"):
         apply_to_hf(model, loongtrain.single_process_mesh())

@@ -14,6 +14,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "GptOssForCausalLM",
 )
 
 

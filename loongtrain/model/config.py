@@ -28,6 +28,13 @@ class ModelConfig:
     #: RoPE scaling (linear, yarn, llama3; None: plain RoPE with ``rope_theta``); a dict of HF's keys
     #: (a checkpoint's record) is read as one
     rope_scaling: RopeScaling | None = None
+    #: each layer's attention, HF's ``layer_types``: ``"sliding_attention"`` (``sliding_window``) or
+    #: ``"full_attention"`` (never windowed); None: every layer uses ``sliding_window`` (if any)
+    layer_types: tuple[str, ...] | None = None
+    #: gpt-oss's attention sinks: a learned logit per query head in the softmax denominator
+    attention_sinks: bool = False
+    #: biases on the q, k, v and output projections (gpt-oss)
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -45,6 +52,7 @@ class ModelConfig:
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"sliding_window={window!r} must be None (no window) or a positive integer")
+        self._check_layer_types()
         if self.head_dim == 0:
             if self.dim % self.num_heads != 0:
                 raise ValueError(f"dim={self.dim} must be divisible by num_heads={self.num_heads} "
@@ -62,6 +70,40 @@ class ModelConfig:
             raise ValueError(f"rope_theta={self.rope_theta!r} must exceed 1 for yarn scaling")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps={self.norm_eps!r} must be positive")
+
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, str) or not isinstance(self.layer_types, (list, tuple)):
+            raise ValueError(f"layer_types={self.layer_types!r} must be a list of {list(LAYER_TYPES)}, one per layer")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_layers={self.num_layers}")
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}]={kind!r} is not one of {list(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            i = self.layer_types.index("sliding_attention")
+            raise ValueError(f"layer_types[{i}]='sliding_attention' needs a sliding_window (a sliding layer is never "
+                             f"full)")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``: None for a ``full_attention`` layer, else ``sliding_window``."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window every layer uses; None when some layer is full (plans count such a model as full: an
+        upper bound)."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else None
+
+
+#: the kinds of attention layer a :class:`ModelConfig`'s ``layer_types`` names (HF's names)
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -100,6 +142,10 @@ def num_params(config: ModelConfig, *, include_embeddings: bool = True) -> int:
     """Exact number of parameters of :class:`loongtrain.model.llama.Transformer` for ``config``."""
     d, hd = config.dim, config.head_dim
     attn = d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
+    if config.attention_bias:
+        attn += (config.num_heads + 2 * config.num_kv_heads) * hd + d
+    if config.attention_sinks:
+        attn += config.num_heads
     mlp = 3 * d * config.ffn_dim
     per_layer = attn + mlp + 2 * d  # two RMSNorm weights
     total = config.num_layers * per_layer + d  # final norm
@@ -128,7 +174,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be positive")
-    w = min(config.sliding_window or seq_len, seq_len)
+    w = min(config.uniform_window or seq_len, seq_len)
     attended = w * (1 - w / (2 * seq_len))  # mean keys per query (S / 2 without a window)
     attn = 3 * 4 * attended * config.num_heads * config.head_dim * config.num_layers
     return float(6 * matmul_params(config) + attn)

@@ -1,0 +1,146 @@
+"""gpt-oss-style models (attention sinks, per-layer windows from ``layer_types``): per-rank bodies comparing
+``apply_2d_attention(model, mesh)`` with the unsharded model in fp64, logits and every parameter's gradient."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import loongtrain
+
+Tensor = torch.Tensor
+
+
+def native_config(window: int = 5) -> Any:
+    from loongtrain.model.config import ModelConfig
+
+    return ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=4, num_kv_heads=2, ffn_dim=48,
+                       sliding_window=window, attention_sinks=True, attention_bias=True,
+                       layer_types=("sliding_attention", "full_attention", "sliding_attention", "full_attention"))
+
+
+def native_model(seed: int = 3) -> nn.Module:
+    from loongtrain.model.llama import Transformer
+
+    model = Transformer(native_config(), seed=seed).double()
+    with torch.no_grad():  # sinks large enough to matter
+        for layer in model.layers:
+            layer.attention.sinks.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+def documents(seq: int) -> list[Tensor]:
+    """Two rows of packed documents of the full sequence (fixed)."""
+    return [torch.tensor([0, seq // 3, seq // 2 + 1, seq]), torch.tensor([0, 5, seq])]
+
+
+def positions(seq: int, docs: list[Tensor] | None) -> Tensor:
+    """Per-row position ids: restarting at each document, or ``arange`` without documents."""
+    if docs is None:
+        return torch.arange(seq).expand(2, seq)
+    rows = []
+    for cu in docs:
+        rows.append(torch.cat([torch.arange(int(e - s)) for s, e in zip(cu[:-1], cu[1:])]))
+    return torch.stack(rows)
+
+
+def compare_sharded(model: nn.Module, forward, mesh, seq: int, with_documents: bool, tol: float,
+                    sharded_forward=None) -> list[float]:
+    """``forward(model, input_ids, position_ids, cu_seqlens) -> logits``: the unsharded model's logits and
+    gradients (of ``<logits, w>``) vs ``apply_2d_attention`` on a copy fed this rank's shards
+    (``sharded_forward``, default ``forward``); the sharded gradients are summed over the sequence ranks.
+    Returns [logits error, max gradient error]."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=g)
+    docs = documents(seq) if with_documents else None
+    pos = positions(seq, docs)
+    sharded_model = loongtrain.apply_2d_attention(copy.deepcopy(model), mesh)
+    logits = forward(model, ids, pos, docs)
+    weight = torch.randn(logits.shape, generator=g, dtype=logits.dtype)
+    want = dict(zip((n for n, _ in model.named_parameters()),
+                    torch.autograd.grad((logits * weight).sum(), list(model.parameters()))))
+    local = (sharded_forward or forward)(sharded_model, loongtrain.shard_sequence(ids, mesh, 1),
+                                         loongtrain.shard_sequence(pos, mesh, 1), docs)
+    local_weight = loongtrain.shard_sequence(weight, mesh, 1)
+    params = [p for p in sharded_model.parameters()]
+    grads = torch.autograd.grad((local * local_weight).sum(), params, allow_unused=True)
+    errors = [(local - loongtrain.shard_sequence(logits, mesh, 1)).abs().max().item()]
+    worst = 0.0
+    for (name, _), grad in zip(sharded_model.named_parameters(), grads):
+        grad = torch.zeros_like(want[name]) if grad is None else grad.clone()
+        if mesh.sp_group is not None:
+            dist.all_reduce(grad, group=mesh.sp_group)
+        worst = max(worst, (grad - want[name]).abs().max().item())
+        assert want[name].abs().max() > 0 or "bias" in name, name  # every weight takes part
+    errors.append(worst)
+    assert max(errors) < tol, errors
+    return errors
+
+
+def native_forward(model: nn.Module, ids: Tensor, pos: Tensor, docs: list[Tensor] | None) -> Tensor:
+    return model(ids, pos, cu_seqlens=docs)
+
+
+def check_native(rank: int, world_size: int, configs: list[dict], tol: float) -> list[list[float]]:
+    """loongtrain's decoder with sinks, attention biases and alternating sliding/full layers: sharded == whole."""
+    results = []
+    for cfg in configs:
+        mesh = loongtrain.init_mesh(**cfg)
+        for with_documents in (False, True):
+            results.append(compare_sharded(native_model(), native_forward, mesh, 16 * mesh.sp // mesh.hp * mesh.hp,
+                                           with_documents, tol))
+    return results
+
+
+def hf_gpt_oss(seed: int = 3, window: int = 5) -> nn.Module:
+    """A tiny random ``GptOssForCausalLM`` in fp64 with HF's eager attention and eager experts: 4 layers
+    alternating sliding/full (HF's default ``layer_types``), GQA, YaRN RoPE, attention biases, sinks ~ N(0, 1)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
+        max_position_embeddings=256, attn_implementation="eager", experts_implementation="eager",
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64, "rope_theta": 150000.0})
+    config.architectures = ["GptOssForCausalLM"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).double()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    getattr(layer.self_attn, name).bias.normal_(0.0, 0.1)
+    return model
+
+
+def hf_reference_forward(model: nn.Module, ids: Tensor, pos: Tensor, docs: list[Tensor] | None) -> Tensor:
+    """HF's own unsharded eager model; packed documents each run alone (what document masking means)."""
+    if docs is None:
+        return model(input_ids=ids, position_ids=pos).logits
+    rows = []
+    for b, cu in enumerate(docs):
+        rows.append(torch.cat([model(input_ids=ids[b:b + 1, s:e], position_ids=pos[b:b + 1, s:e]).logits
+                               for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1))
+    return torch.cat(rows)
+
+
+def hf_sharded_forward(model: nn.Module, ids: Tensor, pos: Tensor, docs: list[Tensor] | None) -> Tensor:
+    extra = {"cu_seqlens": docs} if docs is not None else {}
+    return model(input_ids=ids, position_ids=pos, **extra).logits
+
+
+def check_hf(rank: int, world_size: int, configs: list[dict], tol: float) -> list[list[float]]:
+    """HF's tiny gpt-oss through apply_2d_attention == HF's own unsharded eager model (logits, all gradients)."""
+    results = []
+    for cfg in configs:
+        mesh = loongtrain.init_mesh(**cfg)
+        for with_documents in (False, True):
+            results.append(compare_sharded(hf_gpt_oss(), hf_reference_forward, mesh, 32, with_documents, tol,
+                                           sharded_forward=hf_sharded_forward))
+    return results
