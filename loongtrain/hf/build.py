@@ -21,6 +21,7 @@ from torch import nn
 
 from loongtrain.hf.families import check_architecture
 from loongtrain.hf.load import check_hf_dir, hf_config_from_dict, load_hf_model
+from loongtrain.hf.moe import router_stats
 
 Tensor = torch.Tensor
 
@@ -94,6 +95,8 @@ def hf_hidden_and_head(model: nn.Module, input_ids: Tensor, position_ids: Tensor
                        **model_kwargs: Any) -> tuple[Tensor, Tensor]:
     """``(last_hidden_state, lm_head weight)`` of one forward of an HF causal LM, with ``logits_to_keep`` an
     empty index so that no logits are computed (the chunked loss builds them a chunk at a time)."""
+    if router_stats(model) is not None:  # bound MoE blocks: the router's statistics are loongtrain's
+        model_kwargs["output_router_logits"] = False
     captured: list[Tensor] = []
     handle = model.base_model.register_forward_hook(
         lambda _module, _args, output: captured.append(output.last_hidden_state))

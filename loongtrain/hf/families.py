@@ -1,7 +1,8 @@
 """The Hugging Face causal-LM architectures that loongtrain's 2D-Attention supports (no transformers import).
 
 An architecture is supported when every layer other than attention is token-wise (RMSNorm, RoPE on
-the given position ids, gated MLP, optional q/k norms and qkv bias), so that running it on zigzag
+the given position ids, gated MLP or a mixture of gated-MLP experts (loongtrain/hf/moe.py), optional q/k
+norms and qkv bias), so that running it on zigzag
 shards with global ``position_ids`` and 2D-Attention as its core is exact (docs/memory.md).
 """
 
@@ -12,8 +13,10 @@ from torch import nn
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
 )
 

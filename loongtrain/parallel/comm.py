@@ -114,3 +114,28 @@ def post_exchange(
         dist.P2POp(dist.irecv, received, src, group),
     ]
     return Exchange(dist.batch_isend_irecv(ops), received)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: the sum of ``x`` over ``group`` (the same tensor on every rank). Backward: the incoming gradient
+    unchanged (no communication), for a sum that every rank uses alike in a loss whose parameter gradients are
+    then summed over ``group``: each rank's own part receives ``d loss / d sum`` exactly once."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        return grad, None
+
+
+def sum_over_ranks(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Forward: all-reduce (sum) of ``x`` over ``group`` (``x`` itself when ``group`` is None or of one rank);
+    backward: identity (:class:`_SumOverRanks`'s contract: the loss built from the sum is replicated and its
+    gradients are summed over ``group``)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _SumOverRanks.apply(x, group)
