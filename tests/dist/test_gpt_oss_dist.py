@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.helpers.gpt_oss import check_hf, check_native
+from tests.helpers.gpt_oss import check_hf, check_hf_moe, check_native
 
 pytestmark = pytest.mark.distributed
 
@@ -24,3 +24,7 @@ def test_native_sinks_and_layer_types_exact():
 def test_hf_gpt_oss_exact():
     results = run_distributed(check_hf, 4, CONFIGS, 1e-10)
     assert all(len(r) == 2 * len(CONFIGS) for r in results)
+
+
+def test_hf_gpt_oss_with_loongtrain_moe_and_router_loss_exact():
+    assert run_distributed(check_hf_moe, 4, CONFIGS, 1e-10) == [2 * len(CONFIGS)] * 4

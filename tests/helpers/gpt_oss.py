@@ -96,7 +96,7 @@ def check_native(rank: int, world_size: int, configs: list[dict], tol: float) ->
     return results
 
 
-def hf_gpt_oss(seed: int = 3, window: int = 5) -> nn.Module:
+def hf_gpt_oss(seed: int = 3, window: int = 5, router_aux_loss_coef: float = 0.001) -> nn.Module:
     """A tiny random ``GptOssForCausalLM`` in fp64 with HF's eager attention and eager experts: 4 layers
     alternating sliding/full (HF's default ``layer_types``), GQA, YaRN RoPE, attention biases, sinks ~ N(0, 1)."""
     from transformers import AutoModelForCausalLM, GptOssConfig
@@ -105,6 +105,7 @@ def hf_gpt_oss(seed: int = 3, window: int = 5) -> nn.Module:
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
         max_position_embeddings=256, attn_implementation="eager", experts_implementation="eager",
+        router_aux_loss_coef=router_aux_loss_coef,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "original_max_position_embeddings": 64, "rope_theta": 150000.0})
     config.architectures = ["GptOssForCausalLM"]
@@ -144,3 +145,73 @@ def check_hf(rank: int, world_size: int, configs: list[dict], tol: float) -> lis
             results.append(compare_sharded(hf_gpt_oss(), hf_reference_forward, mesh, 32, with_documents, tol,
                                            sharded_forward=hf_sharded_forward))
     return results
+
+
+def _hf_total_loss_reference(model: nn.Module, ids: Tensor, labels: Tensor, docs: list[Tensor] | None):
+    """HF's unsharded eager gpt-oss, each document alone (one per row without documents): logits, cross-entropy +
+    coef x router loss (HF's formula in fp64: HF sums the router statistics in fp32), and its gradients."""
+    import torch.nn.functional as F
+
+    from tests.helpers.moe import reference_aux_loss
+
+    config = model.config
+    seq = ids.shape[1]
+    outs = []
+    for b, cu in enumerate(docs or [torch.tensor([0, seq])] * ids.shape[0]):
+        for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            outs.append((b, model(input_ids=ids[b:b + 1, s:e], position_ids=torch.arange(e - s)[None],
+                                  output_router_logits=True)))
+    logits = torch.cat([torch.cat([o.logits for r, o in outs if r == b], dim=1) for b in range(ids.shape[0])])
+    router = tuple(torch.cat([o.router_logits[i] for _, o in outs]) for i in range(config.num_hidden_layers))
+    aux = reference_aux_loss(router, config.num_local_experts, config.num_experts_per_tok)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    total = total + config.router_aux_loss_coef * aux
+    total.backward()
+    return logits.detach(), total.detach()
+
+
+def check_hf_moe(rank: int, world_size: int, configs: list[dict], tol: float) -> int:
+    """HF's tiny gpt-oss with its experts run by loongtrain's MoE (``bind_moe``) and the router loss over the whole
+    sequence, through apply_2d_attention: logits, total loss (cross-entropy + coef x aux; HF's ``out.loss``
+    without documents) and every parameter's gradient (summed over the sequence ranks) equal HF's unsharded eager."""
+    from loongtrain.hf.moe import bind_moe
+    from loongtrain.loss.router import load_balancing_loss
+    from loongtrain.loss.sharded import sharded_cross_entropy
+
+    checked, seq = 0, 32
+    ids = torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(9))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    for with_documents in (False, True):
+        docs = documents(seq) if with_documents else None
+        if docs is not None:  # HF's labels do not cross documents: neither do these
+            for b, cu in enumerate(docs):
+                labels[b, cu[1:] - 1] = -100
+        ref = hf_gpt_oss(router_aux_loss_coef=0.5)  # large enough to matter
+        ref_logits, ref_total = _hf_total_loss_reference(ref, ids, labels, docs)
+        if docs is None:  # HF's own out.loss (its router sums in fp32): the same total
+            hf_loss = hf_gpt_oss(router_aux_loss_coef=0.5)(input_ids=ids, labels=ids, output_router_logits=True).loss
+            assert abs(hf_loss.item() - ref_total.item()) < 1e-6, (hf_loss.item(), ref_total.item())
+        for cfg in configs:
+            mesh = loongtrain.init_mesh(**cfg)
+            model = hf_gpt_oss(router_aux_loss_coef=0.5)
+            stats = bind_moe(model)
+            model = loongtrain.apply_2d_attention(model, mesh)
+            local = {"cu_seqlens": docs} if docs is not None else {}
+            stats.open()
+            logits = model(input_ids=loongtrain.shard_sequence(ids, mesh, 1), output_router_logits=False,
+                           position_ids=loongtrain.shard_sequence(positions(seq, docs), mesh, 1), **local).logits
+            stats.close()
+            aux = load_balancing_loss(stats, model.config.num_local_experts, mesh)
+            ce, ce_value = sharded_cross_entropy(logits, loongtrain.shard_sequence(labels, mesh, 1), mesh)
+            coef = model.config.router_aux_loss_coef
+            (ce + coef * aux).backward()
+            errors = [(logits - loongtrain.shard_sequence(ref_logits, mesh, 1)).abs().max().item(),
+                      abs((ce_value + coef * aux.detach()).item() - ref_total.item())]
+            ref_params = dict(ref.named_parameters())
+            for name, param in model.named_parameters():
+                grad = param.grad.clone()
+                dist.all_reduce(grad, group=mesh.sp_group)
+                errors.append((grad - ref_params[name].grad).abs().max().item())
+            assert max(errors) < tol, (cfg, with_documents, errors)
+            checked += 1
+    return checked
