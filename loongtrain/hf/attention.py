@@ -154,13 +154,14 @@ def apply_to_hf(model: nn.Module, mesh: Mesh) -> nn.Module:
     Registers the ``"loongtrain"`` attention implementation, selects it on ``model`` (and its
     config), turns the KV cache off (training) and sets each layer's ``attention_fn`` to
     ``MeshAttention(mesh)``. Returns ``model`` (changed in place); applying again rebinds.
-    Raises ValueError for a non-HF model, an unsupported architecture or a non-Mesh ``mesh``.
+    Raises ValueError for a non-HF model, one whose layers do not match (naming what differs) or a non-Mesh
+    ``mesh``.
     """
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a loongtrain Mesh (init_mesh / single_process_mesh); got {mesh!r}")
     if not is_hf_model(model):
         raise ValueError(f"expected a transformers PreTrainedModel; got {type(model).__name__}")
-    check_architecture(type(model).__name__)
+    check_architecture(type(model).__name__, model)  # by structure (docs/hf-models.md#families)
     register_attention()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION

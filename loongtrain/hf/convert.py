@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from loongtrain.hf.families import check_architecture, is_hf_model, supported_architectures
+from loongtrain.hf.load import check_config_architectures
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.rope_scaling import DEFAULT, RopeScaling, rope_scaling_from_mapping
 
@@ -151,8 +152,7 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
     window on only some layers is planned as full attention: an upper bound). qkv biases and q/k
     norms are ignored (negligible for cost); :func:`model_config_from_hf` is the exact mapping.
     """
-    for name in getattr(hf_config, "architectures", None) or []:
-        check_architecture(name)
+    check_config_architectures(hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     window = getattr(hf_config, "sliding_window", None) or None  # HF: None (or 0) for none
     layer_types = getattr(hf_config, "layer_types", None)
@@ -245,7 +245,10 @@ def export_hf(
         raise ValueError(
             f"the HF config has no architectures entry; set it to one of {supported_architectures()}"
         )
-    check_architecture(architectures[0])
+    if is_hf_model(model_or_state_dict):
+        check_architecture(architectures[0], model_or_state_dict)
+    else:
+        check_config_architectures(hf_config)
     if getattr(hf_config, "tie_word_embeddings", False):
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_utils import run_distributed
-from tests.helpers.gpt_oss import check_hf, check_hf_moe, check_native
+from tests.helpers.gpt_oss import check_hf, check_hf_moe, check_native, check_untested_family
 
 pytestmark = pytest.mark.distributed
 
@@ -28,3 +28,9 @@ def test_hf_gpt_oss_exact():
 
 def test_hf_gpt_oss_with_loongtrain_moe_and_router_loss_exact():
     assert run_distributed(check_hf_moe, 4, CONFIGS, 1e-10) == [2 * len(CONFIGS)] * 4
+
+
+@pytest.mark.parametrize("name", ["Olmo2ForCausalLM"])
+def test_family_accepted_by_structure_exact(name):
+    # not in the tested list: accepted because its layers match (docs/hf-models.md#families), and exact
+    assert run_distributed(check_untested_family, 4, name, CONFIGS[:2], 1e-10) == [4] * 4
