@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loongtrain.hf.expert_files import expert_plan, fuse
 from loongtrain.hf.families import check_architecture
 from loongtrain.hf.load import check_hf_dir, hf_config_from_dict, load_hf_model
 from loongtrain.hf.moe import router_stats
@@ -63,11 +64,19 @@ def hf_initial_weights(directory: str | Path) -> Callable[[str, torch.Size], Ten
     for file in hf_weight_files(directory):
         with safe_open(str(file), framework="pt") as handle:
             where.update(dict.fromkeys(handle.keys(), file))
+    plan = expert_plan(where)  # MoE checkpoints: per-expert tensors, fused on reading
 
-    def initial(name: str, shape: torch.Size) -> Tensor:
+    def read(name: str) -> Tensor:
         assert name in where, f"{name} is in no weight file (check_hf_dir let it through)"
         with safe_open(str(where[name]), framework="pt") as handle:
-            tensor = handle.get_tensor(name)
+            return handle.get_tensor(name)
+
+    def initial(name: str, shape: torch.Size) -> Tensor:
+        if name in plan:
+            how, sources = plan[name]
+            tensor = fuse(how, [[read(source) for source in group] for group in sources])
+        else:
+            tensor = read(name)
         assert tensor.shape == shape, (name, tensor.shape, shape)
         return tensor
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from loongtrain.hf.families import check_architecture, is_hf_model, supported_architectures
 from loongtrain.hf.load import check_config_architectures
+from loongtrain.hf.moe import moe_layout
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.rope_scaling import DEFAULT, RopeScaling, rope_scaling_from_mapping
 
@@ -148,7 +149,8 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
     """The :class:`ModelConfig` with the shape of any supported HF causal LM, for planning and FLOPs.
 
     Layers, hidden size, heads, KV heads, head_dim (which may differ from hidden/heads), FFN width,
-    vocabulary, tied head, RoPE theta, norm eps, and the sliding window when every layer uses it (a
+    vocabulary, tied head, RoPE theta, norm eps, the experts (:func:`loongtrain.hf.moe.moe_layout`: which layers,
+    how many, top-k, their width), and the sliding window when every layer uses it (a
     window on only some layers is planned as full attention: an upper bound). qkv biases and q/k
     norms are ignored (negligible for cost); :func:`model_config_from_hf` is the exact mapping.
     """
@@ -158,6 +160,9 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
         window = None
+    moe = moe_layout(hf_config)
+    experts = {} if moe is None else dict(num_experts=moe.num_experts, top_k=moe.top_k, moe_ffn_dim=moe.ffn_dim,
+                                          moe_layers=moe.layers)
     return ModelConfig(
         vocab_size=hf_config.vocab_size,
         dim=hf_config.hidden_size,
@@ -170,6 +175,7 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         head_dim=int(head_dim),
         sliding_window=None if window is None else int(window),
+        **experts,
     )
 
 

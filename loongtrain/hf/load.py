@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from loongtrain.hf.expert_files import fuse_shapes, fuse_tensors
 from loongtrain.hf.families import SUPPORTED_ARCHITECTURES, check_architecture
+from loongtrain.hf.moe import moe_layout
 
 # buffers older checkpoints saved that current models recompute
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -52,6 +54,10 @@ def read_hf_config(path: str | Path) -> Any:
         model = build_on_meta(config, path / "config.json")
         for name in sorted(names):
             check_architecture(name, model)
+    try:
+        moe_layout(config)  # experts and top-k that fit each other
+    except ValueError as exc:
+        raise ValueError(f"{str(path / 'config.json')!r}: {exc}") from None
     if sizes_error is not None:
         raise sizes_error
     return config
@@ -144,7 +150,7 @@ def check_hf_dir(path: str | Path) -> Any:
     check_architecture(type(model).__name__, model)  # by structure, the tested families too
     files = sorted(Path(path).glob("*.safetensors"))
     if files:
-        _check_weights(model, _read_shapes(files))
+        _check_weights(model, fuse_shapes(_read_shapes(files)))
     return config
 
 
@@ -171,7 +177,7 @@ def load_hf_model(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     files = sorted(Path(path).glob("*.safetensors"))
     if files:
-        state = _read_safetensors(files)
+        state = fuse_tensors(_read_safetensors(files))  # per-expert tensors of MoE checkpoints fused
         _check_weights(model, state)
         model.load_state_dict(state, strict=False)  # names verified; tied heads stay tied
     return model.to(device=device, dtype=dtype)

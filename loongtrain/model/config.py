@@ -28,6 +28,14 @@ class ModelConfig:
     #: RoPE scaling (linear, yarn, llama3; None: plain RoPE with ``rope_theta``); a dict of HF's keys
     #: (a checkpoint's record) is read as one
     rope_scaling: RopeScaling | None = None
+    #: mixture of experts (docs/moe-and-gpt-oss.md#mixture-of-experts): experts per MoE layer (0: a dense model)
+    num_experts: int = 0
+    #: experts each token runs through
+    top_k: int = 0
+    #: one expert's FFN width
+    moe_ffn_dim: int = 0
+    #: the layers whose MLP is the experts (the others: the dense ``ffn_dim`` MLP)
+    moe_layers: tuple[int, ...] = ()
     #: each layer's attention, HF's ``layer_types``: ``"sliding_attention"`` (``sliding_window``) or
     #: ``"full_attention"`` (never windowed); None: every layer uses ``sliding_window`` (if any)
     layer_types: tuple[str, ...] | None = None
@@ -70,6 +78,21 @@ class ModelConfig:
             raise ValueError(f"rope_theta={self.rope_theta!r} must exceed 1 for yarn scaling")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps={self.norm_eps!r} must be positive")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))  # a checkpoint's record holds a list
+        if not self.num_experts and not self.moe_layers:
+            return
+        for name in ("num_experts", "top_k", "moe_ffn_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer in a model with experts")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be at most num_experts={self.num_experts}")
+        bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
+        if not self.moe_layers or bad or len(set(self.moe_layers)) != len(self.moe_layers):
+            raise ValueError(f"moe_layers={list(self.moe_layers)} must name distinct layers in [0, {self.num_layers})")
 
 
     def _check_layer_types(self) -> None:
@@ -138,17 +161,33 @@ def get_preset(name: str, **overrides: object) -> ModelConfig:
     return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
 
 
-def num_params(config: ModelConfig, *, include_embeddings: bool = True) -> int:
-    """Exact number of parameters of :class:`loongtrain.model.llama.Transformer` for ``config``."""
+def mlp_params(config: ModelConfig, *, active: bool = False) -> int:
+    """Parameters of every layer's MLP: the dense ``3 d f``, an MoE layer's router ``E d`` and its experts,
+    all ``E`` of them (memory), or with ``active`` the ``top_k`` a token runs through (FLOPs)."""
+    d, moe = config.dim, len(config.moe_layers)
+    experts = config.top_k if active else config.num_experts
+    return (config.num_layers - moe) * 3 * d * config.ffn_dim + moe * (config.num_experts * d
+                                                                        + experts * 3 * d * config.moe_ffn_dim)
+
+
+def mlp_width(config: ModelConfig) -> float:
+    """The intermediate width a token's MLP computes, averaged over the layers: ``ffn_dim`` in a dense layer,
+    ``top_k * moe_ffn_dim`` in an MoE layer (the activations' and the tiles' width)."""
+    moe = len(config.moe_layers)
+    return ((config.num_layers - moe) * config.ffn_dim + moe * config.top_k * config.moe_ffn_dim) / config.num_layers
+
+
+def _attention_params(config: ModelConfig) -> int:
     d, hd = config.dim, config.head_dim
-    attn = d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
-    if config.attention_bias:
-        attn += (config.num_heads + 2 * config.num_kv_heads) * hd + d
-    if config.attention_sinks:
-        attn += config.num_heads
-    mlp = 3 * d * config.ffn_dim
-    per_layer = attn + mlp + 2 * d  # two RMSNorm weights
-    total = config.num_layers * per_layer + d  # final norm
+    weights = d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
+    biases = (config.num_heads + 2 * config.num_kv_heads) * hd + d if config.attention_bias else 0
+    return weights + biases + (config.num_heads if config.attention_sinks else 0)
+
+
+def num_params(config: ModelConfig, *, include_embeddings: bool = True) -> int:
+    """Exact number of parameters of :class:`loongtrain.model.llama.Transformer` for ``config`` (every expert)."""
+    d = config.dim
+    total = config.num_layers * (_attention_params(config) + 2 * d) + mlp_params(config) + d  # norms, final norm
     if include_embeddings:
         total += config.vocab_size * d  # token embedding
         if not config.tie_embeddings:
@@ -156,11 +195,16 @@ def num_params(config: ModelConfig, *, include_embeddings: bool = True) -> int:
     return total
 
 
+def active_params(config: ModelConfig) -> int:
+    """The parameters one token's forward uses: :func:`num_params` with only ``top_k`` experts per MoE layer."""
+    return num_params(config) - mlp_params(config) + mlp_params(config, active=True)
+
+
 def matmul_params(config: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: all linear layers plus the lm head."""
-    d, hd = config.dim, config.head_dim
-    attn = d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
-    return config.num_layers * (attn + 3 * d * config.ffn_dim) + config.vocab_size * d
+    """Parameters that take part in a matmul per token: all linear layers (of an MoE layer, its router and the
+    ``top_k`` experts a token runs through) plus the lm head."""
+    return (config.num_layers * _attention_params(config) + mlp_params(config, active=True)
+            + config.vocab_size * config.dim)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

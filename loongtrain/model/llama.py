@@ -18,6 +18,7 @@ from torch import nn
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.local_attention import AttentionFn, local_attention
+from loongtrain.model.moe import ExpertWeights, MoESpec, RouterStats, moe_forward
 from loongtrain.model.rms_norm import rms_norm
 from loongtrain.model.rope import apply_rope, rope_cos_sin
 
@@ -90,15 +91,37 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm decoder block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
+class MoEFeedForward(nn.Module):
+    """Mixture of SwiGLU experts (:func:`loongtrain.model.moe.moe_forward`): ``router [E, dim]``, ``gate_up
+    [E, 2 moe_ffn_dim, dim]`` (each expert's w1 rows, then its w3 rows), ``down [E, dim, moe_ffn_dim]``; softmax
+    routing to the top k, renormalized. ``stats``: where the router's statistics go; ``grouped``: as
+    ``moe_forward``'s (None: grouped GEMMs where the device supports them)."""
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, stats: RouterStats | None = None) -> None:
+        super().__init__()
+        e, d, f = config.num_experts, config.dim, config.moe_ffn_dim
+        self.spec = MoESpec(e, config.top_k)
+        self.router = nn.Linear(d, e, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * f, d))
+        self.down = nn.Parameter(torch.empty(e, d, f))
+        self.stats, self.grouped = stats, None
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights = ExpertWeights(self.router.weight, self.gate_up, self.down)
+        return moe_forward(x, weights, self.spec, self.stats, grouped=self.grouped)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``; with
+    ``stats``, the feed-forward is the experts (:class:`MoEFeedForward`) recording into it."""
+
+    def __init__(self, config: ModelConfig, stats: RouterStats | None = None, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config, layer)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+        self.feed_forward: nn.Module = (FeedForward(config.dim, config.ffn_dim) if stats is None
+                                        else MoEFeedForward(config, stats))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None, chunk_order: Any = None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens, chunk_order)
@@ -117,7 +140,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, i) for i in range(config.num_layers))
+        #: the router's statistics of the MoE layers (None for a dense model; loongtrain/loss/router.py)
+        self.router_stats = RouterStats() if config.moe_layers else None
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, self.router_stats if i in config.moe_layers else None, i)
+            for i in range(config.num_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         if seed is not None:

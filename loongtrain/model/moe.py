@@ -104,12 +104,19 @@ class RouterStats:
         either way, so that a recomputing backward saves the same tensors as the forward did)."""
         dtype = torch.promote_types(logits.dtype, torch.float32)
         probs = torch.softmax(logits.to(dtype), dim=-1).sum(dim=0)
-        counts = torch.bincount(experts.reshape(-1), minlength=logits.shape[-1]).to(dtype)
+        counts = expert_counts(experts, logits.shape[-1]).to(dtype)
         if not self.recording:
             return
         self.counts = counts if self.counts is None else self.counts + counts
         self.probs = probs if self.probs is None else self.probs + probs
         self.rows += logits.shape[0]
+
+
+def expert_counts(experts: Tensor, num_experts: int) -> Tensor:
+    """``[num_experts]`` int64: how many of ``experts``' entries name each expert (a shape that does not depend
+    on the values, unlike ``bincount``'s, so that fake tensors can run it)."""
+    flat = experts.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def route(logits: Tensor, spec: MoESpec) -> tuple[Tensor, Tensor]:
@@ -125,10 +132,16 @@ def route(logits: Tensor, spec: MoESpec) -> tuple[Tensor, Tensor]:
     return top.to(logits.dtype), experts
 
 
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on (as ``F.linear``'s), else ``x``'s."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 def grouped_mm_supported(x: Tensor) -> bool:
     """True where ``torch._grouped_mm`` runs the experts: CUDA devices of compute capability 9.0 or later,
-    bfloat16 rows whose width is a multiple of 8 (its 16-byte alignment)."""
-    return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    bfloat16 matmuls (:func:`compute_dtype`) on rows whose width is a multiple of 8 (its 16-byte alignment)."""
+    return (x.device.type == "cuda" and compute_dtype(x) == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % 8 == 0)
 
 
@@ -149,19 +162,23 @@ def moe_forward(x: Tensor, weights: ExpertWeights, spec: MoESpec, stats: RouterS
 def run_experts(x: Tensor, top: Tensor, experts: Tensor, weights: ExpertWeights, spec: MoESpec, *,
                 grouped: bool) -> Tensor:
     """``sum_j top[t, j] * expert[experts[t, j]](x[t])`` for ``x [T, dim]``: the ``T * k`` (token, expert)
-    pairs sorted by expert (stable), each expert's rows through its MLP, weighted and added back per token."""
+    pairs sorted by expert (stable), each expert's rows through its MLP, weighted, put back in token order and
+    summed per token."""
     k = spec.top_k
     flat_experts = experts.reshape(-1)
     order = torch.argsort(flat_experts, stable=True)
     tokens = order // k
-    rows = x[tokens]
-    counts = torch.bincount(flat_experts, minlength=spec.num_experts)
+    rows = x.to(compute_dtype(x))[tokens]  # cast once, then gathered (not k casts of the gathered rows)
+    counts = expert_counts(flat_experts, spec.num_experts)
     if grouped:
         out = _grouped_mlp(rows, counts, flat_experts[order], weights, spec)
     else:
         out = _looped_mlp(rows, counts, weights, spec)
     out = out * top.reshape(-1)[order].to(out.dtype)[:, None]
-    return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+    slots = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    # back in (token, j) order and summed over j: keeps only indices for the backward (an index_add_ would keep
+    # its whole source), the sum in x's dtype
+    return out[slots].reshape(x.shape[0], k, -1).to(x.dtype).sum(dim=1)
 
 
 def _looped_mlp(rows: Tensor, counts: Tensor, w: ExpertWeights, spec: MoESpec) -> Tensor:
@@ -178,13 +195,15 @@ def _looped_mlp(rows: Tensor, counts: Tensor, w: ExpertWeights, spec: MoESpec) -
 
 
 def _grouped_mlp(rows: Tensor, counts: Tensor, sorted_experts: Tensor, w: ExpertWeights, spec: MoESpec) -> Tensor:
-    """The same through ``torch._grouped_mm`` (one call per projection; group ``e`` is expert ``e``'s rows)."""
+    """The same through ``torch._grouped_mm`` (one call per projection; group ``e`` is expert ``e``'s rows), in
+    :func:`compute_dtype` (autocast does not cover ``_grouped_mm``: the casts it would make are made here)."""
     offsets = torch.cumsum(counts, dim=0).to(torch.int32)
+    dtype = compute_dtype(rows)
 
     def project(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        mat = weight if spec.transposed else weight.transpose(1, 2)  # [E, in, out]
-        out = torch._grouped_mm(h, mat, offs=offsets)
-        return out if bias is None else out + bias[sorted_experts]
+        mat = (weight if spec.transposed else weight.transpose(1, 2)).to(dtype)  # [E, in, out]
+        out = torch._grouped_mm(h.to(dtype), mat, offs=offsets)
+        return out if bias is None else out + bias.to(dtype)[sorted_experts]
 
     return project(_activate(project(rows, w.gate_up, w.gate_up_bias), spec), w.down, w.down_bias)
 

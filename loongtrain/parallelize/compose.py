@@ -34,6 +34,7 @@ from torch import nn
 
 from loongtrain.hf.apply import apply_2d_attention
 from loongtrain.hf.families import decoder_layers
+from loongtrain.hf.moe import bind_moe
 from loongtrain.hf.norms import use_rms_norm_function
 from loongtrain.model.lora import LoraConfig
 from loongtrain.parallel.config import ParallelConfig
@@ -76,6 +77,7 @@ def parallelize(model: nn.Module, mesh: Mesh, parallel: ParallelConfig, device: 
     blocks = decoder_layers(model)
     meta = _on_meta(model)
     model = apply_2d_attention(model if meta else model.to(device), mesh)
+    bind_moe(model)  # HF's sparse MoE blocks run loongtrain's experts and record the router's statistics
     fuse_norm_linear(model)  # the attention's input norm inside its q/k/v projections: its output is never kept
     use_rms_norm_function(model)  # HF's Llama-family norms keep only their input (before the tiles wrap them)
     if lora is not None:  # the base frozen, adapters on the targets (before the tiles and recompute wrap them)

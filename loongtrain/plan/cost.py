@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from loongtrain.model.config import ModelConfig, flops_per_token, num_params, step_flops
+from loongtrain.model.config import ModelConfig, flops_per_token, mlp_params, mlp_width, num_params, step_flops
 from loongtrain.model.lora import LoraConfig, adapter_params, adapter_shapes, lora_flops_saved
 from loongtrain.parallel.buckets import BUCKET_BYTES
 from loongtrain.parallel.buckets import gradient_buckets as buckets_of
@@ -207,11 +207,11 @@ def step_cost(
     p_l, L = layer_params(model), model.num_layers
     z = config.shard_size(world)
     sharded = z > 1 or config.offload_params  # FSDP2 gathers the weights (the trainer's rule)
-    tiles = mlp_tile_count(config.mlp_tiles, int(t), model.dim, model.ffn_dim, strict=False)
+    tiles = mlp_tile_count(config.mlp_tiles, int(t), model.dim, round(mlp_width(model)), strict=False)
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     moved, moved_fwd = layer_bytes(model, tokens=t, kv_heads=he, hp=layout.hp, dtype_bytes=dtype_bytes,
                                    sharded=sharded, checkpointed=config.recompute != "none", mlp_tiles=tiles)
-    gemm_fwd = 2 * p_l * t / rate
+    gemm_fwd = 2 * active_layer_params(model) * t / rate  # an MoE layer: its router and top_k experts
     adapters = 2 * layer_adapter_params(model, lora) * t / rate  # --lora: the adapters' forward (backward 2x)
     fwd = {"compute": gemm_fwd + adapters + attn.compute_fwd, "memory-bound": moved_fwd / bw + attn.memory_fwd,
            "a2a": attn.a2a_fwd, "ring-inner": attn.ring_inner_fwd, "ring-outer": attn.ring_outer_fwd}
@@ -224,7 +224,7 @@ def step_cost(
     elif config.recompute == "selective":
         bwd["compute"] += gemm_fwd
     if tiles > 1:
-        bwd["compute"] += 2 * 3 * model.dim * model.ffn_dim * t / rate  # each tile's MLP forward again
+        bwd["compute"] += 2 * 3 * model.dim * mlp_width(model) * t / rate  # each tile's MLP forward again
     per_layer = {k: fwd[k] + bwd[k] for k in fwd}
     layer_busy = sum(per_layer.values())
     trained = p_l if lora is None else layer_adapter_params(model, lora)  # the gradients reduced
@@ -267,6 +267,12 @@ def step_cost(
         bottleneck = "memory"
     return Candidate(config, world, layout.dp, step, mfu, tokens / step, memory, fits, bottleneck, breakdown,
                      host_per_node)
+
+
+def active_layer_params(model: ModelConfig) -> float:
+    """:func:`~loongtrain.plan.memory_model.layer_params` with an MoE layer's experts counted ``top_k`` times
+    (the weights one token's matmuls use), averaged over the layers; a dense model's ``P_l``."""
+    return layer_params(model) - (mlp_params(model) - mlp_params(model, active=True)) / model.num_layers
 
 
 def offload_time(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int,

@@ -80,7 +80,7 @@ from __future__ import annotations
 
 from loongtrain.attn.ring import backward_workspace_bytes
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
-from loongtrain.model.config import ModelConfig, num_params
+from loongtrain.model.config import ModelConfig, mlp_width, num_params
 from loongtrain.model.lora import LoraConfig, adapter_shapes
 from loongtrain.parallel.config import RECOMPUTE_MODES, ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.layout import Layout
@@ -99,9 +99,30 @@ ADAMW_STEP_TEMPORARIES = 3
 
 
 def largest_param(model: ModelConfig) -> int:
-    """Elements of the largest parameter: the embedding (or head), an MLP or an attention projection."""
+    """Elements of the largest parameter: the embedding (or head), an MLP, an attention projection or the
+    experts' fused gate/up projection (``E * 2 f_e * d``)."""
     d = model.dim
-    return max(model.vocab_size * d, model.ffn_dim * d, model.num_heads * model.head_dim * d)
+    experts = 2 * model.num_experts * model.moe_ffn_dim * d if model.moe_layers else 0
+    return max(model.vocab_size * d, model.ffn_dim * d, model.num_heads * model.head_dim * d, experts)
+
+
+def ffn_width(model: ModelConfig) -> float:
+    """``f`` of the activation terms: the MLP width a token computes (an MoE layer: ``top_k * moe_ffn_dim``),
+    averaged over the layers (:func:`loongtrain.model.config.mlp_width`)."""
+    return mlp_width(model)
+
+
+def dispatch_bytes(model: ModelConfig, dtype_bytes: int) -> float:
+    """Bytes per token per layer (averaged over the layers) an MoE layer keeps beyond its experts' SwiGLU
+    intermediates (loongtrain/model/moe.py): the token's ``k`` copies gathered in expert order and the experts'
+    ``k`` outputs (``2 k d b``), the router's fp32 probabilities twice (routing, and the load-balancing
+    statistics: ``8 E``), the ``k`` routing weights (``b`` each, and fp32 ``4``) and the int64 sort order and
+    token indices (``24`` each) and the renormalization's sum (``4``). 0 for a dense model."""
+    if not model.moe_layers:
+        return 0.0
+    k, b = model.top_k, dtype_bytes
+    per_layer = 2 * k * model.dim * b + 8 * model.num_experts + k * (b + 4 + 24) + 4
+    return per_layer * len(model.moe_layers) / model.num_layers
 
 
 def layer_params(model: ModelConfig) -> int:
@@ -122,7 +143,7 @@ def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharde
 def _base_layer_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharded: bool, mlp_tiles: int) -> float:
     b, d = dtype_bytes, model.dim
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
-    mlp = 4 * model.ffn_dim * b if mlp_tiles == 1 else 4 * model.ffn_dim * b / mlp_tiles
+    mlp = 4 * ffn_width(model) * b / mlp_tiles + dispatch_bytes(model, b)
     rest = 2 * he * model.head_dim * b + mlp + 4 * model.num_heads + 8
     tiled = mlp_tiles > 1  # the MLP's norm output (autocast: its two bf16 casts) exists per tile too
     if b >= 4:  # the attention's norm output is never kept (fused into q/k/v: loongtrain/parallelize/norm_linear.py)
@@ -165,8 +186,8 @@ def mlp_part_bytes(model: ModelConfig, dtype_bytes: int, sharded: bool, tiles: i
                    lora: LoraConfig | None = None) -> float:
     """Bytes per token of a layer's kept set that belong to its MLP (its input, SwiGLU's intermediates, its norm
     output when untiled; ``lora``: what its frozen MLP and adapters keep): the rest is the attention's."""
-    b, d, f = dtype_bytes, model.dim, model.ffn_dim
-    return (d * residual_bytes(b, sharded) + 4 * f * b / tiles + (d * b if tiles == 1 else 0)
+    b, d, f = dtype_bytes, model.dim, ffn_width(model)
+    return (d * residual_bytes(b, sharded) + 4 * f * b / tiles + dispatch_bytes(model, b) + (d * b if tiles == 1 else 0)
             + lora_layer_bytes(model, lora, b, sharded, tiles)[1])
 
 
@@ -186,7 +207,7 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
       ``cp = 1`` the kernel's dK/dV until they are stacked). With ``hp > 1`` the same tensors in the
       heads' layout (the all-to-all's output replaces its input).
     """
-    b, d, f = dtype_bytes, model.dim, model.ffn_dim
+    b, d, f = dtype_bytes, model.dim, ffn_width(model)
     r = residual_bytes(b, sharded)
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     q_bytes = model.num_heads * model.head_dim * b
@@ -232,7 +253,7 @@ def reference_phase_bytes(model: ModelConfig, parts: dict[str, float], t: float,
     else:
         gathered = b * (p_l + model.vocab_size * d) if b < 4 else 0.0
     r = residual_bytes(b, sharded)
-    block = t * (2 * d * r + d * b + 4 * model.ffn_dim * b / tiles)
+    block = t * (2 * d * r + d * b + 4 * ffn_width(model) * b / tiles + dispatch_bytes(model, b))
     return weights + gathered + max(block, t * d * r + parts["logits"])
 
 
@@ -257,7 +278,7 @@ def memory_per_rank(
     t = batch * seq_len / layout.sp
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     sharded = zero_size > 1 or offload_params  # offload_params is FSDP2's, even on one rank
-    tiles = mlp_tile_count(mlp_tiles, int(t), d, model.ffn_dim, strict=False)  # the trainer's own rule
+    tiles = mlp_tile_count(mlp_tiles, int(t), d, round(ffn_width(model)), strict=False)  # the trainer's own rule
     full_layer = t * layer_activation_bytes(model, layout.hp, b, sharded, tiles, lora)
     r = residual_bytes(b, sharded)
     if recompute == "none":

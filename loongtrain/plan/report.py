@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loongtrain.model.config import active_params, num_params
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.calibrate import calibrate, calibrate_from_run, read_run
@@ -200,7 +201,7 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
         devices_text = f"{nodes} nodes x {cluster.gpus_per_node} = {world}" if whole else f"{world} (part of a node)"
         print(f"model {name} ({model.num_layers} layers, dim {model.dim}, {model.num_heads} heads, "
               f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}, FFN {model.ffn_dim}, "
-              f"vocab {model.vocab_size}{window}), "
+              f"vocab {model.vocab_size}{window}{_experts_text(model)}; {_param_text(model)}), "
               f"seq_len {cfg.seq_len}, {devices_text} devices of "
               f"{cluster.name}, batch {cfg.batch_size}/replica, {cfg.dtype}{docs}; {len(cands)} configurations, "
               f"best {min(top, len(rows))} (rows differing only in an equally fast inner ring merged):")
@@ -242,6 +243,7 @@ def _run_max_seq_len(cfg: PlanConfig, name: str, model, cluster: Cluster, device
         print(json.dumps({"model": name, "cluster": cluster.name, "world_size": best.world_size,
                           "max_seq_len": length, "dtype": cfg.dtype, "batch": cfg.batch_size,
                           **({"lora": lora.to_text(), "full_training_max_seq_len": full} if lora else {}),
+                          "total_params": num_params(model), "active_params": active_params(model),
                           "configuration": best.config.label(), "candidate": best.to_dict()}, indent=1))
     else:
         with_lora = f" with --lora {lora.to_text()}" if lora else ""
@@ -249,11 +251,25 @@ def _run_max_seq_len(cfg: PlanConfig, name: str, model, cluster: Cluster, device
               f"tokens ({length / 2**20:.2f}M), {best.config.label()}: {best.memory['total'] / 2**30:.1f} GiB per "
               f"device (usable {cluster.usable_memory / 2**30:.1f}), host {best.host_per_node / 2**30:.1f} GiB per "
               f"node (usable {cluster.usable_host_memory / 2**30:.1f}), step {best.step_time:.2f} s "
-              f"({_terms(best)}), MFU {best.mfu:.1%}")
+              f"({_terms(best)}), MFU {best.mfu:.1%}; {_param_text(model)}")
         if full is not None:
             print(f"full training (without --lora) fits {full} tokens ({full / 2**20:.2f}M): LoRA fits "
                   f"{length / full:.2f}x as long a sequence")
     return 0
+
+
+def _experts_text(model: Any) -> str:
+    if not model.moe_layers:
+        return ""
+    return (f", {model.num_experts} experts of FFN {model.moe_ffn_dim}, top-{model.top_k}, in "
+            f"{len(model.moe_layers)} of the layers")
+
+
+def _param_text(model: Any) -> str:
+    """``parameters 30.53B`` (a dense model), or ``parameters 30.53B total, 3.35B active`` (with experts: memory
+    counts them all, FLOPs and MFU the active ones)."""
+    total, active = num_params(model) / 1e9, active_params(model) / 1e9
+    return f"parameters {total:.2f}B total, {active:.2f}B active" if model.moe_layers else f"parameters {total:.2f}B"
 
 
 def _print_simulation(cfg: PlanConfig, name: str, model, best: Candidate, simulate: Simulator) -> int:

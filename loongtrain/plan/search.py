@@ -112,6 +112,10 @@ def enumerate_configs(
             f"hp={hp} is invalid for this model ({heads}): hp must divide num_heads, and divide "
             f"num_kv_heads or be a multiple of it; valid hp on {world} devices: {valid}"
         )
+    if model.moe_layers:  # TiledMLP tiles a dense MLP; the experts' backward needs their forward's graph
+        if mlp_tiles not in (None, "1"):
+            raise ValueError(f"mlp_tiles={mlp_tiles!r}: a model with experts runs its MLPs untiled (mlp_tiles='1')")
+        mlp_tiles = "1"
     sps = [sp] if sp is not None else divisors(world)
     if hp is not None and cp is not None:
         _check_choice("hp*cp", hp * cp, divisors(world))

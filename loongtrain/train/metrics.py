@@ -105,7 +105,7 @@ def host_values(tensors: list[torch.Tensor]) -> list[float]:
 
 
 #: a step record's values that may stay device tensors until a log step reads them (``Trainer.step``)
-DEVICE_VALUES = ("loss", "grad_norm", "attention_pairs")
+DEVICE_VALUES = ("loss", "grad_norm", "attention_pairs", "aux_loss")
 
 
 def read_device_values(records: list[dict[str, Any]], guard: torch.Tensor | None = None) -> bool:

@@ -60,6 +60,7 @@ from loongtrain.train.metrics import (
 from loongtrain.train.model_setup import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.objectives import build_objective, post_training_batches
 from loongtrain.train.optim import build_optimizer, clip_grad_norm
+from loongtrain.train.router_loss import build_router_loss
 from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
@@ -123,6 +124,7 @@ class Trainer:
         self.stages = run_stages(cfg)
         self._lora_base: dict[str, Any] | None = None  # --lora: the checkpoints' record of the base (on first save)
         self.objective = build_objective(self)  # --objective sft|dpo (train/objectives.py); None: pretraining
+        self.router_loss = build_router_loss(self.model, mesh)  # MoE: the load-balancing loss (train/router_loss.py)
 
     # -- the run ---------------------------------------------------------------------------------------
 
@@ -224,17 +226,23 @@ class Trainer:
         if self.objective is not None and not self.objective.begin_step(micro_batches):
             return self._no_targets(read)
         local = [self.sharding.local(b) for b in micro_batches]
+        if self.router_loss is not None:
+            self.router_loss.take()  # drop what forwards outside a step (validation) recorded
         loss_value = self._forward_backward(local)
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
         pairs: torch.Tensor | int = sum(self.sharding.visible_pairs(b) for b in micro_batches)
-        if self.mesh.dp > 1:  # one all-reduce for the loss and the replicas' attention pairs
-            both = torch.stack([loss_value, to_device(torch.tensor(float(pairs), dtype=torch.float64), self.device)])
+        aux = self.router_loss.take() if self.router_loss is not None else None
+        if self.mesh.dp > 1:  # one all-reduce for the loss, the replicas' attention pairs (and the aux loss)
+            both = torch.stack([loss_value, to_device(torch.tensor(float(pairs), dtype=torch.float64), self.device),
+                                *([aux] if aux is not None else [])])
             dist.all_reduce(both, group=self.mesh.dp_group)
             loss_value, pairs = both[0] / self.mesh.dp, both[1]
+            aux = both[2] / self.mesh.dp if aux is not None else None
         # the loss is dp-reduced and the norm is of synchronised gradients: every rank decides alike
         finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
-        record = {"loss": loss_value, "grad_norm": grad_norm, "attention_pairs": pairs}
+        record = {"loss": loss_value, "grad_norm": grad_norm, "attention_pairs": pairs,
+                  **({"aux_loss": aux} if aux is not None else {})}
         earlier = read if isinstance(read, list) else []
         skipped = not self._read([record, *earlier] if read is not False else [], guard=finite)
         if skipped:
@@ -244,6 +252,7 @@ class Trainer:
         self.scheduler.step()
         return {"loss": record["loss"], "grad_norm": record["grad_norm"], "lr": float(lr), "skipped": int(skipped),
                 "attention_pairs": record["attention_pairs"],
+                **({"aux_loss": record["aux_loss"]} if "aux_loss" in record else {}),
                 **(self.objective.metrics() if self.objective is not None else {})}
 
     def _no_targets(self, read: list[dict[str, Any]] | bool) -> dict[str, Any]:
@@ -296,12 +305,16 @@ class Trainer:
 
     def local_loss(self, local: LocalBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`loss` of a micro-batch already laid on this rank (``BatchSharding.local``)."""
+        router = self.router_loss
         with self._autocast():
-            hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
-                                             local.chunk_order)
+            with router.recording() if router is not None else contextlib.nullcontext():
+                hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
+                                                 local.chunk_order)
             if self.objective is not None:
-                return self.objective.loss(local, hidden, head, norm)
-            return chunked_cross_entropy(hidden, head, local.labels, self.mesh, norm=norm)
+                loss, value = self.objective.loss(local, hidden, head, norm)
+            else:
+                loss, value = chunked_cross_entropy(hidden, head, local.labels, self.mesh, norm=norm)
+            return router.add(loss, value) if router is not None else (loss, value)
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
         """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end, for every skipped or validated

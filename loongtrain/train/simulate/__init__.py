@@ -72,6 +72,7 @@ from typing import Any
 import torch
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.model.llama import MoEFeedForward
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.parallelize import zero as zero_module
@@ -237,6 +238,9 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
                 alike_loops() if alike else contextlib.nullcontext():
             # cfg.model names a preset: the native decoder of `model`; the batches are made here, not read
             trainer = Trainer(Run(cfg, model), mesh, device, batches=lambda *args: iter(()))
+            for module in trainer.model.modules():  # experts: grouped GEMMs, whose shapes need no routing's values
+                if isinstance(module, MoEFeedForward):
+                    module.grouped = True
             reference = loss_fn = None
             if data is not None:  # host-side work on real tensors: the batch laid on this rank, its targets counted
                 with torch._subclasses.fake_tensor.unset_fake_temporarily():
