@@ -97,13 +97,13 @@ def check_native(rank: int, world_size: int, configs: list[dict], tol: float) ->
     return results
 
 
-def hf_gpt_oss(seed: int = 3, window: int = 5, router_aux_loss_coef: float = 0.001) -> nn.Module:
+def hf_gpt_oss(seed: int = 3, window: int = 5, router_aux_loss_coef: float = 0.001, vocab_size: int = 64) -> nn.Module:
     """A tiny random ``GptOssForCausalLM`` in fp64 with HF's eager attention and eager experts: 4 layers
     alternating sliding/full (HF's default ``layer_types``), GQA, YaRN RoPE, attention biases, sinks ~ N(0, 1)."""
     from transformers import AutoModelForCausalLM, GptOssConfig
 
     config = GptOssConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=window,
         max_position_embeddings=256, attn_implementation="eager", experts_implementation="eager",
         router_aux_loss_coef=router_aux_loss_coef,
