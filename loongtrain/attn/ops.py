@@ -17,7 +17,7 @@ import torch
 
 from loongtrain.attn.masking import AttnMask, unflatten_cu_seqlens
 from loongtrain.attn.ring import Ring, ring_backward_packed, ring_forward
-from loongtrain.attn.ring_step import sinks_grad
+from loongtrain.attn.sinks import sinks_grad
 from loongtrain.model.local_attention import normalize_cu_seqlens
 from loongtrain.parallel.comm import all_to_all, all_to_all_pieces, all_to_all_result, resolve_group
 from loongtrain.parallel.mesh import Mesh

@@ -31,9 +31,10 @@ import torch.distributed as dist
 from loongtrain.attn.kernel_choice import kernel_for
 from loongtrain.attn.kernels import Kernel
 from loongtrain.attn.masking import AttnMask, Piece
-from loongtrain.attn.ring_step import BackwardStep, ForwardStep, Pieces, acc_dtype, fold_sinks, whole_piece
+from loongtrain.attn.ring_step import BackwardStep, ForwardStep, Pieces, acc_dtype, whole_piece
 from loongtrain.attn.schedule import DKV_OWN, KV_OUTER, Compute, Event, Payload, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach
+from loongtrain.attn.sinks import fold_sinks
 from loongtrain.parallel.comm import Exchange, post_exchange
 from loongtrain.parallel.layout import DoubleRing, Hop
 
@@ -186,7 +187,7 @@ def ring_forward(
     """out ``[B, H, S_c, D]`` (input dtype) and lse ``[B, H, S_c]`` (fp32, fp64 for fp64 inputs) of this
     rank's queries against every ring member's K/V; K/V blocks move round the ring (only as far as a
     short sliding window reaches). ``mask`` (documents, window) replaces ``causal`` when given. ``sinks
-    [H]``: attention sinks, folded in once after the last merge (:func:`~loongtrain.attn.ring_step.fold_sinks`;
+    [H]``: attention sinks, folded in once after the last merge (:func:`~loongtrain.attn.sinks.fold_sinks`;
     the returned out and lse include them, so :func:`ring_backward` with them gives dq, dk, dv as they are)."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry

@@ -11,7 +11,7 @@ import torch
 import loongtrain
 from loongtrain.attn import ops
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
-from loongtrain.attn.ring_step import sinks_grad
+from loongtrain.attn.sinks import sinks_grad
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallel.zigzag import shard_indices
 from tests.helpers.sinks import sinks_reference
