@@ -30,7 +30,11 @@ def test_hf_gpt_oss_with_loongtrain_moe_and_router_loss_exact():
     assert run_distributed(check_hf_moe, 4, CONFIGS, 1e-10) == [2 * len(CONFIGS)] * 4
 
 
-@pytest.mark.parametrize("name", ["Olmo2ForCausalLM"])
-def test_family_accepted_by_structure_exact(name):
+@pytest.mark.parametrize("name, extra", [
+    ("Olmo2ForCausalLM", {}),
+    # alternating sliding/full layers (each with its own RoPE), scaled embeddings, (1 + w) norms
+    ("Gemma3ForCausalLM", {"sliding_window": 5, "head_dim": 8, "layer_types": ["sliding_attention", "full_attention"]}),
+])
+def test_family_accepted_by_structure_exact(name, extra):
     # not in the tested list: accepted because its layers match (docs/hf-models.md#families), and exact
-    assert run_distributed(check_untested_family, 4, name, CONFIGS[:2], 1e-10) == [4] * 4
+    assert run_distributed(check_untested_family, 4, name, extra, CONFIGS[:2], 1e-10) == [4] * 4

@@ -218,7 +218,7 @@ def check_hf_moe(rank: int, world_size: int, configs: list[dict], tol: float) ->
     return checked
 
 
-def hf_untested_family(name: str, seed: int = 3) -> nn.Module:
+def hf_untested_family(name: str, seed: int = 3, **extra: Any) -> nn.Module:
     """A tiny random fp64 HF causal LM of a family not in loongtrain's tested list, 1-D weights perturbed from HF's
     ones/zeros; its attention is HF's sdpa (HF's eager softmax runs in fp32 even for fp64 inputs)."""
     import transformers
@@ -226,7 +226,7 @@ def hf_untested_family(name: str, seed: int = 3) -> nn.Module:
     cls = getattr(transformers, name)
     config = cls.config_class(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                              pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+                              pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa", **extra)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config).double()
@@ -234,9 +234,11 @@ def hf_untested_family(name: str, seed: int = 3) -> nn.Module:
             for param in model.parameters():
                 if param.dim() == 1:
                     param.add_(0.1 * torch.randn(param.shape, dtype=param.dtype))
-    for module in model.modules():  # HF's RMSNorm rounds through fp32 by design: in fp64 here, to compare at 1e-10
-        if type(module).__name__.endswith("RMSNorm"):
+    for module in model.modules():  # HF's RMSNorms round through fp32 by design: in fp64 here, to compare at 1e-10
+        if type(module).__name__ == "Olmo2RMSNorm":  # weight * x / rms(x)
             module.forward = types.MethodType(_fp64_rms_norm, module)
+        elif type(module).__name__ == "Gemma3RMSNorm":  # (1 + weight) * x / rms(x)
+            module.forward = types.MethodType(_fp64_gemma_rms_norm, module)
     return model
 
 
@@ -244,13 +246,17 @@ def _fp64_rms_norm(self: nn.Module, x: Tensor) -> Tensor:
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
-def check_untested_family(rank: int, world_size: int, name: str, configs: list[dict], tol: float) -> int:
+def _fp64_gemma_rms_norm(self: nn.Module, x: Tensor) -> Tensor:
+    return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def check_untested_family(rank: int, world_size: int, name: str, extra: dict, configs: list[dict], tol: float) -> int:
     """A family accepted by structure (not by name) through apply_2d_attention == HF's own unsharded model."""
     checked = 0
     for cfg in configs:
         mesh = loongtrain.init_mesh(**cfg)
         for with_documents in (False, True):
-            compare_sharded(hf_untested_family(name), hf_reference_forward, mesh, 32, with_documents, tol,
+            compare_sharded(hf_untested_family(name, **extra), hf_reference_forward, mesh, 32, with_documents, tol,
                             sharded_forward=hf_sharded_forward)
             checked += 1
     return checked
