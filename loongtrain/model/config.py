@@ -231,3 +231,14 @@ def step_flops(model_config, tokens: int, visible: int) -> float:
     masked-out pairs (other documents, outside the window) are not counted."""
     c = model_config
     return float(6 * matmul_params(c) * tokens + 12 * c.num_heads * c.head_dim * c.num_layers * visible)
+
+
+def with_depth(config: ModelConfig, num_layers: int) -> ModelConfig:
+    """``config`` with ``num_layers`` alike blocks (the simulation by depth): every layer an MoE layer when
+    every layer of ``config`` is one; ValueError for a mix of dense and MoE layers (its blocks are not alike)."""
+    if not config.moe_layers:
+        return replace(config, num_layers=num_layers)
+    if len(config.moe_layers) != config.num_layers:
+        raise ValueError(f"moe_layers={list(config.moe_layers)} of {config.num_layers} layers: a mix of dense and "
+                         f"MoE blocks cannot be simulated by depth")
+    return replace(config, num_layers=num_layers, moe_layers=tuple(range(num_layers)))

@@ -19,7 +19,7 @@ so a Hugging Face block runs this code on its own parameters (loongtrain/hf/moe.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -166,32 +166,130 @@ def run_experts(x: Tensor, top: Tensor, experts: Tensor, weights: ExpertWeights,
     summed per token."""
     k = spec.top_k
     flat_experts = experts.reshape(-1)
-    order = torch.argsort(flat_experts, stable=True)
-    tokens = order // k
-    rows = x.to(compute_dtype(x))[tokens]  # cast once, then gathered (not k casts of the gathered rows)
+    order = torch.argsort(flat_experts, stable=True)  # sorted position i holds (token, j) pair order[i]
+    slots = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    rows = _Dispatch.apply(x.to(compute_dtype(x)), order // k, slots, k)  # cast once, then gathered
     counts = expert_counts(flat_experts, spec.num_experts)
     if grouped:
         out = _grouped_mlp(rows, counts, flat_experts[order], weights, spec)
     else:
         out = _looped_mlp(rows, counts, weights, spec)
-    out = out * top.reshape(-1)[order].to(out.dtype)[:, None]
-    slots = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    # back in (token, j) order and summed over j: keeps only indices for the backward (an index_add_ would keep
-    # its whole source), the sum in x's dtype
-    return out[slots].reshape(x.shape[0], k, -1).to(x.dtype).sum(dim=1)
+    return _Combine.apply(out, top.to(out.dtype), order, slots).to(x.dtype)
+
+
+class _Dispatch(torch.autograd.Function):
+    """``x[tokens]``: the ``T * k`` rows in expert order. Backward: the rows' gradients put back in (token, j)
+    order (``slots``) and summed over ``j``: a gather and a sum, no accumulating scatter; saves only indices."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tokens: Tensor, slots: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(slots)
+        ctx.k = k
+        return x[tokens]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (slots,) = ctx.saved_tensors
+        return grad[slots].reshape(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """``y[t] = sum_j top[t, j] * out[slots[t k + j]]``: the experts' outputs (in expert order) weighted and summed
+    per token. Saves the outputs in (token, j) order, ``top`` and ``order``; backward: ``d top`` by one batched
+    product, ``d out`` each sorted row's token's gradient times its weight (one ``[T k, dim]`` tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, top: Tensor, order: Tensor, slots: Tensor) -> Tensor:
+        gathered = out[slots].reshape(top.shape[0], top.shape[1], -1)
+        ctx.save_for_backward(gathered, top, order)
+        return torch.bmm(top.unsqueeze(1), gathered).squeeze(1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        gathered, top, order = ctx.saved_tensors
+        t, k = top.shape
+        grad = grad.to(gathered.dtype)
+        d_top = torch.bmm(gathered, grad.unsqueeze(2)).squeeze(2)
+        d_out = grad[order // k]  # each sorted row's token's gradient (one [T k, dim] tensor, scaled in place)
+        d_out.mul_(top.reshape(-1)[order].unsqueeze(1))
+        return d_out, d_top, None, None
 
 
 def _looped_mlp(rows: Tensor, counts: Tensor, w: ExpertWeights, spec: MoESpec) -> Tensor:
-    """Each expert's contiguous rows through its MLP, one expert at a time (experts without rows skipped)."""
-    outs, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        if n == 0:
+    """Each expert's contiguous rows through its MLP, one expert at a time (experts without rows skipped):
+    Qwen3-MoE's and Mixtral's experts by :class:`_LoopedSwiGLU`; others (biases, gpt-oss's layout and activation)
+    with autograd over each expert's ops, the rows split and the weights unbound once, so that each backward
+    assembles its gradient once (a slice or an index per expert would add a zero-filled full-size gradient)."""
+    sizes = counts.tolist()
+    if spec.activation == SILU and not (spec.interleaved or spec.transposed or w.gate_up_bias is not None
+                                        or w.down_bias is not None):
+        dtype = rows.dtype  # the compute dtype (the rows were cast to it: autocast does not enter a Function)
+        return _LoopedSwiGLU.apply(rows, w.gate_up.to(dtype), w.down.to(dtype), sizes)
+    parts = rows.split(sizes)
+    gate_up, down = w.gate_up.unbind(0), w.down.unbind(0)
+    gate_up_bias = w.gate_up_bias.unbind(0) if w.gate_up_bias is not None else [None] * len(sizes)
+    down_bias = w.down_bias.unbind(0) if w.down_bias is not None else [None] * len(sizes)
+    outs = []
+    for e, part in enumerate(parts):
+        if sizes[e] == 0:
             continue
-        part = rows[start:start + n]
+        h = _activate(_project(part, gate_up[e], gate_up_bias[e], spec), spec)
+        outs.append(_project(h, down[e], down_bias[e], spec))
+    return torch.cat(outs) if outs else rows.new_zeros(0, w.down.shape[2 if spec.transposed else 1])
+
+
+class _LoopedSwiGLU(torch.autograd.Function):
+    """Expert ``e``'s ``down[e] @ swiglu(gate_up[e] @ row)`` for its contiguous block of ``rows [N, dim]`` (``sizes``
+    rows each). Every matmul writes into one preallocated tensor (the outputs, the rows' and the weights'
+    gradients), so that nothing is concatenated or stacked; saves the rows, the gate/up outputs and the activation
+    (``dim + 3 ffn`` per row; SiLU is recomputed in the backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, gate_up: Tensor, down: Tensor, sizes: list[int]) -> Tensor:
+        n, f = rows.shape[0], down.shape[2]
+        h, act, out = rows.new_empty(n, 2 * f), rows.new_empty(n, f), rows.new_empty(n, down.shape[1])
+        for e, part in _blocks(sizes):
+            torch.mm(rows[part], gate_up[e].t(), out=h[part])
+            gate, up = h[part].chunk(2, dim=-1)
+            torch.mul(F.silu(gate), up, out=act[part])
+            torch.mm(act[part], down[e].t(), out=out[part])
+        ctx.save_for_backward(rows, gate_up, down, h, act)
+        ctx.sizes = sizes
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        rows, gate_up, down, h, act = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_rows = torch.empty_like(rows)  # every row is written below
+        d_gate_up, d_down = torch.empty_like(gate_up), torch.empty_like(down)
+        for e, n in enumerate(ctx.sizes):
+            if n == 0:  # an expert without rows: no gradient
+                d_gate_up[e].zero_()
+                d_down[e].zero_()
+        for e, part in _blocks(ctx.sizes):
+            g = grad[part]
+            torch.mm(g.t(), act[part], out=d_down[e])
+            d_act = g @ down[e]
+            gate, up = h[part].chunk(2, dim=-1)
+            sig = torch.sigmoid(gate)
+            dh = torch.empty_like(h[part])
+            d_g, d_u = dh.chunk(2, dim=-1)
+            torch.mul(d_act * up, sig * (1 + gate * (1 - sig)), out=d_g)
+            torch.mul(d_act, gate * sig, out=d_u)
+            torch.mm(dh.t(), rows[part], out=d_gate_up[e])
+            torch.mm(dh, gate_up[e], out=d_rows[part])
+        return d_rows, d_gate_up, d_down, None
+
+
+def _blocks(sizes: list[int]) -> list[tuple[int, slice]]:
+    """``(expert, its rows)`` of the experts with rows, in order."""
+    out, start = [], 0
+    for e, n in enumerate(sizes):
+        if n:
+            out.append((e, slice(start, start + n)))
         start += n
-        h = _project(part, w.gate_up[e], None if w.gate_up_bias is None else w.gate_up_bias[e], spec)
-        outs.append(_project(_activate(h, spec), w.down[e], None if w.down_bias is None else w.down_bias[e], spec))
-    return torch.cat(outs) if outs else rows.new_zeros(0, w.down.shape[1 if not spec.transposed else 2])
+    return out
 
 
 def _grouped_mlp(rows: Tensor, counts: Tensor, sorted_experts: Tensor, w: ExpertWeights, spec: MoESpec) -> Tensor:
@@ -215,8 +313,33 @@ def _project(h: Tensor, weight: Tensor, bias: Tensor | None, spec: MoESpec) -> T
     return F.linear(h, weight, bias)
 
 
+class _PackedSwiGLU(torch.autograd.Function):
+    """``silu(h[..., :f]) * h[..., f:]`` of the packed gate/up output ``h [..., 2f]``. Saves only ``h``; its backward
+    writes both halves' gradients into one ``[..., 2f]`` tensor (a chunk's backward would concatenate them)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor) -> Tensor:
+        ctx.save_for_backward(h)
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (h,) = ctx.saved_tensors
+        gate, up = h.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        dh = torch.empty_like(h)
+        d_gate, d_up = dh.chunk(2, dim=-1)
+        torch.mul(grad * up, sig * (1 + gate * (1 - sig)), out=d_gate)
+        torch.mul(grad, silu, out=d_up)
+        return dh
+
+
 def _activate(h: Tensor, spec: MoESpec) -> Tensor:
     """The gated activation of the gate/up projection's output ``h [..., 2 ffn]`` -> ``[..., ffn]``."""
+    if spec.activation == SILU and not spec.interleaved:
+        return _PackedSwiGLU.apply(h)
     gate, up = (h[..., ::2], h[..., 1::2]) if spec.interleaved else h.chunk(2, dim=-1)
     if spec.activation == SILU:
         return F.silu(gate) * up

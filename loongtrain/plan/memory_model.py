@@ -112,6 +112,15 @@ def ffn_width(model: ModelConfig) -> float:
     return mlp_width(model)
 
 
+def swiglu_bytes(model: ModelConfig, dtype_bytes: int) -> float:
+    """Bytes per token (averaged over the layers) of the SwiGLU intermediates kept for the backward: a dense
+    layer's ``4 f b`` (w1's and w3's outputs, SiLU's, the product), an MoE layer's ``3 k f_e b`` (its experts keep
+    the packed gate/up output and the product, SiLU recomputed: loongtrain/model/moe.py)."""
+    moe = len(model.moe_layers)
+    dense = (model.num_layers - moe) * 4 * model.ffn_dim
+    return dtype_bytes * (dense + moe * 3 * model.top_k * model.moe_ffn_dim) / model.num_layers
+
+
 def dispatch_bytes(model: ModelConfig, dtype_bytes: int) -> float:
     """Bytes per token per layer (averaged over the layers) an MoE layer keeps beyond its experts' SwiGLU
     intermediates (loongtrain/model/moe.py): the token's ``k`` copies gathered in expert order and the experts'
@@ -143,7 +152,7 @@ def layer_activation_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharde
 def _base_layer_bytes(model: ModelConfig, hp: int, dtype_bytes: int, sharded: bool, mlp_tiles: int) -> float:
     b, d = dtype_bytes, model.dim
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
-    mlp = 4 * ffn_width(model) * b / mlp_tiles + dispatch_bytes(model, b)
+    mlp = swiglu_bytes(model, b) / mlp_tiles + dispatch_bytes(model, b)
     rest = 2 * he * model.head_dim * b + mlp + 4 * model.num_heads + 8
     tiled = mlp_tiles > 1  # the MLP's norm output (autocast: its two bf16 casts) exists per tile too
     if b >= 4:  # the attention's norm output is never kept (fused into q/k/v: loongtrain/parallelize/norm_linear.py)
@@ -186,9 +195,20 @@ def mlp_part_bytes(model: ModelConfig, dtype_bytes: int, sharded: bool, tiles: i
                    lora: LoraConfig | None = None) -> float:
     """Bytes per token of a layer's kept set that belong to its MLP (its input, SwiGLU's intermediates, its norm
     output when untiled; ``lora``: what its frozen MLP and adapters keep): the rest is the attention's."""
-    b, d, f = dtype_bytes, model.dim, ffn_width(model)
-    return (d * residual_bytes(b, sharded) + 4 * f * b / tiles + dispatch_bytes(model, b) + (d * b if tiles == 1 else 0)
+    b, d = dtype_bytes, model.dim
+    return (d * residual_bytes(b, sharded) + swiglu_bytes(model, b) / tiles + dispatch_bytes(model, b)
+            + (d * b if tiles == 1 else 0)
             + lora_layer_bytes(model, lora, b, sharded, tiles)[1])
+
+
+def dispatch_backward_bytes(model: ModelConfig, dtype_bytes: int) -> float:
+    """Bytes per token (averaged over the layers) an MoE layer's backward holds beyond a dense MLP's: the gradient
+    of its ``k`` expert outputs in expert order and, as the rows' gradient is summed back per token, the ``k``
+    rows' gradient with its copy in token order (``2 k d b``; loongtrain/model/moe.py's ``_Combine`` and
+    ``_Dispatch``). 0 for a dense model."""
+    if not model.moe_layers:
+        return 0.0
+    return 2 * model.top_k * model.dim * dtype_bytes * len(model.moe_layers) / model.num_layers
 
 
 def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,
@@ -217,6 +237,7 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
                  + backward_workspace_bytes(t, model.num_heads, he, model.head_dim, b, layout.cp))
     swiglu_grads = 3 * f * b / tiles if tiles > 1 else 2 * f * b
     swiglu_grads += product_bytes(model, lora, b, tiles)  # --lora: as high without the product kept
+    swiglu_grads += dispatch_backward_bytes(model, b)
     return {"mlp": full_layer + t * (2 * d * r + swiglu_grads), "attention": attention}
 
 
@@ -253,7 +274,7 @@ def reference_phase_bytes(model: ModelConfig, parts: dict[str, float], t: float,
     else:
         gathered = b * (p_l + model.vocab_size * d) if b < 4 else 0.0
     r = residual_bytes(b, sharded)
-    block = t * (2 * d * r + d * b + 4 * ffn_width(model) * b / tiles + dispatch_bytes(model, b))
+    block = t * (2 * d * r + d * b + swiglu_bytes(model, b) / tiles + dispatch_bytes(model, b))
     return weights + gathered + max(block, t * d * r + parts["logits"])
 
 

@@ -79,6 +79,19 @@ def test_export_loads_in_transformers(runs, moe_dir, tmp_path):
     assert (theirs - base).abs().max() > 1e-3  # three steps at lr 1e-2 moved the weights
 
 
+def test_plan_max_seq_len_of_qwen3_30b_a3b_agrees_with_the_simulation(capsys):
+    config = Path(__file__).resolve().parents[2] / "benchmarks/inputs/qwen3-30b-a3b"
+    argv = ["plan", "--model", str(config), "--gpus", "8", "--cluster", "h200", "--max-seq-len"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.search(r"longest sequence for .* on 8 devices of h200: \d+ tokens .*; parameters 30\.53B total, "
+                     r"3\.35B active$", line), line
+    assert main([*argv, "--simulate", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["seq_len"] > 1 << 20 and result["fits"]
+    assert abs(result["device_ratio"] - 1) <= 0.05, result
+
+
 def _no_workers(monkeypatch) -> None:
     from loongtrain.launch import train_run
 

@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import ModelConfig, with_depth
 from loongtrain.model.llama import MoEFeedForward
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
@@ -265,7 +265,7 @@ def simulate_by_depth(model: ModelConfig, parallel: ParallelConfig, world: int, 
     kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True, lora=lora, objective=objective)
     if model.num_layers <= high:
         return simulate_step(model, parallel, world, **kw)
-    a, b = (simulate_step(dataclasses.replace(model, num_layers=n), parallel, world, **kw) for n in (low, high))
+    a, b = (simulate_step(with_depth(model, n), parallel, world, **kw) for n in (low, high))
     scale = model.num_layers - high
 
     def extend(key: tuple[str, bool]) -> tuple[int, dict[str, int]]:
