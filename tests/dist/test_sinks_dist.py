@@ -23,3 +23,9 @@ CONFIGS = [
 def test_sinks_exact_at_world4():
     counts = run_distributed(check_sinks, 4, CONFIGS, [(4, 2), (4, 1)], [None, 5], 1e-10)
     assert min(counts) == len(CONFIGS) * 2 * 2 * 2 * 2, counts  # every case ran on every rank
+
+
+def test_sinks_bfloat16_world4():
+    # bf16 inputs and sinks, fp32 merge and fold; compared with fp64 math on the same (bf16-rounded) inputs
+    counts = run_distributed(check_sinks, 4, CONFIGS[:2], [(4, 2)], [None, 5], 5e-2, "bfloat16")
+    assert min(counts) == 2 * 2 * 2 * 2, counts

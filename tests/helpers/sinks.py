@@ -37,10 +37,12 @@ def _documents(seq: int, seed: int) -> list[list[int]]:
 
 
 def check_sinks(rank: int, world_size: int, configs: list[dict], heads: list[tuple[int, int]],
-                windows: list[int | None], tol: float) -> int:
+                windows: list[int | None], tol: float, dtype_name: str = "float64") -> int:
     """Per config x heads x window x documents x causal: ``loongtrain.attention(..., sinks=)`` on this rank's
-    shards equals :func:`sinks_reference` of the whole sequence (fp64), out and dq, dk, dv shards, and the
-    sinks' gradient summed over the sequence ranks equals the reference's."""
+    shards equals :func:`sinks_reference` of the whole sequence (fp64 math on the same inputs rounded to
+    ``dtype_name``), out and dq, dk, dv shards, and the sinks' gradient summed over the sequence ranks equals the
+    reference's."""
+    dtype = getattr(torch, dtype_name)
     checked = 0
     for cfg in configs:
         mesh = loongtrain.init_mesh(**cfg)
@@ -54,6 +56,7 @@ def check_sinks(rank: int, world_size: int, configs: list[dict], heads: list[tup
             k, v = (torch.randn(2, seq, num_kv_heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
             dout = torch.randn(2, seq, num_heads, 8, generator=g, dtype=torch.float64)
             sinks = torch.randn(num_heads, generator=g, dtype=torch.float64)
+            q, k, v, dout, sinks = (t.to(dtype).double() for t in (q, k, v, dout, sinks))  # the inputs' rounding
             docs = _documents(seq, seq) if documents else None
             mask = AttnMask(causal, window, tuple(tuple(r) for r in docs) if docs else None)
             visible = torch.stack([dense_mask(seq, mask, b) for b in range(2)])
@@ -61,16 +64,17 @@ def check_sinks(rank: int, world_size: int, configs: list[dict], heads: list[tup
             out = sinks_reference(*leaves, visible)
             want = (out.detach(), *torch.autograd.grad(out, leaves, dout))
 
-            qs, ks, vs = (loongtrain.shard_sequence(t, mesh, 1).requires_grad_() for t in (q, k, v))
-            local_sinks = sinks.clone().requires_grad_()
+            qs, ks, vs = (loongtrain.shard_sequence(t.to(dtype), mesh, 1).requires_grad_() for t in (q, k, v))
+            local_sinks = sinks.to(dtype).requires_grad_()
             cu = [torch.tensor(r) for r in docs] if docs else None
             got_out = loongtrain.attention(qs, ks, vs, mesh, causal=causal, cu_seqlens=cu, sliding_window=window,
                                            sinks=local_sinks)
-            grads = torch.autograd.grad(got_out, (qs, ks, vs, local_sinks), loongtrain.shard_sequence(dout, mesh, 1))
-            dsinks = grads[3].clone()
+            grads = torch.autograd.grad(got_out, (qs, ks, vs, local_sinks),
+                                        loongtrain.shard_sequence(dout.to(dtype), mesh, 1))
+            dsinks = grads[3].double()
             if mesh.sp_group is not None:
                 dist.all_reduce(dsinks, group=mesh.sp_group)
-            errs = [(a - loongtrain.shard_sequence(b, mesh, 1)).abs().max().item()
+            errs = [(a.double() - loongtrain.shard_sequence(b, mesh, 1)).abs().max().item()
                     for a, b in zip((got_out.detach(), *grads[:3]), want[:4])]
             errs.append((dsinks - want[4]).abs().max().item())
             assert max(errs) < tol, (cfg, num_heads, num_kv_heads, window, documents, causal, errs)
