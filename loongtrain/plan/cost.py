@@ -183,7 +183,7 @@ def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents,
     """Model FLOPs of one replica's step of packed ``documents``: attention counts only the visible pairs
     (:func:`loongtrain.model.config.step_flops`)."""
     tokens = shape.batch * shape.seq_len
-    window = model.sliding_window if model.sliding_window and model.sliding_window < shape.seq_len else None
+    window = model.uniform_window if model.uniform_window and model.uniform_window < shape.seq_len else None
     visible = sum(visible_pairs(cu, shape.seq_len, sliding_window=window) for cu in documents.rows(shape.batch))
     return step_flops(model, tokens, visible) - lora_flops_saved(model, lora, tokens)
 
@@ -200,7 +200,7 @@ def step_cost(
     world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
-                      model.sliding_window)
+                      model.uniform_window)
     attn = attention_time(layout, shape, cluster, documents)
     t = batch * seq_len / layout.sp
     rate, bw = cluster.matmul_tflops * 1e12, cluster.memory_bw

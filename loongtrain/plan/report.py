@@ -97,9 +97,9 @@ def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, cfg
                     documents: Documents) -> list[dict]:
     """Per candidate: attention seconds of one layer's call (forward + backward) without the document mask,
     with it under zigzag and under the balanced layout (docs/planner.md), and per-rank work max/mean."""
-    window = model.sliding_window if model.sliding_window and model.sliding_window < cfg.seq_len else None
+    window = model.uniform_window if model.uniform_window and model.uniform_window < cfg.seq_len else None
     shape = AttnShape(cfg.batch_size, cfg.seq_len, model.num_heads, model.num_kv_heads, model.head_dim,
-                      cfg.dtype_bytes, model.sliding_window)
+                      cfg.dtype_bytes, model.uniform_window)
     out = []
     for c, _ in rows:
         layout = c.config.layout(c.world_size)
@@ -195,7 +195,7 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
                            for i, (c, ws) in enumerate(rows[:top])],
         }, indent=1))
     else:
-        window = f", sliding window {model.sliding_window}" if model.sliding_window else ""
+        window = f", sliding window {model.uniform_window}" if model.uniform_window else ""
         docs = "" if documents is None else f", packed documents (median {cfg.doc_median}, zigzag)"
         whole = world % cluster.gpus_per_node == 0
         devices_text = f"{nodes} nodes x {cluster.gpus_per_node} = {world}" if whole else f"{world} (part of a node)"

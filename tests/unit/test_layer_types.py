@@ -95,3 +95,19 @@ def test_local_attention_with_sinks_is_the_eager_formula(window, documents):
     got = local_attention(q, k, v, cu_seqlens=list(cu) if cu else None, sliding_window=window, sinks=sinks)
     visible = dense_mask(12, AttnMask(True, window, (cu,) if cu else None))[None]
     assert (got - sinks_reference(q, k, v, sinks, visible)).abs().max() < 1e-12
+
+
+def test_plans_count_a_model_with_full_layers_as_full():
+    # an upper bound, never the windowed cost of its sliding layers for all
+    from loongtrain.model.config import flops_per_token
+    from loongtrain.parallel.config import ParallelConfig
+    from loongtrain.plan.cluster import load_cluster
+    from loongtrain.plan.cost import step_cost
+
+    mixed = native_config(window=64)
+    full = dataclasses.replace(mixed, layer_types=None, sliding_window=None)
+    windowed = dataclasses.replace(mixed, layer_types=None)
+    assert flops_per_token(mixed, 4096) == flops_per_token(full, 4096) > flops_per_token(windowed, 4096)
+    cost = [step_cost(m, ParallelConfig(hp=1, cp=4), load_cluster("h100"), nodes=1, seq_len=4096, world=4)
+            for m in (mixed, full, windowed)]
+    assert cost[0].step_time == cost[1].step_time > cost[2].step_time
