@@ -50,6 +50,12 @@ def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings:
     one, else 8192)."""
     from transformers import LlamaConfig
 
+    if config.attention_sinks:
+        raise ValueError("attention_sinks=True has no LlamaForCausalLM equivalent (gpt-oss's sinks: train and export "
+                         "the HF GptOssForCausalLM itself)")
+    if config.layer_types is not None and "sliding_attention" in config.layer_types:
+        raise ValueError(f"layer_types={list(config.layer_types)} (sliding layers) have no LlamaForCausalLM "
+                         f"equivalent")
     scaling = config.rope_scaling
     if max_position_embeddings is None:
         original = scaling.original_max_position_embeddings if scaling is not None else None
@@ -66,7 +72,7 @@ def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings:
         rms_norm_eps=config.norm_eps,
         rope_parameters=rope_parameters(config.rope_theta, scaling),
         tie_word_embeddings=config.tie_embeddings,
-        attention_bias=False,
+        attention_bias=config.attention_bias,
         mlp_bias=False,
         attention_dropout=0.0,
         max_position_embeddings=max_position_embeddings,
@@ -112,14 +118,14 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         raise ValueError(f"only LlamaForCausalLM maps onto loongtrain's model; got architectures={architectures}")
     unsupported = {
         "hidden_act": (hf_config.hidden_act, "silu"),
-        "attention_bias": (hf_config.attention_bias, False),
         "mlp_bias": (hf_config.mlp_bias, False),
     }
     for name, (value, needed) in unsupported.items():
         if value != needed:
             raise ValueError(f"{name}={value!r} has no loongtrain equivalent (needs {needed!r})")
     theta, scaling = rope_from_hf(hf_config)
-    return dataclasses.replace(shape_config_from_hf(hf_config), rope_theta=theta, rope_scaling=scaling)
+    return dataclasses.replace(shape_config_from_hf(hf_config), rope_theta=theta, rope_scaling=scaling,
+                               attention_bias=bool(hf_config.attention_bias))
 
 
 def hf_config_with_rope(hf_config: Any, theta: float | None = None, scaling: RopeScaling | None = None, *,
@@ -182,8 +188,12 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
 def _name_map(config: ModelConfig) -> dict[str, str]:
     """native name -> HF name for every tensor of ``Transformer(config)``."""
     names = {k: v for k, v in _GLOBAL_NAMES.items() if not (config.tie_embeddings and k == "output.weight")}
+    layer_names = dict(_LAYER_NAMES)
+    if config.attention_bias:  # Llama's attention_bias: the four projections' biases
+        layer_names.update({k.replace(".weight", ".bias"): v.replace(".weight", ".bias")
+                            for k, v in _LAYER_NAMES.items() if k.startswith("attention.w")})
     for i in range(config.num_layers):
-        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in _LAYER_NAMES.items()})
+        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in layer_names.items()})
     return names
 
 

@@ -111,3 +111,21 @@ def test_plans_count_a_model_with_full_layers_as_full():
     cost = [step_cost(m, ParallelConfig(hp=1, cp=4), load_cluster("h100"), nodes=1, seq_len=4096, world=4)
             for m in (mixed, full, windowed)]
     assert cost[0].step_time == cost[1].step_time > cost[2].step_time
+
+
+def test_export_maps_attention_biases_and_refuses_what_llama_lacks(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from loongtrain.hf.convert import export_hf, model_config_from_hf
+
+    config = dataclasses.replace(native_config(), attention_sinks=False, layer_types=None, sliding_window=None)
+    model = Transformer(config, seed=4).double()
+    export_hf(model, None, tmp_path / "out")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64, attn_implementation="sdpa")
+    assert hf.config.attention_bias and model_config_from_hf(hf.config).attention_bias
+    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    assert (hf(input_ids=ids).logits - model(ids)).abs().max() < 1e-5  # HF's norms and RoPE round through fp32
+    for change, message in ((dict(attention_sinks=True), "attention_sinks=True has no LlamaForCausalLM"),
+                            (dict(sliding_window=4, layer_types=native_config().layer_types), "sliding layers")):
+        with pytest.raises(ValueError, match=message):
+            export_hf(Transformer(dataclasses.replace(config, **change), seed=0), None, tmp_path / "bad")
