@@ -69,15 +69,11 @@ def _layer_mismatch(layer: nn.Module, where: str) -> str | None:
     found = _attention_mismatch(attn, f"{where} self_attn ({type(attn).__name__})")
     if found:
         return found
-    sparse = [n for n, m in layer.named_modules() if type(m).__name__ in SPARSE_BLOCKS]
-    for sub, module in layer.named_modules():
-        if sub == "self_attn" or sub.startswith("self_attn.") or any(sub == s or sub.startswith(s + ".")
-                                                                     for s in sparse):
-            continue
+    for sub, module in _modules(layer, skip=attn):
         if next(module.children(), None) is None and not _token_wise(module):
             return f"{where} {sub} ({type(module).__name__}) is not a token-wise layer"
         own = [n for n, _ in module.named_parameters(recurse=False)]
-        if own and next(module.children(), None) is not None:
+        if own and next(module.children(), None) is not None and sub and not isinstance(module, nn.Linear):
             return f"{where} {sub} ({type(module).__name__}) holds parameters {own} outside its layers"
     return None
 
@@ -92,11 +88,22 @@ def _attention_mismatch(attn: nn.Module, where: str) -> str | None:
     own = [n for n, _ in attn.named_parameters(recurse=False) if n != "sinks"]
     if own:
         return f"{where} holds parameters {own} (only gpt-oss's 'sinks' has a loongtrain equivalent)"
-    for sub, module in attn.named_modules():
+    for sub, module in _modules(attn):
         if sub and next(module.children(), None) is None and not (
                 _token_wise(module) or type(module).__name__.endswith("RotaryEmbedding")):
             return f"{where} {sub} ({type(module).__name__}) is not a projection, norm or rotary embedding"
     return None
+
+
+def _modules(root: nn.Module, skip: nn.Module | None = None, prefix: str = ""):
+    """``(name, module)`` of ``root`` and below, not descending into a linear layer (an adapted one holds its
+    adapters: still a projection), a sparse MoE block loongtrain runs, or ``skip``."""
+    yield prefix, root
+    if isinstance(root, nn.Linear) or (prefix and type(root).__name__ in SPARSE_BLOCKS):
+        return
+    for name, child in root.named_children():
+        if child is not skip:
+            yield from _modules(child, None, f"{prefix}.{name}" if prefix else name)
 
 
 def _token_wise(module: nn.Module) -> bool:

@@ -97,3 +97,15 @@ def test_model_directories_are_checked_by_structure(tmp_path):
     with pytest.raises(ValueError, match=r"'Gemma2ForCausalLM': config attn_logit_softcapping=50.0") as info:
         read_hf_config(tmp_path / "Gemma2ForCausalLM")
     assert "\n" not in str(info.value)
+
+
+def test_adapted_projections_still_match():
+    # LoRA adapters inside the projections (loongtrain's, applied after 2D-Attention): still projections
+    import transformers
+
+    from loongtrain.model.lora import LoraConfig
+    from loongtrain.parallelize.lora import apply_lora
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON))
+    apply_lora(model, LoraConfig(r=2, alpha=4.0, targets=("q_proj", "v_proj", "gate_proj")))
+    assert check_architecture("LlamaForCausalLM", model) == "LlamaForCausalLM"
