@@ -1,6 +1,6 @@
 """Attention sinks through 2D-Attention (docs/attention.md#attention-sinks): sharded equals HF gpt-oss's eager
 formula on the whole sequence in fp64, forward and the gradients of q, k, v and the sinks, at hp2 x cp2,
-hp1 x cp4 and the double ring (inner ring 2), with GQA and replicated KV heads, packed documents, sliding
+hp1 x cp4, hp4 x cp1 and the double ring (inner ring 2), with GQA and replicated KV heads, packed documents, sliding
 windows, causal and not."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ CONFIGS = [
     dict(hp=1, cp=4),
     dict(hp=1, cp=4, inner_ring=2, placement="context_first", interleaved=True),
     dict(hp=2, cp=2, inner_ring=2),
+    dict(hp=4, cp=1),  # one head (and its sink) per rank, KV heads replicated
 ]
 
 
