@@ -156,16 +156,18 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
 
     Layers, hidden size, heads, KV heads, head_dim (which may differ from hidden/heads), FFN width,
     vocabulary, tied head, RoPE theta, norm eps, the experts (:func:`loongtrain.hf.moe.moe_layout`: which layers,
-    how many, top-k, their width), and the sliding window when every layer uses it (a
-    window on only some layers is planned as full attention: an upper bound). qkv biases and q/k
-    norms are ignored (negligible for cost); :func:`model_config_from_hf` is the exact mapping.
+    how many, top-k, their width), and the sliding window with, when only some layers use it, the
+    ``layer_types`` (each layer planned with its own window). qkv biases and q/k norms are ignored
+    (negligible for cost); :func:`model_config_from_hf` is the exact mapping.
     """
     check_config_architectures(hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     window = getattr(hf_config, "sliding_window", None) or None  # HF: None (or 0) for none
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
-        window = None
+    layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
+    if window is None or "sliding_attention" not in layer_types:  # every layer full (a window HF does not use)
+        window, layer_types = (window, ()) if not layer_types else (None, ())
+    elif set(layer_types) == {"sliding_attention"}:  # every layer windowed
+        layer_types = ()
     moe = moe_layout(hf_config)
     experts = {} if moe is None else dict(num_experts=moe.num_experts, top_k=moe.top_k, moe_ffn_dim=moe.ffn_dim,
                                           moe_layers=moe.layers)
@@ -181,6 +183,7 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         head_dim=int(head_dim),
         sliding_window=None if window is None else int(window),
+        layer_types=layer_types or None,  # sliding and full layers, each planned with its own window
         **experts,
     )
 

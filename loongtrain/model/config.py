@@ -119,10 +119,17 @@ class ModelConfig:
 
     @property
     def uniform_window(self) -> int | None:
-        """The window every layer uses; None when some layer is full (plans count such a model as full: an
-        upper bound)."""
-        windows = {self.layer_window(i) for i in range(self.num_layers)}
-        return windows.pop() if len(windows) == 1 else None
+        """The window every layer uses; None when some layer is full."""
+        windows = self.layer_windows()
+        return next(iter(windows)) if len(windows) == 1 else None
+
+    def layer_windows(self) -> dict[int | None, int]:
+        """Each distinct layer window (None: full attention) and how many layers have it, in layer order."""
+        counts: dict[int | None, int] = {}
+        for i in range(self.num_layers):
+            window = self.layer_window(i)
+            counts[window] = counts.get(window, 0) + 1
+        return counts
 
 
 #: the kinds of attention layer a :class:`ModelConfig`'s ``layer_types`` names (HF's names)
@@ -213,14 +220,16 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     ``6 * N_matmul + 6 * L * S * H * D`` where ``N_matmul`` = linear-layer weights + lm head (the
     embedding lookup is not a matmul; norms are ignored). Attention: forward causal per token per
     layer is ``2 (QK^T and PV) * 2 (multiply-add) * S * H * D / 2 (causal)`` = ``2 * S * H * D``,
-    and forward + backward is 3x that. With a ``sliding_window`` ``w < S`` a token attends to
-    ``w * (1 - w / (2S))`` keys on average instead of ``S / 2``.
+    and forward + backward is 3x that. In a layer with a sliding window ``w < S`` (``layer_types``) a token
+    attends to ``w * (1 - w / (2S))`` keys on average instead of ``S / 2``.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be positive")
-    w = min(config.uniform_window or seq_len, seq_len)
-    attended = w * (1 - w / (2 * seq_len))  # mean keys per query (S / 2 without a window)
-    attn = 3 * 4 * attended * config.num_heads * config.head_dim * config.num_layers
+    attended = 0.0  # mean keys per query (S / 2 without a window), summed over the layers
+    for window, layers in config.layer_windows().items():
+        w = min(window or seq_len, seq_len)
+        attended += layers * w * (1 - w / (2 * seq_len))
+    attn = 3 * 4 * attended * config.num_heads * config.head_dim
     return float(6 * matmul_params(config) + attn)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loongtrain.model.config import active_params, num_params
+from loongtrain.model.config import ModelConfig, active_params, num_params
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.calibrate import calibrate, calibrate_from_run, read_run
@@ -195,7 +195,7 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
                            for i, (c, ws) in enumerate(rows[:top])],
         }, indent=1))
     else:
-        window = f", sliding window {model.uniform_window}" if model.uniform_window else ""
+        window = _window_text(model)
         docs = "" if documents is None else f", packed documents (median {cfg.doc_median}, zigzag)"
         whole = world % cluster.gpus_per_node == 0
         devices_text = f"{nodes} nodes x {cluster.gpus_per_node} = {world}" if whole else f"{world} (part of a node)"
@@ -292,3 +292,12 @@ def _print_simulation(cfg: PlanConfig, name: str, model, best: Candidate, simula
               f"{result['predicted_host_gib_per_rank']:.2f} GiB, simulated "
               f"{result.get('simulated_host_gib', 0.0):.2f} GiB")
     return 0
+
+
+def _window_text(model: ModelConfig) -> str:
+    """``, sliding window W`` (on every layer), ``, sliding window W on N of L layers``, or ''."""
+    windows = {w: n for w, n in model.layer_windows().items() if w}
+    if not windows:
+        return ""
+    return ", ".join([""] + [f"sliding window {w}" + ("" if n == model.num_layers else f" on {n} of "
+                                                     f"{model.num_layers} layers") for w, n in windows.items()])

@@ -97,20 +97,26 @@ def test_local_attention_with_sinks_is_the_eager_formula(window, documents):
     assert (got - sinks_reference(q, k, v, sinks, visible)).abs().max() < 1e-12
 
 
-def test_plans_count_a_model_with_full_layers_as_full():
-    # an upper bound, never the windowed cost of its sliding layers for all
+def test_plans_count_each_layer_with_its_window():
+    # half the layers windowed: the FLOPs halfway between all full and all windowed, the step time between them
     from loongtrain.model.config import flops_per_token
     from loongtrain.parallel.config import ParallelConfig
+    from loongtrain.parallel.documents import Documents
+    from loongtrain.plan.attention_cost import AttnShape
     from loongtrain.plan.cluster import load_cluster
-    from loongtrain.plan.cost import step_cost
+    from loongtrain.plan.cost import document_flops, step_cost
 
     mixed = native_config(window=64)
     full = dataclasses.replace(mixed, layer_types=None, sliding_window=None)
     windowed = dataclasses.replace(mixed, layer_types=None)
-    assert flops_per_token(mixed, 4096) == flops_per_token(full, 4096) > flops_per_token(windowed, 4096)
+    flops = [flops_per_token(m, 4096) for m in (mixed, full, windowed)]
+    assert flops[1] > flops[2] and abs(flops[0] - (flops[1] + flops[2]) / 2) < 1e-6 * flops[0]
     cost = [step_cost(m, ParallelConfig(hp=1, cp=4), load_cluster("h100"), nodes=1, seq_len=4096, world=4)
             for m in (mixed, full, windowed)]
-    assert cost[0].step_time == cost[1].step_time > cost[2].step_time
+    assert cost[1].step_time > cost[0].step_time > cost[2].step_time
+    docs, shape = Documents(((0, 1000, 4096),)), AttnShape(1, 4096, 4, 2, 8)
+    work = [document_flops(m, shape, docs) for m in (mixed, full, windowed)]
+    assert work[1] > work[2] and abs(work[0] - (work[1] + work[2]) / 2) < 1e-6 * work[0]
 
 
 def test_export_maps_attention_biases_and_refuses_what_llama_lacks(tmp_path):
