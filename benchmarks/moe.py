@@ -10,7 +10,7 @@ weights scaled so that routing is uneven, as after training). Per round, side by
 before the MoE step, each ``--steps`` times, by the wall clock and the CPU time; the table gives the median over
 rounds of moe / dense with its quartiles and min-max spread.
 
-    .venv/bin/python -m benchmarks.moe                   # dim 1024, 16 experts, top-2 of width 512, 4096 tokens
+    .venv/bin/python -m benchmarks.moe                   # dim 1024, 16 experts, top-2 of width 512, 16384 tokens
     .venv/bin/python -m benchmarks.moe --experts 64 --top-k 8 --moe-ffn-dim 128
 """
 
@@ -68,8 +68,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--moe-ffn-dim", type=int, default=512)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=2, help="steps per case per round (default 2)")
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens of the rank (default 16384)")
+    parser.add_argument("--steps", type=int, default=1, help="steps per case per round (default 1)")
     add_common(parser, rounds=11, threads=1, seed=0)
     args = parser.parse_args()
     setup(args)

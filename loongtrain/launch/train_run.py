@@ -74,6 +74,9 @@ def validate_run(cfg: TrainConfig, world: int, model_config: ModelConfig | None 
         offloaded_blocks(recomputed_layers(model_config.num_layers, p.recompute_fraction), p.offload_keep)
     check_compile_run(cfg.compile, p, default_device().type)  # --compile: a working compiler, composable modes
     lora_targets(cfg, model_config)  # --lora: its targets name modules of this model (docs/lora.md)
+    if model_config.moe_layers and str(p.mlp_tiles) != "1":  # TiledMLP tiles a dense MLP (docs/moe-and-gpt-oss.md)
+        raise ValueError(f"--mlp-tiles {p.mlp_tiles}: {cfg.model!r} has experts, whose MLPs run untiled; use "
+                         f"--mlp-tiles 1")
     if cfg.dtype == "bf16" and not torch.cuda.is_available():
         log.warning("--dtype bf16 on CPU: autocast to bf16 on CPU is slow on most machines")
     return model_config

@@ -167,52 +167,51 @@ def run_experts(x: Tensor, top: Tensor, experts: Tensor, weights: ExpertWeights,
     k = spec.top_k
     flat_experts = experts.reshape(-1)
     order = torch.argsort(flat_experts, stable=True)  # sorted position i holds (token, j) pair order[i]
-    slots = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    rows = _Dispatch.apply(x.to(compute_dtype(x)), order // k, slots, k)  # cast once, then gathered
+    tokens = order // k
+    rows = _Dispatch.apply(x.to(compute_dtype(x)), tokens)  # cast once, then gathered
     counts = expert_counts(flat_experts, spec.num_experts)
     if grouped:
         out = _grouped_mlp(rows, counts, flat_experts[order], weights, spec)
     else:
         out = _looped_mlp(rows, counts, weights, spec)
-    return _Combine.apply(out, top.to(out.dtype), order, slots).to(x.dtype)
+    return _Combine.apply(out, top.to(out.dtype), order, tokens).to(x.dtype)
 
 
 class _Dispatch(torch.autograd.Function):
-    """``x[tokens]``: the ``T * k`` rows in expert order. Backward: the rows' gradients put back in (token, j)
-    order (``slots``) and summed over ``j``: a gather and a sum, no accumulating scatter; saves only indices."""
+    """``x[tokens]``: the ``T * k`` rows in expert order. Backward: the rows' gradients added into their tokens'
+    (one ``index_add_``, deterministic on CUDA under ``torch.use_deterministic_algorithms``); saves the indices."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, tokens: Tensor, slots: Tensor, k: int) -> Tensor:
-        ctx.save_for_backward(slots)
-        ctx.k = k
-        return x[tokens]
+    def forward(ctx: Any, x: Tensor, tokens: Tensor) -> Tensor:
+        ctx.save_for_backward(tokens)
+        ctx.num_tokens = x.shape[0]
+        return x.index_select(0, tokens)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        (slots,) = ctx.saved_tensors
-        return grad[slots].reshape(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (tokens,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.num_tokens, grad.shape[-1]).index_add_(0, tokens, grad), None
 
 
 class _Combine(torch.autograd.Function):
-    """``y[t] = sum_j top[t, j] * out[slots[t k + j]]``: the experts' outputs (in expert order) weighted and summed
-    per token. Saves the outputs in (token, j) order, ``top`` and ``order``; backward: ``d top`` by one batched
-    product, ``d out`` each sorted row's token's gradient times its weight (one ``[T k, dim]`` tensor)."""
+    """``y[t] = sum_j top[t, j] * expert_j(x[t])`` from the experts' outputs ``out`` in expert order: each row times
+    its weight, added into its token (one ``index_add_``). Saves ``out``, the sorted weights and the indices;
+    backward: the tokens' gradients gathered once in expert order, ``d out`` (scaled in place) and ``d top``."""
 
     @staticmethod
-    def forward(ctx: Any, out: Tensor, top: Tensor, order: Tensor, slots: Tensor) -> Tensor:
-        gathered = out[slots].reshape(top.shape[0], top.shape[1], -1)
-        ctx.save_for_backward(gathered, top, order)
-        return torch.bmm(top.unsqueeze(1), gathered).squeeze(1)
+    def forward(ctx: Any, out: Tensor, top: Tensor, order: Tensor, tokens: Tensor) -> Tensor:
+        weights = top.reshape(-1)[order]
+        ctx.save_for_backward(out, weights, order, tokens)
+        ctx.top_shape = top.shape
+        return out.new_zeros(top.shape[0], out.shape[-1]).index_add_(0, tokens, out * weights.unsqueeze(1))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        gathered, top, order = ctx.saved_tensors
-        t, k = top.shape
-        grad = grad.to(gathered.dtype)
-        d_top = torch.bmm(gathered, grad.unsqueeze(2)).squeeze(2)
-        d_out = grad[order // k]  # each sorted row's token's gradient (one [T k, dim] tensor, scaled in place)
-        d_out.mul_(top.reshape(-1)[order].unsqueeze(1))
-        return d_out, d_top, None, None
+        out, weights, order, tokens = ctx.saved_tensors
+        g = grad.to(out.dtype).index_select(0, tokens)  # each sorted row's token's gradient
+        d_weights = (g * out).sum(dim=-1)
+        d_top = torch.empty_like(d_weights).scatter_(0, order, d_weights).reshape(ctx.top_shape)
+        return g.mul_(weights.unsqueeze(1)), d_top, None, None
 
 
 def _looped_mlp(rows: Tensor, counts: Tensor, w: ExpertWeights, spec: MoESpec) -> Tensor:

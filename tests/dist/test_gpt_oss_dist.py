@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 from tests.helpers.gpt_oss import check_hf, check_hf_moe, check_native, check_untested_family
 
 pytestmark = pytest.mark.distributed

@@ -14,7 +14,7 @@ import loongtrain
 from loongtrain.hf.moe import bind_moe, moe_layout
 from loongtrain.loss.router import load_balancing_loss
 from loongtrain.loss.sharded import sharded_cross_entropy
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 from tests.helpers.moe import MOE_FAMILIES, VOCAB, reference_aux_loss, tiny_moe
 
 pytestmark = pytest.mark.distributed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 from tests.helpers.sinks import check_sinks
 
 pytestmark = pytest.mark.distributed

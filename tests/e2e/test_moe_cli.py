@@ -1,7 +1,8 @@
 """``loongtrain train --model MOE_DIR`` from the command line (docs/moe-and-gpt-oss.md#mixture-of-experts): a tiny
 Qwen3-MoE directory (per-expert weight files, as ``save_pretrained`` writes them) trains with the same losses and
-``aux_loss`` at world 1 and at world 4 (hp2 x cp2, ZeRO full; fp32, rel 1e-5) for three steps; resuming continues
-the run bit for bit; the export loads in transformers; experts or a top-k that do not fit exit 2 before any worker."""
+``aux_loss`` at world 1 and at world 4 (hp2 x cp2, ZeRO full; fp32, rel 1e-5) for three steps, and with recompute;
+resuming continues the run bit for bit; the export loads in transformers; experts or a top-k that do not fit exit 2
+before any worker; ``plan --max-seq-len`` of Qwen3-30B-A3B agrees with the simulation within 5%."""
 
 from __future__ import annotations
 
@@ -51,6 +52,16 @@ def test_world_1_and_world_4_give_the_same_losses_and_aux_loss(runs):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
         assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-5), (a, b)
     assert one[0]["loss"] != one[-1]["loss"] and one[0]["aux_loss"] != one[-1]["aux_loss"]  # it trains
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_gives_the_same_losses(recompute, runs, moe_dir, tmp_path):
+    # the recomputing backward records no router statistics (they were the forward's) and saves what it did
+    rows = _train(moe_dir, tmp_path / "run", "--nproc", "1", "--hp", "1", "--cp", "1", "--recompute", recompute)
+    for a, b in zip(_rows(runs["w1"]), rows, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["aux_loss"] == pytest.approx(a["aux_loss"],
+                                                                                                     rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
 
 
 def test_resume_continues_bit_for_bit(runs, moe_dir, tmp_path):
@@ -107,17 +118,20 @@ def _no_workers(monkeypatch) -> None:
     ({"num_experts_per_tok": 0}, r"num_experts_per_tok=0 must be between 1 and the number of experts \(8\)"),
     ({"num_local_experts": 4}, r"weight 'model\.layers\.0\.mlp\.\S+' has shape \(8, .*\) but config\.json needs "
                                r"\(4, "),
-], ids=["top-k-over-experts", "top-k-zero", "experts-not-the-weights"])
+    ({"mlp_tiles": "2"}, r"--mlp-tiles 2: .* has experts, whose MLPs run untiled; use --mlp-tiles 1"),
+], ids=["top-k-over-experts", "top-k-zero", "experts-not-the-weights", "mlp-tiles"])
 def test_experts_or_top_k_that_do_not_fit_exit_2_before_any_worker(change, message, moe_dir, tmp_path, monkeypatch,
                                                                      capsys):
     _no_workers(monkeypatch)
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "model.safetensors").symlink_to(moe_dir / "model.safetensors")
+    change = dict(change)
+    tiles = change.pop("mlp_tiles", None)
     values = {**json.loads((moe_dir / "config.json").read_text()), **change}
     (bad / "config.json").write_text(json.dumps(values))
     argv = ["train", *BASE, "--nproc", "4", "--hp", "2", "--cp", "2", "--model", str(bad), "--out-dir",
-            str(tmp_path / "run")]
+            str(tmp_path / "run"), *(["--mlp-tiles", tiles] if tiles else [])]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

@@ -157,3 +157,24 @@ def test_bad_specs_raise():
         MoESpec(4, 2, routing="sigmoid")
     with pytest.raises(ValueError, match="no layer"):
         load_balancing_loss(RouterStats(), 4, None)
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_per_expert_weight_files_load_fused(family, tmp_path):
+    from safetensors import safe_open
+
+    from loongtrain.hf.build import hf_initial_weights
+    from loongtrain.hf.load import check_hf_dir, load_hf_model
+    from tests.helpers.moe import write_moe_dir
+
+    directory = write_moe_dir(tmp_path / family, family)
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as handle:
+        names = list(handle.keys())
+    assert any(".experts.0." in name for name in names), names  # what save_pretrained writes: expert by expert
+    check_hf_dir(directory)
+    model = load_hf_model(directory)
+    reference = tiny_moe(family, dtype=torch.float32)
+    initial = hf_initial_weights(directory)
+    for name, param in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], param, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(initial(name, param.shape), param, rtol=0, atol=0, msg=name)
