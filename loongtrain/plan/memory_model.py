@@ -202,10 +202,9 @@ def mlp_part_bytes(model: ModelConfig, dtype_bytes: int, sharded: bool, tiles: i
 
 
 def dispatch_backward_bytes(model: ModelConfig, dtype_bytes: int) -> float:
-    """Bytes per token (averaged over the layers) an MoE layer's backward holds beyond a dense MLP's: the gradient
-    of its ``k`` expert outputs in expert order and, as the rows' gradient is summed back per token, the ``k``
-    rows' gradient with its copy in token order (``2 k d b``; loongtrain/model/moe.py's ``_Combine`` and
-    ``_Dispatch``). 0 for a dense model."""
+    """Bytes per token (averaged over the layers) an MoE layer's backward holds beyond a dense MLP's: the tokens'
+    gradients gathered in expert order (the experts' outputs' gradient) and the product that gives the routing
+    weights' gradient (``2 k d b``; loongtrain/model/moe.py's ``_Combine``). 0 for a dense model."""
     if not model.moe_layers:
         return 0.0
     return 2 * model.top_k * model.dim * dtype_bytes * len(model.moe_layers) / model.num_layers
