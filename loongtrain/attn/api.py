@@ -30,8 +30,9 @@ Tensor = torch.Tensor
 
 
 def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, *,
-                              softmax_scale: float | None = None) -> None:
-    """Raise ValueError (before any communication) if q/k/v (and ``softmax_scale``) cannot run on ``mesh``."""
+                              softmax_scale: float | None = None, sinks: Tensor | None = None) -> None:
+    """Raise ValueError (before any communication) if q/k/v (and ``softmax_scale``, ``sinks``) cannot run on
+    ``mesh``."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
@@ -54,10 +55,24 @@ def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, *,
         raise ValueError(
             f"k/v shape {tuple(k.shape)} must match q {tuple(q.shape)} in batch, seq and head_dim"
         )
+    if sinks is not None:
+        validate_sinks(sinks, q)
     # the GQA rule and the sequence-length rule, as everywhere else (docs/attention.md#the-gqa-rule,
     # docs/configuration.md)
     validate_parallel(ParallelConfig.from_layout(mesh.layout), seq_len=seq * mesh.sp,
                       num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+def validate_sinks(sinks: Tensor, q: Tensor) -> None:
+    """ValueError unless ``sinks`` is a floating ``[num_heads]`` tensor on q's device (one logit per query head)."""
+    if not isinstance(sinks, Tensor):
+        raise ValueError(f"sinks must be a tensor [num_heads] (one logit per query head) or None; got "
+                         f"{type(sinks).__name__}")
+    if sinks.shape != (q.shape[2],) or not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating tensor [num_heads={q.shape[2]}]; got {sinks.dtype} "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device}, q on {q.device}")
 
 
 def attention(
@@ -71,6 +86,7 @@ def attention(
     cu_seqlens: CuSeqlens | None = None,
     sliding_window: int | None = None,
     chunk_order: Sequence[int] | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact softmax attention of the replica's full sequence, computed from this rank's shards.
 
@@ -93,6 +109,12 @@ def attention(
     ``chunk_order``: the tokens' layout when they were sharded with ``shard_sequence(..., chunk_order=)``
     (e.g. :func:`loongtrain.balanced_chunk_order` for packed documents); default zigzag.
 
+    ``sinks [H]`` (gpt-oss's attention sinks; the whole parameter, identical on every rank): a learned logit
+    per query head in every row's softmax denominator, ``softmax([q k^T * scale, sink])`` without the sink's
+    column. Each head rank takes its heads' sinks; they are folded in once, after the last ring step's merge
+    (docs/attention.md#attention-sinks). Their gradient on a rank is its query rows' share: summed over the
+    sequence ranks (as the gradient sync does for every replicated weight) it is the exact gradient.
+
     Inside a ``torch.compile``-d block (docs/compile.md) the shape checks are traced, while the values of
     ``cu_seqlens`` and ``chunk_order`` are checked by the ops when they run (give them as tensors, or each
     new value is a new graph) and the agreement exchange is skipped.
@@ -101,8 +123,9 @@ def attention(
     compiling = torch.compiler.is_compiling()
     if not compiling:
         # the agreement check (docs/launching.md)
-        agree_on_attention(mesh, q, k, v, causal, softmax_scale, cu_seqlens, sliding_window, chunk_order)
-    validate_attention_inputs(q, k, v, mesh, softmax_scale=softmax_scale)  # shapes: traced, checked at trace time
+        agree_on_attention(mesh, q, k, v, causal, softmax_scale, cu_seqlens, sliding_window, chunk_order, sinks)
+    # shapes: traced, checked at trace time
+    validate_attention_inputs(q, k, v, mesh, softmax_scale=softmax_scale, sinks=sinks)
     validate_sliding_window(sliding_window)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     if compiling:  # traced inside a compiled block: document boundaries and chunk order are data, not constants
@@ -122,7 +145,9 @@ def attention(
         v = v.repeat_interleave(hp // num_kv_heads, dim=2)
     if hp > 1:
         q, k, v = _scatter_heads(q, k, v, mesh)
-    out, _ = ops.ring_attention(q, k, v, key, causal, scale, cu, sliding_window, order)
+        if sinks is not None:  # this head rank's heads (the all-to-all's chunk hp_rank of the head dim)
+            sinks = sinks.view(hp, -1)[mesh.hp_rank]
+    out, _ = ops.ring_attention(q, k, v, key, causal, scale, cu, sliding_window, order, sinks)
     if hp > 1:
         out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
     return out

@@ -5,11 +5,13 @@ every model that is not a Hugging Face one.
 Protocol: a model takes part when every attention module routes its core through one replaceable
 attribute ``attention_fn`` (an instance or class attribute, not a submodule), called as::
 
-    attention_fn(q, k, v, causal=True[, softmax_scale=s][, cu_seqlens=c][, sliding_window=w][, chunk_order=o])
+    attention_fn(q, k, v, causal=True[, softmax_scale=s][, cu_seqlens=c][, sliding_window=w][, chunk_order=o]
+                 [, sinks=t])
         q [B, S_local, H, D], k, v [B, S_local, Hkv, D] -> out [B, S_local, H, D]
 
 (``cu_seqlens``: packed documents of the full sequence; ``sliding_window``: Mistral's window;
-``chunk_order``: the layout the tokens were sharded with, default zigzag; all as in
+``chunk_order``: the layout the tokens were sharded with, default zigzag; ``sinks``: gpt-oss's attention sinks
+``[H]``; all as in
 :func:`loongtrain.attention`, passed only when set)
 
 with query head ``h`` using KV head ``h // (H / Hkv)`` (GQA) and ``softmax_scale`` defaulting to
@@ -53,9 +55,10 @@ class MeshAttention:
         cu_seqlens=None,
         sliding_window: int | None = None,
         chunk_order=None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return attention(q, k, v, self.mesh, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                         sliding_window=sliding_window, chunk_order=chunk_order)
+                         sliding_window=sliding_window, chunk_order=chunk_order, sinks=sinks)
 
     def __getstate__(self) -> Mesh:
         return self.mesh

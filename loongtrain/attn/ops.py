@@ -17,6 +17,7 @@ import torch
 
 from loongtrain.attn.masking import AttnMask, unflatten_cu_seqlens
 from loongtrain.attn.ring import Ring, ring_backward_packed, ring_forward
+from loongtrain.attn.sinks import sinks_grad
 from loongtrain.model.local_attention import normalize_cu_seqlens
 from loongtrain.parallel.comm import all_to_all, all_to_all_pieces, all_to_all_result, resolve_group
 from loongtrain.parallel.mesh import Mesh
@@ -105,22 +106,25 @@ def as_index_tensor(values: Sequence[int] | Tensor | None) -> Tensor | None:
 @torch.library.custom_op("loongtrain::ring_attention", mutates_args=())
 def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, ring: str, causal: bool, scale: float, cu_seqlens: Tensor | None,
-    sliding_window: int | None, chunk_order: Tensor | None,
+    sliding_window: int | None, chunk_order: Tensor | None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the K/V ``[B, S_c, Hkv, D]``
     of every member of the ring registered as ``ring`` (:func:`ring_key`); returns out ``[B, S_c, H, D]`` and
     lse ``[B, H, S_c]``. ``cu_seqlens``: each batch row's document boundaries, rows concatenated (each starts
     at 0; None: one document), a CPU int64 tensor (:func:`as_index_tensor`); ``sliding_window``: Mistral's
-    window (None: none); ``chunk_order``: the tokens' layout (None: zigzag), a CPU int64 tensor.
-    Backward: :func:`ring_attention_backward` (ring backward, K/V re-circulated and dK/dV returned to their
-    owners); lse is not differentiable (docs/attention.md)."""
+    window (None: none); ``chunk_order``: the tokens' layout (None: zigzag), a CPU int64 tensor; ``sinks``:
+    ``[H]`` attention sinks of these heads (None: none), folded in once after the last merge (out and lse
+    include them). Backward: :func:`ring_attention_backward` (ring backward, K/V re-circulated and dK/dV
+    returned to their owners) and, for ``sinks``, this rank's rows' share of their gradient (no
+    communication: the sequence ranks' shares sum in the gradient sync); lse is not differentiable
+    (docs/attention.md#attention-sinks)."""
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
-    out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask)
+    out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask, sinks=sinks)
     return out.transpose(1, 2).contiguous(), lse
 
 
 @ring_attention.register_fake
-def _(q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order):
+def _(q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order, sinks=None):
     # shapes depend on q alone, whatever the documents, window or chunk order
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc)
@@ -156,19 +160,25 @@ def _bhsd(x: Tensor) -> Tensor:
 
 
 def _ring_setup(ctx, inputs, output) -> None:
-    q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order = inputs
+    q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order, *rest = inputs
+    sinks = rest[0] if rest else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, chunk_order)  # tensors saved as such (compile traces it)
+    # tensors saved as such (compile traces it)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, chunk_order, sinks)
     ctx.args = (ring, causal, scale, sliding_window)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, dout: Tensor, _dlse: Tensor | None):
-    q, k, v, out, lse, cu_seqlens, chunk_order = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens, chunk_order, sinks = ctx.saved_tensors
     ring, causal, scale, sliding_window = ctx.args
-    dq, dkv = ring_attention_backward(dout.contiguous(), q, k, v, out, lse, ring, causal, scale, cu_seqlens,
+    dout = dout.contiguous()
+    dq, dkv = ring_attention_backward(dout, q, k, v, out, lse, ring, causal, scale, cu_seqlens,
                                       sliding_window, chunk_order)
-    return (dq, dkv[0], dkv[1]) + (None,) * 6
+    dsinks = None
+    if sinks is not None and ctx.needs_input_grad[9]:  # out and lse include the sinks: dq, dk, dv as they are
+        dsinks = sinks_grad(_bhsd(dout), _bhsd(out), lse, sinks)
+    return (dq, dkv[0], dkv[1]) + (None,) * 6 + (dsinks,)
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)

@@ -34,6 +34,7 @@ from loongtrain.attn.masking import AttnMask, Piece
 from loongtrain.attn.ring_step import BackwardStep, ForwardStep, Pieces, acc_dtype, whole_piece
 from loongtrain.attn.schedule import DKV_OWN, KV_OUTER, Compute, Event, Payload, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach
+from loongtrain.attn.sinks import fold_sinks
 from loongtrain.parallel.comm import Exchange, post_exchange
 from loongtrain.parallel.layout import DoubleRing, Hop
 
@@ -181,23 +182,28 @@ def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:
 
 def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, ring: Ring, causal: bool, scale: float, kernel: Kernel | None = None,
-    *, mask: AttnMask | None = None,
+    *, mask: AttnMask | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """out ``[B, H, S_c, D]`` (input dtype) and lse ``[B, H, S_c]`` (fp32, fp64 for fp64 inputs) of this
     rank's queries against every ring member's K/V; K/V blocks move round the ring (only as far as a
-    short sliding window reaches). ``mask`` (documents, window) replaces ``causal`` when given."""
+    short sliding window reaches). ``mask`` (documents, window) replaces ``causal`` when given. ``sinks
+    [H]``: attention sinks, folded in once after the last merge (:func:`~loongtrain.attn.sinks.fold_sinks`;
+    the returned out and lse include them, so :func:`ring_backward` with them gives dq, dk, dv as they are)."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
     kernel = _kernel(kernel, q, k)
     whole = _whole(geometry, mask, q)
     if whole is not None:  # one call, no ring: the kernel's result, without the fp32 accumulators
         out, lse = kernel.forward(q, k, v, whole.kind == "causal", scale)
-        return out.to(q.dtype), lse.to(acc_dtype(q.dtype)).contiguous()  # the accumulators' layout
+        lse = lse.to(acc_dtype(q.dtype))
+        if sinks is not None:
+            out, lse = fold_sinks(out, lse, sinks)
+        return out.to(q.dtype), lse.contiguous()  # the accumulators' layout
     step = ForwardStep(q, ring.position, mask, geometry.size, scale, kernel)
     kv = torch.stack([k, v])
     run_pass(geometry, [_Member(geometry, ring.position, DistTransport(ring), step, kv)], False,
              _reach(geometry, q, mask))
-    return step.result()
+    return step.result(sinks)
 
 
 def ring_backward(
@@ -280,7 +286,7 @@ def _local_members(
 def local_ring_forward(
     qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], inner_ring: int, causal: bool,
     scale: float, kernel: Kernel | None = None, transports: Sequence[Transport] | None = None,
-    *, mask: AttnMask | None = None,
+    *, mask: AttnMask | None = None, sinks: Tensor | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """:func:`ring_forward` of all ``cp = len(qs)`` members of one ring in this process (``qs[p]``: member
     ``p``'s zigzag shard ``[B, H, S_c, D]``); returns each member's ``(out, lse)``. ``transports``: one per
@@ -289,7 +295,7 @@ def local_ring_forward(
     steps = [ForwardStep(q, p, mask, cp, scale, _kernel(kernel, q, ks[p])) for p, q in enumerate(qs)]
     geometry, members = _local_members(inner_ring, steps, ks, vs, transports)
     run_pass(geometry, members, False, _reach(geometry, qs[0], mask))
-    return [s.result() for s in steps]
+    return [s.result(sinks) for s in steps]
 
 
 def local_ring_backward(

@@ -28,6 +28,7 @@ import torch
 
 from loongtrain.attn.kernels import Kernel, reference_backward, reference_forward
 from loongtrain.attn.masking import AttnMask, Piece, member_runs, piece_mask, visible_pieces
+from loongtrain.attn.sinks import fold_sinks
 from loongtrain.parallel.runtime import to_device
 
 Tensor = torch.Tensor
@@ -255,7 +256,10 @@ class ForwardStep:
             merge(o, m, out[a:b], lse[:, a:b].t())
             out_acc[index], lse_acc[index] = o, m
 
-    def result(self) -> tuple[Tensor, Tensor]:
+    def result(self, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """out (input dtype) and lse of every block merged; ``sinks``: folded in last (:func:`fold_sinks`)."""
+        if sinks is not None:
+            self.out, self.lse = fold_sinks(self.out, self.lse, sinks)
         return self.out.to(self.q.dtype), self.lse
 
 

@@ -14,7 +14,9 @@ the *global* ``position_ids`` of one unbroken sequence, or, for packed documents
 boundaries passed to the model's forward as ``cu_seqlens=`` (loongtrain.attention's convention; the
 trainer does this under ``--doc-mask on``), with position ids that may restart per document. Padding
 masks, position ids that restart without ``cu_seqlens``, attention dropout and KV caches are rejected
-with a ValueError; a sliding window (Mistral) goes to ``loongtrain.attention(..., sliding_window=)``. Never pass
+with a ValueError; each layer's sliding window (Mistral's, or a ``sliding_attention`` layer of ``layer_types``:
+HF passes ``None`` for a full layer) goes to ``loongtrain.attention(..., sliding_window=)``, gpt-oss's sinks
+(``s_aux``) to ``sinks=``. Never pass
 ``labels=`` to the sharded model (HF would shift them inside the local shard): shift the labels
 of the full sequence first, shard them too, and use ``loongtrain.loss.sharded.sharded_cross_entropy``.
 """
@@ -58,7 +60,7 @@ def hf_attention_forward(
         raise ValueError("loongtrain attention takes no attention mask (causal attention only)")
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported by loongtrain attention; use 0.0")
-    for name in ("softcap", "s_aux", "cu_seq_lens_q", "cu_seq_lens_k"):
+    for name in ("softcap", "cu_seq_lens_q", "cu_seq_lens_k"):
         if kwargs.get(name) is not None:
             raise ValueError(f"{name} is not supported by loongtrain attention")
     if key.shape[2] != query.shape[2]:
@@ -75,6 +77,8 @@ def hf_attention_forward(
     documents = {"cu_seqlens": cu_seqlens} if cu_seqlens is not None else {}
     if kwargs.get("chunk_order") is not None:  # the layout the inputs were sharded with (default zigzag)
         documents["chunk_order"] = kwargs["chunk_order"]
+    if kwargs.get("s_aux") is not None:  # gpt-oss's attention sinks, one logit per head
+        documents["sinks"] = kwargs["s_aux"]
     position_ids = kwargs.get("position_ids")
     # a value check (host-side) in the first layer: eager only, and the layer's index is not read while compiling
     # (an int attribute is a constant to dynamo: reading it would give every layer a graph; docs/compile.md)
@@ -150,13 +154,14 @@ def apply_to_hf(model: nn.Module, mesh: Mesh) -> nn.Module:
     Registers the ``"loongtrain"`` attention implementation, selects it on ``model`` (and its
     config), turns the KV cache off (training) and sets each layer's ``attention_fn`` to
     ``MeshAttention(mesh)``. Returns ``model`` (changed in place); applying again rebinds.
-    Raises ValueError for a non-HF model, an unsupported architecture or a non-Mesh ``mesh``.
+    Raises ValueError for a non-HF model, one whose layers do not match (naming what differs) or a non-Mesh
+    ``mesh``.
     """
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a loongtrain Mesh (init_mesh / single_process_mesh); got {mesh!r}")
     if not is_hf_model(model):
         raise ValueError(f"expected a transformers PreTrainedModel; got {type(model).__name__}")
-    check_architecture(type(model).__name__)
+    check_architecture(type(model).__name__, model)  # by structure (docs/hf-models.md#families)
     register_attention()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION

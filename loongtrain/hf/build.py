@@ -143,7 +143,7 @@ def hf_model_from_config_dict(values: dict[str, Any], dtype: torch.dtype = torch
     from transformers import AutoModelForCausalLM
 
     hf_config = hf_config_from_dict(values)
-    for name in hf_config.architectures or []:
-        check_architecture(name)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    for name in hf_config.architectures or [type(model).__name__]:
+        check_architecture(name, model)
     return model.to(dtype)

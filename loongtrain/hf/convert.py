@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from loongtrain.hf.families import check_architecture, is_hf_model, supported_architectures
+from loongtrain.hf.load import check_config_architectures
 from loongtrain.hf.moe import moe_layout
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.rope_scaling import DEFAULT, RopeScaling, rope_scaling_from_mapping
@@ -49,6 +50,12 @@ def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings:
     one, else 8192)."""
     from transformers import LlamaConfig
 
+    if config.attention_sinks:
+        raise ValueError("attention_sinks=True has no LlamaForCausalLM equivalent (gpt-oss's sinks: train and export "
+                         "the HF GptOssForCausalLM itself)")
+    if config.layer_types is not None and "sliding_attention" in config.layer_types:
+        raise ValueError(f"layer_types={list(config.layer_types)} (sliding layers) have no LlamaForCausalLM "
+                         f"equivalent")
     scaling = config.rope_scaling
     if max_position_embeddings is None:
         original = scaling.original_max_position_embeddings if scaling is not None else None
@@ -65,7 +72,7 @@ def hf_config_from_model_config(config: ModelConfig, *, max_position_embeddings:
         rms_norm_eps=config.norm_eps,
         rope_parameters=rope_parameters(config.rope_theta, scaling),
         tie_word_embeddings=config.tie_embeddings,
-        attention_bias=False,
+        attention_bias=config.attention_bias,
         mlp_bias=False,
         attention_dropout=0.0,
         max_position_embeddings=max_position_embeddings,
@@ -111,14 +118,14 @@ def model_config_from_hf(hf_config: Any) -> ModelConfig:
         raise ValueError(f"only LlamaForCausalLM maps onto loongtrain's model; got architectures={architectures}")
     unsupported = {
         "hidden_act": (hf_config.hidden_act, "silu"),
-        "attention_bias": (hf_config.attention_bias, False),
         "mlp_bias": (hf_config.mlp_bias, False),
     }
     for name, (value, needed) in unsupported.items():
         if value != needed:
             raise ValueError(f"{name}={value!r} has no loongtrain equivalent (needs {needed!r})")
     theta, scaling = rope_from_hf(hf_config)
-    return dataclasses.replace(shape_config_from_hf(hf_config), rope_theta=theta, rope_scaling=scaling)
+    return dataclasses.replace(shape_config_from_hf(hf_config), rope_theta=theta, rope_scaling=scaling,
+                               attention_bias=bool(hf_config.attention_bias))
 
 
 def hf_config_with_rope(hf_config: Any, theta: float | None = None, scaling: RopeScaling | None = None, *,
@@ -149,17 +156,18 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
 
     Layers, hidden size, heads, KV heads, head_dim (which may differ from hidden/heads), FFN width,
     vocabulary, tied head, RoPE theta, norm eps, the experts (:func:`loongtrain.hf.moe.moe_layout`: which layers,
-    how many, top-k, their width), and the sliding window when every layer uses it (a
-    window on only some layers is planned as full attention: an upper bound). qkv biases and q/k
-    norms are ignored (negligible for cost); :func:`model_config_from_hf` is the exact mapping.
+    how many, top-k, their width), and the sliding window with, when only some layers use it, the
+    ``layer_types`` (each layer planned with its own window). qkv biases and q/k norms are ignored
+    (negligible for cost); :func:`model_config_from_hf` is the exact mapping.
     """
-    for name in getattr(hf_config, "architectures", None) or []:
-        check_architecture(name)
+    check_config_architectures(hf_config)
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     window = getattr(hf_config, "sliding_window", None) or None  # HF: None (or 0) for none
-    layer_types = getattr(hf_config, "layer_types", None)
-    if layer_types is not None and any(kind != "sliding_attention" for kind in layer_types):
-        window = None
+    layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
+    if window is None or "sliding_attention" not in layer_types:  # every layer full (a window HF does not use)
+        window, layer_types = (window, ()) if not layer_types else (None, ())
+    elif set(layer_types) == {"sliding_attention"}:  # every layer windowed
+        layer_types = ()
     moe = moe_layout(hf_config)
     experts = {} if moe is None else dict(num_experts=moe.num_experts, top_k=moe.top_k, moe_ffn_dim=moe.ffn_dim,
                                           moe_layers=moe.layers)
@@ -175,6 +183,7 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         head_dim=int(head_dim),
         sliding_window=None if window is None else int(window),
+        layer_types=layer_types or None,  # sliding and full layers, each planned with its own window
         **experts,
     )
 
@@ -182,8 +191,12 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
 def _name_map(config: ModelConfig) -> dict[str, str]:
     """native name -> HF name for every tensor of ``Transformer(config)``."""
     names = {k: v for k, v in _GLOBAL_NAMES.items() if not (config.tie_embeddings and k == "output.weight")}
+    layer_names = dict(_LAYER_NAMES)
+    if config.attention_bias:  # Llama's attention_bias: the four projections' biases
+        layer_names.update({k.replace(".weight", ".bias"): v.replace(".weight", ".bias")
+                            for k, v in _LAYER_NAMES.items() if k.startswith("attention.w")})
     for i in range(config.num_layers):
-        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in _LAYER_NAMES.items()})
+        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in layer_names.items()})
     return names
 
 
@@ -254,7 +267,10 @@ def export_hf(
         raise ValueError(
             f"the HF config has no architectures entry; set it to one of {supported_architectures()}"
         )
-    check_architecture(architectures[0])
+    if is_hf_model(model_or_state_dict):
+        check_architecture(architectures[0], model_or_state_dict)
+    else:
+        check_config_architectures(hf_config)
     if getattr(hf_config, "tie_word_embeddings", False):
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}

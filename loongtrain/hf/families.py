@@ -17,20 +17,35 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
 )
 
 
 def supported_architectures() -> list[str]:
-    """Class names of the supported Hugging Face causal LMs (the ``architectures`` entry of config.json)."""
+    """Class names of the Hugging Face causal LMs tested family by family (the ``architectures`` entry of
+    config.json); any other whose layers match (:func:`loongtrain.hf.structure.structure_mismatch`) runs too."""
     return list(SUPPORTED_ARCHITECTURES)
 
 
-def check_architecture(name: str) -> str:
-    """Return ``name`` if it is supported, else raise ValueError naming it and the supported list."""
+def check_architecture(name: str, model: nn.Module | None = None) -> str:
+    """Return ``name`` if 2D-Attention runs this architecture exactly, else raise ValueError (one line).
+
+    With the built ``model`` (the meta device is enough) the check is by structure, for every family: its layers
+    must match (:func:`~loongtrain.hf.structure.structure_mismatch`), and the error names what does not. Without
+    it, only the tested families' names (:data:`SUPPORTED_ARCHITECTURES`) pass."""
+    from loongtrain.hf.structure import structure_mismatch
+
+    if model is not None:
+        found = structure_mismatch(model)
+        if found is not None:
+            raise ValueError(f"unsupported Hugging Face architecture {name!r}: {found}; tested architectures: "
+                             f"{supported_architectures()} (others run when their layers match: docs/hf-models.md"
+                             f"#families)")
+        return name
     if name not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported Hugging Face architecture {name!r}; supported architectures: "
-            f"{supported_architectures()}"
+            f"{supported_architectures()} (others are checked by structure once built: docs/hf-models.md#families)"
         )
     return name
 

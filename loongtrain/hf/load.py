@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from loongtrain.hf.expert_files import fuse_shapes, fuse_tensors
-from loongtrain.hf.families import check_architecture
+from loongtrain.hf.families import SUPPORTED_ARCHITECTURES, check_architecture
 from loongtrain.hf.moe import moe_layout
 
 # buffers older checkpoints saved that current models recompute
@@ -25,7 +25,7 @@ def read_hf_config(path: str | Path) -> Any:
     """The HF config of the model directory ``path`` (no weights read).
 
     Raises ValueError for a directory without config.json, a config transformers cannot read, or an
-    unsupported architecture (listing the supported ones).
+    architecture whose layers do not match (naming what differs; docs/hf-models.md#families).
     """
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -33,23 +33,33 @@ def read_hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = read_config_json(path / "config.json")
-    architectures = raw.get("architectures")
-    for name in architectures if isinstance(architectures, list) else []:
-        check_architecture(str(name))
-    check_stated_sizes(raw, path / "config.json")
+    try:
+        check_stated_sizes(raw, path / "config.json")
+        sizes_error = None
+    except ValueError as exc:  # raised after the architecture's check: an unsupported one is named first
+        sizes_error = exc
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises, the file is the problem
+        if sizes_error is not None:
+            raise sizes_error from None
         raise ValueError(f"{str(path / 'config.json')!r} is not a config transformers can read: "
                          f"{type(exc).__name__}: {exc}") from None
-    for name in getattr(config, "architectures", None) or []:
-        check_architecture(name)
     model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
-    check_architecture(getattr(model_class, "__name__", f"{type(config).__name__} (no causal LM class)"))
+    names = {*(getattr(config, "architectures", None) or []),
+             getattr(model_class, "__name__", f"{type(config).__name__} (no causal LM class)")}
+    if model_class is None:
+        check_architecture(min(names, key=lambda n: "no causal LM class" not in n))
+    if not names <= set(SUPPORTED_ARCHITECTURES):  # a family not tested by name: checked by its structure
+        model = build_on_meta(config, path / "config.json")
+        for name in sorted(names):
+            check_architecture(name, model)
     try:
         moe_layout(config)  # experts and top-k that fit each other
     except ValueError as exc:
         raise ValueError(f"{str(path / 'config.json')!r}: {exc}") from None
+    if sizes_error is not None:
+        raise sizes_error
     return config
 
 
@@ -106,6 +116,17 @@ def check_stated_sizes(raw: dict[str, Any], file: Path) -> None:
                          + ("positive integers" if len(bad) > 1 else "a positive integer"))
 
 
+def check_config_architectures(hf_config: Any) -> None:
+    """ValueError (one line) unless every ``architectures`` entry of the HF config object is a tested family or,
+    built on the meta device, has layers that match (:func:`~loongtrain.hf.families.check_architecture`)."""
+    names = list(getattr(hf_config, "architectures", None) or [])
+    if set(names) <= set(SUPPORTED_ARCHITECTURES):
+        return
+    model = build_on_meta(hf_config, Path("config.json"))
+    for name in names:
+        check_architecture(name, model)
+
+
 def build_on_meta(config: Any, file: Path) -> nn.Module:
     """The causal LM of ``config`` on the meta device (no memory), so that every error of the config
     (an unknown ``hidden_act``, sizes that do not divide) surfaces here, as ValueError naming ``file``."""
@@ -126,6 +147,7 @@ def check_hf_dir(path: str | Path) -> Any:
     """
     config = read_hf_config(path)
     model = build_on_meta(config, Path(path) / "config.json")  # with or without weights (docs/launching.md)
+    check_architecture(type(model).__name__, model)  # by structure, the tested families too
     files = sorted(Path(path).glob("*.safetensors"))
     if files:
         _check_weights(model, fuse_shapes(_read_shapes(files)))

@@ -36,6 +36,13 @@ class ModelConfig:
     moe_ffn_dim: int = 0
     #: the layers whose MLP is the experts (the others: the dense ``ffn_dim`` MLP)
     moe_layers: tuple[int, ...] = ()
+    #: each layer's attention, HF's ``layer_types``: ``"sliding_attention"`` (``sliding_window``) or
+    #: ``"full_attention"`` (never windowed); None: every layer uses ``sliding_window`` (if any)
+    layer_types: tuple[str, ...] | None = None
+    #: gpt-oss's attention sinks: a learned logit per query head in the softmax denominator
+    attention_sinks: bool = False
+    #: biases on the q, k, v and output projections (gpt-oss)
+    attention_bias: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -53,6 +60,7 @@ class ModelConfig:
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"sliding_window={window!r} must be None (no window) or a positive integer")
+        self._check_layer_types()
         if self.head_dim == 0:
             if self.dim % self.num_heads != 0:
                 raise ValueError(f"dim={self.dim} must be divisible by num_heads={self.num_heads} "
@@ -85,6 +93,47 @@ class ModelConfig:
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
         if not self.moe_layers or bad or len(set(self.moe_layers)) != len(self.moe_layers):
             raise ValueError(f"moe_layers={list(self.moe_layers)} must name distinct layers in [0, {self.num_layers})")
+
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, str) or not isinstance(self.layer_types, (list, tuple)):
+            raise ValueError(f"layer_types={self.layer_types!r} must be a list of {list(LAYER_TYPES)}, one per layer")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for num_layers={self.num_layers}")
+        for i, kind in enumerate(self.layer_types):
+            if kind not in LAYER_TYPES:
+                raise ValueError(f"layer_types[{i}]={kind!r} is not one of {list(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            i = self.layer_types.index("sliding_attention")
+            raise ValueError(f"layer_types[{i}]='sliding_attention' needs a sliding_window (a sliding layer is never "
+                             f"full)")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``: None for a ``full_attention`` layer, else ``sliding_window``."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_window(self) -> int | None:
+        """The window every layer uses; None when some layer is full."""
+        windows = self.layer_windows()
+        return next(iter(windows)) if len(windows) == 1 else None
+
+    def layer_windows(self) -> dict[int | None, int]:
+        """Each distinct layer window (None: full attention) and how many layers have it, in layer order."""
+        counts: dict[int | None, int] = {}
+        for i in range(self.num_layers):
+            window = self.layer_window(i)
+            counts[window] = counts.get(window, 0) + 1
+        return counts
+
+
+#: the kinds of attention layer a :class:`ModelConfig`'s ``layer_types`` names (HF's names)
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -137,7 +186,9 @@ def mlp_width(config: ModelConfig) -> float:
 
 def _attention_params(config: ModelConfig) -> int:
     d, hd = config.dim, config.head_dim
-    return d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
+    weights = d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
+    biases = (config.num_heads + 2 * config.num_kv_heads) * hd + d if config.attention_bias else 0
+    return weights + biases + (config.num_heads if config.attention_sinks else 0)
 
 
 def num_params(config: ModelConfig, *, include_embeddings: bool = True) -> int:
@@ -169,14 +220,16 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     ``6 * N_matmul + 6 * L * S * H * D`` where ``N_matmul`` = linear-layer weights + lm head (the
     embedding lookup is not a matmul; norms are ignored). Attention: forward causal per token per
     layer is ``2 (QK^T and PV) * 2 (multiply-add) * S * H * D / 2 (causal)`` = ``2 * S * H * D``,
-    and forward + backward is 3x that. With a ``sliding_window`` ``w < S`` a token attends to
-    ``w * (1 - w / (2S))`` keys on average instead of ``S / 2``.
+    and forward + backward is 3x that. In a layer with a sliding window ``w < S`` (``layer_types``) a token
+    attends to ``w * (1 - w / (2S))`` keys on average instead of ``S / 2``.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be positive")
-    w = min(config.sliding_window or seq_len, seq_len)
-    attended = w * (1 - w / (2 * seq_len))  # mean keys per query (S / 2 without a window)
-    attn = 3 * 4 * attended * config.num_heads * config.head_dim * config.num_layers
+    attended = 0.0  # mean keys per query (S / 2 without a window), summed over the layers
+    for window, layers in config.layer_windows().items():
+        w = min(window or seq_len, seq_len)
+        attended += layers * w * (1 - w / (2 * seq_len))
+    attn = 3 * 4 * attended * config.num_heads * config.head_dim
     return float(6 * matmul_params(config) + attn)
 
 

@@ -41,19 +41,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention; its core is the replaceable ``attention_fn`` (docs/memory.md)."""
+    """GQA self-attention; its core is the replaceable ``attention_fn`` (docs/memory.md). Layer ``layer``'s window
+    comes from the config's ``layer_types`` (:meth:`ModelConfig.layer_window`); with ``attention_sinks`` it
+    holds a learned logit per query head, ``sinks`` (docs/attention.md#attention-sinks)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads, config.num_kv_heads, config.head_dim,
         )
         self.attention_fn: AttentionFn = local_attention
-        self.sliding_window = config.sliding_window  # Mistral's convention: i - w < j <= i
-        self.wq = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=False)
-        self.wo = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=False)
+        self.sliding_window = config.layer_window(layer)  # Mistral's convention: i - w < j <= i
+        bias = config.attention_bias
+        self.wq = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=bias)
+        self.wo = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None, chunk_order: Any = None) -> Tensor:
         batch, seq, _ = x.shape
@@ -68,6 +72,8 @@ class Attention(nn.Module):
             masks["chunk_order"] = chunk_order
         if self.sliding_window:
             masks["sliding_window"] = self.sliding_window
+        if self.sinks is not None:
+            masks["sinks"] = self.sinks
         out = self.attention_fn(q, k, v, causal=True, **masks)
         return self.wo(out.reshape(batch, seq, -1))
 
@@ -109,10 +115,10 @@ class TransformerBlock(nn.Module):
     """Pre-norm decoder block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``; with
     ``stats``, the feed-forward is the experts (:class:`MoEFeedForward`) recording into it."""
 
-    def __init__(self, config: ModelConfig, stats: RouterStats | None = None) -> None:
+    def __init__(self, config: ModelConfig, stats: RouterStats | None = None, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config)
+        self.attention = Attention(config, layer)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward: nn.Module = (FeedForward(config.dim, config.ffn_dim) if stats is None
                                         else MoEFeedForward(config, stats))
@@ -136,8 +142,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         #: the router's statistics of the MoE layers (None for a dense model; loongtrain/loss/router.py)
         self.router_stats = RouterStats() if config.moe_layers else None
-        self.layers = nn.ModuleList(TransformerBlock(config, self.router_stats if i in config.moe_layers else None)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, self.router_stats if i in config.moe_layers else None, i)
+            for i in range(config.num_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         if seed is not None:

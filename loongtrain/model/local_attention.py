@@ -5,8 +5,9 @@ Each attention module stores its core as a plain attribute ``attention_fn`` and 
     attention_fn(q, k, v, causal=True)      # q [B, S, H, D], k, v [B, S, Hkv, D] -> [B, S, H, D]
 
 A replacement must accept the same arguments (plus the keyword ``softmax_scale``, default
-``1/sqrt(D)``, and, for packed documents or sliding windows, ``cu_seqlens`` and ``sliding_window``,
-which the model passes only when set) and return the same shape; query head ``h`` attends with KV head
+``1/sqrt(D)``, and, for packed documents, sliding windows or attention sinks, ``cu_seqlens``,
+``sliding_window`` and ``sinks``, which the model passes only when set)
+and return the same shape; query head ``h`` attends with KV head
 ``h // (H / Hkv)`` (GQA). Parallelism is applied by swapping the attribute from outside
 (``loongtrain.apply_2d_attention``); the model itself never communicates.
 """
@@ -105,13 +106,15 @@ def validate_sliding_window(sliding_window: int | None) -> None:
 def local_attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, softmax_scale: float | None = None,
     cu_seqlens: CuSeqlens | None = None, sliding_window: int | None = None, chunk_order: object = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Softmax attention over the whole (unsharded) sequence held by this process.
 
     ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with ``H`` a multiple of ``Hkv`` -> ``[B, S, H, D]``.
     Causal masking is by index in the given order (the tokens must be in sequence order). With
     ``cu_seqlens`` (packed documents) or ``sliding_window`` the masks are those of
-    :func:`loongtrain.attention`: each document runs alone, a window in blocks of queries.
+    :func:`loongtrain.attention`: each document runs alone, a window in blocks of queries. ``sinks [H]``:
+    a logit per head in each row's softmax denominator (:func:`loongtrain.attention`'s; plain math here).
     """
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
@@ -125,17 +128,23 @@ def local_attention(
                          f"sequence in order (shard with loongtrain.shard_sequence and apply_2d_attention)")
     validate_sliding_window(sliding_window)
     docs = normalize_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.shape != (q.shape[2],)):
+        raise ValueError(f"sinks must be a tensor [num_heads={q.shape[2]}]; got "
+                         f"{tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__}")
     if docs is None and sliding_window is None:
-        return _sdpa(q, k, v, causal, softmax_scale, None)
+        return _sdpa(q, k, v, causal, softmax_scale, None, sinks)
     rows = []
     for b, bounds in enumerate(docs or [(0, q.shape[1])] * q.shape[0]):
         parts = [_document(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], causal, softmax_scale,
-                           sliding_window) for s, e in zip(bounds, bounds[1:])]
+                           sliding_window, sinks) for s, e in zip(bounds, bounds[1:])]
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0)
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, mask: Tensor | None) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, mask: Tensor | None,
+          sinks: Tensor | None = None) -> Tensor:
+    if sinks is not None:
+        return _with_sinks(q, k, v, causal, scale, mask, sinks)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
         is_causal=causal and mask is None, scale=scale, enable_gqa=q.shape[2] != k.shape[2],
@@ -143,11 +152,29 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, ma
     return out.transpose(1, 2)
 
 
-def _document(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, window: int | None) -> Tensor:
+def _with_sinks(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, mask: Tensor | None,
+                sinks: Tensor) -> Tensor:
+    """Plain-math attention with a sink logit per head as an extra column of the softmax (gpt-oss's eager form)."""
+    heads, head_dim = q.shape[2], q.shape[3]
+    k, v = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (k, v))
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * (scale if scale is not None else head_dim ** -0.5)
+    visible = mask
+    if causal:
+        tril = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        visible = tril if visible is None else visible & tril
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    column = sinks.to(scores.dtype).view(1, heads, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bhij,bjhd->bihd", probs.to(v.dtype), v)
+
+
+def _document(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, window: int | None,
+              sinks: Tensor | None = None) -> Tensor:
     """One document alone; a window shorter than it: query blocks against the keys the window reaches."""
     n = q.shape[1]
     if window is None or window >= n:
-        return _sdpa(q, k, v, causal, scale, None)
+        return _sdpa(q, k, v, causal, scale, None, sinks)
     block = max(window, 128)
     outs = []
     for a in range(0, n, block):
@@ -155,5 +182,5 @@ def _document(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None
         k0, k1 = max(0, a - window + 1), (b if causal else min(n, b + window - 1))
         d = torch.arange(k0, k1, device=q.device)[None, :] - torch.arange(a, b, device=q.device)[:, None]
         visible = (d > -window) & (d <= 0 if causal else d < window)
-        outs.append(_sdpa(q[:, a:b], k[:, k0:k1], v[:, k0:k1], False, scale, visible))
+        outs.append(_sdpa(q[:, a:b], k[:, k0:k1], v[:, k0:k1], False, scale, visible, sinks))
     return torch.cat(outs, dim=1)

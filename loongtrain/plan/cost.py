@@ -47,7 +47,7 @@ visible pairs' FLOPs instead (:func:`loongtrain.model.config.step_flops`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from loongtrain.model.config import ModelConfig, flops_per_token, mlp_params, mlp_width, num_params, step_flops
 from loongtrain.model.lora import LoraConfig, adapter_params, adapter_shapes, lora_flops_saved
@@ -55,7 +55,8 @@ from loongtrain.parallel.buckets import BUCKET_BYTES
 from loongtrain.parallel.buckets import gradient_buckets as buckets_of
 from loongtrain.parallel.config import ParallelConfig, effective_kv_heads, mlp_tile_count
 from loongtrain.parallel.documents import Documents, visible_pairs
-from loongtrain.plan.attention_cost import AttnShape, attention_time
+from loongtrain.parallel.layout import Layout
+from loongtrain.plan.attention_cost import AttentionTime, AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
 from loongtrain.plan.lora_terms import layer_adapter_params, matmul_factor
 from loongtrain.plan.memory_model import config_memory, layer_params
@@ -183,9 +184,25 @@ def document_flops(model: ModelConfig, shape: AttnShape, documents: Documents,
     """Model FLOPs of one replica's step of packed ``documents``: attention counts only the visible pairs
     (:func:`loongtrain.model.config.step_flops`)."""
     tokens = shape.batch * shape.seq_len
-    window = model.sliding_window if model.sliding_window and model.sliding_window < shape.seq_len else None
-    visible = sum(visible_pairs(cu, shape.seq_len, sliding_window=window) for cu in documents.rows(shape.batch))
+    visible = 0.0  # per layer, averaged over the layers' windows
+    for window, layers in model.layer_windows().items():
+        window = window if window and window < shape.seq_len else None
+        pairs = sum(visible_pairs(cu, shape.seq_len, sliding_window=window) for cu in documents.rows(shape.batch))
+        visible += pairs * layers / model.num_layers
     return step_flops(model, tokens, visible) - lora_flops_saved(model, lora, tokens)
+
+
+def layer_attention_time(layout: Layout, shape: AttnShape, cluster: Cluster, documents: Documents | None,
+                         model: ModelConfig) -> AttentionTime:
+    """:func:`attention_time` of one layer averaged over the model's layers, each with its own window
+    (``layer_types``: a full layer's call and a sliding layer's differ)."""
+    kinds = [(layers / model.num_layers, attention_time(layout, replace(shape, sliding_window=window),
+                                                        cluster, documents))
+             for window, layers in model.layer_windows().items()]
+    if len(kinds) == 1:
+        return kinds[0][1]
+    return AttentionTime(**{f.name: sum(share * getattr(t, f.name) for share, t in kinds)
+                            for f in fields(AttentionTime)})
 
 
 def step_cost(
@@ -199,9 +216,8 @@ def step_cost(
     ``reference``: a DPO run's memory includes its reference pass (loongtrain/plan/memory_model.py)."""
     world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
-    shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
-                      model.sliding_window)
-    attn = attention_time(layout, shape, cluster, documents)
+    shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes)
+    attn = layer_attention_time(layout, shape, cluster, documents, model)
     t = batch * seq_len / layout.sp
     rate, bw = cluster.matmul_tflops * 1e12, cluster.memory_bw
     p_l, L = layer_params(model), model.num_layers

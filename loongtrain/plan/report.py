@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from loongtrain._files import FILE_HEADER, check_output_file, write_atomic
-from loongtrain.model.config import active_params, num_params
+from loongtrain.model.config import ModelConfig, active_params, num_params
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.calibrate import calibrate, calibrate_from_run, read_run
@@ -98,9 +98,9 @@ def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, cfg
                     documents: Documents) -> list[dict]:
     """Per candidate: attention seconds of one layer's call (forward + backward) without the document mask,
     with it under zigzag and under the balanced layout (docs/planner.md), and per-rank work max/mean."""
-    window = model.sliding_window if model.sliding_window and model.sliding_window < cfg.seq_len else None
+    window = model.uniform_window if model.uniform_window and model.uniform_window < cfg.seq_len else None
     shape = AttnShape(cfg.batch_size, cfg.seq_len, model.num_heads, model.num_kv_heads, model.head_dim,
-                      cfg.dtype_bytes, model.sliding_window)
+                      cfg.dtype_bytes, model.uniform_window)
     out = []
     for c, _ in rows:
         layout = c.config.layout(c.world_size)
@@ -197,7 +197,7 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
                            for i, (c, ws) in enumerate(rows[:top])],
         }, indent=1))
     else:
-        window = f", sliding window {model.sliding_window}" if model.sliding_window else ""
+        window = _window_text(model)
         docs = "" if documents is None else f", packed documents (median {cfg.doc_median}, zigzag)"
         whole = world % cluster.gpus_per_node == 0
         devices_text = f"{nodes} nodes x {cluster.gpus_per_node} = {world}" if whole else f"{world} (part of a node)"
@@ -294,3 +294,12 @@ def _print_simulation(cfg: PlanConfig, name: str, model, best: Candidate, simula
               f"{result['predicted_host_gib_per_rank']:.2f} GiB, simulated "
               f"{result.get('simulated_host_gib', 0.0):.2f} GiB")
     return 0
+
+
+def _window_text(model: ModelConfig) -> str:
+    """``, sliding window W`` (on every layer), ``, sliding window W on N of L layers``, or ''."""
+    windows = {w: n for w, n in model.layer_windows().items() if w}
+    if not windows:
+        return ""
+    return ", ".join([""] + [f"sliding window {w}" + ("" if n == model.num_layers else f" on {n} of "
+                                                     f"{model.num_layers} layers") for w, n in windows.items()])

@@ -254,9 +254,8 @@ def _bad_dir(tmp_path: Path, case: str) -> Path:
 
 BAD_INPUTS = {
     "no_config": r"is not a Hugging Face model directory: it has no config\.json",
-    "unsupported": r"unsupported Hugging Face architecture 'GPT2LMHeadModel'; supported architectures: "
-                   r"\['LlamaForCausalLM', 'MistralForCausalLM', 'MixtralForCausalLM', 'Qwen2ForCausalLM', "
-                   r"'Qwen3ForCausalLM', 'Qwen3MoeForCausalLM'\]",
+    "unsupported": r"unsupported Hugging Face architecture 'GPT2LMHeadModel': GPT2LMHeadModel has no decoder layers "
+                   r"at base_model\.layers; tested architectures: \['LlamaForCausalLM', 'MistralForCausalLM', ",
     "weights": r"weight 'model\.layers\.0\.mlp\.down_proj\.weight' has shape \(32, 48\) "
                r"but config\.json needs \(32, 40\)",
     "tokenizer": r"tokenizer 'byte' has 256 tokens but the model .* has a vocabulary of 128",
