@@ -6,7 +6,8 @@ neither attention nor any of its communication (selective recompute; docs/attent
 groups travel as their registered names, a context ring as the key of its registered :class:`Ring`.
 To ``torch.compile`` they are opaque nodes (docs/compile.md): the ring backward is an op of its own,
 document boundaries and chunk orders are CPU int64 tensors (data, not constants of a graph), and the
-fake implementations' shapes depend on q/k/v alone.
+fake implementations' shapes depend on q/k/v alone. Autocast is off inside the ops: the ring computes in the
+dtypes it is given, forward and backward alike (docs/kernels.md#autocast).
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def ring_attention(
     Backward: :func:`ring_attention_backward` (ring backward, K/V re-circulated and dK/dV returned to their
     owners); lse is not differentiable (docs/attention.md)."""
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
-    out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask)
+    with torch.autocast(q.device.type, enabled=False):  # the kernels and fp32 merges run in the dtypes given
+        out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask)
     return out.transpose(1, 2).contiguous(), lse
 
 
@@ -135,8 +137,9 @@ def ring_attention_backward(
     for ``dout``, K/V re-circulated round the ring and dK/dV returned to their owners. An op of its own, so a
     compiled block's backward calls it as one opaque node. Backward: none (no double backward)."""
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
-    dq, dkv = ring_backward_packed(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring],
-                                   causal, scale, mask=mask)
+    with torch.autocast(q.device.type, enabled=False):  # as the forward: the dtypes given
+        dq, dkv = ring_backward_packed(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring],
+                                       causal, scale, mask=mask)
     return dq.transpose(1, 2), dkv.transpose(2, 3)
 
 

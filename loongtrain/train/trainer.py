@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain._files import remove_owned
+from loongtrain.attn.kernel_choice import chosen_kernels, refused_kernels
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import num_params, step_flops
@@ -326,7 +327,8 @@ class Trainer:
                         {"micro_step": done * batches.stage.grad_accum, **batches.state(), "config": cfg.to_dict(),
                          "data_identity": self.run.data_identity, **record,
                          **({"lora": self._lora_base} if cfg.lora else {}),
-                         "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp}},
+                         "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp},
+                         "attention_kernels": chosen_kernels(), "refused_kernels": refused_kernels()},
                         keep=cfg.keep_checkpoints)
 
     def finish(self, records: list[dict[str, Any]], logger: MetricsLogger | None) -> None:
@@ -427,6 +429,7 @@ class Trainer:
         record = {"step": step + 1, "total_steps": self.cfg.steps, "seq_len": stage.seq_len, **result,
                   "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": None, "mfu": None,
                   "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
+                  "attention_kernels": ",".join(sorted(set(chosen_kernels().values()))),
                   **({f"tokens_seen/{name}": n for name, n in seen.items()} if seen is not None else {})}
         self._tokens[step + 1] = tokens
         if not isinstance(record["attention_pairs"], torch.Tensor):
