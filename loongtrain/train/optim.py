@@ -48,6 +48,17 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+@torch.no_grad()
+def fill_missing_grads(params: list[torch.Tensor]) -> None:
+    """Give every parameter that got no gradient this step a zero one, so that AdamW treats it alike at every
+    world size (docs/kernels.md#gradient-sync): replicated across ranks the sync fills it with zeros where a
+    peer had a gradient, so a single rank must too (AdamW then decays the weight and its moments, as on any
+    rank of a larger run)."""
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global L2 norm of the (already synchronised) gradients; return the norm before clipping, a
     float64 scalar on the gradients' device (not read back: the trainer reads it with the step's guard).

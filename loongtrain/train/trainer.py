@@ -60,7 +60,7 @@ from loongtrain.train.metrics import (
 )
 from loongtrain.train.model_setup import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.objectives import build_objective, post_training_batches
-from loongtrain.train.optim import build_optimizer, clip_grad_norm
+from loongtrain.train.optim import build_optimizer, clip_grad_norm, fill_missing_grads
 from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
@@ -226,6 +226,7 @@ class Trainer:
             return self._no_targets(read)
         local = [self.sharding.local(b) for b in micro_batches]
         loss_value = self._forward_backward(local)
+        fill_missing_grads(self.params)  # the same update at every world size for a parameter without one
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
         pairs: torch.Tensor | int = sum(self.sharding.visible_pairs(b) for b in micro_batches)
