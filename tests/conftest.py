@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.fixtures import tiny_model, write_code_corpus, write_line_corpus
+from tests.helpers.fixtures import tiny_model, write_code_corpus, write_line_corpus
 
 
 @pytest.fixture(autouse=True)
@@ -19,7 +22,7 @@ def one_thread():
 
 @pytest.fixture
 def tiny_model_config():
-    """The tests' tiny decoder (:func:`tests.fixtures.tiny_model`)."""
+    """The tests' tiny decoder (:func:`tests.helpers.fixtures.tiny_model`)."""
     return tiny_model()
 
 
@@ -51,14 +54,46 @@ def gpu(monkeypatch):
     return install
 
 
-#: the slowest test files (``pytest --durations=0`` on a quiet 2-core machine), slowest first: run first, so
-#: the workers of ``--dist loadfile`` end together instead of one waiting for the other's last long file
-LONGEST_FIRST = ("test_nodes.py", "test_simulate.py", "test_hf.py", "test_faults.py", "test_launch.py",
-                 "test_documents.py", "test_compile.py", "test_compile_dist.py", "test_memory_model.py",
-                 "test_hf_train.py", "test_gpu_check.py", "test_attention_dist.py", "test_benchmarks_smoke.py",
-                 "test_documents_dist.py", "test_lora_dist.py", "test_bad_inputs.py")
+#: each test's measured seconds (setup, call and teardown), written by ``pytest --store-durations``
+DURATIONS = Path(__file__).parent / "data" / "durations.json"
+#: a test measured at this many seconds or more is marked ``slow`` (``pytest -m "not slow"`` skips them)
+SLOW_S = 3.0
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-durations", action="store_true",
+                     help="write every test's measured seconds to tests/data/durations.json")
+
+
+def _measured() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the tests measured slow, and order the files slowest first, so that the workers of
+    ``--dist loadfile`` end together instead of one waiting for the other's last long file."""
+    seconds = _measured()
+    per_file: dict[str, float] = {}
+    for item in items:
+        took = seconds.get(item.nodeid, 0.0)
+        per_file[item.location[0]] = per_file.get(item.location[0], 0.0) + took
+        if took >= SLOW_S:
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: -per_file[item.location[0]])  # stable: a file's tests keep their order
+
+
+class _DurationStore:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] = round(self.seconds.get(report.nodeid, 0.0) + report.duration, 3)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist) writes
+            DURATIONS.write_text(json.dumps(dict(sorted(self.seconds.items())), indent=0) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--store-durations") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_DurationStore(), "loongtrain-durations")

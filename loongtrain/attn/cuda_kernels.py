@@ -35,7 +35,7 @@ import torch
 
 from loongtrain.attn.kernels import Kernel, Tensor, dense_layout, expand_kv, reduce_kv_grad
 
-# the op namespace the CUDA wrappers call; tests swap in a CPU emulation (tests/cuda_emulation.py)
+# the op namespace the CUDA wrappers call; tests swap in a CPU emulation (tests/helpers/cuda_emulation.py)
 _aten = torch.ops.aten
 
 

@@ -213,7 +213,7 @@ def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim:
                              cp: int) -> float:
     """Bytes :func:`ring_backward_packed` holds at its peak beyond its inputs and its results (dQ, packed
     dK/dV), for ``tokens`` local query tokens of ``heads`` heads against ``kv_heads`` (measured against the
-    code: tests/test_ring_workspace.py). The kernel's dQ, dK and dV of the piece being accumulated (at
+    code: tests/unit/test_ring_workspace.py). The kernel's dQ, dK and dV of the piece being accumulated (at
     ``cp = 1`` the one call's dK and dV until they are stacked: its dQ is the result), and with a ring (``cp > 1``) also
     the fp32 (fp64) dQ accumulator, three K/V blocks (in flight, received, being sent) in the input dtype
     and four dK/dV blocks (this block's contribution, the running sum, in flight, received) in the

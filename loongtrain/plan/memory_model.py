@@ -14,7 +14,7 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   compute dtype is narrower than fp32, the autocast copies the matmuls save for backward:
   ``b * (L * P_l + V * d)`` without checkpointing, else only the recomputed layer's ``b * (P_l + V * d)``.
 - ``activations`` (kept from forward to backward) and ``recompute`` (one layer's set rebuilt during
-  its backward under checkpointing), as the model code saves them (measured: tests/test_memory_model.py).
+  its backward under checkpointing), as the model code saves them (measured: tests/dist/test_memory_model.py).
   Per token per layer without checkpointing, ``a_b = (2*He*hd + 4f) * b + 4H + 8`` (k/v after the
   all-to-all, SwiGLU's w1/w3/silu/product, fp32 lse and two RMSNorm ``rsqrt``) plus the ``d``-sized
   tensors (the MLP norm's input and output, q, attention output), whose dtypes depend on how bf16 is

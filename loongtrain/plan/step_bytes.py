@@ -6,7 +6,7 @@ the chunked loss's soft-max, the AdamW step) is an eager op that reads its input
 once: its time is its bytes over the device-memory bandwidth (``Cluster.memory_bw``). The counts are the
 code's own, op by op (an op's tensor inputs and outputs, views and allocations free), read off the
 trainer's step under fake tensors at small shapes and fitted exactly by the widths the ops run at; the
-fit is checked against the count at other shapes (tests/test_step_time.py, which fails, with the new
+fit is checked against the count at other shapes (tests/unit/test_step_time.py, which fails, with the new
 numbers, when the code changes what it moves).
 
 Per decoder layer and rank, ``t`` local tokens (``B * S / sp``), ``P_a = 2 d (H + Hkv) hd`` attention and
@@ -138,7 +138,7 @@ def ring_step_bytes(q_tokens: float, heads: int, kv_heads: int, head_dim: int, d
     K and V stacked and the output cast back. Backward: dQ added into its fp32 accumulator (``8 + b``), the
     block's fp32 dK/dV contribution zeroed and the kernel's added (``12 + b`` per element of K and V), the
     received partial sum added on all but one step (``12``); once a pass, K and V stacked and dQ, dK/dV cast
-    back. Checked against the ring's own ops (tests/test_step_time.py: within 15%)."""
+    back. Checked against the ring's own ops (tests/unit/test_step_time.py: within 15%)."""
     b = dtype_bytes
     cast = 4 + b if b < 4 else 0
     q = q_tokens * heads * head_dim

@@ -5,7 +5,7 @@
   (the trainer's ``loss``: sharding, documents, chunk order, autocast, the chunked cross-entropy), averaged
   over the dp replicas. It touches no optimizer or scheduler state, no gradient, no data position of the
   training stream, and restores the torch RNG states afterwards, so a run with validation trains bit for
-  bit like one without (tests/test_validation.py).
+  bit like one without (tests/unit/test_validation.py).
 - :func:`validation_batches`: with ``--val-fraction`` or ``--val-corpus``, the first K batches of the
   held-out data (:func:`loongtrain.data.validation.build_val_batches`: documents the training stream never
   contains); without either, :func:`tail_batches`: the LAST ``K * dp * batch_size`` packed samples of the

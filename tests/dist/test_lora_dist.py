@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 from tests.helpers.lora import full_grads, make_llama_dir, max_diff, peft_reference, set_adapters
 
 pytest.importorskip("peft", reason="the hf extra is not installed (pip install -e '.[hf]')")

@@ -162,7 +162,7 @@ def test_planner_counts_the_adapters_states_only():
     assert full["states"] == 16 * p / 4 and adapted["states"] == (4 * p + 16 * a) / 4
 
 
-#: a shape whose peak is the activations' (as tests/test_simulate.py's)
+#: a shape whose peak is the activations' (as tests/unit/test_simulate.py's)
 WIDE = ModelConfig(vocab_size=8192, dim=1024, num_layers=4, num_heads=8, num_kv_heads=2, ffn_dim=3584)
 
 

@@ -44,7 +44,7 @@ What is simulated, exactly:
     device before the cast to the compute dtype (``4 * P_l / z`` bytes, transient); the CPU device casts
     the host shard in place, so this is not counted.
 
-  ``fake=False`` runs the same step on real CPU tensors counted the same way (tests/test_simulate.py:
+  ``fake=False`` runs the same step on real CPU tensors counted the same way (tests/unit/test_simulate.py:
   device and host within 5%, measured equal to the byte; host bytes against the offloaded block inputs
   and the 16 bytes per parameter of the offloaded states).
 
@@ -58,7 +58,7 @@ simulated at two small depths (:data:`DEPTHS`, past the blocks ``offload_keep`` 
 (device and host, and its parts) extended linearly to the model's depth; the largest is the step's. The
 loops whose passes are alike (loss chunks, MLP tiles, norm and RoPE chunks) run their first two passes and
 their last (:func:`~loongtrain.train.simulate.fake_step.alike_loops`). Equal to the whole simulation within 1%
-(tests/test_simulate.py, every memory mode), at a fraction of its time.
+(tests/unit/test_simulate.py, every memory mode), at a fraction of its time.
 """
 
 from __future__ import annotations

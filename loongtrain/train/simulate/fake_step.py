@@ -158,7 +158,7 @@ def attention_workspace() -> Iterator[None]:
     implementation allocates inside (the ring's K/V blocks and fp32 accumulators), and under fake tensors the
     op runs its fake implementation anyway; so each ring backward call holds, while it runs, one buffer of
     :func:`loongtrain.attn.ring.backward_workspace_bytes` (that description is measured against the ring
-    code itself: tests/test_ring_workspace.py)."""
+    code itself: tests/unit/test_ring_workspace.py)."""
     from loongtrain.attn import ops
     from loongtrain.attn.ring import backward_workspace_bytes
 

@@ -1,0 +1,140 @@
+"""Byte accounting of one attention layer (loongtrain.plan.traffic): hand-computed cases, plus one
+gloo run checking the formulas against what the code actually sends."""
+
+from __future__ import annotations
+
+import pytest
+
+from loongtrain.parallel.layout import Layout
+from loongtrain.plan.traffic import (
+    attention_ops,
+    attention_traffic,
+    format_traffic_report,
+    split_by_node,
+    traffic_report,
+)
+
+# B=1, S=64, H=4, Hkv=2, D=4, bf16
+SHAPE = dict(batch=1, seq_len=64, num_heads=4, num_kv_heads=2, head_dim=4, dtype_bytes=2)
+
+
+def test_plain_ring_vs_double_ring_cross_node_kv():
+    # world 8 = 2 nodes x 4, pure ring cp=8. KV block = 2 * Hkv * S/cp * D * b = 2*2*8*4*2 = 256 bytes.
+    plain = Layout(8, 1, 8, inner_ring=1)
+    fwd = {r: attention_traffic(plain, r, backward=False, **SHAPE) for r in range(8)}
+    assert fwd[3]["kv"] == {4: 7 * 256}  # ring 3 -> 4 crosses nodes, all 7 blocks
+    assert fwd[0]["kv"] == {1: 7 * 256}
+    assert split_by_node(fwd[3]["kv"], 3, 4) == (0, 1792)
+    assert split_by_node(fwd[7]["kv"], 7, 4) == (0, 1792)  # wrap-around 7 -> 0
+    assert split_by_node(fwd[1]["kv"], 1, 4) == (1792, 0)
+    # double ring, inner_ring 4: 2 inner rings = the 2 nodes; 2*(4-1) = 6 inner sends, 1 outer send per rank
+    double = Layout(8, 1, 8, inner_ring=4, placement="context_first")
+    for r in range(8):
+        t = attention_traffic(double, r, backward=False, **SHAPE)
+        assert split_by_node(t["kv"], r, 4) == (6 * 256, 256)
+        assert t["a2a"] == {} and t["dkv"] == {}
+    # backward: kv again, plus dK/dV in fp32 (2x the bf16 block bytes) on the same peers
+    t = attention_traffic(double, 0, **SHAPE)
+    assert t["kv"] == {1: 2 * 6 * 256, 4: 2 * 256}
+    assert t["dkv"] == {1: 6 * 512, 4: 512}
+
+
+def test_placement_moves_a2a_across_nodes():
+    # hp=2, cp=4. a2a per peer per call: qkv = S/sp*(H + 2*Hkv)*D*b/hp = 8*8*4*2/2 = 256;
+    # out = 8*4*4*2/2 = 128
+    head_first = Layout(8, 2, 4, placement="head_first")
+    ctx_first = Layout(8, 2, 4, placement="context_first")
+    hf = attention_traffic(head_first, 0, **SHAPE)
+    assert hf["a2a"] == {1: 2 * (256 + 128)}
+    assert split_by_node(hf["a2a"], 0, 4) == (768, 0)
+    # ring of rank 0 is 0,2,4,6: kv block = 2 * (Hkv/hp=1) * S/cp=16 * 4 * 2 = 256 bytes, 3 blocks
+    assert hf["kv"] == {2: 2 * 3 * 256}
+    assert max(split_by_node(attention_traffic(head_first, r, **SHAPE)["kv"], r, 4)[1] for r in range(8)) > 0
+    cf = attention_traffic(ctx_first, 0, **SHAPE)
+    assert cf["a2a"] == {4: 768}
+    assert split_by_node(cf["a2a"], 0, 4) == (0, 768)
+    for r in range(8):  # rings 0-3 and 4-7 stay inside their node
+        t = attention_traffic(ctx_first, r, **SHAPE)
+        assert split_by_node(t["kv"], r, 4)[1] == 0 and split_by_node(t["dkv"], r, 4)[1] == 0
+
+
+def test_gqa_replication_and_fp64():
+    # hp=4 > Hkv=2: KV heads replicated to 4 before the a2a, one per head rank.
+    layout = Layout(4, 4, 1)
+    t = attention_traffic(layout, 0, backward=False, **SHAPE)
+    # local tokens S/sp = 16: qkv = 16*(4 + 2*4)*4*2/4 = 384, out = 16*4*4*2/4 = 128
+    assert t["a2a"] == {1: 512, 2: 512, 3: 512}
+    shape64 = dict(SHAPE, dtype_bytes=8)
+    t = attention_traffic(Layout(2, 1, 2), 0, **shape64)
+    block = 2 * 2 * 32 * 4 * 8
+    assert t["kv"] == {1: 2 * block} and t["dkv"] == {1: block}
+
+
+def test_ops_and_report():
+    assert attention_ops(Layout(8, 2, 4, inner_ring=2)) == {"a2a": 4, "kv": 6, "dkv": 3}
+    assert attention_ops(Layout(8, 2, 4), backward=False) == {"a2a": 2, "kv": 3, "dkv": 0}
+    assert attention_ops(Layout(4, 1, 1)) == {"a2a": 0, "kv": 0, "dkv": 0}
+    rows = traffic_report(Layout(8, 1, 8, inner_ring=4, placement="context_first"), 4, **SHAPE)
+    assert [r["kv_cross"] for r in rows] == [2 * 256] * 8
+    assert all(r["cross"] == r["kv_cross"] + r["dkv_cross"] for r in rows)
+    assert "kv_cross" in format_traffic_report(rows)
+
+
+def test_invalid_heads():
+    with pytest.raises(ValueError, match="hp=3"):
+        attention_traffic(Layout(3, 3, 1), 0, **dict(SHAPE, seq_len=66, num_heads=6, num_kv_heads=2))
+    with pytest.raises(ValueError, match=r"sequence length 60 must be divisible by 2\*cp\*hp"):
+        attention_traffic(Layout(8, 2, 4), 0, **dict(SHAPE, seq_len=60))
+
+
+# ---------------------------------------------------------------- against the real code (gloo, world 4)
+
+CASES = [  # (hp, cp, inner_ring, placement, interleaved, num_heads, num_kv_heads)
+    (2, 2, 1, "head_first", False, 4, 2),
+    (1, 4, 2, "context_first", False, 4, 2),
+    (4, 1, 1, "head_first", False, 4, 1),
+    (2, 2, 2, "context_first", False, 4, 4),
+    (1, 4, 4, "head_first", True, 4, 2),
+    (1, 2, 1, "head_first", False, 4, 2),  # dp = 2
+]
+
+
+def _count(rank: int, world: int) -> list:
+    import torch
+
+    from loongtrain.attn.api import attention
+    from loongtrain.parallel.comm import CommCounter
+    from loongtrain.parallel.mesh import init_mesh
+
+    results = []
+    for hp, cp, inner_ring, placement, interleaved, h, hkv in CASES:
+        mesh = init_mesh(hp, cp, inner_ring=inner_ring, placement=placement, interleaved=interleaved)
+        s_local, d = 32 // (hp * cp), 4
+        q = torch.randn(1, s_local, h, d, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(1, s_local, hkv, d, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(1, s_local, hkv, d, dtype=torch.bfloat16, requires_grad=True)
+        with CommCounter() as counter:
+            attention(q, k, v, mesh).sum().backward()
+        results.append((dict(counter.ops), dict(counter.bytes), dict(counter.bytes_by_peer)))
+    return results
+
+
+@pytest.mark.distributed
+def test_formulas_match_counted_bytes():
+    from tests.helpers.dist_utils import run_distributed
+
+    per_rank = run_distributed(_count, 4)
+    for i, (hp, cp, inner_ring, placement, interleaved, h, hkv) in enumerate(CASES):
+        layout = Layout(4, hp, cp, inner_ring, placement, interleaved)
+        for rank in range(4):
+            ops, nbytes, by_peer = per_rank[rank][i]
+            t = attention_traffic(layout, rank, batch=1, seq_len=32, num_heads=h, num_kv_heads=hkv,
+                                  head_dim=4, dtype_bytes=2)
+            expect_ops = {k: n for k, n in attention_ops(layout).items() if n}
+            assert ops == expect_ops, (CASES[i], rank)
+            assert nbytes == {k: sum(p.values()) for k, p in t.items() if p}, (CASES[i], rank)
+            total: dict[int, int] = {}
+            for peers in t.values():
+                for peer, n in peers.items():
+                    total[peer] = total.get(peer, 0) + n
+            assert by_peer == total, (CASES[i], rank)
