@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain.parallel.workers import WorkerError
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 WORLD = 4
 

@@ -1,7 +1,7 @@
 """The kernel probe's process (``python -m loongtrain.attn.kernel_probe``) over the CPU emulation of the CUDA
-ops (tests/cuda_emulation.py), for tests: ``python -m tests.helpers.emulated_probe MODE SPEC_JSON``.
+ops (tests/helpers/cuda_emulation.py), for tests: ``python -m tests.helpers.emulated_probe MODE SPEC_JSON``.
 
-``MODE``: ``ok`` (the emulation as it is), a planted fault's name (tests.cuda_emulation.FAULTS), or ``crash``:
+``MODE``: ``ok`` (the emulation as it is), a planted fault's name (tests.helpers.cuda_emulation.FAULTS), or ``crash``:
 cuDNN's varlen backward ends the process with SIGABRT, as a sticky illegal address ends a CUDA process."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import sys
 
 from loongtrain.attn import cuda_kernels, kernel_probe
-from tests.cuda_emulation import EmulatedAten
+from tests.helpers.cuda_emulation import EmulatedAten
 
 
 class Crashing(EmulatedAten):

@@ -1,12 +1,9 @@
 """The kernel choice cannot kill the run (loongtrain/attn/kernel_probe.py, kernel_choice.py, docs/kernels.md):
-the known-bad table refuses listed versions with their reason; a candidate that can fault asynchronously is
-first run in a subprocess on the ring's real call shapes against fp64, and a crash or a wrong result there
-drops it; the choice is kept per length bucket; the chosen kernels are recorded; autocast stays out of the
-custom ops."""
+the known-bad table refuses listed versions with their reason; the probe's cases are the ring's call shapes and
+its check against fp64 names a planted fault (its subprocess: tests/e2e/test_kernel_probe_process.py); the
+choice is kept per length bucket; the chosen kernels are recorded; autocast stays out of the custom ops."""
 
 from __future__ import annotations
-
-import sys
 
 import pytest
 import torch
@@ -22,13 +19,10 @@ from loongtrain.attn.kernel_probe import (
     known_bad,
     needs_probe,
     probe_cases,
-    probe_in_subprocess,
 )
-from loongtrain.attn.masking import AttnMask
-from tests.cuda_emulation import install
+from tests.helpers.cuda_emulation import install
 
 BF16 = torch.bfloat16
-EMULATED = (sys.executable, "-m", "tests.helpers.emulated_probe")
 
 
 @pytest.fixture(autouse=True)
@@ -135,55 +129,6 @@ def test_distinct_cu_seqlens_catch_swapped_sequence_bounds(monkeypatch):
                     torch.device("cpu"))
 
 
-def test_a_crashing_probe_process_gives_one_line_and_is_cached():
-    spec = ProbeSpec("cuda_cudnn", "varlen", "bfloat16", 16, 2, 64, "cuda:0")
-    reason = probe_in_subprocess(spec, (*EMULATED, "crash"))
-    assert reason.startswith("cuda_cudnn (varlen) probe crashed (signal 6)") and "illegal memory" in reason
-    assert "\n" not in reason
-    assert probe_in_subprocess(spec, (sys.executable, "-c", "raise SystemExit(3)")) == reason  # kept
-
-
-def test_a_probe_that_passes_or_times_out(monkeypatch):
-    spec = ProbeSpec("cuda_flash", "varlen", "bfloat16", 16, 2, 64, "cuda:0")
-    assert probe_in_subprocess(spec, (*EMULATED, "ok")) is None
-    kernel_probe.clear_verdicts()
-    slow = (sys.executable, "-c", "import time; time.sleep(30)")
-    assert probe_in_subprocess(spec, slow, timeout_s=0.5) == "cuda_flash (varlen) probe did not finish in 0 s"
-
-
-# ---------------------------------------------------------------- the target: a fault drops the candidate
-
-
-def test_a_faulting_cudnn_varlen_candidate_is_dropped_and_the_ring_runs_flash(gpu, monkeypatch):
-    """cuDNN's varlen op crashes its probe process (a sticky illegal address); it is dropped with one line,
-    the varlen calls take flash's op although cuDNN timed faster, and the ring then runs exact (fp64
-    emulation) with packed documents."""
-    on_versions(monkeypatch, (2, 14), 92700)
-    device = gpu((9, 0), cudnn=92700)
-
-    def probe(kernel, kind):  # the real subprocess probe; cuDNN's varlen op crashes in it
-        mode = "crash" if kernel.name == "cuda_cudnn" and kind == "varlen" else "ok"
-        return probe_in_subprocess(ProbeSpec(kernel.name, kind, "bfloat16", 16, 2, 64, "cuda:0"),
-                                   (*EMULATED, mode))
-
-    verdicts: dict = {}
-    cached = lambda k, kind: verdicts.setdefault((k.name, kind), None) if kind == "dense" else probe(k, kind)  # noqa: E731
-    timer = Timer()
-    chosen = choose_kernel(device, BF16, 16, 4, 2, 64, measure=timer, probe=cached)
-    assert chosen.forward is CUDA_CUDNN.forward  # dense cuDNN passed and is faster
-    assert chosen.varlen_forward is CUDA_FLASH.varlen_forward and chosen.name == "cuda_cudnn+cuda_flash"
-    assert ("cuda_cudnn", "varlen") not in timer.timed
-    assert refused_kernels()["varlen:cuda_cudnn"].startswith("cuda_cudnn (varlen) probe crashed")
-
-    from tests.test_varlen import dense_reference, inputs, run_ring  # noqa: PLC0415  (helpers of that file)
-    install(monkeypatch, allow_fp64=True)
-    q, k, v, dout = inputs(2, 24, 4, 2)
-    mask = AttnMask(True, None, ((0, 1, 7, 13, 24), (0, 24)))
-    got = run_ring(q, k, v, dout, 2, 1, mask, kernel=chosen)
-    for g, w in zip(got, dense_reference(q, k, v, dout, mask)):
-        assert (g.double() - w).abs().max() < 1e-10
-
-
 # ---------------------------------------------------------------- kept per length bucket, recorded
 
 
@@ -231,7 +176,7 @@ def test_the_chosen_kernels_are_in_the_metrics_rows_and_the_checkpoint(tmp_path)
     from loongtrain.parallel.config import ParallelConfig  # noqa: PLC0415
     from loongtrain.parallel.mesh import single_process_mesh  # noqa: PLC0415
     from loongtrain.train.config import TrainConfig  # noqa: PLC0415
-    from tests.training import fit  # noqa: PLC0415
+    from tests.helpers.training import fit  # noqa: PLC0415
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
