@@ -292,6 +292,14 @@ def choose_kernel(
     return choice
 
 
+def pin_kernel(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int,
+               num_kv_heads: int, seq_len: int) -> None:
+    """Make ``kernel`` this process's choice for these calls (a benchmark comparing kernels side by side) until
+    :func:`clear_choices`; nothing is probed or timed."""
+    device = torch.device(device)
+    _CHOICES[(device.type, device.index, dtype, head_dim, num_heads, num_kv_heads, length_bucket(seq_len))] = kernel
+
+
 def chosen_kernels() -> dict[str, str]:
     """What this process chose so far, for the run's records: ``"<dtype> d<head dim> <heads>/<KV heads> heads,
     blocks <= <bucket>"`` -> the kernel's name (``dense+varlen`` when the call kinds differ)."""

@@ -218,7 +218,9 @@ def _run(kernel: Kernel, kind: str, case: Case, q: Tensor, k: Tensor, v: Tensor,
 
 def check_cases(kernel: Kernel, spec: ProbeSpec, device: torch.device) -> str | None:
     """Run ``kernel`` on every :func:`probe_cases` case of ``spec`` against fp64, synchronising after each: None
-    when all agree within :data:`PROBE_TOLERANCE` and are finite, else one line naming the first that does not
+    when all agree within :data:`PROBE_TOLERANCE` (max error over the larger of max magnitude and 1: the inputs
+    are of order 1, and a result near 0, as dQ of a one-key causal row, is judged by its absolute error) and are
+    finite, else one line naming the first that does not
     (a fault on the device ends the process instead: what :func:`probe_in_subprocess` is for)."""
     dtype = getattr(torch, spec.dtype)
     scale = spec.head_dim ** -0.5
@@ -234,7 +236,7 @@ def check_cases(kernel: Kernel, spec: ProbeSpec, device: torch.device) -> str | 
                 torch.cuda.synchronize(device)
             for name, g, w in zip(names, got, want):
                 g = g.to(torch.float64)
-                error = float((g - w).abs().max() / w.abs().max().clamp(min=1e-6))
+                error = float((g - w).abs().max() / w.abs().max().clamp(min=1.0))  # of values of order 1
                 if case.negative and name == "dq":  # the common score shift cancels in dQ: finiteness only
                     error = 0.0
                 if not torch.isfinite(g).all() or not error <= PROBE_TOLERANCE:
