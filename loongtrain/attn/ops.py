@@ -21,6 +21,7 @@ from loongtrain.attn.ring import Ring, ring_backward_packed, ring_forward
 from loongtrain.model.local_attention import normalize_cu_seqlens
 from loongtrain.parallel.comm import all_to_all, all_to_all_pieces, all_to_all_result, resolve_group
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.step_memo import LastCall
 from loongtrain.parallel.zigzag import check_chunk_order
 
 Tensor = torch.Tensor
@@ -75,11 +76,19 @@ def ring_key(mesh: Mesh) -> str:
     return key
 
 
+_MASKS: LastCall[AttnMask] = LastCall()  # the step's mask: every layer passes the same boundary tensors
+
+
 def _mask(causal: bool, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
           q: Tensor, cp: int) -> AttnMask:
     """The mask of one op call, from its tensor arguments (host-side int64 values; checked here too, since a
-    compiled block reaches the op without :func:`loongtrain.attention`'s value checks)."""
-    batch, seq = q.shape[0], q.shape[1] * cp
+    compiled block reaches the op without :func:`loongtrain.attention`'s value checks); the same object for
+    every call of a step that passes the same tensors (:class:`~loongtrain.parallel.step_memo.LastCall`)."""
+    return _MASKS(_read_mask, causal, cu_seqlens, sliding_window, chunk_order, q.shape[0], q.shape[1] * cp, cp)
+
+
+def _read_mask(causal: bool, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
+               batch: int, seq: int, cp: int) -> AttnMask:
     documents = None
     if cu_seqlens is not None:
         flat = [int(x) for x in cu_seqlens.tolist()]
