@@ -173,6 +173,9 @@ def _post_failure(exc: BaseException) -> None:
 
 
 def _peer_failure() -> str | None:
-    """The line a failed rank posted, or None."""
-    store = _store()
-    return store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
+    """The line a failed rank posted, or None (also for a store that cannot be asked: a fake process group's)."""
+    try:
+        store = _store()
+        return store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None
