@@ -20,7 +20,8 @@ packed documents at once, ``Kernel.varlen_forward``/``varlen_backward``, or one 
 - under ``torch.use_deterministic_algorithms(True)`` (``--deterministic``): the rule's kernel, so the
   documented deterministic path (the flash backward's) is the one that runs;
 - otherwise each option's forward + backward is timed once on the call's own head counts and head dim
-  (sequence capped at 8K tokens; :mod:`loongtrain.attn.kernel_timing`): dense calls on one causal block;
+  at the run's block length (:mod:`loongtrain.attn.kernel_timing`), once the known-bad table and the
+  subprocess probe (:mod:`loongtrain.attn.kernel_probe`, docs/kernels.md#safety) have let it through: dense calls on one causal block;
   varlen calls on the block packed as 8 equal causal documents, through each kernel's varlen op
   (``cuda_flash``: FA2's; ``cuda_cudnn``: cuDNN's ragged one) and, as one more option, the dense choice
   called once per document. An option replaces the rule's (dense: the first candidate but cuDNN; varlen: the
@@ -33,7 +34,8 @@ packed documents at once, ``Kernel.varlen_forward``/``varlen_backward``, or one 
 
 The ring gets one :class:`~loongtrain.attn.kernels.Kernel`: the dense choice's forward and backward with the
 varlen choice's varlen ops (or none). It is kept per process for ``(device, dtype, head dim, heads, KV
-heads)`` (:func:`clear_choices` forgets it) and logged on first use with the times.
+heads, length bucket)`` (:func:`clear_choices` forgets it), logged on first use with the times, and recorded
+(:func:`chosen_kernels`, :func:`refused_kernels`: the run's metrics rows and checkpoints).
 """
 
 from __future__ import annotations
