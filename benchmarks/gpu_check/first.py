@@ -113,7 +113,8 @@ def _trainer(name: str, seq: int, device: torch.device, compile: str = "off"):
     from loongtrain.train.trainer import Trainer
 
     model = preset(name)
-    cfg = TrainConfig(model=name, seq_len=seq, steps=100, warmup=1, dtype="auto", doc_mask="on", compile=compile,
+    named = {} if name == "cpu-small" else {"model": name}  # cpu-small: no preset, the default model's name
+    cfg = TrainConfig(**named, seq_len=seq, steps=100, warmup=1, dtype="auto", doc_mask="on", compile=compile,
                       parallel=ParallelConfig(recompute="selective"), memory_report=False)
     return model, Trainer(Run(cfg, model), single_process_mesh(), device)
 

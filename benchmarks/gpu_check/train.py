@@ -54,8 +54,10 @@ CPU_STEP_S = 0.25  # one step of the tiny CPU rows on this project's 2-core mach
 def row_estimate_s(ctx, model: ModelConfig, config: ParallelConfig, seq: int, steps: int) -> float:
     """Seconds a training row needs, set-up and ``steps`` steps: on a GPU the planner's step time on the device's
     built-in cluster (1.5x, for the first step's warm-up), on CPU :data:`CPU_STEP_S` a step."""
-    if ctx.kind == "cpu":
-        return SETUP_S["cpu"] + steps * CPU_STEP_S
+    if ctx.kind == "cpu":  # this machine's speed varies: the slowest step seen so far in this run counts too
+        seen = [r.get("first_step_s", 0.0) for section in ("training", "documents_mfu")
+                for r in (ctx.results.get(section) or {}).get("runs", []) if isinstance(r, dict)]
+        return SETUP_S["cpu"] + steps * max([CPU_STEP_S, *seen])
     from loongtrain.plan.cost import step_cost
 
     cost = step_cost(model, config, _cluster(ctx.device), nodes=1, world=1, seq_len=seq)
@@ -167,7 +169,8 @@ def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents
     achieved = statistics.median(flops[1:]) / step_s / 1e12
     row: dict[str, Any] = {
         "model": name, "seq_len": seq, "configuration": config.label(), "compute_dtype": str(compute),
-        "step_s": timed, "tokens_per_s": seq / step_s, "model_tflops": achieved, "mfu": achieved / peak,
+        "first_step_s": times[0], "step_s": timed, "tokens_per_s": seq / step_s, "model_tflops": achieved,
+        "mfu": achieved / peak,
         "loss": result["loss"], "predicted_memory_gib": {k: v / 2**30 for k, v in predicted.items()},
         "attention_kernels": chosen_kernels(), "refused_kernels": refused_kernels()}
     if documents:

@@ -19,17 +19,17 @@ packed documents at once, ``Kernel.varlen_forward``/``varlen_backward``, or one 
 - CPU, other devices, and CUDA cases with a single option: the rule's kernel, nothing measured;
 - under ``torch.use_deterministic_algorithms(True)`` (``--deterministic``): the rule's kernel, so the
   documented deterministic path (the flash backward's) is the one that runs;
-- otherwise each option's forward + backward is timed once on the call's own head counts and head dim
-  at the run's block length (:mod:`loongtrain.attn.kernel_timing`), once the known-bad table and the
-  subprocess probe (:mod:`loongtrain.attn.kernel_probe`, docs/kernels.md#safety) have let it through: dense calls on one causal block;
-  varlen calls on the block packed as 8 equal causal documents, through each kernel's varlen op
-  (``cuda_flash``: FA2's; ``cuda_cudnn``: cuDNN's ragged one) and, as one more option, the dense choice
-  called once per document. An option replaces the rule's (dense: the first candidate but cuDNN; varlen: the
-  first candidate with a varlen op) only when it is at least ``MARGIN`` faster, so that ranks timing the
-  same device do not flip between two options of equal speed, and so a kernel without a varlen op never
-  replaces one with it on the varlen calls unless it measured faster there. An option that raises is
-  skipped, and so is a varlen op whose untimed first run differs from the reference kernel beyond
-  rounding (:func:`loongtrain.attn.kernel_timing.varlen_error`). Distributed, every rank then takes rank 0's choices
+- otherwise each option's forward + backward is timed once on the call's own head counts and head dim at the
+  run's block length (:mod:`loongtrain.attn.kernel_timing`), once the known-bad table and the subprocess probe
+  (:mod:`loongtrain.attn.kernel_probe`, docs/kernels.md#safety) have let it through: dense calls on one causal
+  block; varlen calls on the block packed as 8 equal causal documents, through each kernel's varlen op
+  (``cuda_flash``: FA2's; ``cuda_cudnn``: cuDNN's ragged one) and, as one more option, the dense choice called
+  once per document. An option replaces the rule's (dense: the first candidate but cuDNN; varlen: the first
+  candidate with a varlen op) only when it is at least ``MARGIN`` faster, so that ranks timing the same device
+  do not flip between two options of equal speed, and so a kernel without a varlen op never replaces one with it
+  on the varlen calls unless it measured faster there. An option that raises is skipped, and so is a varlen op
+  whose untimed first run differs from the reference kernel beyond rounding
+  (:func:`loongtrain.attn.kernel_timing.varlen_error`). Distributed, every rank then takes rank 0's choices
   (:func:`agree_across_ranks`), so no two ranks run different numerics.
 
 The ring gets one :class:`~loongtrain.attn.kernels.Kernel`: the dense choice's forward and backward with the
