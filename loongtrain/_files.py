@@ -96,7 +96,7 @@ def check_output(output: Output, path: str | Path, *, inputs: Iterable[str | Pat
     text, flag = str(path), output.flag
     if not text.strip():
         raise ValueError(f"{flag} {text!r} is empty: name the output directory")
-    out = Path(text)
+    out = follow_link(flag, text)
     resolved = out.resolve()
     cwd = Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents:
@@ -119,6 +119,66 @@ def check_output(output: Output, path: str | Path, *, inputs: Iterable[str | Pat
             raise ValueError(f"{flag} {_name(text)} is in use by {holder}: wait for it to finish or choose "
                              f"another directory")
     return out
+
+
+def follow_link(flag: str, text: str | Path) -> Path:
+    """The output path ``text`` of option ``flag`` with a link in its last part followed (the output lands
+    in the link's target, and the link stays; docs/files-and-checkpoints.md#links); ValueError (one line)
+    for a dangling link or a link loop (ELOOP)."""
+    path = Path(text)
+    try:
+        resolved = path.resolve()
+        exists = path.exists()
+    except (RuntimeError, OSError):  # Python < 3.13: RuntimeError; later: OSError(ELOOP)
+        raise ValueError(f"{flag} {_name(text)} is a link loop (ELOOP: too many levels of links): name a real "
+                         f"file or directory") from None
+    if not path.is_symlink():
+        return path
+    if not exists:
+        raise ValueError(f"{flag} {_name(text)} is a dangling link (to {_name(os.readlink(path))}, which does not "
+                         f"exist): create its target or name another path")
+    return resolved
+
+
+#: the first line of every file loongtrain writes outside a directory of its own (``plan --out``)
+FILE_HEADER = "# written by `loongtrain "
+
+
+def check_output_file(flag: str, path: str | Path, command: str, *, inputs: Iterable[str | Path] = (),
+                      overwrite: bool = False) -> Path:
+    """``path`` as a file ``loongtrain COMMAND`` writes (docs/files-and-checkpoints.md#one-ownership-rule):
+    a link is followed; refused (ValueError naming it) when it is a directory, a dangling link or a loop,
+    in a directory that does not exist, one of ``inputs``, or an existing file: one loongtrain did not write
+    (its first line is not :data:`FILE_HEADER`) always, loongtrain's own without ``overwrite``. Returns
+    the path to write (a link's target)."""
+    text = str(path)
+    if not text.strip():
+        raise ValueError(f"{flag} {text!r} is empty: name the file to write")
+    out = follow_link(flag, text)
+    if out.is_dir():
+        raise ValueError(f"{flag} {_name(text)} is a directory; name the file to write")
+    if not out.parent.is_dir():
+        raise ValueError(f"{flag} {_name(text)}: the directory {_name(out.parent)} does not exist")
+    for item in inputs:
+        if item and Path(item).exists() and Path(item).resolve() == out.resolve():
+            raise ValueError(f"{flag} {_name(text)} is {_name(item)}, an input of this command: name another file")
+    if out.exists():
+        if not written_by_loongtrain(out):
+            raise ValueError(f"{flag} {_name(text)} is a file loongtrain did not write (its first line is not "
+                             f"{FILE_HEADER.strip()!r}...); it is never replaced: name a new file")
+        if not overwrite:
+            raise ValueError(f"{flag} {_name(text)} holds an earlier output of loongtrain; pass --overwrite to "
+                             f"replace it or name a new file")
+    return out
+
+
+def written_by_loongtrain(file: Path) -> bool:
+    """True when ``file``'s first line is :data:`FILE_HEADER` (a file loongtrain wrote)."""
+    try:
+        with open(file, "rb") as f:
+            return f.read(len(FILE_HEADER)) == FILE_HEADER.encode()
+    except OSError:
+        return False
 
 
 def check_owned(output: Output, out: Path) -> None:

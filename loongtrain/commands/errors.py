@@ -100,7 +100,6 @@ def guarded(command: str, body: Callable[[], int | None], *,
     docstring says. ``on_interrupt``: clean-up after Ctrl-C / SIGTERM, returning the words it adds to the
     line (``"removed 1 partial checkpoint(s)"``); ``on_failure``: clean-up after any other error."""
     from loongtrain._files import DiskFullError
-    from loongtrain.parallel.workers import WorkerError
 
     try:
         with stop_on_sigterm():
@@ -110,10 +109,26 @@ def guarded(command: str, body: Callable[[], int | None], *,
     except KeyboardInterrupt as exc:
         return interrupted(command, exc, on_interrupt() if on_interrupt else "")
     except BaseException as exc:  # every other way out: one line, and the clean-up
+        from loongtrain.parallel.failures import causes
+
+        stop = next((c for c in causes(exc) if isinstance(c, KeyboardInterrupt)), None)
+        if stop is not None:  # an interrupt a library wrapped (DCP's CheckpointException): the same line
+            return interrupted(command, stop, on_interrupt() if on_interrupt else "")
         if on_failure is not None:
             with contextlib.suppress(BaseException):
                 on_failure()
-        return _ending(command, exc, DiskFullError, WorkerError)
+        return _ending(command, exc, DiskFullError, _worker_error())
+
+
+class _NoWorkers(Exception):
+    """Stands for WorkerError when no worker module was imported (so none can have been raised)."""
+
+
+def _worker_error() -> type:
+    """``loongtrain.parallel.workers.WorkerError`` when that module is loaded: never imported here, since it
+    imports torch and a Ctrl-C while torch loads must end in this module's one line."""
+    workers = sys.modules.get("loongtrain.parallel.workers")
+    return getattr(workers, "WorkerError", _NoWorkers)
 
 
 def _ending(command: str, exc: BaseException, disk_full: type, worker_error: type) -> int:

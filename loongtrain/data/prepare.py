@@ -343,7 +343,7 @@ def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path,
         if workers > 1:
             context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                                   else "spawn")
-            pool = context.Pool(workers, initializer=_init_worker, initargs=(tok,))
+            pool = _start_pool(context, workers, tok)
             results = pool.imap(_tokenize_shard, tasks)
         else:
             _init_worker(tok, parallel_tokenizer=True)
@@ -367,12 +367,28 @@ def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path,
 _WORKER_TOKENIZER: Tokenizer | ChatFormat | None = None
 
 
+def _start_pool(context: Any, workers: int, tok: Tokenizer | ChatFormat) -> Any:
+    """The tokenizer pool, its processes started with Ctrl-C held until their initializer ignores it (a
+    Ctrl-C before it ran printed a worker's traceback); the parent stops the pool and prints one line."""
+    block = hasattr(signal, "pthread_sigmask")  # held, not lost: the parent sees it once the pool is up
+    if block:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return context.Pool(workers, initializer=_init_worker, initargs=(tok,))
+    finally:
+        if block:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _init_worker(tok: Tokenizer | ChatFormat, parallel_tokenizer: bool = False) -> None:
     global _WORKER_TOKENIZER
     if not parallel_tokenizer:  # a pool process: one per core already, no tokenizer thread pool on top
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         os.environ["RAYON_NUM_THREADS"] = "1"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool, prints one line
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool.terminate(): end quietly (not the parent's handler)
+        if hasattr(signal, "pthread_sigmask"):  # started with SIGINT held (_start_pool): ignored from here on
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _WORKER_TOKENIZER = tok
 
 

@@ -216,8 +216,11 @@ def export_hf(
     model_or_state_dict: nn.Module | dict[str, Tensor],
     model_config: ModelConfig | Any | None,
     out_dir: str | Path,
+    *,
+    max_position_embeddings: int | None = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` to ``out_dir`` for ``from_pretrained``; returns ``out_dir``.
+    ``max_position_embeddings``: a loongtrain model's (default: :func:`hf_config_from_model_config`'s).
 
     Accepts loongtrain's ``Transformer`` (``model_config`` may be None), a loongtrain state dict with
     its :class:`ModelConfig`, an HF causal LM (``model_config`` None), or an HF state dict with its
@@ -234,7 +237,7 @@ def export_hf(
         state = model_or_state_dict.state_dict() if is_module else dict(model_or_state_dict)
         config = model_config if model_config is not None else getattr(model_or_state_dict, "config", None)
         if isinstance(config, ModelConfig):
-            hf_config = hf_config_from_model_config(config)
+            hf_config = hf_config_from_model_config(config, max_position_embeddings=max_position_embeddings)
             state = native_to_hf_state_dict(state, config)
         elif config is not None and hasattr(config, "to_json_string"):
             hf_config = _copy_config(config)

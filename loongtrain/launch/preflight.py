@@ -46,12 +46,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loongtrain._files import check_output, foreign_entries
+from loongtrain._files import check_output, follow_link, foreign_entries
 from loongtrain.data.checks import check_corpora
 from loongtrain.data.post_training import PRETRAIN, PostTrainingReader, chat_format
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.sources import corpus_identity, identity_change, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
+from loongtrain.hf.convert import shape_config_from_hf
+from loongtrain.hf.load import hf_config_from_dict
+from loongtrain.model.config import ModelConfig
 from loongtrain.model.lora import parse_lora
 from loongtrain.model.rope_scaling import rope_change
 from loongtrain.train.checkpoint import (
@@ -60,9 +63,13 @@ from loongtrain.train.checkpoint import (
     LATEST,
     RUN_OUTPUT,
     STATE_FILE,
+    check_complete,
     find_checkpoint,
     newest_checkpoint,
+    read_latest,
+    read_trainer_state,
     resolve_checkpoint,
+    resume_candidates,
     verify_checkpoint,
 )
 from loongtrain.train.config import TrainConfig
@@ -95,6 +102,7 @@ def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, 
     cfg = check_init_from(cfg)
     check_out_dir(cfg)
     tokenizer = tokenizer or build_run_tokenizer(cfg)
+    check_init_identity(cfg, tokenizer)
     check_corpus(cfg, tokenizer, world)
     for warning in check_validation(cfg, world, tokenizer):
         log.warning("%s", warning)
@@ -131,7 +139,7 @@ def check_out_dir(cfg: TrainConfig) -> None:
     """``--out-dir`` is (or can become) a writable directory of this run's own (the ownership rule,
     :func:`loongtrain._files.check_output`), and not inside a run's checkpoints."""
     if cfg.out_dir.strip():
-        out = Path(cfg.out_dir)
+        out = follow_link("--out-dir", cfg.out_dir)
         for place in (out.resolve(), *out.resolve().parents):
             if (place.name.startswith("step_") and (place / STATE_FILE).is_file()) or (
                     place.name == "checkpoints" and (place / LATEST).is_file()):
@@ -166,7 +174,47 @@ def check_init_from(cfg: TrainConfig) -> TrainConfig:
     if own == path.resolve().parent:
         raise ValueError(f"--init-from {cfg.init_from!r} is a checkpoint of this run (--out-dir {cfg.out_dir!r}); "
                          f"--resume continues it, --init-from starts a new run in another --out-dir")
+    source = path.resolve().parent  # the checkpoints directory, and the run directory holding it
+    source = source.parent if source.name == "checkpoints" else source
+    out = Path(cfg.out_dir).resolve() if cfg.out_dir.strip() else None
+    if out is not None and (out == source or source in out.parents):
+        raise ValueError(f"--out-dir {cfg.out_dir!r} lies inside {str(source)!r}, the run --init-from "
+                         f"{cfg.init_from!r} continues; a new run writes outside its source: choose another --out-dir")
     return dataclasses.replace(cfg, init_from=str(path))
+
+
+def check_init_identity(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
+    """``--init-from``: the run reads text as its source did: the tokenizer, compared by content (its
+    identity, as a resume compares it; the vocabulary and the architecture are compared by
+    :func:`loongtrain.train.model_setup.model_config_for`, the RoPE is logged at the start)."""
+    if not cfg.init_from:
+        return
+    state = read_trainer_state(Path(cfg.init_from))
+    saved = (state.get("data_identity") or {}).get("tokenizer")
+    now = tokenizer_identity(tokenizer)
+    if saved is not None and saved != now:
+        then = (state.get("config") or {}).get("tokenizer") or "the model's"
+        raise ValueError(f"--tokenizer {cfg.tokenizer!r} ({tokenizer.name}) is not the tokenizer --init-from "
+                         f"{cfg.init_from!r} trained with ({then!r}; identity {saved} then, {now} now): the weights "
+                         f"read tokens as that tokenizer writes them; pass it as --tokenizer")
+
+
+def check_same_model(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, Any], path: Path) -> None:
+    """A resume builds the checkpoint's model: the vocabulary and the architecture it recorded (the RoPE:
+    :data:`MUST_MATCH`). ValueError naming the first field that differs; checkpoints without a record pass."""
+    if "model_config" in state:
+        saved = ModelConfig(**state["model_config"])
+    elif "hf_config" in state:
+        saved = shape_config_from_hf(hf_config_from_dict(state["hf_config"]))
+    else:
+        return
+    now = model_config_for(cfg, tokenizer)
+    for field in dataclasses.fields(ModelConfig):
+        name = field.name
+        if name not in ("rope_theta", "rope_scaling") and getattr(saved, name) != getattr(now, name):
+            raise ValueError(f"--model {cfg.model!r} with --tokenizer {cfg.tokenizer!r}: {name}="
+                             f"{getattr(now, name)!r}, the checkpoint {str(path)!r} has {getattr(saved, name)!r}; "
+                             f"a resumed run must build the model it saved")
 
 
 def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer, world: int = 1) -> None:
@@ -230,17 +278,50 @@ def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = N
                              f"pass --resume auto to continue that run, or --overwrite to delete them and "
                              f"start afresh")
         return cfg
-    path = resolve_checkpoint(cfg.resume, Path(cfg.out_dir))
-    if path is None:
-        return dataclasses.replace(cfg, resume="")
-    state = verify_checkpoint(path)
+    if cfg.resume == AUTO:
+        path, state = _newest_complete(root)
+        if path is None:
+            return dataclasses.replace(cfg, resume="")
+    else:
+        path = resolve_checkpoint(cfg.resume, Path(cfg.out_dir))
+        assert path is not None  # only 'auto' may find none
+        state = verify_checkpoint(path)
     check_compatible(cfg, world, state, path)
     tokenizer = tokenizer or build_run_tokenizer(cfg)
     if state.get("lora"):  # --lora: the base the adapters trained on is still there, unchanged
         preset = hf_model_dir(cfg.model) is None  # a preset: the shape this run builds
         check_base(state, str(path), model_config_for(cfg, tokenizer) if preset else None)
+    check_same_model(cfg, tokenizer, state, path)
     check_same_data(cfg, tokenizer, state, path)
     return dataclasses.replace(cfg, resume=str(path))
+
+
+def _newest_complete(root: Path) -> tuple[Path | None, dict[str, Any]]:
+    """``--resume auto``: the newest checkpoint under ``root`` that passes :func:`verify_checkpoint` and its
+    trainer state, passing over incomplete ones with one warning line naming the first and why
+    (docs/files-and-checkpoints.md#a-checkpoint-is-its-checksums); (None, {}) when ``root`` holds no
+    checkpoint; ValueError when it holds some but none is complete."""
+    skipped: list[tuple[Path, str]] = []
+    try:
+        read_latest(root)
+    except ValueError as exc:
+        skipped.append((root / LATEST, str(exc)))
+    for path in resume_candidates(root, complete=False):
+        try:
+            state = verify_checkpoint(check_complete(path))
+        except ValueError as exc:
+            skipped.append((path, str(exc)))
+            continue
+        if skipped:
+            first, why = skipped[0]
+            log.warning("--resume auto: passing over %d incomplete checkpoint(s) (%s: %s); continuing from the "
+                        "newest complete one, %s", len(skipped), first.name, why, path)
+        return path, state
+    if skipped:
+        first, why = skipped[0]
+        raise ValueError(f"--resume auto: {str(root)!r} holds no complete checkpoint ({first.name}: {why}); "
+                         f"restore it, or start afresh with --overwrite")
+    return None, {}
 
 
 def _same_option(name: str, saved: Any, current: Any) -> bool:

@@ -32,6 +32,7 @@ Per rank, with ``S`` the replica's sequence, ``sp = hp * cp``, ``n = cp / inner_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from loongtrain.attn.schedule import Compute, Post, pass_events
 from loongtrain.parallel.config import effective_kv_heads
@@ -205,7 +206,20 @@ def _pass_compute(layout: Layout, c: float | dict[tuple[int, int], float], reach
 def attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
                    documents: Documents | None = None) -> AttentionTime:
     """Forward and backward time of one attention call on ``cluster`` (``gpus_per_node`` ranks per node);
-    ``documents``: packed rows and their chunk layout (module docstring)."""
+    ``documents``: packed rows and their chunk layout (module docstring). Without documents the result is
+    remembered per (layout, shape, cluster): the planner asks once per ZeRO and recompute mode of a layout."""
+    if documents is None:
+        return _plain_attention_time(layout, shape, cluster)
+    return _attention_time(layout, shape, cluster, documents)
+
+
+@lru_cache(maxsize=8192)
+def _plain_attention_time(layout: Layout, shape: AttnShape, cluster: Cluster) -> AttentionTime:
+    return _attention_time(layout, shape, cluster, None)
+
+
+def _attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
+                    documents: Documents | None) -> AttentionTime:
     msg = message_bytes(layout, **shape.kwargs())
     links = link_stats(layout, cluster.gpus_per_node)
     intra_lat, inter_lat = cluster.intra_latency_us * 1e-6, cluster.inter_latency_us * 1e-6

@@ -79,7 +79,9 @@ class PlanConfig:
                                "everything else from --calibrate-base", metavar="GPU_CHECK_JSON")
     calibrate_base: str = option("", "the cluster whose other values --calibrate-from keeps: built-in or a TOML file "
                                "(default: the built-in cluster of the run's device)")
-    out: str = option("cluster-calibrated.toml", "--calibrate / --calibrate-from output")
+    out: str = option("cluster-calibrated.toml", "--calibrate / --calibrate-from output (a file loongtrain did not "
+                      "write, or an input, is never replaced)")
+    overwrite: bool = option(False, "replace an earlier --out of loongtrain's (never a file loongtrain did not write)")
 
     @property
     def dtype_bytes(self) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from loongtrain._files import FILE_HEADER, check_output_file, write_atomic
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.calibrate import calibrate, calibrate_from_run, read_run
@@ -134,13 +135,12 @@ def format_document_report(rows: list[tuple[Candidate, list[int]]], report: list
     return "\n".join(lines)
 
 
-def _check_out(path: str) -> Path:
-    out = Path(path)
-    if out.is_dir() or not out.parent.is_dir():  # checked before the minutes of measuring
-        raise ValueError(f"--out {str(out)!r} is a directory; name the cluster TOML file to write"
-                         if out.is_dir() else f"--out {str(out)!r}: the directory "
-                         f"{str(out.parent)!r} does not exist")
-    return out
+def _check_out(cfg: PlanConfig) -> Path:
+    """``--out`` by the ownership rule for files (:func:`loongtrain._files.check_output_file`), checked before
+    the minutes of measuring: never a file loongtrain did not write, nor this command's input."""
+    inputs = [cfg.calibrate_from, cfg.calibrate_base, cfg.cluster]
+    return check_output_file("--out", cfg.out, "plan", inputs=[str(i) for i in inputs if i],
+                             overwrite=cfg.overwrite)
 
 
 def _calibrate_from(cfg: PlanConfig) -> Cluster:
@@ -159,11 +159,13 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
     if cfg.calibrate or cfg.calibrate_from:
         if cfg.calibrate and cfg.calibrate_from:
             raise ValueError("--calibrate measures this machine, --calibrate-from reads a device run: give one")
-        out = _check_out(cfg.out)
+        out = _check_out(cfg)
         cluster = calibrate(world=cfg.calibrate_world) if cfg.calibrate else _calibrate_from(cfg)
-        out.write_text(cluster_to_toml(cluster))
+        how = "--calibrate" if cfg.calibrate else "--calibrate-from"
+        text = f"{FILE_HEADER}plan {how}` (--overwrite replaces it)\n{cluster_to_toml(cluster)}"
+        write_atomic(out, text)
         print(cluster_to_toml(cluster))
-        print(f"wrote {cfg.out}  (use: loongtrain plan --cluster {cfg.out} ...)")
+        print(f"wrote {out}  (use: loongtrain plan --cluster {out} ...)")
         return 0
     cfg.check_complete()
     name, model = resolve_model(cfg.model)

@@ -112,7 +112,7 @@ def enumerate_configs(
             f"hp={hp} is invalid for this model ({heads}): hp must divide num_heads, and divide "
             f"num_kv_heads or be a multiple of it; valid hp on {world} devices: {valid}"
         )
-    sps = [sp] if sp is not None else divisors(world)
+    sps = [sp] if sp is not None else [s for s in divisors(world) if s <= max_sp(seq_len)]
     if hp is not None and cp is not None:
         _check_choice("hp*cp", hp * cp, divisors(world))
         sps = [hp * cp]
@@ -124,6 +124,8 @@ def enumerate_configs(
         for h in divisors(s):
             c = s // h
             if (hp is not None and h != hp) or (cp is not None and c != cp) or not head_ok(model, h):
+                continue
+            if cp is None and sp is None and c > MAX_OPEN_CP:  # the open search's bound (module docstring)
                 continue
             inner_rings = [w for w in divisors(c) if w == inner_ring or (inner_ring is None and (w < c or c == 1))]
             places = list(PLACEMENTS) if h > 1 and c > 1 else ["head_first"]
@@ -146,6 +148,24 @@ def enumerate_configs(
     return configs
 
 
+#: the fewest tokens a rank's shard of the sequence holds in the open search (a smaller shard leaves the
+#: attention kernel's blocks mostly empty and its messages latency-bound: never the better layout)
+MIN_SHARD_TOKENS = 64
+#: the longest context ring the open search tries (an explicit --cp or --sp is tried whatever its size): the
+#: ring's simulation grows with it, and past it the per-hop latency outweighs the shorter blocks
+MAX_OPEN_CP = 1024
+#: the largest sequence-parallel group (hp*cp) the open search tries: 512 nodes of 8 per sequence
+MAX_OPEN_SP = 4096
+#: the most devices the planner plans for (beyond: exit 2 naming the range; docs/planner.md)
+MAX_DEVICES = 65536
+
+
+def max_sp(seq_len: int) -> int:
+    """The largest sequence-parallel group the open search tries: ``seq_len / MIN_SHARD_TOKENS`` (at least 1),
+    at most :data:`MAX_OPEN_SP`. An explicit ``--sp`` or ``--hp`` with ``--cp`` is tried whatever its size."""
+    return max(1, min(MAX_OPEN_SP, seq_len // MIN_SHARD_TOKENS))
+
+
 def _explain_empty(model, world, seq_len, sp, hp, cp, inner_ring) -> None:
     if inner_ring is not None and cp is not None and cp % inner_ring:
         raise ValueError(f"inner_ring={inner_ring} must divide cp={cp}; valid sizes: {divisors(cp)}")
@@ -164,6 +184,13 @@ def _explain_empty(model, world, seq_len, sp, hp, cp, inner_ring) -> None:
     )
 
 
+def _in_range(name: str, value: int, devices: int, cluster: Cluster) -> None:
+    if devices > MAX_DEVICES:
+        raise ValueError(f"--{name}={value} is out of range: the planner plans for at most {MAX_DEVICES} devices "
+                         f"({MAX_DEVICES // cluster.gpus_per_node} nodes of {cluster.gpus_per_node} on "
+                         f"{cluster.name}); plan a slice of the cluster (data parallelism repeats it)")
+
+
 def _positive(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -177,8 +204,10 @@ def world_size(cluster: Cluster, nodes: int | None = None, gpus: int | None = No
         if nodes is None:
             raise ValueError("give the devices to plan for: nodes or gpus")
         _positive("nodes", nodes)
+        _in_range("nodes", nodes, nodes * g, cluster)
         return nodes * g, nodes
     _positive("gpus", gpus)
+    _in_range("gpus", gpus, gpus, cluster)
     if nodes is not None and nodes * g != gpus and not (nodes == 1 and gpus <= g):
         raise ValueError(f"gpus={gpus} and nodes={nodes} disagree ({cluster.name}: {g} devices per node)")
     if gpus > g and gpus % g:

@@ -27,6 +27,8 @@ all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it eac
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -53,7 +55,12 @@ class LinkStats:
 
 @lru_cache(maxsize=4096)
 def link_stats(layout: Layout, ranks_per_node: int) -> LinkStats:
-    """Scan every rank of ``layout`` (node of a rank = ``rank // ranks_per_node``)."""
+    """Scan every rank of ``layout`` (node of a rank = ``rank // ranks_per_node``). The ranks' roles and
+    nodes repeat every ``lcm(sp, ranks_per_node)`` ranks (replicas are contiguous), so a larger world is
+    scanned over one such period: the same maxima, in time bounded by the sp group, not by ``dp``."""
+    period = math.lcm(layout.sp, ranks_per_node)
+    if layout.world_size > period:
+        return link_stats(dataclasses.replace(layout, world_size=period), ranks_per_node)
     node = lambda r: r // ranks_per_node
     a2a_in = a2a_out = 0
     senders: dict[str, dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}

@@ -11,11 +11,16 @@ A checkpoint is written to ``step_XXXXXXXX.tmp`` and renamed only after every ra
 writing and rank 0 has recorded every file's size and CRC-32 (``checksums.json``); ``latest`` is then
 replaced with an atomic ``os.replace``. An interrupted save therefore never becomes ``latest``.
 
-**The complete-checkpoint rule** (:func:`check_complete`, the one rule of ``train --resume``, ``eval``
-and ``export``): a checkpoint is complete only when it is the target of its directory's ``latest``, or
-a directory with its ``checksums.json`` whose name does not end in ``.tmp``; and it holds its trainer
-state. A ``.tmp`` directory or one without checksums (a save or a copy that did not finish) is refused,
-naming it, wherever a checkpoint is accepted. The model and optimizer state dicts come from
+**The complete-checkpoint rule** (:func:`check_complete`, the one rule of ``train --resume``,
+``--init-from``, ``eval`` and ``export``; docs/files-and-checkpoints.md#a-checkpoint-is-its-checksums): a
+checkpoint is its checksums. It is complete only when it is a directory whose name does not end in
+``.tmp``, holding its trainer state and its ``checksums.json``, and (:func:`verify_checkpoint`) every
+file matches the size and CRC-32 recorded there. A ``.tmp`` directory, one without checksums or one
+whose checksums disagree (a save or a copy that did not finish, a flipped byte) is refused, naming the
+file, wherever a checkpoint is read; ``--resume auto`` instead continues from the newest complete one,
+saying so in one line (:func:`resume_candidates`). A ``latest`` that cannot be read is named.
+
+The model and optimizer state dicts come from
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (keyed by parameter name), and weights
 are replicated over the sp ranks, so a checkpoint saved with one (dp, hp, cp) layout loads into
 another (or into a single process). All ranks must see the same filesystem.
@@ -159,6 +164,9 @@ def _disk_full_named(path: Path) -> Iterator[None]:
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit, DiskFullError)):
             raise
+        stop = next((c for c in causes(exc) if isinstance(c, KeyboardInterrupt)), None)
+        if stop is not None:  # Ctrl-C / SIGTERM inside DCP's writer: the interrupt itself (commands/errors.py)
+            raise stop.with_traceback(None) from None
         full = next((c for c in causes(exc) if is_disk_full(c)), None)
         if full is None:
             raise
@@ -182,13 +190,10 @@ def incomplete_reason(path: Path) -> str | None:
         return "is a save that did not finish (a .tmp directory)"
     if not (path / STATE_FILE).is_file():
         return f"has no {STATE_FILE}"
-    if (path / CHECKSUM_FILE).is_file():
-        return None
-    latest = read_latest(path.parent)
-    if latest is not None and latest.resolve() == path.resolve():
-        return None
-    return (f"has no {CHECKSUM_FILE} and is not the target of {str(path.parent / LATEST)!r} (a save or copy "
-            f"that did not finish)")
+    if not (path / CHECKSUM_FILE).is_file():
+        return (f"has no {CHECKSUM_FILE} (a save or copy that did not finish, or files removed from it); a "
+                f"checkpoint is its checksums")
+    return None
 
 
 def check_complete(path: Path) -> Path:
@@ -210,14 +215,32 @@ def read_latest(root: Path) -> Path | None:
     """The checkpoint directory the ``latest`` pointer of checkpoints root ``root`` names (None without a
     pointer). The one reader of ``latest``: resume, pruning and ``loongtrain export`` all use it."""
     pointer = Path(root) / LATEST
-    return Path(root) / pointer.read_text().strip() if pointer.is_file() else None
+    if not pointer.is_file():
+        return None
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"checkpoint pointer {str(pointer)!r} cannot be read ({type(exc).__name__}: "
+                         f"{exc}); it must name a checkpoint directory beside it") from None
+    if not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise ValueError(f"checkpoint pointer {str(pointer)!r} holds {name[:40]!r}, not the name of a checkpoint "
+                         f"directory beside it")
+    return Path(root) / name
+
+
+def _latest_or_none(root: Path) -> Path | None:
+    """``latest``'s target, None when the pointer is missing or cannot be read (pruning, ``auto``)."""
+    try:
+        return read_latest(root)
+    except ValueError:
+        return None
 
 
 def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     """Delete all but the ``keep`` newest complete checkpoints (by step, not by name), never the one
     ``latest`` names; return the deleted directories."""
     root = Path(root)
-    latest = read_latest(root)
+    latest = _latest_or_none(root)
     protected = latest.resolve() if latest is not None else None
     done = complete_checkpoints(root)
     deleted = [p for p in done[: max(0, len(done) - keep)] if p.resolve() != protected]
@@ -241,12 +264,22 @@ AUTO = "auto"
 def newest_checkpoint(root: Path) -> Path | None:
     """The checkpoint to continue from under ``root``: ``latest``'s target when it is complete, else the
     complete checkpoint of the highest step; None when there is none."""
+    candidates = resume_candidates(root)
+    return candidates[0] if candidates else None
+
+
+def resume_candidates(root: Path, *, complete: bool = True) -> list[Path]:
+    """The checkpoints ``--resume auto`` may continue from under ``root``, best first: ``latest``'s
+    target, then the others by falling step; ``complete``: only those :func:`incomplete_reason` passes
+    (False: every ``step_N`` directory, for a caller that says why it passes over one)."""
     root = Path(root)
-    target = read_latest(root)
-    if target is not None and incomplete_reason(target) is None:
-        return target
-    done = complete_checkpoints(root) if root.is_dir() else []
-    return done[-1] if done else None
+    target = _latest_or_none(root)
+    found = sorted(((step, p) for p in root.glob("step_*") if (step := _step_of(p)) is not None),
+                   reverse=True) if root.is_dir() else []
+    ordered = [p for _, p in found]
+    if target is not None and target.is_dir():
+        ordered = [target, *(p for p in ordered if p.resolve() != target.resolve())]
+    return [p for p in ordered if not complete or incomplete_reason(p) is None]
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -311,15 +344,23 @@ def write_checksums(path: Path) -> None:
 
 def check_checksums(path: Path) -> None:
     """ValueError naming the first file of checkpoint ``path`` whose size or CRC-32 differs from what
-    :func:`write_checksums` recorded (checkpoints written before checksums existed pass unchecked)."""
+    :func:`write_checksums` recorded, or the missing ``checksums.json`` (a checkpoint is its checksums)."""
     record = Path(path) / CHECKSUM_FILE
     if not record.is_file():
-        return
+        raise ValueError(f"checkpoint file {str(record)!r} is missing: a checkpoint is its checksums (a save "
+                         f"or copy that did not finish)")
     try:
         sums = json.loads(record.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        entries = sorted((str(name), int(size), int(crc)) for name, (size, crc) in sums.items())
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as exc:
         raise ValueError(f"checkpoint file {str(record)!r} is corrupt or unreadable: {exc}") from None
-    for name, (size, crc) in sorted(sums.items()):
+    recorded = {name for name, _, _ in entries}
+    unlisted = sorted(f.name for f in Path(path).iterdir() if f.is_file() and f.name != CHECKSUM_FILE
+                      and f.name not in recorded)
+    if unlisted:
+        raise ValueError(f"checkpoint file {str(Path(path) / unlisted[0])!r} is not in {str(record)!r}: the "
+                         f"checksums disagree with the checkpoint's files")
+    for name, size, crc in entries:
         file = Path(path) / name
         if not file.is_file():
             raise ValueError(f"checkpoint file {str(file)!r} is missing")

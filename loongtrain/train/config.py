@@ -90,9 +90,9 @@ class TrainConfig:
         "", "train in stages of increasing length: LENGTH:STEPS,... e.g. 8K:1000,32K:400,128K:100 (--steps is "
         "their sum; every length must suit the layout; docs/context-extension.md#seq-len-stages)")
     stage_tokens: str = option(
-        "constant", "with --seq-len-stages: constant (every stage keeps the first stage's tokens per step: "
-        "fewer sequences per micro-step or fewer micro-steps as the length grows) or free (every stage "
-        "keeps --batch-size and --grad-accum)")
+        "constant", "with --seq-len-stages: constant (every step holds the longest stage's tokens: a shorter "
+        "stage puts longest/length times --batch-size sequences into a micro-step; its length must divide the "
+        "longest) or free (every stage keeps --batch-size and --grad-accum)")
     doc_mask: str = option("on", "on: in packed corpora a token attends only inside its own document (block-"
                          "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
                          "packed sequence (loongtrain's decoder and Hugging Face models)")
@@ -102,8 +102,8 @@ class TrainConfig:
                              "documents' visible-pair work, so no rank waits for a busier one; batches "
                              "without document marks stay zigzag)")
     batch_size: int = option(1, "sequences per data-parallel replica per micro-step (with --seq-len-stages: in "
-                           "the first stage)")
-    grad_accum: int = option(1, "micro-steps accumulated per optimizer step (with --seq-len-stages: in the first "
+                           "the longest stage)")
+    grad_accum: int = option(1, "micro-steps accumulated per optimizer step (with --seq-len-stages: in the longest "
                            "stage)")
     # optimisation
     steps: int = option(40, group="optimisation", help="optimizer steps of the whole run (the learning-rate "

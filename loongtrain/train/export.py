@@ -33,8 +33,11 @@ leaves the target as it was and removes its staging files.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from loongtrain._files import (
     OutputLock,
     check_output,
     disk_space,
+    follow_link,
     remove_owned,
     write_bytes,
 )
@@ -112,7 +116,7 @@ def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = Fal
     paths the export reads, e.g. the tokenizer). ValueError naming the rule otherwise."""
     if not str(out_dir).strip():
         raise ValueError("--hf '' is empty: name the output directory")
-    out = Path(out_dir)
+    out = follow_link("--hf", out_dir)  # a link: the export lands in its target, the link stays
     target, ckpt = out.resolve(), Path(checkpoint).resolve()
     root = ckpt.parent  # the run's checkpoints directory
     if target == root or root in target.parents:
@@ -187,11 +191,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
         remove_owned(OUTPUT, staging)
         shutil.rmtree(old, ignore_errors=True)
         try:
-            with disk_space(staging):
+            with disk_space(staging), _os_errors_named(staging / "model.safetensors"):
                 if lora:  # the base (a preset's), the adapters in PEFT's format, then the merged model
                     _export_adapters(model, adapters, state, staging, out, base_dir, dtype)
                     merge_lora(model)
-                export_hf(model, None, staging)
+                export_hf(model, None, staging, max_position_embeddings=trained_positions(state))
             if tokenizer is not None:
                 copy_tokenizer(tokenizer, staging)
             if out.exists():
@@ -206,6 +210,33 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
     shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def trained_positions(state: dict[str, Any]) -> int | None:
+    """The ``max_position_embeddings`` an export of a loongtrain model states: the longest length the run
+    trained at (``--seq-len``, the longest of ``--seq-len-stages``), unless its RoPE scaling sets one
+    (``original_max_position_embeddings * factor``); None for a Hugging Face model (its config's own)."""
+    record = state.get("model_config")
+    if not record:
+        return None
+    scaling = ModelConfig(**record).rope_scaling
+    if scaling is not None and scaling.original_max_position_embeddings:
+        return None
+    return int(TrainConfig.from_dict(state["config"]).seq_len)
+
+
+@contextlib.contextmanager
+def _os_errors_named(path: Path) -> Iterator[None]:
+    """safetensors' writer reports an OS error as its own exception, "... (os error N)": as the OSError it
+    is, naming ``path`` (a full disk: :class:`~loongtrain._files.DiskFullError`; read-only: exit 2)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - only safetensors' errors with an errno are turned
+        found = re.search(r"\(os error (\d+)\)", str(exc))
+        if type(exc).__name__ != "SafetensorError" or found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
 
 
 def _export_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], state: dict[str, Any], staging: Path,

@@ -34,7 +34,7 @@ from loongtrain.loss.token_logprobs import chunked_token_logprobs
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallelize.zero import uses_zero
 from loongtrain.train.batch import Batch
-from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, read_trainer_state
+from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, read_trainer_state, verify_checkpoint
 from loongtrain.train.config import TrainConfig, autocast_dtype
 from loongtrain.train.model_setup import build_model, loss_inputs, model_config_for
 from loongtrain.train.validation import forward_only, validation_batches
@@ -73,7 +73,12 @@ def check_reference(cfg: TrainConfig, model_config: ModelConfig, tokenizer: Any)
     if not Path(cfg.ref_model).exists():
         raise ValueError(f"--ref-model {cfg.ref_model!r}: no such directory (a loongtrain run or checkpoint, or a "
                          f"Hugging Face model directory)")
-    ref_cfg, _ = reference_config(cfg)
+    ref_cfg, checkpoint = reference_config(cfg)
+    if checkpoint is not None:  # a checkpoint is its checksums (docs/files-and-checkpoints.md), read once here
+        try:
+            verify_checkpoint(checkpoint)
+        except ValueError as exc:
+            raise ValueError(f"--ref-model {cfg.ref_model!r}: {exc}") from None
     try:
         ref = model_config_for(ref_cfg, tokenizer)
     except ValueError as exc:

@@ -5,12 +5,13 @@ a run trained in stages of growing sequence length.
 - :func:`run_stages`: the run's :class:`Stage` list, each with its optimizer steps, micro-batch and
   gradient accumulation. Without stages: one stage of ``--seq-len``, ``--batch-size``, ``--grad-accum``
   for ``--steps`` steps (the run as it always was).
-- Tokens per optimizer step (``--stage-tokens``): ``constant`` (default) keeps the first stage's
-  ``batch_size * grad_accum * seq_len`` per replica: a stage of length ``L`` takes
-  ``n = batch_size * grad_accum * first_len / L`` sequences per step (a whole number, else ValueError),
-  as the largest micro-batch ``b`` dividing ``n`` with ``b * L <= batch_size * first_len`` (at least 1)
-  and ``grad_accum = n / b``: a micro-batch never holds more tokens than the first stage's, unless one
-  sequence alone does. ``free`` keeps ``--batch-size`` and ``--grad-accum`` in every stage.
+- Tokens per optimizer step (``--stage-tokens``; docs/context-extension.md#seq-len-stages): ``constant``
+  (default) counts from the **longest** stage, as Llama 3's recipe does: ``--batch-size`` and
+  ``--grad-accum`` describe the longest stage, and a shorter stage of length ``L`` puts ``longest / L``
+  times as many sequences into each micro-batch (``batch_size * longest / L``, the same ``grad_accum``),
+  so every micro-batch holds ``batch_size * longest`` tokens and every step the same number. A stage whose
+  length does not divide the longest is a ValueError naming ``--stage-tokens free``, which keeps
+  ``--batch-size`` and ``--grad-accum`` in every stage.
 - :func:`stage_at` / :func:`stage_config`: the stage of an optimizer step, and the run's options with
   that stage's ``seq_len``, ``batch_size`` and ``grad_accum`` (what the data, the validation and the
   layout checks of that stage use).
@@ -23,7 +24,6 @@ a resume at any step, also on a stage boundary, continues exactly.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -123,30 +123,27 @@ def run_stages(cfg: StageOptions) -> tuple[Stage, ...]:
     if not cfg.seq_len_stages:
         return (Stage(0, cfg.seq_len, cfg.steps, 0, cfg.batch_size, cfg.grad_accum),)
     parsed = parse_stages(cfg.seq_len_stages)
-    first_len = parsed[0][0]
+    longest = parsed[-1][0]
     out: list[Stage] = []
     first_step = 0
     for index, (length, steps) in enumerate(parsed):
-        batch, accum = cfg.batch_size, cfg.grad_accum
-        if cfg.stage_tokens == "constant" and index:
-            batch, accum = _constant_tokens_batch(cfg, first_len, length)
-        out.append(Stage(index, length, steps, first_step, batch, accum))
+        batch = cfg.batch_size
+        if cfg.stage_tokens == "constant":
+            batch = _constant_tokens_batch(cfg, longest, length)
+        out.append(Stage(index, length, steps, first_step, batch, cfg.grad_accum))
         first_step += steps
     return tuple(out)
 
 
-def _constant_tokens_batch(cfg: StageOptions, first_len: int, length: int) -> tuple[int, int]:
-    tokens = cfg.batch_size * cfg.grad_accum * first_len
-    if tokens % length:
+def _constant_tokens_batch(cfg: StageOptions, longest: int, length: int) -> int:
+    """The micro-batch of a stage of ``length`` holding the longest stage's ``batch_size * longest`` tokens."""
+    if longest % length:
         raise ValueError(
-            f"--seq-len-stages stage of length {length}: --stage-tokens constant keeps the first stage's "
-            f"--batch-size {cfg.batch_size} x --grad-accum {cfg.grad_accum} x {first_len} = {tokens} tokens per "
-            f"replica step, which is not a whole number of sequences of {length}; make --batch-size x "
-            f"--grad-accum a multiple of {length // math.gcd(first_len, length)}, or pass --stage-tokens free")
-    sequences = tokens // length
-    limit = cfg.batch_size * first_len
-    batch = max([b for b in range(1, sequences + 1) if sequences % b == 0 and b * length <= limit], default=1)
-    return batch, sequences // batch
+            f"--seq-len-stages {cfg.seq_len_stages!r}: the stage of length {length} does not divide the longest, "
+            f"{longest}: --stage-tokens constant puts longest/length times --batch-size {cfg.batch_size} sequences "
+            f"into its micro-batches, which must be whole; choose lengths that divide {longest} (e.g. powers of "
+            f"two), or pass --stage-tokens free (every stage keeps --batch-size and --grad-accum)")
+    return cfg.batch_size * (longest // length)
 
 
 def check_stage_layouts(cfg: StageOptions, parallel: ParallelConfig, world: int, num_heads: int,

@@ -31,7 +31,7 @@ from loongtrain._files import remove_owned
 from loongtrain.attn.kernel_choice import chosen_kernels, refused_kernels
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
-from loongtrain.model.config import num_params, step_flops
+from loongtrain.model.config import ModelConfig, num_params, step_flops
 from loongtrain.model.lora import adapter_params, lora_flops_saved
 from loongtrain.parallel.agreement import attention_check_group, check_agreement, deferred_attention_checks
 from loongtrain.parallel.failures import kill_point
@@ -84,6 +84,12 @@ def use_deterministic(device: torch.device) -> None:
 def _barrier() -> None:
     if is_distributed():
         dist.barrier()
+
+
+def rope_text(config: ModelConfig) -> str:
+    """The RoPE a run trains with, for its log: ``RoPE theta 10000, no scaling`` / ``..., yarn:factor=4,...``."""
+    scaling = config.rope_scaling
+    return f"RoPE theta {config.rope_theta:g}, {scaling.spec() if scaling is not None else 'no scaling'}"
 
 
 class Trainer:
@@ -385,8 +391,9 @@ class Trainer:
         peak = peak_flops_total(self.cfg, self.device, self.mesh.world_size) if self.mesh.rank == 0 else None
         _barrier()
         if self.mesh.rank == 0:
-            log.info("model %s: %.2fM parameters; %s; %d tokens per step", self.cfg.model,
-                     num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step(self.stages[0]))
+            log.info("model %s: %.2fM parameters; %s; %d tokens per step; %s", self.cfg.model,
+                     num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step(self.stages[0]),
+                     rope_text(self.model_config))
             if self.cfg.lora:
                 lora = self.cfg.lora_config()
                 log.info("--lora %s: %.3fM adapter parameters train (%.3f%% of the model), the base is frozen",

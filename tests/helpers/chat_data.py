@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
+from tests.helpers.hf_models import make_hf_dir
 
 SPECIAL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 #: ChatML, the assistant's content and end-of-turn token inside {% generation %}
@@ -51,20 +51,8 @@ VOCAB = 259
 def make_model_dir(path: Path, family: str = "LlamaForCausalLM", *, seed: int = 3, template: str | None =
                    GENERATION_TEMPLATE, **overrides) -> Path:
     """A tiny random HF model (``family``: Llama or Qwen2) with the chat tokenizer in its directory."""
-    import transformers
-
-    config_cls = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config"}[family]
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, tie_word_embeddings=family == "Qwen2ForCausalLM")
-    config = getattr(transformers, config_cls)(**{**common, **overrides})
-    config.architectures = [family]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = getattr(transformers, family)(config)
-        for param in model.parameters():  # HF zero-inits biases and ones-inits norms: make them matter
-            if param.dim() == 1:
-                param.data.add_(0.1 * torch.randn(param.shape))
-    model.save_pretrained(path)
+    assert family in ("LlamaForCausalLM", "Qwen2ForCausalLM"), family
+    make_hf_dir(path, family, seed=seed, **{"vocab_size": VOCAB, **overrides})
     make_tokenizer(path, template)
     return path
 

@@ -163,6 +163,7 @@ def test_one_latest_reader_serves_resume_and_export_paths(tmp_path):
     for step in (1, 2):
         (root / f"step_{step:08d}").mkdir(parents=True)
         (root / f"step_{step:08d}" / STATE_FILE).write_text(json.dumps({"step": step, "scheduler": {}}))
+        (root / f"step_{step:08d}" / "checksums.json").write_text("{}")
     (root / LATEST).write_text("step_00000001\n")  # latest need not be the newest
     want = root / "step_00000001"
     assert read_latest(root) == want and read_latest(tmp_path) is None

@@ -30,15 +30,19 @@ def test_parse_schedule_and_the_totals_it_makes():
     assert parse_args(["--seq-len-stages", "1K:10,4K:5", "--grad-accum", "4", "--steps", "15"]).steps == 15
 
 
-def test_constant_tokens_shrink_the_batch_then_the_accumulation():
+def test_constant_tokens_count_from_the_longest_stage():
+    """--batch-size and --grad-accum describe the longest stage; a shorter one of length L puts longest/L
+    times as many sequences into each micro-batch (issue 41: the natural command with --batch-size 1)."""
     cfg = parse_args(["--seq-len-stages", "1K:10,2K:5,4K:4,8K:3", "--batch-size", "4", "--grad-accum", "2"])
     stages = run_stages(cfg)
     shapes = [(s.seq_len, s.batch_size, s.grad_accum, s.first_step, s.steps) for s in stages]
-    assert shapes == [(1024, 4, 2, 0, 10), (2048, 2, 2, 10, 5), (4096, 1, 2, 15, 4), (8192, 1, 1, 19, 3)]
-    assert {s.tokens_per_replica_step() for s in stages} == {8192}
+    assert shapes == [(1024, 32, 2, 0, 10), (2048, 16, 2, 10, 5), (4096, 8, 2, 15, 4), (8192, 4, 2, 19, 3)]
+    assert {s.tokens_per_replica_step() for s in stages} == {4 * 2 * 8192}
     assert [stage_at(stages, step).index for step in (0, 9, 10, 14, 15, 18, 19, 21, 99)] == [0, 0, 1, 1, 2, 2, 3, 3, 3]
     late = stage_config(cfg, stages[2])
-    assert (late.seq_len, late.batch_size, late.grad_accum, late.steps) == (4096, 1, 2, cfg.steps)
+    assert (late.seq_len, late.batch_size, late.grad_accum, late.steps) == (4096, 8, 2, cfg.steps)
+    natural = run_stages(parse_args(["--seq-len-stages", "8K:1000,32K:400,128K:100"]))  # --batch-size 1
+    assert [(s.batch_size, s.grad_accum) for s in natural] == [(16, 1), (4, 1), (1, 1)]
     free = run_stages(parse_args(["--seq-len-stages", "1K:10,8K:3", "--batch-size", "4", "--stage-tokens",
                                   "free"]))
     assert [(s.batch_size, s.grad_accum) for s in free] == [(4, 1), (4, 1)]
@@ -51,7 +55,8 @@ def test_constant_tokens_shrink_the_batch_then_the_accumulation():
     (["--seq-len-stages", "8K:0"], ["'8K:0'"]),
     (["--seq-len-stages", "8K:10,32K:5", "--steps", "12"], ["--steps=12", "15 steps"]),
     (["--seq-len-stages", "8K:10,32K:5", "--seq-len", "8K"], ["--seq-len=8192", "32768"]),
-    (["--seq-len-stages", "8K:10,32K:5", "--grad-accum", "2"], ["32768", "multiple of 4", "free"]),
+    (["--seq-len-stages", "10K:10,32K:5", "--grad-accum", "2"], ["length 10240 does not divide the longest, 32768",
+                                                                  "--stage-tokens free"]),
     (["--stage-tokens", "free"], ["--seq-len-stages"]),
     (["--seq-len-stages", "1K:2,2K:2", "--stage-tokens", "fixed"], ["'fixed'", "constant"]),
 ])
@@ -107,7 +112,7 @@ def test_stop_and_resume_on_and_between_stage_boundaries_is_exact(tmp_path, doc_
     assert _train(doc_corpus, tmp_path / "full") == 0
     full = _rows(tmp_path / "full")
     assert [r[1] for r in full] == [32, 32, 32, 64, 64, 128, 128]  # each row carries its stage's length
-    assert [r[6] for r in full] == [(128 * k,) for k in range(1, 8)]  # constant tokens per step, counted
+    assert [r[6] for r in full] == [(512 * k,) for k in range(1, 8)]  # 2 x 2 x 128 tokens per step, counted
     assert all(r[5] is not None for r in full if r[0] % 2 == 0)
     lrs = [r[4] for r in full]  # one warmup + cosine over the whole run, not per stage
     assert lrs == pytest.approx([3e-3 * lr_factor(s, warmup=1, total=7, min_ratio=0.1) for s in range(7)])
