@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
@@ -42,9 +43,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.gpu_check import exact, rates, speed, train
+from benchmarks.gpu_check import exact, first, rates, speed, train
 from benchmarks.gpu_check.failures import allocation_failure, release  # noqa: F401 - this module's API too
-from loongtrain.attn.kernel_choice import kernel_candidates
 
 
 @dataclass
@@ -87,33 +87,40 @@ class Section:
     run: Callable[[Context], dict[str, Any]]
     gpu: tuple[float, float]  # (minimum, maximum) seconds on one H200
     cpu: tuple[float, float]  # the same at the tiny CPU sizes
+    always: bool = False  # runs even out of time (cheap, and what every reader of the results needs)
 
 
-SECTIONS = (
-    Section("kernels", exact.check_kernels, (5, 15), (0.2, 3)),
-    Section("attention", rates.check_attention, (20, 80), (0.3, 3)),
-    Section("matmul", rates.check_matmul, (3, 8), (0.1, 2)),
-    Section("memory_bandwidth", rates.check_memory_bandwidth, (2, 4), (0.1, 1)),
-    Section("training", train.check_training, (60, 180), (0.5, 10)),
-    Section("documents_mfu", train.check_documents_mfu, (15, 30), (0.3, 5)),
-    Section("loss", speed.check_loss, (5, 12), (0.2, 3)),
-    Section("ring", exact.check_ring, (3, 10), (0.3, 5)),
-    Section("documents", exact.check_documents, (5, 15), (0.3, 5)),
-    Section("determinism", exact.check_determinism, (3, 8), (0.1, 2)),
-    Section("kernel_choice", speed.check_kernel_choice, (5, 15), (0.2, 3)),
-    Section("compile", speed.check_compile, (30, 60), (3, 30)),
-    Section("offload", train.check_offload, (20, 40), (0.5, 10)),
+SECTIONS = (  # the questions of a first device run first (docs/kernels.md#the-device-check); sum of maxima <= 420
+    Section("environment", first.check_environment, (1, 5), (0.05, 1), always=True),
+    Section("kernel_probes", first.check_kernel_probes, (25, 45), (0.2, 1.5)),
+    Section("documents_1b", first.check_documents_1b, (40, 100), (0.8, 3)),
+    Section("sync_debug", first.check_sync_debug, (10, 15), (0.01, 0.2)),
+    Section("attention", rates.check_attention, (20, 45), (0.3, 3)),
+    Section("matmul", rates.check_matmul, (3, 6), (0.1, 2)),
+    Section("memory_bandwidth", rates.check_memory_bandwidth, (2, 3), (0.1, 1)),
+    Section("kernels", exact.check_kernels, (5, 8), (0.2, 3)),
+    Section("training", train.check_training, (40, 60), (0.5, 10)),
+    Section("documents_mfu", train.check_documents_mfu, (15, 20), (0.3, 5)),
+    Section("loss", speed.check_loss, (5, 8), (0.2, 3)),
+    Section("ring", exact.check_ring, (3, 6), (0.3, 5)),
+    Section("documents", exact.check_documents, (5, 8), (0.3, 5)),
+    Section("determinism", exact.check_determinism, (3, 4), (0.1, 2)),
+    Section("kernel_choice", speed.check_kernel_choice, (5, 8), (0.2, 3)),
+    Section("compile", speed.check_compile, (30, 35), (3, 30)),
+    Section("offload", train.check_offload, (15, 20), (0.5, 10)),
 )
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    env = {"torch": torch.__version__, "device": str(device), "python": sys.version.split()[0]}
-    if device.type == "cuda":
-        env.update(name=torch.cuda.get_device_name(device), capability=list(torch.cuda.get_device_capability(device)),
-                   cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
-    env["kernels"] = {str(dt): [k.name for k in kernel_candidates(device, dt, 128)]
-                      for dt in (torch.bfloat16, torch.float16, torch.float32)}
-    return env
+def process_start() -> float:
+    """``time.monotonic()`` when this process started (Linux: from /proc; elsewhere: now), so that the budget
+    covers torch's import too."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as up:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            uptime = float(up.read().split()[0])
+        return time.monotonic() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
 
 
 def run_section(section: Section, ctx: Context) -> dict[str, Any]:
@@ -130,7 +137,9 @@ def run_section(section: Section, ctx: Context) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started: float | None = None) -> int:
+    """The run (module docstring); ``started``: the ``time.monotonic()`` the budget counts from (the module's
+    ``__main__`` passes :func:`process_start`; else the call's own start)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="tiny sizes on CPU (the tests of this script)")
     parser.add_argument("--out", required=True, help="JSON output path (written after every section)")
@@ -143,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(wanted) - {s.name for s in SECTIONS})
     if unknown:
         parser.error(f"unknown sections {unknown}; valid: {[s.name for s in SECTIONS]}")
-    start = time.monotonic()
+    start = time.monotonic() if started is None else started
     end = start + args.budget_s
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     kind = "cpu" if args.cpu else "gpu"
     results: dict[str, Any] = {"command": " ".join(["python -m benchmarks.gpu_check", *(argv or sys.argv[1:])]),
-                               "budget_s": args.budget_s, "environment": environment(device)}
+                               "budget_s": args.budget_s, "started_s": time.monotonic() - start}
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -160,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         left = end - time.monotonic()
         if section.name not in wanted:
             results[section.name] = {"skipped": "not in --sections"}
-        elif left < least:
+        elif left < least and not section.always:
             results[section.name] = {"skipped": f"out of time: {left:.1f} s of --budget-s {args.budget_s:g} left, "
                                                 f"the section needs at least {least:g} s"}
         else:
-            ctx = Context(device, kind, results, time.monotonic() + min(most, left), flush)
+            ctx = Context(device, kind, results, time.monotonic() + max(0.0, min(most, left)), flush)
             results[section.name] = {"running": True}
             results[section.name] = run_section(section, ctx)
         print(f"== {section.name}: {json.dumps(results[section.name], default=str)[:1500]}", flush=True)

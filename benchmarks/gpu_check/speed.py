@@ -3,7 +3,9 @@
 - ``kernel_choice``: every candidate kernel's forward and backward time, separately, on a dense causal call
   and on packed documents (the documents path: flash packs a step's pieces into varlen calls, a kernel
   without varlen ops runs one dense call per piece), the kernel ``choose_kernel`` picks, and the fastest
-  candidate of each kind (the choice should be the fastest where it is >= 10% faster than the rule's).
+  candidate of each kind (the choice should be the fastest where it is >= 10% faster than the rule's); a mixed
+  choice (``cuda_cudnn+cuda_flash``: one kernel's dense calls, another's varlen op) is timed as it runs, so it
+  scores a number.
 - ``loss``: the fused chunked cross-entropy against the unchunked loss, forward + backward, side by side
   (``benchmarks/loss_speed.py``), at V=128K, 16K tokens, d=4096 on the GPU (target: ratio <= 1.2).
 - ``compile``: ``Trainer`` eager against ``--compile on`` (inductor) on the same packed-document batches,
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates
+from loongtrain.attn.kernel_choice import choose_kernel, chosen_kernels, kernel_candidates
 from loongtrain.attn.kernel_timing import median_seconds
 from loongtrain.attn.kernels import Kernel
 from loongtrain.attn.masking import AttnMask
@@ -79,7 +81,15 @@ def check_kernel_choice(ctx) -> dict[str, Any]:
                 kernel.name, lambda kernel=kernel: _kernel_times(kernel, q, k, v, dout, mask, device))
         except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is reported, not fatal
             out["candidates"][kernel.name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    out["chosen"] = choose_kernel(device, dtype, d, h, hkv, s).name
+    chosen = choose_kernel(device, dtype, d, h, hkv, s)
+    out["chosen"] = chosen.name
+    out["attention_kernels"] = chosen_kernels()
+    if chosen.name not in out["candidates"] and ctx.enough(0.0, chosen.name):  # a mixed choice: timed as it runs
+        try:
+            out["candidates"][chosen.name] = ctx.attempt(
+                chosen.name, lambda: _kernel_times(chosen, q, k, v, dout, mask, device))
+        except Exception as exc:  # noqa: BLE001
+            out["candidates"][chosen.name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     timed = {n: t for n, t in out["candidates"].items() if t and "error" not in t}
     for kind in ("dense", "documents"):
         total = {n: t[f"{kind}_forward_s"] + t[f"{kind}_backward_s"] for n, t in timed.items()}

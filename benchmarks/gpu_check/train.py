@@ -42,6 +42,28 @@ SIZES: dict[str, dict[str, Any]] = {
 CPU_SMALL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 
 
+def preset(name: str) -> ModelConfig:
+    """The model of a row: a preset, or the tiny CPU model ``cpu-small``."""
+    return CPU_SMALL if name == "cpu-small" else get_preset(name)
+
+
+SETUP_S = {"gpu": 15.0, "cpu": 0.3}  # building a row's trainer (the model's weights, the optimizer)
+CPU_STEP_S = 0.25  # one step of the tiny CPU rows on this project's 2-core machine
+
+
+def row_estimate_s(ctx, model: ModelConfig, config: ParallelConfig, seq: int, steps: int) -> float:
+    """Seconds a training row needs, set-up and ``steps`` steps: on a GPU the planner's step time on the device's
+    built-in cluster (1.5x, for the first step's warm-up), on CPU :data:`CPU_STEP_S` a step."""
+    if ctx.kind == "cpu":  # this machine's speed varies: the slowest step seen so far in this run counts too
+        seen = [r.get("first_step_s", 0.0) for section in ("training", "documents_mfu")
+                for r in (ctx.results.get(section) or {}).get("runs", []) if isinstance(r, dict)]
+        return SETUP_S["cpu"] + steps * max([CPU_STEP_S, *seen])
+    from loongtrain.plan.cost import step_cost
+
+    cost = step_cost(model, config, _cluster(ctx.device), nodes=1, world=1, seq_len=seq)
+    return SETUP_S["gpu"] + 1.5 * steps * cost.step_time
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -102,6 +124,7 @@ def predictions(ctx, model: ModelConfig, config: ParallelConfig, seq: int, measu
 
 def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents: int = 0) -> dict[str, Any] | None:
     """One training row (module docstring); None when it ran out of time before its first timed step."""
+    from loongtrain.attn.kernel_choice import chosen_kernels, refused_kernels
     from loongtrain.model.config import flops_per_token
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.plan.memory_model import config_memory
@@ -111,9 +134,11 @@ def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents
     from loongtrain.train.trainer import Trainer
 
     device, size = ctx.device, SIZES[ctx.kind]
-    model = CPU_SMALL if name == "cpu-small" else get_preset(name)
+    model = preset(name)
     if config is None:
         config = best_fitting(model, _cluster(device), gpus=1, seq_len=seq, modes="auto").config
+    if not ctx.enough(row_estimate_s(ctx, model, config, seq, size["steps"] + 1), f"{name} S={seq}"):
+        return None  # a row never starts without the time it needs
     cfg = TrainConfig(model=name, seq_len=seq, steps=size["steps"] + 1, warmup=1, dtype="auto", parallel=config,
                       memory_report=False, doc_mask="on" if documents else "off")
     trainer = Trainer(Run(cfg, model), single_process_mesh(), device)
@@ -144,8 +169,10 @@ def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents
     achieved = statistics.median(flops[1:]) / step_s / 1e12
     row: dict[str, Any] = {
         "model": name, "seq_len": seq, "configuration": config.label(), "compute_dtype": str(compute),
-        "step_s": timed, "tokens_per_s": seq / step_s, "model_tflops": achieved, "mfu": achieved / peak,
-        "loss": result["loss"], "predicted_memory_gib": {k: v / 2**30 for k, v in predicted.items()}}
+        "first_step_s": times[0], "step_s": timed, "tokens_per_s": seq / step_s, "model_tflops": achieved,
+        "mfu": achieved / peak,
+        "loss": result["loss"], "predicted_memory_gib": {k: v / 2**30 for k, v in predicted.items()},
+        "attention_kernels": chosen_kernels(), "refused_kernels": refused_kernels()}
     if documents:
         row["documents_median"] = documents
         row["visible_fraction"] = statistics.median(flops[1:]) / (seq * flops_per_token(model, seq))

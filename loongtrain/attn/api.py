@@ -24,6 +24,7 @@ from loongtrain.model.local_attention import CuSeqlens, normalize_cu_seqlens, va
 from loongtrain.parallel.agreement import agree_on_attention
 from loongtrain.parallel.config import ParallelConfig, validate_parallel
 from loongtrain.parallel.mesh import Mesh, single_process_mesh
+from loongtrain.parallel.step_memo import LastCall
 from loongtrain.parallel.zigzag import check_chunk_order
 
 Tensor = torch.Tensor
@@ -132,12 +133,9 @@ def attention(
         cu, order = _traced_masks(cu_seqlens, chunk_order)
         key = _ring_key(mesh)
     else:
-        docs = normalize_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1] * mesh.sp)
-        order_ints = _ints(chunk_order)
-        if order_ints is not None:
-            check_chunk_order(order_ints, q.shape[1] * mesh.sp, mesh.hp, mesh.cp)
-        cu = ops.as_index_tensor(flatten_cu_seqlens(docs)) if docs is not None else None
-        order, key = ops.as_index_tensor(order_ints), ops.ring_key(mesh)
+        cu, order = _MASK_TENSORS(_mask_tensors, cu_seqlens, chunk_order, q.shape[0], q.shape[1] * mesh.sp,
+                                  mesh.hp, mesh.cp)  # once per step: every layer passes the same objects
+        key = ops.ring_key(mesh)
     num_kv_heads = k.shape[2]
     hp = mesh.hp
     if hp > num_kv_heads:  # each head rank needs exactly one KV head: replicate, grads sum back
@@ -151,6 +149,20 @@ def attention(
     if hp > 1:
         out = ops.head_all_to_all(out, mesh.hp_group.group_name, 1, 2)
     return out
+
+
+_MASK_TENSORS: LastCall[tuple[Tensor | None, Tensor | None]] = LastCall()
+
+
+def _mask_tensors(cu_seqlens: CuSeqlens | None, chunk_order: Sequence[int] | Tensor | None, batch: int, seq: int,
+                  hp: int, cp: int) -> tuple[Tensor | None, Tensor | None]:
+    """The ops' tensors of the document boundaries and the chunk order, checked (ValueError)."""
+    docs = normalize_cu_seqlens(cu_seqlens, batch, seq)
+    order_ints = _ints(chunk_order)
+    if order_ints is not None:
+        check_chunk_order(order_ints, seq, hp, cp)
+    cu = ops.as_index_tensor(flatten_cu_seqlens(docs)) if docs is not None else None
+    return cu, ops.as_index_tensor(order_ints)
 
 
 def _ints(values: Sequence[int] | Tensor | None) -> tuple[int, ...] | None:

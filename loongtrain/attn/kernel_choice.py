@@ -19,21 +19,23 @@ packed documents at once, ``Kernel.varlen_forward``/``varlen_backward``, or one 
 - CPU, other devices, and CUDA cases with a single option: the rule's kernel, nothing measured;
 - under ``torch.use_deterministic_algorithms(True)`` (``--deterministic``): the rule's kernel, so the
   documented deterministic path (the flash backward's) is the one that runs;
-- otherwise each option's forward + backward is timed once on the call's own head counts and head dim
-  (sequence capped at 8K tokens; :mod:`loongtrain.attn.kernel_timing`): dense calls on one causal block;
-  varlen calls on the block packed as 8 equal causal documents, through each kernel's varlen op
-  (``cuda_flash``: FA2's; ``cuda_cudnn``: cuDNN's ragged one) and, as one more option, the dense choice
-  called once per document. An option replaces the rule's (dense: the first candidate but cuDNN; varlen: the
-  first candidate with a varlen op) only when it is at least ``MARGIN`` faster, so that ranks timing the
-  same device do not flip between two options of equal speed, and so a kernel without a varlen op never
-  replaces one with it on the varlen calls unless it measured faster there. An option that raises is
-  skipped, and so is a varlen op whose untimed first run differs from the reference kernel beyond
-  rounding (:func:`loongtrain.attn.kernel_timing.varlen_error`). Distributed, every rank then takes rank 0's choices
+- otherwise each option's forward + backward is timed once on the call's own head counts and head dim at the
+  run's block length (:mod:`loongtrain.attn.kernel_timing`), once the known-bad table and the subprocess probe
+  (:mod:`loongtrain.attn.kernel_probe`, docs/kernels.md#safety) have let it through: dense calls on one causal
+  block; varlen calls on the block packed as 8 equal causal documents, through each kernel's varlen op
+  (``cuda_flash``: FA2's; ``cuda_cudnn``: cuDNN's ragged one) and, as one more option, the dense choice called
+  once per document. An option replaces the rule's (dense: the first candidate but cuDNN; varlen: the first
+  candidate with a varlen op) only when it is at least ``MARGIN`` faster, so that ranks timing the same device
+  do not flip between two options of equal speed, and so a kernel without a varlen op never replaces one with it
+  on the varlen calls unless it measured faster there. An option that raises is skipped, and so is a varlen op
+  whose untimed first run differs from the reference kernel beyond rounding
+  (:func:`loongtrain.attn.kernel_timing.varlen_error`). Distributed, every rank then takes rank 0's choices
   (:func:`agree_across_ranks`), so no two ranks run different numerics.
 
 The ring gets one :class:`~loongtrain.attn.kernels.Kernel`: the dense choice's forward and backward with the
 varlen choice's varlen ops (or none). It is kept per process for ``(device, dtype, head dim, heads, KV
-heads)`` (:func:`clear_choices` forgets it) and logged on first use with the times.
+heads, length bucket)`` (:func:`clear_choices` forgets it), logged on first use with the times, and recorded
+(:func:`chosen_kernels`, :func:`refused_kernels`: the run's metrics rows and checkpoints).
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ from loongtrain.attn.cuda_kernels import (
     CUDA_FLASH,
     CUDA_FLASH_PADDED,
 )
+from loongtrain.attn.kernel_probe import (
+    ProbeSpec,
+    Versions,
+    current_versions,
+    known_bad,
+    needs_probe,
+    probe_in_subprocess,
+)
 from loongtrain.attn.kernel_timing import MEASURE_DOCUMENTS, make_timer
 from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, Kernel
 from loongtrain.parallel.runtime import is_distributed
@@ -62,8 +72,9 @@ log = logging.getLogger(__name__)
 MARGIN = 0.10  # another kernel must be at least 10% faster than the rule's choice to replace it
 CALL_KINDS = ("dense", "varlen")
 
-_ChoiceKey = tuple[str, int | None, torch.dtype, int, int, int]
+_ChoiceKey = tuple[str, int | None, torch.dtype, int, int, int, int]
 _CHOICES: dict[_ChoiceKey, Kernel] = {}  # per-process cache, like cuDNN's benchmark cache
+_REFUSED: dict[str, str] = {}  # kind:name -> why, for the run's records
 
 
 # ---------------------------------------------------------------- rules (torch's dispatcher checks)
@@ -185,25 +196,86 @@ def varlen_options(candidates: list[Kernel], dense: Kernel) -> tuple[list[Kernel
     return options, options[0]
 
 
+def length_bucket(seq_len: int) -> int:
+    """The power of two at or above ``seq_len``: choices are kept per bucket of block lengths, so a short first
+    stage of a length schedule does not fix the kernel of a long one."""
+    return 1 << max(0, int(seq_len) - 1).bit_length()
+
+
+Probe = Callable[[Kernel, str], "str | None"]
+
+
+def subprocess_probe(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, seq_len: int) -> Probe:
+    """``probe(kernel, kind) -> reason or None``: :func:`loongtrain.attn.kernel_probe.probe_in_subprocess` at
+    these shapes (one KV head against ``group`` query heads, blocks of ``seq_len``)."""
+    device = torch.device(device)
+    where = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+    def probe(kernel: Kernel, kind: str) -> str | None:
+        spec = ProbeSpec(kernel.name, kind, str(dtype).removeprefix("torch."), head_dim, group, seq_len, where)
+        return probe_in_subprocess(spec)
+
+    return probe
+
+
+def _verdict(kernel: Kernel, kind: str, versions: Versions, probe: Probe, base: dict[str, Kernel]) -> str | None:
+    """Why ``kernel`` may not take call ``kind`` here (None: it may): the table, then the probe. A varlen option
+    without a varlen op (one dense call per piece) is its dense kernel's dense calls."""
+    if kind == "varlen" and kernel.varlen_forward is None:
+        kernel, kind = base.get(kernel.name.removesuffix("_per_piece"), kernel), "dense"
+    reason = known_bad(kernel, kind, versions)
+    if reason is None and needs_probe(kernel, versions):
+        reason = probe(kernel, kind)
+    return reason
+
+
+def _safe(options: list[Kernel], kind: str, versions: Versions, probe: Probe, base: dict[str, Kernel],
+          refused: dict[str, str]) -> list[Kernel]:
+    """``options`` without those refused (recorded in ``refused``: key ``kind:name`` -> reason, logged once)."""
+    kept = []
+    for kernel in options:
+        key = f"{kind}:{kernel.name}"
+        if key not in refused:
+            reason = _verdict(kernel, kind, versions, probe, base)
+            if reason is not None:
+                refused[key] = reason
+                log.warning("attention kernel %s not used for %s calls: %s", kernel.name, kind, reason)
+        if key not in refused:
+            kept.append(kernel)
+    return kept
+
+
 def choose_kernel(
     device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, seq_len: int,
-    measure: Callable[[Kernel, str], float] | None = None,
+    measure: Callable[[Kernel, str], float] | None = None, probe: Probe | None = None,
 ) -> Kernel:
     """The kernel for attention of ``num_heads`` query heads against ``num_kv_heads`` KV heads of
     ``head_dim``, blocks of ``seq_len`` tokens, on ``device`` (module docstring). ``measure(kernel, kind) ->
-    seconds`` (``kind`` in :data:`CALL_KINDS`) replaces the timing (tests)."""
+    seconds`` (``kind`` in :data:`CALL_KINDS`) replaces the timing, ``probe(kernel, kind) -> reason or None``
+    the subprocess check (tests)."""
     device = torch.device(device)
-    key = (device.type, device.index, dtype, head_dim, num_heads, num_kv_heads)
+    key = (device.type, device.index, dtype, head_dim, num_heads, num_kv_heads, length_bucket(seq_len))
     deterministic = torch.are_deterministic_algorithms_enabled()
     if key in _CHOICES and not deterministic:
         return _CHOICES[key]
     rule = select_kernel(device, dtype, head_dim)
     if device.type != "cuda" or deterministic:
+        _CHOICES[key] = rule  # for the run's records (deterministic mode looks it up again each time)
         return rule
-    candidates = kernel_candidates(device, dtype, head_dim)
+    versions = current_versions()
+    probe = probe or subprocess_probe(device, dtype, head_dim, num_heads // num_kv_heads, seq_len)
+    base = {k.name: k for k in kernel_candidates(device, dtype, head_dim)}
+    refused: dict[str, str] = {}
+    _safe(list(base.values()), "dense", versions, probe, base, refused)
+    refused_all = _refused_anywhere(refused)
+    candidates = [k for k in base.values() if f"dense:{k.name}" not in refused_all] or [REFERENCE]
+    rule = next((k for k in candidates if k is not CUDA_CUDNN), candidates[0])
     timer = measure or make_timer(device, dtype, head_dim, num_heads, num_kv_heads, seq_len)
     dense, times = (rule, {}) if len(candidates) < 2 else pick_by_time(candidates, rule, lambda k: timer(k, "dense"))
-    options, varlen_rule = varlen_options(candidates, dense)
+    _safe(varlen_options(candidates, dense)[0], "varlen", versions, probe, base, refused)
+    refused_all = _refused_anywhere(refused)
+    options = [k for k in varlen_options(candidates, dense)[0] if f"varlen:{k.name}" not in refused_all]
+    varlen_rule = options[0]
     varlen, varlen_times = ((varlen_rule, {}) if len(options) < 2 else
                             pick_by_time(options, varlen_rule, lambda k: timer(k, "varlen")))
     if times or varlen_times:
@@ -212,12 +284,48 @@ def choose_kernel(
         varlen = next(k for k in varlen_options(candidates, dense)[0] if k.name == varlen_name)
         shown = {kind: ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in timed.items())
                  for kind, timed in (("dense", times), ("varlen", varlen_times))}
-        log.info("attention kernel for %s, head dim %d, %d/%d heads: dense calls %s (fwd+bwd measured: %s); "
-                 "varlen calls %s (%d documents, fwd+bwd measured: %s)", dtype, head_dim, num_heads, num_kv_heads,
-                 dense.name, shown["dense"] or "-", varlen.name, MEASURE_DOCUMENTS, shown["varlen"] or "-")
+        log.info("attention kernel for %s, head dim %d, %d/%d heads, blocks of %d: dense calls %s (fwd+bwd "
+                 "measured: %s); varlen calls %s (%d documents, fwd+bwd measured: %s)", dtype, head_dim, num_heads,
+                 num_kv_heads, seq_len, dense.name, shown["dense"] or "-", varlen.name, MEASURE_DOCUMENTS,
+                 shown["varlen"] or "-")
     choice = combined(dense, varlen)
     _CHOICES[key] = choice
+    _REFUSED.update(refused_all)
     return choice
+
+
+def pin_kernel(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int,
+               num_kv_heads: int, seq_len: int) -> None:
+    """Make ``kernel`` this process's choice for these calls (a benchmark comparing kernels side by side) until
+    :func:`clear_choices`; nothing is probed or timed."""
+    device = torch.device(device)
+    _CHOICES[(device.type, device.index, dtype, head_dim, num_heads, num_kv_heads, length_bucket(seq_len))] = kernel
+
+
+def chosen_kernels() -> dict[str, str]:
+    """What this process chose so far, for the run's records: ``"<dtype> d<head dim> <heads>/<KV heads> heads,
+    blocks <= <bucket>"`` -> the kernel's name (``dense+varlen`` when the call kinds differ)."""
+    return {f"{str(dtype).removeprefix('torch.')} d{d} {h}/{hkv} heads, blocks <= {bucket}": kernel.name
+            for (_, _, dtype, d, h, hkv, bucket), kernel in sorted(_CHOICES.items(), key=str)}
+
+
+def refused_kernels() -> dict[str, str]:
+    """The candidates refused so far (``kind:name`` -> the one line of why)."""
+    return dict(_REFUSED)
+
+
+def _refused_anywhere(refused: dict[str, str]) -> dict[str, str]:
+    """Collective over the world (when distributed with more than one rank): every rank's refusals together,
+    so no rank runs a kernel that failed its check on another. One ``all_gather_object``."""
+    if not is_distributed() or dist.get_world_size() == 1:
+        return refused
+    gathered: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, refused)
+    merged: dict[str, str] = {}
+    for rank, theirs in enumerate(gathered):
+        for key, reason in (theirs or {}).items():
+            merged.setdefault(key, reason if rank == dist.get_rank() else f"rank {rank}: {reason}")
+    return merged
 
 
 def _rank0_names(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -249,5 +357,6 @@ def kernel_for(q: Tensor, k: Tensor) -> Kernel:
 
 
 def clear_choices() -> None:
-    """Forget every measured choice (they are re-measured on next use)."""
+    """Forget every measured choice and refusal (they are re-measured on next use)."""
     _CHOICES.clear()
+    _REFUSED.clear()

@@ -14,7 +14,7 @@ from loongtrain.attn.kernels import REFERENCE, Kernel
 
 Tensor = torch.Tensor
 
-MEASURE_SEQ_CAP = 8192  # tokens per timed call (keeps the timing short and its memory small)
+CHECK_SEQ_CAP = 8192  # tokens of the varlen op's check against the reference (keeps its score matrices small)
 MEASURE_DOCUMENTS = 8  # equal causal documents the varlen calls are timed on
 VARLEN_TOLERANCE = 0.05  # a varlen op's first run vs the reference: max error / max magnitude, half dtypes
 
@@ -90,21 +90,24 @@ def _contiguous(x: Tensor) -> Tensor:
 
 
 def varlen_error(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, documents: int) -> float:
-    """The largest of ``kernel``'s varlen errors against the reference kernel (fp32 math) on the same packed
-    documents, over out, lse, dq, dk and dv, each as max error / max magnitude: what keeps a varlen op whose
-    layout differs from the wrapper's on this build from being chosen (the real ops are not run in tests)."""
+    """The largest of ``kernel``'s varlen errors against the reference kernel (fp32 math, autocast off) on the
+    same packed documents, over out, lse, dq, dk and dv, each as max error / max magnitude: what keeps a varlen
+    op whose layout differs from the wrapper's on this build from being chosen (the real ops are not run in
+    tests)."""
     dout = torch.randn(q.shape, generator=torch.Generator(q.device).manual_seed(1), device=q.device).to(q.dtype)
-    got = run_varlen(kernel, q, k, v, dout, documents)
-    want = run_varlen(REFERENCE, *(t.float() for t in (q, k, v, dout)), documents)
+    with torch.autocast(q.device.type, enabled=False):
+        got = run_varlen(kernel, q, k, v, dout, documents)
+        want = run_varlen(REFERENCE, *(t.float() for t in (q, k, v, dout)), documents)
     return max(float((g.float() - w).abs().max() / w.abs().max().clamp(min=1e-6)) for g, w in zip(got, want))
 
 
 def make_timer(device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
            seq_len: int) -> Callable[[Kernel, str], float]:
-    """Times each option on random inputs shaped like the call's (one batch row, capped sequence): a dense
-    causal call, or the block packed as :data:`MEASURE_DOCUMENTS` documents (``kind == "varlen"``; a varlen op
-    that fails :func:`varlen_error` counts as raising)."""
-    seq = min(seq_len, MEASURE_SEQ_CAP)
+    """Times each option on random inputs shaped like the call's (one batch row, the run's block length
+    ``seq_len``): a dense causal call, or the block packed as :data:`MEASURE_DOCUMENTS` documents (``kind ==
+    "varlen"``; a varlen op that fails :func:`varlen_error` on the first :data:`CHECK_SEQ_CAP` tokens counts as
+    raising)."""
+    seq = seq_len
     gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(heads: int) -> Tensor:  # [S, H, D]
@@ -119,7 +122,8 @@ def make_timer(device: torch.device, dtype: torch.dtype, head_dim: int, num_head
         if kind == "dense":
             return time_kernel(kernel, *dense)
         if kernel.varlen_forward is not None:
-            error = varlen_error(kernel, *packed, documents)
+            check = min(seq, CHECK_SEQ_CAP) // documents * documents or seq
+            error = varlen_error(kernel, *(t[:check] for t in packed), documents)
             if not error <= VARLEN_TOLERANCE:
                 raise RuntimeError(f"varlen results differ from the reference by {error:.3g} (relative)")
         return median_seconds(lambda: run_varlen(kernel, *packed, dout, documents), device)

@@ -6,7 +6,8 @@ neither attention nor any of its communication (selective recompute; docs/attent
 groups travel as their registered names, a context ring as the key of its registered :class:`Ring`.
 To ``torch.compile`` they are opaque nodes (docs/compile.md): the ring backward is an op of its own,
 document boundaries and chunk orders are CPU int64 tensors (data, not constants of a graph), and the
-fake implementations' shapes depend on q/k/v alone.
+fake implementations' shapes depend on q/k/v alone. Autocast is off inside the ops: the ring computes in the
+dtypes it is given, forward and backward alike (docs/kernels.md#autocast).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from loongtrain.attn.sinks import sinks_grad
 from loongtrain.model.local_attention import normalize_cu_seqlens
 from loongtrain.parallel.comm import all_to_all, all_to_all_pieces, all_to_all_result, resolve_group
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.parallel.step_memo import LastCall
 from loongtrain.parallel.zigzag import check_chunk_order
 
 Tensor = torch.Tensor
@@ -75,11 +77,19 @@ def ring_key(mesh: Mesh) -> str:
     return key
 
 
+_MASKS: LastCall[AttnMask] = LastCall()  # the step's mask: every layer passes the same boundary tensors
+
+
 def _mask(causal: bool, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
           q: Tensor, cp: int) -> AttnMask:
     """The mask of one op call, from its tensor arguments (host-side int64 values; checked here too, since a
-    compiled block reaches the op without :func:`loongtrain.attention`'s value checks)."""
-    batch, seq = q.shape[0], q.shape[1] * cp
+    compiled block reaches the op without :func:`loongtrain.attention`'s value checks); the same object for
+    every call of a step that passes the same tensors (:class:`~loongtrain.parallel.step_memo.LastCall`)."""
+    return _MASKS(_read_mask, causal, cu_seqlens, sliding_window, chunk_order, q.shape[0], q.shape[1] * cp, cp)
+
+
+def _read_mask(causal: bool, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
+               batch: int, seq: int, cp: int) -> AttnMask:
     documents = None
     if cu_seqlens is not None:
         flat = [int(x) for x in cu_seqlens.tolist()]
@@ -119,7 +129,8 @@ def ring_attention(
     communication: the sequence ranks' shares sum in the gradient sync); lse is not differentiable
     (docs/attention.md#attention-sinks)."""
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
-    out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask, sinks=sinks)
+    with torch.autocast(q.device.type, enabled=False):  # the kernels and fp32 merges run in the dtypes given
+        out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask, sinks=sinks)
     return out.transpose(1, 2).contiguous(), lse
 
 
@@ -139,8 +150,9 @@ def ring_attention_backward(
     for ``dout``, K/V re-circulated round the ring and dK/dV returned to their owners. An op of its own, so a
     compiled block's backward calls it as one opaque node. Backward: none (no double backward)."""
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
-    dq, dkv = ring_backward_packed(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring],
-                                   causal, scale, mask=mask)
+    with torch.autocast(q.device.type, enabled=False):  # as the forward: the dtypes given
+        dq, dkv = ring_backward_packed(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring],
+                                       causal, scale, mask=mask)
     return dq.transpose(1, 2), dkv.transpose(2, 3)
 
 

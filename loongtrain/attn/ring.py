@@ -31,7 +31,7 @@ import torch.distributed as dist
 from loongtrain.attn.kernel_choice import kernel_for
 from loongtrain.attn.kernels import Kernel
 from loongtrain.attn.masking import AttnMask, Piece
-from loongtrain.attn.ring_step import BackwardStep, ForwardStep, Pieces, acc_dtype, whole_piece
+from loongtrain.attn.ring_step import BackwardStep, ForwardStep, acc_dtype, step_plans, whole_piece
 from loongtrain.attn.schedule import DKV_OWN, KV_OUTER, Compute, Event, Payload, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach
 from loongtrain.attn.sinks import fold_sinks
@@ -173,7 +173,7 @@ def _whole(geometry: DoubleRing, mask: AttnMask, q: Tensor) -> Piece | None:
     """A ring of one member whose queries see their keys in one full or causal call (:func:`whole_piece`)."""
     if geometry.size != 1:
         return None
-    return whole_piece(Pieces(mask, q.shape[0], q.shape[2], 1, 0)(0), q.shape[2])
+    return whole_piece(step_plans(mask, q.shape[0], q.shape[2], 1, 0, q.device, False, True).items(0), q.shape[2])
 
 
 def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:

@@ -92,6 +92,47 @@ class Pieces:
                 for piece in visible_pieces(self.q_runs, k_runs, cu, self.band, self.mask.causal, self.mask.tiny)]
 
 
+class StepPlans:
+    """The pieces and kernel-call plans (:func:`plan_step`) of one member's steps against each source, for one
+    mask, each computed on first use: every layer of a step shares them (:func:`step_plans`)."""
+
+    def __init__(self, mask: AttnMask, batch: int, block_len: int, cp: int, position: int, device: torch.device,
+                 varlen: bool, bottom_right: bool) -> None:
+        self.band, self.batch, self.device = mask.band(), batch, device
+        self.varlen, self.bottom_right = varlen, bottom_right
+        self._pieces = Pieces(mask, batch, block_len, cp, position)
+        self._items: dict[int, list[Item]] = {}
+        self._plans: dict[int, StepPlan] = {}
+
+    def items(self, src: int) -> list[Item]:
+        if src not in self._items:
+            self._items[src] = self._pieces(src)
+        return self._items[src]
+
+    def __call__(self, src: int) -> StepPlan:
+        if src not in self._plans:
+            self._plans[src] = plan_step(self.items(src), self.batch, self.device, self.varlen, self.bottom_right)
+        return self._plans[src]
+
+
+_PLANS: dict[tuple, tuple[AttnMask, StepPlans]] = {}  # the current mask's plans (docs/kernels.md#host-work)
+
+
+def step_plans(mask: AttnMask, batch: int, block_len: int, cp: int, position: int, device: torch.device,
+               varlen: bool, bottom_right: bool) -> StepPlans:
+    """The :class:`StepPlans` of these calls, shared while ``mask`` is the same object (the ops give every layer
+    of a step the same one: loongtrain/parallel/step_memo.py); a new mask forgets the old one's."""
+    key = (id(mask), batch, block_len, cp, position, device, varlen, bottom_right)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is mask:
+        return hit[1]
+    if len(_PLANS) > 64 or any(held is not mask for held, _ in _PLANS.values()):
+        _PLANS.clear()
+    plans = StepPlans(mask, batch, block_len, cp, position, device, varlen, bottom_right)
+    _PLANS[key] = (mask, plans)
+    return plans
+
+
 def whole_piece(items: Sequence[Item], length: int) -> Piece | None:
     """The step's only piece when it is one full or causal call over every batch row and all ``length`` local
     positions both ways (a ring of one member, one document, no sliding window): its kernel result is the answer as
@@ -229,15 +270,14 @@ class ForwardStep:
 
     def __init__(self, q: Tensor, position: int, mask: AttnMask, cp: int, scale: float, kernel: Kernel) -> None:
         self.q, self.scale, self.kernel = q, scale, kernel
-        self.pieces = Pieces(mask, q.shape[0], q.shape[2], cp, position)
+        self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
+                                kernel.varlen_forward is not None, kernel.varlen_bottom_right)
         acc = acc_dtype(q.dtype)
         self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
 
     def __call__(self, src: int, block: Tensor) -> None:
-        plan = plan_step(self.pieces(src), self.q.shape[0], self.q.device, self.kernel.varlen_forward is not None,
-                         self.kernel.varlen_bottom_right)
-        band = self.pieces.band
+        plan, band = self.plans(src), self.plans.band
         for rows, p in plan.dense:
             out, lse = piece_forward(self.kernel, p, band, self.q[rows, :, p.r0:p.r1],
                                      block[0][rows, :, p.c0:p.c1], block[1][rows, :, p.c0:p.c1], self.scale)
@@ -271,15 +311,14 @@ class BackwardStep:
                  cp: int, scale: float, kernel: Kernel) -> None:
         self.dout, self.q, self.out, self.lse = dout, q, out, lse
         self.scale, self.kernel = scale, kernel
-        self.pieces = Pieces(mask, q.shape[0], q.shape[2], cp, position)
+        self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
+                                kernel.varlen_backward is not None, kernel.varlen_bottom_right)
         b, h, sq, d = q.shape  # [B, S, H, D] storage: the op's result layout, so no copy at the end
         self.dq = torch.zeros((b, sq, h, d), dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
 
     def __call__(self, src: int, block: Tensor) -> Tensor:
         contrib = torch.zeros(block.shape, dtype=self.dq.dtype, device=block.device)
-        plan = plan_step(self.pieces(src), self.q.shape[0], self.q.device, self.kernel.varlen_backward is not None,
-                         self.kernel.varlen_bottom_right)
-        band = self.pieces.band
+        plan, band = self.plans(src), self.plans.band
         for rows, p in plan.dense:
             r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
             dq, dk, dv = piece_backward(

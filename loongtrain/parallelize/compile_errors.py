@@ -39,7 +39,8 @@ def missing_compiler(device_type: str, backend: str) -> str | None:
     torch compilation), the pieces it needs: dynamo on this Python, and for inductor on CPU a C++ compiler
     that builds against Python's headers (``Python.h``: inductor binds each kernel to Python) with OpenMP
     (``omp.h``, ``-fopenmp``, on Linux), checked by compiling a two-line probe; on CUDA Triton, which builds its
-    launchers with a C compiler against the same ``Python.h``."""
+    launchers with a C compiler against the same ``Python.h``, and the CPU's C++ compiler with OpenMP as well: a
+    compiled block holds CPU ops too (the ``torch.cat`` of the documents' ``cu_seqlens``)."""
     import torch._dynamo
 
     if not torch._dynamo.is_dynamo_supported():
@@ -54,7 +55,15 @@ def missing_compiler(device_type: str, backend: str) -> str | None:
         cc = [c for c in (os.environ.get("CC"), "clang", "gcc", "cc") if c]
         if not any(shutil.which(c) for c in cc):
             return f"Triton builds its kernel launchers with a C compiler, and none of {cc} is on PATH (install gcc)"
-        return None if headers else _no_python_headers()
+        if not headers:
+            return _no_python_headers()
+        missing = _cpu_compiler_missing(headers)  # the block's CPU ops (the documents' cu_seqlens) compile too
+        return None if missing is None else f"{missing}, which a compiled block's CPU ops need on CUDA too"
+    return _cpu_compiler_missing(headers)
+
+
+def _cpu_compiler_missing(headers: list[str]) -> str | None:
+    """What inductor's C++ (OpenMP) code generation for CPU ops lacks here, or None."""
     from torch._inductor import config as inductor_config
 
     cxx = inductor_config.cpp.cxx

@@ -23,6 +23,18 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw_implementation(device: torch.device, offload_params: bool) -> dict[str, bool]:
+    """How AdamW steps (docs/kernels.md#host-work): on CUDA ``fused`` (one kernel per group of tensors, no
+    temporaries); elsewhere ``foreach`` (a few kernels per group, bit for bit the single-tensor step's arithmetic:
+    tests/unit/test_host_work.py); with ``--offload-params`` the single-tensor step on the host, whose temporaries
+    are one parameter's (the memory model's ``ADAMW_STEP_TEMPORARIES``), where foreach's would be every one's."""
+    if offload_params:
+        return {"foreach": False}
+    if torch.device(device).type == "cuda":
+        return {"fused": True}
+    return {"foreach": True}
+
+
 def build_optimizer(
     model: nn.Module, cfg: TrainConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -35,10 +47,11 @@ def build_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach=False: identical arithmetic on every backend/layout, so runs match bit for bit.
+    params = [p for g in groups for p in g["params"]]
+    device = params[0].device if params else torch.device("cpu")
     optimizer = torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        foreach=False,
+        **adamw_implementation(device, cfg.parallel.offload_params),
     )
 
     def factor(step: int) -> float:
@@ -48,12 +61,24 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+@torch.no_grad()
+def fill_missing_grads(params: list[torch.Tensor]) -> None:
+    """Give every parameter that got no gradient this step a zero one, so that AdamW treats it alike at every
+    world size (docs/kernels.md#gradient-sync): replicated across ranks the sync fills it with zeros where a
+    peer had a gradient, so a single rank must too (AdamW then decays the weight and its moments, as on any
+    rank of a larger run)."""
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Clip the global L2 norm of the (already synchronised) gradients; return the norm before clipping, a
     float64 scalar on the gradients' device (not read back: the trainer reads it with the step's guard).
 
-    Gradients are replicated after synchronisation, so every rank computes the same norm locally.
-    ``max_norm <= 0`` only measures.
+    Gradients are replicated after synchronisation, so every rank computes the same norm locally: each
+    gradient's fp64 norm (``torch._foreach_norm``, one kernel per device and dtype), their norm, and one
+    ``_foreach_mul_`` per device and dtype to clip. ``max_norm <= 0`` only measures.
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -62,10 +87,14 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         total = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
         total = total.full_tensor() if hasattr(total, "full_tensor") else total
         return total.to(torch.float64)
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64)
-                                                  for g in grads]))
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    norms = [n.to(grads[0].device) for group in by_kind.values()
+             for n in torch._foreach_norm(group, 2, dtype=torch.float64)]  # one kernel per group (fp64 sums)
+    total = torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        for (device, dtype), group in by_kind.items():
+            torch._foreach_mul_(group, coef.to(device=device, dtype=dtype))
     return total

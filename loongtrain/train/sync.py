@@ -17,11 +17,19 @@ accumulated (``register_post_accumulate_grad_hook``), while the backward goes on
 bucket order only, so every rank issues the same collectives in the same order whatever order its own
 gradients arrive in; a parameter that got no gradient in this backward waits for :meth:`GradientSync.finish`
 (zeros, or the gradient of an earlier micro-batch). A bucket's gradients become views into its flat buffer
-(no second copy of the gradients lives while the all-reduces run).
+(no second copy of the gradients lives while the all-reduces run); a bucket of one gradient is reduced in
+place, without a copy.
+
+A failure on one rank inside :meth:`GradientSync.overlapped` (its backward, a hook, a wait) would leave its
+peers blocked in the all-reduces it never joins until the process group's timeout. So the failing rank
+posts one line naming itself under :data:`FAILURE_KEY` in the process group's store, and every rank waits
+for its buckets polling both the work and that key (every :data:`POLL_S`, well inside the launcher's
+heartbeat timeout): a peer's failure ends the wait with :class:`PeerFailure` naming that rank.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,7 +38,15 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain.parallel.buckets import BUCKET_BYTES, gradient_buckets
+from loongtrain.parallel.failures import one_line
 from loongtrain.parallel.runtime import is_distributed
+
+FAILURE_KEY = "loongtrain/gradient_sync_failure"
+POLL_S = 0.5  # seconds between looks at the store for a peer's failure while a bucket is in flight
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed inside the gradient sync; the message names it."""
 
 
 def needs_grad_sync(model: nn.Module) -> bool:
@@ -48,8 +64,8 @@ class GradientSync:
     bucket, so the gradients are synchronised when it returns. Collective: every rank enters the block for
     the same backward."""
 
-    def __init__(self, model: nn.Module, dp: int, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.dp = dp
+    def __init__(self, model: nn.Module, dp: int, bucket_bytes: int = BUCKET_BYTES, poll_s: float = POLL_S) -> None:
+        self.dp, self.poll_s = dp, poll_s
         self.params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         sizes = [p.numel() * p.element_size() for p in self.params]
         self.buckets = gradient_buckets(sizes, bucket_bytes, [p.dtype for p in self.params])
@@ -67,6 +83,10 @@ class GradientSync:
         try:
             yield
             self.finish()
+        except BaseException as exc:
+            if not isinstance(exc, PeerFailure):
+                _post_failure(exc)
+            raise
         finally:
             self._armed = False
 
@@ -90,6 +110,10 @@ class GradientSync:
         """Gradients of bucket ``b`` into one flat buffer (missing ones as zeros), the parameters' ``.grad``
         views of it; its all-reduce started."""
         params = [self.params[i] for i in self.buckets[b]]
+        if len(params) == 1 and params[0].grad is not None and params[0].grad.is_contiguous():
+            flat = params[0].grad  # reduced in place: no copy
+            self._launched.append((flat, dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)))
+            return
         flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         offset = 0
         for p in params:
@@ -110,13 +134,48 @@ class GradientSync:
             self._launch(len(self._launched))
         for flat, work in self._launched:
             if work is not None:
-                work.wait()
+                self._wait(work)
             if self.dp > 1:
                 flat.div_(self.dp)
         self._launched = []
+
+    def _wait(self, work: dist.Work) -> None:
+        """``work.wait()``, raising :class:`PeerFailure` as soon as a peer has posted its failure (looked up
+        every ``poll_s`` while the work is in flight; short sleeps in between)."""
+        nap, last_look = 1e-4, time.monotonic()
+        while not work.is_completed():
+            if time.monotonic() - last_look >= self.poll_s:
+                failure = _peer_failure()
+                if failure is not None:
+                    raise PeerFailure(f"gradient sync stopped: {failure}")
+                last_look = time.monotonic()
+            time.sleep(nap)
+            nap = min(2 * nap, 2e-3, self.poll_s)
+        work.wait()
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()  # the process group's own store (no public accessor)
+
+
+def _post_failure(exc: BaseException) -> None:
+    """Tell the peers that this rank failed, in one line naming it (best effort: the store may be gone)."""
+    try:
+        _store().set(FAILURE_KEY, f"rank {dist.get_rank()} failed: {one_line(exc)}")
+    except Exception:  # noqa: BLE001 - the original failure is what this rank raises
+        pass
+
+
+def _peer_failure() -> str | None:
+    """The line a failed rank posted, or None (also for a store that cannot be asked: a fake process group's)."""
+    try:
+        store = _store()
+        return store.get(FAILURE_KEY).decode() if store.check([FAILURE_KEY]) else None
+    except (RuntimeError, NotImplementedError, ValueError):
+        return None

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loongtrain._files import remove_owned
+from loongtrain.attn.kernel_choice import chosen_kernels, refused_kernels
 from loongtrain.data.pipeline import build_batches
 from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import ModelConfig, num_params, step_flops
@@ -59,7 +60,7 @@ from loongtrain.train.metrics import (
 )
 from loongtrain.train.model_setup import build_model, init_checkpoint, loss_inputs, model_record
 from loongtrain.train.objectives import build_objective, post_training_batches
-from loongtrain.train.optim import build_optimizer, clip_grad_norm
+from loongtrain.train.optim import build_optimizer, clip_grad_norm, fill_missing_grads
 from loongtrain.train.router_loss import build_router_loss
 from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
 from loongtrain.train.sync import GradientSync, needs_grad_sync
@@ -235,6 +236,7 @@ class Trainer:
         if self.router_loss is not None:
             self.router_loss.take()  # drop what forwards outside a step (validation) recorded
         loss_value = self._forward_backward(local)
+        fill_missing_grads(self.params)  # the same update at every world size for a parameter without one
         grad_norm = clip_grad_norm(self.params, self.cfg.clip)
         lr = self.optimizer.param_groups[0]["lr"]
         pairs: torch.Tensor | int = sum(self.sharding.visible_pairs(b) for b in micro_batches)
@@ -345,7 +347,8 @@ class Trainer:
                         {"micro_step": done * batches.stage.grad_accum, **batches.state(), "config": cfg.to_dict(),
                          "data_identity": self.run.data_identity, **record,
                          **({"lora": self._lora_base} if cfg.lora else {}),
-                         "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp}},
+                         "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp},
+                         "attention_kernels": chosen_kernels(), "refused_kernels": refused_kernels()},
                         keep=cfg.keep_checkpoints)
 
     def finish(self, records: list[dict[str, Any]], logger: MetricsLogger | None) -> None:
@@ -447,6 +450,7 @@ class Trainer:
         record = {"step": step + 1, "total_steps": self.cfg.steps, "seq_len": stage.seq_len, **result,
                   "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": None, "mfu": None,
                   "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
+                  "attention_kernels": ",".join(sorted(set(chosen_kernels().values()))),
                   **({f"tokens_seen/{name}": n for name, n in seen.items()} if seen is not None else {})}
         self._tokens[step + 1] = tokens
         if not isinstance(record["attention_pairs"], torch.Tensor):

@@ -70,3 +70,11 @@ def test_max_seq_planner_rows(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["modes"] for r in rows] == ["off", "auto"] and all(r["fits"] for r in rows)
     assert rows[1]["planner_max_seq_len"] >= rows[0]["planner_max_seq_len"] > 0
+
+
+def test_host_work_tiny(capsys):
+    from benchmarks import host_work
+
+    assert host_work.main(["--layers", "2", "--seq", "64", "--documents", "4", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "before: step" in out and "after: step" in out and "after / before, planning_s" in out

@@ -6,7 +6,8 @@ planted fault in the in-process ring shows up in its ratios)."""
 from __future__ import annotations
 
 import json
-import time
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,7 +24,16 @@ def test_cpu_run_writes_every_section(tmp_path):
     assert gpu_check.main(["--cpu", "--out", str(out), "--budget-s", "900"]) == 0
     result = json.loads(out.read_text())
     for section in gpu_check.SECTIONS:
+        if section.name == "sync_debug":  # CUDA's own debug mode: recorded as not run, with why
+            assert "no CUDA device" in result[section.name]["skipped"]
+            continue
         assert "error" not in result[section.name] and "skipped" not in result[section.name], result[section.name]
+    env = result["environment"]
+    assert env["g++"] and env["compile_missing"] is None and env["kernels"]["torch.bfloat16"] == ["cpu_flash"]
+    assert result["kernel_probes"]["verdicts"]["dense:cpu_flash"]["ok"]
+    rows = result["documents_1b"]["rows"]
+    assert set(rows) == {"eager cpu_flash", "compiled"} and all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["eager cpu_flash"]["attention_kernels"] and rows["compiled"]["eager_over_compiled"] > 0
     for dtype in ("bfloat16", "float16"):
         errs = result["kernels"][dtype]["max_abs_err"]
         assert set(errs) == {"out", "lse", "dq", "dk", "dv"} and max(errs.values()) < 0.1, errs
@@ -44,6 +54,7 @@ def test_cpu_run_writes_every_section(tmp_path):
     # training rows with the planner beside them, memory against the planner, packed documents' MFU
     runs = result["training"]["runs"]
     assert [(r["model"], r["seq_len"]) for r in runs] == [("tiny", 1024), ("tiny", 512)]
+    assert all(set(r["attention_kernels"].values()) == {"cpu_flash"} for r in runs)  # each row's kernels
     for run in runs + result["documents_mfu"]["runs"]:
         assert run["tokens_per_s"] > 0 and run["mfu"] > 0 and run["predicted_memory_gib"]["total"] > 0
         assert run["planner"]["calibrated"]["planner_over_measured"] > 0
@@ -59,17 +70,23 @@ def test_cpu_run_writes_every_section(tmp_path):
     assert offload and all(r["ratio"] > 0 and r["tokens_per_s"] > 0 for r in offload.values())
 
 
-def test_a_tiny_budget_ends_in_time_and_records_every_section(tmp_path):
+@pytest.mark.parametrize("budget", [5, 20])
+def test_a_tiny_budget_ends_in_time_and_records_every_section(tmp_path, budget):
+    """The process, as a loan runs it: its budget counts from the process's start (torch's import too), and it
+    ends within it (8 s and 23 s of process wall on a quiet 2-core machine: benchmarks/results/RESULTS.md; here
+    the run's own clock, which a loaded machine cannot stretch past the budget by more than one measurement)."""
     out = tmp_path / "check.json"
-    start = time.monotonic()
-    assert gpu_check.main(["--cpu", "--budget-s", "5", "--out", str(out)]) == 0
-    assert time.monotonic() - start < 30
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--cpu", "--budget-s", str(budget), "--out",
+                           str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
+    assert result["wall_s"] < max(budget, result["started_s"]) + 2.5  # unless torch's import alone overran it
     ran = [s.name for s in gpu_check.SECTIONS if "skipped" not in result[s.name]]
     skipped = [s.name for s in gpu_check.SECTIONS if "skipped" in result[s.name]]
-    assert ran and skipped and len(ran) + len(skipped) == len(gpu_check.SECTIONS), (ran, skipped)
-    assert all("out of time" in result[name]["skipped"] for name in skipped)
-    assert all("wall_s" in result[name] for name in ran) and result["wall_s"] < 30
+    assert "environment" in ran and len(ran) + len(skipped) == len(gpu_check.SECTIONS), (ran, skipped)
+    assert all("out of time" in result[name]["skipped"] or "no CUDA device" in result[name]["skipped"]
+               for name in skipped)
+    assert all("wall_s" in result[name] for name in ran)
 
 
 def test_allocation_failures_are_recorded_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -210,6 +210,25 @@ def test_missing_compiler_is_named(monkeypatch, tmp_path):
         compile_step.check_compile_backend("on", "cpu")
 
 
+def test_on_cuda_the_cpu_compiler_with_openmp_is_checked_too(monkeypatch, tmp_path):
+    """A compiled block holds CPU ops too (the documents' cu_seqlens): with Triton and a C compiler present, a
+    g++ without OpenMP still stops --compile on for CUDA, in one line."""
+    import importlib.util
+
+    from torch._inductor import config as inductor_config
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else
+                        find_spec(name, *a))
+    assert compile_errors.missing_compiler("cuda", "inductor") is None
+    fake = tmp_path / "g++"
+    fake.write_text("#!/bin/sh\necho '<stdin>:2:10: fatal error: omp.h: No such file or directory' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    with inductor_config.patch({"cpp.cxx": (str(fake),)}):
+        missing = compile_errors.missing_compiler("cuda", "inductor")
+    assert "lacks OpenMP" in missing and missing.endswith("which a compiled block's CPU ops need on CUDA too")
+
+
 def test_compile_failure_names_block_and_op():
     from loongtrain.parallel.failures import restartable
 

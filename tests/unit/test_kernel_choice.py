@@ -9,6 +9,7 @@ import torch
 from loongtrain.attn import kernel_choice
 from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_EFFICIENT, CUDA_FLASH
 from loongtrain.attn.kernel_choice import MARGIN, choose_kernel, kernel_for, per_piece, pick_by_time
+from loongtrain.attn.kernel_probe import Versions
 from loongtrain.attn.kernel_timing import VARLEN_TOLERANCE, make_timer, time_kernel, varlen_error
 from loongtrain.attn.kernels import CPU_FLASH, REFERENCE
 from tests.helpers.cuda_emulation import install
@@ -17,10 +18,17 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture(autouse=True)
-def fresh_choices():
+def fresh_choices(monkeypatch):
+    """Fresh choices, on versions the known-bad table does not list (tests/unit/test_kernel_safety.py tests it)."""
+    monkeypatch.setattr(kernel_choice, "current_versions", lambda: Versions((2, 14), 92700))
     kernel_choice.clear_choices()
     yield
     kernel_choice.clear_choices()
+
+
+def passes(kernel, kind) -> None:
+    """A probe every candidate passes."""
+    return None
 
 
 class Timer:
@@ -42,7 +50,7 @@ class Timer:
 
 
 def choose(device, measure, head_dim=128, heads=(16, 4)):
-    return choose_kernel(device, BF16, head_dim, heads[0], heads[1], 4096, measure=measure)
+    return choose_kernel(device, BF16, head_dim, heads[0], heads[1], 4096, measure=measure, probe=passes)
 
 
 def parts(kernel) -> tuple:
@@ -120,10 +128,11 @@ def test_when_every_candidate_fails_the_rule_stands(gpu):
 
 def test_single_candidate_cpu_and_deterministic_mode_skip_the_timing(gpu, monkeypatch):
     never = Timer()  # any call would KeyError
-    assert choose_kernel(torch.device("cpu"), BF16, 64, 4, 4, 256, measure=never) is CPU_FLASH
-    assert choose_kernel(torch.device("meta"), torch.float32, 64, 4, 4, 256, measure=never) is REFERENCE
+    assert choose_kernel(torch.device("cpu"), BF16, 64, 4, 4, 256, measure=never, probe=passes) is CPU_FLASH
+    assert choose_kernel(torch.device("meta"), torch.float32, 64, 4, 4, 256, measure=never, probe=passes) is REFERENCE
     device = gpu((9, 0))
-    assert choose_kernel(device, torch.float32, 128, 4, 4, 256, measure=never) is CUDA_EFFICIENT  # one candidate
+    one_candidate = choose_kernel(device, torch.float32, 128, 4, 4, 256, measure=never, probe=passes)
+    assert one_candidate is CUDA_EFFICIENT
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert choose(device, never) is CUDA_FLASH
     assert never.calls == []
@@ -187,5 +196,5 @@ def test_choose_kernel_never_takes_a_varlen_op_that_failed_its_check(gpu, monkey
     install(monkeypatch, allow_fp64=False, fault="varlen_cudnn_lse_head_major")
     timer = make_timer(torch.device("cpu"), BF16, 16, 4, 2, 64)
     slow_flash = lambda kernel, kind: timer(kernel, kind) * (100.0 if "flash" in kernel.name else 1.0)  # noqa: E731
-    chosen = choose_kernel(gpu((9, 0)), BF16, 16, 4, 2, 64, measure=slow_flash)
+    chosen = choose_kernel(gpu((9, 0)), BF16, 16, 4, 2, 64, measure=slow_flash, probe=passes)
     assert chosen.varlen_forward is not CUDA_CUDNN.varlen_forward
