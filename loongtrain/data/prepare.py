@@ -365,19 +365,22 @@ def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path,
 
 
 _WORKER_TOKENIZER: Tokenizer | ChatFormat | None = None
+_HELD = {signal.SIGINT, signal.SIGTERM}  # held while the pool's processes start
 
 
 def _start_pool(context: Any, workers: int, tok: Tokenizer | ChatFormat) -> Any:
-    """The tokenizer pool, its processes started with Ctrl-C held until their initializer ignores it (a
-    Ctrl-C before it ran printed a worker's traceback); the parent stops the pool and prints one line."""
-    block = hasattr(signal, "pthread_sigmask")  # held, not lost: the parent sees it once the pool is up
+    """The tokenizer pool, its processes started with Ctrl-C and SIGTERM held until their initializer has set
+    its own handlers (a Ctrl-C before it ran printed a worker's traceback; the pool's SIGTERM before it ran
+    reached the parent's handler and left the worker waiting for work forever); the parent stops the pool and
+    prints one line."""
+    block = hasattr(signal, "pthread_sigmask")  # held, not lost: the parent sees them once the pool is up
     if block:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
     try:
         return context.Pool(workers, initializer=_init_worker, initargs=(tok,))
     finally:
         if block:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
 
 
 def _init_worker(tok: Tokenizer | ChatFormat, parallel_tokenizer: bool = False) -> None:
@@ -387,8 +390,8 @@ def _init_worker(tok: Tokenizer | ChatFormat, parallel_tokenizer: bool = False) 
         os.environ["RAYON_NUM_THREADS"] = "1"
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool, prints one line
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # pool.terminate(): end quietly (not the parent's handler)
-        if hasattr(signal, "pthread_sigmask"):  # started with SIGINT held (_start_pool): ignored from here on
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if hasattr(signal, "pthread_sigmask"):  # started with both held (_start_pool): handled from here on
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
     _WORKER_TOKENIZER = tok
 
 
