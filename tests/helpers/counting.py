@@ -51,11 +51,14 @@ class TrafficCounter(TorchDispatchMode):
     """Adds up what the memory-bound ops move: each op's tensor inputs and outputs, views, allocations and
     queries free; matmuls are counted as FLOPs instead, and the attention kernels, loongtrain's custom ops and
     collectives not at all (the planner times them apart: loongtrain/plan/step_bytes.py). ``forward`` and
-    ``backward`` split the bytes by autograd phase."""
+    ``backward`` split the bytes by autograd phase. ``foreach_in_place``: count the in-place ``_foreach_*_`` ops
+    (which return nothing) as writing their first list: the foreach AdamW step's; off, FSDP2's staging copies
+    are left to the communication model as before."""
 
-    def __init__(self) -> None:
+    def __init__(self, foreach_in_place: bool = False) -> None:
         super().__init__()
         self.forward = self.backward = self.flops = 0
+        self.foreach_in_place = foreach_in_place
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,6 +69,9 @@ class TrafficCounter(TorchDispatchMode):
             self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
             return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if self.foreach_in_place and not outs and name.startswith("_foreach_") and name.endswith("_"):
+            outs = [t for t in tree_flatten(args[0])[0] if isinstance(t, torch.Tensor)]  # returns nothing: it writes
+            # its first list
         if (func.is_view or name in _FREE or func.namespace in _SKIPPED_NAMESPACES or name.startswith(_KERNELS)
                 or (not outs and name != "copy_")):
             return out
@@ -94,7 +100,7 @@ def step_traffic(model, parallel, world: int, seq_len: int, dtype: str = "bf16")
         with TrafficCounter() as step:
             loss, _ = trainer.loss(batch)
             loss.backward()
-        with TrafficCounter() as optimizer:
+        with TrafficCounter(foreach_in_place=True) as optimizer:
             trainer.optimizer.step()
         counted.update(forward=step.forward, backward=step.backward, flops=step.flops,
                        optimizer=optimizer.forward + optimizer.backward)
