@@ -15,10 +15,12 @@ Every usage error is a one-line ValueError naming the option and, for a choice, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import re
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -228,6 +230,36 @@ def parse(cls: type, argv: Sequence[str], prog: str, description: str, tables: S
     values = read_config(path, cls, tables) if path is not None else {}
     values.update(given)
     return values
+
+
+def set_in_file(cls: type, argv: Sequence[str], tables: Sequence[str] = ()) -> tuple[str | None, list[str]]:
+    """``(the --config file of argv, the flags of the options it sets that the command line does not)``;
+    ``(None, [])`` without a file or when argv does not parse."""
+    try:
+        given = vars(build_parser(cls, "", "").parse_args(list(argv)))
+        path = given.pop("config", None)
+        if path is None:
+            return None, []
+        from_file = read_config(path, cls, tables)
+    except (ValueError, OSError):
+        return None, []
+    flags = {opt.name: opt.flag for opt in options(cls)}
+    return path, [flags[name] for name in from_file if given.get(name) is None and name in flags]
+
+
+@contextlib.contextmanager
+def naming_the_file(cls: type, argv: Sequence[str], tables: Sequence[str] = ()) -> Iterator[None]:
+    """A ValueError raised inside (a check after parsing: the launcher's, the planner's) that names an option
+    the ``--config`` file set says so, naming the file: ``... (--hp from config file 'run.toml')``."""
+    try:
+        yield
+    except ValueError as exc:
+        path, flags = set_in_file(cls, argv, tables)
+        text = str(exc)
+        named = [f for f in flags if re.search(rf"{re.escape(f)}(?![\w-])", text)]
+        if not named or path is None or str(path) in text:
+            raise
+        raise ValueError(f"{text} ({', '.join(named)} from config file {str(path)!r})") from None
 
 
 def build(cls: type, values: Mapping[str, Any]) -> Any:

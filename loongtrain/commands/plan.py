@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from loongtrain.commands.errors import guarded
-from loongtrain.commands.parser import build, parse
+from loongtrain.commands.parser import build, naming_the_file, parse
 from loongtrain.plan.config import PlanConfig
 
 DESCRIPTION = "Rank 2D-Attention configurations for a model, sequence length and cluster with the cost model."
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> int:
         from loongtrain.plan.report import run
 
-        return run(parse_plan_args(argv), simulate)
+        with naming_the_file(PlanConfig, argv, ("plan",)):
+            return run(parse_plan_args(argv), simulate)
 
     return guarded("plan", body)
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from loongtrain.commands.errors import guarded
-from loongtrain.commands.parser import parse
+from loongtrain.commands.parser import naming_the_file, parse
 from loongtrain.train.config import TrainConfig
 
 DESCRIPTION = ("Train a LLaMA-style or Hugging Face model with 2D-Attention (hp x cp sequence parallelism, dp "
@@ -33,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     def body() -> None:
         from loongtrain.launch.train_run import launch
 
-        cfg = parse_args(argv)
-        out_dir.append(cfg.out_dir)
-        launch(cfg)
+        with naming_the_file(TrainConfig, argv, ("train",)):
+            cfg = parse_args(argv)
+            out_dir.append(cfg.out_dir)
+            launch(cfg)
 
     def interrupted() -> str:
         removed = remove_partial_checkpoints(out_dir[0]) if out_dir else 0

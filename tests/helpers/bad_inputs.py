@@ -98,6 +98,8 @@ def make_files(d: Path) -> dict[str, str]:
                                        'num_layers = 2\nnum_heads = 4\nnum_kv_heads = 4\nffn_dim = 64\n')
     (d / "plan_unknown.toml").write_text('model = "tiny"\nseq_len = 4096\nnodes = 1\nbogus = 4\n')
     (d / "plan_bad.toml").write_text('model = "tiny\n')
+    (d / "hp3.toml").write_text("hp = 3\n")  # valid alone; the launcher's check refuses it with the length
+    (d / "plan_gpus.toml").write_text('model = "tiny"\nseq_len = "8K"\ngpus = 100000000\n')
     # --- a finished run to export, and a damaged copy of it
     run = d / "run"
     assert main(["train", *BASE, "--corpus", str(d / "corpus.txt"), "--out-dir", str(run)]) == 0
@@ -187,6 +189,9 @@ CASES = [
     (["plan", "--config", D + "/plan_unknown.toml"], "plan_unknown.toml': unknown option 'bogus'"),
     (["plan", "--config", D + "/plan_bad.toml"], "plan_bad.toml' is not valid TOML"),
     (["plan", "--config", D + "/missing.toml"], "missing.toml' does not exist"),
+    # a later check's error names the config file that set the option (and not when the command line set it)
+    (["train", "--config", D + "/hp3.toml"], "(--hp from config file '{dir}/hp3.toml')"),
+    (["plan", "--config", D + "/plan_gpus.toml"], "(--gpus from config file '{dir}/plan_gpus.toml')"),
     (["plan", "--calibrate", "--out", D], "is a directory; name the file to write"),
     (["plan", "--calibrate", "--out", D + "/no/such/dir/c.toml"], "does not exist"),
     (["plan", "--calibrate", "--calibrate-world", "0"], "--calibrate-world=0 must be >= 1"),

@@ -136,3 +136,24 @@ def test_no_second_names_or_shims():
         assert not idents & set(old), (name, idents & set(old))
     fields = {f.name for cls in (TrainConfig, PlanConfig, EvalConfig, ParallelConfig) for f in dataclasses.fields(cls)}
     assert not fields & {"window", *old}
+
+
+def test_a_later_error_names_the_config_file_that_set_the_option(tmp_path):
+    """naming_the_file: a check after parsing that names an option the --config file set names the file; the
+    same option given on the command line (which wins over the file), or an error naming no such option, is
+    left as it was."""
+    from loongtrain.commands.parser import naming_the_file
+    from loongtrain.train.config import TrainConfig
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("hp = 3\nsteps = 2\n")
+    for argv, message, expected in (
+        (["--config", str(toml)], "--hp 3 does not divide the heads", f"--hp 3 does not divide the heads (--hp from "
+                                                                       f"config file {str(toml)!r})"),
+        (["--config", str(toml), "--hp", "3"], "--hp 3 does not divide the heads", "--hp 3 does not divide the heads"),
+        (["--config", str(toml)], "--hp-x is unknown", "--hp-x is unknown"),
+        (["--hp", "3"], "--hp 3 does not divide the heads", "--hp 3 does not divide the heads"),
+    ):
+        with pytest.raises(ValueError) as info, naming_the_file(TrainConfig, argv, ("train",)):
+            raise ValueError(message)
+        assert str(info.value) == expected, (argv, str(info.value))
