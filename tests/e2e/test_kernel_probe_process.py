@@ -17,6 +17,7 @@ from loongtrain.attn.kernels import REFERENCE
 from loongtrain.attn.masking import AttnMask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from tests.helpers.cuda_emulation import install
+from tests.helpers.kernel_timers import Timer
 
 BF16 = torch.bfloat16
 EMULATED = (sys.executable, "-m", "tests.helpers.emulated_probe")
@@ -30,17 +31,6 @@ def fresh(monkeypatch):
     yield
     kernel_choice.clear_choices()
     kernel_probe.clear_verdicts()
-
-
-class Timer:
-    """``measure(kernel, kind)``: cuDNN twice as fast as anything else (its own ops, on both call kinds)."""
-
-    def __init__(self) -> None:
-        self.timed: list[tuple[str, str]] = []
-
-    def __call__(self, kernel, kind):
-        self.timed.append((kernel.name, kind))
-        return 0.5 if kernel.name == "cuda_cudnn" else 1.0
 
 
 def test_a_crashing_probe_process_gives_one_line_and_is_cached():

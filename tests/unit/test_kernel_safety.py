@@ -21,6 +21,7 @@ from loongtrain.attn.kernel_probe import (
     probe_cases,
 )
 from tests.helpers.cuda_emulation import install
+from tests.helpers.kernel_timers import Timer
 
 BF16 = torch.bfloat16
 
@@ -36,17 +37,6 @@ def fresh(monkeypatch):
 
 def on_versions(monkeypatch, torch_version: tuple[int, int], cudnn: int | None) -> None:
     monkeypatch.setattr(kernel_choice, "current_versions", lambda: Versions(torch_version, cudnn))
-
-
-class Timer:
-    """``measure(kernel, kind)``: cuDNN twice as fast as anything else (its own ops, on both call kinds)."""
-
-    def __init__(self) -> None:
-        self.timed: list[tuple[str, str]] = []
-
-    def __call__(self, kernel, kind):
-        self.timed.append((kernel.name, kind))
-        return 0.5 if kernel.name == "cuda_cudnn" else 1.0
 
 
 # ---------------------------------------------------------------- the known-bad table
