@@ -54,7 +54,7 @@ from loongtrain.data.sources import corpus_identity, identity_change, parse_corp
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.hf.convert import shape_config_from_hf
 from loongtrain.hf.load import hf_config_from_dict
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import ModelConfig, first_difference
 from loongtrain.model.lora import parse_lora
 from loongtrain.model.rope_scaling import rope_change
 from loongtrain.train.checkpoint import (
@@ -209,12 +209,11 @@ def check_same_model(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, An
     else:
         return
     now = model_config_for(cfg, tokenizer)
-    for field in dataclasses.fields(ModelConfig):
-        name = field.name
-        if name not in ("rope_theta", "rope_scaling") and getattr(saved, name) != getattr(now, name):
-            raise ValueError(f"--model {cfg.model!r} with --tokenizer {cfg.tokenizer!r}: {name}="
-                             f"{getattr(now, name)!r}, the checkpoint {str(path)!r} has {getattr(saved, name)!r}; "
-                             f"a resumed run must build the model it saved")
+    name = first_difference(saved, now)
+    if name is not None:
+        raise ValueError(f"--model {cfg.model!r} with --tokenizer {cfg.tokenizer!r}: {name}="
+                         f"{getattr(now, name)!r}, the checkpoint {str(path)!r} has {getattr(saved, name)!r}; "
+                         f"a resumed run must build the model it saved")
 
 
 def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer, world: int = 1) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from loongtrain.model.rope_scaling import RopeScaling, rope_scaling_from_mapping
 
@@ -159,6 +159,15 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=500000.0,
     ),
 }
+
+
+def first_difference(a: ModelConfig, b: ModelConfig) -> str | None:
+    """The first field (in declaration order) on which ``a`` and ``b`` differ, their RoPE aside (a continued
+    run may change it); None when they are the same model."""
+    for field in fields(ModelConfig):
+        if field.name not in ("rope_theta", "rope_scaling") and getattr(a, field.name) != getattr(b, field.name):
+            return field.name
+    return None
 
 
 def get_preset(name: str, **overrides: object) -> ModelConfig:

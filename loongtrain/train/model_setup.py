@@ -42,7 +42,7 @@ from loongtrain.hf.families import is_hf_model
 from loongtrain.hf.load import check_hf_dir, hf_config_from_dict, read_hf_config
 from loongtrain.hf.norms import LLAMA_RMS_NORMS
 from loongtrain.loss.chunked import FinalNorm
-from loongtrain.model.config import PRESETS, ModelConfig, get_preset
+from loongtrain.model.config import PRESETS, ModelConfig, first_difference, get_preset
 from loongtrain.model.llama import Transformer, initial_weight
 from loongtrain.model.rope_scaling import REFUSED_TYPES
 from loongtrain.parallel.mesh import Mesh
@@ -155,11 +155,10 @@ def _init_record(cfg: TrainConfig) -> dict[str, Any] | None:
 def _same_model(run: ModelConfig, saved: ModelConfig, cfg: TrainConfig) -> ModelConfig:
     """``saved`` when it is ``run``'s model up to its RoPE (which ``--init-from`` carries over); ValueError
     naming the first field that differs otherwise."""
-    for field in dataclasses.fields(ModelConfig):
-        name = field.name
-        if name not in ("rope_theta", "rope_scaling") and getattr(run, name) != getattr(saved, name):
-            raise ValueError(f"--init-from {cfg.init_from!r}: its model has {name}={getattr(saved, name)!r}, "
-                             f"this run's {getattr(run, name)!r} (same --model and --tokenizer needed)")
+    name = first_difference(run, saved)
+    if name is not None:
+        raise ValueError(f"--init-from {cfg.init_from!r}: its model has {name}={getattr(saved, name)!r}, "
+                         f"this run's {getattr(run, name)!r} (same --model and --tokenizer needed)")
     return saved
 
 

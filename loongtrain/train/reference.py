@@ -31,7 +31,7 @@ from torch import nn
 
 from loongtrain.loss.dpo import sequence_logps
 from loongtrain.loss.token_logprobs import chunked_token_logprobs
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import ModelConfig, first_difference
 from loongtrain.parallelize.zero import uses_zero
 from loongtrain.train.batch import Batch
 from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, read_trainer_state, verify_checkpoint
@@ -87,12 +87,11 @@ def check_reference(cfg: TrainConfig, model_config: ModelConfig, tokenizer: Any)
     if policy_kind != ref_kind:
         raise ValueError(f"--ref-model {cfg.ref_model!r} is a {ref_kind} model, the policy a {policy_kind} one: the "
                          f"reference must have the policy's architecture and vocabulary")
-    for field in dataclasses.fields(ModelConfig):
-        name = field.name
-        if name not in ("rope_theta", "rope_scaling") and getattr(ref, name) != getattr(model_config, name):
-            raise ValueError(f"--ref-model {cfg.ref_model!r}: its model has {name}={getattr(ref, name)!r}, the "
-                             f"policy's {getattr(model_config, name)!r}: the reference must have the policy's "
-                             f"architecture and vocabulary")
+    name = first_difference(ref, model_config)
+    if name is not None:
+        raise ValueError(f"--ref-model {cfg.ref_model!r}: its model has {name}={getattr(ref, name)!r}, the "
+                         f"policy's {getattr(model_config, name)!r}: the reference must have the policy's "
+                         f"architecture and vocabulary")
 
 
 def _architecture(cfg: TrainConfig) -> str:
