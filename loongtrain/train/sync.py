@@ -66,6 +66,9 @@ class GradientSync:
 
     def __init__(self, model: nn.Module, dp: int, bucket_bytes: int = BUCKET_BYTES, poll_s: float = POLL_S) -> None:
         self.dp, self.poll_s = dp, poll_s
+        # peers to watch while a bucket is in flight: none alone, and none in the simulation's fake group (its
+        # works never report completion)
+        self._watch_peers = is_distributed() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
         self.params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         sizes = [p.numel() * p.element_size() for p in self.params]
         self.buckets = gradient_buckets(sizes, bucket_bytes, [p.dtype for p in self.params])
@@ -142,7 +145,7 @@ class GradientSync:
     def _wait(self, work: dist.Work) -> None:
         """``work.wait()``, raising :class:`PeerFailure` as soon as a peer has posted its failure (looked up
         every ``poll_s`` while the work is in flight; short sleeps in between)."""
-        if dist.get_backend() == "fake":  # the simulation's group: its works never report completion
+        if not self._watch_peers:
             work.wait()
             return
         nap, last_look = 1e-4, time.monotonic()
