@@ -224,27 +224,28 @@ def check_given(cls: type, values: Mapping[str, Any], where: str = "") -> None:
 def parse(cls: type, argv: Sequence[str], prog: str, description: str, tables: Sequence[str] = ()) -> dict[str, Any]:
     """The options given on the command line ``argv`` (and in the TOML file its ``--config`` names) as flat
     values of config ``cls``; ``--help`` exits 0 (SystemExit). ValueError on bad input."""
+    given, _, from_file = _read(cls, argv, prog, description, tables)
+    return {**from_file, **given}
+
+
+def _read(cls: type, argv: Sequence[str], prog: str, description: str,
+          tables: Sequence[str]) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
+    """``(the options the command line gives, its --config file, the options that file gives)``."""
     given = vars(build_parser(cls, prog, description).parse_args(list(argv)))
     path = given.pop("config", None)
     check_given(cls, given)
-    values = read_config(path, cls, tables) if path is not None else {}
-    values.update(given)
-    return values
+    return given, path, read_config(path, cls, tables) if path is not None else {}
 
 
 def set_in_file(cls: type, argv: Sequence[str], tables: Sequence[str] = ()) -> tuple[str | None, list[str]]:
     """``(the --config file of argv, the flags of the options it sets that the command line does not)``;
     ``(None, [])`` without a file or when argv does not parse."""
     try:
-        given = vars(build_parser(cls, "", "").parse_args(list(argv)))
-        path = given.pop("config", None)
-        if path is None:
-            return None, []
-        from_file = read_config(path, cls, tables)
+        given, path, from_file = _read(cls, argv, "", "", tables)
     except (ValueError, OSError):
         return None, []
     flags = {opt.name: opt.flag for opt in options(cls)}
-    return path, [flags[name] for name in from_file if given.get(name) is None and name in flags]
+    return path, [flags[name] for name in from_file if name not in given and name in flags]
 
 
 @contextlib.contextmanager
