@@ -272,9 +272,10 @@ def choose_kernel(
     rule = next((k for k in candidates if k is not CUDA_CUDNN), candidates[0])
     timer = measure or make_timer(device, dtype, head_dim, num_heads, num_kv_heads, seq_len)
     dense, times = (rule, {}) if len(candidates) < 2 else pick_by_time(candidates, rule, lambda k: timer(k, "dense"))
-    _safe(varlen_options(candidates, dense)[0], "varlen", versions, probe, base, refused)
+    offered = varlen_options(candidates, dense)[0]
+    _safe(offered, "varlen", versions, probe, base, refused)
     refused_all = _refused_anywhere(refused)
-    options = [k for k in varlen_options(candidates, dense)[0] if f"varlen:{k.name}" not in refused_all]
+    options = [k for k in offered if f"varlen:{k.name}" not in refused_all]
     varlen_rule = options[0]
     varlen, varlen_times = ((varlen_rule, {}) if len(options) < 2 else
                             pick_by_time(options, varlen_rule, lambda k: timer(k, "varlen")))
