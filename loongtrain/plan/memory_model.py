@@ -78,6 +78,8 @@ through every micro-batch after the first: add ``4P/z`` to the first.
 
 from __future__ import annotations
 
+import dataclasses
+
 from loongtrain.attn.ring import backward_workspace_bytes
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, mlp_width, num_params
@@ -352,6 +354,19 @@ def memory_per_rank(
         parts["total"] = max(parts["total"], parts["reference"])
     parts["host"] = float(host) + (4 * p / zero_size if reference and offload_params else 0.0)
     return parts
+
+
+#: the fields of a ParallelConfig :func:`config_memory` does not read: the ranks' order and the ring's schedule
+#: decide the time, not what a rank holds
+MEMORY_FREE_FIELDS = ("placement", "inner_ring")
+_MEMORY_FIELDS = tuple(f.name for f in dataclasses.fields(ParallelConfig) if f.name not in MEMORY_FREE_FIELDS)
+
+
+def memory_key(config: ParallelConfig) -> tuple:
+    """What of ``config`` :func:`config_memory` reads (every field but :data:`MEMORY_FREE_FIELDS`): configurations
+    with one key hold the same bytes, so they are checked once (``plan --max-seq-len``;
+    tests/unit/test_plan_max_seq.py)."""
+    return tuple(getattr(config, name) for name in _MEMORY_FIELDS)
 
 
 def config_memory(model: ModelConfig, config: ParallelConfig, layout: Layout, *, seq_len: int, batch: int,

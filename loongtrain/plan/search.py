@@ -240,11 +240,17 @@ def plan(
     kw = dict(nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, documents=documents,
               world=world if gpus is not None else None, lora=lora, reference=reference)
     configs = enumerate_configs(cfg, world, cl.gpus_per_node, seq_len, modes=modes == "on", **filters)
-    cands = sorted((step_cost(cfg, c, cl, **kw) for c in configs), key=_rank_key)
+    cands = ranked(cfg, cl, configs, **kw)
     if modes == "auto" and not cands[0].fits:
         configs = enumerate_configs(cfg, world, cl.gpus_per_node, seq_len, modes=True, **filters)
-        cands = sorted((step_cost(cfg, c, cl, **kw) for c in configs), key=_rank_key)
+        cands = ranked(cfg, cl, configs, **kw)
     return cands
+
+
+def ranked(model: ModelConfig, cluster: Cluster, configs: list[ParallelConfig], **cost) -> list[Candidate]:
+    """``configs`` costed (:func:`~loongtrain.plan.cost.step_cost` with ``cost``: nodes, seq_len, batch,
+    dtype_bytes, documents, world, lora, reference) and ranked best first (:func:`_rank_key`)."""
+    return sorted((step_cost(model, c, cluster, **cost) for c in configs), key=_rank_key)
 
 
 def _rank_key(c: Candidate) -> tuple:
