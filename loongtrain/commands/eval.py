@@ -10,7 +10,7 @@ import os
 import sys
 
 from loongtrain.commands.errors import guarded
-from loongtrain.commands.parser import build, parse
+from loongtrain.commands.parser import build, naming_the_file, parse
 from loongtrain.eval.config import EvalConfig
 
 DESCRIPTION = ("Long-context evaluation of a trained model, sharded with 2D-Attention like training: loss by "
@@ -33,10 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         from loongtrain.launch.train_run import setup_logging
 
         setup_logging(int(os.environ.get("RANK", 0)), False)
-        job = prepare(parse_args(argv))
-        # one writer of --out (loongtrain._files); under torchrun every rank is its own process
-        with contextlib.nullcontext() if under_torchrun() else OutputLock(OUTPUT, job.options.out):
-            launch(job)
+        with naming_the_file(EvalConfig, argv, ("eval",)):
+            job = prepare(parse_args(argv))
+            # one writer of --out (loongtrain._files); under torchrun every rank is its own process
+            with contextlib.nullcontext() if under_torchrun() else OutputLock(OUTPUT, job.options.out):
+                launch(job)
 
     return guarded("eval", body)
 

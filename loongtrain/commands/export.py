@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from loongtrain._options import option
 from loongtrain.commands.errors import guarded
-from loongtrain.commands.parser import build, parse
+from loongtrain.commands.parser import build, naming_the_file, parse
 
 DTYPES = ("fp32", "bf16", "fp16", "fp64")  # the keys of loongtrain.train.export.DTYPES
 
@@ -30,20 +30,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> None:
-        cfg = build(ExportConfig, parse(ExportConfig, argv, "loongtrain export", "Write a training checkpoint's "
-                                        "model as a Hugging Face directory (config.json + model.safetensors) for "
-                                        "from_pretrained."))
-        from loongtrain.train.export import DTYPES as TORCH_DTYPES
-        from loongtrain.train.export import TOKENIZER_NAMES, export_checkpoint
-
-        out = export_checkpoint(cfg.checkpoint, cfg.hf, dtype=TORCH_DTYPES.get(cfg.dtype), overwrite=cfg.overwrite)
-        tokenizer = [name for name in TOKENIZER_NAMES if (out / name).is_file()]
-        lora = [f"{out / name}/" for name in ("adapter", "base") if (out / name).is_dir()]
-        print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}"
-              + (f" and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else "")
-              + (f"; LoRA: the merged model, and {' and '.join(lora)} (PEFT's adapter; the base)" if lora else ""))
+        with naming_the_file(ExportConfig, argv):
+            write(argv)
 
     return guarded("export", body)
+
+
+def write(argv: list[str]) -> None:
+    """Parse ``argv``, export, and say what was written."""
+    cfg = build(ExportConfig, parse(ExportConfig, argv, "loongtrain export", "Write a training checkpoint's "
+                                    "model as a Hugging Face directory (config.json + model.safetensors) for "
+                                    "from_pretrained."))
+    from loongtrain.train.export import DTYPES as TORCH_DTYPES
+    from loongtrain.train.export import TOKENIZER_NAMES, export_checkpoint
+
+    out = export_checkpoint(cfg.checkpoint, cfg.hf, dtype=TORCH_DTYPES.get(cfg.dtype), overwrite=cfg.overwrite)
+    tokenizer = [name for name in TOKENIZER_NAMES if (out / name).is_file()]
+    lora = [f"{out / name}/" for name in ("adapter", "base") if (out / name).is_dir()]
+    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}"
+          + (f" and the run's tokenizer ({', '.join(tokenizer)})" if tokenizer else "")
+          + (f"; LoRA: the merged model, and {' and '.join(lora)} (PEFT's adapter; the base)" if lora else ""))
 
 
 if __name__ == "__main__":

@@ -128,6 +128,9 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
+_ABSENT = "\0absent"  # the default of a positional the command line left out (str: argparse converts it)
+
+
 def build_parser(cls: type, prog: str, description: str) -> OneLineParser:
     """The argparse parser of config ``cls`` (defaults suppressed in the namespace, so only the options given
     on the command line override the TOML file)."""
@@ -143,14 +146,12 @@ def build_parser(cls: type, prog: str, description: str) -> OneLineParser:
             group = parser.add_argument_group(opt.meta("group"))
         kind = _value_type(opt.kind)
         common: dict[str, Any] = {"dest": opt.name, "help": _help(opt)}
-        if opt.meta("positional"):
-            nargs = "*" if typing.get_origin(kind) is tuple else None
+        if opt.meta("positional"):  # optional here: the --config file may give it (the check is parse's)
+            nargs = "*" if typing.get_origin(kind) is tuple else "?"
             group.add_argument(opt.name, metavar=opt.meta("metavar", opt.name.upper()), nargs=nargs,
-                               type=_converter(opt) if nargs is None else str, help=common["help"],
-                               **({} if opt.default is dataclasses.MISSING else {"default": argparse.SUPPRESS}))
+                               type=_converter(opt) if nargs == "?" else str, help=common["help"],
+                               default=_ABSENT)
             continue
-        if opt.default is dataclasses.MISSING:
-            common["required"] = True
         if kind is bool:
             group.add_argument(opt.flag, action=argparse.BooleanOptionalAction, **common)
             continue
@@ -223,41 +224,53 @@ def check_given(cls: type, values: Mapping[str, Any], where: str = "") -> None:
 
 def parse(cls: type, argv: Sequence[str], prog: str, description: str, tables: Sequence[str] = ()) -> dict[str, Any]:
     """The options given on the command line ``argv`` (and in the TOML file its ``--config`` names) as flat
-    values of config ``cls``; ``--help`` exits 0 (SystemExit). ValueError on bad input."""
-    given, _, from_file = _read(cls, argv, prog, description, tables)
-    return {**from_file, **given}
+    values of config ``cls``; ``--help`` exits 0 (SystemExit). ValueError on bad input, also for an option
+    without a default that neither gives."""
+    given, path, from_file = _read(cls, argv, prog, description, tables)
+    values = {**from_file, **given}
+    missing = [opt.meta("metavar", opt.name.upper()) if opt.meta("positional") else opt.flag for opt in options(cls)
+               if opt.default is dataclasses.MISSING and opt.name not in values]
+    if missing:
+        where = f" or in the config file {str(path)!r}" if path is not None else " (or in a --config file)"
+        raise ValueError(f"missing {', '.join(missing)}: give {'them' if len(missing) > 1 else 'it'} on the command "
+                         f"line{where} (run `{prog} --help` for the options)")
+    return values
 
 
 def _read(cls: type, argv: Sequence[str], prog: str, description: str,
           tables: Sequence[str]) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
     """``(the options the command line gives, its --config file, the options that file gives)``."""
-    given = vars(build_parser(cls, prog, description).parse_args(list(argv)))
+    given = {k: v for k, v in vars(build_parser(cls, prog, description).parse_args(list(argv))).items()
+             if v is not _ABSENT and v != [_ABSENT]}
     path = given.pop("config", None)
     check_given(cls, given)
     return given, path, read_config(path, cls, tables) if path is not None else {}
 
 
-def set_in_file(cls: type, argv: Sequence[str], tables: Sequence[str] = ()) -> tuple[str | None, list[str]]:
-    """``(the --config file of argv, the flags of the options it sets that the command line does not)``;
-    ``(None, [])`` without a file or when argv does not parse."""
+def set_in_file(cls: type, argv: Sequence[str], tables: Sequence[str] = ()) -> tuple[str | None, dict[str, Any]]:
+    """``(the --config file of argv, {flag: value} of the options it sets that the command line does not (a
+    positional by its name))``;
+    ``(None, {})`` without a file or when argv does not parse."""
     try:
         given, path, from_file = _read(cls, argv, "", "", tables)
     except (ValueError, OSError):
-        return None, []
-    flags = {opt.name: opt.flag for opt in options(cls)}
-    return path, [flags[name] for name in from_file if name not in given and name in flags]
+        return None, {}
+    flags = {opt.name: opt.name if opt.meta("positional") else opt.flag for opt in options(cls)}
+    return path, {flags[name]: value for name, value in from_file.items() if name not in given and name in flags}
 
 
 @contextlib.contextmanager
 def naming_the_file(cls: type, argv: Sequence[str], tables: Sequence[str] = ()) -> Iterator[None]:
-    """A ValueError raised inside (a check after parsing: the launcher's, the planner's) that names an option
-    the ``--config`` file set says so, naming the file: ``... (--hp from config file 'run.toml')``."""
+    """A ValueError raised inside (a check after parsing: the launcher's, the planner's, a command's) that names
+    an option the ``--config`` file set, by its flag or by its quoted value, says so, naming the file:
+    ``... (--hp from config file 'run.toml')``."""
     try:
         yield
     except ValueError as exc:
-        path, flags = set_in_file(cls, argv, tables)
+        path, values = set_in_file(cls, argv, tables)
         text = str(exc)
-        named = [f for f in flags if re.search(rf"{re.escape(f)}(?![\w-])", text)]
+        named = [f for f, v in values.items() if (f.startswith("--") and re.search(rf"{re.escape(f)}(?![\w-])", text))
+                 or (isinstance(v, str) and len(v) > 1 and repr(v) in text)]
         if not named or path is None or str(path) in text:
             raise
         raise ValueError(f"{text} ({', '.join(named)} from config file {str(path)!r})") from None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from loongtrain._options import option
 from loongtrain.commands.errors import guarded
-from loongtrain.commands.parser import build, parse
+from loongtrain.commands.parser import build, naming_the_file, parse
 from loongtrain.data.corpus import DECODE_ERRORS
 from loongtrain.data.prepare import DEFAULT_SHARD_BYTES
 
@@ -62,10 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     try:
-        return guarded("prepare", lambda: _run(argv))
+        return guarded("prepare", lambda: _named(argv))
     finally:
         if handler is not None:
             logger.removeHandler(handler)
+
+
+def _named(argv: list[str]) -> None:
+    with naming_the_file(PrepareConfig, argv):
+        _run(argv)
 
 
 def _run(argv: list[str]) -> None:

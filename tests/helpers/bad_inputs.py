@@ -195,7 +195,7 @@ CASES = [
     (["plan", "--calibrate", "--out", D], "is a directory; name the file to write"),
     (["plan", "--calibrate", "--out", D + "/no/such/dir/c.toml"], "does not exist"),
     (["plan", "--calibrate", "--calibrate-world", "0"], "--calibrate-world=0 must be >= 1"),
-    (["export", "{ckpt}"], "the following arguments are required: --hf"),
+    (["export", "{ckpt}"], "missing --hf: give it on the command line (or in a --config file)"),
     ([*EXPORT, "--hf", D + "/x", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     ([*EXPORT, "--hf", D + "/x", "--bogus"], "unrecognized arguments: --bogus"),
     (["export", D + "/nowhere", "--hf", D + "/x"], "is not a loongtrain checkpoint"),
@@ -421,6 +421,11 @@ def make_safety(files: dict[str, str], s: Path) -> tuple[dict[str, str], list[in
     edit_state(copy_run(tokrun, s / "tokgone"), **{"config.tokenizer": str(s / "no_such_tok.json")})
     edit_state(copy_run(tokrun, s / "tokedit"), **{"data_identity.tokenizer": "sha256:" + "1" * 64})
     make_hf_dir(s / "hf_noweights", weights=False)
+    # --config files of eval, export and prepare whose value a later check refuses (the error names the file)
+    (s / "cfg_export.toml").write_text(f'hf = "{s / "user_dir"}"\n')
+    (s / "cfg_eval.toml").write_text(f'model = "{s / "nowhere"}"\ntask = "position-loss"\nnproc = 1\n')
+    (s / "cfg_prepare.toml").write_text(f'tokenizer = "nosuch"\nout = "{s / "cfg_prep_out"}"\nworkers = 1\n')
+    (s / "cfg_prepare_out.toml").write_text(f'out = "{s / "user_dir"}"\noverwrite = true\nworkers = 1\n')
     return {**files, "S": str(s)}, locks
 
 
@@ -634,6 +639,17 @@ SAFETY = [
     case("export-tokenizer-gone", "export", S + "/tokgone", "--hf", "{tmp}/h", needle="no longer exists"),
     case("export-tokenizer-changed", "export", S + "/tokedit", "--hf", "{tmp}/h",
           needle="changed since training"),
+    # a value from a --config file that a later check refuses: the one line names the file and the key
+    case("export-hf-from-config-onto-user-files", "export", "{ckpt}", "--config", S + "/cfg_export.toml",
+         needle="(--hf from config file '{S}/cfg_export.toml')"),
+    case("eval-model-from-config-missing", "eval", "--config", S + "/cfg_eval.toml",
+         needle="(model from config file '{S}/cfg_eval.toml')"),
+    case("prepare-tokenizer-from-config-unknown", "prepare", S + "/docs.jsonl", "--config", S + "/cfg_prepare.toml",
+         needle="(--tokenizer from config file '{S}/cfg_prepare.toml')"),
+    case("prepare-out-from-config-user-files", "prepare", S + "/docs.jsonl", "--config",
+         S + "/cfg_prepare_out.toml", needle="(--out from config file '{S}/cfg_prepare_out.toml')"),
+    case("export-config-of-another-command", "export", "{ckpt}", "--config", S + "/cfg_eval.toml",
+         needle="unknown option 'model'"),
 ]
 
 

@@ -64,8 +64,8 @@ def test_every_kind_of_field(tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["n"], "--out"),  # required
-    ([], "required: NAME"),  # the positional
+    (["n"], "missing --out: give it on the command line"),  # required
+    ([], "missing NAME, --out: give them"),  # the positional too
     (["n", "--out", "o", "--size", "12x"], "size='12x'"),
     (["n", "--out", "o", "--b", "z"], "invalid choice: 'z'"),
     (["n", "--out", "o", "--a", "0"], "--a=0 must be >= 1"),
@@ -89,6 +89,16 @@ def test_toml_file_then_command_line(tmp_path):
         with pytest.raises(ValueError, match=needle) as info:
             _parse(["n", "--out", "o"], tmp_path, text)
         assert "cfg.toml" in str(info.value)  # a file's error names the file
+
+
+def test_a_required_option_or_positional_may_come_from_the_file(tmp_path):
+    """An option without a default (and a positional) is satisfied by the --config file as by the command line;
+    the command line still wins; missing from both names the file."""
+    assert _parse(["n"], tmp_path, 'out = "o"\n') == Outer(name="n", out="o")
+    assert _parse([], tmp_path, 'out = "o"\nname = "m"\n') == Outer(name="m", out="o")
+    assert _parse(["n", "--out", "cli"], tmp_path, 'out = "o"\nname = "m"\n') == Outer(name="n", out="cli")
+    with pytest.raises(ValueError, match="missing NAME: give it on the command line or in the config file '.*cfg.toml'"):
+        _parse([], tmp_path, 'out = "o"\n')
 
 
 def test_every_command_help_lists_every_field():
@@ -157,3 +167,12 @@ def test_a_later_error_names_the_config_file_that_set_the_option(tmp_path):
         with pytest.raises(ValueError) as info, naming_the_file(TrainConfig, argv, ("train",)):
             raise ValueError(message)
         assert str(info.value) == expected, (argv, str(info.value))
+    # by its quoted value: a command's own check that quotes what the file set (a positional by its name)
+    toml.write_text('tokenizer = "nosuch"\nout = "prep"\n')
+    with pytest.raises(ValueError) as info, naming_the_file(PrepareConfig, ["c.txt", "--config", str(toml)]):
+        raise ValueError("unknown tokenizer 'nosuch'")
+    assert str(info.value) == f"unknown tokenizer 'nosuch' (--tokenizer from config file {str(toml)!r})"
+    toml.write_text('model = "nowhere"\ntask = "passkey"\n')
+    with pytest.raises(ValueError) as info, naming_the_file(EvalConfig, ["--config", str(toml)], ("eval",)):
+        raise ValueError("MODEL 'nowhere' is none of: ...")
+    assert str(info.value).endswith(f"(model from config file {str(toml)!r})")
