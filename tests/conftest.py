@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.cuda_emulation import install as install_cuda_emulation
 from tests.helpers.fixtures import tiny_model, write_code_corpus, write_line_corpus
 
 
@@ -72,6 +73,13 @@ def gpu(monkeypatch):
         return torch.device("cuda")
 
     return install
+
+
+@pytest.fixture
+def emulate(monkeypatch):
+    """Install the emulated CUDA ops under the kernel wrappers (tests/helpers/cuda_emulation.py); returns a
+    function taking EmulatedAten's options."""
+    return lambda **options: install_cuda_emulation(monkeypatch, **options)
 
 
 #: each test's measured seconds (setup, call and teardown), written by ``pytest --store-durations``

@@ -127,9 +127,9 @@ def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents
     from loongtrain.attn.kernel_choice import chosen_kernels, refused_kernels
     from loongtrain.model.config import flops_per_token
     from loongtrain.parallel.mesh import single_process_mesh
-    from loongtrain.plan.memory_model import config_memory
     from loongtrain.plan.search import best_fitting
     from loongtrain.train.config import Run, TrainConfig, autocast_dtype, param_dtype
+    from loongtrain.train.memory_report import predicted_memory
     from loongtrain.train.metrics import cuda_peak_tflops, measure_cpu_tflops
     from loongtrain.train.trainer import Trainer
 
@@ -142,10 +142,8 @@ def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents
     cfg = TrainConfig(model=name, seq_len=seq, steps=size["steps"] + 1, warmup=1, dtype="auto", parallel=config,
                       memory_report=False, doc_mask="on" if documents else "off")
     trainer = Trainer(Run(cfg, model), single_process_mesh(), device)
+    predicted = predicted_memory(trainer, seq_len=seq, batch=1)  # the trainer's own report's mapping
     compute = autocast_dtype(cfg, device) or param_dtype(cfg)
-    b = torch.empty((), dtype=compute).element_size()
-    predicted = config_memory(model, config, config.layout(1), seq_len=seq, batch=1, dtype_bytes=b,
-                              zero_size=config.shard_size(1))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, flops, docs = [], [], []

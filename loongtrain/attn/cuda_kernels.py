@@ -1,8 +1,9 @@
 """The CUDA kernels of :mod:`loongtrain.attn.kernels` (the table there): FlashAttention-2, cuDNN and
 the memory-efficient op, through the torch 2.13 ops, with their variable-length forms (docs/attention.md#kernels).
 
-(``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a zero-padded head dim.) ``cuda_flash``'s
-backward runs one query head at a time once FA2's own workspace would pass :data:`SPLIT_BACKWARD_BYTES`
+(``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a zero-padded head dim.) ``cuda_flash``'s and
+``cuda_cudnn``'s dense backwards run one query head at a time once their own scratch
+(:func:`backward_scratch_bytes`, which the planner counts) would pass :data:`SPLIT_BACKWARD_BYTES`
 (:func:`per_head_backward`; docs/memory.md).
 
 Variable-length form (``Kernel.varlen_forward`` / ``varlen_backward``; ``None`` where a kernel has none):
@@ -47,26 +48,54 @@ def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: fl
     return res[0], res[1]  # (out, lse [B, H, S] fp32, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, ...)
 
 
-#: bytes of FA2's own backward workspace (:func:`flash_backward_workspace`) above which the flash backward
-#: runs one query head at a time (4 GiB: at 4096 query-head dims, 256K tokens in one call)
+#: bytes of a kernel's own backward scratch (:func:`backward_scratch_bytes`) above which the flash and cuDNN
+#: backwards run one query head at a time (4 GiB: at 4096 query-head dims, 256K tokens in one call)
 SPLIT_BACKWARD_BYTES = 4 << 30
+#: the kernels whose backward scratch :func:`backward_scratch_bytes` describes (the planner's choice set,
+#: ``Cluster.attention_kernels``)
+SCRATCH_KERNELS = ("cuda_flash", "cuda_cudnn")
 
 
-def flash_backward_workspace(q: Tensor, k: Tensor) -> int:
-    """Bytes FA2's backward allocates beside its outputs for ``q [B, H, Sq, D]``: an fp32 dQ accumulator
-    (``4 * B * Sq * H * D``) and, when K/V have fewer heads (GQA), dK and dV expanded to the query heads in the
-    input dtype (``2 * B * Sk * H * D`` elements)."""
-    b, h, _, d = q.shape
-    expanded = 2 * b * k.shape[2] * h * d * q.element_size() if k.shape[1] != h else 0
-    return 4 * q.numel() + expanded
+def _one_call_scratch(kernel: str, batch: int, heads: int, kv_heads: int, q_len: int, k_len: int, head_dim: int,
+                      dtype_bytes: int) -> int:
+    """One backward call's own allocations beside its inputs and results: both kernels keep an fp32 dQ
+    accumulator (``4 * B * Sq * H * D``) and the fp32 row sums of ``dO * O`` (``4 * B * H * Sq``: FA2's
+    ``softmax_d``, cuDNN's ``softmax_sum``), and with GQA dK and dV expanded to the query heads in the input
+    dtype (``2 * B * Sk * H * D`` elements: FA2's expanded dK/dV, cuDNN's "full-head" dK/dV). The kernels'
+    rounding of ``Sq`` (FA2: to 128) is left out."""
+    assert kernel in SCRATCH_KERNELS, kernel
+    expanded = 2 * batch * k_len * heads * head_dim * dtype_bytes if kv_heads != heads else 0
+    return 4 * batch * heads * q_len * (head_dim + 1) + expanded
+
+
+def backward_scratch_bytes(kernel: str, batch: int, heads: int, kv_heads: int, q_len: int, k_len: int,
+                           head_dim: int, dtype_bytes: int) -> int:
+    """Peak bytes ``kernel``'s backward (``cuda_flash`` or ``cuda_cudnn``) holds beside its inputs and
+    results for q ``[B, H, Sq, D]`` against k/v ``[B, Hkv, Sk, D]``: one call's scratch
+    (:func:`_one_call_scratch`), or past :data:`SPLIT_BACKWARD_BYTES` (:func:`per_head_backward`) one head's,
+    with that head's dQ, dK, dV and the fp32 sums of a KV head's dK/dV (and their next sums) beside it. The
+    planner (``workspace``, docs/planner.md#memory-per-device) and the simulation count it."""
+    whole = _one_call_scratch(kernel, batch, heads, kv_heads, q_len, k_len, head_dim, dtype_bytes)
+    if heads == 1 or whole <= SPLIT_BACKWARD_BYTES:
+        return whole
+    one = _one_call_scratch(kernel, batch, 1, 1, q_len, k_len, head_dim, dtype_bytes)
+    return one + batch * head_dim * (q_len * dtype_bytes + 2 * k_len * (dtype_bytes + 2 * 4))
+
+
+def _splits(kernel: str, q: Tensor, k: Tensor) -> bool:
+    """Whether ``kernel``'s backward on these inputs runs per query head (its one-call scratch passes
+    :data:`SPLIT_BACKWARD_BYTES`)."""
+    b, h, sq, d = q.shape
+    return h > 1 and _one_call_scratch(kernel, b, h, k.shape[1], sq, k.shape[2], d,
+                                       q.element_size()) > SPLIT_BACKWARD_BYTES
 
 
 def _cuda_flash_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """FA2's backward; one query head per call when its workspace would pass :data:`SPLIT_BACKWARD_BYTES`
-    (:func:`per_head_backward`: the workspace of one head, 1/H of it, and no expanded dK/dV)."""
-    if q.shape[1] > 1 and flash_backward_workspace(q, k) > SPLIT_BACKWARD_BYTES:
+    """FA2's backward; one query head per call when its scratch would pass :data:`SPLIT_BACKWARD_BYTES`
+    (:func:`per_head_backward`: the scratch of one head, 1/H of it, and no expanded dK/dV)."""
+    if _splits("cuda_flash", q, k):
         return per_head_backward(_cuda_flash_backward_call, dout, q, k, v, out, lse, causal, scale)
     return _cuda_flash_backward_call(dout, q, k, v, out, lse, causal, scale)
 
@@ -178,6 +207,16 @@ def _same_layout(dout: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _cuda_cudnn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """cuDNN's backward; one query head per call when its scratch would pass :data:`SPLIT_BACKWARD_BYTES`
+    (as FA2's)."""
+    if _splits("cuda_cudnn", q, k):
+        return per_head_backward(_cuda_cudnn_backward_call, dout, q, k, v, out, lse, causal, scale)
+    return _cuda_cudnn_backward_call(dout, q, k, v, out, lse, causal, scale)
+
+
+def _cuda_cudnn_backward_call(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     dout, out = _same_layout(dout, out)

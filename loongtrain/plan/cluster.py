@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loongtrain._options import check_fields, read_toml
+from loongtrain.attn.cuda_kernels import SCRATCH_KERNELS
 
 CLUSTER_DIR = Path(__file__).with_name("clusters")
 
@@ -64,6 +65,9 @@ class Cluster:
     # substrings of torch.cuda.get_device_name() of the devices this preset describes: the one table
     # that --plan auto and the trainer's MFU peak (loongtrain.train.metrics) look devices up in
     device_names: tuple[str, ...] = ()
+    # the CUDA attention kernels the trainer's kernel choice may pick on this device (loongtrain.attn.kernel_choice:
+    # cuDNN on sm90/sm100): the memory model counts the largest of their backward scratches
+    attention_kernels: tuple[str, ...] = ("cuda_flash",)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -77,6 +81,10 @@ class Cluster:
             if len(row) != 3 or not all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in row):
                 raise ValueError(f"cluster {self.name!r}: attention_rates[{i}]={list(row)!r} must be [head_dim, "
                                  "head_tokens, TFLOP/s] of positive numbers")
+        unknown = [k for k in self.attention_kernels if k not in SCRATCH_KERNELS]
+        if unknown or not self.attention_kernels:
+            raise ValueError(f"cluster {self.name!r}: attention_kernels={list(self.attention_kernels)!r}: each must be "
+                             f"one of {list(SCRATCH_KERNELS)} (at least one)")
         object.__setattr__(self, "attention_rates", tuple(sorted(tuple(map(float, r)) for r in self.attention_rates)))
 
     @property

@@ -261,7 +261,7 @@ def step_cost(
                                                    bandwidth=_group_bw(cluster, world, world), latency=latency * 1e-6,
                                                    lora=lora)
     memory = config_memory(model, config, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                           zero_size=z, lora=lora, reference=reference)
+                           zero_size=z, lora=lora, reference=reference, kernels=cluster.attention_kernels)
     if config.offload_activations or config.offload_params:
         breakdown["offload"] = offload_time(model, config, cluster, world, memory, layer_busy, lora)
     stepped = num_params(model) if lora is None else adapter_params(model, lora)  # what AdamW updates

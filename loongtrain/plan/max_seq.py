@@ -24,7 +24,7 @@ def fits_memory(model: ModelConfig, config: ParallelConfig, cluster: Cluster, wo
     """Whether ``config`` fits in device and host memory (what :func:`step_cost` decides, without the time)."""
     memory = config_memory(model, config, config.layout(world), seq_len=seq_len, batch=batch,
                            dtype_bytes=dtype_bytes, zero_size=config.shard_size(world), lora=lora,
-                           reference=reference)
+                           reference=reference, kernels=cluster.attention_kernels)
     host = memory["host"] * min(world, cluster.gpus_per_node)
     return memory["total"] <= cluster.usable_memory and host <= cluster.usable_host_memory
 

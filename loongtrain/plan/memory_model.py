@@ -38,8 +38,11 @@ Notation: ``P`` parameters, ``P_l`` per layer, ``L`` layers, ``d`` model dim, ``
   moments (:func:`layer_moments`): inside the MLP's backward (residual gradients, SwiGLU's gradients) and
   inside the attention kernel's (the residual, output and query gradients, the ring's K/V and dK/dV blocks,
   with a ring an fp32 dQ accumulator; with ``hp > 1`` in the heads' layout), less the MLP's part of the
-  set, which is gone by then. The CUDA kernels' own workspace is not counted (FA2's: at most
-  ``cuda_kernels.SPLIT_BACKWARD_BYTES`` per call, or one query head's fp32 dQ accumulator; docs/planner.md).
+  set, which is gone by then; and the CUDA kernel's own backward scratch
+  (:func:`loongtrain.attn.cuda_kernels.backward_scratch_bytes` of the rank's largest call, ``t * hp`` tokens
+  of ``H / hp`` heads against as many keys: the fp32 dQ accumulator and row sums, GQA's expanded dK/dV, or
+  one head's past ``SPLIT_BACKWARD_BYTES``), the largest among the ``kernels`` the device's choice may pick
+  (``Cluster.attention_kernels``; none on CPU; docs/planner.md#memory-per-device).
 
 Offload and tiling modes (docs/planner.md; :class:`~loongtrain.parallel.config.ParallelConfig`'s
 ``offload_activations``, ``mlp_tiles``, ``offload_params``), each changing only its own terms; ``host``
@@ -80,6 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from loongtrain.attn.cuda_kernels import backward_scratch_bytes
 from loongtrain.attn.ring import backward_workspace_bytes
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, mlp_width, num_params
@@ -212,8 +216,22 @@ def dispatch_backward_bytes(model: ModelConfig, dtype_bytes: int) -> float:
     return 2 * model.top_k * model.dim * dtype_bytes * len(model.moe_layers) / model.num_layers
 
 
+def kernel_scratch_bytes(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int,
+                         kernels: tuple[str, ...]) -> float:
+    """The largest backward scratch of ``kernels`` (:func:`~loongtrain.attn.cuda_kernels.backward_scratch_bytes`)
+    for a rank's largest attention call: its ``t`` tokens in the heads' layout (``t * hp`` tokens of
+    ``H / hp`` heads, against as many keys); 0 without kernels (CPU)."""
+    if not kernels:
+        return 0.0
+    he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
+    tokens = round(t * layout.hp)
+    return float(max(backward_scratch_bytes(k, 1, model.num_heads // layout.hp, he // layout.hp, tokens, tokens,
+                                            model.head_dim, dtype_bytes) for k in kernels))
+
+
 def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,
-                  full_layer: float, tiles: int, lora: LoraConfig | None = None) -> dict[str, float]:
+                  full_layer: float, tiles: int, lora: LoraConfig | None = None,
+                  kernels: tuple[str, ...] = ()) -> dict[str, float]:
     """Bytes live in one block's backward beyond what the step keeps (the blocks' kept sets, module
     docstring), at its two peaks (measured: train/simulate/ at the Llama-3-8B shape):
 
@@ -225,8 +243,9 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
       the residual gradient and the attention output's gradient (``d * r + d * b``), the op's results (dQ,
       packed dK/dV) and its own workspace
       (:func:`loongtrain.attn.ring.backward_workspace_bytes`: the ring's blocks and fp32 accumulators, or at
-      ``cp = 1`` the kernel's dK/dV until they are stacked). With ``hp > 1`` the same tensors in the
-      heads' layout (the all-to-all's output replaces its input).
+      ``cp = 1`` the kernel's dK/dV until they are stacked) and the CUDA kernel's own scratch
+      (:func:`kernel_scratch_bytes` of ``kernels``). With ``hp > 1`` the same tensors in the heads' layout (the
+      all-to-all's output replaces its input).
     """
     b, d, f = dtype_bytes, model.dim, ffn_width(model)
     r = residual_bytes(b, sharded)
@@ -235,7 +254,8 @@ def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int
     mlp_part = mlp_part_bytes(model, b, sharded, tiles, lora)
     results = t * (q_bytes + 2 * he * model.head_dim * b)  # the op's dQ and packed dK/dV
     attention = (full_layer - t * mlp_part + t * (d * r + d * b) + results
-                 + backward_workspace_bytes(t, model.num_heads, he, model.head_dim, b, layout.cp))
+                 + backward_workspace_bytes(t, model.num_heads, he, model.head_dim, b, layout.cp)
+                 + kernel_scratch_bytes(model, layout, t, b, kernels))
     swiglu_grads = 3 * f * b / tiles if tiles > 1 else 2 * f * b
     swiglu_grads += product_bytes(model, lora, b, tiles)  # --lora: as high without the product kept
     swiglu_grads += dispatch_backward_bytes(model, b)
@@ -283,14 +303,15 @@ def memory_per_rank(
     model: ModelConfig, layout: Layout, *, seq_len: int, batch: int, zero_size: int, recompute: str,
     dtype_bytes: int = 2, reshard_after_forward: bool = True, offload_activations: bool = False,
     mlp_tiles: str = "1", offload_params: bool = False, offload_keep: int = 0, lora: LoraConfig | None = None,
-    reference: bool = False,
+    reference: bool = False, kernels: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Bytes per device by part (``states``, ``working_params``, ``activations``, ``recompute``, ``logits``,
     ``workspace``), the step's peak ``total`` (:func:`peak_bytes`), the pinned ``host`` bytes per rank of the
     offload modes (module docstring) and, of those, the offloaded activations' ``host_activations``;
     ``lora``: the adapters train on a frozen base (:mod:`loongtrain.plan.lora_terms`). ``reference``: a DPO
     run's (``--objective dpo``): ``reference``, the reference pass's bytes (:func:`reference_phase_bytes`), and
-    ``total`` the larger of it and the step's peak."""
+    ``total`` the larger of it and the step's peak. ``kernels``: the CUDA attention kernels the device's choice
+    may pick, whose backward scratch ``workspace`` counts (:func:`kernel_scratch_bytes`; none on CPU)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
     if zero_size < 1 or layout.world_size % zero_size:
@@ -323,7 +344,7 @@ def memory_per_rank(
         if lora is not None:  # the first block's input needs no gradient (a frozen embedding): it stays on the device
             host, acts, layer_kept = host - t * d * r, acts + t * d * r, layer_kept + t * d * r
     acts += t * final_norm_bytes(d, b, sharded)  # with the loss: its input's gradient (the residual's in backward)
-    moments = layer_moments(model, layout, t, b, sharded, full_layer, tiles, lora)
+    moments = layer_moments(model, layout, t, b, sharded, full_layer, tiles, lora, kernels)
     # beyond the block's set (kept, with recompute none, else its recompute: full_layer either way)
     workspace = max(moments["mlp"], moments["attention"]) - full_layer
     working = working_param_bytes(model, zero_size, recompute, b, reshard_after_forward, gathered=sharded, lora=lora)
@@ -371,13 +392,15 @@ def memory_key(config: ParallelConfig) -> tuple:
 
 def config_memory(model: ModelConfig, config: ParallelConfig, layout: Layout, *, seq_len: int, batch: int,
                   dtype_bytes: int, zero_size: int, lora: LoraConfig | None = None,
-                  reference: bool = False) -> dict[str, float]:
+                  reference: bool = False, kernels: tuple[str, ...] = ()) -> dict[str, float]:
     """:func:`memory_per_rank` for ``config`` (its ``recompute``, resharding and memory modes) on ``layout``
     (``lora``: adapters on a frozen base; ``reference``: a DPO run's reference pass): the one mapping the
-    planner, ``--max-seq-len`` and the trainer's start-up report share."""
+    planner, ``--max-seq-len`` and the trainer's start-up report share; ``kernels``: the CUDA attention kernels
+    the choice may pick (:func:`memory_per_rank`)."""
     return memory_per_rank(
         model, layout, seq_len=seq_len, batch=batch, zero_size=zero_size, recompute=config.recompute,
         dtype_bytes=dtype_bytes, reshard_after_forward=config.reshard_after_forward,
         offload_activations=config.offload_activations, mlp_tiles=config.mlp_tiles,
         offload_params=config.offload_params, offload_keep=config.offload_keep, lora=lora, reference=reference,
+        kernels=kernels,
     )

@@ -260,9 +260,20 @@ def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, flo
     parallel = cfg.parallel
     zero_size = parallel.shard_size(mesh.world_size) if uses_zero(parallel) else 1
     compute = autocast_dtype(cfg, trainer.device) or param_dtype(cfg)
-    return config_memory(trainer.model_config, parallel, mesh.layout, seq_len=seq_len, batch=batch,
+    model = trainer.model_config
+    return config_memory(model, parallel, mesh.layout, seq_len=seq_len, batch=batch,
                          dtype_bytes=torch.empty((), dtype=compute).element_size(), zero_size=zero_size,
-                         lora=cfg.lora_config(), reference=cfg.objective == "dpo")
+                         lora=cfg.lora_config(), reference=cfg.objective == "dpo",
+                         kernels=scratch_kernels(trainer.device, compute, model.head_dim))
+
+
+def scratch_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
+    """The CUDA attention kernels the kernel choice may pick here whose backward scratch the memory model
+    counts (``kernels`` of :func:`~loongtrain.plan.memory_model.config_memory`; none on CPU)."""
+    from loongtrain.attn.cuda_kernels import SCRATCH_KERNELS
+    from loongtrain.attn.kernel_choice import kernel_candidates
+
+    return tuple(k.name for k in kernel_candidates(device, dtype, head_dim) if k.name in SCRATCH_KERNELS)
 
 
 #: the planner's parts that the measured report counts: (planner parts, report parts)

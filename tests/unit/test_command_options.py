@@ -97,7 +97,7 @@ def test_a_required_option_or_positional_may_come_from_the_file(tmp_path):
     assert _parse(["n"], tmp_path, 'out = "o"\n') == Outer(name="n", out="o")
     assert _parse([], tmp_path, 'out = "o"\nname = "m"\n') == Outer(name="m", out="o")
     assert _parse(["n", "--out", "cli"], tmp_path, 'out = "o"\nname = "m"\n') == Outer(name="n", out="cli")
-    with pytest.raises(ValueError, match="missing NAME: give it on the command line or in the config file '.*cfg.toml'"):
+    with pytest.raises(ValueError, match="missing NAME: give it on the command line or in the config file '.*cfg"):
         _parse([], tmp_path, 'out = "o"\n')
 
 

@@ -19,16 +19,10 @@ from loongtrain.attn.kernel_choice import bf16_supported, kernel_candidates, sel
 from loongtrain.attn.kernels import REFERENCE, Kernel
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.parallel.zigzag import shard_indices
-from tests.helpers.cuda_emulation import FAULTS, VARLEN_FAULTS, install
+from tests.helpers.cuda_emulation import FAULTS, VARLEN_FAULTS
 
 CUDA_KERNELS = [CUDA_FLASH, CUDA_EFFICIENT, CUDA_CUDNN]
 SCALE = 0.3
-
-
-@pytest.fixture
-def emulate(monkeypatch):
-    """Install the emulated ops under the kernel wrappers; returns a function taking EmulatedAten's options."""
-    return lambda **options: install(monkeypatch, **options)
 
 
 def _inputs(num_heads, num_kv_heads, seq_q, seq_k, head_dim, dtype, layout="bshd", seed=0):
@@ -80,24 +74,25 @@ def test_cuda_wrappers_exact_on_ring_slices(emulate, kernel):
     assert_exact(kernel, q, k[:, :, :half], v[:, :, :half], dout, False, 1e-10)
 
 
+@pytest.mark.parametrize("kernel", [CUDA_FLASH, CUDA_CUDNN], ids=lambda k: k.name)
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (4, 1)])
-def test_flash_backward_one_head_at_a_time(emulate, monkeypatch, num_heads, num_kv_heads):
-    """Past SPLIT_BACKWARD_BYTES (here 0) FA2's backward runs per query head: exact in fp64, one op call per
-    head; in bf16 dQ the same bits as one call, dK/dV within one rounding (the group sum in fp32)."""
+def test_backward_one_head_at_a_time(emulate, monkeypatch, num_heads, num_kv_heads, kernel):
+    """Past SPLIT_BACKWARD_BYTES (here 0) FA2's and cuDNN's backwards run per query head: exact in fp64, one op
+    call per head; in bf16 dQ the same bits as one call, dK/dV within one rounding (the group sum in fp32)."""
     from loongtrain.attn import cuda_kernels
 
     ops = emulate(allow_fp64=True)
     q, k, v, dout = _inputs(num_heads, num_kv_heads, 40, 40, 16, torch.float64)
     monkeypatch.setattr(cuda_kernels, "SPLIT_BACKWARD_BYTES", 0)
     ops.calls.clear()
-    assert_exact(CUDA_FLASH, q, k, v, dout, True, 1e-10)
+    assert_exact(kernel, q, k, v, dout, True, 1e-10)
     assert len(ops.calls) == 1 + num_heads, ops.calls  # the forward, then one backward call per query head
     emulate(allow_fp64=False)
     qb, kb, vb, db = (t.to(torch.bfloat16) for t in (q, k, v, dout))
-    out, lse = CUDA_FLASH.forward(qb, kb, vb, True, SCALE)
-    split = CUDA_FLASH.backward(db, qb, kb, vb, out, lse, True, SCALE)
+    out, lse = kernel.forward(qb, kb, vb, True, SCALE)
+    split = kernel.backward(db, qb, kb, vb, out, lse, True, SCALE)
     monkeypatch.setattr(cuda_kernels, "SPLIT_BACKWARD_BYTES", 1 << 40)
-    whole = CUDA_FLASH.backward(db, qb, kb, vb, out, lse, True, SCALE)
+    whole = kernel.backward(db, qb, kb, vb, out, lse, True, SCALE)
     assert torch.equal(split[0], whole[0])
     for a, b in zip(split[1:], whole[1:], strict=True):
         assert a.shape == b.shape and a.stride() == b.stride()

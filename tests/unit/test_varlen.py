@@ -24,17 +24,12 @@ from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.attn.ring_step import Pieces, plan_step, varlen_flag
 from loongtrain.parallel.zigzag import shard_indices
 from tests.helpers.counting import counted_reads
-from tests.helpers.cuda_emulation import VARLEN_FAULTS, install
+from tests.helpers.cuda_emulation import VARLEN_FAULTS
 
 CHUNK, HEAD_DIM = 6, 8
 DENSE_ONLY = dataclasses.replace(CUDA_FLASH, varlen_forward=None, varlen_backward=None)
 VARLEN, DENSE = "_flash_attention_forward", "_scaled_dot_product_flash_attention"
 RAGGED, CUDNN_DENSE = "_cudnn_attention_forward", "_scaled_dot_product_cudnn_attention"
-
-
-@pytest.fixture
-def emulate(monkeypatch):
-    return lambda **options: install(monkeypatch, **options)
 
 
 def layouts(seq: int, seed: int) -> tuple[tuple[int, ...], ...]:

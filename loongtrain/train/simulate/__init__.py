@@ -77,6 +77,7 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.parallelize import zero as zero_module
 from loongtrain.parallelize.offload import host_allocations
+from loongtrain.plan.cluster import load_cluster
 from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.simulate.fake_step import (  # noqa: F401 - fake_ranks and HostAwareTracker are this module's API too
     HOST,
@@ -213,13 +214,15 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor], reference_pas
 
 def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
                   dtype: str = "bf16", rank: int = 0, fake: bool = True, alike: bool = False,
-                  lora: str = "", objective: str = "pretrain") -> Simulated:
+                  lora: str = "", objective: str = "pretrain", kernels: tuple[str, ...] = ()) -> Simulated:
     """One rank's peak device and host memory for one step of ``model`` with ``parallel`` on ``world`` ranks
     (module docstring). ``fake=False`` runs the same step on real CPU tensors, counted the same way (small
     sizes: what the simulation is checked against); ``alike``: only some passes of the alike loops
     (:func:`~loongtrain.train.simulate.fake_step.alike_loops`); ``lora``: ``--lora``'s adapters on a frozen
     base (docs/lora.md). ``objective="dpo"``: the DPO step (one pair a row) and, before it, the reference pass
-    (phase ``reference``: the reference model built and sharded like the policy, a row forward, released)."""
+    (phase ``reference``: the reference model built and sharded like the policy, a row forward, released).
+    ``kernels``: the CUDA attention kernels of the planned device, whose backward scratch each attention
+    backward holds (:func:`~loongtrain.train.simulate.fake_step.attention_workspace`)."""
     cfg = TrainConfig(model="tiny", seq_len=seq_len, batch_size=batch, dtype=dtype, parallel=parallel,
                       memory_report=False, lora=lora, objective=objective)
     cfg.validate()
@@ -234,7 +237,7 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
                  else contextlib.nullcontext())
         # a post-training objective counts its targets on the host: its batch is made of real tensors
         data = {"dpo": _dpo_batch, "sft": _batch}.get(objective, lambda *args: None)(model, seq_len, batch)
-        with modes, noop_to_is_identity(), attention_workspace(), \
+        with modes, noop_to_is_identity(), attention_workspace(kernels), \
                 alike_loops() if alike else contextlib.nullcontext():
             # cfg.model names a preset: the native decoder of `model`; the batches are made here, not read
             trainer = Trainer(Run(cfg, model), mesh, device, batches=lambda *args: iter(()))
@@ -256,13 +259,15 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
 
 
 def simulate_by_depth(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
-                      dtype: str = "bf16", rank: int = 0, lora: str = "", objective: str = "pretrain") -> Simulated:
+                      dtype: str = "bf16", rank: int = 0, lora: str = "", objective: str = "pretrain",
+                      kernels: tuple[str, ...] = ()) -> Simulated:
     """:func:`simulate_step` of ``model`` from two small depths, the step's alike loops run in part (module
     docstring, *By depth*): each phase's device and host peak, and its parts, extended linearly to
     ``model.num_layers``; one simulation at the model's depth when it is that shallow."""
     keep = min(parallel.offload_keep, model.num_layers - 1) if parallel.offload_activations else 0
     low, high = (n + keep for n in DEPTHS)
-    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True, lora=lora, objective=objective)
+    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True, lora=lora, objective=objective,
+              kernels=kernels)
     if model.num_layers <= high:
         return simulate_step(model, parallel, world, **kw)
     a, b = (simulate_step(with_depth(model, n), parallel, world, **kw) for n in (low, high))
@@ -287,5 +292,6 @@ def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dic
         raise ValueError(f"--simulate: dtype={plan_cfg.dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
     result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.seq_len,
                                batch=plan_cfg.batch_size, dtype=dtypes[plan_cfg.dtype], lora=plan_cfg.lora,
-                               objective=plan_cfg.objective)
+                               objective=plan_cfg.objective,
+                               kernels=load_cluster(plan_cfg.cluster).attention_kernels)
     return result.to_dict()

@@ -153,13 +153,16 @@ def fake_ranks(world: int, rank: int = 0) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def attention_workspace() -> Iterator[None]:
+def attention_workspace(kernels: tuple[str, ...] = ()) -> Iterator[None]:
     """Count the attention op's own workspace. MemTracker sees a custom op's inputs and results, not what its
     implementation allocates inside (the ring's K/V blocks and fp32 accumulators), and under fake tensors the
     op runs its fake implementation anyway; so each ring backward call holds, while it runs, one buffer of
     :func:`loongtrain.attn.ring.backward_workspace_bytes` (that description is measured against the ring
-    code itself: tests/unit/test_ring_workspace.py)."""
+    code itself: tests/unit/test_ring_workspace.py) and of the largest backward scratch of the CUDA
+    ``kernels`` the planned device may pick (:func:`loongtrain.attn.cuda_kernels.backward_scratch_bytes` of
+    the call's heads-layout shape; the simulated device is a fake CPU, which runs none of them)."""
     from loongtrain.attn import ops
+    from loongtrain.attn.cuda_kernels import backward_scratch_bytes
     from loongtrain.attn.ring import backward_workspace_bytes
 
     original = ops.ring_attention_backward
@@ -167,6 +170,8 @@ def attention_workspace() -> Iterator[None]:
     def with_workspace(dout, q, k, v, out, lse, ring, *args):
         b, s, h, d = q.shape
         nbytes = backward_workspace_bytes(b * s, h, k.shape[2], d, q.element_size(), len(ops._RINGS[ring].ranks))
+        nbytes += max((backward_scratch_bytes(name, b, h, k.shape[2], s, s, d, q.element_size())
+                       for name in kernels), default=0)
         workspace = torch.empty(int(nbytes), dtype=torch.uint8, device=q.device)
         try:
             return original(dout, q, k, v, out, lse, ring, *args)
