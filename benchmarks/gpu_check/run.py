@@ -137,6 +137,25 @@ def run_section(section: Section, ctx: Context) -> dict[str, Any]:
     return out
 
 
+def run_sections(args: Any, wanted: list[str], kind: str, device: torch.device, end: float, results: dict[str, Any],
+                 flush: Callable[[], None]) -> None:
+    """Each section in order, while the budget lasts, its result written as it ends."""
+    for section in SECTIONS:
+        least, most = getattr(section, kind)
+        left = end - time.monotonic()
+        if section.name not in wanted:
+            results[section.name] = {"skipped": "not in --sections"}
+        elif left < least and not section.always:
+            results[section.name] = {"skipped": f"out of time: {left:.1f} s of --budget-s {args.budget_s:g} left, "
+                                                f"the section needs at least {least:g} s"}
+        else:
+            ctx = Context(device, kind, results, time.monotonic() + max(0.0, min(most, left)), flush)
+            results[section.name] = {"running": True}
+            results[section.name] = run_section(section, ctx)
+        print(f"== {section.name}: {json.dumps(results[section.name], default=str)[:1500]}", flush=True)
+        flush()
+
+
 def main(argv: list[str] | None = None, started: float | None = None) -> int:
     """The run (module docstring); ``started``: the ``time.monotonic()`` the budget counts from (the module's
     ``__main__`` passes :func:`process_start`; else the call's own start)."""
@@ -164,20 +183,8 @@ def main(argv: list[str] | None = None, started: float | None = None) -> int:
     def flush() -> None:
         out_path.write_text(json.dumps(results, indent=1, default=str))
 
-    for section in SECTIONS:
-        least, most = getattr(section, kind)
-        left = end - time.monotonic()
-        if section.name not in wanted:
-            results[section.name] = {"skipped": "not in --sections"}
-        elif left < least and not section.always:
-            results[section.name] = {"skipped": f"out of time: {left:.1f} s of --budget-s {args.budget_s:g} left, "
-                                                f"the section needs at least {least:g} s"}
-        else:
-            ctx = Context(device, kind, results, time.monotonic() + max(0.0, min(most, left)), flush)
-            results[section.name] = {"running": True}
-            results[section.name] = run_section(section, ctx)
-        print(f"== {section.name}: {json.dumps(results[section.name], default=str)[:1500]}", flush=True)
-        flush()
+    with train.initial_weights_once():  # 7b-gqa's and 1b's weights built once for all their rows
+        run_sections(args, wanted, kind, device, end, results, flush)
     results["summary"] = train.summary(results)
     results["wall_s"] = time.monotonic() - start
     flush()

@@ -182,6 +182,35 @@ def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents
     return row
 
 
+@contextlib.contextmanager
+def initial_weights_once() -> Iterator[None]:
+    """The rows of one model, in every section, share its seeded initial weights: the trainer's
+    ``Transformer(config, seed=...)`` (``loongtrain.train.model_setup``, the unsharded path one device takes) is
+    built on the host once per ``(config, seed)`` and copied for each later row (a 7B model's init is tens of
+    seconds of host time; the copy, the same values, is a fraction of it). The cache goes when the run ends."""
+    import copy
+
+    from loongtrain.train import model_setup
+
+    built: dict[tuple, Any] = {}
+    real = model_setup.Transformer
+
+    def shared(config: ModelConfig, seed: int | None = 0, **kw: Any) -> Any:
+        if seed is None or kw:
+            return real(config, seed=seed, **kw)
+        key = (config, seed)
+        if key not in built:
+            built[key] = real(config, seed=seed)
+        return copy.deepcopy(built[key])
+
+    model_setup.Transformer = shared
+    try:
+        yield
+    finally:
+        model_setup.Transformer = real
+        built.clear()
+
+
 def _rows(ctx, rows: list[tuple], out: dict[str, Any]) -> None:
     from benchmarks.gpu_check.failures import allocation_failure, release
 

@@ -64,3 +64,28 @@ def test_a_mixed_kernel_choice_scores_a_number(monkeypatch):
         assert math.isfinite(ratio) and ratio > 0, (kind, out)
     assert out["attention_kernels"] == {"bfloat16 d16 4/2 heads, blocks <= 64": "cuda_cudnn+cuda_flash"}
     kernel_choice.clear_choices()
+
+
+def test_rows_of_one_model_build_its_weights_once(monkeypatch):
+    """initial_weights_once: a second trainer of the same model and seed takes a copy of the first's initial
+    weights (the real init runs once), bit for bit the weights it would have built, and not shared storage."""
+    from benchmarks.gpu_check.train import initial_weights_once
+    from loongtrain.model.config import get_preset
+    from loongtrain.model.llama import Transformer
+    from loongtrain.train import model_setup
+
+    built = []
+    real = model_setup.Transformer
+    monkeypatch.setattr(model_setup, "Transformer", lambda config, **kw: built.append(kw) or real(config, **kw))
+    config, patched = get_preset("tiny"), model_setup.Transformer
+    with initial_weights_once():
+        a, b = (model_setup.Transformer(config, seed=3) for _ in range(2))
+        other = model_setup.Transformer(config, seed=4)
+    assert built == [{"seed": 3}, {"seed": 4}]
+    assert model_setup.Transformer is patched  # restored when the context ends
+    fresh = Transformer(config, seed=3)
+    for (name, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), fresh.named_parameters(),
+                                         strict=True):
+        assert torch.equal(p, r) and torch.equal(q, r), name
+        assert p.data_ptr() != q.data_ptr(), name
+    assert not torch.equal(next(other.parameters()), next(fresh.parameters()))
