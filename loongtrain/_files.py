@@ -429,3 +429,15 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
+
+
+def save_safetensors(state: dict[str, Any], path: str | Path) -> None:
+    """``state`` as a safetensors file at ``path``, readable as any file this process creates (``0666`` less
+    the umask: safetensors itself leaves its files ``0600``, which a serving process of another user cannot
+    read)."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata={"format": "pt"})
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loongtrain._files import save_safetensors
 from loongtrain.hf.families import check_architecture, is_hf_model, supported_architectures
 from loongtrain.hf.load import check_config_architectures
 from loongtrain.hf.moe import moe_layout
@@ -245,7 +246,6 @@ def export_hf(
     its :class:`ModelConfig`, an HF causal LM (``model_config`` None), or an HF state dict with its
     HF config. Tensors are written in their own dtype; a tied ``lm_head`` is not written.
     """
-    from safetensors.torch import save_file
 
     if is_hf_model(model_or_state_dict):
         hf_config = _copy_config(model_or_state_dict.config)
@@ -281,7 +281,7 @@ def export_hf(
         hf_config.dtype = next(iter(dtypes))
     hf_config.save_pretrained(out)
     add_legacy_rope_keys(out / "config.json")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(state, out / "model.safetensors")
     return out
 
 

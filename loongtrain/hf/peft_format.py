@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from loongtrain._files import save_safetensors
 from loongtrain.hf.convert import native_module_name
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.lora import LoraConfig
@@ -52,7 +53,6 @@ def write_peft_adapter(out_dir: str | Path, adapters: dict[str, Tensor], lora: L
     """Write ``adapters`` (``{parameter name: tensor}`` of an unsharded model) and ``lora`` as a PEFT adapter
     directory ``out_dir``; ``native``: the decoder's shape for loongtrain's parameter names; ``base``: the
     ``base_model_name_or_path`` to record (the base's directory). Returns ``out_dir``."""
-    from safetensors.torch import save_file
 
     if not adapters:
         raise ValueError("write_peft_adapter: no adapter parameters to write")
@@ -61,5 +61,5 @@ def write_peft_adapter(out_dir: str | Path, adapters: dict[str, Tensor], lora: L
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, targets, base), indent=2, sort_keys=True) + "\n")
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(state, out / WEIGHTS_FILE)
     return out

@@ -69,3 +69,17 @@ def test_a_full_disk_in_export_is_one_line_and_keeps_the_earlier_export(files, t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.safetensors: no space left on device" in err[0], err
     assert hashes(previous) == before and not list(tmp_path.glob(".hf.export-*"))
+
+
+def test_exported_files_are_readable_as_the_umask_allows(files, tmp_path, capsys):
+    """Every file of an export has the mode a new file of this process gets (0666 less the umask), the weights
+    too: safetensors alone leaves them 0600, unreadable to a serving process of another user."""
+    import os
+    import stat
+
+    out = tmp_path / "hf"
+    assert main(["export", files["ckpt"], "--hf", str(out)]) == 0, capsys.readouterr().err
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~mask}, modes

@@ -87,12 +87,13 @@ def test_the_simulation_counts_the_scratch_the_planner_counts():
     """A ring of two (fake ranks) where the attention moment is the peak: the scratch raises the planner's
     prediction and the simulated peak by the same bytes."""
     from loongtrain.train.simulate import simulate_step
-    from tests.unit.test_simulate import WIDE, WIDE_SEQ
+    from tests.unit.test_simulate import WIDE
 
+    seq = 2 * 16384  # the attention moment is the planner's and the simulation's peak here
     parallel = ParallelConfig(recompute="full", zero="full", mlp_tiles="4", cp=2, hp=1)
-    kw = dict(seq_len=2 * WIDE_SEQ, batch=1, dtype_bytes=2, zero_size=2)
+    kw = dict(seq_len=seq, batch=1, dtype_bytes=2, zero_size=2)
     added = (config_memory(WIDE, parallel, parallel.layout(2), kernels=BOTH, **kw)["total"]
              - config_memory(WIDE, parallel, parallel.layout(2), **kw)["total"])
-    simulated = (simulate_step(WIDE, parallel, 2, seq_len=2 * WIDE_SEQ, kernels=BOTH).peak_bytes
-                 - simulate_step(WIDE, parallel, 2, seq_len=2 * WIDE_SEQ).peak_bytes)
+    simulated = (simulate_step(WIDE, parallel, 2, seq_len=seq, kernels=BOTH).peak_bytes
+                 - simulate_step(WIDE, parallel, 2, seq_len=seq).peak_bytes)
     assert added == simulated > 0, (added, simulated)
