@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+from typing import NoReturn
 
 #: subcommand -> (module, one line for ``loongtrain --help``)
 COMMANDS = {
@@ -44,3 +46,16 @@ def main(argv: list[str] | None = None) -> int:
 
     code = guarded(name, load)
     return code if module is None else int(module.main(rest) or 0)
+
+
+def cli() -> NoReturn:
+    """The console script (and ``python -m loongtrain.commands``): :func:`main`'s exit code. Once the command
+    has ended, Ctrl-C no longer interrupts the interpreter's exit (torch's finalizers, a worker pool's shutdown),
+    which would print a traceback after the command's last line or end a finished command as interrupted."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # between the command's own handler and here
+        print("loongtrain: interrupted", file=sys.stderr)
+        code = 130
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)

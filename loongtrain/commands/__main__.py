@@ -1,7 +1,5 @@
 """``python -m loongtrain.commands``: the ``loongtrain`` command."""
 
-import sys
+from loongtrain.commands import cli
 
-from loongtrain.commands import main
-
-sys.exit(main())
+cli()

@@ -265,3 +265,17 @@ def test_bad_input_in_a_subprocess(args, needle, files):
     # one line and nothing else: no start-up log, so nothing ran before the check (a bound on seconds
     # would measure the machine's load, not the order of the checks)
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_ctrl_c_after_the_command_ended_is_not_a_traceback():
+    """The console script (commands.cli): a Ctrl-C that arrives while the interpreter exits, after the command's
+    last line (here sent from an exit hook, where torch's finalizers run), neither prints a traceback nor turns
+    the finished command's exit code into an interrupt's."""
+    code = ("import atexit, os, signal\n"
+            "import loongtrain.commands as commands\n"
+            "commands.main = lambda: print('done') or 3\n"
+            "atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))\n"
+            "atexit.register(lambda: __import__('time').sleep(0.2))\n"
+            "commands.cli()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "done\n", ""), done
