@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from loongtrain.attn.short_pass import pass_reach, short_hops, short_sends
 from loongtrain.parallel.config import effective_kv_heads
 from loongtrain.parallel.layout import DoubleRing, Layout
@@ -55,30 +57,31 @@ class LinkStats:
 
 @lru_cache(maxsize=4096)
 def link_stats(layout: Layout, ranks_per_node: int) -> LinkStats:
-    """Scan every rank of ``layout`` (node of a rank = ``rank // ranks_per_node``). The ranks' roles and
-    nodes repeat every ``lcm(sp, ranks_per_node)`` ranks (replicas are contiguous), so a larger world is
-    scanned over one such period: the same maxima, in time bounded by the sp group, not by ``dp``."""
+    """Every rank of ``layout`` at once (node of a rank = ``rank // ranks_per_node``), as tensors over the
+    ``[dp, cp, hp]`` rank grid: each rank's head-group peers on its node and off it, and whether its inner- and
+    outer-ring next peer (:class:`~loongtrain.parallel.layout.DoubleRing`) is on another node; the senders of
+    a node are counted by node. The ranks' roles and nodes repeat every ``lcm(sp, ranks_per_node)`` ranks
+    (replicas are contiguous), so a larger world is scanned over one such period: the same maxima, in time
+    bounded by the sp group, not by ``dp`` (tests/unit/test_traffic.py checks it against a scan rank by rank)."""
     period = math.lcm(layout.sp, ranks_per_node)
     if layout.world_size > period:
         return link_stats(dataclasses.replace(layout, world_size=period), ranks_per_node)
-    node = lambda r: r // ranks_per_node
-    a2a_in = a2a_out = 0
-    senders: dict[str, dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}
-    for rank in range(layout.world_size):
-        d, c, _ = layout.coords(rank)
-        peers = [p for p in layout.grid[d][c] if p != rank]
-        cross = sum(node(p) != node(rank) for p in peers)
-        a2a_in, a2a_out = max(a2a_in, len(peers) - cross), max(a2a_out, cross)
-        hops = {"a2a": cross > 0}
-        if layout.cp > 1:
-            ring = layout.ring_peers(rank)
-            hops["inner"] = layout.inner_ring > 1 and node(ring["inner_next"]) != node(rank)
-            hops["outer"] = layout.num_inner_rings > 1 and node(ring["outer_next"]) != node(rank)
-        for kind, is_cross in hops.items():
-            if is_cross:
-                senders[kind][node(rank)] = senders[kind].get(node(rank), 0) + 1
-    most = {kind: max(s.values(), default=0) for kind, s in senders.items()}
-    return LinkStats(a2a_in, a2a_out, most["a2a"], most["inner"] > 0, most["inner"],
+    nodes = torch.tensor(layout.grid, dtype=torch.int64) // ranks_per_node  # [dp, cp, hp]
+    here = (nodes[..., :, None] == nodes[..., None, :]).sum(-1) - 1  # head-group peers on the rank's node
+    cross = layout.hp - 1 - here
+    flat = nodes.flatten()
+
+    def busiest(crossing: torch.Tensor) -> int:  # the most ranks of one node whose hop leaves the node
+        chosen = flat[crossing.flatten()]
+        return int(torch.bincount(chosen).max()) if chosen.numel() else 0
+
+    most = {"a2a": busiest(cross > 0), "inner": 0, "outer": 0}
+    ring = DoubleRing(layout.num_inner_rings, layout.inner_ring)
+    for hop, size in (("inner", layout.inner_ring), ("outer", layout.num_inner_rings)):
+        if layout.cp > 1 and size > 1:
+            nxt = torch.tensor([ring.peer(c, hop, 1) for c in range(layout.cp)])
+            most[hop] = busiest(nodes[:, nxt, :] != nodes)
+    return LinkStats(int(here.max()), int(cross.max()), most["a2a"], most["inner"] > 0, most["inner"],
                      most["outer"] > 0, most["outer"])
 
 

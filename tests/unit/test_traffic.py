@@ -90,3 +90,41 @@ def test_invalid_heads():
 # ---------------------------------------------------------------- against the real code (gloo, world 4)
 
 
+
+
+def _scan(layout: Layout, ranks_per_node: int):
+    """link_stats' answer, rank by rank through the layout's own peers (coords, grid, ring_peers)."""
+    from loongtrain.plan.traffic import LinkStats
+
+    node = lambda r: r // ranks_per_node  # noqa: E731
+    a2a_in = a2a_out = 0
+    senders: dict[str, dict[int, int]] = {"a2a": {}, "inner": {}, "outer": {}}
+    for rank in range(layout.world_size):
+        d, c, _ = layout.coords(rank)
+        peers = [p for p in layout.grid[d][c] if p != rank]
+        cross = sum(node(p) != node(rank) for p in peers)
+        a2a_in, a2a_out = max(a2a_in, len(peers) - cross), max(a2a_out, cross)
+        hops = {"a2a": cross > 0}
+        if layout.cp > 1:
+            ring = layout.ring_peers(rank)
+            hops["inner"] = layout.inner_ring > 1 and node(ring["inner_next"]) != node(rank)
+            hops["outer"] = layout.num_inner_rings > 1 and node(ring["outer_next"]) != node(rank)
+        for kind, is_cross in hops.items():
+            if is_cross:
+                senders[kind][node(rank)] = senders[kind].get(node(rank), 0) + 1
+    most = {kind: max(s.values(), default=0) for kind, s in senders.items()}
+    return LinkStats(a2a_in, a2a_out, most["a2a"], most["inner"] > 0, most["inner"], most["outer"] > 0,
+                     most["outer"])
+
+
+@pytest.mark.parametrize("world, hp, cp, inner_ring, placement, interleaved, ranks_per_node", [
+    (16, 2, 8, 4, "head_first", False, 4), (16, 2, 8, 4, "context_first", False, 4),
+    (48, 4, 4, 2, "context_first", True, 8), (24, 3, 8, 2, "head_first", False, 6),
+    (32, 1, 32, 8, "head_first", True, 8), (64, 8, 4, 1, "context_first", False, 4),
+    (12, 2, 2, 1, "head_first", False, 5), (8, 8, 1, 1, "head_first", False, 8),
+])
+def test_link_stats_equal_a_scan_rank_by_rank(world, hp, cp, inner_ring, placement, interleaved, ranks_per_node):
+    from loongtrain.plan.traffic import link_stats
+
+    layout = Layout(world, hp, cp, inner_ring=inner_ring, placement=placement, interleaved=interleaved)
+    assert link_stats(layout, ranks_per_node) == _scan(layout, ranks_per_node)
