@@ -246,6 +246,7 @@ def export_hf(
     its :class:`ModelConfig`, an HF causal LM (``model_config`` None), or an HF state dict with its
     HF config. Tensors are written in their own dtype; a tied ``lm_head`` is not written.
     """
+    import safetensors.torch  # noqa: F401 - first: missing, it is named as itself, not as transformers' failure
 
     if is_hf_model(model_or_state_dict):
         hf_config = _copy_config(model_or_state_dict.config)

@@ -53,7 +53,6 @@ def write_peft_adapter(out_dir: str | Path, adapters: dict[str, Tensor], lora: L
     """Write ``adapters`` (``{parameter name: tensor}`` of an unsharded model) and ``lora`` as a PEFT adapter
     directory ``out_dir``; ``native``: the decoder's shape for loongtrain's parameter names; ``base``: the
     ``base_model_name_or_path`` to record (the base's directory). Returns ``out_dir``."""
-
     if not adapters:
         raise ValueError("write_peft_adapter: no adapter parameters to write")
     state = {peft_key(name, native): t.detach().to("cpu").contiguous() for name, t in sorted(adapters.items())}
