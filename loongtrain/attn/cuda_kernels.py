@@ -82,6 +82,13 @@ def backward_scratch_bytes(kernel: str, batch: int, heads: int, kv_heads: int, q
     return one + batch * head_dim * (q_len * dtype_bytes + 2 * k_len * (dtype_bytes + 2 * 4))
 
 
+def largest_backward_scratch(kernels: tuple[str, ...], batch: int, heads: int, kv_heads: int, q_len: int,
+                             k_len: int, head_dim: int, dtype_bytes: int) -> int:
+    """The largest :func:`backward_scratch_bytes` among ``kernels`` (0 for none: CPU runs no CUDA kernel)."""
+    return max((backward_scratch_bytes(k, batch, heads, kv_heads, q_len, k_len, head_dim, dtype_bytes)
+                for k in kernels), default=0)
+
+
 def _splits(kernel: str, q: Tensor, k: Tensor) -> bool:
     """Whether ``kernel``'s backward on these inputs runs per query head (its one-call scratch passes
     :data:`SPLIT_BACKWARD_BYTES`)."""

@@ -241,7 +241,7 @@ def _read(cls: type, argv: Sequence[str], prog: str, description: str,
           tables: Sequence[str]) -> tuple[dict[str, Any], str | None, dict[str, Any]]:
     """``(the options the command line gives, its --config file, the options that file gives)``."""
     given = {k: v for k, v in vars(build_parser(cls, prog, description).parse_args(list(argv))).items()
-             if v is not _ABSENT and v != [_ABSENT]}
+             if v is not _ABSENT}
     path = given.pop("config", None)
     check_given(cls, given)
     return given, path, read_config(path, cls, tables) if path is not None else {}

@@ -62,32 +62,29 @@ def main(argv: list[str] | None = None) -> int:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     try:
-        return guarded("prepare", lambda: _named(argv))
+        return guarded("prepare", lambda: _run(argv))
     finally:
         if handler is not None:
             logger.removeHandler(handler)
-
-
-def _named(argv: list[str]) -> None:
-    with naming_the_file(PrepareConfig, argv):
-        _run(argv)
 
 
 def _run(argv: list[str]) -> None:
     from loongtrain.data.prepare import prepare
     from loongtrain.data.prepared import verify_prepared
 
-    cfg = build(PrepareConfig, parse(PrepareConfig, argv, "loongtrain prepare", DESCRIPTION))
-    if cfg.verify:
-        manifest = verify_prepared(cfg.out, full=True)
-        print(f"{cfg.out}: {manifest.num_tokens} tokens, {manifest.num_documents} documents, every checksum matches")
-        return
-    if not cfg.corpus:
-        raise ValueError("prepare needs at least one CORPUS (or --verify)")
-    prepare(list(cfg.corpus), cfg.out, cfg.tokenizer, workers=cfg.workers, overwrite=cfg.overwrite,
-            text_field=cfg.text_field, shard_bytes=cfg.shard_bytes, decode_errors=cfg.decode_errors,
-            progress=PROGRESS[cfg.progress], min_doc_tokens=cfg.min_doc_tokens, objective=cfg.objective,
-            chat_template=cfg.chat_template, loss_on=cfg.loss_on)
+    with naming_the_file(PrepareConfig, argv):  # a value its --config file set, refused later: the file named
+        cfg = build(PrepareConfig, parse(PrepareConfig, argv, "loongtrain prepare", DESCRIPTION))
+        if cfg.verify:
+            manifest = verify_prepared(cfg.out, full=True)
+            print(f"{cfg.out}: {manifest.num_tokens} tokens, {manifest.num_documents} documents, "
+                  "every checksum matches")
+            return
+        if not cfg.corpus:
+            raise ValueError("prepare needs at least one CORPUS (or --verify)")
+        prepare(list(cfg.corpus), cfg.out, cfg.tokenizer, workers=cfg.workers, overwrite=cfg.overwrite,
+                text_field=cfg.text_field, shard_bytes=cfg.shard_bytes, decode_errors=cfg.decode_errors,
+                progress=PROGRESS[cfg.progress], min_doc_tokens=cfg.min_doc_tokens, objective=cfg.objective,
+                chat_template=cfg.chat_template, loss_on=cfg.loss_on)
 
 
 if __name__ == "__main__":

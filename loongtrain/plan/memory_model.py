@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from loongtrain.attn.cuda_kernels import backward_scratch_bytes
+from loongtrain.attn.cuda_kernels import largest_backward_scratch
 from loongtrain.attn.ring import backward_workspace_bytes
 from loongtrain.loss.chunked import chunked_loss_peak_bytes
 from loongtrain.model.config import ModelConfig, mlp_width, num_params
@@ -221,12 +221,10 @@ def kernel_scratch_bytes(model: ModelConfig, layout: Layout, t: float, dtype_byt
     """The largest backward scratch of ``kernels`` (:func:`~loongtrain.attn.cuda_kernels.backward_scratch_bytes`)
     for a rank's largest attention call: its ``t`` tokens in the heads' layout (``t * hp`` tokens of
     ``H / hp`` heads, against as many keys); 0 without kernels (CPU)."""
-    if not kernels:
-        return 0.0
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     tokens = round(t * layout.hp)
-    return float(max(backward_scratch_bytes(k, 1, model.num_heads // layout.hp, he // layout.hp, tokens, tokens,
-                                            model.head_dim, dtype_bytes) for k in kernels))
+    return float(largest_backward_scratch(kernels, 1, model.num_heads // layout.hp, he // layout.hp, tokens, tokens,
+                                          model.head_dim, dtype_bytes))
 
 
 def layer_moments(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int, sharded: bool,

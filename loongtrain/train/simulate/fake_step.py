@@ -162,7 +162,7 @@ def attention_workspace(kernels: tuple[str, ...] = ()) -> Iterator[None]:
     ``kernels`` the planned device may pick (:func:`loongtrain.attn.cuda_kernels.backward_scratch_bytes` of
     the call's heads-layout shape; the simulated device is a fake CPU, which runs none of them)."""
     from loongtrain.attn import ops
-    from loongtrain.attn.cuda_kernels import backward_scratch_bytes
+    from loongtrain.attn.cuda_kernels import largest_backward_scratch
     from loongtrain.attn.ring import backward_workspace_bytes
 
     original = ops.ring_attention_backward
@@ -170,8 +170,7 @@ def attention_workspace(kernels: tuple[str, ...] = ()) -> Iterator[None]:
     def with_workspace(dout, q, k, v, out, lse, ring, *args):
         b, s, h, d = q.shape
         nbytes = backward_workspace_bytes(b * s, h, k.shape[2], d, q.element_size(), len(ops._RINGS[ring].ranks))
-        nbytes += max((backward_scratch_bytes(name, b, h, k.shape[2], s, s, d, q.element_size())
-                       for name in kernels), default=0)
+        nbytes += largest_backward_scratch(kernels, b, h, k.shape[2], s, s, d, q.element_size())
         workspace = torch.empty(int(nbytes), dtype=torch.uint8, device=q.device)
         try:
             return original(dout, q, k, v, out, lse, ring, *args)
