@@ -100,15 +100,15 @@ def _measure_steps(mesh, seq: int, steps: int, rounds: int, layers: int) -> dict
     same batch; new/old per pair, and the digest exchanges each makes per step."""
     import dataclasses
 
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.model.config import PRESETS
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(model="tiny", seq_len=seq, steps=steps * rounds + 1, dtype="fp32", doc_mask="on",
-                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, recompute="selective"))
+    cfg = TrainConfig.from_dict(dict(model="tiny", seq_len=seq, steps=steps * rounds + 1, dtype="fp32", doc_mask="on",
+                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, recompute="selective")))
     model = dataclasses.replace(PRESETS["tiny"], num_layers=layers or PRESETS["tiny"].num_layers)
-    trainers = {old: Trainer(Run(cfg, model), mesh, torch.device("cpu"), per_call_checks=old)
+    trainers = {old: Trainer(run_of(cfg, model), mesh, torch.device("cpu"), per_call_checks=old)
                 for old in (True, False)}
     for trainer in trainers.values():
         trainer.step([_packed(0, seq)])  # warm-up: AdamW state

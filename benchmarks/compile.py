@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import add_common, header, setup
+from loongtrain.launch.config import TrainConfig
 from loongtrain.model.config import ModelConfig, get_preset, step_flops
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallelize import compile as compile_step
-from loongtrain.train.config import TrainConfig
 
 SMALL = ModelConfig(vocab_size=256, dim=256, num_layers=4, num_heads=8, num_kv_heads=2, ffn_dim=768)
 
@@ -47,14 +47,14 @@ def doc_batch(step: int, seq_len: int, vocab: int, max_docs: int = 8) -> dict[st
 
 def make_trainer(model: ModelConfig, compile: str, seq_len: int, dtype: str, recompute: str, device: torch.device,
                  mesh=None):
-    from loongtrain.train.config import Run
+    from loongtrain.launch.config import run_of
     from loongtrain.train.trainer import Trainer
 
     mesh = mesh or single_process_mesh()
     parallel = ParallelConfig(recompute=recompute, hp=mesh.hp, cp=mesh.cp, inner_ring=mesh.inner_ring)
-    cfg = TrainConfig(seq_len=seq_len, steps=1000, warmup=1, dtype=dtype, compile=compile, doc_mask="on",
-                      parallel=parallel)
-    return Trainer(Run(cfg, model), mesh, device)
+    cfg = TrainConfig.from_dict(dict(seq_len=seq_len, steps=1000, warmup=1, dtype=dtype, compile=compile, doc_mask="on",
+                      parallel=parallel))
+    return Trainer(run_of(cfg, model), mesh, device)
 
 
 def timed_step(trainer, batch, device: torch.device) -> tuple[float, dict]:

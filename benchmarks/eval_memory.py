@@ -26,6 +26,7 @@ GIB = 2**30
 
 def modelled(preset: str, seq_len: int, world: int, hp: int, cp: int) -> list[dict]:
     from loongtrain.model.config import get_preset, num_params
+    from loongtrain.model.memory import StepShape
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.plan.memory_model import layer_activation_bytes, memory_per_rank
 
@@ -33,9 +34,10 @@ def modelled(preset: str, seq_len: int, world: int, hp: int, cp: int) -> list[di
     layout = ParallelConfig(hp=hp, cp=cp).layout(world)
     rows = []
     for recompute in ("none", "selective", "full"):
-        parts = memory_per_rank(model, layout, seq_len=seq_len, batch=1, zero_size=world, recompute=recompute)
+        parts = memory_per_rank(model, layout, ParallelConfig(hp=hp, cp=cp, recompute=recompute), seq_len=seq_len,
+                                batch=1, dtype_bytes=2, zero_size=world)
         tokens = seq_len / layout.sp
-        one_layer = tokens * layer_activation_bytes(model, hp, 2, True)
+        one_layer = tokens * layer_activation_bytes(StepShape(model, tokens, 2, True, hp, cp))
         evaluation = 4 * num_params(model) / world + parts["working_params"] + one_layer + parts["logits"] \
             + parts["workspace"]
         rows.append({"recompute": recompute, "train_gib": parts["total"] / GIB, "eval_bound_gib": evaluation / GIB})
@@ -52,16 +54,17 @@ def measure(kind: str, seq_len: int) -> dict:
     import torch
 
     from loongtrain.eval.position_loss import position_loss
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
-    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
 
     torch.set_num_threads(2)
     mesh, cpu = single_process_mesh(), torch.device("cpu")
-    cfg = TrainConfig(model="tiny", seq_len=seq_len, parallel=ParallelConfig(), dtype="fp32", memory_report=False)
-    trainer = Trainer(Run(cfg, get_preset("tiny")), mesh, cpu)
+    cfg = TrainConfig.from_dict(dict(model="tiny", seq_len=seq_len, parallel=ParallelConfig(), dtype="fp32",
+                                     memory_report=False))
+    trainer = Trainer(run_of(cfg, get_preset("tiny")), mesh, cpu)
     ids = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "position_ids": torch.arange(seq_len)[None]}
     before = _rss_bytes()

@@ -29,12 +29,12 @@ import torch
 
 from benchmarks.common import add_common, header, setup
 from loongtrain.attn import api, ops, ring_step
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train import optim
 from loongtrain.train import trainer as trainer_module
-from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.trainer import Trainer
 
 PLANNING = ((api, "_mask_tensors"), (ops, "_read_mask"), (ring_step, "plan_step"), (ring_step.Pieces, "__call__"))
@@ -84,9 +84,10 @@ def patched(pairs: list[tuple[object, str, object]]) -> Iterator[None]:
 
 def build(layers: int, seq: int, before: bool) -> Trainer:
     model = ModelConfig(vocab_size=128, dim=32, num_layers=layers, num_heads=4, num_kv_heads=2, ffn_dim=64)
-    cfg = TrainConfig(seq_len=seq, steps=1000, warmup=1, dtype="fp32", doc_mask="on", parallel=ParallelConfig(),
-                      memory_report=False)
-    run = Trainer(Run(cfg, model), single_process_mesh(), torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(seq_len=seq, steps=1000, warmup=1, dtype="fp32", doc_mask="on",
+                                     parallel=ParallelConfig(),
+                      memory_report=False))
+    run = Trainer(run_of(cfg, model), single_process_mesh(), torch.device("cpu"))
     if before:
         run.optimizer = torch.optim.AdamW(run.optimizer.param_groups, foreach=False)
     return run

@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from loongtrain._files import check_output_file, follow_link
     from loongtrain.data.tokenizer import build_tokenizer
+    from loongtrain.launch.config import TrainConfig
     from loongtrain.launch.preflight import _newest_complete, check_init_identity, check_same_model
     from loongtrain.train.checkpoint import find_checkpoint, resume_candidates, verify_checkpoint
-    from loongtrain.train.config import TrainConfig
     from loongtrain.train.export import trained_positions
     from loongtrain.train.model_setup import model_config_for, tokenizer_spec
     from loongtrain.train.trainer import rope_text
@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = find_checkpoint(run)
         state = verify_checkpoint(ckpt)
         cfg = TrainConfig.from_dict(state["config"])
-        tokenizer = build_tokenizer(tokenizer_spec(cfg))
-        model_config = model_config_for(cfg, tokenizer)
+        tokenizer = build_tokenizer(tokenizer_spec(cfg.model))
+        model_config = model_config_for(cfg.model, tokenizer)
         empty = Path(tmp) / "fresh" / "checkpoints"
         plan_out = Path(tmp) / "cluster.toml"
 

@@ -5,7 +5,7 @@ For each model (a Llama-3-8B-shaped config.json, 7b-gqa, 1b) and GPU count (1, 8
 - the planner's longest sequence (``loongtrain.plan.search.max_seq_len``) without the offload/tiling modes
   and with them (``modes="auto"``), each with its best configuration, device GiB per rank and host GiB per
   node;
-- the simulation (``loongtrain.train.simulate.simulate_by_depth``: the trainer's step under FakeTensorMode with
+- the simulation (``loongtrain.launch.simulate.simulate_by_depth``: the trainer's step under FakeTensorMode with
   the fake process group at two small depths extended to the model's, MemTracker's peak for one rank) of the
   best configuration at the planner's maximum (and at ``--fractions`` of it), beside the prediction: device
   GiB per rank and, with the offload modes, host GiB per rank (the planner's ``host``; the simulation's host peak).
@@ -21,10 +21,10 @@ import json
 import time
 from pathlib import Path
 
+from loongtrain.launch.simulate import simulate_by_depth
 from loongtrain.plan.cluster import load_cluster
 from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.search import plan, resolve_model
-from loongtrain.train.simulate import simulate_by_depth
 
 LLAMA3_8B = str(Path(__file__).with_name("inputs") / "llama3-8b" / "config.json")
 MODELS = {"llama3-8b": LLAMA3_8B, "7b-gqa": "7b-gqa", "1b": "1b"}

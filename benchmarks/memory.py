@@ -54,11 +54,10 @@ def _rss_bytes() -> int:
 def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """One rank of one point (inside run_local's process group): train, measure, return the numbers."""
     from loongtrain.data.synthetic import global_batch
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train.config import Run, TrainConfig
-    from loongtrain.train.memory_report import trainer_memory_report
     from loongtrain.train.trainer import Trainer
 
     cuda = args["device"] == "cuda"
@@ -67,15 +66,15 @@ def _rank_main(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     mesh = init_mesh(args["hp"], args["cp"])
     model_config = get_preset(args["model"])
     parallel = ParallelConfig(hp=args["hp"], cp=args["cp"], **MODES[args["mode"]])
-    cfg = TrainConfig(model=args["model"], seq_len=args["seq"], steps=args["steps"], warmup=1,
-                      parallel=parallel, dtype=args["dtype"], seed=0)
-    trainer = Trainer(Run(cfg, model_config), mesh, device)
+    cfg = TrainConfig.from_dict(dict(model=args["model"], seq_len=args["seq"], steps=args["steps"], warmup=1,
+                      parallel=parallel, dtype=args["dtype"], seed=0))
+    trainer = Trainer(run_of(cfg, model_config), mesh, device)
 
     def batch(step: int) -> dict[str, torch.Tensor]:
         full = global_batch(step, mesh.dp, args["seq"], model_config.vocab_size, seed=0)
         return {k: v[mesh.dp_rank : mesh.dp_rank + 1] for k, v in full.items()}
 
-    report = trainer_memory_report(trainer, batch(0))
+    report = trainer.memory_report(batch(0))
     times = []
     for step in range(args["steps"]):
         if cuda:

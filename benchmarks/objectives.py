@@ -33,10 +33,10 @@ import torch.distributed as dist
 from benchmarks.common import add_common, header
 from loongtrain.data.pipeline import _collate
 from loongtrain.data.whole_packing import build_row
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.model.config import get_preset
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.workers import run_local
-from loongtrain.train.config import Run, TrainConfig
 
 
 def _rows(vocab: int, seq: int, docs: int, count: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -72,10 +72,11 @@ def _pair_rows(vocab: int, seq: int, pairs: int, count: int, seed: int) -> list[
 def _trainer(args, mesh, objective: str):
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(model=args.model, objective=objective, seq_len=args.seq_len, batch_size=1, dtype="fp32",
+    cfg = TrainConfig.from_dict(dict(model=args.model, objective=objective, seq_len=args.seq_len, batch_size=1,
+                                     dtype="fp32",
                       memory_report=False, tensorboard=False, plot=False, progress="off", out_dir="/tmp/unused",
-                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp), seed=args.seed)
-    return Trainer(Run(cfg, get_preset(args.model)), mesh, torch.device("cpu"), batches=lambda *a: iter(()))
+                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp), seed=args.seed))
+    return Trainer(run_of(cfg, get_preset(args.model)), mesh, torch.device("cpu"), batches=lambda *a: iter(()))
 
 
 def _timed(trainer, batches: list[dict[str, torch.Tensor]], steps: int, distributed: bool) -> tuple[float, float]:

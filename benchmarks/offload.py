@@ -26,12 +26,11 @@ import torch.distributed as dist
 
 from benchmarks.common import add_common, setup
 from loongtrain.data.synthetic import global_batch
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.model.config import ModelConfig, get_preset
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallelize.offload import activation_offloader
-from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.memory_report import trainer_memory_report
 from loongtrain.train.trainer import Trainer
 
 #: mode name -> (its options, its baseline's options); every one on top of --recompute
@@ -53,9 +52,9 @@ def _sync(device: torch.device) -> None:
 
 def _trainer(model: ModelConfig, seq: int, device: torch.device, recompute: str, dtype: str,
              opts: dict[str, Any]) -> Trainer:
-    cfg = TrainConfig(seq_len=seq, steps=1000, warmup=1, dtype=dtype, memory_report=False,
-                      parallel=ParallelConfig(**{"recompute": recompute, **opts}))
-    return Trainer(Run(cfg, model), single_process_mesh(), device)
+    cfg = TrainConfig.from_dict(dict(seq_len=seq, steps=1000, warmup=1, dtype=dtype, memory_report=False,
+                      parallel=ParallelConfig(**{"recompute": recompute, **opts})))
+    return Trainer(run_of(cfg, model), single_process_mesh(), device)
 
 
 def _step(trainer: Trainer, batch: dict[str, torch.Tensor], device: torch.device) -> tuple[float, int, float]:
@@ -102,8 +101,8 @@ def compare_modes(model: ModelConfig, seq: int, device: torch.device, *, recompu
             "baseline_peak_gib": max(b[1] for b, _ in pairs) / 2**30,
             "mode_peak_gib": max(m[1] for _, m in pairs) / 2**30,
             "offloaded_mib_per_step": ((offloader.offloaded_bytes - before) / rounds / 2**20) if offloader else 0.0,
-            "device_activations_mib": trainer_memory_report(mode, batch)["activations"] / 2**20,
-            "baseline_activations_mib": trainer_memory_report(base, batch)["activations"] / 2**20,
+            "device_activations_mib": mode.memory_report(batch)["activations"] / 2**20,
+            "baseline_activations_mib": base.memory_report(batch)["activations"] / 2**20,
         }
     return results
 

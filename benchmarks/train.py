@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from loongtrain.launch.config import TrainConfig
 from loongtrain.launch.train_run import launch
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.train.config import TrainConfig
 from loongtrain.train.metrics import read_jsonl
 
 
@@ -33,12 +33,12 @@ def run(name: str, cfg: TrainConfig, skip: int) -> dict:
     t0 = time.perf_counter()
     launch(cfg)
     wall = time.perf_counter() - t0
-    records = read_jsonl(Path(cfg.out_dir) / "metrics.jsonl")
+    records = read_jsonl(Path(cfg.output.out_dir) / "metrics.jsonl")
     timed = records[skip:] or records
     return {
         "name": name,
-        "world": cfg.nproc,
-        "threads": cfg.threads,
+        "world": cfg.runtime.nproc,
+        "threads": cfg.runtime.threads,
         "step_s": statistics.mean(r["step_time_s"] for r in timed),
         "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in timed),
         "tflops": statistics.mean(r["tflops"] for r in timed),
@@ -66,11 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         sp = args.hp * args.cp
         rows = []
         for threads in sorted({1, cores}):
-            single = TrainConfig(**common, parallel=ParallelConfig(), nproc=1, threads=threads,
-                                 out_dir=f"{tmp}/single{threads}")
+            single = TrainConfig.from_dict(dict(**common, parallel=ParallelConfig(), nproc=1, threads=threads,
+                                 out_dir=f"{tmp}/single{threads}"))
             rows.append(run(f"1 process ({threads} thread{'s' * (threads > 1)})", single, args.skip))
-        multi = TrainConfig(**common, parallel=ParallelConfig(hp=args.hp, cp=args.cp), nproc=sp, threads=1,
-                            out_dir=f"{tmp}/multi")
+        multi = TrainConfig.from_dict(dict(**common, parallel=ParallelConfig(hp=args.hp, cp=args.cp), nproc=sp,
+                                           threads=1,
+                            out_dir=f"{tmp}/multi"))
         rows.append(run(f"hp={args.hp} x cp={args.cp} ({sp} x 1 thread)", multi, args.skip))
     print(f"\nmodel {args.model}, seq_len {args.seq_len}, {args.steps} steps (mean over the last "
           f"{args.steps - args.skip}), {cores} CPU cores")

@@ -107,16 +107,17 @@ def _timed_steps(trainer, batches: list[dict[str, torch.Tensor]], device: torch.
 
 def _trainer(name: str, seq: int, device: torch.device, compile: str = "off"):
     from benchmarks.gpu_check.train import preset
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
-    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
 
     model = preset(name)
     named = {} if name == "cpu-small" else {"model": name}  # cpu-small: no preset, the default model's name
-    cfg = TrainConfig(**named, seq_len=seq, steps=100, warmup=1, dtype="auto", doc_mask="on", compile=compile,
-                      parallel=ParallelConfig(recompute="selective"), memory_report=False)
-    return model, Trainer(Run(cfg, model), single_process_mesh(), device)
+    cfg = TrainConfig.from_dict(dict(**named, seq_len=seq, steps=100, warmup=1, dtype="auto", doc_mask="on",
+                                     compile=compile,
+                      parallel=ParallelConfig(recompute="selective"), memory_report=False))
+    return model, Trainer(run_of(cfg, model), single_process_mesh(), device)
 
 
 def check_documents_1b(ctx) -> dict[str, Any]:
@@ -128,10 +129,10 @@ def check_documents_1b(ctx) -> dict[str, Any]:
     out: dict[str, Any] = {"model": name, "seq_len": seq, "documents_median": median, "rows": {}}
     estimate = first_row_s(ctx, name, seq)
     with one_rank_group(device):
-        from loongtrain.train.config import autocast_dtype, param_dtype
+        from loongtrain.sections.model import compute_dtype
 
         model, trainer = _trainer(name, seq, device)
-        compute = autocast_dtype(trainer.cfg, device) or param_dtype(trainer.cfg)
+        compute = compute_dtype(trainer.cfg.model.dtype, device)
         head_dim, heads, kv_heads = model.head_dim, model.num_heads, model.num_kv_heads
         batches = [doc_batch(step, seq, model.vocab_size, median) for step in range(2)]
         kernels = kernel_choice.kernel_candidates(device, compute, head_dim)

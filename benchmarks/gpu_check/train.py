@@ -103,7 +103,7 @@ def predictions(ctx, model: ModelConfig, config: ParallelConfig, seq: int, measu
                 documents: Documents | None = None) -> dict[str, Any]:
     """The planner's step for this row with the built-in cluster and the one calibrated from this run's rates."""
     from loongtrain.plan.calibrate import calibrated
-    from loongtrain.plan.cost import step_cost
+    from loongtrain.plan.cost import Workload, step_cost
 
     base = _cluster(ctx.device)
     clusters = {"builtin": base}
@@ -116,7 +116,7 @@ def predictions(ctx, model: ModelConfig, config: ParallelConfig, seq: int, measu
         if isinstance(cluster, str):
             out[name] = cluster
             continue
-        c = step_cost(model, config, cluster, nodes=1, world=1, seq_len=seq, documents=documents)
+        c = step_cost(model, config, cluster, nodes=1, world=1, seq_len=seq, workload=Workload(documents=documents))
         out[name] = {"step_s": c.step_time, "mfu": c.mfu, "terms_s": c.terms, "fits": c.fits,
                      "planner_over_measured": c.step_time / measured_s}
     return out
@@ -125,11 +125,11 @@ def predictions(ctx, model: ModelConfig, config: ParallelConfig, seq: int, measu
 def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents: int = 0) -> dict[str, Any] | None:
     """One training row (module docstring); None when it ran out of time before its first timed step."""
     from loongtrain.attn.kernel_choice import chosen_kernels, refused_kernels
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.model.config import flops_per_token
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.plan.search import best_fitting
-    from loongtrain.train.config import Run, TrainConfig, autocast_dtype, param_dtype
-    from loongtrain.train.memory_report import predicted_memory
+    from loongtrain.sections.model import compute_dtype
     from loongtrain.train.metrics import cuda_peak_tflops, measure_cpu_tflops
     from loongtrain.train.trainer import Trainer
 
@@ -139,11 +139,11 @@ def train_row(ctx, name: str, seq: int, config: ParallelConfig | None, documents
         config = best_fitting(model, _cluster(device), gpus=1, seq_len=seq, modes="auto").config
     if not ctx.enough(row_estimate_s(ctx, model, config, seq, size["steps"] + 1), f"{name} S={seq}"):
         return None  # a row never starts without the time it needs
-    cfg = TrainConfig(model=name, seq_len=seq, steps=size["steps"] + 1, warmup=1, dtype="auto", parallel=config,
-                      memory_report=False, doc_mask="on" if documents else "off")
-    trainer = Trainer(Run(cfg, model), single_process_mesh(), device)
-    predicted = predicted_memory(trainer, seq_len=seq, batch=1)  # the trainer's own report's mapping
-    compute = autocast_dtype(cfg, device) or param_dtype(cfg)
+    cfg = TrainConfig.from_dict(dict(model=name, seq_len=seq, steps=size["steps"] + 1, warmup=1, dtype="auto",
+                                     parallel=config, memory_report=False, doc_mask="on" if documents else "off"))
+    trainer = Trainer(run_of(cfg, model), single_process_mesh(), device)
+    predicted = trainer.predicted_memory(seq_len=seq, batch=1)  # the trainer's own report's mapping
+    compute = compute_dtype(cfg.model.dtype, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, flops, docs = [], [], []

@@ -124,7 +124,8 @@ def attention(
     compiling = torch.compiler.is_compiling()
     if not compiling:
         # the agreement check (docs/launching.md)
-        agree_on_attention(mesh, q, k, v, causal, softmax_scale, cu_seqlens, sliding_window, chunk_order, sinks)
+        agree_on_attention(mesh, q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                           sliding_window=sliding_window, chunk_order=chunk_order, sinks=sinks)
     # shapes: traced, checked at trace time
     validate_attention_inputs(q, k, v, mesh, softmax_scale=softmax_scale, sinks=sinks)
     validate_sliding_window(sliding_window)

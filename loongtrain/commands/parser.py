@@ -4,8 +4,10 @@ A command's options are the fields of its config dataclass, declared with :func:
 :func:`parse` turns them into an argparse parser (one ``--option`` per field, its help line and default, a
 section of ``--help`` where a field says ``group=``) and a TOML reader (``--config FILE``: the same names,
 with ``-`` or ``_``), and returns the values given, flat: field default < TOML file < command line. A field
-whose type is a dataclass (``TrainConfig.parallel``) contributes its own fields as options (``--hp``), with
-the outer default's values; its TOML keys may also sit in a table of its name (``[parallel]``).
+whose type is a dataclass (a section: ``TrainConfig.data``, ``TrainConfig.parallel``) contributes its own fields as
+options (``--seq-len``, ``--hp``), with the outer default's values; its TOML keys may also sit in a table of its name
+(``[parallel]``). Another command reuses some of a section's options with ``only=(...)`` and may word their help
+for itself with ``helps={name: text}``.
 
 Every usage error is a one-line ValueError naming the option and, for a choice, the valid values
 (:class:`OneLineParser`); values from a TOML file are checked against the field's type
@@ -46,6 +48,7 @@ class Option:
     kind: Any
     default: Any
     parent: str = ""
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -56,6 +59,8 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
     def meta(self, key: str, default: Any = None) -> Any:
+        if key in self.overrides:
+            return self.overrides[key]
         return self.field.metadata.get(key, default)
 
 
@@ -77,10 +82,13 @@ def options(cls: type) -> list[Option]:
             f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING)
         if dataclasses.is_dataclass(kind):
             inner = typing.get_type_hints(kind)
-            only = f.metadata.get("only")
+            only, helps = f.metadata.get("only"), f.metadata.get("helps", {})
             for g in dataclasses.fields(kind):
                 if only is None or g.name in only:
-                    out.append(Option(g, inner[g.name], getattr(default, g.name), f.name))
+                    overrides = {} if only is None else {"group": None}  # a subset joins the command's groups
+                    if g.name in helps:
+                        overrides["help"] = helps[g.name]
+                    out.append(Option(g, inner[g.name], getattr(default, g.name), f.name, overrides))
             continue
         out.append(Option(f, kind, default))
     return out

@@ -34,17 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
+        from loongtrain.objectives.registry import objective_spec
         from loongtrain.plan.report import run
 
         with naming_the_file(PlanConfig, argv, ("plan",)):
-            return run(parse_plan_args(argv), simulate)
+            cfg = parse_plan_args(argv)
+            return run(cfg, simulate, objective_spec(cfg.objective).memory())
 
     return guarded("plan", body)
 
 
 def simulate(model: Any, candidate: Any, cfg: PlanConfig) -> dict:
     """``--simulate``: the trainer's own step under fake tensors (imported only when asked for)."""
-    from loongtrain.train.simulate import simulate_candidate
+    from loongtrain.launch.simulate import simulate_candidate
 
     return simulate_candidate(model, candidate, cfg)
 

@@ -42,9 +42,9 @@ class PrepareConfig:
                                  "keep all", metavar="N", at_least=0)
     progress: str = option("auto", "progress bar on stderr (auto: when it is a terminal and tqdm is installed)",
                            choices=tuple(PROGRESS))
-    objective: str = option("pretrain", "what the corpus is for: pretrain (text) or sft (.jsonl conversations "
-                            "{\"messages\": [...]}: their tokens and target masks, docs/post-training.md)",
-                            choices=("pretrain", "sft"))
+    objective: str = option("pretrain", "what the corpus is for (as `loongtrain train --objective`, an objective "
+                            "whose corpora can be prepared): pretrain (text) or sft (.jsonl conversations "
+                            "{\"messages\": [...]}: their tokens and target masks, docs/post-training.md)")
     chat_template: str = option("", "--objective sft: a Jinja chat template file ('': the tokenizer's own)")
     loss_on: str = option("assistant", "--objective sft: the targets: assistant or all (as `loongtrain train`)",
                           choices=("assistant", "all"))
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> None:
     from loongtrain.data.prepare import prepare
     from loongtrain.data.prepared import verify_prepared
+    from loongtrain.objectives.registry import OBJECTIVES
 
     with naming_the_file(PrepareConfig, argv):  # a value its --config file set, refused later: the file named
         cfg = build(PrepareConfig, parse(PrepareConfig, argv, "loongtrain prepare", DESCRIPTION))
@@ -81,10 +82,14 @@ def _run(argv: list[str]) -> None:
             return
         if not cfg.corpus:
             raise ValueError("prepare needs at least one CORPUS (or --verify)")
+        spec = OBJECTIVES.get(cfg.objective)
+        if spec is None or not spec.prepares:
+            preparable = tuple(name for name, entry in OBJECTIVES.items() if entry.prepares)
+            raise ValueError(f"--objective={cfg.objective!r} is not one of {preparable}")
         prepare(list(cfg.corpus), cfg.out, cfg.tokenizer, workers=cfg.workers, overwrite=cfg.overwrite,
                 text_field=cfg.text_field, shard_bytes=cfg.shard_bytes, decode_errors=cfg.decode_errors,
-                progress=PROGRESS[cfg.progress], min_doc_tokens=cfg.min_doc_tokens, objective=cfg.objective,
-                chat_template=cfg.chat_template, loss_on=cfg.loss_on)
+                progress=PROGRESS[cfg.progress], min_doc_tokens=cfg.min_doc_tokens,
+                chat=lambda tokenizer: spec.chat_format(tokenizer, cfg))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """``loongtrain train [--config FILE] [--option VALUE ...]``: the options are the fields of
-:class:`~loongtrain.train.config.TrainConfig` (docs/configuration.md). Exit codes as every command's
+:class:`~loongtrain.launch.config.TrainConfig` (docs/configuration.md). Exit codes as every command's
 (:mod:`loongtrain.commands.errors`): 0 done, 2 a user error (before any worker starts, or raised inside one),
 1 a failure (a worker died, a full disk, the run stopped after ``--max-bad-steps`` non-finite steps),
 130 / 143 Ctrl-C / SIGTERM (workers stopped, no partial checkpoint left)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from loongtrain.commands.errors import guarded
 from loongtrain.commands.parser import naming_the_file, parse
-from loongtrain.train.config import TrainConfig
+from loongtrain.launch.config import TrainConfig
 
 DESCRIPTION = ("Train a LLaMA-style or Hugging Face model with 2D-Attention (hp x cp sequence parallelism, dp "
                "replicas on top).")
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with naming_the_file(TrainConfig, argv, ("train",)):
             cfg = parse_args(argv)
-            out_dir.append(cfg.out_dir)
+            out_dir.append(cfg.output.out_dir)
             launch(cfg)
 
     def interrupted() -> str:

@@ -55,12 +55,18 @@ def prepared_objective(manifest_data: dict[str, Any]) -> str:
     return str(manifest_data.get("objective", "pretrain"))
 
 
+def holds_conversations(manifest_data: dict[str, Any]) -> bool:
+    """Whether a prepared corpus holds conversations and their target masks (its manifest records the chat format
+    that made them)."""
+    return "chat" in manifest_data
+
+
 def open_prepared_conversations(path: str, tokenizer: Tokenizer, chat: ChatFormat) -> EncodedDocs:
     """A prepared SFT corpus, memory-mapped, checked against the run's tokenizer and chat format (sizes and
     sampled digests of the target files too). ValueError naming the manifest otherwise."""
     manifest = verify_prepared(path, tokenizer)
     where = manifest.root / MANIFEST
-    if prepared_objective(manifest.data) != SFT:
+    if not holds_conversations(manifest.data):
         raise ValueError(f"{where}: prepared for --objective {prepared_objective(manifest.data)}, without target "
                          f"masks: prepare it again with `loongtrain prepare --objective sft`")
     saved = manifest.data.get("chat", {})

@@ -1,7 +1,8 @@
-"""The post-training corpora's one entry point (``--objective sft`` conversations, ``--objective dpo``
-pairs; docs/post-training.md): :class:`PostTrainingReader` opens a corpus as rows of whole units, gives
-this replica's training batches (the same :class:`~loongtrain.data.sampler.ReplicaSampler` over the rows
-as pretraining's over its samples, so a resume continues exactly) and its validation batches.
+"""How a post-training objective reads its corpora (docs/post-training.md): :class:`PostTrainingReader` opens a
+corpus as rows of whole units (an objective's reader says which: conversations for ``--objective sft``, pairs for
+``--objective dpo``; loongtrain/objectives/), gives this replica's training batches (the same
+:class:`~loongtrain.data.sampler.ReplicaSampler` over the rows as pretraining's over its samples, so a resume
+continues exactly) and its validation batches.
 
 Batches are ``{input_ids, labels, position_ids, doc_starts}``, each ``[batch, seq_len]``; DPO's also hold
 ``segment [batch, seq_len]``, ``num_pairs [batch]`` and ``ref_key [batch]`` (loongtrain/data/preference.py).
@@ -10,32 +11,30 @@ Batches are ``{input_ids, labels, position_ids, doc_starts}``, each ``[batch, se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from loongtrain.data.chat import ChatFormat, read_template
-from loongtrain.data.conversations import SFT, ConversationDataset, open_conversations
+from loongtrain.data.chat import ChatFormat
 from loongtrain.data.pipeline import Batches, _collate
-from loongtrain.data.preference import DPO, PreferenceDataset, open_pairs
 from loongtrain.data.sampler import ReplicaSampler
 from loongtrain.data.tokenizer import Tokenizer
 
-PRETRAIN = "pretrain"
-OBJECTIVES = (PRETRAIN, SFT, DPO)
-Dataset = ConversationDataset | PreferenceDataset
 Batch = dict[str, torch.Tensor]
 
 
-def chat_format(objective: str, tokenizer: Tokenizer, chat_template: str = "",
-                loss_on: str = "assistant") -> ChatFormat | None:
-    """The run's chat format: for sft always (ValueError without a template unless ``loss_on == "all"``);
-    for dpo when there is a template (conversational pairs need it); None for pretrain."""
-    if objective == SFT:
-        return ChatFormat(tokenizer, chat_template, loss_on)
-    if objective == DPO and read_template(tokenizer, chat_template) is not None:
-        return ChatFormat(tokenizer, chat_template, "all")
-    return None
+class Dataset(Protocol):
+    """Rows of whole units (:class:`~loongtrain.data.conversations.ConversationDataset`,
+    :class:`~loongtrain.data.preference.PreferenceDataset`, ...)."""
+
+    name: str
+    seq_len: int
+
+    def num_samples(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Batch: ...
+
+    def summary(self) -> str: ...
 
 
 class PostTrainingBatches(Batches):
@@ -48,37 +47,31 @@ class PostTrainingBatches(Batches):
 
 @dataclass(frozen=True)
 class PostTrainingReader:
-    """How a run reads its post-training corpora: the objective, tokenizer, chat format, row length,
-    ``--on-long``, ``--seed`` and ``--decode-errors``."""
+    """How a run reads its post-training corpora: the tokenizer, chat format, row length, ``--on-long``,
+    ``--seed`` and ``--decode-errors``. An objective's reader (a subclass, beside its objective) says which rows a
+    corpus holds (:meth:`dataset`) and how the run's targets read (:meth:`describe`); ``objective`` names it in
+    messages."""
 
-    objective: str
     tokenizer: Tokenizer
     chat: ChatFormat | None
     seq_len: int
     on_long: str = "drop"
     seed: int = 0
     decode_errors: str = "strict"
-
-    @classmethod
-    def of(cls, options: Any, tokenizer: Tokenizer) -> PostTrainingReader:
-        """The reader of a run's options (``objective``, ``chat_template``, ``loss_on``, ``seq_len``,
-        ``on_long``, ``seed``, ``decode_errors``: a ``TrainConfig``'s fields)."""
-        chat = chat_format(options.objective, tokenizer, options.chat_template, options.loss_on)
-        return cls(options.objective, tokenizer, chat, options.seq_len, options.on_long, options.seed,
-                   options.decode_errors)
+    objective = "post-training"
 
     def dataset(self, spec: str, *, val_fraction: float = 0.0, part: str = "all", held_out: bool = False) -> Dataset:
-        """The rows of ``spec`` (``part`` of the split by ``val_fraction``); ``held_out``: a validation set
-        (DPO's reference keys apart from the training rows')."""
-        assert self.objective in (SFT, DPO), f"objective {self.objective!r} has no post-training corpus"
-        kw = dict(val_fraction=val_fraction, seed=self.seed, part=part, decode_errors=self.decode_errors)
-        pad = self.tokenizer.eos_id
-        if self.objective == SFT:
-            assert self.chat is not None
-            return ConversationDataset(open_conversations(spec, self.tokenizer, self.chat, **kw), self.seq_len, pad,
-                                       spec, self.on_long)
-        return PreferenceDataset(open_pairs(spec, self.tokenizer, self.chat, **kw), self.seq_len, pad, spec,
-                                 self.on_long, held_out=held_out)
+        """The rows of ``spec`` (``part`` of the split by ``val_fraction``); ``held_out``: a validation set (kept
+        apart from the training rows where the objective keys them, as DPO's reference does)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """The run's targets, for the launcher's log (one line)."""
+        raise NotImplementedError
+
+    def split(self, val_fraction: float, part: str) -> dict[str, Any]:
+        """The keyword arguments of a corpus reader for ``part`` of the split by ``val_fraction``."""
+        return dict(val_fraction=val_fraction, seed=self.seed, part=part, decode_errors=self.decode_errors)
 
     def batches(self, spec: str, batch_size: int, dp_rank: int, dp: int, start_step: int = 0, *,
                 val_fraction: float = 0.0, shuffle: bool = True) -> PostTrainingBatches:
@@ -119,11 +112,7 @@ class PostTrainingReader:
 
         if len(parse_corpus_spec(spec)) > 1:
             raise ValueError(f"--corpus {spec!r}: --objective {self.objective} reads one corpus, not a mixture")
-        if self.objective == SFT:
-            lines = [f"--objective sft: {self.chat.describe()}"]
-        else:
-            lines = ["--objective dpo: targets: each completion's tokens and its EOS (TRL's tokenization)"
-                     + ("; conversational rows rendered with the chat template" if self.chat is not None else "")]
+        lines = [f"--objective {self.objective}: {self.describe()}"]
         train = self.dataset(spec, val_fraction=val_fraction, part="train" if val_fraction else "all")
         if not train.num_samples():
             raise ValueError(f"--corpus {spec!r}: --val-fraction {val_fraction} leaves no row for training")

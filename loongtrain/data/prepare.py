@@ -163,9 +163,7 @@ def prepare(
     progress: bool | None = None,
     on_shard: Callable[[int], None] | None = None,
     min_doc_tokens: int = 0,
-    objective: str = "pretrain",
-    chat_template: str = "",
-    loss_on: str = "assistant",
+    chat: Callable[[Tokenizer], ChatFormat | None] | None = None,
 ) -> PrepareResult:
     """Tokenize ``sources`` (any ``--corpus`` spec each, concatenated in order) into directory ``out``.
 
@@ -173,9 +171,9 @@ def prepare(
     UTF-8 (strict: an error; replace; ignore). ``progress``: a tqdm bar on stderr (None: when tqdm is
     installed and stderr is a terminal). ``on_shard(k)`` is called after shard ``k`` is written (tests
     use it to simulate a crash). ``min_doc_tokens``: keep only the documents of at least that many tokens
-    (EOS not counted; 0 keeps all), recorded in the manifest. ``objective="sft"``: the sources are ``.jsonl``
-    conversations, encoded by the chat format of ``chat_template`` and ``loss_on``
-    (:class:`~loongtrain.data.chat.ChatFormat`), their target masks stored beside the tokens
+    (EOS not counted; 0 keeps all), recorded in the manifest. ``chat``: the tokenizer's chat format
+    (:class:`~loongtrain.data.chat.ChatFormat`; an objective's, e.g. ``--objective sft``'s): the sources are
+    ``.jsonl`` conversations encoded by it, their target masks stored beside the tokens
     (:mod:`loongtrain.data.conversations`). Raises ValueError for bad input (module
     docstring: which directories are accepted), :class:`~loongtrain._files.DiskFullError` for a full disk."""
     t0 = time.perf_counter()
@@ -187,17 +185,16 @@ def prepare(
         raise ValueError(f"--workers={workers} must be >= 0 (0: one per core)")
     if min_doc_tokens < 0:
         raise ValueError(f"--min-doc-tokens={min_doc_tokens} must be >= 0 (0: keep every document)")
-    if objective not in ("pretrain", SFT):
-        raise ValueError(f"--objective={objective!r} is not one of ('pretrain', 'sft')")
     tok = build_tokenizer(tokenizer)
-    chat = ChatFormat(tok, chat_template, loss_on) if objective == SFT else None
-    corpora = ([ConversationRows(s, decode_errors) for s in sources] if chat is not None else
+    chat_format = chat(tok) if chat is not None else None
+    corpora = ([ConversationRows(s, decode_errors) for s in sources] if chat_format is not None else
                [build_corpus(s, text_field, decode_errors) for s in sources])
     inputs = [s for s in sources if s != "stdlib"] + ([tok.name] if isinstance(tok, HFTokenizer) else [])
     out = check_output(OUTPUT, out, inputs=inputs)
     want = request(sources, tok, text_field, shard_bytes, decode_errors, min_doc_tokens)
-    if chat is not None:  # the manifest records what made the targets
-        want.update(objective=SFT, chat={"identity": chat.identity(), "rule": chat.rule, "loss_on": loss_on})
+    if chat_format is not None:  # the manifest records what made the targets
+        want.update(objective=SFT, chat={"identity": chat_format.identity(), "rule": chat_format.rule,
+                                         "loss_on": chat_format.loss_on})
     identity = [source_identity(s, text_field) for s in sources]
     state = check_out_dir(out, want, overwrite, identity)
     if state == "done":
@@ -211,8 +208,8 @@ def prepare(
         with OutputLock(OUTPUT, out):
             _clear_leftovers(out, state)
             try:
-                manifest = _prepare_into(out, corpora, chat or tok, want, identity, workers, shard_bytes, progress,
-                                         on_shard)
+                manifest = _prepare_into(out, corpora, chat_format or tok, want, identity, workers, shard_bytes,
+                                         progress, on_shard)
             except (ValueError, OSError, KeyboardInterrupt):  # bad input, a full disk, Ctrl-C: remove our files
                 _remove_partial(out, fresh=state == "fresh")
                 raise
@@ -234,8 +231,24 @@ def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer | ChatFormat,
     tmp = out / f".tmp-{os.getpid()}"
     tmp.mkdir()
     dtype = token_dtype((tok.tokenizer if isinstance(tok, ChatFormat) else tok).vocab_size)
-    shards, lengths = _write_shards(corpora, tok, tmp, dtype, workers or os.cpu_count() or 1, shard_bytes,
-                                    _want_progress(progress), _total_bytes(corpora), on_shard, want["min_doc_tokens"])
+    bar = None
+    if _want_progress(progress):
+        from tqdm import tqdm
+
+        bar = tqdm(total=_total_bytes(corpora), unit="B", unit_scale=True, desc="prepare", file=sys.stderr)
+
+    def written(k: int, text_bytes: int) -> None:  # shard k is written: the bar, and the caller's hook
+        if bar is not None:
+            bar.update(text_bytes)
+        if on_shard is not None:
+            on_shard(k)
+
+    try:
+        shards, lengths = _write_shards(corpora, tok, tmp, dtype, workers or os.cpu_count() or 1, shard_bytes,
+                                        written, want["min_doc_tokens"])
+    finally:
+        if bar is not None:
+            bar.close()
     _check_kept(lengths, shards, want["min_doc_tokens"])
     num_tokens = int(lengths.sum())
     if num_tokens == (0 if isinstance(tok, ChatFormat) else len(lengths)):
@@ -322,8 +335,10 @@ def _shard_texts(corpora: list[Corpus], shard_bytes: int) -> Iterator[tuple[int,
 
 
 def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path, dtype: np.dtype, workers: int,
-                  shard_bytes: int, progress: bool, total: int | None, on_shard: Callable[[int], None] | None,
+                  shard_bytes: int, written: Callable[[int, int], None],
                   min_doc_tokens: int = 0) -> tuple[list[dict[str, Any]], np.ndarray]:
+    """The shards of ``corpora`` tokenized into ``tmp`` (``workers`` processes), ``written(k, text_bytes)`` after
+    shard ``k``: ``(their records, every kept document's length)``."""
     tasks = ((k, docs, str(tmp), dtype.str, min_doc_tokens) for k, docs in _shard_texts(corpora, shard_bytes))
     # the first shard's documents are read before any worker starts (a bad line there: no worker ever ran)
     first = next(tasks)
@@ -331,11 +346,6 @@ def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path,
         raise ValueError(f"the corpus {', '.join(repr(c.name) for c in corpora)} holds no documents: nothing "
                          f"to prepare")
     tasks = itertools.chain([first], tasks)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr)
     shards: list[dict[str, Any]] = []
     lengths: list[np.ndarray] = []
     pool = None
@@ -351,16 +361,11 @@ def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path,
         for k, record, doc_lengths, text_bytes in results:
             shards.append(record)
             lengths.append(doc_lengths)
-            if bar is not None:
-                bar.update(text_bytes)
-            if on_shard is not None:
-                on_shard(k)
+            written(k, text_bytes)
     finally:
         if pool is not None:
             pool.terminate()
             pool.join()
-        if bar is not None:
-            bar.close()
     return shards, np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
 
 

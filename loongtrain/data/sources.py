@@ -66,7 +66,7 @@ def open_stream(spec: str | Corpus, tokenizer: Tokenizer, *, text_field: str = "
     bytes that are not UTF-8 are read (``--decode-errors``)."""
     if isinstance(spec, str) and is_prepared_dir(spec):
         manifest = verify_prepared(spec, tokenizer, digests=False)
-        if manifest.data.get("objective", "pretrain") != "pretrain":
+        if "objective" in manifest.data:  # rows prepared for a post-training objective, not text
             raise ValueError(f"{spec!r} was prepared for --objective {manifest.data['objective']}: train it with "
                              f"--objective {manifest.data['objective']}, or prepare the text with `loongtrain prepare`")
         return PreparedStream(manifest, tokenizer, selected(manifest.num_documents, val_fraction, seed, part))

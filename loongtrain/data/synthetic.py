@@ -1,6 +1,6 @@
 """A deterministic synthetic batch source (tests and benchmarks): no corpus, no tokenizer.
 
-The source takes the run's ``TrainConfig`` (``batch_size``, ``seq_len``, ``seed``) and ``Mesh`` (``dp``,
+The source takes the run's sections (``data.batch_size``, ``data.seq_len``, ``optim.seed``) and ``Mesh`` (``dp``,
 ``dp_rank``) duck-typed: this module sits below both.
 
 Micro-step ``i`` draws a *global* batch of ``dp * batch_size`` random sequences from a generator
@@ -30,17 +30,18 @@ def global_batch(step: int, rows: int, seq_len: int, vocab: int, seed: int) -> B
 def synthetic_source(vocab: int):
     """A ``BatchSource`` (``(cfg, mesh, start_micro_step) -> iterator``) over random tokens < ``vocab``.
 
-    The global batch has ``cfg.batch_size * mesh.dp`` rows, so a one-process reference run with
+    The global batch has ``cfg.data.batch_size * mesh.dp`` rows, so a one-process reference run with
     ``batch_size = dp * per_replica`` sees exactly the rows of all replicas of a parallel run.
     """
 
     def source(cfg: Any, mesh: Any, start: int) -> Iterator[Batch]:
-        rows = cfg.batch_size * mesh.dp
-        lo = mesh.dp_rank * cfg.batch_size
+        size, seq_len, seed = cfg.data.batch_size, cfg.data.seq_len, cfg.optim.seed
+        rows = size * mesh.dp
+        lo = mesh.dp_rank * size
         step = start
         while True:
-            batch = global_batch(step, rows, cfg.seq_len, vocab, cfg.seed)
-            yield {k: v[lo : lo + cfg.batch_size] for k, v in batch.items()}
+            batch = global_batch(step, rows, seq_len, vocab, seed)
+            yield {k: v[lo : lo + size] for k, v in batch.items()}
             step += 1
 
     return source

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -88,18 +89,18 @@ def build_val_batches(
     return ValBatches(parts)
 
 
-def count_val_batches(corpus_spec: str | Path, tokenizer: str | Tokenizer, seq_len: int, batch_size: int, dp: int,
-                      want: int, *, seed: int = 0, val_fraction: float = 0.0, val_corpus: str = "",
-                      text_field: str = "text", decode_errors: str = "strict") -> int:
-    """How many of ``want`` validation batches per replica :func:`build_val_batches` would give (fewer
-    when the held-out data holds fewer), reading no more than ``want`` global batches of each corpus's
-    held-out stream (a prepared corpus: its document index only). ValueError as build_val_batches."""
-    spec, datasets = _val_datasets(corpus_spec, tokenizer, seq_len, seed, val_fraction, val_corpus, text_field,
-                                   decode_errors)
-    rows = dp * batch_size
+def count_val_batches(options: Any, tokenizer: str | Tokenizer, dp: int, want: int, *, seed: int = 0) -> int:
+    """How many of ``want`` validation batches per replica :func:`build_val_batches` would give for a run's data
+    ``options`` (``corpus``, ``seq_len``, ``batch_size``, ``val_fraction``, ``val_corpus``, ``decode_errors``: its
+    data section's; fewer when the held-out data holds fewer), reading no more than ``want`` global batches of each
+    corpus's held-out stream (a prepared corpus: its document index only). ValueError as build_val_batches."""
+    seq_len = options.seq_len
+    spec, datasets = _val_datasets(options.corpus, tokenizer, seq_len, seed, options.val_fraction, options.val_corpus,
+                                   "text", options.decode_errors)
+    rows = dp * options.batch_size
     total = sum(max((d.stream.ensure(want * rows * seq_len + 1) - 1) // seq_len, 0) // rows for _, d in datasets)
     if not total:
-        raise ValueError(_too_small(spec, bool(val_corpus), rows, seq_len))
+        raise ValueError(_too_small(spec, bool(options.val_corpus), rows, seq_len))
     return min(total, want)
 
 

@@ -37,7 +37,10 @@ from loongtrain.parallel.config import ZERO_MODES, ParallelConfig, validate_para
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.zigzag import check_sequence_length
 from loongtrain.parallelize.zero import uses_zero
-from loongtrain.train.config import DOC_MASK, DTYPES, EVAL_TASKS, TrainConfig, autocast_dtype
+from loongtrain.sections.data import DOC_MASK, DataSection
+from loongtrain.sections.model import DTYPES, ModelSection, autocast_dtype
+from loongtrain.sections.training import EVAL_TASKS
+from loongtrain.train.config import TrainSections
 from loongtrain.train.model_setup import tokenizer_spec
 
 log = logging.getLogger("loongtrain.eval")
@@ -48,13 +51,21 @@ FILLERS = ("text", "corpus")
 
 @dataclass
 class EvalConfig:
-    """Every option of ``loongtrain eval`` (``""`` / 0: take the value the model was trained with)."""
+    """Every option of ``loongtrain eval`` (``""`` / 0: take the value the model was trained with). It reuses
+    ``train``'s model section (``--tokenizer``, ``--dtype``: one rule, :mod:`loongtrain.sections.model`) and data
+    section (``--seq-len``, ``--corpus``, ``--doc-mask``), by default the run's own values."""
 
     model: str = option(positional=True, help="a run directory (its checkpoints/latest), a checkpoint directory, "
                         "or a Hugging Face model directory")
     task: str = option("passkey", "passkey (retrieval by depth x length) or position-loss", choices=TASKS)
     out: str = option("runs/eval", "output directory (results.json, meta.json, a PNG)")
-    seq_len: int = option(0, "position-loss: tokens per sequence (0: the checkpoint's trained --seq-len)", size=True)
+    data: DataSection = option(factory=lambda: DataSection(corpus="", seq_len=0, doc_mask=""),
+                               only=("seq_len", "corpus", "doc_mask"), helps={
+                                   "seq_len": "position-loss: tokens per sequence (0: the checkpoint's trained "
+                                              "--seq-len)",
+                                      "corpus": "eval corpus (default: the run's --corpus)",
+                                      "doc_mask": "position-loss: document masking of packed sequences (default: as "
+                                                  "trained)"})
     lengths: tuple[int, ...] = option((4096, 16384), "passkey: comma-separated prompt lengths (4K = 4096)",
                                       size=True)
     depths: tuple[float, ...] = option(DEPTHS, "passkey: comma-separated key depths in [0, 1]")
@@ -62,11 +73,10 @@ class EvalConfig:
     docs: int = option(4, "position-loss: sequences from the corpus")
     key_digits: int = option(KEY_DIGITS, "passkey: digits of the key")
     filler: str = option("text", "passkey: a fixed text repeated, or the corpus's tokens", choices=FILLERS)
-    corpus: str = option("", "eval corpus (default: the run's --corpus)")
-    tokenizer: str = option("", "tokenizer (default: the run's, or the Hugging Face directory's)")
-    dtype: str = option("", "compute dtype (default: as trained)", choices=("", *DTYPES))
-    doc_mask: str = option("", "position-loss: document masking of packed sequences (default: as trained)",
-                           choices=("", *DOC_MASK))
+    model_options: ModelSection = option(factory=lambda: ModelSection(tokenizer="", dtype=""),
+                                         only=("tokenizer", "dtype"), helps={
+        "tokenizer": "tokenizer (default: the run's, or the Hugging Face directory's)",
+        "dtype": "compute dtype: auto, fp32, bf16, fp64 (as loongtrain train --dtype; default: as trained)"})
     seed: int = option(0, "passkey keys")
     parallel: ParallelConfig = option(factory=ParallelConfig, help="the layout, as for train",
                                       only=("hp", "cp", "inner_ring", "placement"))
@@ -80,10 +90,12 @@ class EvalConfig:
 
     def validate(self) -> None:
         """ValueError for values that are wrong whatever the model (choices, ranges)."""
-        choices = (("task", TASKS), ("filler", FILLERS), ("dtype", ("", *DTYPES)), ("doc_mask", ("", *DOC_MASK)))
-        for name, allowed in choices:
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{flag(name)}={getattr(self, name)!r} is not one of {allowed}")
+        choices = (("task", self.task, TASKS), ("filler", self.filler, FILLERS),
+                   ("dtype", self.model_options.dtype, ("", *DTYPES)),
+                   ("doc_mask", self.data.doc_mask, ("", *DOC_MASK)))
+        for name, value, allowed in choices:
+            if value not in allowed:
+                raise ValueError(f"{flag(name)}={value!r} is not one of {allowed}")
         bad_depths = [d for d in self.depths if not (math.isfinite(d) and 0.0 <= d <= 1.0)]
         if bad_depths or not self.depths:
             raise ValueError(f"--depths {bad_depths or '(none)'}: every depth must be in [0, 1]")
@@ -93,21 +105,21 @@ class EvalConfig:
         for name in ("trials", "docs", "key_digits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag(name)}={getattr(self, name)} must be a positive integer")
-        for name in ("seq_len", "nproc", "threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{flag(name)}={getattr(self, name)} must be >= 0")
+        for name, value in (("seq_len", self.data.seq_len), ("nproc", self.nproc), ("threads", self.threads)):
+            if value < 0:
+                raise ValueError(f"{flag(name)}={value} must be >= 0")
 
 
 
 @dataclass
 class Job:
-    """A checked evaluation: the options, the model, the run config it evaluates under (its tokenizer,
-    corpus, dtype, ``--doc-mask``, the layout, ``seq_len`` = the longest length), the world size, the
+    """A checked evaluation: the options, the model, the run's sections it evaluates under (the model's tokenizer
+    and dtype, the corpus, ``--doc-mask``, the layout, ``seq_len`` = the longest length), the world size, the
     lengths, and the task's inputs (passkey prompt pieces, or position-loss batches)."""
 
     options: EvalConfig
     source: ModelSource
-    run: TrainConfig
+    run: TrainSections
     world: int
     lengths: tuple[int, ...]
     tokens: PasskeyTokens | None = None
@@ -123,7 +135,7 @@ def _wrote_eval(path: Path) -> bool:
 OUTPUT = Output("eval", "--out", ("results.json", "meta.json", "passkey.png", "position_loss.png"), _wrote_eval)
 
 
-def eval_run_config(options: EvalConfig) -> tuple[ModelSource, tuple[int, ...], TrainConfig]:
+def eval_run_config(options: EvalConfig) -> tuple[ModelSource, tuple[int, ...], TrainSections]:
     """Check ``options`` alone and resolve the model, the lengths and the run config the evaluation runs
     under (before the world size and the plan are known; ValueError on bad input)."""
     options.validate()
@@ -134,7 +146,7 @@ def eval_run_config(options: EvalConfig) -> tuple[ModelSource, tuple[int, ...], 
     return source, lengths, _run_config(options, source, max(lengths))
 
 
-def resolve_job(options: EvalConfig, source: ModelSource, lengths: tuple[int, ...], run: TrainConfig,
+def resolve_job(options: EvalConfig, source: ModelSource, lengths: tuple[int, ...], run: TrainSections,
                 world: int) -> Job:
     """Check the run config (planned for ``world`` ranks) against the model and the task, and build the
     task's inputs into a :class:`Job` (ValueError on bad input)."""
@@ -142,13 +154,13 @@ def resolve_job(options: EvalConfig, source: ModelSource, lengths: tuple[int, ..
     _check_layout(run, source, world, lengths)
     from loongtrain import data
 
-    tokenizer = data.build_tokenizer(tokenizer_spec(run))
+    tokenizer = data.build_tokenizer(tokenizer_spec(run.model))
     vocab = model_config(source).vocab_size
     if tokenizer.vocab_size > vocab:
         raise ValueError(f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} tokens but the model has a "
                          f"vocabulary of {vocab}: pass a --tokenizer that fits the model")
     uses_corpus = options.task == "position-loss" or options.filler == "corpus"
-    inputs = [str(source.path)] + [n for n, _ in parse_corpus_spec(run.corpus) if uses_corpus and n != "stdlib"]
+    inputs = [str(source.path)] + [n for n, _ in parse_corpus_spec(run.data.corpus) if uses_corpus and n != "stdlib"]
     check_output(OUTPUT, options.out, inputs=inputs + ([tokenizer.name] if tokenizer.name != "byte" else []))
     job = Job(options, source, run, world, lengths)
     longest = max(lengths)
@@ -169,31 +181,32 @@ def resolve_job(options: EvalConfig, source: ModelSource, lengths: tuple[int, ..
 def _lengths(options: EvalConfig, source: ModelSource) -> tuple[int, ...]:
     if options.task == "passkey":
         return tuple(options.lengths)
-    if options.seq_len:
-        return (options.seq_len,)
+    if options.data.seq_len:
+        return (options.data.seq_len,)
     if source.kind == "checkpoint":
-        return (source.run.seq_len,)
+        return (source.run.data.seq_len,)
     raise ValueError("--task position-loss on a Hugging Face directory needs --seq-len")
 
 
-def _run_config(options: EvalConfig, source: ModelSource, seq_len: int) -> TrainConfig:
+def _run_config(options: EvalConfig, source: ModelSource, seq_len: int) -> TrainSections:
     run = source.run
-    doc_mask = options.doc_mask or run.doc_mask
+    doc_mask = options.data.doc_mask or run.data.doc_mask
     zero = {"zero": options.zero} if options.zero else {  # default: the weights sharded as in training
         name: getattr(run.parallel, name) for name in ("zero", "zero_shard_size", "reshard_after_forward")}
     parallel = dataclasses.replace(options.parallel, **zero)
-    return dataclasses.replace(
-        run, seq_len=seq_len, batch_size=1, grad_accum=1, seq_len_stages="", stage_tokens="constant",
-        eval_tasks="", eval_lengths="", tokenizer=options.tokenizer or run.tokenizer,
-        corpus=options.corpus or run.corpus, dtype=options.dtype or run.dtype,
-        doc_mask=doc_mask, parallel=parallel, plan=options.plan,
+    model = options.model_options
+    return dataclasses.replace(run.replace(
+        seq_len=seq_len, batch_size=1, grad_accum=1, seq_len_stages="", stage_tokens="constant",
+        eval_tasks="", eval_lengths="", tokenizer=model.tokenizer or run.model.tokenizer,
+        corpus=options.data.corpus or run.data.corpus, dtype=model.dtype or run.model.dtype,
+        doc_mask=doc_mask, plan=options.plan,
         cluster=options.cluster, nproc=options.nproc, threads=options.threads,
         timeout=options.timeout, memory_report=False,
         # the run's layout; "balanced" only orders documents, so without --doc-mask on it is zigzag (as in training)
-        chunk_order=run.chunk_order if doc_mask == "on" else "zigzag")
+        chunk_order=run.data.chunk_order if doc_mask == "on" else "zigzag"), parallel=parallel)
 
 
-def _check_layout(run: TrainConfig, source: ModelSource, world: int, lengths: tuple[int, ...]) -> None:
+def _check_layout(run: TrainSections, source: ModelSource, world: int, lengths: tuple[int, ...]) -> None:
     p, shape = run.parallel, model_config(source)
     try:
         validate_parallel(p, world, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads)
@@ -206,20 +219,20 @@ def _check_layout(run: TrainConfig, source: ModelSource, world: int, lengths: tu
             raise ValueError(f"length {n}: {exc}") from None
 
 
-def _samples(run: TrainConfig, tokenizer, seq_len: int, count: int, what: str, hint: str = "") -> list[dict]:
+def _samples(run: TrainSections, tokenizer, seq_len: int, count: int, what: str, hint: str = "") -> list[dict]:
     """The first ``count`` packed samples of ``seq_len`` of the eval corpus (the one corpus reader:
     raw, prepared or a mixture, corpus order); ValueError naming the corpus when it holds fewer."""
     from loongtrain.data.sources import first_samples, open_dataset
 
     try:
-        dataset = open_dataset(run.corpus, tokenizer, seq_len, seed=run.seed, decode_errors=run.decode_errors,
-                               shuffle=False)
+        dataset = open_dataset(run.data.corpus, tokenizer, seq_len, seed=run.optim.seed,
+                               decode_errors=run.data.decode_errors, shuffle=False)
         return first_samples(dataset, count)
     except (ImportError, ValueError) as exc:
-        raise ValueError(f"eval corpus {run.corpus!r} ({what} {seq_len}): {exc}{hint}") from None
+        raise ValueError(f"eval corpus {run.data.corpus!r} ({what} {seq_len}): {exc}{hint}") from None
 
 
-def _corpus_tokens(run: TrainConfig, tokenizer, need: int, what: str) -> list[int]:
+def _corpus_tokens(run: TrainSections, tokenizer, need: int, what: str) -> list[int]:
     """``need`` tokens of the eval corpus from its start (the passkey filler)."""
     (sample,) = _samples(run, tokenizer, need - 1, 1, what)
     return sample["input_ids"].tolist() + sample["labels"][-1:].tolist()
@@ -234,11 +247,11 @@ def _warn_past_trained(source: ModelSource, longest: int) -> None:
 def evaluate(job: Job, model: nn.Module, mesh: Mesh, device: torch.device) -> list[dict]:
     """The task's rows (passkey cells or position buckets) for ``model`` on ``mesh`` (collective)."""
     o, run = job.options, job.run
-    amp = None if uses_zero(run.parallel) else autocast_dtype(run, device)  # FSDP2 casts the weights itself
+    amp = None if uses_zero(run.parallel) else autocast_dtype(run.model.dtype, device)  # FSDP2 casts the weights
     if o.task == "passkey":
         assert job.tokens is not None
         return passkey(model, job.tokens, job.lengths, o.depths, o.trials, mesh, device, key_digits=o.key_digits,
                        seed=o.seed, amp_dtype=amp)
-    return position_loss(model, job.batches, mesh, device, job.lengths[0], amp_dtype=amp, doc_mask=run.doc_mask,
-                         position_reset=run.position_reset, chunk_order=run.chunk_order,
+    return position_loss(model, job.batches, mesh, device, job.lengths[0], amp_dtype=amp, doc_mask=run.data.doc_mask,
+                         position_reset=run.data.position_reset, chunk_order=run.data.chunk_order,
                          sliding_window=model_config(job.source).sliding_window)

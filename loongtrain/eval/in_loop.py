@@ -40,7 +40,7 @@ from loongtrain.eval.source import ModelSource, trained_length
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import validate_parallel
 from loongtrain.parallel.mesh import Mesh
-from loongtrain.train.config import TrainConfig, eval_length_list, eval_task_list
+from loongtrain.train.config import TrainSections
 from loongtrain.train.metrics import size_label
 from loongtrain.train.model_setup import hf_model_dir
 
@@ -138,13 +138,13 @@ class PositionLossEvaluation:
                 if r["loss"] is not None}
 
 
-def in_loop_evaluations(cfg: TrainConfig, model_config: ModelConfig, tokenizer: Tokenizer,
+def in_loop_evaluations(cfg: TrainSections, model_config: ModelConfig, tokenizer: Tokenizer,
                         world: int) -> tuple[PasskeyEvaluation | PositionLossEvaluation, ...]:
     """The run's ``--eval-tasks``, checked for ``world`` ranks (module docstring); ``()`` without them."""
-    tasks = eval_task_list(cfg)
+    tasks = cfg.evaluation.tasks()
     if not tasks:
         return ()
-    lengths = eval_length_list(cfg)
+    lengths = cfg.evaluation.lengths(cfg.data.seq_len)
     p = cfg.parallel
     for length in lengths:
         try:
@@ -159,21 +159,22 @@ def in_loop_evaluations(cfg: TrainConfig, model_config: ModelConfig, tokenizer: 
             raise ValueError(f"--eval-lengths {min(lengths)}: a passkey prompt needs at least "
                              f"{tokens.overhead(KEY_DIGITS)} tokens with this tokenizer (needle, question and a "
                              f"{KEY_DIGITS}-digit answer)")
-        out.append(PasskeyEvaluation(tokens, lengths, cfg.eval_trials, cfg.seed))
+        out.append(PasskeyEvaluation(tokens, lengths, cfg.evaluation.eval_trials, cfg.optim.seed))
     if "position-loss" in tasks:
-        sequences = PositionSequences(cfg.corpus, tokenizer, max(lengths), cfg.eval_docs, cfg.seed, cfg.val_fraction,
-                                      cfg.val_corpus, cfg.decode_errors)
+        data = cfg.data
+        sequences = PositionSequences(data.corpus, tokenizer, max(lengths), cfg.evaluation.eval_docs, cfg.optim.seed,
+                                      data.val_fraction, data.val_corpus, data.decode_errors)
         sequences.check()
-        out.append(PositionLossEvaluation(sequences, cfg.doc_mask, cfg.position_reset,
-                                          cfg.chunk_order if cfg.doc_mask == "on" else "zigzag",
+        out.append(PositionLossEvaluation(sequences, cfg.data.doc_mask, cfg.data.position_reset,
+                                          cfg.data.chunk_order if cfg.data.doc_mask == "on" else "zigzag",
                                           model_config.sliding_window))
     return tuple(out)
 
 
-def _warn_past_positions(cfg: TrainConfig, longest: int) -> None:
-    directory = hf_model_dir(cfg.model)
+def _warn_past_positions(cfg: TrainSections, longest: int) -> None:
+    directory = hf_model_dir(cfg.model.model)
     limit, what = (trained_length(ModelSource("hf", directory, cfg)) if directory is not None
-                   else (cfg.seq_len, "longest training --seq-len"))
+                   else (cfg.data.seq_len, "longest training --seq-len"))
     if longest > limit:
         log.warning("--eval-lengths %d is past the model's %s %d: measuring beyond the trained length", longest,
                     what, limit)

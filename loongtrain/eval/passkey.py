@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,11 +121,11 @@ def grid(lengths: Sequence[int], depths: Sequence[float], trials: int) -> list[T
 
 
 def passkey(model: nn.Module, tokens: PasskeyTokens, lengths: Sequence[int], depths: Sequence[float], trials: int,
-            mesh: Mesh, device: torch.device, *, key_digits: int = 5, seed: int = 0,
-            amp_dtype: torch.dtype | None = None) -> list[dict]:
+            mesh: Mesh, device: torch.device, *, key_digits: int = 5, seed: int = 0, **forward: Any) -> list[dict]:
     """``[{length, depth, trials, correct, digits_correct, digits}]`` per cell of the grid (collective).
     Replica ``d`` evaluates every ``dp``-th trial of each length, ``max(lengths) // length`` prompts a
-    forward; each rank scores only the answer tokens it holds."""
+    forward; each rank scores only the answer tokens it holds. ``forward``: the sharded forward's options
+    (:func:`~loongtrain.eval.forward.sharded_forward`: ``amp_dtype``)."""
     cells = grid(lengths, depths, trials)
     wrong = torch.zeros(len(cells), dtype=torch.float64, device=device)  # mismatching digits per trial
     longest = max(lengths)
@@ -133,7 +134,7 @@ def passkey(model: nn.Module, tokens: PasskeyTokens, lengths: Sequence[int], dep
         for group in replica_batches(items, longest // length, mesh):
             prompts = [_prompt(tokens, cells[i], seed, key_digits) for i in group or items[:1]]
             batch = {name: torch.cat([p[name] for p in prompts]) for name in ("input_ids", "labels", "position_ids")}
-            local = sharded_forward(model, batch, mesh, device, amp_dtype=amp_dtype)
+            local = sharded_forward(model, batch, mesh, device, **forward)  # amp_dtype
             mine = torch.isin(local.index, prompts[0]["answer"].to(device))  # answer tokens on this rank
             if not group or not bool(mine.any()):  # an empty group only keeps the collectives in step
                 continue

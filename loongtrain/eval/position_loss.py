@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,20 +47,16 @@ def bucket_sums(losses: torch.Tensor, positions: torch.Tensor, valid: torch.Tens
     return torch.stack([sums, counts])
 
 
-def position_loss(model: nn.Module, batches: list[Batch], mesh: Mesh, device: torch.device, seq_len: int, *,
-                  amp_dtype: torch.dtype | None = None, doc_mask: str = "off",
-                  position_reset: bool = True, chunk_order: str = "zigzag",
-                  sliding_window: int | None = None) -> list[dict]:
+def position_loss(model: nn.Module, batches: list[Batch], mesh: Mesh, device: torch.device, seq_len: int,
+                  **layout: Any) -> list[dict]:
     """``[{start, end, loss, tokens}]`` over every bucket of ``batches`` (all replicas' batches, each
-    ``[1, seq_len]``; replica ``d`` evaluates every ``dp``-th one), laid out as the run's
-    (:func:`~loongtrain.eval.forward.sharded_forward`). ``loss`` is None for an empty bucket.
-    Collective (every rank)."""
+    ``[1, seq_len]``; replica ``d`` evaluates every ``dp``-th one), laid out as the run's: ``layout`` is
+    :func:`~loongtrain.eval.forward.sharded_forward`'s (``amp_dtype``, ``doc_mask``, ``position_reset``,
+    ``chunk_order``, ``sliding_window``). ``loss`` is None for an empty bucket. Collective (every rank)."""
     edges = bucket_edges(seq_len)
     totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=device)
     for item in replica_items(len(batches), mesh):
-        tokens = sharded_forward(model, batches[item if item is not None else 0], mesh, device,
-                                 amp_dtype=amp_dtype, doc_mask=doc_mask, position_reset=position_reset,
-                                 chunk_order=chunk_order, sliding_window=sliding_window)
+        tokens = sharded_forward(model, batches[item if item is not None else 0], mesh, device, **layout)
         losses, _ = chunked_token_losses(tokens.hidden, tokens.head, tokens.labels)
         if item is not None:  # padding rounds (see replica_items) only keep the collectives in step
             totals += bucket_sums(losses, tokens.positions, tokens.labels != IGNORE_INDEX, edges)

@@ -3,8 +3,8 @@
 
 - :func:`resolve_model` (launcher, before any worker): the kind, the checkpoint (complete, every file
   verified against its checksum: :func:`~loongtrain.train.checkpoint.verify_checkpoint`) or directory, and the
-  :class:`~loongtrain.train.config.TrainConfig` the model came with (a checkpoint's recorded run config,
-  or ``TrainConfig(model=DIR)``): its tokenizer, corpus, dtype and ``--doc-mask`` are the evaluation's
+  :class:`~loongtrain.train.config.TrainSections` the model came with (a checkpoint's recorded run config,
+  or the defaults with ``--model DIR``): its tokenizer, corpus, dtype and ``--doc-mask`` are the evaluation's
   defaults. ValueError naming the path when it is none of the three kinds.
 - :func:`build_model` (every rank): the model with its weights under the evaluation's layout. A
   checkpoint: :func:`~loongtrain.train.model_setup.model_from_record` (whole, on CPU), then
@@ -29,8 +29,9 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallelize.compose import parallelize
 from loongtrain.parallelize.zero import uses_zero
+from loongtrain.sections.model import autocast_dtype, param_dtype
 from loongtrain.train.checkpoint import LATEST, STATE_FILE, find_checkpoint, load_model_weights, verify_checkpoint
-from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
+from loongtrain.train.config import TrainSections
 from loongtrain.train.export import checkpoint_model_record
 from loongtrain.train.lora_base import build_base, check_base
 from loongtrain.train.model_setup import model_from_record
@@ -48,7 +49,7 @@ class ModelSource:
 
     kind: str
     path: Path
-    run: TrainConfig
+    run: TrainSections
     record: dict[str, Any] | None = None
 
 
@@ -60,13 +61,13 @@ def resolve_model(model: str) -> ModelSource:
     if is_checkpoint:
         checkpoint = find_checkpoint(path)  # complete checkpoints only
         state = verify_checkpoint(checkpoint)  # every file against its checksum: the bad one is named here
-        run = TrainConfig.from_dict(state.get("config") or {})
+        run = TrainSections.recorded(state.get("config") or {})
         check_base(state, str(checkpoint))  # a LoRA checkpoint's base: still the one it trained on
         return ModelSource("checkpoint", checkpoint, run, checkpoint_model_record(state))
     if path.is_dir() and (path / "config.json").is_file():
         if not any(path.glob("*.safetensors")):
             log.warning("MODEL %s has no *.safetensors weights: evaluating randomly initialised weights", path)
-        return ModelSource("hf", path, TrainConfig(model=str(path)))
+        return ModelSource("hf", path, TrainSections().replace(model=str(path)))
     raise ValueError(f"MODEL {model!r} is none of: {'; '.join(KINDS)}")
 
 
@@ -97,23 +98,23 @@ def trained_length(source: ModelSource) -> tuple[int, str]:
         values = source.record["hf_config"]
     if values.get("max_position_embeddings"):
         return int(values["max_position_embeddings"]), "max_position_embeddings"
-    return source.run.seq_len, "trained --seq-len"
+    return source.run.data.seq_len, "trained --seq-len"
 
 
-def build_model(source: ModelSource, cfg: TrainConfig, mesh: Mesh, device: torch.device) -> nn.Module:
+def build_model(source: ModelSource, cfg: TrainSections, mesh: Mesh, device: torch.device) -> nn.Module:
     """The model of ``source`` with its weights, parallelized on ``mesh`` by ``cfg.parallel`` (collective)."""
-    fsdp_dtype = autocast_dtype(cfg, device) if uses_zero(cfg.parallel) else None
+    fsdp_dtype = autocast_dtype(cfg.model.dtype, device) if uses_zero(cfg.parallel) else None
     if source.kind == "hf":
         from loongtrain.train.model_setup import build_model as build_trained
 
         model = build_trained(model_config(source), cfg, mesh, device, fsdp_dtype)
     elif source.record.get("lora"):  # the base, then the adapters on it (only they are in the checkpoint)
-        model = build_base(source.record).to(param_dtype(cfg))
+        model = build_base(source.record).to(param_dtype(cfg.model.dtype))
         model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_dtype,
-                            lora=source.run.lora_config(), seed=source.run.seed)
+                            lora=source.run.model.lora_config(), seed=source.run.optim.seed)
         load_model_weights(source.path, model)
     else:
-        model = model_from_record(source.record, param_dtype(cfg))
+        model = model_from_record(source.record, param_dtype(cfg.model.dtype))
         model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_dtype)
         load_model_weights(source.path, model)
     return model.eval()

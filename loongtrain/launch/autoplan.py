@@ -13,29 +13,33 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import torch
 
 from loongtrain.model.config import ModelConfig
+from loongtrain.model.memory import MemoryTerm
 from loongtrain.parallel.runtime import default_device
 from loongtrain.plan.calibrate import calibrate
 from loongtrain.plan.cluster import Cluster, builtin_clusters, cluster_for_device, load_cluster
-from loongtrain.plan.cost import step_cost
+from loongtrain.plan.cost import Workload, step_cost
 from loongtrain.plan.search import best_fitting
-from loongtrain.train.config import TrainConfig, autocast_dtype, param_dtype
+from loongtrain.sections.model import compute_dtype
+from loongtrain.sections.stages import run_stages
+from loongtrain.train.config import TrainSections
 from loongtrain.train.model_setup import model_config_for
-from loongtrain.train.stages import check_stage_layouts, run_stages
+from loongtrain.train.stages import check_stage_layouts
 
 log = logging.getLogger("loongtrain.train")
 
 PLAN_CHOICES = ("", "auto")
 
 
-def planning_cluster(cfg: TrainConfig, world: int, under_launcher: bool) -> Cluster:
+def planning_cluster(cfg: TrainSections, world: int, under_launcher: bool) -> Cluster:
     """The cluster description for planning: --cluster, else the CUDA device's preset, else this
     machine measured (``loongtrain plan --calibrate``), which only a single launching process may do."""
-    if cfg.cluster != "auto":
-        return load_cluster(cfg.cluster)
+    if cfg.runtime.cluster != "auto":
+        return load_cluster(cfg.runtime.cluster)
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         cluster = cluster_for_device(name)
@@ -49,49 +53,52 @@ def planning_cluster(cfg: TrainConfig, world: int, under_launcher: bool) -> Clus
     return calibrate(world=world, threads=1)
 
 
-def apply_plan(cfg: TrainConfig, world: int, *, under_launcher: bool,
-               model_config: ModelConfig | None = None) -> TrainConfig:
+def apply_plan(cfg: TrainSections, world: int, *, under_launcher: bool, model_config: ModelConfig | None = None,
+               phases: Sequence[MemoryTerm] = ()) -> TrainSections:
     """``cfg`` with ``parallel`` = the planner's best fitting configuration for ``world`` ranks (all of
     it: what the cost model predicted, so --reshard-after-forward and --recompute-fraction take the planner's
-    values too); unchanged without --plan. ``model_config``: the run's shape when the caller has it."""
-    if cfg.plan not in PLAN_CHOICES:
-        raise ValueError(f"--plan={cfg.plan!r} is not one of {PLAN_CHOICES} ('' = use the options as given)")
-    if not cfg.plan:
+    values too); unchanged without --plan. ``model_config``: the run's shape when the caller has it; ``phases``:
+    its objective's memory phases (its registry entry's: DPO's reference pass)."""
+    if cfg.runtime.plan not in PLAN_CHOICES:
+        raise ValueError(f"--plan={cfg.runtime.plan!r} is not one of {PLAN_CHOICES} ('' = use the options as given)")
+    if not cfg.runtime.plan:
         return cfg
     cluster = planning_cluster(cfg, world, under_launcher)
     if world > cluster.gpus_per_node and world % cluster.gpus_per_node != 0:
         raise ValueError(f"--plan auto: world size {world} is neither part of one {cluster.name} node nor a whole "
                          f"number of them ({cluster.gpus_per_node} devices each)")
-    model = model_config or model_config_for(cfg)
-    longest = run_stages(cfg)[-1]  # a --seq-len-stages is planned for its longest stage
+    model = model_config or model_config_for(cfg.model)
+    stages = run_stages(cfg.data, cfg.optim.steps)
+    longest = stages[-1]  # a --seq-len-stages is planned for its longest stage
     try:
         best = best_fitting(model, cluster, gpus=world, seq_len=longest.seq_len, batch=longest.batch_size,
-                            dtype_bytes=_compute_bytes(cfg), modes="auto", lora=cfg.lora_config(),
-                            reference=cfg.objective == "dpo")
+                            dtype_bytes=_compute_bytes(cfg), modes="auto",
+                            workload=Workload(cfg.model.lora_config(), phases=tuple(phases)))
     except ValueError as exc:
         raise ValueError(f"--plan auto on {cluster.name}: {exc}") from None
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, %.1f GiB host "
              "per node, bottleneck %s)", cluster.name, best.config.label(), best.step_time, 100 * best.mfu,
              best.memory["total"] / 2**30, best.host_per_node / 2**30, best.bottleneck)
-    planned = dataclasses.replace(cfg, plan="", parallel=best.config)
-    if cfg.seq_len_stages:  # the other stages on the layout chosen for the longest
-        check_stage_layouts(planned, planned.parallel, world, model.num_heads, model.num_kv_heads, cfg.model)
+    planned = dataclasses.replace(cfg.replace(plan=""), parallel=best.config)
+    if cfg.data.seq_len_stages:  # the other stages on the layout chosen for the longest
+        check_stage_layouts(stages, True, planned.parallel, world, model.num_heads, model.num_kv_heads,
+                            cfg.model.model)
         check_stage_memory(planned, world, model, cluster)
     return planned
 
 
-def _compute_bytes(cfg: TrainConfig) -> int:
-    return (autocast_dtype(cfg, default_device()) or param_dtype(cfg)).itemsize  # what the trainer will use
+def _compute_bytes(cfg: TrainSections) -> int:
+    return compute_dtype(cfg.model.dtype, default_device()).itemsize  # what the trainer will use
 
 
-def stage_memory_cluster(cfg: TrainConfig) -> Cluster | None:
+def stage_memory_cluster(cfg: TrainSections) -> Cluster | None:
     """The cluster a ``--seq-len-stages``'s stages are checked against without ``--plan auto``:
     ``--cluster`` when given, else the CUDA device's preset; None (no check, logged) on CPU, or on a
     CUDA device without a preset, with ``--cluster auto`` (measuring this machine is ``--plan auto``'s)."""
-    if not cfg.seq_len_stages:
+    if not cfg.data.seq_len_stages:
         return None
-    if cfg.cluster != "auto":
-        return load_cluster(cfg.cluster)
+    if cfg.runtime.cluster != "auto":
+        return load_cluster(cfg.runtime.cluster)
     cluster = cluster_for_device(torch.cuda.get_device_name()) if torch.cuda.is_available() else None
     if cluster is None:
         log.info("--seq-len-stages: the stages' memory is not checked (no cluster preset for this device; "
@@ -99,17 +106,18 @@ def stage_memory_cluster(cfg: TrainConfig) -> Cluster | None:
     return cluster
 
 
-def check_stage_memory(cfg: TrainConfig, world: int, model: ModelConfig, cluster: Cluster | None) -> None:
+def check_stage_memory(cfg: TrainSections, world: int, model: ModelConfig, cluster: Cluster | None) -> None:
     """With a ``--seq-len-stages``: every stage fits in device and host memory on ``cluster`` by the
     planner's prediction (:func:`~loongtrain.plan.cost.step_cost` of the run's own layout at the stage's
     length and micro-batch); ValueError naming the stage and the numbers. Nothing without a schedule or a
     cluster."""
-    if not cfg.seq_len_stages or cluster is None:
+    if not cfg.data.seq_len_stages or cluster is None:
         return
     nodes = -(-world // cluster.gpus_per_node)
-    for stage in run_stages(cfg):
+    for stage in run_stages(cfg.data, cfg.optim.steps):
         cost = step_cost(model, cfg.parallel, cluster, nodes=nodes, world=world, seq_len=stage.seq_len,
-                         batch=stage.batch_size, dtype_bytes=_compute_bytes(cfg), lora=cfg.lora_config())
+                         batch=stage.batch_size, dtype_bytes=_compute_bytes(cfg),
+                         workload=Workload(cfg.model.lora_config()))
         if cost.fits:
             continue
         device, host = cost.memory["total"] / 2**30, cost.host_per_node / 2**30

@@ -50,7 +50,7 @@ def _write(job: Job, rows: list[dict], mesh: Mesh) -> None:
     meta = {"model": str(job.source.path), "kind": job.source.kind, "lengths": list(job.lengths),
             "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp,
                        "inner_ring": mesh.inner_ring},
-            "chunk_order": job.run.chunk_order, "dtype": job.run.dtype, "doc_mask": job.run.doc_mask,
+            "chunk_order": job.run.data.chunk_order, "dtype": job.run.model.dtype, "doc_mask": job.run.data.doc_mask,
             "seed": job.options.seed}
     path = write_results(out, job.options.task, rows, meta)
     print(table(job.options.task, rows), flush=True)
@@ -71,5 +71,6 @@ def launch(job: Job) -> list[dict]:
     p = job.run.parallel
     log.info("starting %d local workers (hp=%d, cp=%d, dp=%d)", job.world, p.hp, p.cp, job.world // p.sp)
     return run_local(_local_worker, job.world, job, backend=resolve_backend(None, job.world), threads=None,
-                     timeout=None, collective_timeout=job.run.timeout, heartbeat_timeout=job.run.heartbeat_timeout,
+                     timeout=None, collective_timeout=job.run.runtime.timeout,
+                     heartbeat_timeout=job.run.runtime.heartbeat_timeout,
                      preload=["loongtrain.launch.eval_run"])[0]

@@ -15,6 +15,8 @@ exits 2 within seconds instead of failing inside the workers. It checks:
   with, and its files pass the quick size + sampled-digest check
   (:func:`loongtrain.data.prepared.verify_prepared`); with ``--val-fraction`` the training part holds a
   sample too (:mod:`loongtrain.data.checks`);
+- the objective's data checks (its registry entry's ``check_data``: a text corpus's above and its validation; a
+  post-training objective's rows parse, encode and pack);
 - validation (:func:`loongtrain.train.validation.check_validation`): held-out data smaller than one
   global batch is an error; ``--val-batches`` more than it holds, a ``--val-interval`` longer than
   the run, a ``--val-corpus`` that is the training corpus are one-line warnings;
@@ -47,16 +49,16 @@ from pathlib import Path
 from typing import Any
 
 from loongtrain._files import check_output, follow_link, foreign_entries
-from loongtrain.data.checks import check_corpora
-from loongtrain.data.post_training import PRETRAIN, PostTrainingReader, chat_format
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.sources import corpus_identity, identity_change, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.hf.convert import shape_config_from_hf
 from loongtrain.hf.load import hf_config_from_dict
+from loongtrain.launch.config import TrainConfig
 from loongtrain.model.config import ModelConfig, first_difference
 from loongtrain.model.lora import parse_lora
 from loongtrain.model.rope_scaling import rope_change
+from loongtrain.objectives.registry import ObjectiveSection
 from loongtrain.train.checkpoint import (
     AUTO,
     CHECKPOINTS_OUTPUT,
@@ -72,17 +74,15 @@ from loongtrain.train.checkpoint import (
     resume_candidates,
     verify_checkpoint,
 )
-from loongtrain.train.config import TrainConfig
 from loongtrain.train.lora_base import check_base
 from loongtrain.train.model_setup import build_run_tokenizer, hf_model_dir, model_config_for, tokenizer_spec
-from loongtrain.train.validation import check_validation
 
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
 
 MUST_MATCH = ("model", "lora", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_stages", "stage_tokens",
               "seed", "grad_accum", "rope_theta", "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay",
-              "objective", "loss_on", "chat_template", "on_long", "ref_model")
+              *(f.name for f in dataclasses.fields(ObjectiveSection)))  # the objective and all its options
 #: options a new run with --init-from may change where a resume may not
 NEW_RUN_CHANGES = ("seq_len", "seq_len_stages", "rope_theta", "rope_scaling")
 
@@ -97,14 +97,13 @@ def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, 
     fresh start). ``restarted``: a restart of a failed job (``--resume`` defaults to 'auto', and a
     checkpoint at ``--steps`` raises :class:`RunComplete` instead of ValueError). ``tokenizer``: the run's
     (built from ``--tokenizer`` when not given)."""
-    if restarted and not cfg.resume:
-        cfg = dataclasses.replace(cfg, resume=AUTO, overwrite=False)
+    if restarted and not cfg.output.resume:
+        cfg = cfg.replace(resume=AUTO, overwrite=False)
     cfg = check_init_from(cfg)
     check_out_dir(cfg)
-    tokenizer = tokenizer or build_run_tokenizer(cfg)
+    tokenizer = tokenizer or build_run_tokenizer(cfg.model)
     check_init_identity(cfg, tokenizer)
-    check_corpus(cfg, tokenizer, world)
-    for warning in check_validation(cfg, world, tokenizer):
+    for warning in check_corpus(cfg, tokenizer, world):
         log.warning("%s", warning)
     try:
         return resolve_resume(cfg, world, tokenizer)
@@ -121,10 +120,10 @@ class _StepsReached(ValueError):
 def run_inputs(cfg: TrainConfig) -> list[str]:
     """The paths a run reads (its output directory must neither hold nor lie inside them): the corpora of
     ``--corpus`` and ``--val-corpus``, a tokenizer path, a Hugging Face model directory, ``--init-from``."""
-    paths = [name for spec in (cfg.corpus, cfg.val_corpus) if spec for name, _ in _parts(spec)]
-    tokenizer = tokenizer_spec(cfg)
-    model = hf_model_dir(cfg.model)
-    return [p for p in paths + [tokenizer] + [str(model) if model else "", cfg.init_from]
+    paths = [name for spec in (cfg.data.corpus, cfg.data.val_corpus) if spec for name, _ in _parts(spec)]
+    tokenizer = tokenizer_spec(cfg.model)
+    model = hf_model_dir(cfg.model.model)
+    return [p for p in paths + [tokenizer] + [str(model) if model else "", cfg.model.init_from]
             if p and p not in ("stdlib", "byte")]
 
 
@@ -138,65 +137,67 @@ def _parts(spec: str) -> list[tuple[str, float]]:
 def check_out_dir(cfg: TrainConfig) -> None:
     """``--out-dir`` is (or can become) a writable directory of this run's own (the ownership rule,
     :func:`loongtrain._files.check_output`), and not inside a run's checkpoints."""
-    if cfg.out_dir.strip():
-        out = follow_link("--out-dir", cfg.out_dir)
+    if cfg.output.out_dir.strip():
+        out = follow_link("--out-dir", cfg.output.out_dir)
         for place in (out.resolve(), *out.resolve().parents):
             if (place.name.startswith("step_") and (place / STATE_FILE).is_file()) or (
                     place.name == "checkpoints" and (place / LATEST).is_file()):
-                raise ValueError(f"--out-dir {cfg.out_dir!r} lies inside the checkpoints {str(place)!r} of a run; "
-                                 f"choose a directory of its own")
-    out = check_output(RUN_OUTPUT, cfg.out_dir, inputs=run_inputs(cfg))
+                raise ValueError(f"--out-dir {cfg.output.out_dir!r} lies inside the checkpoints {str(place)!r} of a "
+                                 f"run; choose a directory of its own")
+    out = check_output(RUN_OUTPUT, cfg.output.out_dir, inputs=run_inputs(cfg))
     if (out / "checkpoints").is_dir():
         foreign = foreign_entries(CHECKPOINTS_OUTPUT, out / "checkpoints")
         if foreign:
-            raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(out / 'checkpoints')!r} holds files loongtrain did "
-                             f"not write ({', '.join(foreign[:4])}); choose another --out-dir")
+            raise ValueError(f"--out-dir {cfg.output.out_dir!r}: {str(out / 'checkpoints')!r} holds files loongtrain "
+                             f"did not write ({', '.join(foreign[:4])}); choose another --out-dir")
     probe = out
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
-        raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is a file, so the directory cannot be made")
+        raise ValueError(f"--out-dir {cfg.output.out_dir!r}: {str(probe)!r} is a file, so the directory cannot be made")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--out-dir {cfg.out_dir!r}: {str(probe)!r} is not writable")
+        raise ValueError(f"--out-dir {cfg.output.out_dir!r}: {str(probe)!r} is not writable")
 
 
 def check_init_from(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with ``--init-from`` resolved to one checkpoint directory, after checking that its files are
     readable and that it is not one of this run's own checkpoints (``--resume`` continues those)."""
-    if not cfg.init_from:
+    if not cfg.model.init_from:
         return cfg
     try:
-        path = find_checkpoint(cfg.init_from)
+        path = find_checkpoint(cfg.model.init_from)
         verify_checkpoint(path)
     except ValueError as exc:
-        raise ValueError(f"--init-from {cfg.init_from!r}: {exc}") from None
-    own = (Path(cfg.out_dir) / "checkpoints").resolve()
+        raise ValueError(f"--init-from {cfg.model.init_from!r}: {exc}") from None
+    own = (Path(cfg.output.out_dir) / "checkpoints").resolve()
     if own == path.resolve().parent:
-        raise ValueError(f"--init-from {cfg.init_from!r} is a checkpoint of this run (--out-dir {cfg.out_dir!r}); "
-                         f"--resume continues it, --init-from starts a new run in another --out-dir")
+        raise ValueError(f"--init-from {cfg.model.init_from!r} is a checkpoint of this run (--out-dir "
+                         f"{cfg.output.out_dir!r}); --resume continues it, --init-from starts a new run in another "
+                         f"--out-dir")
     source = path.resolve().parent  # the checkpoints directory, and the run directory holding it
     source = source.parent if source.name == "checkpoints" else source
-    out = Path(cfg.out_dir).resolve() if cfg.out_dir.strip() else None
+    out = Path(cfg.output.out_dir).resolve() if cfg.output.out_dir.strip() else None
     if out is not None and (out == source or source in out.parents):
-        raise ValueError(f"--out-dir {cfg.out_dir!r} lies inside {str(source)!r}, the run --init-from "
-                         f"{cfg.init_from!r} continues; a new run writes outside its source: choose another --out-dir")
-    return dataclasses.replace(cfg, init_from=str(path))
+        raise ValueError(f"--out-dir {cfg.output.out_dir!r} lies inside {str(source)!r}, the run --init-from "
+                         f"{cfg.model.init_from!r} continues; a new run writes outside its source: choose another "
+                         f"--out-dir")
+    return cfg.replace(init_from=str(path))
 
 
 def check_init_identity(cfg: TrainConfig, tokenizer: Tokenizer) -> None:
     """``--init-from``: the run reads text as its source did: the tokenizer, compared by content (its
     identity, as a resume compares it; the vocabulary and the architecture are compared by
     :func:`loongtrain.train.model_setup.model_config_for`, the RoPE is logged at the start)."""
-    if not cfg.init_from:
+    if not cfg.model.init_from:
         return
-    state = read_trainer_state(Path(cfg.init_from))
+    state = read_trainer_state(Path(cfg.model.init_from))
     saved = (state.get("data_identity") or {}).get("tokenizer")
     now = tokenizer_identity(tokenizer)
     if saved is not None and saved != now:
         then = (state.get("config") or {}).get("tokenizer") or "the model's"
-        raise ValueError(f"--tokenizer {cfg.tokenizer!r} ({tokenizer.name}) is not the tokenizer --init-from "
-                         f"{cfg.init_from!r} trained with ({then!r}; identity {saved} then, {now} now): the weights "
-                         f"read tokens as that tokenizer writes them; pass it as --tokenizer")
+        raise ValueError(f"--tokenizer {cfg.model.tokenizer!r} ({tokenizer.name}) is not the tokenizer --init-from "
+                         f"{cfg.model.init_from!r} trained with ({then!r}; identity {saved} then, {now} now): the "
+                         f"weights read tokens as that tokenizer writes them; pass it as --tokenizer")
 
 
 def check_same_model(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, Any], path: Path) -> None:
@@ -208,40 +209,31 @@ def check_same_model(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, An
         saved = shape_config_from_hf(hf_config_from_dict(state["hf_config"]))
     else:
         return
-    now = model_config_for(cfg, tokenizer)
+    now = model_config_for(cfg.model, tokenizer)
     name = first_difference(saved, now)
     if name is not None:
-        raise ValueError(f"--model {cfg.model!r} with --tokenizer {cfg.tokenizer!r}: {name}="
+        raise ValueError(f"--model {cfg.model.model!r} with --tokenizer {cfg.model.tokenizer!r}: {name}="
                          f"{getattr(now, name)!r}, the checkpoint {str(path)!r} has {getattr(saved, name)!r}; "
                          f"a resumed run must build the model it saved")
 
 
-def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer, world: int = 1) -> None:
-    """The run's ``--corpus`` and ``--val-corpus`` can be read and hold a sample each
-    (:func:`loongtrain.data.checks.check_corpora`); ``--objective sft|dpo``: their rows parse, encode and pack
-    (:meth:`loongtrain.data.post_training.PostTrainingReader.check`, its lines logged)."""
-    if cfg.objective != PRETRAIN:
-        try:
-            lines = PostTrainingReader.of(cfg, tokenizer).check(cfg.corpus, cfg.val_corpus, cfg.val_fraction,
-                                                                max(1, world // cfg.parallel.sp) * cfg.batch_size)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"--corpus {cfg.corpus!r}: {exc}" if cfg.corpus not in str(exc) else str(exc)) from None
-        for line in lines:
-            log.info("%s", line)
-        return
-    check_corpora(cfg.corpus, cfg.val_corpus, tokenizer, cfg.seq_len, val_fraction=cfg.val_fraction, seed=cfg.seed,
-                  decode_errors=cfg.decode_errors)
+def check_corpus(cfg: TrainConfig, tokenizer: Tokenizer, world: int = 1) -> list[str]:
+    """The run's ``--corpus`` and ``--val-corpus`` by its objective's rules (its registry entry's
+    ``check_data``: a text corpus's can be read and hold a sample each, :func:`loongtrain.data.checks.check_corpora`,
+    and its validation, :func:`loongtrain.train.validation.check_validation`; a post-training objective's rows
+    parse, encode and pack); its lines logged, its warnings returned."""
+    lines, warnings = cfg.spec().check_data(cfg, tokenizer, world)
+    for line in lines:
+        log.info("%s", line)
+    return warnings
 
 
 def data_identity(cfg: TrainConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """What the run reads, by content: ``{"corpus": corpus_identity(--corpus), "tokenizer": identity}``
-    (:func:`loongtrain.data.sources.corpus_identity`; recorded in every checkpoint); ``--objective sft|dpo``
-    adds ``"chat"``, the chat format's identity (its template's digest and target rule)."""
-    out = {"corpus": corpus_identity(cfg.corpus), "tokenizer": tokenizer_identity(tokenizer)}
-    if cfg.objective != PRETRAIN:
-        chat = chat_format(cfg.objective, tokenizer, cfg.chat_template, cfg.loss_on)
-        out["chat"] = chat.identity() if chat is not None else None
-    return out
+    (:func:`loongtrain.data.sources.corpus_identity`; recorded in every checkpoint) and what its objective adds
+    (a post-training objective: ``"chat"``, the chat format's identity: its template's digest and target rule)."""
+    return {"corpus": corpus_identity(cfg.data.corpus), "tokenizer": tokenizer_identity(tokenizer),
+            **cfg.spec().identity(cfg, tokenizer)}
 
 
 def check_same_data(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, Any], path: Path) -> None:
@@ -253,46 +245,47 @@ def check_same_data(cfg: TrainConfig, tokenizer: Tokenizer, state: dict[str, Any
         return
     now = data_identity(cfg, tokenizer)
     if saved.get("tokenizer") not in (None, now["tokenizer"]):
-        raise ValueError(f"--tokenizer {cfg.tokenizer!r}: its files changed since the checkpoint {str(path)!r} "
+        raise ValueError(f"--tokenizer {cfg.model.tokenizer!r}: its files changed since the checkpoint {str(path)!r} "
                          f"(identity {saved['tokenizer']} then, {now['tokenizer']} now); a resumed run must keep them")
     if saved.get("chat") != now.get("chat"):
-        raise ValueError(f"--chat-template {cfg.chat_template!r}: the chat template changed since the checkpoint "
-                         f"{str(path)!r} ({saved.get('chat')} then, {now.get('chat')} now); a resumed run must keep it")
+        raise ValueError(f"--chat-template {cfg.objective.chat_template!r}: the chat template changed since the "
+                         f"checkpoint {str(path)!r} ({saved.get('chat')} then, {now.get('chat')} now); a resumed run "
+                         f"must keep it")
     error, warning = identity_change(saved.get("corpus") or [], now["corpus"])
     if error:
-        raise ValueError(f"--corpus {cfg.corpus!r}: {error} since the checkpoint {str(path)!r}; a resumed run must "
-                         f"read the same data (restore it, or start afresh with --overwrite)")
+        raise ValueError(f"--corpus {cfg.data.corpus!r}: {error} since the checkpoint {str(path)!r}; a resumed run "
+                         f"must read the same data (restore it, or start afresh with --overwrite)")
     if warning:
-        log.warning("--corpus %r: %s since the checkpoint %s", cfg.corpus, warning, path)
+        log.warning("--corpus %r: %s since the checkpoint %s", cfg.data.corpus, warning, path)
 
 
 def resolve_resume(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None) -> TrainConfig:
     """``cfg`` with ``resume`` set to the checkpoint directory to load ("" for a fresh start), after
     checking that directory and the run's compatibility with it."""
-    root = Path(cfg.out_dir) / "checkpoints"
-    if not cfg.resume:
+    root = Path(cfg.output.out_dir) / "checkpoints"
+    if not cfg.output.resume:
         newest = newest_checkpoint(root)
-        if newest is not None and not cfg.overwrite:
-            raise ValueError(f"--out-dir {cfg.out_dir!r} already holds checkpoints (newest: {newest.name}); "
+        if newest is not None and not cfg.output.overwrite:
+            raise ValueError(f"--out-dir {cfg.output.out_dir!r} already holds checkpoints (newest: {newest.name}); "
                              f"pass --resume auto to continue that run, or --overwrite to delete them and "
                              f"start afresh")
         return cfg
-    if cfg.resume == AUTO:
+    if cfg.output.resume == AUTO:
         path, state = _newest_complete(root)
         if path is None:
-            return dataclasses.replace(cfg, resume="")
+            return cfg.replace(resume="")
     else:
-        path = resolve_checkpoint(cfg.resume, Path(cfg.out_dir))
+        path = resolve_checkpoint(cfg.output.resume, Path(cfg.output.out_dir))
         assert path is not None  # only 'auto' may find none
         state = verify_checkpoint(path)
     check_compatible(cfg, world, state, path)
-    tokenizer = tokenizer or build_run_tokenizer(cfg)
+    tokenizer = tokenizer or build_run_tokenizer(cfg.model)
     if state.get("lora"):  # --lora: the base the adapters trained on is still there, unchanged
-        preset = hf_model_dir(cfg.model) is None  # a preset: the shape this run builds
-        check_base(state, str(path), model_config_for(cfg, tokenizer) if preset else None)
+        preset = hf_model_dir(cfg.model.model) is None  # a preset: the shape this run builds
+        check_base(state, str(path), model_config_for(cfg.model, tokenizer) if preset else None)
     check_same_model(cfg, tokenizer, state, path)
     check_same_data(cfg, tokenizer, state, path)
-    return dataclasses.replace(cfg, resume=str(path))
+    return cfg.replace(resume=str(path))
 
 
 def _newest_complete(root: Path) -> tuple[Path | None, dict[str, Any]]:
@@ -341,22 +334,22 @@ def _same_option(name: str, saved: Any, current: Any) -> bool:
 def check_compatible(cfg: TrainConfig, world: int, state: dict[str, Any], path: Path) -> None:
     """Raise ValueError when ``cfg`` cannot continue the run saved in checkpoint ``path`` (the resume rule)."""
     step = state["step"]
-    if step >= cfg.steps:
-        raise _StepsReached(f"--steps={cfg.steps}: the checkpoint {str(path)!r} is already at step {step}; "
+    if step >= cfg.optim.steps:
+        raise _StepsReached(f"--steps={cfg.optim.steps}: the checkpoint {str(path)!r} is already at step {step}; "
                          f"nothing to train (raise --steps above {step} to continue)")
-    saved = state.get("config") or {}
+    saved, now = state.get("config") or {}, cfg.to_dict()
     for name in MUST_MATCH:
-        if name in saved and not _same_option(name, saved[name], getattr(cfg, name)):
+        if name in saved and not _same_option(name, saved[name], now[name]):
             hint = (f"; to continue its weights at another --seq-len or RoPE, start a new run from them: "
                     f"--init-from {str(path)!r} --out-dir NEW") if name in NEW_RUN_CHANGES else ""
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(cfg, name)!r} differs from the checkpoint's "
+            raise ValueError(f"--{name.replace('_', '-')}={now[name]!r} differs from the checkpoint's "
                              f"{saved[name]!r} ({str(path)!r}); a resumed run must keep it (resume rule: "
                              f"see `loongtrain.launch.preflight`){hint}")
     layout = state.get("layout") or {}
     if "dp" in layout and "batch_size" in saved:
         dp = world // cfg.parallel.sp
-        if layout["dp"] * saved["batch_size"] != dp * cfg.batch_size:
+        if layout["dp"] * saved["batch_size"] != dp * cfg.data.batch_size:
             raise ValueError(
-                f"global batch dp*--batch-size = {dp}*{cfg.batch_size} = {dp * cfg.batch_size} differs from "
+                f"global batch dp*--batch-size = {dp}*{cfg.data.batch_size} = {dp * cfg.data.batch_size} differs from "
                 f"the checkpoint's {layout['dp']}*{saved['batch_size']} = {layout['dp'] * saved['batch_size']} "
                 f"({str(path)!r}); a resumed run must keep the global batch")

@@ -40,9 +40,10 @@ from typing import Any
 import torch.distributed as dist
 
 from loongtrain._files import OutputLock
+from loongtrain.launch.config import TrainConfig
 from loongtrain.launch.preflight import RunComplete, check_corpus, check_out_dir, data_identity, preflight
 from loongtrain.train.checkpoint import RUN_OUTPUT
-from loongtrain.train.config import Run, TrainConfig
+from loongtrain.train.config import Run
 
 log = logging.getLogger("loongtrain.train")
 
@@ -185,13 +186,13 @@ def is_restart(cfg: TrainConfig, attempt: Attempt) -> bool:
     """A later attempt of a job whose first attempt passed the checks (rank 0's view)."""
     if attempt.number <= 1 and attempt.restarts == 0:
         return False
-    marker = Path(cfg.out_dir, RUN_ID_FILE)
+    marker = Path(cfg.output.out_dir, RUN_ID_FILE)
     return marker.is_file() and marker.read_text() == _marker_text(attempt.job)
 
 
 def write_marker(cfg: TrainConfig, attempt: Attempt) -> None:
     """Record that this job owns ``--out-dir`` (rank 0, atomically: temp file + os.replace)."""
-    out = Path(cfg.out_dir)
+    out = Path(cfg.output.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{RUN_ID_FILE}.{os.getpid()}.tmp"
     tmp.write_text(_marker_text(attempt.job))
@@ -206,7 +207,7 @@ def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
     restarted = is_restart(cfg, attempt)
     try:
         resolved = preflight(cfg, world, run.tokenizer, restarted=restarted)
-        _HELD.append(OutputLock(RUN_OUTPUT, cfg.out_dir).__enter__())  # rank 0 holds it until it exits
+        _HELD.append(OutputLock(RUN_OUTPUT, cfg.output.out_dir).__enter__())  # rank 0 holds it until it exits
     except RunComplete as exc:
         return {"kind": "complete", "text": str(exc)}
     except ValueError as exc:
@@ -214,9 +215,9 @@ def decide(run: Run, world: int, attempt: Attempt) -> dict[str, Any]:
     write_marker(cfg, attempt)
     if restarted:
         log.info("torchrun attempt %d (restart counts up to %d): resuming from %s", attempt.number,
-                 attempt.restarts, resolved.resume or "scratch (no checkpoint yet)")
-    return {"kind": "run", "resume": resolved.resume, "overwrite": resolved.overwrite,
-            "init_from": resolved.init_from, "data_identity": data_identity(resolved, run.tokenizer)}
+                 attempt.restarts, resolved.output.resume or "scratch (no checkpoint yet)")
+    return {"kind": "run", "resume": resolved.output.resume, "overwrite": resolved.output.overwrite,
+            "init_from": resolved.model.init_from, "data_identity": data_identity(resolved, run.tokenizer)}
 
 
 #: the ``--out-dir`` lock rank 0 took for the attempt (released by the kernel when the rank exits)
@@ -230,7 +231,7 @@ def agree_on_start(run: Run, world: int) -> Run | None:
     complete; raises ValueError (the same on every rank) for a user error."""
     check_out_dir(run.cfg)
     check_corpus(run.cfg, run.tokenizer)
-    attempt = join_attempt(run.cfg.timeout)
+    attempt = join_attempt(run.cfg.runtime.timeout)
     watch_agent(int(os.environ["RANK"]))
     if int(os.environ["RANK"]) == 0:
         decision = decide(run, world, attempt)
@@ -242,9 +243,9 @@ def agree_on_start(run: Run, world: int) -> Run | None:
     if decision["kind"] == "complete":
         log.info("torchrun attempt %d: the run is complete (%s)", attempt.number, decision["text"])
         return None
-    cfg = dataclasses.replace(run.cfg, resume=decision["resume"], overwrite=decision["overwrite"],
+    cfg = run.cfg.replace(resume=decision["resume"], overwrite=decision["overwrite"],
                               init_from=decision["init_from"])
-    return dataclasses.replace(run, cfg=cfg, resume=cfg.resume, data_identity=decision.get("data_identity"))
+    return dataclasses.replace(run, cfg=cfg, resume=cfg.output.resume, data_identity=decision.get("data_identity"))
 
 
 # -- liveness ----------------------------------------------------------------------------------------

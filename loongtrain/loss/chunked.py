@@ -102,8 +102,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
-                labels: Tensor, chunk_tokens: int, compute: torch.dtype, fused: bool, eps: float,
-                norm_stats: torch.dtype | None) -> Tensor:
+                labels: Tensor, config: tuple[int, torch.dtype, bool, float, torch.dtype | None]) -> Tensor:
+        """``config``: ``(chunk_tokens, compute dtype, fused, norm eps, norm statistics dtype)``."""
+        chunk_tokens, compute, fused, eps, norm_stats = config
         stats = _stats_dtype(compute)
         need_h, need_w, need_b, need_n = (fused and t is not None and t.requires_grad
                                           for t in (hidden, weight, bias, norm_weight))
@@ -162,7 +163,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         saved = iter(ctx.saved_tensors)
         grads = [next(saved) if present else None for present in ctx.present]
         out = tuple(g.mul_(grad_sum.to(g.dtype)) if g is not None else None for g in grads)
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None)
 
 
 def _accumulate(out: Tensor, a: Tensor, b: Tensor) -> None:
@@ -240,8 +241,8 @@ def chunked_token_sum(
         raise ValueError(f"norm weight shape {tuple(norm.weight.shape)} must be ({hidden.shape[-1]},), gathered")
     norm_weight, eps, stats = (norm.weight, norm.eps, norm.stats_dtype) if norm is not None else (None, 0.0, None)
     return _ChunkedCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, norm_weight, labels.reshape(-1), chunk_tokens, compute,
-        fused, eps, stats,
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, norm_weight, labels.reshape(-1),
+        (chunk_tokens, compute, fused, eps, stats),
     )
 
 

@@ -39,8 +39,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
-                labels: Tensor, chunk_tokens: int, compute: torch.dtype, eps: float,
-                norm_stats: torch.dtype | None) -> Tensor:
+                labels: Tensor, config: tuple[int, torch.dtype, float, torch.dtype | None]) -> Tensor:
+        """``config``: ``(chunk_tokens, compute dtype, norm eps, norm statistics dtype)``."""
+        chunk_tokens, compute, eps, norm_stats = config
         stats = _stats_dtype(compute)
         out = torch.empty(hidden.shape[0], dtype=stats, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=stats, device=hidden.device)
@@ -55,7 +56,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 out[start:stop] = torch.where(valid, z.gather(1, safe[:, None]).squeeze(1) - lse[start:stop], 0)
                 del z
         ctx.save_for_backward(hidden, weight, bias, norm_weight, labels, lse)
-        ctx.config = (chunk_tokens, compute, eps, norm_stats)
+        ctx.config = config
         return out
 
     @staticmethod
@@ -100,7 +101,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 del grad_z
         if grad_norm is not None:
             grad_norm = grad_norm.to(norm_weight.dtype)
-        return grad_hidden, grad_weight, grad_bias, grad_norm, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, grad_norm, None, None
 
 
 def chunked_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_tokens: int | None = None,
@@ -117,5 +118,5 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, ch
     chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
     norm_weight, eps, stats = (norm.weight, norm.eps, norm.stats_dtype) if norm is not None else (None, 0.0, None)
     out = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, norm_weight,
-                                      labels.reshape(-1), chunk_tokens, _compute_dtype(hidden, weight), eps, stats)
+                                      labels.reshape(-1), (chunk_tokens, _compute_dtype(hidden, weight), eps, stats))
     return out.reshape(labels.shape)

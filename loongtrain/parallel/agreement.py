@@ -106,11 +106,11 @@ def agree_once(what: str, fields: Mapping[str, Any], group: dist.ProcessGroup | 
     _CHECKED.add(key)
 
 
-def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, causal: Any, softmax_scale: Any, cu_seqlens: Any,
-                       sliding_window: Any, chunk_order: Any, sinks: Any = None) -> None:
+def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, **call: Any) -> None:
     """Collective over ``mesh``'s replica ranks: ValueError on every rank, naming the field, unless all
-    pass the same arguments to this ``loongtrain.attention`` call, taken as given (before validation, so
-    a rank whose arguments are invalid and differ from its peers' does not leave them waiting): the
+    pass the same arguments to this ``loongtrain.attention`` call (``q``, ``k``, ``v`` and ``call``: ``causal``,
+    ``softmax_scale``, ``cu_seqlens``, ``sliding_window``, ``chunk_order``, ``sinks``), taken as given (before
+    validation, so a rank whose arguments are invalid and differ from its peers' does not leave them waiting): the
     shapes of q, k, v (batch, S, heads, KV heads, head dim), dtypes, causal, softmax_scale, sliding
     inner_ring, document boundaries, chunk order and the sinks' shape. Every call (:data:`ATTENTION_CHECK`): one
     all-reduce of a digest on :func:`attention_check_group`; inside :func:`deferred_attention_checks` for that group,
@@ -122,9 +122,10 @@ def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, causal: Any, softmax_s
         fields = dict(zip(("batch", "seq", "num_heads", "head_dim"), q.shape), dtype=str(q.dtype))
     if isinstance(k, torch.Tensor) and k.dim() == 4:
         fields["num_kv_heads"] = k.shape[2]
-    fields.update(k=_describe(k), v=_describe(v), causal=_describe(causal),
-                  softmax_scale=_describe(softmax_scale), sliding_window=_describe(sliding_window),
-                  documents=_describe(cu_seqlens), chunk_order=_describe(chunk_order), sinks=_describe(sinks))
+    fields.update(k=_describe(k), v=_describe(v), causal=_describe(call.get("causal")),
+                  softmax_scale=_describe(call.get("softmax_scale")),
+                  sliding_window=_describe(call.get("sliding_window")), documents=_describe(call.get("cu_seqlens")),
+                  chunk_order=_describe(call.get("chunk_order")), sinks=_describe(call.get("sinks")))
     group = attention_check_group(mesh)
     deferred = next((log for log in reversed(_DEFERRED) if log.group is group), None)
     if deferred is not None:

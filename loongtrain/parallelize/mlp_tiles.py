@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from loongtrain.hf.families import decoder_layers
+from loongtrain.model.config import mlp_width
+from loongtrain.model.memory import MemoryTerm, StepShape
 from loongtrain.parallel.config import mlp_tile_count
 
 Tensor = torch.Tensor
@@ -148,3 +150,19 @@ def _compose(mlp: Callable[[Tensor], Tensor], norm: Callable[[Tensor], Tensor]) 
         return mlp(norm(x))
 
     return norm_then_mlp
+
+
+class TiledMlpMemory(MemoryTerm):
+    """The tiled MLP's memory term (the protocol: loongtrain/model/memory.py): the feed-forward runs over
+    :func:`~loongtrain.parallel.config.mlp_tile_count` tiles of the rank's tokens (the trainer's own rule, here
+    on the model's average MLP width), so of SwiGLU's intermediates and the MLP norm's output only one tile's
+    exist at a time; the planner's kept sets and the MLP's backward divide them by :attr:`StepShape.tiles`."""
+
+    name = "mlp tiles"
+
+    def __init__(self, mlp_tiles: str) -> None:
+        self.mlp_tiles = mlp_tiles
+
+    def tiles(self, s: StepShape) -> int:
+        m = s.model
+        return mlp_tile_count(self.mlp_tiles, int(s.tokens), m.dim, round(mlp_width(m)), strict=False)

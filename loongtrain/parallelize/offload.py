@@ -75,7 +75,7 @@ _HOST_ALLOCATIONS = threading.local()
 def host_allocations() -> Iterator[None]:
     """Marks the tensors allocated inside as host memory: the offload code's host buffers (here), the
     host-side optimizer step of ``--offload-params``. A memory tracker that must tell host from device
-    where both are the CPU (the simulation, ``train/simulate/``) reads :func:`allocating_on_host`."""
+    where both are the CPU (the simulation, ``launch/simulate/``) reads :func:`allocating_on_host`."""
     _HOST_ALLOCATIONS.depth = getattr(_HOST_ALLOCATIONS, "depth", 0) + 1
     try:
         yield

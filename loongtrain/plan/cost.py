@@ -33,7 +33,7 @@ backward, ``2 * K / host_bw``; parameter offload moves the fp32 shards in for bo
 shard out, ``12 * P_l / z / host_bw`` per layer; both hidden behind the layer's busy time, the excess exposed.
 
 With ``lora`` (adapters on a frozen base, docs/lora.md) every term changes as
-:mod:`loongtrain.plan.lora_terms` says: no weight gradients for the base (a layer's matmuls and the head
+:mod:`loongtrain.model.lora_terms` says: no weight gradients for the base (a layer's matmuls and the head
 cost ``4`` FLOPs per weight and token instead of ``6``, plus the adapters' ``6 * A_l``), ZeRO's and the
 all-reduce's gradients and the AdamW step only the adapters', and MFU counts the FLOPs that run
 (:func:`loongtrain.model.lora.lora_flops_saved`).
@@ -47,19 +47,22 @@ visible pairs' FLOPs instead (:func:`loongtrain.model.config.step_flops`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from loongtrain.model.config import ModelConfig, flops_per_token, mlp_params, mlp_width, num_params, step_flops
 from loongtrain.model.lora import LoraConfig, adapter_params, adapter_shapes, lora_flops_saved
+from loongtrain.model.lora_terms import layer_adapter_params, matmul_factor
+from loongtrain.model.memory import MemoryTerm
 from loongtrain.parallel.buckets import BUCKET_BYTES
 from loongtrain.parallel.buckets import gradient_buckets as buckets_of
-from loongtrain.parallel.config import ParallelConfig, effective_kv_heads, mlp_tile_count
+from loongtrain.parallel.config import ParallelConfig, effective_kv_heads
 from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.attention_cost import AttentionTime, AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
-from loongtrain.plan.lora_terms import layer_adapter_params, matmul_factor
-from loongtrain.plan.memory_model import config_memory, layer_params
+from loongtrain.plan.memory_model import layer_params, memory_per_rank, step_shape
+from loongtrain.plan.memory_terms import feature_terms, run_terms
 from loongtrain.plan.step_bytes import OPTIMIZER_BYTES, head_bytes, layer_bytes
 
 GRAD_BYTES = 4
@@ -69,6 +72,26 @@ COMMUNICATION = ("a2a", "ring-inner", "ring-outer", "zero", "grad-sync", "offloa
 TERMS = {"compute": ("compute",), "memory_bound": ("memory-bound",), "exposed_communication": COMMUNICATION,
          "optimizer": ("optimizer",)}
 BOTTLENECK_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a planned run trains beyond its model and layout: ``lora`` adapters on a frozen base (docs/lora.md),
+    ``documents`` (packed rows of every replica's batch and their chunk layout: attention charged by visible
+    pairs) and its objective's memory ``phases`` (its registry entry's terms: DPO's reference pass)."""
+
+    lora: LoraConfig | None = None
+    documents: Documents | None = None
+    phases: Sequence[MemoryTerm] = ()
+
+    def memory(self, cluster: Cluster) -> tuple[MemoryTerm, ...]:
+        """The run's feature terms on ``cluster`` (:func:`~loongtrain.plan.memory_terms.feature_terms`: its
+        adapters, its kernels' backward scratch, its objective's phases)."""
+        return feature_terms(self.lora, cluster.attention_kernels, self.phases)
+
+
+#: a run of the model alone: no adapters, no packed documents, no phases outside the step
+NO_WORKLOAD = Workload()
 
 
 def param_bytes(dtype_bytes: int) -> int:
@@ -207,13 +230,12 @@ def layer_attention_time(layout: Layout, shape: AttnShape, cluster: Cluster, doc
 
 def step_cost(
     model: ModelConfig, config: ParallelConfig, cluster: Cluster, *, nodes: int, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2, documents: Documents | None = None, world: int | None = None,
-    lora: LoraConfig | None = None, reference: bool = False,
+    dtype_bytes: int = 2, world: int | None = None, workload: Workload = NO_WORKLOAD,
 ) -> Candidate:
-    """Predicted step time (its terms), MFU, memory and bottleneck of ``config`` on ``nodes`` nodes
-    (``documents``: packed rows of every replica's batch and their chunk layout); ``world``: the devices used
-    when fewer than ``nodes`` whole nodes (one partial node); ``lora``: adapters on a frozen base;
-    ``reference``: a DPO run's memory includes its reference pass (loongtrain/plan/memory_model.py)."""
+    """Predicted step time (its terms), MFU, memory and bottleneck of ``config`` on ``nodes`` nodes; ``world``: the
+    devices used when fewer than ``nodes`` whole nodes (one partial node); ``workload``: the run's adapters,
+    packed documents and objective's memory phases (:class:`Workload`)."""
+    lora, documents = workload.lora, workload.documents
     world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
     shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes)
@@ -222,8 +244,10 @@ def step_cost(
     rate, bw = cluster.matmul_tflops * 1e12, cluster.memory_bw
     p_l, L = layer_params(model), model.num_layers
     z = config.shard_size(world)
-    sharded = z > 1 or config.offload_params  # FSDP2 gathers the weights (the trainer's rule)
-    tiles = mlp_tile_count(config.mlp_tiles, int(t), model.dim, round(mlp_width(model)), strict=False)
+    features = workload.memory(cluster)
+    shape_of = step_shape(model, layout, config, tokens=t, dtype_bytes=dtype_bytes, zero_size=z,
+                          terms=run_terms(model, config, features))
+    sharded, tiles = shape_of.sharded, shape_of.tiles  # FSDP2 gathers the weights; the tiled MLP's rule
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     moved, moved_fwd = layer_bytes(model, tokens=t, kv_heads=he, hp=layout.hp, dtype_bytes=dtype_bytes,
                                    sharded=sharded, checkpointed=config.recompute != "none", mlp_tiles=tiles)
@@ -260,8 +284,8 @@ def step_cost(
         breakdown["grad-sync"] = grad_sync_exposed(model, layer_backward=sum(bwd.values()), world=world,
                                                    bandwidth=_group_bw(cluster, world, world), latency=latency * 1e-6,
                                                    lora=lora)
-    memory = config_memory(model, config, layout, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
-                           zero_size=z, lora=lora, reference=reference, kernels=cluster.attention_kernels)
+    memory = memory_per_rank(model, layout, config, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
+                             zero_size=z, features=features)
     if config.offload_activations or config.offload_params:
         breakdown["offload"] = offload_time(model, config, cluster, world, memory, layer_busy, lora)
     stepped = num_params(model) if lora is None else adapter_params(model, lora)  # what AdamW updates

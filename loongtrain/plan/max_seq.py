@@ -9,22 +9,21 @@ first, and only the configurations that fit at the answer are costed for the ran
 from __future__ import annotations
 
 from loongtrain.model.config import ModelConfig
-from loongtrain.model.lora import LoraConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.cluster import Cluster, load_cluster
-from loongtrain.plan.cost import Candidate
-from loongtrain.plan.memory_model import config_memory, memory_key
+from loongtrain.plan.cost import NO_WORKLOAD, Candidate, Workload
+from loongtrain.plan.memory_model import memory_key, memory_per_rank
 from loongtrain.plan.search import MIN_SHARD_TOKENS, enumerate_configs, max_sp, plan, ranked, resolve_model, world_size
 
 MAX_SEQ_LEN = 1 << 36  # the bisection's ceiling (tokens)
 
 
-def fits_memory(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int, seq_len: int,
-                batch: int, dtype_bytes: int, lora: LoraConfig | None = None, reference: bool = False) -> bool:
+def fits_memory(model: ModelConfig, config: ParallelConfig, cluster: Cluster, world: int, seq_len: int, *,
+                batch: int, dtype_bytes: int, workload: Workload = NO_WORKLOAD) -> bool:
     """Whether ``config`` fits in device and host memory (what :func:`step_cost` decides, without the time)."""
-    memory = config_memory(model, config, config.layout(world), seq_len=seq_len, batch=batch,
-                           dtype_bytes=dtype_bytes, zero_size=config.shard_size(world), lora=lora,
-                           reference=reference, kernels=cluster.attention_kernels)
+    memory = memory_per_rank(model, config.layout(world), config, seq_len=seq_len, batch=batch,
+                             dtype_bytes=dtype_bytes, zero_size=config.shard_size(world),
+                             features=workload.memory(cluster))
     host = memory["host"] * min(world, cluster.gpus_per_node)
     return memory["total"] <= cluster.usable_memory and host <= cluster.usable_host_memory
 
@@ -53,16 +52,16 @@ class _Grid:
 
 def max_seq_len(
     model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, gpus: int | None = None,
-    batch: int = 1, dtype_bytes: int = 2, modes: str = "auto", lora: LoraConfig | None = None,
-    reference: bool = False, **filters,
+    batch: int = 1, dtype_bytes: int = 2, modes: str = "auto", workload: Workload = NO_WORKLOAD, **filters,
 ) -> tuple[int, Candidate]:
     """The longest sequence that fits (device and host memory) and its best configuration: bisected on
     the lengths every configuration on these devices accepts (multiples of ``2 * sp``, ``sp`` the largest
     sequence-parallel degree allowed: the world, or the ``sp`` / ``hp * cp`` filters). Memory grows with
     the length for every configuration, so "some configuration fits" holds below the answer and fails
     above it. The configuration is :func:`~loongtrain.plan.search.plan`'s first at the answer. ValueError
-    naming the shortest length when even that does not fit. ``lora``: adapters on a frozen base (smaller
-    states and gradients: a longer sequence fits; docs/lora.md)."""
+    naming the shortest length when even that does not fit. ``workload``: the run's adapters (smaller states and
+    gradients: a longer sequence fits; docs/lora.md) and objective's memory phases
+    (:class:`~loongtrain.plan.cost.Workload`)."""
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     world, nodes = world_size(cl, nodes, gpus)
     sp = filters.get("sp") or (filters["hp"] * filters["cp"] if filters.get("hp") and filters.get("cp") else world)
@@ -73,7 +72,7 @@ def max_seq_len(
     alone = 1 if explicit else filters.get("hp") or filters.get("cp") or 1
     first = max(1, -(-MIN_SHARD_TOKENS * alone // unit)) if alone > 1 else 1
     _, cfg = resolve_model(model)
-    memory = dict(batch=batch, dtype_bytes=dtype_bytes, lora=lora, reference=reference)
+    memory = dict(batch=batch, dtype_bytes=dtype_bytes, workload=workload)
     grid = _Grid(cfg, world, cl.gpus_per_node, dict(filters, modes=modes != "off"))
     last: list[tuple] = []  # the memory key that fitted last: the likeliest to fit next
 

@@ -8,18 +8,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from loongtrain._files import FILE_HEADER, check_output_file, write_atomic
 from loongtrain.model.config import ModelConfig, active_params, num_params
+from loongtrain.model.memory import MemoryTerm
 from loongtrain.parallel.documents import Documents
 from loongtrain.plan.attention_cost import AttnShape, attention_time
 from loongtrain.plan.calibrate import calibrate, calibrate_from_run, read_run
 from loongtrain.plan.cluster import Cluster, builtin_clusters, cluster_for_device, cluster_to_toml, load_cluster
 from loongtrain.plan.config import PlanConfig
-from loongtrain.plan.cost import Candidate
+from loongtrain.plan.cost import Candidate, Workload
 from loongtrain.plan.document_work import balance_report, lognormal_documents
 from loongtrain.plan.max_seq import max_seq_len
 from loongtrain.plan.search import no_fit_message, plan, resolve_model, world_size
@@ -28,7 +29,7 @@ from loongtrain.plan.traffic import format_traffic_report, traffic_report
 __all__ = ["Simulator", "run"]
 DOC_LAYOUTS = 5  # attention layouts the --doc-median text report shows
 #: ``simulate(model, candidate, cfg) -> dict`` with ``simulated_device_gib``: the trainer's step under fake
-#: tensors (:func:`loongtrain.train.simulate.simulate_candidate`, which ``loongtrain plan`` passes in)
+#: tensors (:func:`loongtrain.launch.simulate.simulate_candidate`, which ``loongtrain plan`` passes in)
 Simulator = Callable[[Any, Candidate, PlanConfig], dict]
 
 
@@ -98,8 +99,8 @@ def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, cfg
                     documents: Documents) -> list[dict]:
     """Per candidate: attention seconds of one layer's call (forward + backward) without the document mask,
     with it under zigzag and under the balanced layout (docs/planner.md), and per-rank work max/mean."""
-    window = model.uniform_window if model.uniform_window and model.uniform_window < cfg.seq_len else None
-    shape = AttnShape(cfg.batch_size, cfg.seq_len, model.num_heads, model.num_kv_heads, model.head_dim,
+    window = model.uniform_window if model.uniform_window and model.uniform_window < cfg.data.seq_len else None
+    shape = AttnShape(cfg.data.batch_size, cfg.data.seq_len, model.num_heads, model.num_kv_heads, model.head_dim,
                       cfg.dtype_bytes, model.uniform_window)
     out = []
     for c, _ in rows:
@@ -107,7 +108,8 @@ def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, cfg
         times = {"no_mask": attention_time(layout, shape, cluster).total}
         for name in ("zigzag", "balanced"):
             times[name] = attention_time(layout, shape, cluster, Documents(documents.cu_seqlens, name)).total
-        r = balance_report(documents.rows(cfg.batch_size), cfg.seq_len, layout.cp, layout.hp, sliding_window=window)
+        r = balance_report(documents.rows(cfg.data.batch_size), cfg.data.seq_len, layout.cp, layout.hp,
+                           sliding_window=window)
         same = abs(times["zigzag"] - times["balanced"]) <= 1e-3 * times["zigzag"]
         faster = "same" if same else min(("zigzag", "balanced"), key=times.get)
         out.append({"attention_s": times, "faster_layout": faster,
@@ -155,8 +157,9 @@ def _calibrate_from(cfg: PlanConfig) -> Cluster:
     return calibrate_from_run(cfg.calibrate_from, base)[0]
 
 
-def run(cfg: PlanConfig, simulate: Simulator) -> int:
-    """Carry out one ``loongtrain plan`` request; the exit code (ValueError for a bad request)."""
+def run(cfg: PlanConfig, simulate: Simulator, phases: Sequence[MemoryTerm] = ()) -> int:
+    """Carry out one ``loongtrain plan`` request; the exit code (ValueError for a bad request). ``phases``: the
+    memory phases of ``--objective`` (its registry entry's, which ``loongtrain plan`` passes in)."""
     if cfg.calibrate or cfg.calibrate_from:
         if cfg.calibrate and cfg.calibrate_from:
             raise ValueError("--calibrate measures this machine, --calibrate-from reads a device run: give one")
@@ -174,11 +177,11 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
     devices = cfg.devices()
     world, nodes = world_size(cluster, **devices)
     if cfg.max_seq_len:
-        return _run_max_seq_len(cfg, name, model, cluster, devices, simulate)
-    kw = dict(seq_len=cfg.seq_len, batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes,
-              lora=cfg.lora_config(), reference=cfg.objective == "dpo", **devices)
-    documents = packed_documents(cfg.seq_len, cfg.doc_median, cfg.batch_size) if cfg.doc_median else None
-    cands = plan(model, cluster, **kw, documents=documents, **cfg.filters())
+        return _run_max_seq_len(cfg, name, model, cluster, devices, simulate, phases)
+    documents = packed_documents(cfg.data.seq_len, cfg.doc_median, cfg.data.batch_size) if cfg.doc_median else None
+    kw = dict(seq_len=cfg.data.seq_len, batch=cfg.data.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes,
+              workload=Workload(cfg.lora_config(), documents, tuple(phases)), **devices)
+    cands = plan(model, cluster, **kw, **cfg.filters())
     if cfg.simulate:
         return _print_simulation(cfg, name, model, cands[0], simulate)
     rows = collapse_windows(cands)
@@ -189,8 +192,9 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
             "median": cfg.doc_median, "count": [len(cu) - 1 for cu in documents.cu_seqlens],
             "visible_fraction": report[0]["visible_fraction"] if report else None}}
         print(json.dumps({
-            "model": name, "seq_len": cfg.seq_len, "nodes": nodes, "world_size": world,
-            "cluster": cluster.name, "batch": cfg.batch_size, "dtype": cfg.dtype, "evaluated": len(cands),
+            "model": name, "seq_len": cfg.data.seq_len, "nodes": nodes, "world_size": world,
+            "cluster": cluster.name, "batch": cfg.data.batch_size, "dtype": cfg.model_options.dtype,
+            "evaluated": len(cands),
             "fits": cands[0].fits, **doc_fields,
             "candidates": [dict(c.to_dict(), equivalent_windows=ws,
                                 **({} if report is None else {"documents": report[i]}))
@@ -204,14 +208,15 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
         print(f"model {name} ({model.num_layers} layers, dim {model.dim}, {model.num_heads} heads, "
               f"{model.num_kv_heads} KV heads, head_dim {model.head_dim}, FFN {model.ffn_dim}, "
               f"vocab {model.vocab_size}{window}{_experts_text(model)}; {_param_text(model)}), "
-              f"seq_len {cfg.seq_len}, {devices_text} devices of "
-              f"{cluster.name}, batch {cfg.batch_size}/replica, {cfg.dtype}{docs}; {len(cands)} configurations, "
+              f"seq_len {cfg.data.seq_len}, {devices_text} devices of "
+              f"{cluster.name}, batch {cfg.data.batch_size}/replica, {cfg.model_options.dtype}{docs}; "
+              f"{len(cands)} configurations, "
               f"best {min(top, len(rows))} (rows differing only in an equally fast inner ring merged):")
         print(format_table(rows[:top]))
     if cfg.traffic and not cfg.json:
         best = cands[0]
-        rows_t = traffic_report(best.config.layout(world), cluster.gpus_per_node, batch=cfg.batch_size,
-                                seq_len=cfg.seq_len, num_heads=model.num_heads,
+        rows_t = traffic_report(best.config.layout(world), cluster.gpus_per_node, batch=cfg.data.batch_size,
+                                seq_len=cfg.data.seq_len, num_heads=model.num_heads,
                                 num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
                                 dtype_bytes=cfg.dtype_bytes)
         print(f"\nper-rank traffic of one attention layer (forward + backward), {best.config.label()}:")
@@ -219,7 +224,7 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
     if report and not cfg.json:
         counts = sorted({len(cu) - 1 for cu in documents.cu_seqlens})
         count = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
-        print(f"\npacked documents (lognormal, median {cfg.doc_median}, {count} in {cfg.seq_len} tokens per row): "
+        print(f"\npacked documents (lognormal, median {cfg.doc_median}, {count} in {cfg.data.seq_len} tokens per row): "
               f"{report[0]['visible_fraction']:.1%} of causal attention visible; one attention layer's call "
               f"(forward + backward) without the document mask, with it under zigzag and under the balanced "
               f"layout, and per-rank work max/mean:")
@@ -231,19 +236,19 @@ def run(cfg: PlanConfig, simulate: Simulator) -> int:
 
 
 def _run_max_seq_len(cfg: PlanConfig, name: str, model, cluster: Cluster, devices: dict,
-                     simulate: Simulator) -> int:
+                     simulate: Simulator, phases: Sequence[MemoryTerm]) -> int:
     """``--max-seq-len``: the bisected length and its best configuration (text or JSON); with ``--lora`` also the
     length full training fits, for the comparison."""
     lora = cfg.lora_config()
-    kw = dict(batch=cfg.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, reference=cfg.objective == "dpo",
-              **devices, **cfg.filters())
-    length, best = max_seq_len(model, cluster, lora=lora, **kw)
+    kw = dict(batch=cfg.data.batch_size, dtype_bytes=cfg.dtype_bytes, modes=cfg.modes, **devices, **cfg.filters())
+    length, best = max_seq_len(model, cluster, workload=Workload(lora, phases=tuple(phases)), **kw)
     if cfg.simulate:
-        return _print_simulation(dataclasses.replace(cfg, seq_len=length), name, model, best, simulate)
-    full = max_seq_len(model, cluster, **kw)[0] if lora is not None else None
+        at_length = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=length))
+        return _print_simulation(at_length, name, model, best, simulate)
+    full = max_seq_len(model, cluster, workload=Workload(phases=tuple(phases)), **kw)[0] if lora is not None else None
     if cfg.json:
         print(json.dumps({"model": name, "cluster": cluster.name, "world_size": best.world_size,
-                          "max_seq_len": length, "dtype": cfg.dtype, "batch": cfg.batch_size,
+                          "max_seq_len": length, "dtype": cfg.model_options.dtype, "batch": cfg.data.batch_size,
                           **({"lora": lora.to_text(), "full_training_max_seq_len": full} if lora else {}),
                           "total_params": num_params(model), "active_params": active_params(model),
                           "configuration": best.config.label(), "candidate": best.to_dict()}, indent=1))
@@ -276,7 +281,7 @@ def _param_text(model: Any) -> str:
 
 def _print_simulation(cfg: PlanConfig, name: str, model, best: Candidate, simulate: Simulator) -> int:
     """``--simulate``: the best configuration's predicted and simulated busiest-rank peak."""
-    result = {"model": name, "seq_len": cfg.seq_len, "world_size": best.world_size,
+    result = {"model": name, "seq_len": cfg.data.seq_len, "world_size": best.world_size,
               "configuration": best.config.label(), "fits": best.fits,
               "predicted_device_gib": best.memory["total"] / 2**30,
               "predicted_host_gib_per_rank": best.memory.get("host", 0.0) / 2**30,
@@ -288,7 +293,7 @@ def _print_simulation(cfg: PlanConfig, name: str, model, best: Candidate, simula
     if cfg.json:
         print(json.dumps(result, indent=1))
     else:
-        print(f"{name}, seq_len {cfg.seq_len}, {best.world_size} devices, {best.config.label()}: predicted "
+        print(f"{name}, seq_len {cfg.data.seq_len}, {best.world_size} devices, {best.config.label()}: predicted "
               f"{result['predicted_device_gib']:.2f} GiB per device, simulated {result['simulated_device_gib']:.2f} "
               f"GiB (predicted/simulated {result['device_ratio']:.3f}); host per rank predicted "
               f"{result['predicted_host_gib_per_rank']:.2f} GiB, simulated "

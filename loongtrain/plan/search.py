@@ -18,11 +18,11 @@ nodes (:func:`world_size`). Every candidate passes
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from loongtrain.hf.convert import shape_config_from_hf
 from loongtrain.hf.load import check_hf_dir
 from loongtrain.model.config import PRESETS, ModelConfig
-from loongtrain.model.lora import LoraConfig
 from loongtrain.parallel.config import (
     PLACEMENTS,
     RECOMPUTE_MODES,
@@ -31,10 +31,9 @@ from loongtrain.parallel.config import (
     effective_kv_heads,
     validate_parallel,
 )
-from loongtrain.parallel.documents import Documents
 from loongtrain.parallel.zigzag import divisors, valid_sequence_length
 from loongtrain.plan.cluster import Cluster, load_cluster
-from loongtrain.plan.cost import Candidate, step_cost
+from loongtrain.plan.cost import NO_WORKLOAD, Candidate, Workload, step_cost
 
 
 def head_ok(model: ModelConfig, hp: int) -> bool:
@@ -92,15 +91,21 @@ def mode_choices(recompute: str, zero: str, modes: bool, offload_activations: bo
             if not (a and recompute == "none") and not (o and zero == "none")]
 
 
-def enumerate_configs(
-    model: ModelConfig, world: int, gpus_per_node: int, seq_len: int, *, sp: int | None = None,
-    hp: int | None = None, cp: int | None = None, inner_ring: int | None = None, placement: str | None = None,
-    zero: str | None = None, recompute: str | None = None, modes: bool = False,
-    offload_activations: bool | None = None, mlp_tiles: str | None = None, offload_params: bool | None = None,
-) -> list[ParallelConfig]:
-    """All distinct valid configurations matching the given filters (``None`` = any), with the offload and
-    tiling modes when ``modes`` (:func:`mode_choices`). Raises ValueError naming the offending value and
-    the valid alternatives when a filter cannot be met."""
+#: the configuration filters :func:`enumerate_configs` takes (``PlanConfig.filters``): ``None`` = any
+FILTERS = ("sp", "hp", "cp", "inner_ring", "placement", "zero", "recompute", "offload_activations", "mlp_tiles",
+           "offload_params")
+
+
+def enumerate_configs(model: ModelConfig, world: int, gpus_per_node: int, seq_len: int, *, modes: bool = False,
+                      **filters: Any) -> list[ParallelConfig]:
+    """All distinct valid configurations matching the given ``filters`` (:data:`FILTERS`; a filter left out or
+    ``None`` = any), with the offload and tiling modes when ``modes`` (:func:`mode_choices`). Raises ValueError
+    naming the offending value and the valid alternatives when a filter cannot be met."""
+    unknown = sorted(set(filters) - set(FILTERS))
+    if unknown:
+        raise ValueError(f"unknown configuration filter(s) {unknown}; valid: {list(FILTERS)}")
+    sp, hp, cp, inner_ring, placement, zero, recompute, offload_activations, mlp_tiles, offload_params = (
+        filters.get(name) for name in FILTERS)
     _check_choice("placement", placement, list(PLACEMENTS))
     _check_choice("zero", zero, list(ZERO_MODES))
     _check_choice("recompute", recompute, list(RECOMPUTE_MODES))
@@ -222,23 +227,21 @@ def world_size(cluster: Cluster, nodes: int | None = None, gpus: int | None = No
 
 def plan(
     model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2, documents: Documents | None = None, gpus: int | None = None, modes: str = "off",
-    lora: LoraConfig | None = None, reference: bool = False, **filters,
+    dtype_bytes: int = 2, gpus: int | None = None, modes: str = "off", workload: Workload = NO_WORKLOAD, **filters,
 ) -> list[Candidate]:
     """Every distinct valid configuration with its predicted cost, best first (see module docstring), on
-    ``nodes`` whole nodes or ``gpus`` devices. ``documents``: packed rows of the batch, charged by visible
-    pairs (docs/planner.md); ``modes``: off | auto | on (the offload and tiling modes: never, only when
-    nothing fits without them, always); ``lora``: adapters on a frozen base (docs/lora.md); ``reference``: a DPO
-    run (its reference pass counted in memory); ``filters``: sp, hp, cp, inner_ring, placement, zero, recompute,
-    offload_activations, mlp_tiles, offload_params."""
+    ``nodes`` whole nodes or ``gpus`` devices. ``modes``: off | auto | on (the offload and tiling modes: never,
+    only when nothing fits without them, always); ``workload``: the run's adapters, packed documents (charged by
+    visible pairs, docs/planner.md) and objective's memory phases (:class:`~loongtrain.plan.cost.Workload`);
+    ``filters``: :data:`FILTERS`."""
     _, cfg = resolve_model(model)
     cl = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     _check_choice("modes", modes, list(MODE_SEARCH))
     _positive("seq_len", seq_len)
     _positive("batch", batch)
     world, nodes = world_size(cl, nodes, gpus)
-    kw = dict(nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, documents=documents,
-              world=world if gpus is not None else None, lora=lora, reference=reference)
+    kw = dict(nodes=nodes, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
+              world=world if gpus is not None else None, workload=workload)
     configs = enumerate_configs(cfg, world, cl.gpus_per_node, seq_len, modes=modes == "on", **filters)
     cands = ranked(cfg, cl, configs, **kw)
     if modes == "auto" and not cands[0].fits:
@@ -249,7 +252,7 @@ def plan(
 
 def ranked(model: ModelConfig, cluster: Cluster, configs: list[ParallelConfig], **cost) -> list[Candidate]:
     """``configs`` costed (:func:`~loongtrain.plan.cost.step_cost` with ``cost``: nodes, seq_len, batch,
-    dtype_bytes, documents, world, lora, reference) and ranked best first (:func:`_rank_key`)."""
+    dtype_bytes, world, workload) and ranked best first (:func:`_rank_key`)."""
     return sorted((step_cost(model, c, cluster, **cost) for c in configs), key=_rank_key)
 
 
@@ -263,14 +266,13 @@ def _rank_key(c: Candidate) -> tuple:
 
 def best_fitting(
     model: str | ModelConfig, cluster: str | Cluster, *, nodes: int | None = None, seq_len: int, batch: int = 1,
-    dtype_bytes: int = 2, gpus: int | None = None, modes: str = "off", lora: LoraConfig | None = None,
-    reference: bool = False, **filters,
+    dtype_bytes: int = 2, gpus: int | None = None, modes: str = "off", workload: Workload = NO_WORKLOAD, **filters,
 ) -> Candidate:
     """The best configuration that fits in device and host memory (for ``loongtrain train --plan auto``,
-    with ``modes="auto"``; ``reference``: a DPO run); ValueError naming the closest feasible alternatives when
-    none fits."""
-    kw = dict(seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, gpus=gpus, modes=modes, lora=lora,
-              reference=reference, **filters)
+    with ``modes="auto"``; ``workload``: as :func:`plan`'s); ValueError naming the closest feasible alternatives
+    when none fits."""
+    kw = dict(seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, gpus=gpus, modes=modes, workload=workload,
+              **filters)
     cands = plan(model, cluster, nodes=nodes, **kw)
     if cands[0].fits:
         return cands[0]

@@ -113,17 +113,14 @@ def _add(d: dict[int, int], peer: int, nbytes: int) -> None:
     d[peer] = d.get(peer, 0) + nbytes
 
 
-def attention_traffic(
-    layout: Layout, rank: int, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
-    head_dim: int, dtype_bytes: int, backward: bool = True, sliding_window: int | None = None,
-) -> dict[str, dict[int, int]]:
+def attention_traffic(layout: Layout, rank: int, *, backward: bool = True, sliding_window: int | None = None,
+                      **shape: int) -> dict[str, dict[int, int]]:
     """kind (``a2a``, ``kv``, ``dkv``; all keys always present) -> {peer global rank: bytes ``rank`` sends}
-    for one attention call (forward, plus backward when ``backward``); ``sliding_window``: see
-    :func:`ring_reach`."""
-    msg = message_bytes(
-        layout, batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, dtype_bytes=dtype_bytes,
-    )
+    for one attention call (forward, plus backward when ``backward``) of ``shape`` (:func:`message_bytes`'s
+    ``batch``, ``seq_len``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``dtype_bytes``); ``sliding_window``:
+    see :func:`ring_reach`."""
+    msg = message_bytes(layout, **shape)
+    seq_len = shape["seq_len"]
     out: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}
     passes = 2 if backward else 1
     d, c, _ = layout.coords(rank)

@@ -1,3 +1,3 @@
 """One rank's training run: :class:`~loongtrain.train.trainer.Trainer` and what it is built from and
-writes (options, batch sharding, the run's model, optimizer, gradient sync, checkpoints, validation,
-metrics, export), and what measures it (the memory report, the full-size simulation; docs/launching.md)."""
+writes (the run's sections, its step context and what it asks of its objective, batch sharding, the run's model,
+optimizer, gradient sync, checkpoints, validation, metrics, export), and the memory report (docs/launching.md)."""

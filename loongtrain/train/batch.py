@@ -16,7 +16,7 @@ from loongtrain.parallel.documents import Documents, cu_seqlens_from_starts, doc
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import to_device
 from loongtrain.parallel.sharding import shard_sequence
-from loongtrain.train.config import TrainConfig
+from loongtrain.sections.data import DataSection
 
 Batch = dict[str, torch.Tensor]
 ChunkOrder = tuple[int, ...]
@@ -69,7 +69,7 @@ class BatchSharding:
     """The run's rules for laying a full-sequence batch (``input_ids``, ``labels``, ``position_ids`` of
     shape ``[batch, seq_len]``, and ``doc_starts`` for packed corpora) on ``mesh``."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, model_config: ModelConfig, device: torch.device) -> None:
+    def __init__(self, cfg: DataSection, mesh: Mesh, model_config: ModelConfig, device: torch.device) -> None:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.sliding_window = getattr(model_config, "sliding_window", None)
 

@@ -60,9 +60,10 @@ from loongtrain.hf.convert import export_hf
 from loongtrain.hf.peft_format import write_peft_adapter
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallelize.lora import adapter_state, apply_lora, is_adapter, merge_lora
+from loongtrain.sections.model import param_dtype
 from loongtrain.train import model_setup
 from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, verify_checkpoint
-from loongtrain.train.config import TrainConfig, param_dtype
+from loongtrain.train.config import TrainSections
 from loongtrain.train.lora_base import base_directory, build_base, check_base
 from loongtrain.train.model_setup import model_from_record
 
@@ -73,7 +74,7 @@ def checkpoint_model_record(state: dict[str, Any]) -> dict[str, Any]:
     """The model record of a checkpoint; for checkpoints without one, rebuilt from the run's config."""
     if "model_config" in state or "hf_config" in state:
         return state
-    cfg = TrainConfig.from_dict(state["config"])
+    cfg = TrainSections.recorded(state["config"]).model
     return model_setup.model_record(model_setup.model_config_for(cfg), cfg)
 
 
@@ -84,7 +85,7 @@ def load_trained_model(checkpoint: str | Path) -> nn.Module:
     state = verify_checkpoint(path)  # the checks of train --resume: state, metadata, sizes, checksums
     if state.get("lora"):
         return merge_lora(load_lora_model(path, state))
-    dtype = param_dtype(TrainConfig.from_dict(state["config"]))
+    dtype = param_dtype(TrainSections.recorded(state["config"]).model.dtype)
     model = model_from_record(checkpoint_model_record(state), dtype)
     load_model_weights(path, model)
     return model
@@ -94,8 +95,8 @@ def load_lora_model(path: Path, state: dict[str, Any]) -> nn.Module:
     """A LoRA checkpoint's base (checked unchanged) with its trained adapters, unmerged, whole, on CPU."""
     check_base(state, str(path))
     model = build_base(state)
-    cfg = TrainConfig.from_dict(state["config"])
-    apply_lora(model, cfg.lora_config(), cfg.seed)
+    cfg = TrainSections.recorded(state["config"])
+    apply_lora(model, cfg.model.lora_config(), cfg.optim.seed)
     load_model_weights(path, model)  # the adapters only: the base is frozen (train/checkpoint.py)
     return model
 
@@ -133,8 +134,7 @@ def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = Fal
 def run_tokenizer(state: dict[str, Any]) -> Path | None:
     """The Hugging Face tokenizer (file or directory) the checkpoint's run trained with, checked to be the
     one it recorded; None for the byte tokenizer. ValueError when it is gone or its files changed."""
-    cfg = TrainConfig.from_dict(state["config"])
-    spec = model_setup.tokenizer_spec(cfg)
+    spec = model_setup.tokenizer_spec(TrainSections.recorded(state["config"]).model)
     if spec == "byte":
         return None
     path = Path(spec)
@@ -222,7 +222,7 @@ def trained_positions(state: dict[str, Any]) -> int | None:
     scaling = ModelConfig(**record).rope_scaling
     if scaling is not None and scaling.original_max_position_embeddings:
         return None
-    return int(TrainConfig.from_dict(state["config"]).seq_len)
+    return int(TrainSections.recorded(state["config"]).data.seq_len)
 
 
 @contextlib.contextmanager
@@ -250,6 +250,6 @@ def _export_adapters(model: nn.Module, adapters: dict[str, torch.Tensor], state:
         export_hf(base, native, staging / BASE_DIR)
     if dtype is not None:
         adapters = {name: t.to(dtype) for name, t in adapters.items()}
-    cfg = TrainConfig.from_dict(state["config"])
+    lora = TrainSections.recorded(state["config"]).model.lora_config()
     recorded = str(base_dir) if base_dir is not None else str(out.resolve() / BASE_DIR)
-    write_peft_adapter(staging / ADAPTER_DIR, adapters, cfg.lora_config(), native=native, base=recorded)
+    write_peft_adapter(staging / ADAPTER_DIR, adapters, lora, native=native, base=recorded)

@@ -31,7 +31,7 @@ from loongtrain.hf.build import build_hf_model, hf_weight_files
 from loongtrain.hf.load import hf_config_from_dict
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
-from loongtrain.train.config import TrainConfig, param_dtype
+from loongtrain.sections.model import ModelSection, param_dtype
 from loongtrain.train.model_setup import hf_model_dir
 
 
@@ -52,20 +52,20 @@ def preset_identity(model_config: dict[str, Any], seed: int) -> str:
     return f"sha256:{hashlib.sha256(text.encode()).hexdigest()}"
 
 
-def base_record(cfg: TrainConfig, model_record: dict[str, Any]) -> dict[str, Any] | None:
-    """The trainer state's ``"lora"`` entry of a run (None without ``--lora``): ``{"config", "base": {"kind",
-    "model", "seed", "directory", "identity"}}``; ``model_record``: the checkpoint's model record
-    (:func:`loongtrain.train.model_setup.model_record`)."""
+def base_record(cfg: ModelSection, seed: int, model_record: dict[str, Any]) -> dict[str, Any] | None:
+    """The trainer state's ``"lora"`` entry of a run (None without ``--lora``) of model section ``cfg`` and weights
+    seeded by ``seed``: ``{"config", "base": {"kind", "model", "seed", "directory", "identity"}}``;
+    ``model_record``: the checkpoint's model record (:func:`loongtrain.train.model_setup.model_record`)."""
     lora = cfg.lora_config()
     if lora is None:
         return None
     directory = hf_model_dir(cfg.model)
     if directory is None:
-        base = {"kind": "preset", "model": cfg.model, "seed": cfg.seed,
-                "identity": preset_identity(model_record["model_config"], cfg.seed)}
+        base = {"kind": "preset", "model": cfg.model, "seed": seed,
+                "identity": preset_identity(model_record["model_config"], seed)}
     else:
-        base = {"kind": "hf", "model": cfg.model, "seed": cfg.seed, "directory": str(directory.resolve()),
-                "identity": hf_dir_identity(directory, cfg.seed)}
+        base = {"kind": "hf", "model": cfg.model, "seed": seed, "directory": str(directory.resolve()),
+                "identity": hf_dir_identity(directory, seed)}
     return {"config": lora.to_dict(), "base": base}
 
 
@@ -105,8 +105,8 @@ def build_base(state: dict[str, Any]) -> nn.Module:
     """The unparallelized base model of a LoRA checkpoint (after :func:`check_base`), on CPU in the dtype it
     trained in: the preset's seeded weights, or the Hugging Face directory's with the recorded config (its
     RoPE as trained)."""
-    record, cfg = state["lora"], TrainConfig.from_dict(state["config"])
-    dtype = param_dtype(cfg)
+    record = state["lora"]
+    dtype = param_dtype(str((state.get("config") or {}).get("dtype", "auto")))
     directory = base_directory(record)
     if directory is None:
         return Transformer(ModelConfig(**state["model_config"]), seed=record["base"]["seed"]).to(dtype)

@@ -20,19 +20,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loongtrain.model.memory import MemoryTerm
+from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.runtime import is_distributed
 from loongtrain.parallelize.offload import activation_offloader
 from loongtrain.parallelize.recompute import saved_output_sink
 from loongtrain.parallelize.zero import uses_zero
-from loongtrain.plan.memory_model import config_memory
-from loongtrain.train.config import autocast_dtype, param_dtype
+from loongtrain.plan.memory_model import memory_per_rank
+from loongtrain.plan.memory_terms import feature_terms
+from loongtrain.sections.model import compute_dtype
+from loongtrain.train.config import TrainSections
+from loongtrain.train.step_context import StepContext
 
 log = logging.getLogger("loongtrain.train")
 
@@ -218,58 +224,70 @@ def memory_report(
     return report
 
 
-def trainer_loss_fn(trainer: Any, batch: dict[str, Tensor]) -> Callable[[], Tensor]:
-    """A ``loss_fn`` for :func:`memory_report` doing what ``Trainer.step`` does for one micro-batch
-    (:meth:`~loongtrain.train.trainer.Trainer.loss`: forward, chunked loss)."""
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the planner needs to predict a run's memory (:func:`predicted_memory`): its ``parallel`` config, the
+    compute dtype's bytes, the ZeRO shard group (1 without FSDP) and its feature terms
+    (:func:`~loongtrain.plan.memory_terms.feature_terms`: its adapters, its device's kernels' scratch, its
+    objective's phases)."""
 
-    def loss_fn() -> Tensor:
-        trainer.model.train()
-        loss, _ = trainer.loss(batch)
-        return loss
+    parallel: ParallelConfig
+    dtype_bytes: int
+    zero_size: int
+    features: Sequence[MemoryTerm] = ()
 
-    return loss_fn
+    @classmethod
+    def of(cls, cfg: TrainSections, ctx: StepContext, phases: Sequence[MemoryTerm] = ()) -> MemoryPlan:
+        """The plan of the run ``cfg`` on the step context ``ctx`` (its layout, ZeRO shard group, ``recompute``,
+        ``reshard_after_forward``, compute dtype and memory modes) with its objective's memory ``phases``."""
+        parallel = cfg.parallel
+        compute = compute_dtype(cfg.model.dtype, ctx.device)
+        kernels = scratch_kernels(ctx.device, compute, ctx.model_config.head_dim)
+        return cls(parallel, torch.empty((), dtype=compute).element_size(),
+                   parallel.shard_size(ctx.mesh.world_size) if uses_zero(parallel) else 1,
+                   feature_terms(cfg.model.lora_config(), kernels, phases))
 
 
-def trainer_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, int]:
-    """:func:`memory_report` of a ``loongtrain.train.trainer.Trainer`` on one full-sequence micro-batch
-    (with ``--offload-params``, the states on the host once FSDP2 offloads them)."""
-    states_on_host = trainer.cfg.parallel.offload_params and uses_zero(trainer.cfg.parallel)
-    return memory_report(trainer.model, trainer.optimizer, trainer_loss_fn(trainer, batch),
-                         states_on_host=states_on_host)
+def step_memory_report(ctx: StepContext, optimizer: torch.optim.Optimizer | None, loss_fn: Callable[[], Tensor],
+                       plan: MemoryPlan) -> dict[str, int]:
+    """:func:`memory_report` of the trainer's step on its context (``loss_fn``: one micro-batch's loss, as the step
+    computes it; with ``--offload-params``, the states on the host once FSDP2 offloads them)."""
+
+    def train_loss() -> Tensor:
+        ctx.model.train()
+        return loss_fn()
+
+    states_on_host = plan.parallel.offload_params and uses_zero(plan.parallel)
+    return memory_report(ctx.model, optimizer, train_loss, states_on_host=states_on_host)
 
 
-def startup_memory_report(trainer: Any, batch: dict[str, Tensor]) -> dict[str, int]:
-    """Collective: measure this rank's report on ``batch`` and log every rank's on rank 0 (the trainer's
-    start-up call), then the planner's prediction for the run's own configuration beside rank 0's
-    measurement (:func:`format_prediction`); returns this rank's report (see :func:`metrics_fields`)."""
-    report = trainer_memory_report(trainer, batch)
+def startup_memory_report(ctx: StepContext, optimizer: torch.optim.Optimizer | None, loss_fn: Callable[[], Tensor],
+                          plan: MemoryPlan, shape: Sequence[int]) -> dict[str, int]:
+    """Collective: measure this rank's report (:func:`step_memory_report`) and log every rank's on rank 0 (the
+    trainer's start-up call), then the planner's prediction for the run's own configuration (``shape``: the
+    batch's ``(batch, seq_len)``) beside rank 0's measurement (:func:`format_prediction`); returns this rank's
+    report (see :func:`metrics_fields`)."""
+    report = step_memory_report(ctx, optimizer, loss_fn, plan)
     reports = log_memory_report(report)
     rank = dist.get_rank() if is_distributed() else 0
     if rank == 0:
-        batch_size, seq_len = batch["input_ids"].shape
-        predicted = predicted_memory(trainer, seq_len=seq_len, batch=batch_size)
+        batch_size, seq_len = shape
+        predicted = predicted_memory(ctx, plan, seq_len=seq_len, batch=batch_size)
         log.info("planner's prediction for this configuration (loongtrain.plan.memory_model) beside rank 0's "
                  "measurement:\n%s", format_prediction(predicted, reports[0]))
     return report
 
 
-def predicted_memory(trainer: Any, *, seq_len: int, batch: int) -> dict[str, float]:
-    """:func:`loongtrain.plan.memory_model.memory_per_rank` for what ``trainer`` runs: its model, layout, ZeRO
-    shard group (1 without FSDP), ``recompute``, ``reshard_after_forward``, compute dtype and memory modes."""
-    cfg, mesh = trainer.cfg, trainer.mesh
-    parallel = cfg.parallel
-    zero_size = parallel.shard_size(mesh.world_size) if uses_zero(parallel) else 1
-    compute = autocast_dtype(cfg, trainer.device) or param_dtype(cfg)
-    model = trainer.model_config
-    return config_memory(model, parallel, mesh.layout, seq_len=seq_len, batch=batch,
-                         dtype_bytes=torch.empty((), dtype=compute).element_size(), zero_size=zero_size,
-                         lora=cfg.lora_config(), reference=cfg.objective == "dpo",
-                         kernels=scratch_kernels(trainer.device, compute, model.head_dim))
+def predicted_memory(ctx: StepContext, plan: MemoryPlan, *, seq_len: int, batch: int) -> dict[str, float]:
+    """:func:`loongtrain.plan.memory_model.memory_per_rank` for what the step context runs: its model, its layout
+    and the run's plan (:class:`MemoryPlan`)."""
+    return memory_per_rank(ctx.model_config, ctx.mesh.layout, plan.parallel, seq_len=seq_len, batch=batch,
+                           dtype_bytes=plan.dtype_bytes, zero_size=plan.zero_size, features=plan.features)
 
 
 def scratch_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:
     """The CUDA attention kernels the kernel choice may pick here whose backward scratch the memory model
-    counts (``kernels`` of :func:`~loongtrain.plan.memory_model.config_memory`; none on CPU)."""
+    counts (:mod:`loongtrain.attn.kernel_memory`; none on CPU)."""
     from loongtrain.attn.cuda_kernels import SCRATCH_KERNELS
     from loongtrain.attn.kernel_choice import kernel_candidates
 
@@ -281,6 +299,13 @@ COMPARED_PARTS = {
     "params + grads + optimizer state": (("states",), ("params", "grads", "optimizer_state")),
     "saved activations": (("activations",), ("activations",)),
 }
+
+
+#: the planner's parts of the step (:func:`~loongtrain.plan.memory_model.memory_per_rank`); any other is a phase
+#: of the run's outside the step (an objective's: DPO's ``reference``), and of them the transient ones
+STEP_PARTS = ("states", "working_params", "activations", "recompute", "logits", "workspace", "host_activations",
+              "total", "host")
+TRANSIENT_PARTS = ("working_params", "recompute", "logits", "workspace")
 
 
 def compared_totals(predicted: dict[str, float], measured: dict[str, int]) -> tuple[float, float]:
@@ -304,11 +329,10 @@ def format_prediction(predicted: dict[str, float], measured: dict[str, int]) -> 
     if measured.get("host") or predicted.get("host"):  # the offload modes: the planner's host against the report's
         lines.append(f"| host (offload modes) | {_mib(int(predicted.get('host', 0)))} | "
                      f"{_mib(measured.get('host', 0))} |")
-    transient = {k: v for k, v in predicted.items()
-                 if k not in ("total", "states", "activations", "host", "host_activations", "reference")}
+    transient = {k: v for k, v in predicted.items() if k in TRANSIENT_PARTS}
     lines.append(f"| transient ({', '.join(transient)}) | {_mib(int(sum(transient.values())))} | - |")
-    if "reference" in predicted:  # --objective dpo: the reference pass before the first step
-        lines.append(f"| DPO reference pass (before the first step) | {_mib(int(predicted['reference']))} | - |")
+    for name in (k for k in predicted if k not in STEP_PARTS):  # an objective's phases (DPO's reference pass)
+        lines.append(f"| {name} phase (before the first step) | {_mib(int(predicted[name]))} | - |")
     lines.append(f"| planner's peak of the step | {_mib(int(predicted['total']))} | - |")
     return "\n".join(lines)
 

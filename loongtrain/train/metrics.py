@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from loongtrain.plan.cluster import Cluster, builtin_clusters, load_cluster
-from loongtrain.train.config import TrainConfig
 
 log = logging.getLogger("loongtrain.train")
 
@@ -302,10 +301,10 @@ def size_label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
-def peak_flops_total(cfg: TrainConfig, device: torch.device, world: int) -> float | None:
+def peak_flops_total(peak_tflops: float, device: torch.device, world: int) -> float | None:
     """Peak FLOP/s of the whole job for MFU (see loongtrain.train.metrics); None when unknown."""
-    if cfg.peak_tflops > 0:
-        per_device = cfg.peak_tflops
+    if peak_tflops > 0:
+        per_device = peak_tflops
     elif device.type == "cuda":
         per_device = cuda_peak_tflops(device)
         if per_device is None:
@@ -314,5 +313,5 @@ def peak_flops_total(cfg: TrainConfig, device: torch.device, world: int) -> floa
     else:
         per_device = measure_cpu_tflops()
         log.info("CPU peak for MFU: measured %.4f TFLOP/s per single-thread worker", per_device)
-    devices = world if device.type == "cuda" or cfg.peak_tflops > 0 else min(world, os.cpu_count() or 1)
+    devices = world if device.type == "cuda" or peak_tflops > 0 else min(world, os.cpu_count() or 1)
     return per_device * 1e12 * devices

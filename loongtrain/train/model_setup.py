@@ -50,8 +50,9 @@ from loongtrain.parallelize.compile import compile_enabled
 from loongtrain.parallelize.compose import materialize_params, parallelize
 from loongtrain.parallelize.lora import find_targets, with_adapters
 from loongtrain.parallelize.zero import uses_zero
+from loongtrain.sections.model import ModelSection, param_dtype
 from loongtrain.train.checkpoint import find_checkpoint, read_trainer_state
-from loongtrain.train.config import TrainConfig, param_dtype
+from loongtrain.train.config import TrainSections
 
 Tensor = torch.Tensor
 
@@ -77,7 +78,7 @@ def hf_model_dir(model: str) -> Path | None:
                      f"a local Hugging Face model directory (config.json + optional *.safetensors)")
 
 
-def tokenizer_spec(cfg: TrainConfig) -> str:
+def tokenizer_spec(cfg: ModelSection) -> str:
     """``--tokenizer`` with ``auto`` resolved: the model directory when it holds a Hugging Face tokenizer,
     else ``byte``."""
     if cfg.tokenizer != AUTO_TOKENIZER:
@@ -88,7 +89,7 @@ def tokenizer_spec(cfg: TrainConfig) -> str:
     return "byte"
 
 
-def build_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
+def build_run_tokenizer(cfg: ModelSection) -> Tokenizer:
     """The run's tokenizer (:func:`tokenizer_spec` built); ValueError naming ``--tokenizer`` when it can't
     be loaded."""
     try:
@@ -97,7 +98,7 @@ def build_run_tokenizer(cfg: TrainConfig) -> Tokenizer:
         raise ValueError(f"--tokenizer {cfg.tokenizer!r}: {exc}") from None
 
 
-def model_config_for(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> ModelConfig:
+def model_config_for(cfg: ModelSection, tokenizer: Tokenizer | None = None) -> ModelConfig:
     """The shape of the model ``cfg`` trains. A preset is widened to the tokenizer's vocabulary if that
     is larger; a Hugging Face directory is validated (:func:`loongtrain.hf.check_hf_dir`: config.json,
     a supported architecture, weights matching it) and must hold the tokenizer's vocabulary. With
@@ -127,7 +128,7 @@ def model_config_for(cfg: TrainConfig, tokenizer: Tokenizer | None = None) -> Mo
     return dataclasses.replace(config, rope_theta=float(raw_rope_parameters(hf_config).get("rope_theta") or 10000.0))
 
 
-def init_checkpoint(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
+def init_checkpoint(cfg: ModelSection) -> tuple[Path, dict[str, Any]] | None:
     """``(checkpoint directory, trainer state)`` of ``--init-from`` (None without it); ValueError naming
     ``--init-from`` when it names no checkpoint, or one of another model."""
     if not cfg.init_from:
@@ -147,12 +148,12 @@ def init_checkpoint(cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
     return path, state
 
 
-def _init_record(cfg: TrainConfig) -> dict[str, Any] | None:
+def _init_record(cfg: ModelSection) -> dict[str, Any] | None:
     found = init_checkpoint(cfg)
     return None if found is None else found[1]
 
 
-def _same_model(run: ModelConfig, saved: ModelConfig, cfg: TrainConfig) -> ModelConfig:
+def _same_model(run: ModelConfig, saved: ModelConfig, cfg: ModelSection) -> ModelConfig:
     """``saved`` when it is ``run``'s model up to its RoPE (which ``--init-from`` carries over); ValueError
     naming the first field that differs otherwise."""
     name = first_difference(run, saved)
@@ -162,7 +163,7 @@ def _same_model(run: ModelConfig, saved: ModelConfig, cfg: TrainConfig) -> Model
     return saved
 
 
-def hf_run_config(cfg: TrainConfig) -> Any:
+def hf_run_config(cfg: ModelSection) -> Any:
     """The HF config a Hugging Face run (``--model DIR``) trains: config.json's, with the RoPE of
     ``--init-from``'s checkpoint when given, changed by ``--rope-theta`` / ``--rope-scaling``."""
     directory = hf_model_dir(cfg.model)
@@ -217,7 +218,7 @@ def loss_inputs(model: nn.Module, input_ids: Tensor, position_ids: Tensor, cu_se
     return (*hidden_and_head(model, input_ids, position_ids, cu_seqlens, chunk_order), None)
 
 
-def model_record(model_config: ModelConfig, cfg: TrainConfig) -> dict[str, Any]:
+def model_record(model_config: ModelConfig, cfg: ModelSection) -> dict[str, Any]:
     """What a checkpoint records to rebuild the model without the run's inputs (``loongtrain export``):
     ``{"model_config": ModelConfig fields}`` for a preset (vocabulary as trained), ``{"hf_config": the
     directory's config.json}`` for a Hugging Face model."""
@@ -238,39 +239,41 @@ def model_from_record(record: dict[str, Any], dtype: torch.dtype = torch.float32
                      "by an older loongtrain; pass the model")
 
 
-def build_model(model_config: ModelConfig, cfg: TrainConfig, mesh: Mesh, device: torch.device,
+def build_model(model_config: ModelConfig, cfg: TrainSections, mesh: Mesh, device: torch.device,
                 fsdp_param_dtype: torch.dtype | None = None) -> nn.Module:
     """The seeded :class:`Transformer`, parallelized. Under FSDP2 it is built on the meta device,
     sharded, and each rank fills its shards from the parameters' full initial values (one parameter at
-    a time, on CPU): no rank holds the whole model, and the weights equal ``Transformer(seed=cfg.seed)``
+    a time, on CPU): no rank holds the whole model, and the weights equal ``Transformer(seed=cfg.optim.seed)``
     bit for bit. ``fsdp_param_dtype``: FSDP2's gathered-weight dtype. A Hugging Face model directory
     (``--model DIR``) with weight files is sharded the same way, each shard read from the files one
     tensor at a time; without FSDP2, or without weight files (a seeded init from the config), it is
     built whole on CPU and then parallelized."""
-    directory = hf_model_dir(cfg.model)
-    steps = dict(compile=compile_enabled(cfg.compile, device),  # --compile: docs/compile.md
-                 lora=cfg.lora_config(), seed=cfg.seed)  # --lora: docs/lora.md
+    options, seed, parallel = cfg.model, cfg.optim.seed, cfg.parallel
+    directory = hf_model_dir(options.model)
+    steps = dict(compile=compile_enabled(options.compile, device),  # --compile: docs/compile.md
+                 lora=options.lora_config(), seed=seed)  # --lora: docs/lora.md
+    dtype = param_dtype(options.dtype)
     if directory is not None:
-        hf_config = hf_run_config(cfg)
-        if not (uses_zero(cfg.parallel) and hf_weight_files(directory)):
-            model = build_hf_model(directory, param_dtype(cfg), cfg.seed, hf_config)
-            return parallelize(model, mesh, cfg.parallel, device, **steps)
-        model = build_hf_model_on_meta(directory, param_dtype(cfg), hf_config)
-        model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, **steps)
-        materialize_params(model, with_adapters(hf_initial_weights(directory), cfg.seed))
+        hf_config = hf_run_config(options)
+        if not (uses_zero(parallel) and hf_weight_files(directory)):
+            model = build_hf_model(directory, dtype, seed, hf_config)
+            return parallelize(model, mesh, parallel, device, **steps)
+        model = build_hf_model_on_meta(directory, dtype, hf_config)
+        model = parallelize(model, mesh, parallel, device, param_dtype=fsdp_param_dtype, **steps)
+        materialize_params(model, with_adapters(hf_initial_weights(directory), seed))
         restore_hf_buffers(model)
         return model
-    if not uses_zero(cfg.parallel):
-        model = Transformer(model_config, seed=cfg.seed).to(param_dtype(cfg))
-        return parallelize(model, mesh, cfg.parallel, device, **steps)
+    if not uses_zero(parallel):
+        model = Transformer(model_config, seed=seed).to(dtype)
+        return parallelize(model, mesh, parallel, device, **steps)
     with torch.device("meta"):
-        model = Transformer(model_config, seed=None).to(param_dtype(cfg))
-    model = parallelize(model, mesh, cfg.parallel, device, param_dtype=fsdp_param_dtype, **steps)
-    materialize_params(model, with_adapters(lambda name, shape: initial_weight(name, shape, cfg.seed), cfg.seed))
+        model = Transformer(model_config, seed=None).to(dtype)
+    model = parallelize(model, mesh, parallel, device, param_dtype=fsdp_param_dtype, **steps)
+    materialize_params(model, with_adapters(lambda name, shape: initial_weight(name, shape, seed), seed))
     return model
 
 
-def lora_targets(cfg: TrainConfig, model_config: ModelConfig) -> list[str]:
+def lora_targets(cfg: ModelSection, model_config: ModelConfig) -> list[str]:
     """The modules ``--lora`` adapts (none without it), found on the run's model built on the meta device, so
     the launcher refuses targets that match nothing (naming the valid ones) before any worker starts."""
     lora = cfg.lora_config()

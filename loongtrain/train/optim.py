@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from loongtrain.train.config import TrainConfig
+from loongtrain.sections.training import OptimSection
 
 
 def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -36,9 +36,10 @@ def adamw_implementation(device: torch.device, offload_params: bool) -> dict[str
 
 
 def build_optimizer(
-    model: nn.Module, cfg: TrainConfig
+    model: nn.Module, cfg: OptimSection, offload_params: bool = False
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (weight decay on >= 2-D weights, none on norms) and its LambdaLR schedule."""
+    """AdamW (weight decay on >= 2-D weights, none on norms) and its LambdaLR schedule; ``offload_params``: the
+    step runs on the host (FSDP2's ``CPUOffloadPolicy``)."""
     decay, no_decay = [], []
     for _, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if param.requires_grad:
@@ -51,7 +52,7 @@ def build_optimizer(
     device = params[0].device if params else torch.device("cpu")
     optimizer = torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        **adamw_implementation(device, cfg.parallel.offload_params),
+        **adamw_implementation(device, offload_params),
     )
 
     def factor(step: int) -> float:

@@ -29,8 +29,6 @@ from torch import nn
 
 from loongtrain._files import remove_owned
 from loongtrain.attn.kernel_choice import chosen_kernels, refused_kernels
-from loongtrain.data.pipeline import build_batches
-from loongtrain.loss.chunked import chunked_cross_entropy
 from loongtrain.model.config import ModelConfig, num_params, step_flops
 from loongtrain.model.lora import adapter_params, lora_flops_saved
 from loongtrain.parallel.agreement import attention_check_group, check_agreement, deferred_attention_checks
@@ -38,6 +36,8 @@ from loongtrain.parallel.failures import kill_point
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.runtime import is_distributed, to_device
 from loongtrain.parallelize.zero import uses_zero
+from loongtrain.sections.model import autocast_dtype
+from loongtrain.sections.stages import Stage, describe, run_stages
 from loongtrain.train.batch import Batch, BatchSharding, LocalBatch, sharding_fields
 from loongtrain.train.checkpoint import (
     CHECKPOINTS_OUTPUT,
@@ -47,9 +47,15 @@ from loongtrain.train.checkpoint import (
     remove_stale_tmp,
     save_checkpoint,
 )
-from loongtrain.train.config import Run, TrainConfig, autocast_dtype
+from loongtrain.train.config import Run, TrainSections
 from loongtrain.train.lora_base import base_record
-from loongtrain.train.memory_report import metrics_fields, startup_memory_report
+from loongtrain.train.memory_report import (
+    MemoryPlan,
+    metrics_fields,
+    predicted_memory,
+    startup_memory_report,
+    step_memory_report,
+)
 from loongtrain.train.metrics import (
     MetricsLogger,
     peak_flops_total,
@@ -58,18 +64,18 @@ from loongtrain.train.metrics import (
     plot_loss_curve,
     read_device_values,
 )
-from loongtrain.train.model_setup import build_model, init_checkpoint, loss_inputs, model_record
-from loongtrain.train.objectives import build_objective, post_training_batches
+from loongtrain.train.model_setup import build_model, init_checkpoint, model_record
+from loongtrain.train.objective import Objective
 from loongtrain.train.optim import build_optimizer, clip_grad_norm, fill_missing_grads
-from loongtrain.train.router_loss import build_router_loss
-from loongtrain.train.stages import Stage, StageStream, describe, run_stages, stage_config
+from loongtrain.train.stages import StageStream, stage_config
+from loongtrain.train.step_context import StepContext
 from loongtrain.train.sync import GradientSync, needs_grad_sync
 from loongtrain.train.validation import Validation
 
 log = logging.getLogger("loongtrain.train")
 
 #: (cfg, mesh, start_micro_step) -> iterator of this replica's full-sequence micro-batches
-BatchSource = Callable[[TrainConfig, Mesh, int], Iterator[Batch]]
+BatchSource = Callable[[TrainSections, Mesh, int], Iterator[Batch]]
 
 
 def use_deterministic(device: torch.device) -> None:
@@ -100,7 +106,9 @@ class Trainer:
     2D zigzag shard (:class:`~loongtrain.train.batch.BatchSharding`), so the trainer is layout-agnostic.
     ``batches`` replaces the corpus (tests, benchmarks): a :data:`BatchSource`, called with each stage's
     options (``--seq-len-stages``: :mod:`~loongtrain.train.stages`). The in-loop evaluations are the
-    run's (``run.evaluations``, built by the launch path). ``per_call_checks``: agree on every attention
+    run's (``run.evaluations``, built by the launch path), and so is the objective (``run.objective``, from
+    :mod:`loongtrain.objectives`' registry), built here on the rank's :class:`~loongtrain.train.step_context.
+    StepContext`: pretraining is an objective like the others. ``per_call_checks``: agree on every attention
     call's arguments in its own exchange, as direct library use does, instead of once per step
     (benchmarks/agreement.py compares the two).
     """
@@ -110,12 +118,12 @@ class Trainer:
         cfg = run.cfg
         self.run, self.cfg, self.mesh, self.device = run, cfg, mesh, device
         self.model_config = run.model_config  # the shape (FLOPs, memory prediction); HF models keep their own
-        if cfg.deterministic:
+        if cfg.optim.deterministic:
             use_deterministic(device)
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.optim.seed)
         if device.type == "cuda":
-            torch.cuda.manual_seed_all(cfg.seed)
-        compute = autocast_dtype(cfg, device)
+            torch.cuda.manual_seed_all(cfg.optim.seed)
+        compute = autocast_dtype(cfg.model.dtype, device)
         sharded = uses_zero(cfg.parallel)
         self.model: nn.Module = build_model(self.model_config, cfg, mesh, device, compute if sharded else None)
         self.params = [p for _, p in sorted(self.model.named_parameters(), key=lambda kv: kv[0])]
@@ -123,15 +131,15 @@ class Trainer:
         self.per_call_checks = per_call_checks
         self._peak: float | None = None  # the MFU's peak FLOP/s (train)
         self._tokens: dict[int, int] = {}  # step -> its tokens, for records whose FLOP rates wait for a read
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
-        self.amp_dtype = None if sharded else compute  # FSDP2 casts the weights: no autocast (autocast_dtype)
-        self.sharding = BatchSharding(cfg, mesh, self.model_config, device)
-        self.batch_source = batches or self._corpus_batches
-        self.out_dir = Path(cfg.out_dir)
-        self.stages = run_stages(cfg)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.parallel.offload_params)
+        # FSDP2 casts the weights: no autocast (sections/model.py's autocast_dtype)
+        self.ctx = StepContext(self.model, self.model_config, mesh, device,
+                               BatchSharding(cfg.data, mesh, self.model_config, device), None if sharded else compute)
+        self.out_dir = Path(cfg.output.out_dir)
+        self.stages = run_stages(cfg.data, cfg.optim.steps)
         self._lora_base: dict[str, Any] | None = None  # --lora: the checkpoints' record of the base (on first save)
-        self.objective = build_objective(self)  # --objective sft|dpo (train/objectives.py); None: pretraining
-        self.router_loss = build_router_loss(self.model, mesh)  # MoE: the load-balancing loss (train/router_loss.py)
+        self.objective: Objective = run.objective.build(self.ctx, run)  # loongtrain/objectives/
+        self.batch_source = batches or (lambda cfg, _mesh, start: self.objective.batches(cfg, start))
 
     # -- the run ---------------------------------------------------------------------------------------
 
@@ -144,19 +152,16 @@ class Trainer:
         start, state = self.resume()
         self._tidy_out_dir(resumed=bool(state))
         batches = self.open_data(start, state)
-        if self.objective is not None:  # DPO: the reference's log-probabilities, before the first forward
-            self.objective.prepare(batches, start, cfg.steps if not cfg.stop_after else min(cfg.steps,
-                                                                                            start + cfg.stop_after))
-        mem_fields = self._memory_report(batches, start) if cfg.memory_report else {}
+        steps, stop_after = cfg.optim.steps, cfg.runtime.stop_after
+        end = steps if not stop_after else min(steps, start + stop_after)
+        self.objective.prepare(batches, start, end)  # DPO: the reference's log-probabilities, before the first forward
+        mem_fields = self._memory_report(batches, start) if cfg.runtime.memory_report else {}
         self._peak = self._peak_flops()
         logger = self._logger(start)
-        end = cfg.steps if not cfg.stop_after else min(cfg.steps, start + cfg.stop_after)
         records: list[dict[str, Any]] = []
         # --val-interval: the validation loss and the in-loop evaluations (train/validation.py)
-        validation = Validation(stage_config(cfg, batches.stage), self.mesh, self.loss, self.model,
-                                evaluations=self.run.evaluations, device=self.device, amp_dtype=self.amp_dtype,
-                                measure=None if self.objective is None else
-                                lambda val: self.objective.validation_loss(self, val))
+        validation = Validation(stage_config(cfg, batches.stage), self.ctx, self.objective.validation_loss,
+                                read=self.objective.validation_batches, evaluations=self.run.evaluations)
         reset_peak_memory(self.device)
         bad_steps = 0
         unread: list[dict[str, Any]] = []  # records whose DEVICE_VALUES (metrics.py) are still on the device
@@ -195,18 +200,19 @@ class Trainer:
         if is_distributed() and dist.get_world_size() > 1:
             dist.broadcast_object_list(choice, src=0)
         if not choice[0]:
-            if self.cfg.resume:
-                log.info("--resume %s: no checkpoint in %s yet; starting fresh", self.cfg.resume,
+            if self.cfg.output.resume:
+                log.info("--resume %s: no checkpoint in %s yet; starting fresh", self.cfg.output.resume,
                          self.out_dir / "checkpoints")
-            if self.cfg.init_from:  # weights only: optimizer, schedule and data start fresh
-                found = init_checkpoint(self.cfg)
+            if self.cfg.model.init_from:  # weights only: optimizer, schedule and data start fresh
+                found = init_checkpoint(self.cfg.model)
                 assert found is not None
                 load_model_weights(found[0], self.model)
                 log.info("initialised the weights from %s (step %d of its run)", found[0], int(found[1]["step"]))
             return 0, {}
         state = load_checkpoint(Path(choice[0]), self.model, self.optimizer, self.scheduler)
         log.info("resumed from %s at step %d%s", choice[0], int(state["step"]),
-                 f" (--init-from {self.cfg.init_from} applies to a fresh start only)" if self.cfg.init_from else "")
+                 f" (--init-from {self.cfg.model.init_from} applies to a fresh start only)" if self.cfg.model.init_from
+                 else "")
         return int(state["step"]), state
 
     def open_data(self, start_step: int, state: dict[str, Any]) -> StageStream:
@@ -230,27 +236,24 @@ class Trainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.objective is not None and not self.objective.begin_step(micro_batches):
+        if not self.objective.begin_step(micro_batches):
             return self._no_targets(read)
-        local = [self.sharding.local(b) for b in micro_batches]
-        if self.router_loss is not None:
-            self.router_loss.take()  # drop what forwards outside a step (validation) recorded
+        local = [self.ctx.local(b) for b in micro_batches]
         loss_value = self._forward_backward(local)
         fill_missing_grads(self.params)  # the same update at every world size for a parameter without one
-        grad_norm = clip_grad_norm(self.params, self.cfg.clip)
+        grad_norm = clip_grad_norm(self.params, self.cfg.optim.clip)
         lr = self.optimizer.param_groups[0]["lr"]
-        pairs: torch.Tensor | int = sum(self.sharding.visible_pairs(b) for b in micro_batches)
-        aux = self.router_loss.take() if self.router_loss is not None else None
-        if self.mesh.dp > 1:  # one all-reduce for the loss, the replicas' attention pairs (and the aux loss)
+        pairs: torch.Tensor | int = sum(self.ctx.sharding.visible_pairs(b) for b in micro_batches)
+        values = self.objective.step_values()  # e.g. MoE's aux_loss
+        if self.mesh.dp > 1:  # one all-reduce for the loss, the replicas' attention pairs (and the step's values)
             both = torch.stack([loss_value, to_device(torch.tensor(float(pairs), dtype=torch.float64), self.device),
-                                *([aux] if aux is not None else [])])
+                                *values.values()])
             dist.all_reduce(both, group=self.mesh.dp_group)
             loss_value, pairs = both[0] / self.mesh.dp, both[1]
-            aux = both[2] / self.mesh.dp if aux is not None else None
+            values = {name: both[2 + i] / self.mesh.dp for i, name in enumerate(values)}
         # the loss is dp-reduced and the norm is of synchronised gradients: every rank decides alike
         finite = torch.isfinite(loss_value) & torch.isfinite(grad_norm)
-        record = {"loss": loss_value, "grad_norm": grad_norm, "attention_pairs": pairs,
-                  **({"aux_loss": aux} if aux is not None else {})}
+        record = {"loss": loss_value, "grad_norm": grad_norm, "attention_pairs": pairs, **values}
         earlier = read if isinstance(read, list) else []
         skipped = not self._read([record, *earlier] if read is not False else [], guard=finite)
         if skipped:
@@ -259,9 +262,8 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         return {"loss": record["loss"], "grad_norm": record["grad_norm"], "lr": float(lr), "skipped": int(skipped),
-                "attention_pairs": record["attention_pairs"],
-                **({"aux_loss": record["aux_loss"]} if "aux_loss" in record else {}),
-                **(self.objective.metrics() if self.objective is not None else {})}
+                "attention_pairs": record["attention_pairs"], **{name: record[name] for name in values},
+                **self.objective.metrics()}
 
     def _no_targets(self, read: list[dict[str, Any]] | bool) -> dict[str, Any]:
         """A post-training step whose sequences hold no target at all: no forward, no update (every rank
@@ -286,7 +288,7 @@ class Trainer:
             for i, batch in enumerate(local):
                 last = i == len(local) - 1
                 with self.grad_sync.overlapped() if self.grad_sync and last else contextlib.nullcontext():
-                    loss, value = self.local_loss(batch)
+                    loss, value = self.objective.loss(batch)
                     (loss / len(local)).backward()
                 loss_sum += value.detach().to(torch.float64)
         if calls is not None:
@@ -303,26 +305,11 @@ class Trainer:
         return flag
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard: the
-        forward to the final norm's input, then the chunked cross-entropy through the final norm and the LM
-        head (no rank holds its logits; :func:`~loongtrain.loss.chunked.chunked_cross_entropy`'s contract).
-        With ``--objective sft|dpo``: the objective's loss of this batch on its own (train/objectives.py)."""
-        if self.objective is not None:
-            self.objective.begin_step([batch], dp_reduce=False)
-        return self.local_loss(self.sharding.local(batch))
-
-    def local_loss(self, local: LocalBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`loss` of a micro-batch already laid on this rank (``BatchSharding.local``)."""
-        router = self.router_loss
-        with self._autocast():
-            with router.recording() if router is not None else contextlib.nullcontext():
-                hidden, head, norm = loss_inputs(self.model, local.input_ids, local.position_ids, local.cu_seqlens,
-                                                 local.chunk_order)
-            if self.objective is not None:
-                loss, value = self.objective.loss(local, hidden, head, norm)
-            else:
-                loss, value = chunked_cross_entropy(hidden, head, local.labels, self.mesh, norm=norm)
-            return router.add(loss, value) if router is not None else (loss, value)
+        """``(loss_for_backward, loss_value)`` of one full-sequence micro-batch on this rank's shard, on its own:
+        the objective's (pretraining: the forward to the final norm's input, then the chunked cross-entropy through
+        the final norm and the LM head; no rank holds its logits)."""
+        self.objective.begin_step([batch], dp_reduce=False)
+        return self.objective.loss(self.ctx.local(batch))
 
     def log(self, logger: MetricsLogger | None, record: dict[str, Any], *, last: bool) -> None:
         """Write ``record`` (rank 0) every ``--log-interval`` steps, at the end, for every skipped or validated
@@ -333,28 +320,28 @@ class Trainer:
     def _logs(self, step: int, *, last: bool) -> bool:
         """Whether step ``step`` (1-based) is logged whatever its values: every ``--log-interval``, the last, and
         the first of each stage of --seq-len-stages."""
-        return step % self.cfg.log_interval == 0 or last or self._stage_begins(step - 1)
+        return step % self.cfg.output.log_interval == 0 or last or self._stage_begins(step - 1)
 
     def save(self, done: int, batches: StageStream, *, last: bool) -> None:
         """Checkpoint after step ``done`` every ``--ckpt-interval`` steps and at the end (collective)."""
-        cfg, mesh = self.cfg, self.mesh
-        if not ((cfg.ckpt_interval and done % cfg.ckpt_interval == 0) or last):
+        cfg, mesh, output = self.cfg, self.mesh, self.cfg.output
+        if not ((output.ckpt_interval and done % output.ckpt_interval == 0) or last):
             return
-        record = model_record(self.model_config, cfg)
-        if cfg.lora and self._lora_base is None:  # --lora: the base the adapters belong to (train/lora_base.py)
-            self._lora_base = base_record(cfg, record)
+        record = model_record(self.model_config, cfg.model)
+        if cfg.model.lora and self._lora_base is None:  # --lora: the base the adapters belong to (train/lora_base.py)
+            self._lora_base = base_record(cfg.model, cfg.optim.seed, record)
         save_checkpoint(self.out_dir / "checkpoints", done, self.model, self.optimizer, self.scheduler,
                         {"micro_step": done * batches.stage.grad_accum, **batches.state(), "config": cfg.to_dict(),
                          "data_identity": self.run.data_identity, **record,
-                         **({"lora": self._lora_base} if cfg.lora else {}),
+                         **({"lora": self._lora_base} if cfg.model.lora else {}),
                          "layout": {"world": mesh.world_size, "dp": mesh.dp, "hp": mesh.hp, "cp": mesh.cp},
                          "attention_kernels": chosen_kernels(), "refused_kernels": refused_kernels()},
-                        keep=cfg.keep_checkpoints)
+                        keep=output.keep_checkpoints)
 
     def finish(self, records: list[dict[str, Any]], logger: MetricsLogger | None) -> None:
         """Rank 0: the loss plot and the closing summary line; then every rank waits for the others."""
         if logger is not None and records:
-            if self.cfg.plot:
+            if self.cfg.output.plot:
                 stages = [(s.first_step, s.seq_len) for s in self.stages] if len(self.stages) > 1 else []
                 plot_loss_curve(logger.jsonl_path, self.out_dir / "loss_curve.png", stages=stages)
                 plot_evaluations(logger.jsonl_path, self.out_dir / "eval_curve.png")
@@ -368,22 +355,12 @@ class Trainer:
 
     # -- pieces of the run -----------------------------------------------------------------------------
 
-    def _corpus_batches(self, cfg: TrainConfig, mesh: Mesh, start_micro_step: int) -> Iterator[Batch]:
-        """Batches from ``loongtrain.data`` for this rank's dp replica (the run's tokenizer, built once)."""
-        tokenizer = self.run.tokenizer
-        assert tokenizer is not None, "a corpus run needs the tokenizer the launcher resolved (Run.tokenizer)"
-        if self.objective is not None:  # conversations or pairs, packed whole
-            return post_training_batches(cfg, tokenizer, mesh, start_micro_step)
-        return build_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp, cfg.seed,
-                             start_micro_step, val_fraction=cfg.val_fraction,
-                             decode_errors=cfg.decode_errors)
-
     def _tidy_out_dir(self, *, resumed: bool) -> None:
         """Rank 0: ``--overwrite`` deletes old checkpoints of a fresh start; saves that died half-way go."""
         if self.mesh.rank != 0:
             return
         root = self.out_dir / "checkpoints"
-        if self.cfg.overwrite and not resumed and root.is_dir():  # only what the trainer wrote there
+        if self.cfg.output.overwrite and not resumed and root.is_dir():  # only what the trainer wrote there
             log.warning("--overwrite: deleting the checkpoints in %s", root)
             remove_owned(CHECKPOINTS_OUTPUT, root)
         for stale in remove_stale_tmp(root):
@@ -397,18 +374,39 @@ class Trainer:
         if first is None:
             stage = batches.stage
             first = next(self.batch_source(stage_config(self.cfg, stage), self.mesh, start * stage.grad_accum))
-        return metrics_fields(startup_memory_report(self, first))
+        return metrics_fields(self.startup_memory_report(first))
+
+    def memory_plan(self) -> MemoryPlan:
+        """What the planner needs to predict this run's memory (:class:`~loongtrain.train.memory_report.MemoryPlan`:
+        its layout, dtype, ZeRO shard group, adapters, kernels' scratch and its objective's memory phases)."""
+        return MemoryPlan.of(self.cfg, self.ctx, self.run.objective.memory())
+
+    def memory_report(self, batch: Batch) -> dict[str, int]:
+        """This rank's memory of one step on the full-sequence micro-batch ``batch``
+        (:func:`~loongtrain.train.memory_report.step_memory_report`)."""
+        return step_memory_report(self.ctx, self.optimizer, lambda: self.loss(batch)[0], self.memory_plan())
+
+    def startup_memory_report(self, batch: Batch) -> dict[str, int]:
+        """:meth:`memory_report` logged for every rank, with the planner's prediction beside rank 0's (collective;
+        :func:`~loongtrain.train.memory_report.startup_memory_report`)."""
+        return startup_memory_report(self.ctx, self.optimizer, lambda: self.loss(batch)[0], self.memory_plan(),
+                                     batch["input_ids"].shape)
+
+    def predicted_memory(self, *, seq_len: int, batch: int) -> dict[str, float]:
+        """The planner's prediction of this run's memory (:func:`~loongtrain.train.memory_report.predicted_memory`)."""
+        return predicted_memory(self.ctx, self.memory_plan(), seq_len=seq_len, batch=batch)
 
     def _peak_flops(self) -> float | None:
         _barrier()  # rank 0 measures the CPU peak while the other ranks wait idle
-        peak = peak_flops_total(self.cfg, self.device, self.mesh.world_size) if self.mesh.rank == 0 else None
+        peak = peak_flops_total(self.cfg.output.peak_tflops, self.device, self.mesh.world_size) \
+            if self.mesh.rank == 0 else None
         _barrier()
         if self.mesh.rank == 0:
-            log.info("model %s: %.2fM parameters; %s; %d tokens per step; %s", self.cfg.model,
+            log.info("model %s: %.2fM parameters; %s; %d tokens per step; %s", self.cfg.model.model,
                      num_params(self.model_config) / 1e6, self.mesh, self.tokens_per_step(self.stages[0]),
                      rope_text(self.model_config))
-            if self.cfg.lora:
-                lora = self.cfg.lora_config()
+            lora = self.cfg.model.lora_config()
+            if lora is not None:
                 log.info("--lora %s: %.3fM adapter parameters train (%.3f%% of the model), the base is frozen",
                          lora.to_text(), adapter_params(self.model_config, lora) / 1e6,
                          100 * adapter_params(self.model_config, lora) / num_params(self.model_config))
@@ -434,8 +432,9 @@ class Trainer:
     def _logger(self, start: int) -> MetricsLogger | None:
         if self.mesh.rank != 0:
             return None
-        return MetricsLogger(self.out_dir, total_steps=self.cfg.steps, start_step=start,
-                             tensorboard=self.cfg.tensorboard, progress=self.cfg.progress)
+        output = self.cfg.output
+        return MetricsLogger(self.out_dir, total_steps=self.cfg.optim.steps, start_step=start,
+                             tensorboard=output.tensorboard, progress=output.progress)
 
     def _timed_step(self, step: int, stage: Stage, batches: StageStream, mem_fields: dict[str, float],
                     read: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -447,7 +446,7 @@ class Trainer:
         dt = time.perf_counter() - t0
         tokens = self.tokens_per_step(stage)
         seen = batches.tokens_seen()  # data: tokens each corpus supplied (all replicas)
-        record = {"step": step + 1, "total_steps": self.cfg.steps, "seq_len": stage.seq_len, **result,
+        record = {"step": step + 1, "total_steps": self.cfg.optim.steps, "seq_len": stage.seq_len, **result,
                   "step_time_s": dt, "tokens_per_s": tokens / dt, "tflops": None, "mfu": None,
                   "peak_mem_gib": peak_memory_bytes(self.device) / 2**30, **mem_fields,
                   "attention_kernels": ",".join(sorted(set(chosen_kernels().values()))),
@@ -462,7 +461,7 @@ class Trainer:
         (query, key) pairs only (documents, sliding window)."""
         tokens = self._tokens.pop(record["step"])
         flops = (step_flops(self.model_config, tokens, record["attention_pairs"])  # --lora: the FLOPs that run
-                 - lora_flops_saved(self.model_config, self.cfg.lora_config(), tokens))
+                 - lora_flops_saved(self.model_config, self.cfg.model.lora_config(), tokens))
         record["tflops"] = flops / record["step_time_s"] / 1e12
         record["mfu"] = (flops / record["step_time_s"] / self._peak) if self._peak else float("nan")
 
@@ -474,20 +473,16 @@ class Trainer:
         if not record["skipped"]:
             return 0
         log.warning("step %d skipped: loss %s, gradient norm %s (not finite); %d consecutive (--max-bad-steps=%d)",
-                    record["step"], record["loss"], record["grad_norm"], bad_steps + 1, self.cfg.max_bad_steps)
+                    record["step"], record["loss"], record["grad_norm"], bad_steps + 1, self.cfg.runtime.max_bad_steps)
         return bad_steps + 1
 
     def _stop_after_bad_steps(self, record: dict[str, Any], bad_steps: int) -> None:
-        if self.cfg.max_bad_steps and bad_steps >= self.cfg.max_bad_steps:
+        limit = self.cfg.runtime.max_bad_steps
+        if limit and bad_steps >= limit:
             raise NonFiniteError(
                 f"stopping at step {record['step']}: {bad_steps} consecutive steps had a NaN/inf loss or "
-                f"gradient norm (--max-bad-steps={self.cfg.max_bad_steps}); lower --lr or check the data; "
+                f"gradient norm (--max-bad-steps={limit}); lower --lr or check the data; "
                 f"the checkpoints written so far are kept")
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
 
 def reset_peak_memory(device: torch.device) -> None:

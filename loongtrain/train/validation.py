@@ -6,7 +6,8 @@
   over the dp replicas. It touches no optimizer or scheduler state, no gradient, no data position of the
   training stream, and restores the torch RNG states afterwards, so a run with validation trains bit for
   bit like one without (tests/unit/test_validation.py).
-- :func:`validation_batches`: with ``--val-fraction`` or ``--val-corpus``, the first K batches of the
+- :func:`validation_batches` (pretraining's; an objective reads its own: ``Objective.validation_batches``):
+  with ``--val-fraction`` or ``--val-corpus``, the first K batches of the
   held-out data (:func:`loongtrain.data.validation.build_val_batches`: documents the training stream never
   contains); without either, :func:`tail_batches`: the LAST ``K * dp * batch_size`` packed samples of the
   corpus (of each corpus of a mixture, its share), replica ``d`` taking its own rows. The training stream
@@ -21,7 +22,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
@@ -30,90 +30,91 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loongtrain.data.post_training import PRETRAIN, PostTrainingReader
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.parallel.mesh import Mesh
+from loongtrain.sections.stages import run_stages
 from loongtrain.train import model_setup
 from loongtrain.train.checkpoint import rng_state, set_rng_state
-from loongtrain.train.config import TrainConfig
+from loongtrain.train.config import TrainSections
+from loongtrain.train.step_context import StepContext
 
 Batch = dict[str, torch.Tensor]
 #: ``batch -> (loss_for_backward, replica loss value)``, e.g. ``Trainer.loss``
 LossFn = Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
 
 
-def validation_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
-    """This replica's ``count`` validation batches (fewer when the held-out data has fewer): the held-out
-    split when the run has one, else the corpus's tail (module docstring). ``--objective sft|dpo``: rows of
-    whole conversations or pairs, by the same rules (:class:`~loongtrain.data.post_training.PostTrainingReader`)."""
-    if cfg.objective != PRETRAIN:
-        from loongtrain.data import build_tokenizer
-
-        reader = PostTrainingReader.of(cfg, build_tokenizer(model_setup.tokenizer_spec(cfg)))
-        return reader.validation_batches(cfg.corpus, cfg.val_corpus, cfg.val_fraction, cfg.batch_size, mesh.dp_rank,
-                                         mesh.dp, count)
-    if not (cfg.val_fraction or cfg.val_corpus):
+def validation_batches(cfg: TrainSections, mesh: Mesh, count: int) -> list[Batch]:
+    """This replica's ``count`` validation batches of a text corpus (fewer when the held-out data has fewer): the
+    held-out split when the run has one, else the corpus's tail (module docstring)."""
+    data = cfg.data
+    if not (data.val_fraction or data.val_corpus):
         return tail_batches(cfg, mesh, count)
     from loongtrain.data.validation import build_val_batches
 
-    held_out = build_val_batches(cfg.corpus, model_setup.tokenizer_spec(cfg), cfg.seq_len, cfg.batch_size, mesh.dp_rank,
-                                 mesh.dp, seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus,
-                                 decode_errors=cfg.decode_errors)
+    held_out = build_val_batches(data.corpus, model_setup.tokenizer_spec(cfg.model),
+                                 data.seq_len, data.batch_size, mesh.dp_rank, mesh.dp, seed=cfg.optim.seed,
+                                 val_fraction=data.val_fraction, val_corpus=data.val_corpus,
+                                 decode_errors=data.decode_errors)
     return list(itertools.islice(held_out, count))
 
 
-def check_validation(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list[str]:
-    """The launcher's checks of ``--val-interval`` before any worker starts, at every stage's length and
-    batch (``--seq-len-stages``); ValueError where the run cannot validate as asked (held-out data
-    smaller than one global batch), else the one-line warnings where it can: validation that never runs,
-    ``--val-batches`` more than the held-out data holds (then fewer are used) or than the corpus's tail
-    (then samples repeat), ``--val-corpus`` equal to ``--corpus``. Reads at most ``--val-batches`` global
-    batches of each corpus's validation stream (a prepared corpus: its document index only)."""
-    from loongtrain.train.stages import run_stages, stage_config
-
+def validation_warnings(cfg: TrainSections) -> list[str]:
+    """The launcher's checks of ``--val-interval`` and ``--val-corpus`` that need no data, whatever the objective:
+    validation that never runs, ``--val-corpus`` equal to ``--corpus``."""
+    evaluation, data = cfg.evaluation, cfg.data
     warnings = []
-    if cfg.val_corpus and not cfg.val_interval:
-        warnings.append(f"--val-corpus {cfg.val_corpus!r} without --val-interval: the run never validates")
-    if not cfg.val_interval:
+    if data.val_corpus and not evaluation.val_interval:
+        warnings.append(f"--val-corpus {data.val_corpus!r} without --val-interval: the run never validates")
+    if not evaluation.val_interval:
         return warnings
-    if cfg.val_interval > cfg.steps:
-        warnings.append(f"--val-interval {cfg.val_interval} is longer than the run (--steps {cfg.steps}): the "
-                        f"run never validates")
-    if cfg.val_corpus and _same_corpus(cfg.val_corpus, cfg.corpus):
-        warnings.append(f"--val-corpus {cfg.val_corpus!r} is the training corpus: val_loss measures data the run "
+    if evaluation.val_interval > cfg.optim.steps:
+        warnings.append(f"--val-interval {evaluation.val_interval} is longer than the run (--steps "
+                        f"{cfg.optim.steps}): the run never validates")
+    if data.val_corpus and _same_corpus(data.val_corpus, data.corpus):
+        warnings.append(f"--val-corpus {data.val_corpus!r} is the training corpus: val_loss measures data the run "
                         f"trains on, not held-out text (--val-fraction holds documents out)")
-    if cfg.objective != PRETRAIN:  # the held-out rows: checked with the corpus (PostTrainingReader.check)
-        return warnings
-    shapes = dict.fromkeys(_shape(stage_config(cfg, stage)) for stage in run_stages(cfg))
-    for seq_len, batch_size in shapes:
-        warnings += _check_sizes(dataclasses.replace(cfg, seq_len=seq_len, batch_size=batch_size), world, tokenizer)
     return warnings
 
 
-def _check_sizes(cfg: TrainConfig, world: int, tokenizer: Tokenizer) -> list[str]:
+def check_validation(cfg: TrainSections, world: int, tokenizer: Tokenizer) -> list[str]:
+    """The launcher's checks of a text corpus's validation before any worker starts, at every stage's length and
+    batch (``--seq-len-stages``): :func:`validation_warnings`, then a ValueError where the run cannot validate as
+    asked (held-out data smaller than one global batch), else the one-line warnings where it can:
+    ``--val-batches`` more than the held-out data holds (then fewer are used) or than the corpus's tail (then
+    samples repeat). Reads at most ``--val-batches`` global batches of each corpus's validation stream (a
+    prepared corpus: its document index only)."""
+    warnings = validation_warnings(cfg)
+    if not cfg.evaluation.val_interval:
+        return warnings
+    shapes = dict.fromkeys((s.seq_len, s.batch_size) for s in run_stages(cfg.data, cfg.optim.steps))
+    for seq_len, batch_size in shapes:
+        warnings += _check_sizes(cfg.replace(seq_len=seq_len, batch_size=batch_size), world, tokenizer)
+    return warnings
+
+
+def _check_sizes(cfg: TrainSections, world: int, tokenizer: Tokenizer) -> list[str]:
     """:func:`check_validation`'s size checks at ``cfg``'s ``seq_len`` and ``batch_size``."""
-    dp, want = max(1, world // cfg.parallel.sp), cfg.val_batches
-    if cfg.val_fraction or cfg.val_corpus:
+    data = cfg.data
+    dp, want = max(1, world // cfg.parallel.sp), cfg.evaluation.val_batches
+    if data.val_fraction or data.val_corpus:
         from loongtrain.data.validation import count_val_batches
 
-        have = count_val_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, dp, want, seed=cfg.seed,
-                                 val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus,
-                                 decode_errors=cfg.decode_errors)
+        have = count_val_batches(data, tokenizer, dp, want, seed=cfg.optim.seed)
         if have >= want:
             return []
         return [f"--val-batches {want}: the held-out data holds {have} batch(es) of dp {dp} x --batch-size "
-                f"{cfg.batch_size} sequences of --seq-len {cfg.seq_len}; validating on {have}"]
+                f"{data.batch_size} sequences of --seq-len {data.seq_len}; validating on {have}"]
     from loongtrain.data.sources import open_stream, parse_corpus_spec
 
     warnings = []
-    parts = [name for name, _ in parse_corpus_spec(cfg.corpus)]
+    parts = [name for name, _ in parse_corpus_spec(data.corpus)]
     for c, name in enumerate(parts):
-        need = (want // len(parts) + (c < want % len(parts))) * dp * cfg.batch_size
-        stream = open_stream(name, tokenizer, decode_errors=cfg.decode_errors)
-        have = max(stream.ensure(need * cfg.seq_len + 1) - 1, 0) // cfg.seq_len
+        need = (want // len(parts) + (c < want % len(parts))) * dp * data.batch_size
+        stream = open_stream(name, tokenizer, decode_errors=data.decode_errors)
+        have = max(stream.ensure(need * data.seq_len + 1) - 1, 0) // data.seq_len
         if need > have:
-            warnings.append(f"--val-batches {want} x dp {dp} x --batch-size {cfg.batch_size}: {need} validation "
-                            f"sequences from the tail of {name!r}, which holds {have} of --seq-len {cfg.seq_len}: "
+            warnings.append(f"--val-batches {want} x dp {dp} x --batch-size {data.batch_size}: {need} validation "
+                            f"sequences from the tail of {name!r}, which holds {have} of --seq-len {data.seq_len}: "
                             f"the validation set repeats samples")
     return warnings
 
@@ -129,7 +130,7 @@ def _same_corpus(a: str, b: str) -> bool:
     return bool(paths(a) & paths(b))
 
 
-def tail_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
+def tail_batches(cfg: TrainSections, mesh: Mesh, count: int) -> list[Batch]:
     """This replica's ``count`` validation batches (``[batch_size, seq_len]`` each) from the corpus's tail,
     read like the training data (:func:`loongtrain.data.sources.open_stream`: raw or prepared).
 
@@ -140,20 +141,21 @@ def tail_batches(cfg: TrainConfig, mesh: Mesh, count: int) -> list[Batch]:
     from loongtrain import data
     from loongtrain.data.sources import open_stream, parse_corpus_spec
 
-    tokenizer = data.build_tokenizer(model_setup.tokenizer_spec(cfg))
-    parts = [name for name, _ in parse_corpus_spec(cfg.corpus)]
+    options = cfg.data
+    tokenizer = data.build_tokenizer(model_setup.tokenizer_spec(cfg.model))
+    parts = [name for name, _ in parse_corpus_spec(options.corpus)]
     batches = []
     for c, name in enumerate(parts):
         share = count // len(parts) + (c < count % len(parts))
         if not share:
             continue
-        stream = open_stream(name, tokenizer, decode_errors=cfg.decode_errors)
-        dataset = data.PackedDataset(stream, cfg.seq_len)
+        stream = open_stream(name, tokenizer, decode_errors=options.decode_errors)
+        dataset = data.PackedDataset(stream, options.seq_len)
         available = dataset.num_samples()
-        first = available - share * mesh.dp * cfg.batch_size
+        first = available - share * mesh.dp * options.batch_size
         for k in range(share):
-            lo = first + (k * mesh.dp + mesh.dp_rank) * cfg.batch_size
-            rows = [dataset[(lo + b) % available] for b in range(cfg.batch_size)]
+            lo = first + (k * mesh.dp + mesh.dp_rank) * options.batch_size
+            rows = [dataset[(lo + b) % available] for b in range(options.batch_size)]
             batches.append({key: torch.stack([row[key] for row in rows]) for key in rows[0]})
     return batches
 
@@ -207,51 +209,47 @@ class Evaluation(Protocol):
 
 
 class Validation:
-    """The loop's hook: every ``cfg.val_interval`` optimizer steps, ``{"val_loss": ...}`` and the in-loop
-    evaluations' metrics (else ``{}``). The validation batches are those of the stage being trained
-    (``--seq-len-stages``: its length and batch): built once per stage, the first stage's at
-    construction, and only when ``val_interval > 0``; ``batches`` replaces the first stage's (tests). ``measure``:
-    the validation loss of the batches instead of :func:`validation_loss` (the post-training objectives' mean
-    over every target: loongtrain/train/objectives.py)."""
+    """The loop's hook: every ``cfg.evaluation.val_interval`` optimizer steps, ``{"val_loss": measure(batches)}``
+    and the in-loop evaluations' metrics (else ``{}``), on the step context ``ctx``'s model, mesh, device and
+    autocast. The validation batches are those of the stage being trained (``--seq-len-stages``: its length and
+    batch), read by ``read(stage_cfg, count)`` (the objective's reader; default: :func:`validation_batches` of a
+    text corpus): built once per stage, the first stage's at construction, and only when ``val_interval > 0``;
+    ``batches`` replaces the first stage's (tests)."""
 
-    def __init__(self, cfg: TrainConfig, mesh: Mesh, loss_fn: LossFn, model: nn.Module,
+    def __init__(self, cfg: TrainSections, ctx: StepContext, measure: Callable[[Sequence[Batch]], float],
                  batches: Sequence[Batch] | None = None, *, evaluations: Sequence[Evaluation] = (),
-                 device: torch.device | None = None, amp_dtype: torch.dtype | None = None,
-                 measure: Callable[[Sequence[Batch]], float] | None = None) -> None:
-        self.interval, self.mesh, self.loss_fn, self.model = cfg.val_interval, mesh, loss_fn, model
-        self.measure = measure
-        self.count, self.evaluations = cfg.val_batches, tuple(evaluations)
-        self.device, self.amp_dtype = device, amp_dtype
+                 read: Callable[[TrainSections, int], list[Batch]] | None = None) -> None:
+        self.interval, self.count = cfg.evaluation.val_interval, cfg.evaluation.val_batches
+        self.ctx, self.measure, self.evaluations = ctx, measure, tuple(evaluations)
+        self.read = read or (lambda stage_cfg, count: validation_batches(stage_cfg, ctx.mesh, count))
         self._batches: dict[tuple[int, int], list[Batch]] = {}
         if batches is not None:
             self._batches[_shape(cfg)] = list(batches)
         elif self.interval:
             self.batches(cfg)
 
-    def batches(self, cfg: TrainConfig) -> list[Batch]:
+    def batches(self, cfg: TrainSections) -> list[Batch]:
         """This replica's validation batches at ``cfg``'s ``seq_len`` and ``batch_size`` (built once)."""
         if _shape(cfg) not in self._batches:
-            self._batches[_shape(cfg)] = validation_batches(cfg, self.mesh, self.count)
+            self._batches[_shape(cfg)] = self.read(cfg, self.count)
         return self._batches[_shape(cfg)]
 
     def due(self, step: int) -> bool:
         """Whether validation runs after optimizer step ``step`` (1-based)."""
         return bool(self.interval) and step % self.interval == 0
 
-    def after_step(self, step: int, cfg: TrainConfig) -> dict[str, float]:
+    def after_step(self, step: int, cfg: TrainSections) -> dict[str, float]:
         """After optimizer step ``step`` (1-based) of a stage run with ``cfg``: ``{"val_loss": loss, ...}``
         and every evaluation's metrics when it is due, else ``{}``."""
         if not self.due(step):
             return {}
-        batches = self.batches(cfg)
-        out = {"val_loss": self.measure(batches) if self.measure is not None else
-               validation_loss(self.loss_fn, self.model, batches, self.mesh)}
+        out = {"val_loss": self.measure(self.batches(cfg))}
+        ctx = self.ctx
         for evaluation in self.evaluations:
-            assert self.device is not None, "in-loop evaluations need the trainer's device"
-            with forward_only(self.model):
-                out.update(evaluation(self.model, self.mesh, self.device, self.amp_dtype))
+            with forward_only(ctx.model):
+                out.update(evaluation(ctx.model, ctx.mesh, ctx.device, ctx.amp_dtype))
         return out
 
 
-def _shape(cfg: TrainConfig) -> tuple[int, int]:
-    return cfg.seq_len, cfg.batch_size
+def _shape(cfg: TrainSections) -> tuple[int, int]:
+    return cfg.data.seq_len, cfg.data.batch_size

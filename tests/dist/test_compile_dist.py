@@ -70,7 +70,6 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.parallelize import compile as compile_step
-    from loongtrain.train.memory_report import trainer_loss_fn
     from tests.helpers.counting import count_ring_forward
     from tests.helpers.doc_batches import doc_batch
     from tests.helpers.zero_cases import compare, full_params, make_trainer, model_config
@@ -88,7 +87,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     out |= {"diff": compare(runs["on"][1], runs["off"][1]), "layers": model_config().num_layers}
     for mode in ("off", "on"):  # the proof, on a batch whose documents the compiled blocks have not seen
         trainer = runs[mode][0]
-        loss_fn = trainer_loss_fn(trainer, doc_batch(7))
+        loss_fn = (lambda: trainer.loss(doc_batch(7))[0])
         with count_ring_forward() as calls:
             loss = loss_fn()
             forward_calls = calls["ring_forward"]
@@ -99,7 +98,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         trainer.optimizer.zero_grad(set_to_none=True)
     out["graphs"] = counters["stats"]["unique_graphs"]
     plain = make_trainer(mesh, zero="full", train_opts=opts)  # no checkpointing: the backward's own traffic
-    loss_fn = trainer_loss_fn(plain, doc_batch(7))
+    loss_fn = (lambda: plain.loss(doc_batch(7))[0])
     loss = loss_fn()
     with CommCounter() as comm:
         loss.backward()

@@ -12,7 +12,7 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import balanced_chunk_order, cu_seqlens_from_starts, rank_work, visible_pairs
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.parallel.zigzag import shard_indices
-from loongtrain.train.config import TrainConfig
+from loongtrain.launch.config import TrainConfig
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.doc_batches import MODEL, ROWS, SEQ, packed_batch
 
@@ -30,16 +30,16 @@ LAYOUTS = [(2, 2, "zigzag"), (1, 4, "zigzag"), (4, 1, "zigzag"), (1, 4, "balance
 
 
 def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int, str]]) -> dict:
-    from loongtrain.train.config import Run
+    from loongtrain.launch.config import run_of
     from loongtrain.train.trainer import Trainer
 
     out = {}
     for hp, cp, chunk_order in layouts:
         mesh = init_mesh(hp, cp)
-        cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0, clip=0.0, dtype="fp64",
-                          parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on", chunk_order=chunk_order)
-        trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
-        order = trainer.sharding.chunk_order(trainer.sharding.documents(packed_batch())[0], SEQ)
+        cfg = TrainConfig.from_dict(dict(seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0, clip=0.0, dtype="fp64",
+                          parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on", chunk_order=chunk_order))
+        trainer = Trainer(run_of(cfg, MODEL), mesh, torch.device("cpu"))
+        order = trainer.ctx.sharding.chunk_order(trainer.ctx.sharding.documents(packed_batch())[0], SEQ)
         assert (order is not None) == (chunk_order == "balanced"), (chunk_order, order)
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
@@ -107,17 +107,17 @@ def _hf_dir(path: str) -> str:
 
 
 def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[int, int, str]]) -> dict:
-    from loongtrain.train.config import Run
+    from loongtrain.launch.config import run_of
     from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
 
     out = {}
     for hp, cp, chunk_order in layouts:
         mesh = init_mesh(hp, cp)
-        cfg = TrainConfig(model=directory, tokenizer="byte", seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0,
+        cfg = TrainConfig.from_dict(dict(model=directory, tokenizer="byte", seq_len=SEQ, batch_size=ROWS, steps=1, warmup=0,
                           clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=hp, cp=cp), doc_mask="on",
-                          chunk_order=chunk_order)
-        trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
+                          chunk_order=chunk_order))
+        trainer = Trainer(run_of(cfg, model_config_for(cfg.model)), mesh, torch.device("cpu"))
         result = trainer.step([packed_batch()])
         grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
         out[(hp, cp, chunk_order)] = (result["loss"], grads if rank == 0 else None)

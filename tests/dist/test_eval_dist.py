@@ -24,7 +24,7 @@ from loongtrain.parallel.mesh import destroy_mesh, init_mesh, single_process_mes
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.parallelize.compose import parallelize
 from loongtrain.train.batch import batch_chunk_order, batch_documents
-from loongtrain.train.config import Run, TrainConfig
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.train.validation import Validation, validation_loss
 from tests.helpers.dist_utils import run_distributed
 
@@ -65,7 +65,7 @@ def _val_batches() -> list[dict[str, torch.Tensor]]:
 
 
 def _cfg(parallel: ParallelConfig) -> TrainConfig:
-    return TrainConfig(seq_len=SEQ, dtype="fp64", parallel=parallel, steps=3, warmup=1, lr=1e-2, memory_report=False)
+    return TrainConfig.from_dict(dict(seq_len=SEQ, dtype="fp64", parallel=parallel, steps=3, warmup=1, lr=1e-2, memory_report=False))
 
 
 def _evaluate(model, mesh) -> dict:
@@ -80,7 +80,7 @@ def _evaluate(model, mesh) -> dict:
 def _validate(parallel: ParallelConfig, mesh) -> float:
     from loongtrain.train.trainer import Trainer
 
-    trainer = Trainer(Run(_cfg(parallel), MODEL), mesh, CPU)
+    trainer = Trainer(run_of(_cfg(parallel), MODEL), mesh, CPU)
     mine = _val_batches()[mesh.dp_rank::mesh.dp]
     return validation_loss(trainer.loss, trainer.model, mine, mesh)
 
@@ -97,10 +97,10 @@ def _steps(parallel: ParallelConfig, mesh, validate: bool) -> list[tuple[float, 
     evaluations (Validation.after_step)."""
     from loongtrain.train.trainer import Trainer
 
-    cfg = dataclasses.replace(_cfg(parallel), val_interval=1)
-    trainer = Trainer(Run(cfg, MODEL), mesh, CPU)
-    hook = Validation(cfg, mesh, trainer.loss, trainer.model, _val_batches()[:1], evaluations=_in_loop_evaluations(),
-                      device=CPU)
+    cfg = _cfg(parallel).replace(val_interval=1)
+    trainer = Trainer(run_of(cfg, MODEL), mesh, CPU)
+    hook = Validation(cfg, trainer.ctx, trainer.objective.validation_loss, _val_batches()[:1],
+                      evaluations=_in_loop_evaluations())
     out = []
     for step in range(2):
         batch = global_batch(step, mesh.dp, SEQ, MODEL.vocab_size, seed=5)

@@ -108,23 +108,23 @@ def _trainer_grads(hp: int, cp: int) -> dict[bool, Any]:
     from loongtrain.data.synthetic import global_batch
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.train.trainer import Trainer
 
     mesh = init_mesh(hp, cp)
-    cfg = TrainConfig(seq_len=16, batch_size=1, grad_accum=2, steps=2, warmup=1, dtype="fp64",
-                      parallel=ParallelConfig(hp=hp, cp=cp))
+    cfg = TrainConfig.from_dict(dict(seq_len=16, batch_size=1, grad_accum=2, steps=2, warmup=1, dtype="fp64",
+                      parallel=ParallelConfig(hp=hp, cp=cp)))
     rows = [global_batch(s, mesh.dp, 16, 64, seed=0) for s in range(2)]
     batches = [{k: v[mesh.dp_rank:mesh.dp_rank + 1] for k, v in b.items()} for b in rows]
     out = {}
     for overlapped in (True, False):
-        trainer = Trainer(Run(cfg, tiny_model()), mesh, torch.device("cpu"))
+        trainer = Trainer(run_of(cfg, tiny_model()), mesh, torch.device("cpu"))
         assert trainer.grad_sync is not None
         if not overlapped:  # the reference: no hooks; every gradient all-reduced after the whole backward
             trainer.grad_sync.remove()
             trainer.grad_sync = None
         trainer.optimizer.zero_grad(set_to_none=True)
-        loss = trainer._forward_backward([trainer.sharding.local(b) for b in batches])
+        loss = trainer._forward_backward([trainer.ctx.local(b) for b in batches])
         if not overlapped:
             for p in trainer.params:
                 dist.all_reduce(p.grad)

@@ -35,12 +35,12 @@ class Net(nn.Module):
 
 def _adamw_state(world: int, rank: int) -> dict[str, Any]:
     """One optimizer step as the trainer takes it; the unused layer's weight, bias and AdamW state."""
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.launch.config import TrainConfig
     from loongtrain.train.optim import build_optimizer, clip_grad_norm, fill_missing_grads
     from loongtrain.train.sync import GradientSync
 
     net = Net()
-    optimizer, _ = build_optimizer(net, TrainConfig(steps=2, warmup=0))
+    optimizer, _ = build_optimizer(net, TrainConfig.from_dict(dict(steps=2, warmup=0)).optim)
     sync = GradientSync(net, dp=world) if world > 1 else None
     x = torch.randn(3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     with sync.overlapped() if sync else torch.enable_grad():

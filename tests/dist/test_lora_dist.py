@@ -43,15 +43,15 @@ def _native_config() -> Any:
 
 def _trainer(mesh: Any, model: str, compile: str = "off", **modes: Any) -> Any:
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(model=model, seq_len=SEQ, steps=3, warmup=1, dtype="fp64", compile=compile,
+    cfg = TrainConfig.from_dict(dict(model=model, seq_len=SEQ, steps=3, warmup=1, dtype="fp64", compile=compile,
                       lora="r=4,alpha=8,targets=" + ",".join(TARGETS), memory_report=False,
-                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, **modes))
-    config = _native_config() if model == "tiny" else model_config_for(cfg)
-    return Trainer(Run(cfg, config), mesh, torch.device("cpu"), batches=lambda *a: iter(()))
+                      parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, **modes)))
+    config = _native_config() if model == "tiny" else model_config_for(cfg.model)
+    return Trainer(run_of(cfg, config), mesh, torch.device("cpu"), batches=lambda *a: iter(()))
 
 
 def _base(model: str) -> Any:

@@ -83,10 +83,10 @@ def _live_peak(mesh: Any, num_layers: int, mixed_precision: bool) -> tuple[int, 
     from loongtrain.loss.sharded import sharded_cross_entropy
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.plan.memory_model import layer_params
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.launch.config import TrainConfig
     from loongtrain.train.trainer import build_model
 
-    cfg = TrainConfig(seq_len=512, dtype="bf16", parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero="full"))
+    cfg = TrainConfig.from_dict(dict(seq_len=512, dtype="bf16", parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero="full")))
     config = _tiny_config(num_layers)
     model = build_model(config, cfg, mesh, torch.device("cpu"), torch.bfloat16 if mixed_precision else None)
     counter = LiveWeightBytes(model)
@@ -108,12 +108,12 @@ def _init_matches_plain(mesh: Any) -> float:
     """Max |difference| between a sharded trainer's parameters and the plain seeded model's."""
     from loongtrain.model.llama import Transformer
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.train.trainer import Trainer
 
     config = _tiny_config(2)
-    cfg = TrainConfig(seq_len=512, dtype="bf16", seed=3, parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero="full"))
-    sharded = Trainer(Run(cfg, config), mesh, torch.device("cpu")).model
+    cfg = TrainConfig.from_dict(dict(seq_len=512, dtype="bf16", seed=3, parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero="full")))
+    sharded = Trainer(run_of(cfg, config), mesh, torch.device("cpu")).model
     plain = dict(Transformer(config, seed=3).named_parameters())
     assert all(type(p).__name__ == "DTensor" for p in sharded.parameters())
     return max((p.full_tensor() - plain[n]).abs().max().item() for n, p in sharded.named_parameters())
@@ -123,15 +123,15 @@ def _bf16_step_vs_fp64(mesh: Any) -> dict[str, float]:
     """One step of a sharded bf16 trainer (FSDP2 mixed precision) and of a replicated fp64 one."""
     from loongtrain.data.synthetic import global_batch
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.train.trainer import Trainer
 
     batch = global_batch(0, 1, 512, 128, seed=0)
     results = {}
     for dtype, zero in (("bf16", "full"), ("fp64", "none")):
-        cfg = TrainConfig(seq_len=512, dtype=dtype, parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero=zero))
-        trainer = Trainer(Run(cfg, _tiny_config(2)), mesh, torch.device("cpu"))
-        assert trainer.amp_dtype is None  # bf16 under FSDP2: bf16 gathered weights, no autocast
+        cfg = TrainConfig.from_dict(dict(seq_len=512, dtype=dtype, parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, zero=zero)))
+        trainer = Trainer(run_of(cfg, _tiny_config(2)), mesh, torch.device("cpu"))
+        assert trainer.ctx.amp_dtype is None  # bf16 under FSDP2: bf16 gathered weights, no autocast
         results[dtype] = trainer.step([batch])
     return {"loss": abs(results["bf16"]["loss"] - results["fp64"]["loss"]),
             "grad_norm": abs(results["bf16"]["grad_norm"] / results["fp64"]["grad_norm"] - 1)}
@@ -183,8 +183,8 @@ def _prediction_worker(rank: int, world: int) -> list[dict[str, Any]]:
     from loongtrain.model.config import get_preset
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train.config import Run, TrainConfig
-    from loongtrain.train.memory_report import compared_totals, predicted_memory, trainer_memory_report
+    from loongtrain.launch.config import TrainConfig, run_of
+    from loongtrain.train.memory_report import compared_totals
     from loongtrain.train.trainer import Trainer
 
     mesh = init_mesh(2, 2)
@@ -192,11 +192,11 @@ def _prediction_worker(rank: int, world: int) -> list[dict[str, Any]]:
     for zero, recompute, seq in PREDICTION_CASES:
         shard = {"zero_shard_size": 2} if zero == "hybrid" else {}
         parallel = ParallelConfig(hp=2, cp=2, zero=zero, recompute=recompute, **shard)
-        run = Run(TrainConfig(seq_len=seq, parallel=parallel), get_preset("tiny"))
+        run = run_of(TrainConfig.from_dict(dict(seq_len=seq, parallel=parallel)), get_preset("tiny"))
         trainer = Trainer(run, mesh, torch.device("cpu"))
         batch = global_batch(0, 1, seq, 256, seed=0)
-        measured = trainer_memory_report(trainer, batch)
-        predicted, got = compared_totals(predicted_memory(trainer, seq_len=seq, batch=1), measured)
+        measured = trainer.memory_report(batch)
+        predicted, got = compared_totals(trainer.predicted_memory(seq_len=seq, batch=1), measured)
         out.append({"case": (zero, recompute, seq), "predicted": predicted, "measured": got})
     return out
 

@@ -35,14 +35,14 @@ def _run(hp: int, cp: int, **opts: Any) -> dict[str, Any]:
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.parallelize.offload import activation_offloader
-    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.train.trainer import Trainer
     from tests.helpers.doc_batches import MODEL, ROWS, SEQ, packed_batch
 
     mesh = init_mesh(hp, cp)
-    cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, steps=2, warmup=0, clip=1.0, dtype="fp64", doc_mask="on",
-                      parallel=ParallelConfig(hp=hp, cp=cp, **opts))
-    trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(seq_len=SEQ, batch_size=ROWS, steps=2, warmup=0, clip=1.0, dtype="fp64", doc_mask="on",
+                      parallel=ParallelConfig(hp=hp, cp=cp, **opts)))
+    trainer = Trainer(run_of(cfg, MODEL), mesh, torch.device("cpu"))
     if opts.get("offload_params"):
         shards = [p.to_local() for p in trainer.model.parameters()]
         assert shards and all(s.device.type == "cpu" for s in shards)

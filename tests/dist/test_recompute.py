@@ -53,10 +53,10 @@ PROOF_CASES: dict[str, dict[str, Any]] = {
 
 def _proof(mesh: Any, opts: dict[str, Any]) -> dict[str, Any]:
     from loongtrain.parallel.comm import CommCounter
-    from loongtrain.train.memory_report import memory_report, trainer_loss_fn
+    from loongtrain.train.memory_report import memory_report
 
     trainer = make_trainer(mesh, **opts)
-    loss_fn = trainer_loss_fn(trainer, replica_batch(mesh, 0))
+    loss_fn = (lambda: trainer.loss(replica_batch(mesh, 0))[0])
     with count_ring_forward() as calls:
         with CommCounter() as fwd_comm:
             loss = loss_fn()

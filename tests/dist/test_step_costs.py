@@ -76,12 +76,12 @@ def counted_collectives() -> Iterator[Counter]:
 
 def make_trainer(mesh: Any, layers: int, grad_accum: int = 2, **options: Any) -> Any:
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(seq_len=SEQ, batch_size=ROWS, grad_accum=grad_accum, steps=4, warmup=1, dtype="fp64",
-                      doc_mask="on", parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, recompute="selective"))
-    return Trainer(Run(cfg, tiny_model(num_layers=layers)), mesh, torch.device("cpu"), **options)
+    cfg = TrainConfig.from_dict(dict(seq_len=SEQ, batch_size=ROWS, grad_accum=grad_accum, steps=4, warmup=1, dtype="fp64",
+                      doc_mask="on", parallel=ParallelConfig(hp=mesh.hp, cp=mesh.cp, recompute="selective")))
+    return Trainer(run_of(cfg, tiny_model(num_layers=layers)), mesh, torch.device("cpu"), **options)
 
 
 def _params(trainer: Any) -> dict[str, torch.Tensor]:
@@ -107,7 +107,7 @@ def _costs(rank: int, world: int) -> dict[str, Any]:
     def counted_step(trainer: Any, step: int, read: bool, reads: bool) -> dict[str, int]:
         calls.clear()
         steps = {id(state["step"]) for state in trainer.optimizer.state.values()}
-        batches = [packed_batch(step + i) for i in range(trainer.cfg.grad_accum)]
+        batches = [packed_batch(step + i) for i in range(trainer.cfg.data.grad_accum)]
         with counted_collectives() as comm, counted_reads(steps) if reads else contextlib.nullcontext() as seen:
             trainer.step(batches, read=read)
         return {"host": sum(n for name, n in comm.items() if name not in ATTENTION_OWN),

@@ -14,7 +14,7 @@ import torch
 from loongtrain.data.synthetic import synthetic_source
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh, single_process_mesh
-from loongtrain.train.config import TrainConfig
+from loongtrain.launch.config import TrainConfig
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.fixtures import tiny_model
 from tests.helpers.training import fit
@@ -26,11 +26,11 @@ RTOL, ATOL = 1e-9, 1e-11
 
 
 def _cfg(out_dir: str, hp: int, cp: int, batch_size: int) -> TrainConfig:
-    return TrainConfig(
+    return TrainConfig.from_dict(dict(
         seq_len=32, batch_size=batch_size, grad_accum=2, steps=3, warmup=1, lr=1e-2, clip=0.5,
         parallel=ParallelConfig(hp=hp, cp=cp), dtype="fp64", out_dir=out_dir, peak_tflops=1.0,
         tensorboard=False, plot=False, progress="off",
-    )
+    ))
 
 
 def _run(cfg: TrainConfig, mesh) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -49,7 +49,7 @@ def _final_params(cfg: TrainConfig) -> dict[str, torch.Tensor]:
 
     model = Transformer(MODEL, seed=None).double()
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=f"{cfg.out_dir}/checkpoints/step_{cfg.steps:08d}",
+    dcp.load(state, checkpoint_id=f"{cfg.output.out_dir}/checkpoints/step_{cfg.optim.steps:08d}",
              no_dist=True)
     return {k: v.clone() for k, v in state["model"].items()}
 

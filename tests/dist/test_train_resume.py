@@ -15,7 +15,7 @@ import torch
 
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
-from loongtrain.train.config import TrainConfig
+from loongtrain.launch.config import TrainConfig
 from loongtrain.train.metrics import read_jsonl
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.fixtures import tiny_model, write_code_corpus
@@ -32,7 +32,7 @@ def _cfg(out_dir: Path, corpus: Path, hp: int, cp: int, **kw) -> TrainConfig:
         parallel=ParallelConfig(hp=hp, cp=cp), dtype="fp32", out_dir=str(out_dir), peak_tflops=1.0, tensorboard=False,
         plot=False, progress="off",
     )
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_dict(dict(**{**base, **kw}))
 
 
 def _losses(cfg: TrainConfig, hp: int, cp: int) -> list[float]:

@@ -41,7 +41,7 @@ TIED = {(2, 1): False, (1, 2): True}
 def _zero_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     from loongtrain.parallel.mesh import init_mesh
     from loongtrain.train.checkpoint import load_checkpoint, save_checkpoint
-    from loongtrain.train.memory_report import memory_report, startup_memory_report
+    from loongtrain.train.memory_report import memory_report
     out: dict[str, Any] = {"diff": {}, "memory": {}, "ref": {}}
     for (hp, cp), names in LAYOUT_CASES.items():
         mesh = init_mesh(hp, cp)
@@ -60,7 +60,7 @@ def _zero_worker(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
 
     # the trainer's start-up report: measured on a micro-batch, gathered from every rank
     trainer = make_trainer(init_mesh(2, 1), zero="full", recompute="selective")
-    out["startup"] = startup_memory_report(trainer, replica_batch(trainer.mesh, 0))
+    out["startup"] = trainer.startup_memory_report(replica_batch(trainer.mesh, 0))
     out["startup_grads"] = [p.grad for p in trainer.model.parameters()]
 
     # DCP resume: save after step 2 from a fully sharded run, resume into several layouts

@@ -70,9 +70,9 @@ def test_scaled_run_records_and_exports_its_rope(scaled_run, tmp_path, line_corp
 
 
 def test_init_from_takes_weights_only_with_a_new_rope(scaled_run, tmp_path, line_corpus):
+    from loongtrain.launch.config import TrainConfig
     from loongtrain.launch.train_run import resolve_run
     from loongtrain.parallel.mesh import single_process_mesh
-    from loongtrain.train.config import TrainConfig
     from loongtrain.train.export import load_trained_model
     from loongtrain.train.trainer import Trainer
 
@@ -81,7 +81,7 @@ def test_init_from_takes_weights_only_with_a_new_rope(scaled_run, tmp_path, line
                                      out_dir=str(tmp_path / "next"), memory_report=False, progress="off",
                                      tensorboard=False, plot=False, peak_tflops=1.0))
     run = resolve_run(cfg, 1)
-    assert run.cfg.init_from == str(scaled_run / "checkpoints" / "step_00000002")
+    assert run.cfg.model.init_from == str(scaled_run / "checkpoints" / "step_00000002")
     assert run.model_config.rope_scaling == RopeScaling("linear", factor=2.0)
     assert run.model_config.rope_theta == 20000.0  # the checkpoint's base, kept
     trainer = Trainer(run, single_process_mesh(), torch.device("cpu"))
@@ -125,10 +125,10 @@ def test_rope_changes_need_a_new_run(scaled_run, tmp_path, line_corpus, capsys):
 def test_hf_model_keeps_hf_modules_with_a_new_rope(tmp_path):
     from loongtrain.data.synthetic import global_batch
     from loongtrain.hf import load_hf_model
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.parallel.config import ParallelConfig
     from loongtrain.parallel.mesh import single_process_mesh
     from loongtrain.train.checkpoint import write_checksums
-    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.model_setup import hf_run_config, model_config_for, model_record
     from loongtrain.train.trainer import Trainer
     from tests.helpers.hf_models import make_hf_dir
@@ -138,14 +138,14 @@ def test_hf_model_keeps_hf_modules_with_a_new_rope(tmp_path):
     base = dict(model=str(model_dir), seq_len=64, dtype="fp64", parallel=ParallelConfig(hp=1, cp=1),
                 out_dir=str(tmp_path / "out"), memory_report=False)
     with pytest.raises(ValueError, match=r"rope type 'dynamic' cannot train: dynamic NTK scaling is inference-only"):
-        model_config_for(TrainConfig(**base))
-    cfg = TrainConfig(**base, rope_scaling=YARN, rope_theta=5e5)
-    trainer = Trainer(Run(cfg, model_config_for(cfg)), single_process_mesh(), torch.device("cpu"))
+        model_config_for(TrainConfig.from_dict(dict(**base)).model)
+    cfg = TrainConfig.from_dict(dict(**base, rope_scaling=YARN, rope_theta=5e5))
+    trainer = Trainer(run_of(cfg, model_config_for(cfg.model)), single_process_mesh(), torch.device("cpu"))
     rotary = trainer.model.model.rotary_emb
     assert type(rotary).__name__ == "LlamaRotaryEmbedding" and rotary.rope_type == "yarn"
     expected = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 5e5}
-    assert model_record(trainer.model_config, cfg)["hf_config"]["rope_parameters"] == expected
-    ref = load_hf_model(model_dir, dtype=torch.float64, config=hf_run_config(cfg))
+    assert model_record(trainer.model_config, cfg.model)["hf_config"]["rope_parameters"] == expected
+    ref = load_hf_model(model_dir, dtype=torch.float64, config=hf_run_config(cfg.model))
     batch = global_batch(0, 1, 64, 256, seed=1)
     _, value = trainer.loss(batch)
     logits = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
@@ -153,13 +153,13 @@ def test_hf_model_keeps_hf_modules_with_a_new_rope(tmp_path):
     # --init-from a checkpoint of this model: its recorded RoPE, changed again by the flags
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    record = model_record(trainer.model_config, cfg)
+    record = model_record(trainer.model_config, cfg.model)
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 1, "scheduler": {}, "config": cfg.to_dict(),
                                                          **record}, default=str))
     write_checksums(ckpt)  # a complete checkpoint's record (no weights: only the configs are read here)
-    later = TrainConfig(**base, init_from=str(ckpt), rope_theta=1e6)
-    assert hf_run_config(later).rope_parameters == {**expected, "rope_theta": 1e6}
-    assert model_config_for(later).rope_theta == 1e6
+    later = TrainConfig.from_dict(dict(**base, init_from=str(ckpt), rope_theta=1e6))
+    assert hf_run_config(later.model).rope_parameters == {**expected, "rope_theta": 1e6}
+    assert model_config_for(later.model).rope_theta == 1e6
 
 
 @pytest.mark.parametrize("value, needle", [

@@ -194,16 +194,16 @@ def test_position_loss_is_the_mean_of_each_bucket():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A one-step training run of a small model (byte tokenizer), checkpointed."""
+    from loongtrain.launch.config import TrainConfig
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import TrainConfig
     from tests.helpers.training import fit
 
     root = tmp_path_factory.mktemp("eval_run")
     corpus = root / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    cfg = TrainConfig(corpus=str(corpus), seq_len=64, steps=1, warmup=0, parallel=ParallelConfig(),
+    cfg = TrainConfig.from_dict(dict(corpus=str(corpus), seq_len=64, steps=1, warmup=0, parallel=ParallelConfig(),
                       out_dir=str(root / "run"), peak_tflops=1.0, tensorboard=False, plot=False, progress="off",
-                      memory_report=False)
+                      memory_report=False))
     fit(cfg, single_process_mesh(), CPU, model_config=SMALL)
     return root
 
@@ -273,20 +273,21 @@ def test_eval_follows_the_runs_chunk_layout(run_dir, monkeypatch):
     import dataclasses
 
     import loongtrain.eval.config as job_module
+    from loongtrain.commands.parser import build
     from loongtrain.launch.eval_run import prepare
 
     resolve = job_module.resolve_model
 
     def balanced(model: str):
         source = resolve(model)
-        return dataclasses.replace(source, run=dataclasses.replace(source.run, chunk_order="balanced", doc_mask="on"))
+        return dataclasses.replace(source, run=source.run.replace(chunk_order="balanced", doc_mask="on"))
 
     monkeypatch.setattr(job_module, "resolve_model", balanced)
     options = dict(model=str(run_dir / "run"), task="position-loss", docs=1, nproc=1)
-    assert prepare(job_module.EvalConfig(**options)).run.chunk_order == "balanced"
-    assert prepare(job_module.EvalConfig(**options, doc_mask="off")).run.chunk_order == "zigzag"
+    assert prepare(job_module.EvalConfig(**options)).run.data.chunk_order == "balanced"
+    assert prepare(build(job_module.EvalConfig, dict(options, doc_mask="off"))).run.data.chunk_order == "zigzag"
     monkeypatch.setattr(job_module, "resolve_model", resolve)
-    assert prepare(job_module.EvalConfig(**options)).run.chunk_order == "zigzag"
+    assert prepare(job_module.EvalConfig(**options)).run.data.chunk_order == "zigzag"
 
 
 def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):
@@ -339,12 +340,13 @@ def _position_loss(model: str, corpus: str, out, *extra: str) -> list[dict]:
 
 def test_eval_reads_the_runs_prepared_corpus_as_the_raw_one(tokenizer_run):
     """eval's default corpus is the run's (here prepared): its sequences equal the raw corpus's."""
+    from loongtrain.commands.parser import build
     from loongtrain.eval.config import EvalConfig
     from loongtrain.launch.eval_run import prepare
 
     options = dict(model=str(tokenizer_run / "run"), task="position-loss", docs=3, nproc=1)
     default = prepare(EvalConfig(**options)).batches
-    raw = prepare(EvalConfig(**options, corpus=str(tokenizer_run / "docs.jsonl"))).batches
+    raw = prepare(build(EvalConfig, dict(options, corpus=str(tokenizer_run / "docs.jsonl")))).batches
     assert len(default) == 3 and all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(default, raw))
     assert int(default[0]["input_ids"].max()) >= 256  # BPE ids: the run's tokenizer, not bytes
 

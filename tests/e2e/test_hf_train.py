@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from loongtrain.commands import main as cli_main
+from loongtrain.launch.config import TrainConfig
 from loongtrain.model.config import ModelConfig, flops_per_token
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.train.config import TrainConfig
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.hf_models import DIR_COMMON as COMMON
 from tests.helpers.hf_models import DIR_FAMILIES as FAMILIES
@@ -44,7 +44,7 @@ def train_config(out_dir: Path, model: str, corpus: Path, **kw) -> TrainConfig:
     base = dict(model=model, corpus=str(corpus), seq_len=SEQ, batch_size=2, steps=4, warmup=1, lr=1e-2,
                 dtype="fp64", out_dir=str(out_dir), peak_tflops=1.0, tensorboard=False, plot=False,
                 progress="off", memory_report=False)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_dict(dict(**{**base, **kw}))
 
 
 # ---- trainer, one process: the chunked loss equals the logits path --------------------------------
@@ -54,8 +54,8 @@ def train_config(out_dir: Path, model: str, corpus: Path, **kw) -> TrainConfig:
 def test_trainer_chunked_loss_equals_logits_path(tmp_path, family):
     import loongtrain
     from loongtrain.data.synthetic import global_batch
+    from loongtrain.launch.config import run_of
     from loongtrain.loss.sharded import sharded_cross_entropy
-    from loongtrain.train.config import Run
     from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
 
@@ -63,7 +63,7 @@ def test_trainer_chunked_loss_equals_logits_path(tmp_path, family):
     for model in (str(model_dir), "tiny"):
         cfg = train_config(tmp_path / "out", model, tmp_path / "unused.txt", parallel=ParallelConfig(hp=1, cp=1))
         mesh = loongtrain.single_process_mesh()
-        trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
+        trainer = Trainer(run_of(cfg, model_config_for(cfg.model)), mesh, torch.device("cpu"))
         batch = global_batch(0, 1, SEQ, VOCAB, seed=1)
         batch["labels"] = batch["labels"].clone()
         batch["labels"][0, 5:9] = -100
@@ -93,14 +93,14 @@ def _ring_counts(cfg: TrainConfig, mesh, recompute: str) -> tuple[int, int]:
     import dataclasses
 
     from loongtrain.data.synthetic import global_batch
+    from loongtrain.launch.config import run_of
     from loongtrain.parallel.comm import CommCounter
-    from loongtrain.train.config import Run
     from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
     from tests.helpers.counting import count_ring_forward
 
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, recompute=recompute))
-    trainer = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu"))
+    trainer = Trainer(run_of(cfg, model_config_for(cfg.model)), mesh, torch.device("cpu"))
     loss, _ = trainer.loss(global_batch(0, 1, SEQ, VOCAB, seed=2))
     with count_ring_forward() as calls, CommCounter() as comm:
         loss.backward()
@@ -135,12 +135,12 @@ def _sharded_build_matches(tmp: Path, model_dir: str, corpus: Path, mesh) -> boo
     """FSDP2 builds the HF model on meta and reads each shard from the files: the same weights and
     buffers as ``load_hf_model`` (a tied head stays tied)."""
     from loongtrain.hf import load_hf_model
-    from loongtrain.train.config import Run
+    from loongtrain.launch.config import run_of
     from loongtrain.train.model_setup import model_config_for
     from loongtrain.train.trainer import Trainer
 
     cfg = train_config(tmp / "unused", model_dir, corpus, parallel=ParallelConfig(hp=2, cp=2, zero="full"))
-    model = Trainer(Run(cfg, model_config_for(cfg)), mesh, torch.device("cpu")).model
+    model = Trainer(run_of(cfg, model_config_for(cfg.model)), mesh, torch.device("cpu")).model
     ref = load_hf_model(model_dir, dtype=torch.float64)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     same = set(full) == set(dict(ref.named_parameters())) and all(
@@ -292,13 +292,13 @@ def test_local_tokenizer_in_model_dir_is_used(tmp_path):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     model_dir = make_hf_dir(tmp_path / "m", weights=False, vocab_size=200)
     tokenizer.save(str(model_dir / "tokenizer.json"))
-    cfg = TrainConfig(model=str(model_dir))
-    assert tokenizer_spec(cfg) == str(model_dir)
-    assert model_config_for(cfg).vocab_size == 200  # the byte tokenizer (256) would not fit
-    assert tokenizer_spec(TrainConfig(model=str(model_dir), tokenizer="byte")) == "byte"
+    cfg = TrainConfig.from_dict(dict(model=str(model_dir)))
+    assert tokenizer_spec(cfg.model) == str(model_dir)
+    assert model_config_for(cfg.model).vocab_size == 200  # the byte tokenizer (256) would not fit
+    assert tokenizer_spec(TrainConfig.from_dict(dict(model=str(model_dir), tokenizer="byte")).model) == "byte"
     with pytest.raises(ValueError, match="has 256 tokens but the model"):
-        model_config_for(TrainConfig(model=str(model_dir), tokenizer="byte"))
-    assert tokenizer_spec(TrainConfig(model="tiny")) == "byte"
+        model_config_for(TrainConfig.from_dict(dict(model=str(model_dir), tokenizer="byte")).model)
+    assert tokenizer_spec(TrainConfig.from_dict(dict(model="tiny")).model) == "byte"
 
 
 # ---- planner -------------------------------------------------------------------------------------
@@ -339,7 +339,7 @@ def test_autoplan_plans_the_hf_model(tmp_path, monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr(autoplan, "best_fitting", best_fitting)
-    cfg = TrainConfig(model=str(model_dir), plan="auto", cluster="h100", seq_len=SEQ)
+    cfg = TrainConfig.from_dict(dict(model=str(model_dir), plan="auto", cluster="h100", seq_len=SEQ))
     with pytest.raises(ValueError, match="stop here"):
         autoplan.apply_plan(cfg, 8, under_launcher=False)
     assert seen["model"].head_dim == 16 and seen["model"].num_kv_heads == 2

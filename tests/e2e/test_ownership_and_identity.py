@@ -267,9 +267,9 @@ def test_a_resume_builds_the_model_it_saved(fx, tmp_path):
     """The vocabulary and the architecture a checkpoint recorded against the run's (here a recorded
     num_layers edited: the run's tiny preset differs)."""
     from loongtrain.data.tokenizer import ByteTokenizer
+    from loongtrain.launch.config import TrainConfig
     from loongtrain.launch.preflight import check_same_model
     from loongtrain.train.checkpoint import read_trainer_state
-    from loongtrain.train.config import TrainConfig
 
     state = read_trainer_state(Path(fx["ckpt"]))
     cfg = TrainConfig.from_dict(state["config"])

@@ -21,10 +21,9 @@ from loongtrain.plan.attention_cost import (
 )
 from loongtrain.plan.cluster import cluster_to_toml, load_cluster
 from loongtrain.plan.cost import step_cost
-from loongtrain.plan.memory_model import memory_per_rank
 from loongtrain.plan.search import best_fitting, plan
 from loongtrain.plan.traffic import message_bytes
-from tests.helpers.plan_cases import SMALL, toy_cluster
+from tests.helpers.plan_cases import SMALL, memory, toy_cluster
 
 # B=1, S=64, H=Hkv=4, D=4, bf16 -> forward FLOPs per rank (sp=8) = 2*64^2*4*4/8 = 16384;
 # KV block (cp=8) = 2*4*8*4*2 = 512 B
@@ -122,12 +121,12 @@ def test_memory_hand_computed():
     full_layer = 128 * (4 * 64 * 2 + (2 * 2 * 16 + 4 * 128) * 2 + 4 * 4 + 8)
     final_norm = 128 * 64 * 2  # in the chunked loss: only its input's gradient
     kw = dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2)
-    none = memory_per_rank(SMALL, layout, recompute="none", **kw)
+    none = memory(SMALL, layout, recompute="none", **kw)
     assert none["activations"] == 2 * full_layer + final_norm and none["recompute"] == 0
     assert none["states"] == 16 * 106816 / 8
     # FSDP2 gathers bf16: two blocks + the root (embedding, head, norm) + one block's bf16 grad and fp32 copy
     assert none["working_params"] == 2 * (2 * 36992 + 2 * 256 * 64 + 64) + (2 + 4) * 36992
-    keep = memory_per_rank(SMALL, layout, recompute="none", reshard_after_forward=False, **kw)
+    keep = memory(SMALL, layout, recompute="none", reshard_after_forward=False, **kw)
     assert keep["working_params"] == none["working_params"]  # L = 2: all blocks are the two in flight
     assert none["logits"] == 128 * 4 + 128 * 256 * (2 + 4)  # chunked loss: fp32 lse + one chunk (all 128 tokens)
     # a block's backward, beyond its recomputed set: the larger of its two moments (memory_model.layer_moments)
@@ -140,18 +139,18 @@ def test_memory_hand_computed():
     results = 128 * 64 * 2 + kv * 2
     attention = 128 * (2 * 64 * 2 - mlp_part) + 2 * results + 4 * 128 * 64 + 3 * kv * 2 + 4 * kv * 4
     assert none["workspace"] == max(mlp, attention) == 147456
-    full = memory_per_rank(SMALL, layout, recompute="full", **kw)
+    full = memory(SMALL, layout, recompute="full", **kw)
     assert full["activations"] == 2 * 128 * 64 * 2 + final_norm and full["recompute"] == full_layer
-    sel = memory_per_rank(SMALL, layout, recompute="selective", **kw)
+    sel = memory(SMALL, layout, recompute="selective", **kw)
     # input, ring output, lse and (hp = 2) the all-to-alls' outputs: q, k, v, attention output
     kept = 64 * 2 + 64 * 2 + 16 + (2 * 64 + 2 * 2 * 16) * 2
     assert sel["activations"] == 2 * 128 * kept + final_norm and sel["recompute"] == full_layer
     # autocast (z = 1): fp32 residual stream, so the checkpointed layer inputs are fp32
-    full1 = memory_per_rank(SMALL, layout, recompute="full", **dict(kw, zero_size=1))
+    full1 = memory(SMALL, layout, recompute="full", **dict(kw, zero_size=1))
     assert full1["activations"] == 2 * 128 * 64 * 4 + 128 * 64 * 4
-    unsharded = memory_per_rank(SMALL, layout, recompute="none", **dict(kw, zero_size=1))
+    unsharded = memory(SMALL, layout, recompute="none", **dict(kw, zero_size=1))
     assert unsharded["states"] == 16 * 106816 and unsharded["working_params"] == 2 * (2 * 36992 + 256 * 64)
-    sel32 = memory_per_rank(SMALL, layout, recompute="selective", **dict(kw, dtype_bytes=4))
+    sel32 = memory(SMALL, layout, recompute="selective", **dict(kw, dtype_bytes=4))
     assert sel32["working_params"] == 4 * (2 * 36992 + 2 * 256 * 64 + 64) + 4 * 36992  # fp32 gathered
 
 

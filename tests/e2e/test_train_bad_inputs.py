@@ -45,19 +45,19 @@ def test_data_safety(case, safety, tmp_path, monkeypatch, capsys, reached):
 def test_decode_errors_opt_in_and_control_bytes_warn(files, caplog):
     """--decode-errors replace reads random bytes (with a warning naming their share); the strict
     default refuses them (the table above); a corpus of control characters warns."""
+    from loongtrain.launch.config import TrainConfig
     from loongtrain.launch.preflight import check_corpus
-    from loongtrain.train.config import TrainConfig
 
     caplog.set_level(logging.INFO, logger="loongtrain")
     logging.getLogger("loongtrain").addHandler(caplog.handler)  # the CLI's logger does not propagate
     for corpus, errors in (("random.txt", "replace"), ("random.txt", "ignore"), ("control.txt", "strict")):
         caplog.clear()
-        cfg = TrainConfig(corpus=str(Path(files["dir"], corpus)), seq_len=16, decode_errors=errors)
+        cfg = TrainConfig.from_dict(dict(corpus=str(Path(files["dir"], corpus)), seq_len=16, decode_errors=errors))
         check_corpus(cfg, ByteTokenizer())
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1 and "% of its first" in warned[0] and corpus in warned[0], warned
     caplog.clear()
-    check_corpus(TrainConfig(corpus=files["corpus"], seq_len=16), ByteTokenizer())
+    check_corpus(TrainConfig.from_dict(dict(corpus=files["corpus"], seq_len=16)), ByteTokenizer())
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
     logging.getLogger("loongtrain").removeHandler(caplog.handler)
 

@@ -85,23 +85,23 @@ class TrafficCounter(TorchDispatchMode):
 
 
 def step_traffic(model, parallel, world: int, seq_len: int, dtype: str = "bf16") -> dict[str, int]:
-    """What :class:`TrafficCounter` counts in one trainer step (``loongtrain.train.simulate.simulate_step``
+    """What :class:`TrafficCounter` counts in one trainer step (``loongtrain.launch.simulate.simulate_step``
     under fake tensors, one rank of ``world``): ``forward``/``backward`` bytes of the loss and its backward
     (recompute included), ``optimizer`` bytes of the AdamW step, ``flops`` of the matmuls."""
-    from loongtrain.train import simulate
+    from loongtrain.launch import simulate
 
     counted: dict[str, int] = {}
 
-    def tracked(trainer, batch):
-        for p in trainer.model.parameters():  # steady state, as simulate.tracked_step
+    def tracked(simulated, offload_params=False):
+        for p in simulated.ctx.model.parameters():  # steady state, as simulate.tracked_step
             p.grad = torch.zeros_like(p)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        simulated.optimizer.step()
+        simulated.optimizer.zero_grad(set_to_none=True)
         with TrafficCounter() as step:
-            loss, _ = trainer.loss(batch)
+            loss, _ = simulated.loss_fn()
             loss.backward()
         with TrafficCounter(foreach_in_place=True) as optimizer:
-            trainer.optimizer.step()
+            simulated.optimizer.step()
         counted.update(forward=step.forward, backward=step.backward, flops=step.flops,
                        optimizer=optimizer.forward + optimizer.backward)
         return 0, {}, 0, {}, {}

@@ -19,3 +19,17 @@ def toy_cluster(**kw) -> Cluster:
 
 
 SMALL = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128)
+
+
+def memory(model: ModelConfig, layout, *, seq_len: int, batch: int, zero_size: int, dtype_bytes: int = 2,
+           lora=None, kernels: tuple[str, ...] = (), phases=(), **modes) -> dict[str, float]:
+    """:func:`~loongtrain.plan.memory_model.memory_per_rank` with the memory modes named as ParallelConfig's fields
+    (``recompute``, ``offload_activations``, ...; parameter offload under ZeRO) and the run's features (``lora``,
+    ``kernels``, an objective's ``phases``: :func:`~loongtrain.plan.memory_terms.feature_terms`)."""
+    from loongtrain.parallel.config import ParallelConfig
+    from loongtrain.plan.memory_model import memory_per_rank
+    from loongtrain.plan.memory_terms import feature_terms
+
+    config = ParallelConfig(**{"zero": "full" if modes.get("offload_params") else "none", **modes})
+    return memory_per_rank(model, layout, config, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes,
+                           zero_size=zero_size, features=feature_terms(lora, kernels, phases))

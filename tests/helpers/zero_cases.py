@@ -23,14 +23,14 @@ def make_trainer(mesh: Any, *, tied: bool = False, batch_size: int = 1, train_op
                  **opts: Any) -> Any:
     """A float64 Trainer on CPU whose ``cfg.parallel`` has ``mesh``'s degrees and the memory options ``opts``
     (``train_opts``: further TrainConfig fields)."""
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.parallel.config import ParallelConfig
-    from loongtrain.train.config import Run, TrainConfig
     from loongtrain.train.trainer import Trainer
 
     parallel = ParallelConfig(hp=mesh.hp, cp=mesh.cp, **opts)
-    cfg = TrainConfig(seq_len=SEQ, steps=STEPS, warmup=1, parallel=parallel, dtype="fp64", seed=0,
-                      batch_size=batch_size, **(train_opts or {}))
-    return Trainer(Run(cfg, model_config(tied)), mesh, torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(seq_len=SEQ, steps=STEPS, warmup=1, parallel=parallel, dtype="fp64", seed=0,
+                      batch_size=batch_size, **(train_opts or {})))
+    return Trainer(run_of(cfg, model_config(tied)), mesh, torch.device("cpu"))
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:

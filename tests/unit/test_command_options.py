@@ -18,9 +18,9 @@ from loongtrain.commands.export import ExportConfig
 from loongtrain.commands.parser import build, build_parser, options, parse
 from loongtrain.commands.prepare import PrepareConfig
 from loongtrain.eval.config import EvalConfig
+from loongtrain.launch.config import TrainConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.config import PlanConfig
-from loongtrain.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2] / "loongtrain"
 
@@ -153,7 +153,7 @@ def test_a_later_error_names_the_config_file_that_set_the_option(tmp_path):
     same option given on the command line (which wins over the file), or an error naming no such option, is
     left as it was."""
     from loongtrain.commands.parser import naming_the_file
-    from loongtrain.train.config import TrainConfig
+    from loongtrain.launch.config import TrainConfig
 
     toml = tmp_path / "run.toml"
     toml.write_text("hp = 3\nsteps = 2\n")

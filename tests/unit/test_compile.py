@@ -19,6 +19,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from loongtrain.attn import ops
+from loongtrain.launch.config import TrainConfig
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer, rope_cos_sin
 from loongtrain.parallel.config import ParallelConfig
@@ -26,8 +27,6 @@ from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallelize import compile as compile_step
 from loongtrain.parallelize import compile_errors
 from loongtrain.parallelize.compose import parallelize
-from loongtrain.train.config import TrainConfig
-from loongtrain.train.memory_report import trainer_memory_report
 from tests.helpers.doc_batches import doc_batch
 
 TOL = 1e-10
@@ -48,12 +47,13 @@ def aot_eager(monkeypatch):
 
 
 def trainer(compile: str, recompute: str = "selective"):
-    from loongtrain.train.config import Run
+    from loongtrain.launch.config import run_of
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(seq_len=SEQ, steps=20, warmup=1, dtype="fp64", parallel=ParallelConfig(recompute=recompute),
-                      doc_mask="on", compile=compile)
-    return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(seq_len=SEQ, steps=20, warmup=1, dtype="fp64",
+                                     parallel=ParallelConfig(recompute=recompute),
+                      doc_mask="on", compile=compile))
+    return Trainer(run_of(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
 
 
 def test_compiled_training_equals_eager_with_changing_documents_in_at_most_two_graphs():
@@ -70,7 +70,7 @@ def test_compiled_training_equals_eager_with_changing_documents_in_at_most_two_g
     # the memory report counts what the compiled blocks save: under Selective++ eager's activations (the
     # weights a compiled block saves are parameters, not activations), up to one more copy of the
     # documents' int64 boundaries per layer
-    eager_bytes, compiled_bytes = (trainer_memory_report(t, doc_batch(0))["activations"] for t in (eager, compiled))
+    eager_bytes, compiled_bytes = (t.memory_report(doc_batch(0))["activations"] for t in (eager, compiled))
     assert eager_bytes > 0 and abs(compiled_bytes - eager_bytes) <= 8 * SEQ * MODEL.num_layers, (eager_bytes,
                                                                                                  compiled_bytes)
     assert counters["stats"]["unique_graphs"] == graphs  # no new compilation for the report either
@@ -162,7 +162,7 @@ def test_compile_modes():
     with pytest.raises(ValueError, match="'fast'.*off"):
         compile_step.compile_enabled("fast", cpu)
     with pytest.raises(ValueError, match="--compile='fast'"):
-        TrainConfig(compile="fast").validate()
+        TrainConfig.from_dict(dict(compile="fast")).validate()
     compile_step.check_compile_options(ParallelConfig())
     with pytest.raises(ValueError, match="--offload-activations.*--compile off"):
         compile_step.check_compile_options(ParallelConfig(recompute="selective", offload_activations=True))

@@ -14,11 +14,11 @@ import torch
 
 from loongtrain.attn import ring
 from loongtrain.attn.cuda_kernels import CUDA_FLASH
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallel.step_memo import LastCall, argument_key
-from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.optim import adamw_implementation, build_optimizer, clip_grad_norm
 from loongtrain.train.trainer import Trainer
 from tests.helpers.cuda_emulation import install
@@ -63,7 +63,7 @@ def test_the_trainers_adamw_is_foreach_on_cpu_fused_on_cuda_single_tensor_when_o
     assert adamw_implementation(torch.device("cuda"), False) == {"fused": True}
     assert adamw_implementation(torch.device("cuda"), True) == {"foreach": False}
     net = torch.nn.Linear(4, 4)
-    optimizer, _ = build_optimizer(net, TrainConfig(steps=2, warmup=0))
+    optimizer, _ = build_optimizer(net, TrainConfig.from_dict(dict(steps=2, warmup=0)).optim)
     assert optimizer.defaults["foreach"] is True
 
 
@@ -102,9 +102,10 @@ PLANNING = ("attn/masking.py:visible_pieces", "attn/ring_step.py:plan_step", "at
 def calls_of_one_step(layers: int, documents: int, seq: int = 96) -> collections.Counter:
     """Every loongtrain Python function call of one training step (after a first one), by ``file:function``."""
     model = ModelConfig(vocab_size=64, dim=32, num_layers=layers, num_heads=4, num_kv_heads=2, ffn_dim=64)
-    cfg = TrainConfig(seq_len=seq, steps=10, warmup=1, dtype="fp64", doc_mask="on", parallel=ParallelConfig(),
-                      memory_report=False)
-    trainer = Trainer(Run(cfg, model), single_process_mesh(), torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(seq_len=seq, steps=10, warmup=1, dtype="fp64", doc_mask="on",
+                                     parallel=ParallelConfig(),
+                      memory_report=False))
+    trainer = Trainer(run_of(cfg, model), single_process_mesh(), torch.device("cpu"))
     starts = torch.zeros(1, seq, dtype=torch.bool)
     starts[0, torch.linspace(0, seq - 1, documents).long()] = True
     tokens = torch.randint(0, 64, (1, seq + 1), generator=torch.Generator().manual_seed(0))

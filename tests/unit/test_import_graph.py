@@ -1,7 +1,8 @@
 """The package's import graph (docs/design.md): every import, at module level or inside a function,
 goes from a higher floor to a lower one or stays inside its own package, and no modules import each
-other in a circle. Floors: ``model, data, parallel < loss, attn < hf < plan < parallelize < train < eval < launch
-< commands``; ``loongtrain/__init__.py`` sits below the commands, ``_options`` and ``_files`` below everything."""
+other in a circle. Floors: ``model, data, parallel < loss, attn < hf < parallelize < sections < plan < train
+< objectives, eval < launch < commands``; ``loongtrain/__init__.py`` sits below the commands, ``_options`` and
+``_files`` below everything."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "loongtrain"
-FLOORS = {"_options": 0, "_files": 0, "model": 1, "data": 1, "parallel": 1, "loss": 2, "attn": 2, "hf": 3, "plan": 4,
-          "parallelize": 5, "train": 6, "eval": 7, "launch": 8, "__init__": 9, "commands": 10}
+FLOORS = {"_options": 0, "_files": 0, "model": 1, "data": 1, "parallel": 1, "loss": 2, "attn": 2, "hf": 3,
+          "parallelize": 4, "sections": 5, "plan": 6, "train": 7, "objectives": 8, "eval": 8, "launch": 9,
+          "__init__": 10, "commands": 11}
 
 
 def _module_name(path: Path) -> str:

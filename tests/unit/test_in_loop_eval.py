@@ -14,9 +14,10 @@ import torch
 from loongtrain.commands import main
 from loongtrain.data import build_tokenizer
 from loongtrain.eval.in_loop import in_loop_evaluations, passkey_metrics
+from loongtrain.launch.config import TrainConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.config import TrainConfig
+from loongtrain.sections.data import DataSection
 from loongtrain.train.metrics import read_jsonl
 from tests.helpers.fixtures import QUIET_FLAGS, tiny_model
 from tests.helpers.training import fit
@@ -37,7 +38,7 @@ def _cfg(tmp, name: str, parallel: ParallelConfig, **kw) -> TrainConfig:
     base = dict(corpus=_corpus(tmp), seq_len_stages="32:2,64:2", seq_len=64, steps=4, batch_size=2, warmup=1,
                 lr=1e-2, dtype="fp32", parallel=parallel, out_dir=str(tmp / name), peak_tflops=1.0, tensorboard=False,
                 plot=False, progress="off", memory_report=False, val_interval=2, val_batches=1)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_dict(dict(**{**base, **kw}))
 
 
 EVAL = dict(eval_tasks="passkey,position-loss", eval_lengths="128,256", eval_trials=1, eval_docs=2)
@@ -83,7 +84,7 @@ def test_metrics_equal_loongtrain_eval_of_the_same_step(tmp_path, capsys):
     row = read_jsonl(out / "metrics.jsonl")[-1]
     mesh, cpu = single_process_mesh(), torch.device("cpu")
     for task, options in (("passkey", dict(lengths=(128, 256), trials=1)),
-                          ("position-loss", dict(seq_len=256, docs=3))):
+                          ("position-loss", dict(data=DataSection(corpus="", seq_len=256, doc_mask=""), docs=3))):
         job = prepare(EvalConfig(model=str(out), task=task, nproc=1, threads=1, **options))  # `loongtrain eval`'s
         rows = evaluate(job, build_model(job.source, job.run, mesh, cpu), mesh, cpu)
         if task == "passkey":

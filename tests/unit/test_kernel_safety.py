@@ -162,17 +162,17 @@ def test_autocast_does_not_reach_inside_the_ring_ops():
 def test_the_chosen_kernels_are_in_the_metrics_rows_and_the_checkpoint(tmp_path):
     import json  # noqa: PLC0415
 
+    from loongtrain.launch.config import TrainConfig  # noqa: PLC0415
     from loongtrain.model.config import ModelConfig  # noqa: PLC0415
     from loongtrain.parallel.config import ParallelConfig  # noqa: PLC0415
     from loongtrain.parallel.mesh import single_process_mesh  # noqa: PLC0415
-    from loongtrain.train.config import TrainConfig  # noqa: PLC0415
     from tests.helpers.training import fit  # noqa: PLC0415
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    cfg = TrainConfig(corpus=str(corpus), seq_len=64, steps=1, warmup=0, parallel=ParallelConfig(),
+    cfg = TrainConfig.from_dict(dict(corpus=str(corpus), seq_len=64, steps=1, warmup=0, parallel=ParallelConfig(),
                       out_dir=str(tmp_path / "run"), peak_tflops=1.0, tensorboard=False, plot=False, progress="off",
-                      memory_report=False)
+                      memory_report=False))
     model = ModelConfig(vocab_size=256, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
     records = fit(cfg, single_process_mesh(), torch.device("cpu"), model_config=model)
     assert records[-1]["attention_kernels"] == "cpu_flash"

@@ -9,11 +9,13 @@ import torch
 
 from loongtrain.attn import cuda_kernels
 from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_FLASH, SCRATCH_KERNELS, backward_scratch_bytes
+from loongtrain.attn.kernel_memory import kernel_scratch_bytes
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.cluster import Cluster, load_cluster
-from loongtrain.plan.memory_model import config_memory, kernel_scratch_bytes, memory_per_rank
+from loongtrain.plan.memory_model import memory_per_rank
+from loongtrain.plan.memory_terms import feature_terms
 from loongtrain.train.memory_report import scratch_kernels
-from tests.helpers.plan_cases import SMALL, toy_cluster
+from tests.helpers.plan_cases import SMALL, memory, toy_cluster
 
 BOTH = ("cuda_flash", "cuda_cudnn")
 
@@ -63,9 +65,9 @@ def test_the_planner_counts_the_largest_scratch_of_the_device_kernels():
     from loongtrain.parallel.config import Layout
 
     layout, kw = Layout(4, 2, 2), dict(seq_len=4096, batch=1, zero_size=4, recompute="full", mlp_tiles="4")
-    plain = memory_per_rank(SMALL, layout, **kw)
-    flash = memory_per_rank(SMALL, layout, kernels=("cuda_flash",), **kw)
-    both = memory_per_rank(SMALL, layout, kernels=BOTH, **kw)
+    plain = memory(SMALL, layout, **kw)
+    flash = memory(SMALL, layout, kernels=("cuda_flash",), **kw)
+    both = memory(SMALL, layout, kernels=BOTH, **kw)
     t = 4096 / 4
     scratch = backward_scratch_bytes("cuda_flash", 1, SMALL.num_heads // 2, 1, int(t * 2), int(t * 2),
                                      SMALL.head_dim, 2)
@@ -86,14 +88,14 @@ def test_clusters_name_the_kernels_their_choice_may_pick():
 def test_the_simulation_counts_the_scratch_the_planner_counts():
     """A ring of two (fake ranks) where the attention moment is the peak: the scratch raises the planner's
     prediction and the simulated peak by the same bytes."""
-    from loongtrain.train.simulate import simulate_step
+    from loongtrain.launch.simulate import simulate_step
     from tests.unit.test_simulate import WIDE
 
     seq = 2 * 16384  # the attention moment is the planner's and the simulation's peak here
     parallel = ParallelConfig(recompute="full", zero="full", mlp_tiles="4", cp=2, hp=1)
     kw = dict(seq_len=seq, batch=1, dtype_bytes=2, zero_size=2)
-    added = (config_memory(WIDE, parallel, parallel.layout(2), kernels=BOTH, **kw)["total"]
-             - config_memory(WIDE, parallel, parallel.layout(2), **kw)["total"])
+    added = (memory_per_rank(WIDE, parallel.layout(2), parallel, features=feature_terms(kernels=BOTH), **kw)["total"]
+             - memory_per_rank(WIDE, parallel.layout(2), parallel, **kw)["total"])
     simulated = (simulate_step(WIDE, parallel, 2, seq_len=seq, kernels=BOTH).peak_bytes
                  - simulate_step(WIDE, parallel, 2, seq_len=seq).peak_bytes)
     assert added == simulated > 0, (added, simulated)

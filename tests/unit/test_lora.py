@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from loongtrain.data.synthetic import global_batch
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.model.llama import Transformer
 from loongtrain.model.lora import LoraConfig, adapter_params, parse_lora
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallelize.lora import apply_lora, find_targets, is_adapter, merge_lora
-from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.model_setup import model_config_for
 from loongtrain.train.trainer import Trainer
 from tests.helpers.lora import full_grads, make_llama_dir, max_diff, peft_reference, set_adapters
@@ -74,11 +74,11 @@ def test_mixture_of_experts_expert_weights_are_refused():
 
 
 def _trainer(model: str, targets: tuple[str, ...], *, compile: str = "off", **modes) -> Trainer:
-    cfg = TrainConfig(model=model, seq_len=SEQ, steps=2, warmup=1, dtype="fp64", compile=compile,
+    cfg = TrainConfig.from_dict(dict(model=model, seq_len=SEQ, steps=2, warmup=1, dtype="fp64", compile=compile,
                       lora=LoraConfig(r=4, alpha=8.0, targets=targets).to_text(), memory_report=False,
-                      parallel=ParallelConfig(**modes))
-    config = NATIVE if model == "tiny" else model_config_for(cfg)
-    return Trainer(Run(cfg, config), single_process_mesh(), torch.device("cpu"), batches=lambda *a: iter(()))
+                      parallel=ParallelConfig(**modes)))
+    config = NATIVE if model == "tiny" else model_config_for(cfg.model)
+    return Trainer(run_of(cfg, config), single_process_mesh(), torch.device("cpu"), batches=lambda *a: iter(()))
 
 
 def _reference_base(model: str):
@@ -118,7 +118,8 @@ def test_loss_and_adapter_gradients_equal_peft(kind, mode, hf_dir, monkeypatch):
 
 
 def test_first_forward_is_the_base_models_and_only_adapters_train():
-    plain = Trainer(Run(TrainConfig(seq_len=SEQ, dtype="fp64", memory_report=False, parallel=ParallelConfig()),
+    plain = Trainer(run_of(TrainConfig.from_dict(dict(seq_len=SEQ, dtype="fp64", memory_report=False,
+                                                      parallel=ParallelConfig())),
                         NATIVE), single_process_mesh(), torch.device("cpu"), batches=lambda *a: iter(()))
     lora = _trainer("tiny", ("q_proj", "v_proj"))
     batch = global_batch(0, 1, SEQ, NATIVE.vocab_size, seed=1)
@@ -126,7 +127,8 @@ def test_first_forward_is_the_base_models_and_only_adapters_train():
     before = {n: p.detach().clone() for n, p in lora.model.named_parameters()}
     trained = {n for n, p in lora.model.named_parameters() if p.requires_grad}
     assert trained and all(is_adapter(n) for n in trained)
-    assert sum(lora.model.get_parameter(n).numel() for n in trained) == adapter_params(NATIVE, lora.cfg.lora_config())
+    assert sum(lora.model.get_parameter(n).numel() for n in trained) == adapter_params(
+        NATIVE, lora.cfg.model.lora_config())
     optimized = {id(p) for g in lora.optimizer.param_groups for p in g["params"]}
     assert optimized == {id(lora.model.get_parameter(n)) for n in trained}
     for step in range(2):
@@ -150,12 +152,12 @@ def test_merge_equals_the_unmerged_forward():
 
 
 def test_planner_counts_the_adapters_states_only():
-    from loongtrain.plan.memory_model import memory_per_rank
+    from tests.helpers.plan_cases import memory
 
     lora = parse_lora("r=16,targets=q_proj,k_proj,v_proj,o_proj")
     layout = ParallelConfig().layout(4)
-    full = memory_per_rank(NATIVE, layout, seq_len=64, batch=1, zero_size=4, recompute="full")
-    adapted = memory_per_rank(NATIVE, layout, seq_len=64, batch=1, zero_size=4, recompute="full", lora=lora)
+    full = memory(NATIVE, layout, seq_len=64, batch=1, zero_size=4, recompute="full")
+    adapted = memory(NATIVE, layout, seq_len=64, batch=1, zero_size=4, recompute="full", lora=lora)
     p, a = num_params(NATIVE), adapter_params(NATIVE, lora)
     d, q, kv = NATIVE.dim, NATIVE.num_heads * NATIVE.head_dim, NATIVE.num_kv_heads * NATIVE.head_dim
     assert a == NATIVE.num_layers * 16 * ((d + q) + 2 * (d + kv) + (q + d))
@@ -173,12 +175,14 @@ WIDE = ModelConfig(vocab_size=8192, dim=1024, num_layers=4, num_heads=8, num_kv_
      "r=16,targets=all-linear"),
 ], ids=["zero-cp2", "none-mlp-dropout", "offload"])
 def test_planner_matches_the_simulation_with_lora(world, modes, seq, lora):
-    from loongtrain.plan.memory_model import config_memory
-    from loongtrain.train.simulate import simulate_step
+    from loongtrain.launch.simulate import simulate_step
+    from loongtrain.plan.memory_model import memory_per_rank
+    from loongtrain.plan.memory_terms import feature_terms
 
     parallel = ParallelConfig(**modes)
-    predicted = config_memory(WIDE, parallel, parallel.layout(world), seq_len=seq, batch=1, dtype_bytes=2,
-                              zero_size=world if parallel.zero != "none" else 1, lora=parse_lora(lora))
+    predicted = memory_per_rank(WIDE, parallel.layout(world), parallel, seq_len=seq, batch=1, dtype_bytes=2,
+                                zero_size=world if parallel.zero != "none" else 1,
+                                features=feature_terms(parse_lora(lora)))
     simulated = simulate_step(WIDE, parallel, world, seq_len=seq, lora=lora)
     assert abs(predicted["total"] / simulated.peak_bytes - 1) <= 0.10, (predicted, simulated)
     assert simulated.parts["optstate"] <= 16 * adapter_params(WIDE, parse_lora(lora))  # AdamW's m, v: adapters'
@@ -194,7 +198,7 @@ def test_planner_matches_the_simulation_with_lora(world, modes, seq, lora):
 def test_simulation_of_a_lora_step_matches_real_tensors(world, modes):
     """The bf16 step (FSDP2 gathering bf16 weights, frozen base and adapters in one group) on real CPU tensors as
     one rank of four (torch's fake process group), against the same step under fake tensors."""
-    from loongtrain.train.simulate import simulate_step
+    from loongtrain.launch.simulate import simulate_step
 
     small = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=192)
     parallel = ParallelConfig(**modes)
@@ -210,8 +214,9 @@ def test_a_preset_base_of_another_shape_is_refused():
 
     from loongtrain.train.lora_base import base_record, check_base
 
-    cfg = TrainConfig(lora="r=4")
-    state = {"model_config": json_record(NATIVE), "lora": base_record(cfg, {"model_config": json_record(NATIVE)})}
+    cfg = TrainConfig.from_dict(dict(lora="r=4"))
+    state = {"model_config": json_record(NATIVE), "lora": base_record(cfg.model, cfg.optim.seed,
+                                                                                {"model_config": json_record(NATIVE)})}
     check_base(state, "ckpt", NATIVE)  # the same shape: fine
     with pytest.raises(ValueError, match="checkpoint 'ckpt': its LoRA base, preset 'tiny' with seed 0, has another "
                                          "shape now than it trained on"):
@@ -230,9 +235,9 @@ def test_dropout_drops_in_training_only():
     batch = global_batch(0, 1, SEQ, NATIVE.vocab_size, seed=1)
     values = {}
     for dropout in (0.0, 0.5):
-        cfg = TrainConfig(seq_len=SEQ, dtype="fp64", memory_report=False, parallel=ParallelConfig(),
-                          lora=f"r=4,alpha=8,dropout={dropout},targets=q_proj,up_proj")
-        trainer = Trainer(Run(cfg, NATIVE), single_process_mesh(), torch.device("cpu"), batches=lambda *a: iter(()))
+        cfg = TrainConfig.from_dict(dict(seq_len=SEQ, dtype="fp64", memory_report=False, parallel=ParallelConfig(),
+                          lora=f"r=4,alpha=8,dropout={dropout},targets=q_proj,up_proj"))
+        trainer = Trainer(run_of(cfg, NATIVE), single_process_mesh(), torch.device("cpu"), batches=lambda *a: iter(()))
         set_adapters(trainer.model)
         trainer.model.train()
         values[dropout, "train"] = float(trainer.loss(batch)[1])

@@ -1,6 +1,6 @@
 """The planner for models with experts (docs/moe-and-gpt-oss.md#mixture-of-experts): active parameters for FLOPs
 and MFU, all experts for memory; the Qwen3-30B-A3B config's counts; the predicted peak against the trainer's own
-step simulated under fake tensors (loongtrain/train/simulate/)."""
+step simulated under fake tensors (loongtrain/launch/simulate/)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 
 from loongtrain.hf.convert import shape_config_from_hf
 from loongtrain.hf.load import read_hf_config
+from loongtrain.launch.simulate import simulate_step
 from loongtrain.model.config import ModelConfig, active_params, flops_per_token, matmul_params, num_params, with_depth
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.plan.memory_model import config_memory
-from loongtrain.train.simulate import simulate_step
+from loongtrain.plan.memory_model import memory_per_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = ModelConfig(vocab_size=256, dim=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=384, num_experts=16,
@@ -56,8 +56,8 @@ def test_planner_bounds_the_simulation_at_a_small_shape(world, parallel):
     # shape at its longest sequence: within 5%, tests/e2e/test_moe_cli.py)
     seq = 2048 * world
     simulated = simulate_step(MOE, parallel, world, seq_len=seq)
-    predicted = config_memory(MOE, parallel, parallel.layout(world), seq_len=seq, batch=1, dtype_bytes=2,
-                              zero_size=parallel.shard_size(world))
+    predicted = memory_per_rank(MOE, parallel.layout(world), parallel, seq_len=seq, batch=1, dtype_bytes=2,
+                                zero_size=parallel.shard_size(world))
     assert 1.0 <= predicted["total"] / simulated.peak_bytes <= 1.25, (predicted, simulated)
 
 

@@ -9,12 +9,11 @@ import logging
 import pytest
 import torch
 
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig, mlp_tile_count, validate_parallel
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallelize.offload import activation_offloader, pinned_memory_available
-from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.memory_report import trainer_memory_report
 from loongtrain.train.model_setup import model_config_for
 from loongtrain.train.trainer import Trainer
 from tests.helpers.doc_batches import MODEL, SEQ, packed_batch
@@ -23,10 +22,11 @@ TOL = 1e-10
 
 
 def make_trainer(model: ModelConfig | str = MODEL, **opts) -> Trainer:
-    cfg = TrainConfig(model=model if isinstance(model, str) else "tiny", seq_len=SEQ, batch_size=2, steps=2,
-                      warmup=0, clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=1, cp=1, **opts), doc_mask="on")
-    config = model if isinstance(model, ModelConfig) else model_config_for(cfg)
-    return Trainer(Run(cfg, config), single_process_mesh(), torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(model=model if isinstance(model, str) else "tiny", seq_len=SEQ, batch_size=2,
+                                     steps=2,
+                      warmup=0, clip=0.0, dtype="fp64", parallel=ParallelConfig(hp=1, cp=1, **opts), doc_mask="on"))
+    config = model if isinstance(model, ModelConfig) else model_config_for(cfg.model)
+    return Trainer(run_of(cfg, config), single_process_mesh(), torch.device("cpu"))
 
 
 def losses_and_grads(trainer: Trainer) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -78,7 +78,7 @@ def _device_activations(layers: int, offload: bool) -> tuple[int, int]:
     """(saved activation bytes left on the device after a forward, peak bytes brought back in backward)."""
     config = ModelConfig(vocab_size=64, dim=32, num_layers=layers, num_heads=4, num_kv_heads=2, ffn_dim=64)
     trainer = make_trainer(config, recompute="full", offload_activations=offload)
-    report = trainer_memory_report(trainer, packed_batch())
+    report = trainer.memory_report(packed_batch())
     offloader = activation_offloader(trainer.model)
     return report["activations"], offloader.peak_device_bytes if offloader else 0
 
@@ -120,8 +120,8 @@ def test_previous_block_is_prefetched_after_the_query_projections_gradient(monke
 def test_mem_activations_counts_only_device_bytes():
     from loongtrain.train.memory_report import metrics_fields
 
-    plain = trainer_memory_report(make_trainer(recompute="selective"), packed_batch())
-    offloaded = trainer_memory_report(make_trainer(recompute="selective", offload_activations=True), packed_batch())
+    plain = make_trainer(recompute="selective").memory_report(packed_batch())
+    offloaded = make_trainer(recompute="selective", offload_activations=True).memory_report(packed_batch())
     assert 0 < offloaded["activations"] < plain["activations"]
     assert metrics_fields(offloaded)["mem_activations_gib"] == offloaded["activations"] / 2**30
 
@@ -186,9 +186,9 @@ def test_train_command_runs_every_mode(tmp_path):
 def test_gradient_accumulation_with_offload():
     """Two micro-batches per step: each forward's blocks link to their own backward."""
     def trainer(**opts) -> Trainer:
-        cfg = TrainConfig(seq_len=SEQ, batch_size=1, grad_accum=2, steps=1, warmup=0, clip=0.0, dtype="fp64",
-                          doc_mask="on", parallel=ParallelConfig(hp=1, cp=1, **opts))
-        return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
+        cfg = TrainConfig.from_dict(dict(seq_len=SEQ, batch_size=1, grad_accum=2, steps=1, warmup=0, clip=0.0,
+                                         dtype="fp64", doc_mask="on", parallel=ParallelConfig(hp=1, cp=1, **opts)))
+        return Trainer(run_of(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
 
     micro = [{k: v[i : i + 1] for k, v in packed_batch().items()} for i in range(2)]
     results = []

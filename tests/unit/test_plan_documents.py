@@ -19,7 +19,7 @@ from loongtrain.parallel.documents import Documents, balanced_chunk_order, rank_
 from loongtrain.parallel.layout import DoubleRing, Layout
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.plan.attention_cost import AttnShape, _Link, attention_flops, attention_time, simulate_pass
-from loongtrain.plan.cost import step_cost
+from loongtrain.plan.cost import Workload, step_cost
 from loongtrain.plan.document_work import balance_report, lognormal_documents, pair_work, step_work
 from loongtrain.plan.search import plan
 from tests.helpers.plan_cases import toy_cluster  # one toy cluster for the planner tests
@@ -144,7 +144,7 @@ def test_no_document_predictions_unchanged():
     c = step_cost(model, ParallelConfig(cp=4), toy_cluster(), nodes=1, seq_len=256)
     assert c.mfu == pytest.approx(256 * flops_per_token(model, 256) / (c.step_time * 4 * 4096), rel=1e-12)
     assert [x.step_time for x in plan(model, toy_cluster(), nodes=1, seq_len=256)] == [
-        x.step_time for x in plan(model, toy_cluster(), nodes=1, seq_len=256, documents=None)]
+        x.step_time for x in plan(model, toy_cluster(), nodes=1, seq_len=256, workload=Workload(documents=None))]
 
 
 def test_documents_in_step_cost_and_errors():
@@ -152,7 +152,7 @@ def test_documents_in_step_cost_and_errors():
     docs = Documents((tuple(lognormal_documents(1024, 64, seed=0)),))
     kw = dict(nodes=1, seq_len=1024)
     dense = step_cost(model, ParallelConfig(cp=4), FAST, **kw)
-    packed = step_cost(model, ParallelConfig(cp=4), FAST, documents=docs, **kw)
+    packed = step_cost(model, ParallelConfig(cp=4), FAST, workload=Workload(documents=docs), **kw)
     assert packed.step_time < dense.step_time and 0 < packed.mfu < 1
     assert packed.memory == dense.memory
     with pytest.raises(ValueError, match="chunk_order"):

@@ -11,7 +11,7 @@ import pytest
 
 import loongtrain.plan.max_seq as max_seq
 from loongtrain.plan.max_seq import max_seq_len
-from loongtrain.plan.memory_model import MEMORY_FREE_FIELDS, config_memory, memory_key
+from loongtrain.plan.memory_model import MEMORY_FREE_FIELDS, memory_key, memory_per_rank
 from loongtrain.plan.search import enumerate_configs, plan
 from tests.helpers.plan_cases import SMALL, toy_cluster
 
@@ -29,8 +29,8 @@ def test_memory_does_not_depend_on_the_fields_the_key_leaves_out():
               if getattr(c, f) != getattr(d, f)}
     assert varied == set(MEMORY_FREE_FIELDS)  # placements and inner rings do share keys here
     for group in groups.values():
-        parts = [config_memory(SMALL4, c, c.layout(world), seq_len=seq_len, batch=1, dtype_bytes=2,
-                               zero_size=c.shard_size(world)) for c in group]
+        parts = [memory_per_rank(SMALL4, c.layout(world), c, seq_len=seq_len, batch=1, dtype_bytes=2,
+                                 zero_size=c.shard_size(world)) for c in group]
         assert all(p == parts[0] for p in parts), group
 
 

@@ -17,10 +17,9 @@ from loongtrain.parallel.layout import Layout
 from loongtrain.plan.cluster import load_cluster
 from loongtrain.plan.cost import step_cost
 from loongtrain.plan.max_seq import max_seq_len
-from loongtrain.plan.memory_model import memory_per_rank
 from loongtrain.plan.search import best_fitting, plan, world_size
 from loongtrain.plan.step_bytes import head_bytes
-from tests.helpers.plan_cases import SMALL, toy_cluster
+from tests.helpers.plan_cases import SMALL, memory, toy_cluster
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "plan_golden.json"
 SMALL4 = dataclasses.replace(SMALL, num_layers=4)  # 4 * 36992 + 64 + 2 * 256 * 64 = 180800 parameters
@@ -29,8 +28,8 @@ P4, P_L = 180800, 36992
 
 def test_mlp_tiles_keep_one_tile_of_the_intermediates():
     layout, kw = Layout(8, 2, 4), dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2)  # t = 128 tokens
-    plain = memory_per_rank(SMALL, layout, recompute="full", **kw)
-    tiled = memory_per_rank(SMALL, layout, recompute="full", mlp_tiles="2", **kw)
+    plain = memory(SMALL, layout, recompute="full", **kw)
+    tiled = memory(SMALL, layout, recompute="full", mlp_tiles="2", **kw)
     # SwiGLU's 4 * f * b = 4 * 128 * 2 bytes per token: half of them at a time; the MLP's norm output per tile
     assert tiled["recompute"] == plain["recompute"] - 128 * 4 * 128 * 2 / 2 - 128 * 64 * 2
     assert {k: v for k, v in tiled.items() if k not in ("recompute", "workspace", "total")} == \
@@ -42,14 +41,14 @@ def test_mlp_tiles_keep_one_tile_of_the_intermediates():
     assert plain["workspace"] > mlp_plain and tiled["workspace"] > mlp_tiled
     assert tiled["recompute"] + tiled["workspace"] == plain["recompute"] + plain["workspace"]
     # auto is the trainer's rule (parallel.config.mlp_tile_count): ceil(f / d) = 2 tiles of the 128 tokens
-    auto = memory_per_rank(SMALL, layout, recompute="full", mlp_tiles="auto", **kw)
+    auto = memory(SMALL, layout, recompute="full", mlp_tiles="auto", **kw)
     assert mlp_tile_count("auto", 128, SMALL.dim, SMALL.ffn_dim) == 2 and auto == tiled
 
 
 def test_activation_offload_keeps_two_blocks_on_the_device():
     layout, kw = Layout(8, 2, 4), dict(seq_len=1024, batch=1, zero_size=8, dtype_bytes=2, recompute="full")
-    plain = memory_per_rank(SMALL4, layout, **kw)
-    off = memory_per_rank(SMALL4, layout, offload_activations=True, **kw)
+    plain = memory(SMALL4, layout, **kw)
+    off = memory(SMALL4, layout, offload_activations=True, **kw)
     block = 128 * 64 * 2  # a recomputed block's input: t * d * r (FSDP2 bf16: r = b = 2)
     final_norm = 128 * 64 * 2
     assert plain["activations"] == 4 * block + final_norm and plain["host"] == 0
@@ -57,18 +56,18 @@ def test_activation_offload_keeps_two_blocks_on_the_device():
     # in a block's backward only its own input is on the device (the previous block comes back after its peaks)
     assert off["total"] == plain["total"] - 3 * block
     # --offload-keep 2: the last two blocks stay; in the last block's backward both inputs are on the device
-    kept = memory_per_rank(SMALL4, layout, offload_activations=True, offload_keep=2, **kw)
+    kept = memory(SMALL4, layout, offload_activations=True, offload_keep=2, **kw)
     assert kept["host"] == 2 * block and kept["activations"] == 4 * block + final_norm
     assert kept["total"] == off["total"] + block
-    eight = memory_per_rank(dataclasses.replace(SMALL, num_layers=8), layout, offload_activations=True, **kw)
+    eight = memory(dataclasses.replace(SMALL, num_layers=8), layout, offload_activations=True, **kw)
     assert eight["activations"] == off["activations"]  # does not grow with depth; the host copy does
     assert eight["host"] == 2 * off["host"]
 
 
 def test_parameter_offload_moves_the_states_to_the_host():
     layout, kw = Layout(8, 2, 4), dict(seq_len=1024, batch=1, dtype_bytes=2, recompute="full")
-    plain = memory_per_rank(SMALL4, layout, zero_size=8, **kw)
-    off = memory_per_rank(SMALL4, layout, zero_size=8, offload_params=True, **kw)
+    plain = memory(SMALL4, layout, zero_size=8, **kw)
+    off = memory(SMALL4, layout, zero_size=8, offload_params=True, **kw)
     adamw = 3 * 4 * 256 * 64 / 8  # the host AdamW step's fp32 temporaries of the largest shard (the head's)
     assert off["states"] == 0 and off["host"] == 16 * P4 / 8 + adamw
     assert off["working_params"] == plain["working_params"]
@@ -77,7 +76,7 @@ def test_parameter_offload_moves_the_states_to_the_host():
     assert off["total"] == max(base + off["activations"] + off["logits"], layer, base)
     # one device (z = 1): FSDP2's bf16 gathering (two blocks + root + the larger of a block's and the root's
     # bf16 gradient with its fp32 copy: the block's, 36992 > 2 * 256 * 64 + 64)
-    one = memory_per_rank(SMALL4, Layout(1, 1, 1), zero_size=1, offload_params=True, **kw)
+    one = memory(SMALL4, Layout(1, 1, 1), zero_size=1, offload_params=True, **kw)
     assert one["working_params"] == 2 * (2 * P_L + 2 * 256 * 64 + 64) + (2 + 4) * P_L
     assert one["host"] == 16 * P4 + 8 * adamw and one["states"] == 0
 
@@ -158,7 +157,7 @@ def test_cli_max_seq_len_and_device_errors(capsys):
 def test_generated_parser_takes_train_names_only(tmp_path):
     cfg = parse_plan_args(["--model", "1b", "--seq-len", "128K", "--nodes", "2", "--batch-size", "2",
                            "--cluster", "h100", "--recompute", "full", "--offload-activations"])
-    assert cfg.batch_size == 2 and cfg.cluster == "h100" and cfg.seq_len == 131072
+    assert cfg.data.batch_size == 2 and cfg.cluster == "h100" and cfg.data.seq_len == 131072
     assert cfg.filters() == {"recompute": "full", "offload_activations": True}
     for old in (["--batch", "2"], ["--ckpt", "full"], ["--plan-cluster", "h100"]):  # no second names
         with pytest.raises(ValueError, match=old[0]):
@@ -167,7 +166,9 @@ def test_generated_parser_takes_train_names_only(tmp_path):
     path.write_text('model = "1b"\nseq_len = "1M"\nbatch_size = 3\nrecompute = "selective"\ncluster = "h200"\n'
                     'gpus = 4\n')
     cfg = parse_plan_args(["--config", str(path), "--batch-size", "5"])
-    assert (cfg.seq_len, cfg.batch_size, cfg.recompute, cfg.cluster, cfg.gpus) == (1 << 20, 5, "selective", "h200", 4)
+    assert (cfg.data.seq_len, cfg.data.batch_size, cfg.recompute, cfg.cluster, cfg.gpus) == (1 << 20, 5, "selective",
+                                                                                             "h200",
+                                                                                           4)
     path.write_text('ckpt = "full"\n')
     with pytest.raises(ValueError, match="unknown option 'ckpt'"):
         parse_plan_args(["--config", str(path)])
@@ -178,10 +179,10 @@ def test_generated_parser_takes_train_names_only(tmp_path):
 def test_train_takes_the_same_sizes(tmp_path):
     from loongtrain.commands.train import parse_args
 
-    assert parse_args(["--seq-len", "128K"]).seq_len == 131072
+    assert parse_args(["--seq-len", "128K"]).data.seq_len == 131072
     path = tmp_path / "train.toml"
     path.write_text('seq_len = "16K"\n')
-    assert parse_args(["--config", str(path)]).seq_len == 16384
+    assert parse_args(["--config", str(path)]).data.seq_len == 16384
     with pytest.raises(ValueError, match="seq_len='12x'"):
         parse_args(["--seq-len", "12x"])
 

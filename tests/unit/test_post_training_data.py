@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from loongtrain.data.chat import ChatFormat
-from loongtrain.data.post_training import PostTrainingReader
 from loongtrain.data.preference import PreferenceDataset, encode_pairs, pair_texts, tokenize_pair
 from loongtrain.data.tokenizer import ByteTokenizer, build_tokenizer
 from loongtrain.data.whole_packing import build_row, concat_docs, pack_whole
+from loongtrain.objectives.sft import ConversationReader
 from tests.helpers import chat_data
 from tests.helpers.post_training_reference import assistant_tokens, hf_tokenizer, trl_pair_ids
 
@@ -133,7 +133,7 @@ def test_preference_rows(toks, tmp_path):
 def test_validation_rows_are_held_out_and_split_over_replicas(toks, tmp_path):
     tok = build_tokenizer(str(toks["generation"]))
     corpus = str(chat_data.write_conversations(tmp_path / "c.jsonl", 40, turns=1))
-    reader = PostTrainingReader("sft", tok, ChatFormat(tok), 128)
+    reader = ConversationReader(tok, ChatFormat(tok), 128)
     train = reader.dataset(corpus, val_fraction=0.3, part="train")
     held = reader.dataset(corpus, val_fraction=0.3, part="validation", held_out=True)
     assert train.docs.num_documents + held.docs.num_documents == 40 and held.docs.num_documents > 4

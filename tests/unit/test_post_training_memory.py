@@ -1,15 +1,16 @@
 """DPO's reference pass in the planner and the simulation (docs/post-training.md#memory): the simulated pass
-(train/simulate/, phase ``reference``) counts what real tensors hold at a small size, the planner's
+(launch/simulate/, phase ``reference``) counts what real tensors hold at a small size, the planner's
 ``reference`` part is within [0.95, 1.2] of it, and the planner's peak includes it."""
 
 from __future__ import annotations
 
 import pytest
 
+from loongtrain.launch.simulate import simulate_step
 from loongtrain.model.config import get_preset
+from loongtrain.objectives.registry import objective_memory
 from loongtrain.parallel.config import ParallelConfig
-from loongtrain.plan.memory_model import config_memory
-from loongtrain.train.simulate import simulate_step
+from loongtrain.plan.memory_model import memory_per_rank
 
 MODEL = get_preset("tiny")
 
@@ -31,8 +32,8 @@ def test_planner_reference_part_is_close_to_the_simulation(seq_len, parallel, wo
     simulated = simulate_step(MODEL, parallel, world, seq_len=seq_len, batch=1, dtype=dtype, objective="dpo")
     zero = parallel.shard_size(world) if parallel.zero != "none" else 1
     kw = dict(seq_len=seq_len, batch=1, dtype_bytes=2 if dtype == "bf16" else 4, zero_size=zero)
-    with_reference = config_memory(MODEL, parallel, parallel.layout(world), reference=True, **kw)
-    without = config_memory(MODEL, parallel, parallel.layout(world), **kw)
+    with_reference = memory_per_rank(MODEL, parallel.layout(world), parallel, features=objective_memory("dpo"), **kw)
+    without = memory_per_rank(MODEL, parallel.layout(world), parallel, **kw)
     ratio = with_reference["reference"] / simulated.phases[("reference", False)][0]
     assert 0.95 <= ratio <= 1.2, ratio
     assert with_reference["total"] == max(without["total"], with_reference["reference"])

@@ -11,6 +11,7 @@ import torch
 
 from loongtrain import attention
 from loongtrain.data.synthetic import global_batch
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train.checkpoint import (
@@ -22,7 +23,6 @@ from loongtrain.train.checkpoint import (
     read_latest,
     resolve_checkpoint,
 )
-from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.metrics import MetricsLogger, read_jsonl
 from loongtrain.train.trainer import Trainer
 from tests.helpers.fixtures import tiny_model
@@ -31,8 +31,8 @@ MODEL = tiny_model(num_layers=1, num_kv_heads=4)
 
 
 def _trainer(**kw) -> Trainer:
-    cfg = TrainConfig(seq_len=16, steps=4, warmup=1, parallel=ParallelConfig(), dtype="fp64", **kw)
-    return Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(seq_len=16, steps=4, warmup=1, parallel=ParallelConfig(), dtype="fp64", **kw))
+    return Trainer(run_of(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
 
 
 def test_non_finite_step_is_skipped_without_update():
@@ -62,9 +62,10 @@ def test_values_read_only_at_log_steps_are_the_same_values(tmp_path):
     from loongtrain.data.synthetic import synthetic_source
 
     def run(interval: int, out: str, poison_at: int | None = None) -> tuple[list[dict], list[dict]]:
-        cfg = TrainConfig(seq_len=16, steps=5, warmup=1, parallel=ParallelConfig(), dtype="fp64", log_interval=interval,
+        cfg = TrainConfig.from_dict(dict(seq_len=16, steps=5, warmup=1, parallel=ParallelConfig(), dtype="fp64",
+                                         log_interval=interval,
                           out_dir=str(tmp_path / out), peak_tflops=1.0, tensorboard=False, plot=False, progress="off",
-                          memory_report=False, max_bad_steps=0)
+                          memory_report=False, max_bad_steps=0))
         made: list[Trainer] = []
 
         def source(cfg, mesh, start):  # for micro-step ``poison_at`` one weight is inf (that step is skipped)
@@ -78,7 +79,7 @@ def test_values_read_only_at_log_steps_are_the_same_values(tmp_path):
                         weight[0, 0] = math.inf if i == poison_at else kept[0]
                 yield batch
 
-        made.append(Trainer(Run(cfg, MODEL), single_process_mesh(), torch.device("cpu"), source))
+        made.append(Trainer(run_of(cfg, MODEL), single_process_mesh(), torch.device("cpu"), source))
         return made[0].train(), read_jsonl(tmp_path / out / "metrics.jsonl")
 
     every, every_log = run(1, "every")

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from loongtrain.commands import main as loongtrain_main
+from loongtrain.launch.simulate import simulate_step
 from loongtrain.model.config import ModelConfig, num_params
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.plan.memory_model import memory_per_rank
-from loongtrain.train.simulate import simulate_step
 
 MODEL = ModelConfig(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=192)
 TOLERANCE = 0.05
@@ -87,9 +87,8 @@ WIDE_SEQ = 65536
 ], ids=["offload_activations", "mlp_tiles", "offload_params", "all", "none"])
 def test_planner_matches_the_simulation_per_mode(modes):
     parallel = ParallelConfig(recompute="full", **modes)
-    predicted = memory_per_rank(WIDE, parallel.layout(1), seq_len=WIDE_SEQ, batch=1, zero_size=1, recompute="full",
-                                offload_activations=parallel.offload_activations, mlp_tiles=parallel.mlp_tiles,
-                                offload_params=parallel.offload_params)
+    predicted = memory_per_rank(WIDE, parallel.layout(1), parallel, seq_len=WIDE_SEQ, batch=1, zero_size=1,
+                                dtype_bytes=2)
     simulated = simulate_step(WIDE, parallel, 1, seq_len=WIDE_SEQ)
     assert abs(predicted["total"] / simulated.peak_bytes - 1) <= 0.10, (predicted, simulated)
     if parallel.offload_activations or parallel.offload_params:  # the host: what the modes move, or a bit more
@@ -97,20 +96,20 @@ def test_planner_matches_the_simulation_per_mode(modes):
 
 
 def test_startup_report_counts_offloaded_states_on_the_host():
+    from loongtrain.launch.config import TrainConfig, run_of
+    from loongtrain.launch.simulate import fake_ranks
     from loongtrain.parallel.mesh import init_mesh
-    from loongtrain.train.config import Run, TrainConfig
-    from loongtrain.train.memory_report import metrics_fields, trainer_memory_report
-    from loongtrain.train.simulate import fake_ranks
+    from loongtrain.train.memory_report import metrics_fields
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(model="tiny", seq_len=64, batch_size=1, dtype="fp32", memory_report=False,
+    cfg = TrainConfig.from_dict(dict(model="tiny", seq_len=64, batch_size=1, dtype="fp32", memory_report=False,
                       parallel=ParallelConfig(zero="full", recompute="full", offload_params=True,
-                                              offload_activations=True))
+                                              offload_activations=True)))
     ids = torch.randint(0, MODEL.vocab_size, (1, 64))
     batch = {"input_ids": ids, "labels": ids, "position_ids": torch.arange(64)[None]}
     with fake_ranks(1):  # FSDP2's CPUOffloadPolicy on a one-rank group, in this process
-        trainer = Trainer(Run(cfg, MODEL), init_mesh(1, 1), torch.device("cpu"), batches=lambda *a: iter(()))
-        report = trainer_memory_report(trainer, batch)
+        trainer = Trainer(run_of(cfg, MODEL), init_mesh(1, 1), torch.device("cpu"), batches=lambda *a: iter(()))
+        report = trainer.memory_report(batch)
     shards = sum(p.to_local().numel() * 4 for p in trainer.model.parameters())
     assert report["params"] == report["grads"] == report["optimizer_state"] == 0  # nothing of them on the device
     assert report["host_states"] == 4 * shards  # parameters, gradients (their size), AdamW's two moments
@@ -143,12 +142,12 @@ def test_plan_simulate_json(tmp_path, capsys):
 def test_planner_matches_the_simulation_sharded(layout):
     """FSDP2 over the ranks, activation offload and MLP tiles on 2 and 4 (fake) ranks: device within 10%,
     host exact (every offloaded block's input)."""
-    from loongtrain.plan.memory_model import config_memory
+    from loongtrain.plan.memory_model import memory_per_rank
 
     parallel = ParallelConfig(recompute="full", zero="full", offload_activations=True, mlp_tiles="4", **layout)
     world = parallel.sp
-    predicted = config_memory(WIDE, parallel, parallel.layout(world), seq_len=WIDE_SEQ * world, batch=1,
-                              dtype_bytes=2, zero_size=world)
+    predicted = memory_per_rank(WIDE, parallel.layout(world), parallel, seq_len=WIDE_SEQ * world, batch=1,
+                                dtype_bytes=2, zero_size=world)
     simulated = simulate_step(WIDE, parallel, world, seq_len=WIDE_SEQ * world)
     assert abs(predicted["total"] / simulated.peak_bytes - 1) <= 0.10, (predicted, simulated)
     assert predicted["host"] == simulated.host_bytes, (predicted, simulated)
@@ -167,9 +166,9 @@ DEEP = ModelConfig(vocab_size=2**20, dim=64, num_layers=5, num_heads=4, num_kv_h
 def test_simulation_by_depth_equals_the_whole_step(world, parallel):
     """Simulations at 3 and 4 blocks, their alike loops (loss chunks, MLP tiles of 64 tokens) run in part,
     extended phase by phase to 5 blocks, give the whole 5-block step's peaks."""
+    from loongtrain.launch import simulate
+    from loongtrain.launch.simulate.fake_step import alike_loops
     from loongtrain.loss import chunked
-    from loongtrain.train import simulate
-    from loongtrain.train.simulate.fake_step import alike_loops
 
     seq = 512 * parallel.sp
     assert simulate.DEPTHS[1] < DEEP.num_layers  # extended, not simulated whole

@@ -38,12 +38,13 @@ def _batch(step: int) -> dict[str, torch.Tensor]:
 
 
 def _trainer(compile: str):
-    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.train.trainer import Trainer
 
-    cfg = TrainConfig(seq_len=SEQ, steps=6, warmup=1, dtype="fp64", parallel=ParallelConfig(recompute="selective"),
-                      doc_mask="on", compile=compile)
-    return Trainer(Run(cfg, native_config(window=5)), single_process_mesh(), torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(seq_len=SEQ, steps=6, warmup=1, dtype="fp64",
+                                     parallel=ParallelConfig(recompute="selective"),
+                      doc_mask="on", compile=compile))
+    return Trainer(run_of(cfg, native_config(window=5)), single_process_mesh(), torch.device("cpu"))
 
 
 def test_compiled_sinks_and_layer_types_train_like_eager():

@@ -10,11 +10,12 @@ import pytest
 
 from loongtrain.commands import main
 from loongtrain.commands.train import parse_args
+from loongtrain.launch.config import TrainConfig
 from loongtrain.launch.train_run import validate_run
-from loongtrain.train.config import TrainConfig
+from loongtrain.sections.stages import parse_stages, run_stages, stage_at
 from loongtrain.train.metrics import read_jsonl
 from loongtrain.train.optim import lr_factor
-from loongtrain.train.stages import parse_stages, run_stages, stage_at, stage_config
+from loongtrain.train.stages import stage_config
 from tests.helpers.fixtures import QUIET_FLAGS
 
 SCHEDULE = ["--seq-len-stages", "32:3,64:2,128:2", "--batch-size", "2", "--grad-accum", "2"]
@@ -23,28 +24,29 @@ SCHEDULE = ["--seq-len-stages", "32:3,64:2,128:2", "--batch-size", "2", "--grad-
 def test_parse_schedule_and_the_totals_it_makes():
     assert parse_stages("8K:1000, 32K:400,128K:100") == ((8192, 1000), (32768, 400), (131072, 100))
     cfg = parse_args(["--seq-len-stages", "1K:10,4K:5", "--grad-accum", "4"])
-    assert (cfg.steps, cfg.seq_len) == (15, 4096)
+    assert (cfg.optim.steps, cfg.data.seq_len) == (15, 4096)
     again = TrainConfig.from_dict(cfg.to_dict())  # what a checkpoint records reads back unchanged
     again.validate()
     assert again == cfg
-    assert parse_args(["--seq-len-stages", "1K:10,4K:5", "--grad-accum", "4", "--steps", "15"]).steps == 15
+    assert parse_args(["--seq-len-stages", "1K:10,4K:5", "--grad-accum", "4", "--steps", "15"]).optim.steps == 15
 
 
 def test_constant_tokens_count_from_the_longest_stage():
     """--batch-size and --grad-accum describe the longest stage; a shorter one of length L puts longest/L
     times as many sequences into each micro-batch (issue 41: the natural command with --batch-size 1)."""
     cfg = parse_args(["--seq-len-stages", "1K:10,2K:5,4K:4,8K:3", "--batch-size", "4", "--grad-accum", "2"])
-    stages = run_stages(cfg)
+    stages = run_stages(cfg.data, cfg.optim.steps)
     shapes = [(s.seq_len, s.batch_size, s.grad_accum, s.first_step, s.steps) for s in stages]
     assert shapes == [(1024, 32, 2, 0, 10), (2048, 16, 2, 10, 5), (4096, 8, 2, 15, 4), (8192, 4, 2, 19, 3)]
     assert {s.tokens_per_replica_step() for s in stages} == {4 * 2 * 8192}
     assert [stage_at(stages, step).index for step in (0, 9, 10, 14, 15, 18, 19, 21, 99)] == [0, 0, 1, 1, 2, 2, 3, 3, 3]
     late = stage_config(cfg, stages[2])
-    assert (late.seq_len, late.batch_size, late.grad_accum, late.steps) == (4096, 8, 2, cfg.steps)
-    natural = run_stages(parse_args(["--seq-len-stages", "8K:1000,32K:400,128K:100"]))  # --batch-size 1
+    assert (late.data.seq_len, late.data.batch_size, late.data.grad_accum, late.optim.steps) == \
+        (4096, 8, 2, cfg.optim.steps)
+    natural = run_stages(parse_args(["--seq-len-stages", "8K:1000,32K:400,128K:100"]).data, 1500)  # --batch-size 1
     assert [(s.batch_size, s.grad_accum) for s in natural] == [(16, 1), (4, 1), (1, 1)]
     free = run_stages(parse_args(["--seq-len-stages", "1K:10,8K:3", "--batch-size", "4", "--stage-tokens",
-                                  "free"]))
+                                  "free"]).data, 13)
     assert [(s.batch_size, s.grad_accum) for s in free] == [(4, 1), (4, 1)]
 
 
@@ -162,7 +164,8 @@ def test_plan_auto_plans_for_the_longest_stage():
     planned = apply_plan(cfg, 16, under_launcher=True)
     best = best_fitting("7b-gqa", "a100", nodes=2, seq_len=131072, batch=1, dtype_bytes=2, modes="auto")
     first = best_fitting("7b-gqa", "a100", nodes=2, seq_len=32768, batch=1, dtype_bytes=2, modes="auto")
-    assert planned.parallel == best.config != first.config and planned.seq_len_stages == cfg.seq_len_stages
+    assert planned.parallel == best.config != first.config and \
+        planned.data.seq_len_stages == cfg.data.seq_len_stages
     validate_run(planned, 16)
 
 

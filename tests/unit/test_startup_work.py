@@ -10,10 +10,10 @@ import torch
 
 from loongtrain.data.tokenizer import ByteTokenizer
 from loongtrain.launch import train_run as launch_module
+from loongtrain.launch.config import TrainConfig
 from loongtrain.launch.train_run import resolve_run
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.train import model_setup
-from loongtrain.train.config import TrainConfig
 from loongtrain.train.trainer import Trainer
 
 DOCS = [f"document {i}: " + "lorem ipsum dolor sit amet " * (20 + i) for i in range(12)]

@@ -13,9 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from loongtrain.launch import torchrun
+from loongtrain.launch.config import TrainConfig
 from loongtrain.launch.train_run import prepare_run
 from loongtrain.parallel.failures import _parse, kill_point
-from loongtrain.train.config import TrainConfig
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_a_missing_rank_is_named_when_rank_0_times_out(store):
 def _cfg(tmp_path: Path, **kw) -> TrainConfig:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 50)
-    return TrainConfig(corpus=str(corpus), out_dir=str(tmp_path / "run"), seq_len=32, steps=4, **kw)
+    return TrainConfig.from_dict(dict(corpus=str(corpus), out_dir=str(tmp_path / "run"), seq_len=32, steps=4, **kw))
 
 
 def test_restart_needs_a_later_attempt_and_this_jobs_marker(tmp_path, store):
@@ -85,7 +85,7 @@ def test_restart_needs_a_later_attempt_and_this_jobs_marker(tmp_path, store):
     first = _attempt(store, 1)[0]
     assert not torchrun.is_restart(cfg, first)
     torchrun.write_marker(cfg, first)
-    assert [p.name for p in Path(cfg.out_dir).iterdir()] == [torchrun.RUN_ID_FILE]  # no temp file left
+    assert [p.name for p in Path(cfg.output.out_dir).iterdir()] == [torchrun.RUN_ID_FILE]  # no temp file left
     assert not torchrun.is_restart(cfg, first)  # the first attempt is never a restart
     later = dataclasses.replace(first, number=2)
     assert torchrun.is_restart(cfg, later)
@@ -100,13 +100,13 @@ def test_rank_0_decides_run_or_user_error(tmp_path, store):
     decision = torchrun.decide(run, 4, attempt)
     identity = decision.pop("data_identity")
     assert decision == {"kind": "run", "resume": "", "overwrite": False, "init_from": ""}
-    assert identity["tokenizer"] == "byte" and identity["corpus"][0]["corpus"] == cfg.corpus
-    assert (Path(cfg.out_dir) / torchrun.RUN_ID_FILE).is_file()
-    assert (Path(cfg.out_dir) / ".loongtrain.lock").is_file()  # rank 0 holds --out-dir for the attempt
+    assert identity["tokenizer"] == "byte" and identity["corpus"][0]["corpus"] == cfg.data.corpus
+    assert (Path(cfg.output.out_dir) / torchrun.RUN_ID_FILE).is_file()
+    assert (Path(cfg.output.out_dir) / ".loongtrain.lock").is_file()  # rank 0 holds --out-dir for the attempt
     torchrun._HELD.pop().__exit__(None, None, None)
     blocked = tmp_path / "a_file"
     blocked.write_text("")
-    decision = torchrun.decide(dataclasses.replace(run, cfg=dataclasses.replace(cfg, out_dir=str(blocked))), 4,
+    decision = torchrun.decide(dataclasses.replace(run, cfg=cfg.replace(out_dir=str(blocked))), 4,
                                attempt)
     assert decision["kind"] == "error" and "is a file" in decision["text"]
     json.dumps(decision)  # it travels through the store

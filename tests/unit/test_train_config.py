@@ -11,11 +11,11 @@ import torch
 from loongtrain.commands.parser import build_parser, options
 from loongtrain.commands.train import parse_args
 from loongtrain.data.synthetic import synthetic_source
+from loongtrain.launch.config import TrainConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.plan.cluster import builtin_clusters, cluster_for_device, load_cluster
 from loongtrain.train.checkpoint import resolve_checkpoint
-from loongtrain.train.config import TrainConfig
 from loongtrain.train.metrics import CUDA_PEAK_TFLOPS, device_peak_tflops, measure_cpu_tflops
 from loongtrain.train.optim import clip_grad_norm, lr_factor
 from tests.helpers.fixtures import tiny_model
@@ -25,7 +25,7 @@ from tests.helpers.training import fit
 def test_help_documents_every_field_with_default():
     text = " ".join(build_parser(TrainConfig, "loongtrain train", "").format_help().split())
     names = [opt.name for opt in options(TrainConfig)]
-    assert set(names) == {f.name for f in fields(TrainConfig)} - {"parallel"} | {f.name for f in fields(ParallelConfig)}
+    assert set(names) == {f.name for section in TrainConfig.sections().values() for f in fields(section)}
     for name in names:
         flag = "--" + name.replace("_", "-")
         assert flag in text, flag
@@ -66,10 +66,11 @@ def test_toml_then_command_line_precedence(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('model = "tiny"\nseq-len = 256\nlr = 1\nsteps = 7\n[train]\nhp = 1\n')
     cfg = parse_args(["--config", str(path), "--steps", "9", "--no-tensorboard"])
-    assert (cfg.seq_len, cfg.lr, cfg.steps, cfg.parallel.hp, cfg.parallel.cp, cfg.tensorboard) == \
+    assert (cfg.data.seq_len, cfg.optim.lr, cfg.optim.steps, cfg.parallel.hp, cfg.parallel.cp,
+            cfg.output.tensorboard) == \
         (256, 1.0, 9, 1, 2, False)
-    assert parse_args(["--resume"]).resume == "latest"
-    assert parse_args([]).resume == ""
+    assert parse_args(["--resume"]).output.resume == "latest"
+    assert parse_args([]).output.resume == ""
 
 
 @pytest.mark.parametrize(
@@ -131,17 +132,17 @@ def test_checkpoint_pointer_is_atomic_and_resume_is_exact(tmp_path):
                 tensorboard=False, plot=False, progress="off", out_dir=str(tmp_path))
     source = synthetic_source(64)
     mesh, cpu = single_process_mesh(), torch.device("cpu")
-    full = fit(TrainConfig(**{**base, "out_dir": str(tmp_path / "full")}), mesh, cpu,
+    full = fit(TrainConfig.from_dict(dict(**{**base, "out_dir": str(tmp_path / "full")})), mesh, cpu,
                model_config=model, batch_source=source)
-    fit(TrainConfig(**base, stop_after=2), mesh, cpu, model_config=model, batch_source=source)
+    fit(TrainConfig.from_dict(dict(**base, stop_after=2)), mesh, cpu, model_config=model, batch_source=source)
     root = tmp_path / "checkpoints"
     assert resolve_checkpoint("latest", tmp_path).name == "step_00000002"
     (root / "step_00000003.tmp").mkdir()  # a save that died half-way is never "latest"
     assert resolve_checkpoint("latest", tmp_path).name == "step_00000002"
-    rest = fit(TrainConfig(**base, resume="latest"), mesh, cpu, model_config=model, batch_source=source)
+    rest = fit(TrainConfig.from_dict(dict(**base, resume="latest")), mesh, cpu, model_config=model, batch_source=source)
     assert [r["loss"] for r in rest] == [r["loss"] for r in full[2:]]
-    keep = fit(TrainConfig(**{**base, "out_dir": str(tmp_path / "keep"), "ckpt_interval": 1,
-                              "keep_checkpoints": 2}), mesh, cpu, model_config=model, batch_source=source)
+    keep = fit(TrainConfig.from_dict(dict(**{**base, "out_dir": str(tmp_path / "keep"), "ckpt_interval": 1,
+                              "keep_checkpoints": 2})), mesh, cpu, model_config=model, batch_source=source)
     assert [r["loss"] for r in keep] == [r["loss"] for r in full]
     kept = sorted(p.name for p in (tmp_path / "keep" / "checkpoints").iterdir())
     assert kept == ["latest", "step_00000003", "step_00000004"]

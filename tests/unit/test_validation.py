@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from loongtrain.data import ByteTokenizer, PackedDataset, TokenStream, build_corpus
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import single_process_mesh
-from loongtrain.train.config import Run, TrainConfig
 from loongtrain.train.validation import tail_batches
 from tests.helpers.training import fit
 
@@ -26,9 +26,9 @@ def _cfg(tmp_path, name: str, **kw) -> TrainConfig:
     if not corpus.exists():
         corpus.write_text("".join(json.dumps({"text": f"line {i}: the quick brown fox jumps over the lazy dog."}) + "\n"
                                   for i in range(60)))
-    return TrainConfig(corpus=str(corpus), seq_len=32, steps=4, warmup=1, lr=1e-2, dtype="fp64",
+    return TrainConfig.from_dict(dict(corpus=str(corpus), seq_len=32, steps=4, warmup=1, lr=1e-2, dtype="fp64",
                        parallel=ParallelConfig(), out_dir=str(tmp_path / name), peak_tflops=1.0, tensorboard=False,
-                       plot=False, progress="off", memory_report=False, **kw)
+                       plot=False, progress="off", memory_report=False, **kw))
 
 
 @pytest.mark.parametrize("split", [{}, {"val_fraction": 0.25}], ids=["corpus-tail", "val-fraction"])
@@ -50,7 +50,7 @@ def test_validation_restores_the_rng_and_equals_the_tail_loss(tmp_path):
 
     cfg = _cfg(tmp_path, "direct", val_batches=2)
     mesh = single_process_mesh()
-    trainer = Trainer(Run(cfg, MODEL), mesh, torch.device("cpu"))
+    trainer = Trainer(run_of(cfg, MODEL), mesh, torch.device("cpu"))
     batches = tail_batches(cfg, mesh, 2)
     before = torch.get_rng_state()
 
@@ -62,13 +62,13 @@ def test_validation_restores_the_rng_and_equals_the_tail_loss(tmp_path):
     assert torch.equal(torch.get_rng_state(), before)
     assert trainer.model.training and all(p.grad is None for p in trainer.model.parameters())
     # reference: the unsharded model on the corpus's last two samples (the trainer's doc mask: on)
-    dataset = PackedDataset(TokenStream(build_corpus(cfg.corpus), ByteTokenizer()), 32)
+    dataset = PackedDataset(TokenStream(build_corpus(cfg.data.corpus), ByteTokenizer()), 32)
     n = dataset.num_samples()
     assert [b["input_ids"][0].tolist() for b in batches] == [dataset[i]["input_ids"].tolist() for i in (n - 2, n - 1)]
-    reference = Transformer(MODEL, seed=cfg.seed).double()
+    reference = Transformer(MODEL, seed=cfg.optim.seed).double()
     losses = []
     for batch in batches:
-        cu, positions = trainer.sharding.documents(batch)
+        cu, positions = trainer.ctx.sharding.documents(batch)
         with torch.no_grad():
             logits = reference(batch["input_ids"], positions, cu_seqlens=cu)
         losses.append(F.cross_entropy(logits.reshape(-1, 256), batch["labels"].reshape(-1)).item())
@@ -77,7 +77,7 @@ def test_validation_restores_the_rng_and_equals_the_tail_loss(tmp_path):
 
 def test_tail_batches_split_the_tail_between_replicas(tmp_path):
     cfg = _cfg(tmp_path, "tail", batch_size=2)
-    dataset = PackedDataset(TokenStream(build_corpus(cfg.corpus), ByteTokenizer()), 32)
+    dataset = PackedDataset(TokenStream(build_corpus(cfg.data.corpus), ByteTokenizer()), 32)
     n = dataset.num_samples()
 
     class Replica:  # the two fields tail_batches reads
@@ -93,12 +93,11 @@ def test_tail_batches_read_prepared_corpora_and_mixtures(tmp_path):
     """--val-interval without a split reads the corpus like training does: a prepared corpus gives the
     raw corpus's tail bit for bit, and a mixture's corpora each give their share of the batches (first
     corpus first)."""
-    import dataclasses
 
     from loongtrain.data.prepare import prepare
 
     cfg = _cfg(tmp_path, "tail", batch_size=2)
-    prepare([cfg.corpus], tmp_path / "prep", workers=1, shard_bytes=500)
+    prepare([cfg.data.corpus], tmp_path / "prep", workers=1, shard_bytes=500)
     other = tmp_path / "other.txt"
     other.write_text("".join(f"another corpus, line {i}\n" for i in range(80)))
 
@@ -106,10 +105,10 @@ def test_tail_batches_read_prepared_corpora_and_mixtures(tmp_path):
         dp, dp_rank = 1, 0
 
     raw = tail_batches(cfg, Replica(), 3)
-    prepared = tail_batches(dataclasses.replace(cfg, corpus=str(tmp_path / "prep")), Replica(), 3)
+    prepared = tail_batches(cfg.replace(corpus=str(tmp_path / "prep")), Replica(), 3)
     assert [b["input_ids"].tolist() for b in raw] == [b["input_ids"].tolist() for b in prepared]
-    mixed = tail_batches(dataclasses.replace(cfg, corpus=f"{tmp_path / 'prep'}=0.5,{other}=0.5"), Replica(), 3)
-    alone = tail_batches(dataclasses.replace(cfg, corpus=str(other)), Replica(), 1)
+    mixed = tail_batches(cfg.replace(corpus=f"{tmp_path / 'prep'}=0.5,{other}=0.5"), Replica(), 3)
+    alone = tail_batches(cfg.replace(corpus=str(other)), Replica(), 1)
     two = tail_batches(cfg, Replica(), 2)  # the first corpus's share of 3: 2 batches, then 1 of the other
     assert [b["input_ids"].tolist() for b in mixed] == [b["input_ids"].tolist() for b in two + alone]
 
@@ -121,7 +120,7 @@ def test_val_interval_trains_on_prepared_corpora_and_mixtures(tmp_path):
     from loongtrain.data.prepare import prepare
     from loongtrain.train.metrics import read_jsonl
 
-    corpus = _cfg(tmp_path, "x").corpus
+    corpus = _cfg(tmp_path, "x").data.corpus
     prepare([corpus], tmp_path / "prep", workers=1)
     base = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--seq-len", "16", "--steps", "2", "--warmup", "1",
             "--progress", "off", "--peak-tflops", "1", "--no-tensorboard", "--no-plot", "--threads", "1",

@@ -1,4 +1,4 @@
-"""What a simulated training step runs under (docs/planner.md, :mod:`loongtrain.train.simulate`): torch's fake
+"""What a simulated training step runs under (docs/planner.md, :mod:`loongtrain.launch.simulate`): torch's fake
 process group as the other ranks (:func:`fake_ranks`), the attention op's own workspace held around each ring
 backward (:func:`attention_workspace`), the alike passes of its loops (:func:`alike_loops`), module
 moves that change nothing (:func:`noop_to_is_identity`), and the memory tracker that counts host memory apart

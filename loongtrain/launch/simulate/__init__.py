@@ -1,7 +1,7 @@
 """Memory of one training step at full size without the hardware (docs/planner.md).
 
 :func:`simulate_step` runs the trainer's own step, :class:`~loongtrain.train.trainer.Trainer` (model build,
-parallelisation, optimizer), its ``loss`` (forward and chunked loss), backward, the dp gradient
+parallelisation, optimizer), its objective's loss (forward and chunked loss), backward, the dp gradient
 all-reduce and the AdamW step, for the real shapes under torch's ``FakeTensorMode`` (tensors with shapes,
 dtypes and storages but no data), with torch's fake process-group backend standing in for the other
 ranks (``torch.testing._internal.distributed.fake_pg``: every collective returns at once; this process is
@@ -57,7 +57,7 @@ rest of the forward and backward, the optimizer step) peaks at ``a + b * L`` for
 simulated at two small depths (:data:`DEPTHS`, past the blocks ``offload_keep`` keeps) and each phase's peak
 (device and host, and its parts) extended linearly to the model's depth; the largest is the step's. The
 loops whose passes are alike (loss chunks, MLP tiles, norm and RoPE chunks) run their first two passes and
-their last (:func:`~loongtrain.train.simulate.fake_step.alike_loops`). Equal to the whole simulation within 1%
+their last (:func:`~loongtrain.launch.simulate.fake_step.alike_loops`). Equal to the whole simulation within 1%
 (tests/unit/test_simulate.py, every memory mode), at a fraction of its time.
 """
 
@@ -67,19 +67,13 @@ import contextlib
 import dataclasses
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from loongtrain.model.config import ModelConfig, with_depth
-from loongtrain.model.llama import MoEFeedForward
-from loongtrain.parallel.config import ParallelConfig
-from loongtrain.parallel.mesh import init_mesh
-from loongtrain.parallelize import zero as zero_module
-from loongtrain.parallelize.offload import host_allocations
-from loongtrain.plan.cluster import load_cluster
-from loongtrain.train.config import Run, TrainConfig
-from loongtrain.train.simulate.fake_step import (  # noqa: F401 - fake_ranks and HostAwareTracker are this module's API too
+from loongtrain.launch.config import TrainConfig, run_of
+from loongtrain.launch.simulate.fake_step import (  # noqa: F401 - fake_ranks and HostAwareTracker are this module's API too
     HOST,
     HostAwareTracker,
     alike_loops,
@@ -87,6 +81,17 @@ from loongtrain.train.simulate.fake_step import (  # noqa: F401 - fake_ranks and
     fake_ranks,
     noop_to_is_identity,
 )
+from loongtrain.model.config import ModelConfig, with_depth
+from loongtrain.model.llama import MoEFeedForward
+from loongtrain.parallel.config import ParallelConfig
+from loongtrain.parallel.mesh import init_mesh
+from loongtrain.parallelize import zero as zero_module
+from loongtrain.parallelize.offload import host_allocations
+from loongtrain.plan.cluster import load_cluster
+from loongtrain.train.batch import Batch
+from loongtrain.train.objective import Objective
+from loongtrain.train.step_context import StepContext
+from loongtrain.train.sync import GradientSync
 from loongtrain.train.trainer import Trainer
 
 log = logging.getLogger("loongtrain.train")
@@ -117,44 +122,24 @@ class Simulated:
                 "world_size": self.world_size}
 
 
-def _batch(model: ModelConfig, seq_len: int, batch: int) -> dict[str, torch.Tensor]:
-    ids = torch.randint(0, model.vocab_size, (batch, seq_len))
-    return {"input_ids": ids, "labels": ids, "position_ids": torch.arange(seq_len).expand(batch, seq_len)}
+@dataclasses.dataclass
+class SimulatedStep:
+    """What :func:`tracked_step` runs: the step context, its optimizer and gradient sync, the micro-batch's
+    ``loss_fn`` (``() -> (loss, value)``, the objective's) and the objective's ``phases`` before the step (by name,
+    each a callable: DPO's ``reference`` pass)."""
 
-
-def _dpo_batch(model: ModelConfig, seq_len: int, batch: int) -> dict[str, torch.Tensor]:
-    """A DPO batch of one pair a row (prompt and completions ``seq_len // 4`` tokens each: the row is full), its
-    reference log-probabilities given (what the reference pass caches). Real tensors: made before the fake mode."""
-    from loongtrain.data.pipeline import _collate
-    from loongtrain.data.whole_packing import build_row
-
-    quarter = seq_len // 4
-    completion = torch.arange(2 * quarter) >= quarter
-    rows = []
-    for b in range(batch):
-        prompt, chosen, rejected = torch.randint(0, model.vocab_size, (3, quarter))
-        docs = [(torch.cat([prompt, c]).numpy(), completion.numpy()) for c in (chosen, rejected)]
-        row = build_row(docs, seq_len, 0, segments=[0, 1])
-        row.update(num_pairs=torch.tensor(1), ref_key=torch.tensor(b), ref_logps=torch.zeros(2, dtype=torch.float64))
-        rows.append(row)
-    return _collate(rows)
-
-
-def _reference_pass(trainer: Trainer, row: Any) -> None:
-    """DPO's reference pass as the run makes it before its first step (loongtrain/train/reference.py): the
-    reference built and sharded like the policy, one row (``row``: laid on this rank) forward only, released."""
-    from loongtrain.train.reference import build_reference_model
-
-    model = build_reference_model(trainer)
-    trainer.objective.reference.local_logps(model, row)
-    del model
+    ctx: StepContext
+    optimizer: torch.optim.Optimizer
+    grad_sync: GradientSync | None
+    loss_fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    phases: dict[str, Callable[[], None]] = dataclasses.field(default_factory=dict)
 
 
 def _parts(snapshot: dict[Any, dict[Any, int]], key: Any) -> dict[str, int]:
     return {str(getattr(k, "value", k)).lower(): int(v) for k, v in snapshot.get(key, {}).items()}
 
 
-def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor], reference_pass: Any = None, loss_fn: Any = None,
+def tracked_step(step: SimulatedStep, offload_params: bool = False,
                  ) -> tuple[int, dict[str, int], int, dict[str, int], dict[tuple[str, bool], tuple[int, dict]]]:
     """The trainer's step (loss, backward, dp gradient sync, AdamW) under :class:`HostAwareTracker`, with
     the optimizer states already allocated: ``(device peak bytes, its parts, host peak bytes, its parts,
@@ -163,47 +148,46 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor], reference_pas
     Host memory: the activation offloader's host copies (allocated inside ``host_allocations``) and, with
     ``offload_params`` (FSDP2's ``CPUOffloadPolicy``), the sharded parameters, AdamW's states, each
     gradient shard once FSDP2 hands it over (on a GPU: copied to the host, the device buffer freed), and
-    everything the AdamW step allocates (it runs on the host). ``reference_pass``: a DPO run's, tracked first
-    as the phase ``reference`` (with the AdamW states already allocated: a resumed run's pass); ``loss_fn``:
-    the micro-batch's ``(loss, value)`` instead of ``trainer.loss(batch)``."""
-    offload_params = trainer.cfg.parallel.offload_params
-    for p in trainer.model.parameters():  # steady state: AdamW's m and v exist before the step
+    everything the AdamW step allocates (it runs on the host). The objective's phases are tracked first, each as a
+    phase of its name (with the AdamW states already allocated: a resumed run's)."""
+    model, optimizer = step.ctx.model, step.optimizer
+    for p in model.parameters():  # steady state: AdamW's m and v exist before the step
         if p.requires_grad:  # (--lora: the adapters only)
             p.grad = torch.zeros_like(p)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    tracker = HostAwareTracker(trainer.model_config.num_layers)
-    tracker.track_external(trainer.model, trainer.optimizer)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tracker = HostAwareTracker(step.ctx.model_config.num_layers)
+    tracker.track_external(model, optimizer)
     hooks = []
     if offload_params:
-        for p in trainer.model.parameters():
+        for p in model.parameters():
             tracker.to_host(p)
             if p.requires_grad:  # (--lora: a frozen base has no gradient)
                 hooks.append(p.register_post_accumulate_grad_hook(lambda p: tracker.to_host(p.grad)))
-        for state in trainer.optimizer.state.values():
+        for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     tracker.to_host(value)
     try:
         with tracker, warnings.catch_warnings():
-            # the reference pass's model is gone before the backward, whose hooks then skip it (one warning each)
+            # a phase's model is gone before the backward, whose hooks then skip it (one warning each)
             warnings.filterwarnings("ignore", message="Module is None. Skipping")
-            if reference_pass is not None:
-                tracker.stage = "reference"
-                reference_pass()
+            for name, phase in step.phases.items():
+                tracker.stage = name
+                phase()
                 tracker.stage = ""
-            loss, _ = loss_fn() if loss_fn is not None else trainer.loss(batch)
-            with trainer.grad_sync.overlapped() if trainer.grad_sync else contextlib.nullcontext():
+            loss, _ = step.loss_fn()
+            with step.grad_sync.overlapped() if step.grad_sync else contextlib.nullcontext():
                 loss.backward()
             tracker.stage = "optimizer"
             with host_allocations() if offload_params else contextlib.nullcontext():
-                trainer.optimizer.step()
-            trainer.optimizer.zero_grad(set_to_none=True)
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
     finally:
         for hook in hooks:
             hook.remove()
     snapshot = tracker.get_tracker_snapshot("peak")
-    device = next((d for d in snapshot if d != HOST and d.type == trainer.device.type), None)
+    device = next((d for d in snapshot if d != HOST and d.type == step.ctx.device.type), None)
     parts, host = _parts(snapshot, device), _parts(snapshot, HOST)
     phases = {(phase, dev == HOST): (total, _parts({0: snap}, 0)) for (phase, dev), (total, snap)
               in tracker.phases.items() if dev in (HOST, device)}
@@ -212,22 +196,43 @@ def tracked_step(trainer: Trainer, batch: dict[str, torch.Tensor], reference_pas
     return parts.pop("total", 0), parts, host.pop("total", 0), host, phases
 
 
+def objective_step(objective: Objective, ctx: StepContext, batch: Batch, host: bool,
+                   ) -> tuple[Callable[[], tuple[torch.Tensor, torch.Tensor]], dict[str, Callable[[], None]]]:
+    """``(loss_fn, phases)`` of ``objective`` on ``batch`` (:class:`SimulatedStep`'s): a batch whose targets the
+    objective counts on the host (``host``: made of real tensors, before the fake mode) is laid on this rank and
+    counted outside the fake tensors, with the objective's phases before the step; a pretraining batch is laid on
+    this rank inside the step, as the trainer does."""
+    if not host:
+        def whole() -> tuple[torch.Tensor, torch.Tensor]:
+            objective.begin_step([batch], dp_reduce=False)
+            return objective.loss(ctx.local(batch))
+
+        return whole, {}
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        local = ctx.local(batch)
+        row = ctx.local({k: v[:1] for k, v in batch.items()})
+        objective.begin_step([batch], dp_reduce=False)
+    return (lambda: objective.loss(local)), objective.phases(row)
+
+
 def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
-                  dtype: str = "bf16", rank: int = 0, fake: bool = True, alike: bool = False,
-                  lora: str = "", objective: str = "pretrain", kernels: tuple[str, ...] = ()) -> Simulated:
+                  rank: int = 0, fake: bool = True, alike: bool = False, kernels: tuple[str, ...] = (),
+                  **options: Any) -> Simulated:
     """One rank's peak device and host memory for one step of ``model`` with ``parallel`` on ``world`` ranks
     (module docstring). ``fake=False`` runs the same step on real CPU tensors, counted the same way (small
     sizes: what the simulation is checked against); ``alike``: only some passes of the alike loops
-    (:func:`~loongtrain.train.simulate.fake_step.alike_loops`); ``lora``: ``--lora``'s adapters on a frozen
-    base (docs/lora.md). ``objective="dpo"``: the DPO step (one pair a row) and, before it, the reference pass
-    (phase ``reference``: the reference model built and sharded like the policy, a row forward, released).
-    ``kernels``: the CUDA attention kernels of the planned device, whose backward scratch each attention
-    backward holds (:func:`~loongtrain.train.simulate.fake_step.attention_workspace`)."""
-    cfg = TrainConfig(model="tiny", seq_len=seq_len, batch_size=batch, dtype=dtype, parallel=parallel,
-                      memory_report=False, lora=lora, objective=objective)
+    (:func:`~loongtrain.launch.simulate.fake_step.alike_loops`); ``kernels``: the CUDA attention kernels of the
+    planned device, whose backward scratch each attention backward holds
+    (:func:`~loongtrain.launch.simulate.fake_step.attention_workspace`). ``options``: the run's other
+    ``loongtrain train`` options by name: ``dtype`` (default bf16), ``lora`` (adapters on a frozen base,
+    docs/lora.md), ``objective`` (its registry entry's batch and phases: DPO's step on one pair a row and, before
+    it, the reference pass, phase ``reference``)."""
+    cfg = TrainConfig.from_dict({"model": "tiny", "seq_len": seq_len, "batch_size": batch, "memory_report": False,
+                                 "parallel": parallel, "dtype": "bf16", **options})
     cfg.validate()
     device = torch.device("cpu")
     fsdp = zero_module.zero_applies(parallel, world)  # the fake group below makes uses_zero agree
+    spec = cfg.spec()
     with fake_ranks(world, rank) if world > 1 or fsdp else contextlib.nullcontext():
         mesh = init_mesh(parallel.hp, parallel.cp, inner_ring=parallel.inner_ring, placement=parallel.placement,
                          interleaved=parallel.interleaved)
@@ -235,39 +240,30 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
             zero_module.zero_device_mesh(device, world, parallel.shard_size(world))
         modes = (torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) if fake
                  else contextlib.nullcontext())
-        # a post-training objective counts its targets on the host: its batch is made of real tensors
-        data = {"dpo": _dpo_batch, "sft": _batch}.get(objective, lambda *args: None)(model, seq_len, batch)
+        # an objective that counts its targets on the host: its batch is made of real tensors
+        host_batch = spec.sample_batch(model, seq_len, batch) if spec.counts_on_host else None
         with modes, noop_to_is_identity(), attention_workspace(kernels), \
                 alike_loops() if alike else contextlib.nullcontext():
             # cfg.model names a preset: the native decoder of `model`; the batches are made here, not read
-            trainer = Trainer(Run(cfg, model), mesh, device, batches=lambda *args: iter(()))
+            trainer = Trainer(run_of(cfg, model), mesh, device, batches=lambda *args: iter(()))
             for module in trainer.model.modules():  # experts: grouped GEMMs, whose shapes need no routing's values
                 if isinstance(module, MoEFeedForward):
                     module.grouped = True
-            reference = loss_fn = None
-            if data is not None:  # host-side work on real tensors: the batch laid on this rank, its targets counted
-                with torch._subclasses.fake_tensor.unset_fake_temporarily():
-                    local = trainer.sharding.local(data)
-                    row = trainer.sharding.local({k: v[:1] for k, v in data.items()})
-                    trainer.objective.begin_step([data], dp_reduce=False)
-                loss_fn = lambda: trainer.local_loss(local)  # noqa: E731
-                reference = (lambda: _reference_pass(trainer, row)) if objective == "dpo" else None
-            objective_step = (reference, loss_fn) if data is not None else ()  # pretraining: the plain call
-            peak, parts, host, host_parts, phases = tracked_step(
-                trainer, data if data is not None else _batch(model, seq_len, batch), *objective_step)
+            data = host_batch if host_batch is not None else spec.sample_batch(model, seq_len, batch)
+            loss_fn, objective_phases = objective_step(trainer.objective, trainer.ctx, data, host_batch is not None)
+            step = SimulatedStep(trainer.ctx, trainer.optimizer, trainer.grad_sync, loss_fn, objective_phases)
+            peak, parts, host, host_parts, phases = tracked_step(step, parallel.offload_params)
     return Simulated(peak, host, parts, rank, world, host_parts, phases)
 
 
 def simulate_by_depth(model: ModelConfig, parallel: ParallelConfig, world: int, *, seq_len: int, batch: int = 1,
-                      dtype: str = "bf16", rank: int = 0, lora: str = "", objective: str = "pretrain",
-                      kernels: tuple[str, ...] = ()) -> Simulated:
+                      rank: int = 0, kernels: tuple[str, ...] = (), **options: Any) -> Simulated:
     """:func:`simulate_step` of ``model`` from two small depths, the step's alike loops run in part (module
     docstring, *By depth*): each phase's device and host peak, and its parts, extended linearly to
     ``model.num_layers``; one simulation at the model's depth when it is that shallow."""
     keep = min(parallel.offload_keep, model.num_layers - 1) if parallel.offload_activations else 0
     low, high = (n + keep for n in DEPTHS)
-    kw = dict(seq_len=seq_len, batch=batch, dtype=dtype, rank=rank, alike=True, lora=lora, objective=objective,
-              kernels=kernels)
+    kw = dict(seq_len=seq_len, batch=batch, rank=rank, alike=True, kernels=kernels, **options)
     if model.num_layers <= high:
         return simulate_step(model, parallel, world, **kw)
     a, b = (simulate_step(with_depth(model, n), parallel, world, **kw) for n in (low, high))
@@ -287,11 +283,12 @@ def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dic
     """``loongtrain plan --simulate``: :func:`simulate_by_depth` for a planner candidate at the request's length,
     batch and dtype (``candidate``: :class:`loongtrain.plan.cost.Candidate`, ``plan_cfg``:
     :class:`loongtrain.plan.config.PlanConfig`)."""
-    dtypes = {"bf16": "bf16", "fp32": "fp32"}
-    if plan_cfg.dtype not in dtypes:
-        raise ValueError(f"--simulate: dtype={plan_cfg.dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
-    result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.seq_len,
-                               batch=plan_cfg.batch_size, dtype=dtypes[plan_cfg.dtype], lora=plan_cfg.lora,
+    dtypes = {"auto": "bf16", "bf16": "bf16", "fp32": "fp32"}  # auto: the planned GPUs' bf16
+    dtype = plan_cfg.model_options.dtype
+    if dtype not in dtypes:
+        raise ValueError(f"--simulate: dtype={dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
+    result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.data.seq_len,
+                               batch=plan_cfg.data.batch_size, dtype=dtypes[dtype], lora=plan_cfg.model_options.lora,
                                objective=plan_cfg.objective,
                                kernels=load_cluster(plan_cfg.cluster).attention_kernels)
     return result.to_dict()

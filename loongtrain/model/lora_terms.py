@@ -1,4 +1,6 @@
-"""What LoRA (``--lora``; docs/lora.md) changes in the planner's memory and step-time terms.
+"""What LoRA (``--lora``; docs/lora.md) changes in a step's memory and time: its memory term (:class:`LoraMemory`,
+the protocol of loongtrain/model/memory.py) and the planner's step-time factors, beside the adapter module
+(loongtrain/model/lora.py) whose ops they count.
 
 Notation as in :mod:`loongtrain.plan.memory_model`; ``A`` the adapters' parameters (``r * (in + out)`` per
 adapted module, :func:`loongtrain.model.lora.adapter_params`), ``A_l`` a layer's.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.lora import LoraConfig, adapter_params, adapter_shapes
+from loongtrain.model.memory import Kept, MemoryTerm, States, StepShape
 
 #: projections whose input is the MLP's norm output, and SwiGLU's output projection (Hugging Face's names)
 MLP_INPUTS, MLP_OUTPUT = ("gate_proj", "up_proj"), "down_proj"
@@ -92,3 +95,38 @@ def matmul_factor(lora: LoraConfig | None) -> float:
     """FLOPs of a weight's matmuls per token in forward + backward over the forward's ``2``: ``3`` trained,
     ``2`` frozen (no weight gradient)."""
     return 3.0 if lora is None else 2.0
+
+
+class LoraMemory(MemoryTerm):
+    """``--lora``'s adapters on a frozen base (module docstring)."""
+
+    name = "lora"
+    frozen_base = True
+
+    def __init__(self, lora: LoraConfig) -> None:
+        self.lora = lora
+
+    def layer_bytes(self, s: StepShape) -> tuple[float, float]:
+        return lora_layer_bytes(s.model, self.lora, s.dtype_bytes, s.sharded, s.tiles)
+
+    def mlp_backward(self, s: StepShape) -> float:
+        return product_bytes(s.model, self.lora, s.dtype_bytes, s.tiles)  # as high without the product kept
+
+    def kept(self, s: StepShape, kept: Kept, full_layer: float, mlp_part: float) -> Kept:
+        if s.recompute != "none" or adapts_attention(s.model, self.lora):
+            return kept
+        less = full_layer - s.tokens * mlp_part  # no gradient reaches the first block's attention: it keeps none
+        return Kept(kept.activations - less, kept.layer_kept - less, kept.host)
+
+    def states(self, s: StepShape, states: States) -> States:
+        total, grads = state_bytes(s.model, self.lora, states.params)
+        largest = self.lora.r * max(max(shape) for shape in adapter_shapes(s.model, self.lora).values())
+        return States(states.params, total, grads, largest)
+
+    def trained_block_params(self, s: StepShape, params: float) -> float:
+        return layer_adapter_params(s.model, self.lora)
+
+
+def lora_memory(lora: LoraConfig | None) -> tuple[MemoryTerm, ...]:
+    """The term of a run with adapters, else none."""
+    return (LoraMemory(lora),) if lora is not None else ()

@@ -1,0 +1,44 @@
+"""The CUDA attention kernels' memory term (docs/planner.md#memory-per-device): the backward scratch of the
+largest call a rank makes (:func:`~loongtrain.attn.cuda_kernels.backward_scratch_bytes`: the fp32 dQ accumulator
+and row sums, GQA's expanded dK/dV, or one head's past ``SPLIT_BACKWARD_BYTES``), the largest among the kernels
+the device's choice may pick (``Cluster.attention_kernels``; none on CPU). The protocol: loongtrain/model/memory.py.
+"""
+
+from __future__ import annotations
+
+from loongtrain.attn.cuda_kernels import largest_backward_scratch
+from loongtrain.model.config import ModelConfig
+from loongtrain.model.memory import MemoryTerm, StepShape
+from loongtrain.parallel.config import effective_kv_heads
+from loongtrain.parallel.layout import Layout
+
+
+def kernel_scratch_bytes(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int,
+                         kernels: tuple[str, ...]) -> float:
+    """The largest backward scratch of ``kernels`` for a rank's largest attention call: its ``t`` tokens in the
+    heads' layout (``t * hp`` tokens of ``H / hp`` heads, against as many keys); 0 without kernels (CPU)."""
+    return _scratch(model, layout.hp, t, dtype_bytes, kernels)
+
+
+def _scratch(model: ModelConfig, hp: int, t: float, dtype_bytes: int, kernels: tuple[str, ...]) -> float:
+    he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
+    tokens = round(t * hp)
+    return float(largest_backward_scratch(kernels, 1, model.num_heads // hp, he // hp, tokens, tokens,
+                                          model.head_dim, dtype_bytes))
+
+
+class KernelScratch(MemoryTerm):
+    """The backward scratch of the CUDA ``kernels`` the device's choice may pick (module docstring)."""
+
+    name = "kernel scratch"
+
+    def __init__(self, kernels: tuple[str, ...]) -> None:
+        self.kernels = tuple(kernels)
+
+    def attention_backward(self, s: StepShape) -> float:
+        return _scratch(s.model, s.hp, s.tokens, s.dtype_bytes, self.kernels)
+
+
+def kernel_memory(kernels: tuple[str, ...]) -> tuple[MemoryTerm, ...]:
+    """The term of a device whose kernels have a backward scratch the planner counts, else none."""
+    return (KernelScratch(kernels),) if kernels else ()

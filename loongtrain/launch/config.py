@@ -1,0 +1,44 @@
+"""``TrainConfig``: the single source of every ``loongtrain train`` option (docs/configuration.md): the sections
+every run has (:class:`~loongtrain.train.config.TrainSections`: model, data, optimisation, parallel, processes,
+output, evaluation) and the objective's own (:data:`~loongtrain.objectives.registry.ObjectiveSection`, from the
+objectives' registry).
+
+The command-line parser, its ``--help`` text and the TOML config file are generated from the sections' fields
+(:mod:`loongtrain.commands.parser`), each option under its flat name (``--seq-len``, ``--hp``, ``--dpo-beta``), so a
+new option is one new field of its section. Precedence: field default < TOML file < command line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from loongtrain._options import option
+from loongtrain.model.config import ModelConfig
+from loongtrain.objectives.base import ObjectiveSpec
+from loongtrain.objectives.registry import ObjectiveSection, objective_spec, validate_objective
+from loongtrain.train.config import Run, TrainSections
+
+
+@dataclass
+class TrainConfig(TrainSections):
+    """Every option of a training run, by section (:class:`~loongtrain.train.config.TrainSections`), and the
+    objective's section."""
+
+    objective: ObjectiveSection = option(factory=ObjectiveSection, help="the objective and its options")
+
+    def validate(self) -> None:
+        """Raise ValueError for values that are wrong whatever the machine (ranges, choices, combinations, the
+        objective's rules)."""
+        super().validate()
+        validate_objective(self)
+
+    def spec(self) -> ObjectiveSpec:
+        """The objective's registry entry."""
+        return objective_spec(self.objective.objective)
+
+
+def run_of(cfg: TrainConfig, model_config: ModelConfig, **resolved: Any) -> Run:
+    """The :class:`~loongtrain.train.config.Run` of ``cfg`` on ``model_config``: its objective's recipe from the
+    registry, and what the launcher ``resolved`` (``tokenizer``, ``resume``, ``evaluations``, ``data_identity``)."""
+    return Run(cfg, model_config, cfg.spec().recipe(cfg), **resolved)
