@@ -31,7 +31,8 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any =
 
     ``extra`` (all optional): ``size=True`` (an int written as ``131072``, ``128K`` or ``1M``),
     ``choices=(...)``, ``at_least=N``, ``kind=T`` (the value's type when the default is None),
-    ``item=T`` (a tuple's item type, written comma-separated on the command line), ``const=V`` (the value of
+    ``item=T`` (a tuple's item type, written comma-separated on the command line), ``repeat=True`` (a tuple
+    given one value per occurrence of the flag instead), ``const=V`` (the value of
     the bare flag), ``positional=True`` (``nargs`` with it), ``metavar``, ``group`` (the --help section
     this field opens), ``only=(...)`` (a nested dataclass: the fields of it that are options),
     ``command_line=False`` (a TOML key only). No default: a required option."""

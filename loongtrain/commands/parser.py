@@ -136,6 +136,13 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
+class _Repeated(argparse.Action):
+    """A repeatable option (``repeat=True``): each occurrence adds its value to the tuple."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))
+
+
 _ABSENT = "\0absent"  # the default of a positional the command line left out (str: argparse converts it)
 
 
@@ -166,6 +173,9 @@ def build_parser(cls: type, prog: str, description: str) -> OneLineParser:
         extra: dict[str, Any] = {"metavar": opt.meta("metavar", opt.name.upper())}
         if opt.meta("const") is not None:
             extra.update(nargs="?", const=opt.meta("const"))
+        if opt.meta("repeat"):  # a tuple option given once per value: --reward a.py:f --reward b:g
+            group.add_argument(opt.flag, action=_Repeated, type=str, **common, **extra)
+            continue
         if opt.meta("choices") and typing.get_origin(kind) is not tuple:
             extra.update(choices=opt.meta("choices"), metavar=opt.meta("metavar"))
         group.add_argument(opt.flag, type=_converter(opt), **common, **extra)

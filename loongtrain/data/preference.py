@@ -51,17 +51,18 @@ def pair_texts(record: Any, where: str, chat: ChatFormat | None) -> tuple[str, s
         raise ValueError(f"{where}: conversational pairs need a chat template: the tokenizer has none; pass "
                          f"--chat-template FILE")
     prompt, chosen, rejected = (conversation_of(record, where, f) for f in FIELDS)
-    return conversational_texts(chat, prompt, chosen, rejected, where)
+    head, (chosen_text, rejected_text) = conversational_texts(chat, prompt, [chosen, rejected], where)
+    return head, chosen_text, rejected_text
 
 
-def conversational_texts(chat: ChatFormat, prompt: list[Message], chosen: list[Message],
-                         rejected: list[Message], where: str) -> tuple[str, str, str]:
-    """The text form of a conversational pair (module docstring)."""
+def conversational_texts(chat: ChatFormat, prompt: list[Message], completions: list[list[Message]],
+                         where: str) -> tuple[str, list[str]]:
+    """The text form of a conversational prompt and its completions (module docstring; DPO's pair, GRPO's
+    rollout): ``(prompt_text, [completion_text, ...])``."""
     head = chat.render(prompt, where, add_generation_prompt=prompt[-1]["role"] != "assistant")[0]
-    with_chosen = chat.render(prompt + chosen, where)[0]
-    with_rejected = chat.render(prompt + rejected, where)[0]
-    common = len(os.path.commonprefix([head, with_chosen, with_rejected]))
-    return head[:common], with_chosen[common:], with_rejected[common:]
+    full = [chat.render(prompt + completion, where)[0] for completion in completions]
+    common = len(os.path.commonprefix([head, *full]))
+    return head[:common], [text[common:] for text in full]
 
 
 def tokenize_pair(tokenizer: Tokenizer, prompt: str, chosen: str, rejected: str) -> tuple[np.ndarray, ...]:

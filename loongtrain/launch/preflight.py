@@ -328,6 +328,8 @@ def _same_option(name: str, saved: Any, current: Any) -> bool:
             return parse_lora(saved) == parse_lora(current)
         except ValueError:
             return False
+    if isinstance(current, tuple):  # a tuple option (--reward) is a list in the checkpoint's JSON
+        return isinstance(saved, list) and tuple(saved) == current
     return saved == current
 
 

@@ -8,7 +8,10 @@ label is ``IGNORE_INDEX``) for this rank's ``hidden [..., d]`` through the head 
 the forward keeps the per-token log-sum-exp (4 bytes a token), the backward recomputes each chunk's
 logits and pushes ``g * (onehot - softmax)`` through the head (four matmuls a chunk instead of the fused
 cross-entropy's three: the gradient weights arrive only with the backward). ``norm``: the final RMSNorm,
-applied a chunk at a time to ``hidden`` (then its input), its backward too. Precision as the chunked
+applied a chunk at a time to ``hidden`` (then its input), its backward too. ``temperature``: the
+log-probabilities of ``logits / temperature`` (what a policy sampled at that temperature assigns, TRL's
+GRPO rule). :func:`chunked_logprobs_and_entropy` also returns each token's entropy of that distribution,
+``lse - sum(p * z)``, from the same chunk (no gradient: a metric). Precision as the chunked
 cross-entropy's: logits in the compute dtype, statistics in float32 (float64 for float64 inputs).
 Communication: none.
 """
@@ -34,17 +37,20 @@ Tensor = torch.Tensor
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """forward: per-token ``logit[label] - lse`` (0 for ignored labels), the lse kept; backward: per chunk,
-    the logits recomputed and ``grad * (onehot - softmax)`` pushed through the head and the final norm."""
+    """forward: per-token ``logit[label] / t - lse`` (0 for ignored labels), the lse of ``logits / t`` kept, and
+    (``entropy``) each target's entropy, else an empty tensor; backward: per chunk, the logits recomputed and
+    ``grad * (onehot - softmax) / t`` pushed through the head and the final norm."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
-                labels: Tensor, config: tuple[int, torch.dtype, float, torch.dtype | None]) -> Tensor:
-        """``config``: ``(chunk_tokens, compute dtype, norm eps, norm statistics dtype)``."""
-        chunk_tokens, compute, eps, norm_stats = config
+                labels: Tensor, config: tuple[int, torch.dtype, float, torch.dtype | None, float, bool]
+                ) -> tuple[Tensor, Tensor]:
+        """``config``: ``(chunk_tokens, compute dtype, norm eps, norm statistics dtype, temperature, entropy)``."""
+        chunk_tokens, compute, eps, norm_stats, temperature, entropy = config
         stats = _stats_dtype(compute)
         out = torch.empty(hidden.shape[0], dtype=stats, device=hidden.device)
         lse = torch.empty(hidden.shape[0], dtype=stats, device=hidden.device)
+        ent = torch.zeros(hidden.shape[0] if entropy else 0, dtype=stats, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(compute)
             for start, stop in _chunks(hidden.shape[0], chunk_tokens):
@@ -52,17 +58,23 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 x = hidden[start:stop]
                 normed = rms_norm_forward(x, norm_weight, eps, norm_stats)[0] if norm_weight is not None else x
                 z = _chunk_logits(normed.to(compute), w, bias, compute).to(stats)
+                if temperature != 1.0:
+                    z.div_(temperature)
                 lse[start:stop] = torch.logsumexp(z, dim=1)
                 out[start:stop] = torch.where(valid, z.gather(1, safe[:, None]).squeeze(1) - lse[start:stop], 0)
+                if entropy:  # H = lse - sum(p * z), p = exp(z - lse)
+                    mean_z = (torch.exp(z - lse[start:stop, None]) * z).sum(dim=1)
+                    ent[start:stop] = torch.where(valid, lse[start:stop] - mean_z, 0)
                 del z
         ctx.save_for_backward(hidden, weight, bias, norm_weight, labels, lse)
         ctx.config = config
-        return out
+        ctx.mark_non_differentiable(ent)
+        return out, ent
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor | None):
         hidden, weight, bias, norm_weight, labels, lse = ctx.saved_tensors
-        chunk_tokens, compute, eps, norm_stats = ctx.config
+        chunk_tokens, compute, eps, norm_stats, temperature, _ = ctx.config
         need_h, need_w, need_b, need_n = ctx.needs_input_grad[:4]
         stats = lse.dtype
         grad_hidden = torch.empty_like(hidden) if need_h else None
@@ -79,10 +91,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                     else (x, None)
                 h = normed.to(compute)
                 z = _chunk_logits(h, w, bias, compute).to(stats)
-                # in place: z becomes g * (onehot - softmax), 0 for ignored tokens
+                if temperature != 1.0:
+                    z.div_(temperature)
+                # in place: z becomes g * (onehot - softmax) / t, 0 for ignored tokens
                 z.sub_(lse[start:stop, None]).exp_().neg_()
                 z[torch.arange(stop - start, device=z.device), safe] += 1
-                z.mul_((grad_out[start:stop].to(stats) * valid)[:, None])
+                z.mul_((grad_out[start:stop].to(stats) * valid / temperature)[:, None])
                 grad_z = z.to(compute)
                 del z
                 if rstd is not None and (need_h or need_n):
@@ -105,10 +119,20 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 
 def chunked_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_tokens: int | None = None,
-                           bias: Tensor | None = None, norm: FinalNorm | None = None) -> Tensor:
+                           bias: Tensor | None = None, norm: FinalNorm | None = None,
+                           temperature: float = 1.0) -> Tensor:
     """``logp [...]`` of every label of this rank's ``hidden [..., d]`` through the head ``weight [V, d]``
     (0 where the label is ``IGNORE_INDEX``), in the statistics dtype; differentiable (module docstring).
     Communication: none."""
+    return chunked_logprobs_and_entropy(hidden, weight, labels, chunk_tokens=chunk_tokens, bias=bias, norm=norm,
+                                        temperature=temperature, entropy=False)[0]
+
+
+def chunked_logprobs_and_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, chunk_tokens: int | None = None,
+                                 bias: Tensor | None = None, norm: FinalNorm | None = None,
+                                 temperature: float = 1.0, entropy: bool = True) -> tuple[Tensor, Tensor | None]:
+    """``(logp [...], entropy [...] or None)``: :func:`chunked_token_logprobs` and, with ``entropy``, each
+    label's entropy of ``softmax(logits / temperature)`` (0 where ignored; detached). Communication: none."""
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)} and weight "
                          f"{tuple(weight.shape)} must be [..., d], [...] and (vocab, d)")
@@ -117,6 +141,9 @@ def chunked_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, ch
                          "DTensor (see loongtrain/loss/chunked.py: FSDP2's root kept unsharded)")
     chunk_tokens = chunk_tokens or default_chunk_tokens(weight.shape[0])
     norm_weight, eps, stats = (norm.weight, norm.eps, norm.stats_dtype) if norm is not None else (None, 0.0, None)
-    out = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, norm_weight,
-                                      labels.reshape(-1), (chunk_tokens, _compute_dtype(hidden, weight), eps, stats))
-    return out.reshape(labels.shape)
+    if not (temperature > 0 and temperature != float("inf")):
+        raise ValueError(f"temperature={temperature} must be finite and > 0")
+    out, ent = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, norm_weight,
+                                           labels.reshape(-1), (chunk_tokens, _compute_dtype(hidden, weight), eps,
+                                                                stats, float(temperature), entropy))
+    return out.reshape(labels.shape), ent.reshape(labels.shape) if entropy else None

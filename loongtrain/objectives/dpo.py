@@ -40,9 +40,9 @@ class DPOOptions(ChatOptions):
     """``--objective dpo``'s options: the chat options, beta and the reference."""
 
     dpo_beta: float = option(0.1, "--objective dpo: beta, the strength of the KL penalty toward the reference")
-    ref_model: str = option("", "--objective dpo: the frozen reference: a loongtrain run or checkpoint, or a Hugging "
-                            "Face model directory, of the policy's architecture and vocabulary ('': the policy's "
-                            "initial weights)")
+    ref_model: str = option("", "--objective dpo/grpo: the frozen reference: a loongtrain run or checkpoint, or a "
+                            "Hugging Face model directory, of the policy's architecture and vocabulary ('': the "
+                            "policy's initial weights)")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ Tensor = torch.Tensor
 class ChatOptions:
     """The options every objective that reads rows of whole units takes."""
 
-    chat_template: str = option("", "--objective sft/dpo: a Jinja chat template file to render conversations with "
+    chat_template: str = option("", "--objective sft/dpo/grpo: a Jinja chat template file to render conversations with "
                                 "('': the tokenizer's own)")
     on_long: str = option("drop", "--objective sft/dpo: a conversation or pair longer than --seq-len is left out "
                           "(drop, counted in the log) or refused (error)", choices=ON_LONG)

@@ -16,11 +16,11 @@ from typing import Any
 
 from loongtrain._options import flag, option
 from loongtrain.model.memory import MemoryTerm
-from loongtrain.objectives import dpo, pretrain, sft
+from loongtrain.objectives import dpo, grpo, pretrain, sft
 from loongtrain.objectives.base import ObjectiveSpec, TrainConfig
 
 #: every objective, in the order of ``--objective``'s choices
-OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (pretrain.SPEC, sft.SPEC, dpo.SPEC)}
+OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (pretrain.SPEC, sft.SPEC, dpo.SPEC, grpo.SPEC)}
 DEFAULT = pretrain.PRETRAIN
 
 

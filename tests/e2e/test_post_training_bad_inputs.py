@@ -91,7 +91,8 @@ def test_options_of_another_objective(capsys):
     for args, pattern in ((["--ref-model", "x"], r"--ref-model applies to --objective dpo"),
                           (["--objective", "sft", "--doc-mask", "off"], r"needs --doc-mask on and --position-reset"),
                           (["--objective", "dpo", "--loss-on", "all"], r"--loss-on applies to --objective sft"),
-                          (["--objective", "rl"], r"--objective='rl' is not one of \('pretrain', 'sft', 'dpo'\)"),
+                          (["--objective", "rl"],
+                           r"--objective='rl' is not one of \('pretrain', 'sft', 'dpo', 'grpo'\)"),
                           (["--objective", "dpo", "--dpo-beta", "0"], r"--dpo-beta=0.0 must be finite and > 0")):
         assert cli_main(["train", *args]) == 2
         assert re.search(pattern, capsys.readouterr().err)

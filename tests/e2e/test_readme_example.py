@@ -59,3 +59,19 @@ def test_readme_post_training_example_runs(tmp_path, monkeypatch):
     rewards = {"rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"}
     assert len(dpo) == 2 and rewards <= set(dpo[0])
     assert abs(dpo[0]["loss"] - 0.6931471805599453) < 1e-6  # step 1: the policy is its own reference, log(2)
+
+
+def test_readme_rl_example_runs(tmp_path, monkeypatch):
+    """The README's GRPO example as written, two steps: the online loop's metrics (TRL's keys) come out."""
+    (command,) = readme_commands("## Reinforcement learning")
+    assert command[:2] == ["loongtrain", "train"] and "--prompts" in command
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    argv = command[1:]
+    argv[argv.index("--steps") + 1] = "2"
+    assert cli_main(argv + QUICK) == 0, argv
+    records = _metrics(tmp_path / "runs/grpo")
+    keys = {"reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+            "clip_ratio/region_mean", "completions/mean_length", "time/generate_s", "rewards/lowercase/mean"}
+    assert len(records) == 2 and all(keys <= set(r) for r in records)
+    assert all(r["completions"] == 16 and 0 <= r["reward"] <= 1 for r in records)
