@@ -106,19 +106,34 @@ def per_token(values: Tensor, segment: Tensor) -> Tensor:
     return torch.where(inside, out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def grpo_loss(settings: GRPOSettings, logps: Tensor, segment: Tensor, advantages: Tensor, lengths: Tensor,
-              counts: StepCounts, scale: float, mesh: Mesh | None, *, old_logps: Tensor | None = None,
-              ref_logps: Tensor | None = None, entropy: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(loss_for_backward, value, stats)`` of this rank's shard of one micro-batch.
+@dataclass(frozen=True)
+class Completions:
+    """This rank's shard of one micro-batch's completions. Per token ``[B, s]``: ``logps`` (the policy's at the
+    sampling temperature, differentiable), ``segment`` (the row's sequence of each completion label, -1 for the
+    rest), ``old_logps`` (the behaviour policy's; None: the policy's own, detached), ``ref_logps`` (the
+    reference's, with beta > 0), ``entropy`` (for the metric); per sequence of the row ``[B, n]``: ``advantages``
+    and ``lengths`` (its completion tokens over the whole row)."""
 
-    ``logps``, ``segment``, ``old_logps``, ``ref_logps``, ``entropy``: ``[B, s]`` per token of the shard (the
-    policy's log-probabilities at the sampling temperature, differentiable); ``advantages``, ``lengths``:
-    ``[B, n]`` per sequence of the row (its advantage, its completion length over the whole row). ``value``
-    is the detached sum over the replica (identical on its sp ranks) times ``scale``; ``stats`` the detached
-    sums of :data:`LOSS_METRICS` over this rank's tokens (each clip indicator weighted by ``1 / len_i`` under
-    sequence-level importance sampling: a sum over sequences once the ranks' sums are added).
+    logps: Tensor
+    segment: Tensor
+    advantages: Tensor
+    lengths: Tensor
+    old_logps: Tensor | None = None
+    ref_logps: Tensor | None = None
+    entropy: Tensor | None = None
+
+
+def grpo_loss(settings: GRPOSettings, c: Completions, counts: StepCounts, scale: float,
+              mesh: Mesh | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss_for_backward, value, stats)`` of this rank's shard of one micro-batch (:class:`Completions`).
+
+    ``value`` is the detached sum over the replica (identical on its sp ranks) times ``scale``; ``stats`` the
+    detached sums of :data:`LOSS_METRICS` over this rank's tokens (each clip indicator weighted by ``1 / len_i``
+    under sequence-level importance sampling: a sum over sequences once the ranks' sums are added).
     Communication: with ``importance_sampling == "sequence"`` and ``sp > 1``, one all-reduce of ``[B, n]``
     values over ``mesh.sp_group`` (forward; backward none); the value: one all-reduce of one scalar."""
+    logps, segment, advantages, lengths = c.logps, c.segment, c.advantages, c.lengths
+    old_logps, ref_logps, entropy = c.old_logps, c.ref_logps, c.entropy
     mask = segment >= 0
     dtype = logps.dtype
     zero = torch.zeros((), dtype=dtype, device=logps.device)

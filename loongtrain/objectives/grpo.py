@@ -30,7 +30,15 @@ from loongtrain.data.post_training import PostTrainingReader
 from loongtrain.data.rollouts import SCALE_REWARDS, RolloutDataset, read_rollouts, with_advantages
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.loss.chunked import FinalNorm
-from loongtrain.loss.grpo import IMPORTANCE_SAMPLING, LOSS_METRICS, LOSS_TYPES, GRPOSettings, StepCounts, grpo_loss
+from loongtrain.loss.grpo import (
+    IMPORTANCE_SAMPLING,
+    LOSS_METRICS,
+    LOSS_TYPES,
+    Completions,
+    GRPOSettings,
+    StepCounts,
+    grpo_loss,
+)
 from loongtrain.loss.token_logprobs import chunked_logprobs_and_entropy, chunked_token_logprobs
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.memory import MemoryTerm
@@ -188,10 +196,10 @@ class GRPOObjective(TargetsObjective):
         n = max(1, *extras["num_sequences"].tolist())  # host values (tolist: also under fake tensors)
         logps, entropy = chunked_logprobs_and_entropy(hidden, head, local.labels, norm=norm,
                                                       temperature=self.temperature)
-        loss, value, stats = grpo_loss(
-            self.settings, logps, extras["segment"], extras["advantages"][:, :n].to(logps.device),
-            extras["lengths"][:, :n].to(logps.device), self.counts, self.scale, self.ctx.mesh,
-            old_logps=extras.get("old_logps"), ref_logps=self._ref, entropy=entropy)
+        completions = Completions(logps, extras["segment"], extras["advantages"][:, :n].to(logps.device),
+                                  extras["lengths"][:, :n].to(logps.device), extras.get("old_logps"), self._ref,
+                                  entropy)
+        loss, value, stats = grpo_loss(self.settings, completions, self.counts, self.scale, self.ctx.mesh)
         self._ref = None
         self._stats = stats if self._stats is None else self._stats + stats
         return loss, value

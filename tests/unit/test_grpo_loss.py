@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from loongtrain.data.rollouts import group_advantages
 from loongtrain.loss.chunked import FinalNorm
-from loongtrain.loss.grpo import GRPOSettings, StepCounts, grpo_loss
+from loongtrain.loss.grpo import Completions, GRPOSettings, StepCounts, grpo_loss
 from loongtrain.loss.token_logprobs import chunked_logprobs_and_entropy
 from tests.helpers.grpo_reference import formula_loss, trl_advantages
 
@@ -82,9 +82,9 @@ def test_grpo_loss_equals_trl_definitions(loss_type, level, beta, with_old):
     total, stats = 0.0, 0.0
     for row in range(ROWS):  # one micro-batch a row: the trainer averages loss / micro_batches
         take = slice(row, row + 1)
-        loss, value, s = grpo_loss(settings, logps[take], segment[take], adv[take], lengths[take], counts, ROWS, None,
-                                   old_logps=old[take] if with_old else None, ref_logps=ref[take] if beta else None,
-                                   entropy=entropy[take])
+        shard = Completions(logps[take], segment[take], adv[take], lengths[take], old[take] if with_old else None,
+                            ref[take] if beta else None, entropy[take])
+        loss, value, s = grpo_loss(settings, shard, counts, ROWS, None)
         total = total + loss / ROWS
         stats = stats + s
         torch.testing.assert_close(value, loss.detach(), rtol=0, atol=0)
@@ -113,9 +113,9 @@ def test_no_completion_token_gives_zero_and_no_nan():
     segment = torch.full((1, 8), -1)
     for loss_type in ("dapo", "grpo", "dr_grpo"):
         settings = GRPOSettings(loss_type, beta=0.04, importance_sampling="sequence")
-        loss, value, stats = grpo_loss(settings, logps, segment, torch.zeros(1, 1, dtype=torch.float64),
-                                       torch.zeros(1, 1, dtype=torch.int64), StepCounts(10.0, 2.0), 2.0, None,
-                                       ref_logps=torch.zeros(1, 8, dtype=torch.float64))
+        shard = Completions(logps, segment, torch.zeros(1, 1, dtype=torch.float64),
+                            torch.zeros(1, 1, dtype=torch.int64), ref_logps=torch.zeros(1, 8, dtype=torch.float64))
+        loss, value, stats = grpo_loss(settings, shard, StepCounts(10.0, 2.0), 2.0, None)
         (g,) = torch.autograd.grad(loss, logps)
         assert float(value) == 0 and not g.any() and torch.isfinite(g).all() and not stats.any()
 
