@@ -78,3 +78,14 @@ def test_host_work_tiny(capsys):
     assert host_work.main(["--layers", "2", "--seq", "64", "--documents", "4", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "before: step" in out and "after: step" in out and "after / before, planning_s" in out
+
+
+def test_grpo_tiny(capsys):
+    """benchmarks/grpo.py runs: a GRPO step against an SFT step on the same rows, with and without the KL term."""
+    from benchmarks import grpo
+
+    grpo.main(["--rounds", "1", "--seq-len", "256", "--docs", "2"])
+    out = capsys.readouterr().out
+    for name in ("grpo / sft (CPU)", "grpo+kl / sft (wall)"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+        assert float(row.split("|")[2]) > 0
