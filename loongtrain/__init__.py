@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the same imports, for type checkers and the import-graph test
     from loongtrain.attn.api import attention
+    from loongtrain.attn.linear.api import linear_attention
     from loongtrain.hf.apply import apply_2d_attention
     from loongtrain.parallel.config import ParallelConfig, validate_parallel
     from loongtrain.parallel.documents import (
@@ -24,7 +25,8 @@ if TYPE_CHECKING:  # the same imports, for type checkers and the import-graph te
     from loongtrain.parallel.workers import run_local
 
 #: public name -> the module defining it
-_HOME = {"attention": "loongtrain.attn.api", "apply_2d_attention": "loongtrain.hf.apply",
+_HOME = {"attention": "loongtrain.attn.api", "linear_attention": "loongtrain.attn.linear.api",
+         "apply_2d_attention": "loongtrain.hf.apply",
          "ParallelConfig": "loongtrain.parallel.config", "validate_parallel": "loongtrain.parallel.config",
          "balanced_chunk_order": "loongtrain.parallel.documents",
          "cu_seqlens_from_eos": "loongtrain.parallel.documents",
@@ -55,6 +57,7 @@ __all__ = [
     "destroy_mesh",
     "gather_sequence",
     "init_mesh",
+    "linear_attention",
     "packed_inputs",
     "run_local",
     "shard_sequence",

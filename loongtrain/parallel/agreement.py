@@ -126,14 +126,28 @@ def agree_on_attention(mesh: Any, q: Any, k: Any, v: Any, **call: Any) -> None:
                   softmax_scale=_describe(call.get("softmax_scale")),
                   sliding_window=_describe(call.get("sliding_window")), documents=_describe(call.get("cu_seqlens")),
                   chunk_order=_describe(call.get("chunk_order")), sinks=_describe(call.get("sinks")))
+    _agree_on_call(mesh, "attention", fields)
+
+
+def agree_on_linear_attention(mesh: Any, tensors: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    """:func:`agree_on_attention` for a ``loongtrain.linear_attention`` call: the tensors' shapes and dtypes
+    (``tensors``), the options' values (``options``: scale, convolution, document boundaries, chunk order), in
+    the same mode and on the same group (deferred inside :func:`deferred_attention_checks`)."""
+    if mesh.sp_group is None or torch.compiler.is_compiling():
+        return
+    fields = {name: _describe(value) for name, value in {**tensors, **options}.items()}
+    _agree_on_call(mesh, "linear attention", fields)
+
+
+def _agree_on_call(mesh: Any, what: str, fields: dict[str, Any]) -> None:
     group = attention_check_group(mesh)
     deferred = next((log for log in reversed(_DEFERRED) if log.group is group), None)
     if deferred is not None:
         deferred.record(fields)
     elif ATTENTION_CHECK == "once":
-        agree_once("attention", fields, group)
+        agree_once(what, fields, group)
     else:
-        check_agreement("attention", fields, group)
+        check_agreement(what, fields, group)
 
 
 def attention_check_group(mesh: Any) -> dist.ProcessGroup | None:

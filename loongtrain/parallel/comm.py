@@ -20,7 +20,9 @@ _ACTIVE: list[CommCounter] = []
 class CommCounter:
     """Context manager recording, for this process, ops and bytes sent by kind and by peer.
 
-    kinds: ``a2a`` (head all-to-all), ``kv`` (K/V ring blocks), ``dkv`` (dK/dV ring returns).
+    kinds: ``a2a`` (head all-to-all), ``kv`` (K/V ring blocks), ``dkv`` (dK/dV ring returns); linear attention's
+    ``state`` (its runs' state pairs) and ``halo`` (its runs' convolution tails), and their gradients ``dstate``,
+    ``dhalo`` (docs/linear-attention.md).
     ``bytes_by_peer`` counts only data leaving this rank (all-to-all chunks kept locally excluded).
     """
 
@@ -114,6 +116,36 @@ def post_exchange(
         dist.P2POp(dist.irecv, received, src, group),
     ]
     return Exchange(dist.batch_isend_irecv(ops), received)
+
+
+def all_gather_stacked(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """Forward: every group member's ``x`` (same shape everywhere) stacked as ``[n, ...]`` in group-rank order;
+    ``x`` goes to each of the ``n - 1`` others. Its backward is :func:`reduce_scatter_stacked` (the caller's
+    autograd rule)."""
+    n = dist.get_world_size(group)
+    x = x.contiguous()
+    if n == 1:
+        return x.unsqueeze(0).clone()
+    me = dist.get_rank(group)
+    _record(kind, {dist.get_global_rank(group, i): x.numel() * x.element_size() for i in range(n) if i != me})
+    pieces = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(pieces, x, group=group)
+    return torch.stack(pieces)
+
+
+def reduce_scatter_stacked(x: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """Forward: ``x [n, ...]`` (one piece per group member, in group-rank order) summed over the group, this
+    member's piece kept: piece ``i`` goes to member ``i`` by one all-to-all (``n - 1`` pieces sent). The
+    backward of :func:`all_gather_stacked`."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x[0].clone()
+    send = x.contiguous()
+    me = dist.get_rank(group)
+    _record(kind, {dist.get_global_rank(group, i): send[0].numel() * send.element_size() for i in range(n) if i != me})
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.sum(dim=0)
 
 
 class _SumOverRanks(torch.autograd.Function):

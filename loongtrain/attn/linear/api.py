@@ -1,0 +1,263 @@
+"""``loongtrain.linear_attention``: the delta-rule layers (Gated DeltaNet, KDA) over a
+:class:`~loongtrain.parallel.mesh.Mesh` (docs/linear-attention.md).
+
+Per rank::
+
+    q, k [B, S/sp, Hk, Dk], v [B, S/sp, Hv, Dv], g, beta       local zigzag shards, before the short convolution
+      -> the head group's all-to-all (as 2D-Attention's; one per dtype)
+    [B, S/cp, Hk/hp | Hv/hp, ...]                              the rank's runs of whole chunks, its heads
+      -> the convolution, each run's halo gathered from the run before it (``halo``)
+      -> each run's recurrence from a zero state, and its transition
+      -> the runs' state pairs gathered (``state``), each run's initial state composed in sequence order
+    out [B, S/cp, Hv/hp, Dv] -> all-to-all back -> [B, S/sp, Hv, Dv]
+
+What the ranks exchange over the context group does not depend on the sequence length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from loongtrain.attn import ops as attn_ops
+from loongtrain.attn.linear.kernels import run_kernel
+from loongtrain.attn.linear.layout import RunLayout, document_masks, local_positions
+from loongtrain.attn.linear.ops import context_all_gather
+from loongtrain.model.delta_rule import compute_dtype, l2_normalize, short_conv
+from loongtrain.model.local_attention import CuSeqlens, normalize_cu_seqlens
+from loongtrain.parallel.agreement import agree_on_linear_attention
+from loongtrain.parallel.config import ParallelConfig, effective_kv_heads, validate_parallel
+from loongtrain.parallel.mesh import Mesh, single_process_mesh
+from loongtrain.parallel.step_memo import LastCall
+from loongtrain.parallel.zigzag import check_chunk_order
+
+Tensor = torch.Tensor
+
+
+def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mesh: Mesh | None, *,
+                     conv_weight: Tensor | None = None, conv_bias: Tensor | None = None,
+                     conv_activation: str | None = "silu", qk_norm: bool = True, scale: float | None = None,
+                     cu_seqlens: CuSeqlens | None = None, chunk_order: Sequence[int] | None = None) -> Tensor:
+    """The gated delta rule (docs/linear-attention.md) of the replica's full sequence, from this rank's shards.
+
+    ``q, k [B, S/sp, Hk, Dk]`` and ``v [B, S/sp, Hv, Dv]`` (``Hv`` a multiple of ``Hk``: value head ``m`` reads key
+    head ``m // (Hv/Hk)``) before the short convolution; ``g`` the log-decay, ``[B, S/sp, Hv]`` (a gate per head:
+    Gated DeltaNet) or ``[B, S/sp, Hv, Dk]`` (a gate per key channel: KDA; ``Hk == Hv``); ``beta [B, S/sp, Hv]``.
+    ``conv_weight [2*Hk*Dk + Hv*Dv, K]`` (and ``conv_bias``): the depthwise causal convolution over the channels of
+    ``cat(q, k, v)``, then ``conv_activation``; ``qk_norm``: q and k L2-normalised per head; ``scale`` (default
+    ``1/sqrt(Dk)``) multiplies q. ``cu_seqlens`` (packed documents of the full sequence) and ``chunk_order`` (the
+    layout the tokens were sharded with) as for :func:`loongtrain.attention`: each document starts from a zero
+    state and a zero convolution halo. Returns ``[B, S/sp, Hv, Dv]`` in v's dtype; fp64 runs in fp64, every
+    lower precision in fp32 (the ``fla`` kernels on CUDA where they run)."""
+    mesh = mesh or single_process_mesh()
+    agree_on_linear_attention(mesh, dict(q=q, k=k, v=v, g=g, beta=beta, conv_weight=conv_weight,
+                                         conv_bias=conv_bias),
+                              dict(conv_activation=conv_activation, qk_norm=qk_norm, scale=scale,
+                                   documents=cu_seqlens, chunk_order=chunk_order))
+    validate_linear_inputs(q, k, v, g, beta, mesh, conv_weight=conv_weight, conv_bias=conv_bias)
+    batch, seq, num_key_heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[2], v.shape[3]
+    seq_len, hp = seq * mesh.sp, mesh.hp
+    taps = conv_weight.shape[1] if conv_weight is not None else 1
+    layout, starts, visible = _MASKS(_masks, cu_seqlens, chunk_order, batch, seq_len, hp, mesh.cp, mesh.cp_rank,
+                                     taps)
+    entering = effective_kv_heads(num_value_heads, num_key_heads, hp)
+    if entering > num_key_heads:  # each head rank needs its value heads' key head: replicate (grads sum back)
+        q, k = (x.repeat_interleave(entering // num_key_heads, dim=2) for x in (q, k))
+    q, k, v, g, beta = _scatter_heads((q, k, v, g, beta), mesh)  # [B, S/cp, local heads * ...]
+    local_keys, local_values = entering // hp, num_value_heads // hp
+    device = q.device
+    run_index = layout.run_index(mesh.cp_rank).to(device)
+    mixed = _runs(torch.cat([q, k, v], dim=-1), run_index)  # [B, slots, L, C]
+    if conv_weight is not None:
+        channels = _local_channels(num_key_heads, entering, key_dim, num_value_heads, value_dim, mesh.hp_rank, hp)
+        channels = channels.to(device)
+        halo = _halo(mixed, run_index, layout, mesh, taps)
+        extended = torch.cat([halo, mixed], dim=2).flatten(0, 1)
+        mixed = short_conv(extended, conv_weight[channels], None if conv_bias is None else conv_bias[channels],
+                           _runs(visible.to(device), run_index).flatten(0, 1), conv_activation)
+        mixed = mixed.unflatten(0, (batch, layout.slots))
+    widths = [local_keys * key_dim, local_keys * key_dim, local_values * value_dim]
+    q, k, v = mixed.split(widths, dim=-1)
+    q, k = (x.unflatten(-1, (local_keys, key_dim)) for x in (q, k))
+    v = v.unflatten(-1, (local_values, value_dim))
+    if qk_norm:
+        q, k = (l2_normalize(x.to(compute_dtype(x.dtype))) for x in (q, k))
+    if local_values > local_keys:  # grouped value heads: value head m reads key head m // (values / keys)
+        q, k = (x.repeat_interleave(local_values // local_keys, dim=3) for x in (q, k))
+    g = _runs(g.unflatten(-1, (local_values, -1)) if g.shape[-1] != local_values else g, run_index)
+    beta = _runs(beta, run_index)
+    runs_starts = None if starts is None else _runs(starts.to(device), run_index)
+    out = _recurrence(q, k, v, g, beta, runs_starts, layout, mesh,
+                      scale if scale is not None else key_dim ** -0.5)
+    out = out.flatten(1, 2)[:, _inverse(run_index)].to(v.dtype)  # local token order [B, S/cp, Hv/hp, Dv]
+    if hp > 1:
+        out = attn_ops.head_all_to_all(out.contiguous(), mesh.hp_group.group_name, 1, 2)
+    return out
+
+
+def validate_linear_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mesh: Mesh, *,
+                           conv_weight: Tensor | None = None, conv_bias: Tensor | None = None) -> None:
+    """Raise ValueError (before any communication) unless the tensors of a :func:`linear_attention` call fit each
+    other and ``mesh``, naming the offending shape."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4 or not t.is_floating_point():
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"linear attention: {name} must be a floating [batch, seq, heads, head_dim] tensor; "
+                             f"got {got}")
+    if q.shape != k.shape or q.dtype != k.dtype or v.dtype != q.dtype or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"linear attention: q {tuple(q.shape)} and k {tuple(k.shape)} must be equal, v "
+                         f"{tuple(v.shape)} of the same batch and length, all of one dtype ({q.dtype}, {k.dtype}, "
+                         f"{v.dtype})")
+    batch, seq, hk, dk = q.shape
+    hv = v.shape[2]
+    if hv % hk:
+        raise ValueError(f"linear attention: {hv} value heads must be a multiple of the {hk} key heads")
+    gate_shapes = ((batch, seq, hv), (batch, seq, hv, dk))
+    if not isinstance(g, Tensor) or tuple(g.shape) not in gate_shapes or not g.is_floating_point():
+        raise ValueError(f"linear attention: g must be [batch, seq, value heads] (a gate per head) or [batch, seq, "
+                         f"value heads, key dim] (a gate per channel), {gate_shapes}; got "
+                         f"{tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__}")
+    if g.dim() == 4 and hv != hk:
+        raise ValueError(f"linear attention: a gate per channel (KDA) needs as many key heads as value heads; got "
+                         f"{hk} and {hv}")
+    if not isinstance(beta, Tensor) or tuple(beta.shape) != (batch, seq, hv):
+        raise ValueError(f"linear attention: beta must be [batch, seq, value heads] = {(batch, seq, hv)}; got "
+                         f"{tuple(beta.shape) if isinstance(beta, Tensor) else type(beta).__name__}")
+    channels = 2 * hk * dk + hv * v.shape[3]
+    if conv_weight is not None and (conv_weight.dim() != 2 or conv_weight.shape[0] != channels
+                                    or conv_weight.shape[1] < 1):
+        raise ValueError(f"linear attention: conv_weight must be [channels of cat(q, k, v) = {channels}, kernel "
+                         f"size]; got {tuple(conv_weight.shape)}")
+    if conv_bias is not None and (conv_weight is None or tuple(conv_bias.shape) != (channels,)):
+        raise ValueError(f"linear attention: conv_bias must be [{channels}] and come with conv_weight")
+    try:
+        effective_kv_heads(hv, hk, mesh.hp)
+    except ValueError as exc:
+        raise ValueError(f"linear attention ({hv} value heads as num_heads, {hk} key heads as num_kv_heads): "
+                         f"{exc}") from None
+    validate_parallel(ParallelConfig.from_layout(mesh.layout), seq_len=seq * mesh.sp)
+
+
+_MASKS: LastCall[tuple[RunLayout, Tensor | None, Tensor]] = LastCall()
+
+
+def _masks(cu_seqlens: CuSeqlens | None, chunk_order: Sequence[int] | Tensor | None, batch: int, seq_len: int,
+           hp: int, cp: int, cp_rank: int, taps: int) -> tuple[RunLayout, Tensor | None, Tensor]:
+    """The rank's runs, document starts and convolution visibility (once per step: layers share the objects)."""
+    rows = normalize_cu_seqlens(cu_seqlens, batch, seq_len)
+    order = None
+    if chunk_order is not None:
+        order = tuple(int(x) for x in (chunk_order.tolist() if isinstance(chunk_order, Tensor) else chunk_order))
+        check_chunk_order(order, seq_len, hp, cp)
+    layout = RunLayout(seq_len, cp, order)
+    starts, visible = document_masks(rows, batch, local_positions(layout, cp_rank), taps)
+    return layout, starts, visible
+
+
+def _scatter_heads(tensors: Sequence[Tensor], mesh: Mesh) -> list[Tensor]:
+    """``[B, S/sp, heads, ...]`` each -> ``[B, S/cp, heads/hp * ...]``: one all-to-all per dtype over the head
+    group (heads split contiguously, the sequence gathered in head-rank order)."""
+    batch, seq = tensors[0].shape[:2]
+    parts = [t.reshape(batch, seq, mesh.hp, -1) for t in tensors]
+    if mesh.hp == 1:
+        return [p.squeeze(2) for p in parts]
+    out: list[Tensor | None] = [None] * len(parts)
+    for dtype in dict.fromkeys(p.dtype for p in parts):
+        mine = [i for i, p in enumerate(parts) if p.dtype == dtype]
+        widths = [parts[i].shape[-1] for i in mine]
+        packed = torch.cat([parts[i] for i in mine], dim=3)
+        gathered = attn_ops.head_all_to_all(packed, mesh.hp_group.group_name, 2, 1).squeeze(2)
+        for i, piece in zip(mine, gathered.split(widths, dim=-1)):
+            out[i] = piece
+    return out  # type: ignore[return-value]
+
+
+def _runs(x: Tensor, run_index: Tensor) -> Tensor:
+    """``x [B, S/cp, ...]`` in local order -> ``[B, slots, L, ...]`` by run (zeros past a run's end)."""
+    padded = torch.cat([x, x.new_zeros((x.shape[0], 1, *x.shape[2:]))], dim=1)
+    return padded[:, run_index]  # -1: the zero row
+
+
+def _inverse(run_index: Tensor) -> Tensor:
+    """Where each local token sits in ``run_index`` flattened."""
+    flat = run_index.flatten()
+    where = torch.empty(int((flat >= 0).sum()), dtype=torch.int64, device=flat.device)
+    positions = torch.arange(flat.numel(), device=flat.device)
+    where[flat[flat >= 0]] = positions[flat >= 0]
+    return where
+
+
+def _local_channels(num_key_heads: int, entering: int, key_dim: int, num_value_heads: int, value_dim: int,
+                    hp_rank: int, hp: int) -> Tensor:
+    """The channels of ``cat(q, k, v)`` this head rank holds after the all-to-all, in its order."""
+    per_rank = entering // hp
+    keys = [(h * num_key_heads) // entering for h in range(hp_rank * per_rank, (hp_rank + 1) * per_rank)]
+    values = range(hp_rank * num_value_heads // hp, (hp_rank + 1) * num_value_heads // hp)
+    key_channels = [c for h in keys for c in range(h * key_dim, (h + 1) * key_dim)]
+    offset = num_key_heads * key_dim
+    value_channels = [2 * offset + c for h in values for c in range(h * value_dim, (h + 1) * value_dim)]
+    return torch.tensor(key_channels + [offset + c for c in key_channels] + value_channels, dtype=torch.int64)
+
+
+def _halo(mixed: Tensor, run_index: Tensor, layout: RunLayout, mesh: Mesh, taps: int) -> Tensor:
+    """``[B, slots, taps - 1, C]``: the inputs before each run's first token, from the runs of every context
+    rank (one gather of every rank's run tails); zeros before the sequence."""
+    width = taps - 1
+    batch, slots, _, channels = mixed.shape
+    lengths = (run_index >= 0).sum(dim=1)  # [slots]
+    ends = lengths[:, None] - width + torch.arange(width, device=mixed.device)[None, :]  # tail token per run
+    tails = mixed[:, torch.arange(slots, device=mixed.device)[:, None], ends.clamp(min=0)]
+    tails = tails * (ends >= 0)[None, :, :, None].to(tails.dtype)  # [B, slots, width, C]
+    if mesh.cp > 1:
+        gathered = context_all_gather(tails.contiguous(), mesh.cp_group.group_name, "halo")
+        tails = gathered[_group_to_ring(mesh)].transpose(0, 1)  # [B, cp, slots, width, C] in cp_rank order
+    flat = torch.cat([tails.reshape(batch, -1, channels), tails.new_zeros(batch, 1, channels)], dim=1)
+    return flat[:, layout.halo_index(mesh.cp_rank, taps).to(mixed.device)]
+
+
+def _group_to_ring(mesh: Mesh) -> Tensor:
+    """Indices that reorder a gather over ``cp_group`` (sorted global ranks) into cp_rank order."""
+    ring = mesh.ring_ranks
+    ordered = sorted(ring)
+    return torch.tensor([ordered.index(r) for r in ring], dtype=torch.int64)
+
+
+def _recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts: Tensor | None,
+                layout: RunLayout, mesh: Mesh, scale: float) -> Tensor:
+    """Every run's output ``[B, slots, L, H, Dv]`` from its exact initial state. Each run is computed from a
+    zero state together with its transition (the value width widened by ``Dk`` columns that start as the
+    identity: their final state is the transition, their output the queries read through it); the runs' pairs
+    are gathered over the context group and composed in sequence order."""
+    batch, slots = q.shape[:2]
+    dk, dv = k.shape[-1], v.shape[-1]
+    flat = [x.flatten(0, 1) for x in (q, k, v, g, beta)]
+    flat_starts = None if starts is None else starts.flatten(0, 1)
+    if not layout.any_state:  # one run from position 0: nothing to compose
+        out, _ = run_kernel(*flat, flat_starts, None, scale)
+        return out.unflatten(0, (batch, slots))
+    q_, k_, v_, g_, beta_ = flat
+    heads = v_.shape[2]
+    widened = torch.cat([v_, v_.new_zeros((*v_.shape[:-1], dk))], dim=-1)
+    identity = torch.eye(dk, dtype=compute_dtype(v_.dtype), device=v_.device)
+    initial = torch.cat([identity.new_zeros(dk, dv), identity], dim=-1).expand(q_.shape[0], heads, dk, dv + dk)
+    out, final = run_kernel(q_, k_, widened, g_, beta_, flat_starts, initial, scale)
+    out, final = out.unflatten(0, (batch, slots)), final.unflatten(0, (batch, slots))
+    pairs = final  # [B, slots, H, Dk, Dv + Dk]: written state, transition
+    if mesh.cp > 1:
+        pairs = context_all_gather(final.contiguous(), mesh.cp_group.group_name, "state")[_group_to_ring(mesh)]
+    else:
+        pairs = pairs.unsqueeze(0)
+    state = final.new_zeros(batch, heads, dk, dv)
+    initial_states: dict[int, Tensor] = {}
+    mine = len(layout.runs(mesh.cp_rank))
+    for c, s in layout.sequence:
+        if c == mesh.cp_rank:
+            initial_states[s] = state
+            if len(initial_states) == mine:
+                break
+        written, transition = pairs[c, :, s, ..., :dv], pairs[c, :, s, ..., dv:]
+        state = transition @ state + written
+    start = torch.stack([initial_states.get(s, state.new_zeros(state.shape)) for s in range(slots)], dim=1)
+    return out[..., :dv] + torch.einsum("bsthk,bshkv->bsthv", out[..., dv:], start)
