@@ -28,12 +28,14 @@ from torch import nn
 
 from loongtrain.attn.apply import ATTENTION_FN_ATTR, MeshAttention
 from loongtrain.hf.families import check_architecture, decoder_layers, is_hf_model
+from loongtrain.hf.linear import bind_linear_attention, linear_kind
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.zigzag import shard_indices
 
 Tensor = torch.Tensor
 
 ATTN_IMPLEMENTATION = "loongtrain"
+_CHECKS_POSITIONS = "_loongtrain_checks_positions"  # set on the first attention module by apply_to_hf
 
 
 def hf_attention_forward(
@@ -80,10 +82,10 @@ def hf_attention_forward(
     if kwargs.get("s_aux") is not None:  # gpt-oss's attention sinks, one logit per head
         documents["sinks"] = kwargs["s_aux"]
     position_ids = kwargs.get("position_ids")
-    # a value check (host-side) in the first layer: eager only, and the layer's index is not read while compiling
+    # a value check (host-side) in the first attention layer: eager only, and the flag is not read while compiling
     # (an int attribute is a constant to dynamo: reading it would give every layer a graph; docs/compile.md)
     if (not torch.compiler.is_compiling() and isinstance(position_ids, Tensor) and "cu_seqlens" not in documents
-            and getattr(module, "layer_idx", 0) == 0):
+            and module.__dict__.get(_CHECKS_POSITIONS, False)):
         _check_positions(position_ids, mesh, seq_len, documents.get("chunk_order"))
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     out = attention_fn(
@@ -141,19 +143,22 @@ def register_attention() -> None:
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention module of every decoder layer of a supported HF causal LM."""
+    """The softmax self-attention module of every decoder layer of a supported HF causal LM that has one (a
+    linear-attention layer's block is not one: loongtrain/hf/linear.py)."""
     layers = decoder_layers(model)
-    if not all(hasattr(layer, "self_attn") for layer in layers):
+    mixers = [getattr(layer, "self_attn", None) or getattr(layer, "linear_attn", None) for layer in layers]
+    if not all(isinstance(m, nn.Module) for m in mixers):
         raise ValueError(f"{type(model).__name__} has no decoder layers with a self_attn module")
-    return [layer.self_attn for layer in layers]
+    return [m for m in mixers if linear_kind(m) is None]
 
 
 def apply_to_hf(model: nn.Module, mesh: Mesh) -> nn.Module:
     """Run every attention layer of the HF causal LM ``model`` through 2D-Attention on ``mesh``.
 
     Registers the ``"loongtrain"`` attention implementation, selects it on ``model`` (and its
-    config), turns the KV cache off (training) and sets each layer's ``attention_fn`` to
-    ``MeshAttention(mesh)``. Returns ``model`` (changed in place); applying again rebinds.
+    config), turns the KV cache off (training), sets each layer's ``attention_fn`` to
+    ``MeshAttention(mesh)`` and runs each linear-attention block through ``loongtrain.linear_attention`` on
+    ``mesh`` (:func:`~loongtrain.hf.linear.bind_linear_attention`). Returns ``model`` (changed in place); applying again rebinds.
     Raises ValueError for a non-HF model, one whose layers do not match (naming what differs) or a non-Mesh
     ``mesh``.
     """
@@ -166,6 +171,8 @@ def apply_to_hf(model: nn.Module, mesh: Mesh) -> nn.Module:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
     model.config.use_cache = False
-    for module in attention_modules(model):
+    for i, module in enumerate(attention_modules(model)):
         setattr(module, ATTENTION_FN_ATTR, MeshAttention(mesh))
+        module.__dict__[_CHECKS_POSITIONS] = i == 0  # the first attention layer checks the position ids
+    bind_linear_attention(model, mesh)
     return model

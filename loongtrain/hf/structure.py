@@ -7,11 +7,13 @@ built model (the meta device is enough) and names the first thing that differs:
 - a causal LM (an output embedding) whose ``base_model.layers`` is a ModuleList of decoder layers;
 - every layer's ``self_attn`` is causal and calls transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``:
   the core loongtrain replaces), holds no parameter of its own but gpt-oss's ``sinks``, and no submodule but
-  projections, norms and rotary embeddings;
+  projections, norms and rotary embeddings; or the layer's token mixer (``linear_attn`` or ``self_attn``) is a
+  linear-attention block loongtrain runs (:data:`loongtrain.hf.linear.LINEAR_BLOCKS`: a depthwise causal SiLU
+  convolution, its own projections and norms);
 - every other module of a layer is token-wise: linear layers, norms, activations, dropout, or a sparse MoE
   block loongtrain runs (:data:`loongtrain.hf.moe.SPARSE_BLOCKS`);
 - the config asks for nothing the core does not compute: ``layer_types`` only ``sliding_attention`` /
-  ``full_attention``, no attention logit soft-capping, no chunked attention.
+  ``full_attention`` / ``linear_attention``, no attention logit soft-capping, no chunked attention.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from typing import Any
 
 from torch import nn
 
+from loongtrain.hf.linear import linear_block_mismatch, linear_kind
 from loongtrain.hf.moe import SPARSE_BLOCKS
 
 #: the kinds of attention layer the core computes (HF's ``layer_types`` names)
-ATTENTION_LAYER_TYPES = ("sliding_attention", "full_attention")
+ATTENTION_LAYER_TYPES = ("sliding_attention", "full_attention", "linear_attention")
 #: config entries that change attention in ways the core does not compute, with the value that is a no-op
 _ATTENTION_CONFIG = {"attn_logit_softcapping": None, "attention_chunk_size": None}
 _TOKEN_WISE = (nn.Linear, nn.Dropout, nn.Identity)
@@ -63,10 +66,15 @@ def _config_mismatch(config: Any) -> str | None:
 
 
 def _layer_mismatch(layer: nn.Module, where: str) -> str | None:
-    attn = getattr(layer, "self_attn", None)
-    if not isinstance(attn, nn.Module):
-        return f"{where} ({type(layer).__name__}) has no self_attn module"
-    found = _attention_mismatch(attn, f"{where} self_attn ({type(attn).__name__})")
+    name, attn = next(((n, getattr(layer, n)) for n in ("self_attn", "linear_attn")
+                       if isinstance(getattr(layer, n, None), nn.Module)), (None, None))
+    if attn is None:
+        return f"{where} ({type(layer).__name__}) has no self_attn (or linear_attn) module"
+    if linear_kind(attn) is not None:
+        found = linear_block_mismatch(attn)
+        found = found and f"{where} {name} ({type(attn).__name__}) {found}"
+    else:
+        found = _attention_mismatch(attn, f"{where} {name} ({type(attn).__name__})")
     if found:
         return found
     for sub, module in _modules(layer, skip=attn):
