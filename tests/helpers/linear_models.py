@@ -87,9 +87,141 @@ def tiny_qwen3_5(seed: int = 3, **overrides: Any) -> nn.Module:
     heads in the linear layers, GQA in the full ones (sdpa attention: HF's eager softmax runs in fp32)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(**{**QWEN3_5, **overrides}, attn_implementation="sdpa")
+    config = Qwen3_5TextConfig(**{**QWEN3_5, **overrides}, attn_implementation="sdpa", use_cache=False)
     config.architectures = ["Qwen3_5ForCausalLM"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3_5ForCausalLM(config)
     return perturb(model, seed).double()
+
+
+def check_qwen3_5(rank: int, world_size: int, configs: list[dict], tol: float) -> list[list[float]]:
+    """A tiny Qwen3.5 through ``apply_2d_attention`` == transformers' own unsharded model (dtype-preserving),
+    logits and every gradient, with and without packed documents, on each mesh of ``configs``."""
+    import loongtrain
+    from tests.helpers.gpt_oss import compare_sharded, hf_reference_forward, hf_sharded_forward
+
+    results = []
+    for cfg in configs:
+        mesh = loongtrain.init_mesh(**cfg)
+        for with_documents in (False, True):
+            model = fp64_reference(tiny_qwen3_5())
+            results.append(compare_sharded(model, hf_reference_forward, mesh, 32, with_documents, tol,
+                                           sharded_forward=hf_sharded_forward))
+    return results
+
+
+KIMI = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, linear_num_heads=4,
+            linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1, layer_types=["linear_attention"],
+            pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+def kimi_delta_attention(seed: int = 3) -> nn.Module:
+    """transformers' ``KimiLinearDeltaAttention`` (KDA) alone, tiny, fp64, its gate initialised as Kimi-Linear's
+    (A_log = log U(1, 16), dt_bias the inverse softplus of U(1e-3, 1e-1))."""
+    from transformers.models.kimi_linear.configuration_kimi_linear import KimiLinearConfig
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+    config = KimiLinearConfig(**KIMI)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = KimiLinearDeltaAttention(config, layer_idx=0)
+        gate = module.forget_gate
+        with torch.no_grad():
+            gate.A_log.copy_(torch.empty(gate.A_log.shape).uniform_(1.0, 16.0).log())
+            dt = torch.empty(gate.dt_bias.shape).uniform_(1e-3, 1e-1)
+            gate.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+    return perturb(module, seed).double()
+
+
+def check_kda_layer(rank: int, world_size: int, configs: list[dict], tol: float) -> list[list[float]]:
+    """Kimi-Linear's KDA layer bound to loongtrain's core == transformers' own layer (dtype-preserving), each
+    document alone: outputs, input gradients and every parameter's gradient."""
+    import copy
+
+    import torch.distributed as dist
+
+    import loongtrain
+    from loongtrain.hf.linear import bind_linear_attention
+    from tests.helpers.gpt_oss import documents
+
+    results = []
+    for cfg in configs:
+        mesh = loongtrain.init_mesh(**cfg)
+        for with_documents in (False, True):
+            reference = fp64_reference(kimi_delta_attention())
+            sharded = copy.deepcopy(reference)
+            assert bind_linear_attention(sharded, mesh) == 1
+            gen = torch.Generator().manual_seed(7)
+            seq = 32
+            hidden = torch.randn(2, seq, KIMI["hidden_size"], generator=gen, dtype=torch.float64, requires_grad=True)
+            docs = documents(seq) if with_documents else None
+            bounds = [d.tolist() for d in docs] if docs else [[0, seq]] * 2
+            want = torch.cat([torch.cat([reference(hidden[b:b + 1, s:e]) for s, e in zip(row[:-1], row[1:])], 1)
+                              for b, row in enumerate(bounds)])
+            weight = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+            params = list(reference.parameters())
+            want_grads = torch.autograd.grad((want * weight).sum(), [hidden, *params])
+            local = loongtrain.shard_sequence(hidden.detach(), mesh, 1).requires_grad_()
+            got = sharded(local, cu_seqlens=docs)
+            got_grads = torch.autograd.grad((got * loongtrain.shard_sequence(weight, mesh, 1)).sum(),
+                                            [local, *sharded.parameters()])
+            errors = [(got - loongtrain.shard_sequence(want, mesh, 1)).abs().max().item(),
+                      (got_grads[0] - loongtrain.shard_sequence(want_grads[0], mesh, 1)).abs().max().item()]
+            for mine, theirs in zip(got_grads[1:], want_grads[1:]):
+                mine = mine.clone()
+                if mesh.sp_group is not None:
+                    dist.all_reduce(mine, group=mesh.sp_group)
+                errors.append((mine - theirs).abs().max().item())
+                assert theirs.abs().max() > 0
+            assert max(errors) < tol, errors
+            results.append(errors)
+    return results
+
+
+def hf_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, conv_weight: Tensor,
+                  docs: list[Tensor] | None) -> Tensor:
+    """transformers' own unsharded delta rule (dtype-preserving): its causal convolution + SiLU over ``cat(q, k,
+    v)``, then its token-by-token recurrence with q/k L2-normalised (Qwen3.5's for a gate per head, Kimi-Linear's
+    for a gate per channel), each document of each row alone. Shapes as :func:`loongtrain.linear_attention`."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    conv = dtype_preserving(qwen.causal_conv1d_fn)
+    per_channel = g.dim() == 4
+    recurrence = (dtype_preserving(kimi.recurrent_kimi_delta_attention, l2norm=kimi.l2norm) if per_channel
+                  else dtype_preserving(qwen.torch_recurrent_gated_delta_rule, l2norm=qwen.l2norm))
+    batch, seq, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    rows = []
+    for b in range(batch):
+        bounds = docs[b].tolist() if docs is not None else [0, seq]
+        pieces = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            mixed = torch.cat([x[b:b + 1, s:e].flatten(2) for x in (q, k, v)], dim=-1).transpose(1, 2)
+            mixed = conv(mixed, conv_weight, None, activation="silu").transpose(1, 2)
+            q_, k_, v_ = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
+            out, _ = recurrence(q_.unflatten(-1, (key_heads, key_dim)), k_.unflatten(-1, (key_heads, key_dim)),
+                                v_.unflatten(-1, (value_heads, value_dim)), g=g[b:b + 1, s:e], beta=beta[b:b + 1, s:e],
+                                initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
+            pieces.append(out)
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows)
+
+
+def delta_rule_inputs(per_channel: bool, seq: int, key_heads: int = 2, value_heads: int = 4, seed: int = 0
+                      ) -> list[Tensor]:
+    """Random fp64 ``q, k, v, g, beta, conv_weight`` of a delta-rule layer (batch 2, head dims 3 and 5, kernel
+    4; a gate per channel needs as many key heads as value heads)."""
+    gen = torch.Generator().manual_seed(seed)
+    key_heads = value_heads if per_channel else key_heads
+    key_dim, value_dim, taps = 3, 5, 4
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    g = -torch.rand(2, seq, value_heads, *((key_dim,) if per_channel else ()), generator=gen, dtype=torch.float64)
+    beta = torch.rand(2, seq, value_heads, generator=gen, dtype=torch.float64)
+    weight = 0.5 * rand(2 * key_heads * key_dim + value_heads * value_dim, taps)
+    return [rand(2, seq, key_heads, key_dim), rand(2, seq, key_heads, key_dim), rand(2, seq, value_heads, value_dim),
+            g, beta, weight]

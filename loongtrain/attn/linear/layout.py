@@ -17,6 +17,8 @@ from functools import cached_property
 
 import torch
 
+from loongtrain.model.delta_rule import compute_dtype
+from loongtrain.parallel.config import effective_kv_heads
 from loongtrain.parallel.zigzag import ChunkOrder, check_chunk_order, zigzag_order
 
 Tensor = torch.Tensor
@@ -134,3 +136,24 @@ def document_masks(rows: tuple[tuple[int, ...], ...] | None, batch: int, positio
         starts.append(positions == first)
         visible.append(back >= first[:, None])
     return torch.stack(starts), torch.stack(visible)
+
+
+def exchange_bytes(layout: RunLayout, *, batch: int, key_heads: int, value_heads: int, key_dim: int,
+                   value_dim: int, taps: int, hp: int, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes one rank sends over the context group in one :func:`loongtrain.linear_attention` call, forward and
+    backward, by :class:`~loongtrain.parallel.comm.CommCounter` kind: each of its ``slots`` runs' convolution tail
+    (``taps - 1`` tokens of its channels, the input dtype) and state pair (``Dk x (Dv + Dk)`` per value head, the
+    compute dtype) to each of the ``cp - 1`` other context ranks, and their gradients back. None of it depends on
+    the sequence length."""
+    if layout.cp == 1:
+        return {}
+    peers = layout.cp - 1
+    keys, values = effective_kv_heads(value_heads, key_heads, hp) // hp, value_heads // hp
+    size = torch.finfo(dtype).bits // 8
+    state_size = torch.finfo(compute_dtype(dtype)).bits // 8
+    halo = batch * layout.slots * (taps - 1) * (2 * keys * key_dim + values * value_dim) * size * peers
+    state = batch * layout.slots * values * key_dim * (value_dim + key_dim) * state_size * peers
+    counted = {"state": state, "dstate": state}
+    if taps > 1:
+        counted.update(halo=halo, dhalo=halo)
+    return counted
