@@ -112,18 +112,18 @@ def fla_kernel(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts:
     sequence = torch.div(first, t, rounding_mode="floor")
     continues = ~(starts.cpu().flatten()[first] if starts is not None else torch.zeros(len(first), dtype=torch.bool))
     continues &= first % t == 0  # a sequence's first piece, unless a document starts there
+    dtype, accumulate = v.dtype, compute_dtype(v.dtype)  # gates and states in fp32 (fp64 stays fp64)
     state = (initial_state if initial_state is not None
-             else torch.zeros(n, heads, dk, dv, dtype=torch.float32, device=q.device))
-    state = state.to(torch.float32)[sequence.to(q.device)]
+             else torch.zeros(n, heads, dk, dv, dtype=accumulate, device=q.device))
+    state = state.to(accumulate)[sequence.to(q.device)]
     state = state * continues.to(device=q.device, dtype=state.dtype)[:, None, None, None]
-    dtype = v.dtype
-    flat = [x.reshape(1, n * t, *x.shape[2:]) for x in (q.to(dtype), k.to(dtype), v, g.to(torch.float32),
+    flat = [x.reshape(1, n * t, *x.shape[2:]) for x in (q.to(dtype), k.to(dtype), v, g.to(accumulate),
                                                          beta.to(dtype))]
     o, final = fla_function(g.dim() == 4)(*flat, scale=scale, initial_state=state.contiguous(),
                                           output_final_state=True, cu_seqlens=cu_seqlens)
     last = torch.cat([first[1:], torch.tensor([n * t])]) - 1  # the token each piece ends at
     ends = (last % t == t - 1).nonzero().flatten().to(final.device)  # a sequence's last piece
-    return o.reshape(n, t, heads, dv), final[ends]
+    return o.reshape(n, t, heads, dv).to(accumulate), final[ends]
 
 
 def check_fla(device: torch.device, dtype: torch.dtype, per_channel: bool) -> str | None:
@@ -135,18 +135,19 @@ def check_fla(device: torch.device, dtype: torch.dtype, per_channel: bool) -> st
     def rand(*shape: int) -> Tensor:
         return torch.randn(*shape, generator=gen).to(device)
 
-    q, k = (torch.nn.functional.normalize(rand(n, t, heads, dk), dim=-1).to(dtype) for _ in range(2))
-    v = rand(n, t, heads, dv).to(dtype)
-    g = -torch.nn.functional.softplus(rand(n, t, heads, *((dk,) if per_channel else ()))) * 0.1
-    beta = torch.sigmoid(rand(n, t, heads)).to(dtype)
-    starts = torch.zeros(n, t, dtype=torch.bool)
-    starts[0, 37] = starts[1, 0] = starts[1, 70] = True
-    state = rand(n, heads, dk, dv) * 0.1
     try:
-        got = fla_kernel(q, k, v, g, beta, starts.to(device), state, dk ** -0.5)
+        q, k = (torch.nn.functional.normalize(rand(n, t, heads, dk), dim=-1).to(dtype) for _ in range(2))
+        v = rand(n, t, heads, dv).to(dtype)
+        g = -torch.nn.functional.softplus(rand(n, t, heads, *((dk,) if per_channel else ()))) * 0.1
+        beta = torch.sigmoid(rand(n, t, heads)).to(dtype)
+        starts = torch.zeros(n, t, dtype=torch.bool)
+        starts[0, 37] = starts[1, 0] = starts[1, 70] = True
+        starts = starts.to(device)
+        state = rand(n, heads, dk, dv) * 0.1
+        got = fla_kernel(q, k, v, g, beta, starts, state, dk ** -0.5)
     except Exception as exc:  # noqa: BLE001 - any failure refuses the kernel
         return f"{type(exc).__name__}: {exc}"
-    want = torch_kernel(q, k, v, g, beta, starts.to(device), state, dk ** -0.5)
+    want = torch_kernel(q, k, v, g, beta, starts, state, dk ** -0.5)
     for name, a, b in zip(("output", "final state"), got, want):
         if a.shape != b.shape:
             return f"{name} shape {tuple(a.shape)} != {tuple(b.shape)}"
