@@ -1,8 +1,9 @@
 """Recompute ("recompute"; docs/memory.md): a block's ``forward`` re-runs in backward
 instead of keeping its activations. ``recompute="full"`` recomputes the whole block; ``"selective"``
-(selective recompute) saves the outputs of ``torch.ops.loongtrain.head_all_to_all`` and
-``torch.ops.loongtrain.ring_attention`` (attention output and lse) and recomputes everything else, so the
-recompute pass runs no attention and sends nothing. The first ``round(recompute_fraction * num_layers)`` blocks
+(selective recompute) saves the outputs of ``torch.ops.loongtrain.head_all_to_all``,
+``torch.ops.loongtrain.ring_attention`` (attention output and lse) and ``torch.ops.loongtrain.context_all_gather``
+(linear attention's exchanged halos and state pairs) and recomputes everything else, so the recompute pass runs no
+softmax attention and sends nothing (linear attention's local recurrence is recomputed). The first ``round(recompute_fraction * num_layers)`` blocks
 are recomputed (:func:`recomputed_layers`). The block's ``forward`` is replaced on the instance, so module
 and parameter names are unchanged.
 """
@@ -29,11 +30,13 @@ from loongtrain.parallel.config import ParallelConfig
 @functools.cache
 def selective_saved_ops() -> tuple[torch._ops.OpOverload, ...]:
     """Ops whose outputs selective recompute keeps from the first forward."""
+    import loongtrain.attn.linear.ops  # noqa: F401 - registers torch.ops.loongtrain.context_*
     import loongtrain.attn.ops  # noqa: F401 - registers torch.ops.loongtrain.*
 
     return (
         torch.ops.loongtrain.head_all_to_all.default,
         torch.ops.loongtrain.ring_attention.default,
+        torch.ops.loongtrain.context_all_gather.default,
     )
 
 

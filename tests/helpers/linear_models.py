@@ -225,3 +225,17 @@ def delta_rule_inputs(per_channel: bool, seq: int, key_heads: int = 2, value_hea
     weight = 0.5 * rand(2 * key_heads * key_dim + value_heads * value_dim, taps)
     return [rand(2, seq, key_heads, key_dim), rand(2, seq, key_heads, key_dim), rand(2, seq, value_heads, value_dim),
             g, beta, weight]
+
+
+def write_qwen3_5_dir(path: Any, seed: int = 3, **overrides: Any) -> Any:
+    """A tiny ``Qwen3_5ForCausalLM`` directory (config.json + model.safetensors via ``save_pretrained``) for the
+    byte tokenizer (vocab 256)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**{**QWEN3_5, "vocab_size": 256, **overrides})
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = perturb(Qwen3_5ForCausalLM(config), seed)
+    model.save_pretrained(path)
+    return path
