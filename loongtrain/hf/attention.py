@@ -158,7 +158,8 @@ def apply_to_hf(model: nn.Module, mesh: Mesh) -> nn.Module:
     Registers the ``"loongtrain"`` attention implementation, selects it on ``model`` (and its
     config), turns the KV cache off (training), sets each layer's ``attention_fn`` to
     ``MeshAttention(mesh)`` and runs each linear-attention block through ``loongtrain.linear_attention`` on
-    ``mesh`` (:func:`~loongtrain.hf.linear.bind_linear_attention`). Returns ``model`` (changed in place); applying again rebinds.
+    ``mesh`` (:func:`~loongtrain.hf.linear.bind_linear_attention`). Returns ``model`` (changed in place);
+    applying again rebinds.
     Raises ValueError for a non-HF model, one whose layers do not match (naming what differs) or a non-Mesh
     ``mesh``.
     """

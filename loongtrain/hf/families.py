@@ -3,7 +3,8 @@
 An architecture is supported when every layer other than attention is token-wise (RMSNorm, RoPE on
 the given position ids, gated MLP or a mixture of gated-MLP experts (loongtrain/hf/moe.py), optional q/k
 norms and qkv bias), so that running it on zigzag
-shards with global ``position_ids`` and 2D-Attention as its core is exact (docs/memory.md).
+shards with global ``position_ids`` and 2D-Attention as its core is exact (docs/memory.md); linear-attention
+layers run through ``loongtrain.linear_attention`` (loongtrain/hf/linear.py, docs/linear-attention.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
+    "Qwen3_5ForCausalLM",
 )
 
 

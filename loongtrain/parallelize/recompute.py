@@ -3,9 +3,9 @@ instead of keeping its activations. ``recompute="full"`` recomputes the whole bl
 (selective recompute) saves the outputs of ``torch.ops.loongtrain.head_all_to_all``,
 ``torch.ops.loongtrain.ring_attention`` (attention output and lse) and ``torch.ops.loongtrain.context_all_gather``
 (linear attention's exchanged halos and state pairs) and recomputes everything else, so the recompute pass runs no
-softmax attention and sends nothing (linear attention's local recurrence is recomputed). The first ``round(recompute_fraction * num_layers)`` blocks
-are recomputed (:func:`recomputed_layers`). The block's ``forward`` is replaced on the instance, so module
-and parameter names are unchanged.
+softmax attention and sends nothing (linear attention's local recurrence is recomputed). The first
+``round(recompute_fraction * num_layers)`` blocks are recomputed (:func:`recomputed_layers`). The block's
+``forward`` is replaced on the instance, so module and parameter names are unchanged.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def corpus(tmp_path) -> str:
 
 @pytest.mark.parametrize("name, extra, layout, needle", [
     ("Gemma2ForCausalLM", {}, ["--nproc", "1"], "'Gemma2ForCausalLM': config attn_logit_softcapping=50.0"),
-    ("Qwen3NextForCausalLM", {}, ["--nproc", "1"], "layer_types[0]='linear_attention'"),
+    ("NemotronHForCausalLM", {}, ["--nproc", "1"], "layer_types[1]='moe'"),
     ("LlamaForCausalLM", {}, ["--nproc", "3", "--hp", "3", "--cp", "1"], "num_heads=4 must be divisible by hp=3"),
     ("MistralForCausalLM", {"sliding_window": -4}, ["--nproc", "1"], "sliding_window=-4 must be None"),
 ])

@@ -78,8 +78,8 @@ class EmulatedFla:
         for b in range(batch):
             for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
                 n = b * (len(bounds) - 1) + i
-                state = (initial_state[n].to(math) if initial_state is not None and self.fault != "ignores_initial_state"
-                         else torch.zeros(heads, key_dim, v.shape[-1], dtype=math))
+                given = initial_state is not None and self.fault != "ignores_initial_state"
+                state = initial_state[n].to(math) if given else torch.zeros(heads, key_dim, v.shape[-1], dtype=math)
                 for t in range(s, e):
                     decay = g[b, t].exp()
                     if self.fault != "state_not_decayed":

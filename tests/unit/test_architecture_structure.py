@@ -53,12 +53,26 @@ def test_untested_families_whose_layers_match_are_accepted(name):
 
 @pytest.mark.parametrize("name, needles", [
     ("Gemma2ForCausalLM", ["attn_logit_softcapping=50.0"]),
-    ("Qwen3NextForCausalLM", ["layer_types[0]='linear_attention'"]),
+    ("NemotronHForCausalLM", ["config layer_types[1]='moe'"]),
     ("LlamaForSequenceClassification", ["has no output embedding (an LM head): it is not a causal LM"]),
     ("GPT2LMHeadModel", ["has no decoder layers at base_model.layers"]),
 ])
 def test_families_whose_layers_differ_name_what(name, needles):
     _one_line_error(name, _meta(name), *needles)
+
+
+def test_mamba_layers_are_named():
+    # Nemotron-H names its Mamba2 layers "linear_attention" too: they are checked by their modules
+    model = _meta("NemotronHForCausalLM", layer_types=["linear_attention", "full_attention"])
+    _one_line_error("NemotronHForCausalLM", model, "layer 0 (NemotronHBlock) has no self_attn (or linear_attn) module")
+
+
+def test_a_linear_attention_block_loongtrain_does_not_compute_is_named():
+    model = _meta("Qwen3_5ForCausalLM", layer_types=["linear_attention", "full_attention"])
+    model.model.layers[0].linear_attn.activation = "gelu"
+    _one_line_error("Qwen3_5ForCausalLM", model, "layer 0 linear_attn (Qwen3_5GatedDeltaNet) activation='gelu'")
+    model.model.layers[0].linear_attn.conv1d = nn.Conv1d(4, 4, 3, padding=1, groups=4, device="meta")
+    _one_line_error("Qwen3_5ForCausalLM", model, "is not a depthwise causal convolution")
 
 
 def test_a_module_that_is_not_token_wise_is_named():

@@ -87,7 +87,8 @@ def test_unsupported_architecture_lists_supported():
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     moe = ["MixtralForCausalLM", "Qwen3MoeForCausalLM"]  # tests/unit/test_moe.py
-    assert set(supported_architectures()) == {*FAMILIES, *moe, "GptOssForCausalLM"}
+    linear = ["Qwen3_5ForCausalLM"]  # tests/dist/test_linear_dist.py
+    assert set(supported_architectures()) == {*FAMILIES, *moe, *linear, "GptOssForCausalLM"}
     model = LlamaForSequenceClassification(LlamaConfig(**COMMON))
     with pytest.raises(ValueError, match="LlamaForSequenceClassification.*Qwen3ForCausalLM"):
         apply_to_hf(model, loongtrain.single_process_mesh())

@@ -5,9 +5,9 @@ runs' state pairs compose, and the document masks. Nothing here touches a proces
 
 A rank's tokens (``T_c``, its chunks of ``chunk_order`` in that order) are cut into *runs*: maximal groups of its
 chunks that follow each other in the sequence (zigzag: two runs per rank, one on rank ``cp - 1``, whose chunks
-``cp - 1`` and ``cp`` touch). Each run is one recurrence on the rank; its state pair (the state it writes from a zero start,
-and its transition) is what the ranks exchange. Every rank has ``slots`` run slots (the most runs any rank has),
-so the exchanged tensors have one shape on every rank.
+``cp - 1`` and ``cp`` touch). Each run is one recurrence on the rank; its state pair (the state it writes from a
+zero start, and its transition) is what the ranks exchange. Every rank has ``slots`` run slots (the most runs any
+rank has), so the exchanged tensors have one shape on every rank.
 """
 
 from __future__ import annotations
