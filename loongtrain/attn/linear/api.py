@@ -61,37 +61,34 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, m
     seq_len, hp = seq * mesh.sp, mesh.hp
     taps = conv_weight.shape[1] if conv_weight is not None else 1
     layout, starts, visible = _MASKS(_masks, cu_seqlens, chunk_order, batch, seq_len, hp, mesh.cp, mesh.cp_rank,
-                                     taps)
+                                     taps)  # [B, S/cp] and [B, S/cp, taps] in local order
     entering = effective_kv_heads(num_value_heads, num_key_heads, hp)
     if entering > num_key_heads:  # each head rank needs its value heads' key head: replicate (grads sum back)
         q, k = (x.repeat_interleave(entering // num_key_heads, dim=2) for x in (q, k))
     q, k, v, g, beta = _scatter_heads((q, k, v, g, beta), mesh)  # [B, S/cp, local heads * ...]
     local_keys, local_values = entering // hp, num_value_heads // hp
-    device = q.device
-    run_index = layout.run_index(mesh.cp_rank).to(device)
-    mixed = _runs(torch.cat([q, k, v], dim=-1), run_index)  # [B, slots, L, C]
+    runs = _local_runs(layout, mesh.cp_rank)  # (offset, length) of each run in local order
+    mixed = torch.cat([q, k, v], dim=-1)  # [B, S/cp, C]
     if conv_weight is not None:
         channels = _local_channels(num_key_heads, entering, key_dim, num_value_heads, value_dim, mesh.hp_rank, hp)
-        channels = channels.to(device)
-        halo = _halo(mixed, run_index, layout, mesh, taps)
-        extended = torch.cat([halo, mixed], dim=2).flatten(0, 1)
-        mixed = short_conv(extended, conv_weight[channels], None if conv_bias is None else conv_bias[channels],
-                           _runs(visible.to(device), run_index).flatten(0, 1), conv_activation)
-        mixed = mixed.unflatten(0, (batch, layout.slots))
-    widths = [local_keys * key_dim, local_keys * key_dim, local_values * value_dim]
-    q, k, v = mixed.split(widths, dim=-1)
+        channels = channels.to(q.device)
+        halo = _halo(mixed, runs, layout, mesh, taps)  # [B, slots, taps - 1, C]
+        weight, bias = conv_weight[channels], None if conv_bias is None else conv_bias[channels]
+        visible = visible.to(q.device)
+        mixed = torch.cat([short_conv(torch.cat([halo[:, s], mixed[:, o:o + n]], dim=1), weight, bias,
+                                      visible[:, o:o + n], conv_activation) for s, (o, n) in enumerate(runs)], dim=1)
+    q, k, v = mixed.split([local_keys * key_dim, local_keys * key_dim, local_values * value_dim], dim=-1)
     q, k = (x.unflatten(-1, (local_keys, key_dim)) for x in (q, k))
     v = v.unflatten(-1, (local_values, value_dim))
     if qk_norm:
         q, k = (l2_normalize(x.to(compute_dtype(x.dtype))) for x in (q, k))
     if local_values > local_keys:  # grouped value heads: value head m reads key head m // (values / keys)
-        q, k = (x.repeat_interleave(local_values // local_keys, dim=3) for x in (q, k))
-    g = _runs(g.unflatten(-1, (local_values, -1)) if g.shape[-1] != local_values else g, run_index)
-    beta = _runs(beta, run_index)
-    runs_starts = None if starts is None else _runs(starts.to(device), run_index)
-    out = _recurrence(q, k, v, g, beta, runs_starts, layout, mesh,
+        q, k = (x.repeat_interleave(local_values // local_keys, dim=2) for x in (q, k))
+    if g.shape[-1] != local_values:  # a gate per channel
+        g = g.unflatten(-1, (local_values, key_dim))
+    out = _recurrence(q, k, v, g, beta, None if starts is None else starts.to(q.device), runs, layout, mesh,
                       scale if scale is not None else key_dim ** -0.5)
-    out = out.flatten(1, 2)[:, _inverse(run_index)].to(v.dtype)  # local token order [B, S/cp, Hv/hp, Dv]
+    out = out.to(v.dtype)  # [B, S/cp, Hv/hp, Dv] in local order
     if hp > 1:
         out = attn_ops.head_all_to_all(out.contiguous(), mesh.hp_group.group_name, 1, 2)
     return out
@@ -174,19 +171,13 @@ def _scatter_heads(tensors: Sequence[Tensor], mesh: Mesh) -> list[Tensor]:
     return out  # type: ignore[return-value]
 
 
-def _runs(x: Tensor, run_index: Tensor) -> Tensor:
-    """``x [B, S/cp, ...]`` in local order -> ``[B, slots, L, ...]`` by run (zeros past a run's end)."""
-    padded = torch.cat([x, x.new_zeros((x.shape[0], 1, *x.shape[2:]))], dim=1)
-    return padded[:, run_index]  # -1: the zero row
-
-
-def _inverse(run_index: Tensor) -> Tensor:
-    """Where each local token sits in ``run_index`` flattened."""
-    flat = run_index.flatten()
-    where = torch.empty(int((flat >= 0).sum()), dtype=torch.int64, device=flat.device)
-    positions = torch.arange(flat.numel(), device=flat.device)
-    where[flat[flat >= 0]] = positions[flat >= 0]
-    return where
+def _local_runs(layout: RunLayout, cp_rank: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each of the rank's runs in its local token order (runs are contiguous there)."""
+    runs, offset = [], 0
+    for _, length in layout.runs(cp_rank):
+        runs.append((offset, length))
+        offset += length
+    return runs
 
 
 def _local_channels(num_key_heads: int, entering: int, key_dim: int, num_value_heads: int, value_dim: int,
@@ -201,17 +192,17 @@ def _local_channels(num_key_heads: int, entering: int, key_dim: int, num_value_h
     return torch.tensor(key_channels + [offset + c for c in key_channels] + value_channels, dtype=torch.int64)
 
 
-def _halo(mixed: Tensor, run_index: Tensor, layout: RunLayout, mesh: Mesh, taps: int) -> Tensor:
+def _halo(mixed: Tensor, runs: list[tuple[int, int]], layout: RunLayout, mesh: Mesh, taps: int) -> Tensor:
     """``[B, slots, taps - 1, C]``: the inputs before each run's first token, from the runs of every context
-    rank (one gather of every rank's run tails); zeros before the sequence."""
+    rank (one gather of every rank's run tails, each aligned to its run's end); zeros before the sequence."""
     width = taps - 1
-    batch, slots, _, channels = mixed.shape
-    lengths = (run_index >= 0).sum(dim=1)  # [slots]
-    ends = lengths[:, None] - width + torch.arange(width, device=mixed.device)[None, :]  # tail token per run
-    tails = mixed[:, torch.arange(slots, device=mixed.device)[:, None], ends.clamp(min=0)]
-    tails = tails * (ends >= 0)[None, :, :, None].to(tails.dtype)  # [B, slots, width, C]
+    batch, _, channels = mixed.shape
+    tails = mixed.new_zeros(batch, layout.slots, width, channels)
+    for s, (offset, length) in enumerate(runs):
+        kept = min(width, length)
+        tails[:, s, width - kept:] = mixed[:, offset + length - kept: offset + length]
     if mesh.cp > 1:
-        gathered = context_all_gather(tails.contiguous(), mesh.cp_group.group_name, "halo")
+        gathered = context_all_gather(tails, mesh.cp_group.group_name, "halo")
         tails = gathered[_group_to_ring(mesh)].transpose(0, 1)  # [B, cp, slots, width, C] in cp_rank order
     flat = torch.cat([tails.reshape(batch, -1, channels), tails.new_zeros(batch, 1, channels)], dim=1)
     return flat[:, layout.halo_index(mesh.cp_rank, taps).to(mixed.device)]
@@ -225,39 +216,48 @@ def _group_to_ring(mesh: Mesh) -> Tensor:
 
 
 def _recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts: Tensor | None,
-                layout: RunLayout, mesh: Mesh, scale: float) -> Tensor:
-    """Every run's output ``[B, slots, L, H, Dv]`` from its exact initial state. Each run is computed from a
-    zero state together with its transition (the value width widened by ``Dk`` columns that start as the
-    identity: their final state is the transition, their output the queries read through it); the runs' pairs
-    are gathered over the context group and composed in sequence order."""
-    batch, slots = q.shape[:2]
-    dk, dv = k.shape[-1], v.shape[-1]
-    flat = [x.flatten(0, 1) for x in (q, k, v, g, beta)]
-    flat_starts = None if starts is None else starts.flatten(0, 1)
+                runs: list[tuple[int, int]], layout: RunLayout, mesh: Mesh, scale: float) -> Tensor:
+    """The output ``[B, S/cp, H, Dv]`` of every run from its exact initial state. Each run is computed from a zero
+    state together with its transition (the value width widened by ``Dk`` columns that start as the identity:
+    their final state is the transition, their output the queries read through it); the runs' pairs are
+    gathered over the context group and composed in sequence order."""
+    batch, dk, dv = q.shape[0], k.shape[-1], v.shape[-1]
     if not layout.any_state:  # one run from position 0: nothing to compose
-        out, _ = run_kernel(*flat, flat_starts, None, scale)
-        return out.unflatten(0, (batch, slots))
-    q_, k_, v_, g_, beta_ = flat
-    heads = v_.shape[2]
-    widened = torch.cat([v_, v_.new_zeros((*v_.shape[:-1], dk))], dim=-1)
-    identity = torch.eye(dk, dtype=compute_dtype(v_.dtype), device=v_.device)
-    initial = torch.cat([identity.new_zeros(dk, dv), identity], dim=-1).expand(q_.shape[0], heads, dk, dv + dk)
-    out, final = run_kernel(q_, k_, widened, g_, beta_, flat_starts, initial, scale)
-    out, final = out.unflatten(0, (batch, slots)), final.unflatten(0, (batch, slots))
-    pairs = final  # [B, slots, H, Dk, Dv + Dk]: written state, transition
+        return run_kernel(q, k, v, g, beta, starts, None, scale)[0]
+    heads = v.shape[2]
+    v = torch.cat([v, v.new_zeros((*v.shape[:-1], dk))], dim=-1)
+    identity = torch.eye(dk, dtype=compute_dtype(v.dtype), device=v.device)
+    outs, finals = _by_length(q, k, v, g, beta, starts, runs, identity, scale)
+    final = torch.stack(finals + [finals[0].new_zeros(finals[0].shape)] * (layout.slots - len(runs)), dim=1)
+    pairs = final.unsqueeze(0)  # [cp, B, slots, H, Dk, Dv + Dk]: written state, transition
     if mesh.cp > 1:
-        pairs = context_all_gather(final.contiguous(), mesh.cp_group.group_name, "state")[_group_to_ring(mesh)]
-    else:
-        pairs = pairs.unsqueeze(0)
+        pairs = context_all_gather(final, mesh.cp_group.group_name, "state")[_group_to_ring(mesh)]
     state = final.new_zeros(batch, heads, dk, dv)
-    initial_states: dict[int, Tensor] = {}
-    mine = len(layout.runs(mesh.cp_rank))
+    initial: dict[int, Tensor] = {}
     for c, s in layout.sequence:
         if c == mesh.cp_rank:
-            initial_states[s] = state
-            if len(initial_states) == mine:
+            initial[s] = state
+            if len(initial) == len(runs):
                 break
-        written, transition = pairs[c, :, s, ..., :dv], pairs[c, :, s, ..., dv:]
-        state = transition @ state + written
-    start = torch.stack([initial_states.get(s, state.new_zeros(state.shape)) for s in range(slots)], dim=1)
-    return out[..., :dv] + torch.einsum("bsthk,bshkv->bsthv", out[..., dv:], start)
+        state = pairs[c, :, s, ..., dv:] @ state + pairs[c, :, s, ..., :dv]
+    return torch.cat([out[..., :dv] + torch.einsum("bthk,bhkv->bthv", out[..., dv:], initial[s])
+                      for s, out in enumerate(outs)], dim=1)
+
+
+def _by_length(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts: Tensor | None,
+               runs: list[tuple[int, int]], identity: Tensor, scale: float) -> tuple[list[Tensor], list[Tensor]]:
+    """Each run's widened output ``[B, L, H, Dv + Dk]`` and final state ``[B, H, Dk, Dv + Dk]`` from ``[0 | I]``,
+    one kernel call per distinct run length (the runs of that length batched; nothing padded)."""
+    outs: list[Tensor | None] = [None] * len(runs)
+    finals: list[Tensor | None] = [None] * len(runs)
+    batch, heads, dk = q.shape[0], v.shape[2], identity.shape[0]
+    for length in sorted({n for _, n in runs}):
+        chosen = [i for i, (_, n) in enumerate(runs) if n == length]
+        pick = lambda x: torch.cat([x[:, runs[i][0]: runs[i][0] + length] for i in chosen])  # noqa: E731
+        initial = torch.cat([identity.new_zeros(dk, v.shape[-1] - dk), identity], dim=-1)
+        out, final = run_kernel(pick(q), pick(k), pick(v), pick(g), pick(beta),
+                                None if starts is None else pick(starts), initial.expand(len(chosen) * batch, heads,
+                                                                                        dk, -1), scale)
+        for j, i in enumerate(chosen):
+            outs[i], finals[i] = out[j * batch:(j + 1) * batch], final[j * batch:(j + 1) * batch]
+    return outs, finals  # type: ignore[return-value]

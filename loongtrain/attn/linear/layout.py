@@ -77,18 +77,6 @@ class RunLayout:
         """Whether any run of the replica needs a state from another (false only for one run: cp == 1)."""
         return any(self.needs_state(c) for c in range(self.cp))
 
-    def run_index(self, cp_rank: int) -> Tensor:
-        """``[slots, longest run]`` int64: the local token index of each run's tokens, ``-1`` past a run's end
-        (and for a rank's unused slots)."""
-        runs = self.runs(cp_rank)
-        longest = max(length for _, length in runs)
-        index = torch.full((self.slots, longest), -1, dtype=torch.int64)
-        offset = 0
-        for s, (_, length) in enumerate(runs):
-            index[s, :length] = torch.arange(offset, offset + length)
-            offset += length
-        return index
-
     def halo_index(self, cp_rank: int, taps: int) -> Tensor:
         """``[slots, taps - 1]`` int64: for each of this rank's runs the tokens before its start, as indices into
         every rank's run tails (``[cp, slots, taps - 1]`` in cp_rank order, flattened; a tail holds a run's last
