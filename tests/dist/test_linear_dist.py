@@ -93,3 +93,34 @@ def test_exchanged_bytes_do_not_grow_with_the_sequence(cfg):
         assert {k: short[k] for k in context} == formula
         if cfg["hp"] > 1:  # the head all-to-all carries the tokens: it grows with the length
             assert long["a2a"] == short["a2a"] * seqs[1] // seqs[0]
+
+
+def _backward_bytes(rank: int, world_size: int, cfg: dict) -> dict[str, dict]:
+    from torch.utils.checkpoint import checkpoint
+
+    from loongtrain.parallelize.recompute import selective_context_fn
+
+    mesh = loongtrain.init_mesh(**cfg)
+    inputs = delta_rule_inputs(False, 32)
+    counted = {}
+    for mode in ("none", "selective", "full"):
+        local = [loongtrain.shard_sequence(t, mesh, 1).requires_grad_() for t in inputs[:5]]
+
+        def layer(*xs):
+            return loongtrain.linear_attention(*xs, mesh, conv_weight=inputs[5])
+
+        if mode == "none":
+            out = layer(*local)
+        else:
+            extra = {"context_fn": selective_context_fn} if mode == "selective" else {}
+            out = checkpoint(layer, *local, use_reentrant=False, **extra)
+        with CommCounter() as counter:
+            out.sum().backward()
+        counted[mode] = dict(counter.bytes)
+    return counted
+
+
+def test_selective_recompute_sends_nothing_again():
+    for counted in run_distributed(_backward_bytes, 4, dict(hp=2, cp=2)):
+        assert counted["selective"] == counted["none"]  # only the gradients' traffic
+        assert counted["full"]["state"] > 0 and "state" not in counted["none"]  # full recompute re-sends
