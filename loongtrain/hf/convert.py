@@ -25,7 +25,7 @@ from loongtrain._files import save_safetensors
 from loongtrain.hf.families import check_architecture, is_hf_model, supported_architectures
 from loongtrain.hf.load import check_config_architectures
 from loongtrain.hf.moe import moe_layout
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import LINEAR_FIELDS, ModelConfig
 from loongtrain.model.rope_scaling import DEFAULT, RopeScaling, rope_scaling_from_mapping
 
 Tensor = torch.Tensor
@@ -165,7 +165,10 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     window = getattr(hf_config, "sliding_window", None) or None  # HF: None (or 0) for none
     layer_types = tuple(getattr(hf_config, "layer_types", None) or ())
-    if window is None or "sliding_attention" not in layer_types:  # every layer full (a window HF does not use)
+    linear = _linear_shape(hf_config) if "linear_attention" in layer_types else {}
+    if linear:  # linear and softmax layers, each planned as its kind
+        window = window if "sliding_attention" in layer_types else None
+    elif window is None or "sliding_attention" not in layer_types:  # every layer full (a window HF does not use)
         window, layer_types = (window, ()) if not layer_types else (None, ())
     elif set(layer_types) == {"sliding_attention"}:  # every layer windowed
         layer_types = ()
@@ -184,9 +187,25 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         tie_embeddings=bool(hf_config.tie_word_embeddings),
         head_dim=int(head_dim),
         sliding_window=None if window is None else int(window),
-        layer_types=layer_types or None,  # sliding and full layers, each planned with its own window
+        layer_types=layer_types or None,  # sliding, full and linear layers, each planned as its own
         **experts,
+        **linear,
     )
+
+
+#: HF model types whose softmax attention gates its output with a second half of q_proj
+_GATED_ATTENTION = ("qwen3_5_text", "qwen3_next")
+
+
+def _linear_shape(hf_config: Any) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields of a hybrid's Gated DeltaNet layers (HF's names, the same as
+    ModelConfig's) and its gated attention output."""
+    missing = [name for name in LINEAR_FIELDS if not isinstance(getattr(hf_config, name, None), int)]
+    if missing:
+        raise ValueError(f"{getattr(hf_config, 'model_type', '?')}: linear-attention layers without {missing} in "
+                         f"config.json (loongtrain plans Gated DeltaNet layers: docs/linear-attention.md)")
+    return {name: int(getattr(hf_config, name)) for name in LINEAR_FIELDS} | {
+        "attention_output_gate": getattr(hf_config, "model_type", None) in _GATED_ATTENTION}
 
 
 def _name_map(config: ModelConfig) -> dict[str, str]:

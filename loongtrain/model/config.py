@@ -43,6 +43,15 @@ class ModelConfig:
     attention_sinks: bool = False
     #: biases on the q, k, v and output projections (gpt-oss)
     attention_bias: bool = False
+    #: a sigmoid gate on each attention head's output from a second half of q_proj (Qwen3.5, Qwen3-Next)
+    attention_output_gate: bool = False
+    #: the Gated DeltaNet of the ``"linear_attention"`` layers (docs/linear-attention.md; HF's names): key and
+    #: value heads, their widths, the short convolution's kernel
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -106,10 +115,24 @@ class ModelConfig:
         for i, kind in enumerate(self.layer_types):
             if kind not in LAYER_TYPES:
                 raise ValueError(f"layer_types[{i}]={kind!r} is not one of {list(LAYER_TYPES)}")
+        if "linear_attention" in self.layer_types:
+            for name in LINEAR_FIELDS:
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name}={value!r} must be a positive integer in a model with linear-attention "
+                                     f"layers")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                                 f"linear_num_key_heads={self.linear_num_key_heads}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             i = self.layer_types.index("sliding_attention")
             raise ValueError(f"layer_types[{i}]='sliding_attention' needs a sliding_window (a sliding layer is never "
                              f"full)")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The ``"linear_attention"`` layers (none without ``layer_types``)."""
+        return tuple(i for i, kind in enumerate(self.layer_types or ()) if kind == "linear_attention")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer ``layer``: None for a ``full_attention`` layer, else ``sliding_window``."""
@@ -124,16 +147,23 @@ class ModelConfig:
         return next(iter(windows)) if len(windows) == 1 else None
 
     def layer_windows(self) -> dict[int | None, int]:
-        """Each distinct layer window (None: full attention) and how many layers have it, in layer order."""
+        """Each distinct layer window (None: full attention) and how many softmax-attention layers have it, in layer
+        order (linear-attention layers have none)."""
         counts: dict[int | None, int] = {}
+        linear = set(self.linear_layers)
         for i in range(self.num_layers):
+            if i in linear:
+                continue
             window = self.layer_window(i)
             counts[window] = counts.get(window, 0) + 1
         return counts
 
 
 #: the kinds of attention layer a :class:`ModelConfig`'s ``layer_types`` names (HF's names)
-LAYER_TYPES = ("sliding_attention", "full_attention")
+LAYER_TYPES = ("sliding_attention", "full_attention", "linear_attention")
+#: the shape of a model's linear-attention layers
+LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -195,15 +225,39 @@ def mlp_width(config: ModelConfig) -> float:
 
 def _attention_params(config: ModelConfig) -> int:
     d, hd = config.dim, config.head_dim
-    weights = d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
+    gate = 2 if config.attention_output_gate else 1
+    weights = gate * d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
     biases = (config.num_heads + 2 * config.num_kv_heads) * hd + d if config.attention_bias else 0
     return weights + biases + (config.num_heads if config.attention_sinks else 0)
 
 
+def linear_channels(config: ModelConfig) -> int:
+    """Channels of a linear-attention layer's ``cat(q, k, v)`` (its convolution's width)."""
+    return (2 * config.linear_num_key_heads * config.linear_key_head_dim
+            + config.linear_num_value_heads * config.linear_value_head_dim)
+
+
+def _linear_matmul_params(config: ModelConfig) -> int:
+    """A Gated DeltaNet layer's projections: q, k, v; the output gate z; beta and the decay's input (one per value
+    head each); the output."""
+    d, values = config.dim, config.linear_num_value_heads * config.linear_value_head_dim
+    return d * linear_channels(config) + d * values + 2 * d * config.linear_num_value_heads + values * d
+
+
+def _mixer_params(config: ModelConfig) -> int:
+    """Every layer's token mixer: softmax attention, or a linear-attention layer's projections, its convolution,
+    ``A_log`` and ``dt_bias`` per value head and its gated norm's weight."""
+    linear = len(config.linear_layers)
+    own = (linear_channels(config) * config.linear_conv_kernel_dim + 2 * config.linear_num_value_heads
+           + config.linear_value_head_dim)
+    return (config.num_layers - linear) * _attention_params(config) + linear * (_linear_matmul_params(config) + own)
+
+
 def num_params(config: ModelConfig, *, include_embeddings: bool = True) -> int:
-    """Exact number of parameters of :class:`loongtrain.model.llama.Transformer` for ``config`` (every expert)."""
+    """Exact number of parameters of :class:`loongtrain.model.llama.Transformer` for ``config`` (every expert); of a
+    hybrid's Hugging Face model without its q/k norms."""
     d = config.dim
-    total = config.num_layers * (_attention_params(config) + 2 * d) + mlp_params(config) + d  # norms, final norm
+    total = _mixer_params(config) + config.num_layers * 2 * d + mlp_params(config) + d  # norms, final norm
     if include_embeddings:
         total += config.vocab_size * d  # token embedding
         if not config.tie_embeddings:
@@ -219,8 +273,25 @@ def active_params(config: ModelConfig) -> int:
 def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: all linear layers (of an MoE layer, its router and the
     ``top_k`` experts a token runs through) plus the lm head."""
-    return (config.num_layers * _attention_params(config) + mlp_params(config, active=True)
-            + config.vocab_size * config.dim)
+    linear = len(config.linear_layers)
+    return ((config.num_layers - linear) * _attention_params(config) + linear * _linear_matmul_params(config)
+            + mlp_params(config, active=True) + config.vocab_size * config.dim)
+
+
+#: tokens per chunk of the delta rule's chunked form (loongtrain/model/delta_rule.py, fla's kernels)
+DELTA_RULE_CHUNK = 64
+
+
+def linear_flops_per_token(config: ModelConfig) -> float:
+    """Training FLOPs (forward + backward, 3x the forward) per token of the linear-attention layers beyond their
+    projections, summed over them: the short convolution ``2 K C`` and, per value head, the chunked delta rule
+    with chunks of ``c = 64``: the chunk's ``k k^T`` and ``q k^T`` (``4 c Dk``), the triangular solve for the
+    values and the decayed keys (``c (Dv + Dk)``), the intra-chunk output (``2 c Dv``) and the three products with
+    the state (``6 Dk Dv``). Independent of the sequence length."""
+    c, dk, dv = DELTA_RULE_CHUNK, config.linear_key_head_dim, config.linear_value_head_dim
+    per_head = 4 * c * dk + c * (dv + dk) + 2 * c * dv + 6 * dk * dv
+    forward = 2 * config.linear_conv_kernel_dim * linear_channels(config) + config.linear_num_value_heads * per_head
+    return 3.0 * forward * len(config.linear_layers)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -230,7 +301,8 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     embedding lookup is not a matmul; norms are ignored). Attention: forward causal per token per
     layer is ``2 (QK^T and PV) * 2 (multiply-add) * S * H * D / 2 (causal)`` = ``2 * S * H * D``,
     and forward + backward is 3x that. In a layer with a sliding window ``w < S`` (``layer_types``) a token
-    attends to ``w * (1 - w / (2S))`` keys on average instead of ``S / 2``.
+    attends to ``w * (1 - w / (2S))`` keys on average instead of ``S / 2``. Linear-attention layers add
+    :func:`linear_flops_per_token` (no term in ``S``).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be positive")
@@ -239,16 +311,19 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
         w = min(window or seq_len, seq_len)
         attended += layers * w * (1 - w / (2 * seq_len))
     attn = 3 * 4 * attended * config.num_heads * config.head_dim
-    return float(6 * matmul_params(config) + attn)
+    return float(6 * matmul_params(config) + attn + linear_flops_per_token(config))
 
 
 def step_flops(model_config, tokens: int, visible: int) -> float:
     """Training FLOPs (forward + backward) of a step of ``tokens`` tokens whose attention computes
     ``visible`` (query, key) pairs per layer and head (summed over rows): ``6 N_matmul`` per token as in
-    :func:`loongtrain.model.config.flops_per_token`, attention ``3 * 4 * H * D * L`` per visible pair, so
-    masked-out pairs (other documents, outside the window) are not counted."""
+    :func:`loongtrain.model.config.flops_per_token`, attention ``3 * 4 * H * D * L`` per visible pair (``L`` the
+    softmax-attention layers), so masked-out pairs (other documents, outside the window) are not counted, and the
+    linear-attention layers' :func:`linear_flops_per_token`."""
     c = model_config
-    return float(6 * matmul_params(c) * tokens + 12 * c.num_heads * c.head_dim * c.num_layers * visible)
+    layers = c.num_layers - len(c.linear_layers)
+    return float((6 * matmul_params(c) + linear_flops_per_token(c)) * tokens
+                 + 12 * c.num_heads * c.head_dim * layers * visible)
 
 
 def with_depth(config: ModelConfig, num_layers: int) -> ModelConfig:

@@ -138,6 +138,9 @@ class Transformer(nn.Module):
 
     def __init__(self, config: ModelConfig, *, seed: int | None = 0) -> None:
         super().__init__()
+        if config.linear_layers or config.attention_output_gate:
+            raise ValueError("loongtrain's decoder has no linear-attention layers or gated attention outputs (a "
+                             "hybrid's shape, e.g. Qwen3.5's): train its Hugging Face model (docs/linear-attention.md)")
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         #: the router's statistics of the MoE layers (None for a dense model; loongtrain/loss/router.py)

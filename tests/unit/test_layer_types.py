@@ -71,7 +71,7 @@ def test_config_layer_windows_and_params():
 @pytest.mark.parametrize("change, message", [
     (dict(layer_types=("sliding_attention",) * 3), r"layer_types has 3 entries for num_layers=4"),
     (dict(layer_types=("sliding_attention", "full", "full_attention", "full_attention")),
-     r"layer_types\[1\]='full' is not one of \['sliding_attention', 'full_attention'\]"),
+     r"layer_types\[1\]='full' is not one of \['sliding_attention', 'full_attention', 'linear_attention'\]"),
     (dict(sliding_window=None), r"layer_types\[0\]='sliding_attention' needs a sliding_window"),
     (dict(layer_types="full_attention"), r"layer_types='full_attention' must be a list"),
     (dict(sliding_window=-4), r"sliding_window=-4 must be None \(no window\) or a positive integer"),

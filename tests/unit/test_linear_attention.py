@@ -5,6 +5,8 @@ Kimi-Linear's KDA at world 1; the ``fla`` kernels' wrapper and choice through a 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -208,3 +210,40 @@ def test_fla_is_checked_before_use(monkeypatch, fault):
             assert out.dtype == torch.bfloat16 and bool(out.isfinite().all())
     finally:
         kernels.clear_linear_choices()
+
+
+# ------------------------------------------------------------------ the shape the planner sees
+
+
+def test_qwen3_5_27b_shape_counts_transformers_parameters():
+    import transformers
+
+    from loongtrain.hf.convert import shape_config_from_hf
+    from loongtrain.hf.load import read_hf_config
+    from loongtrain.model.config import flops_per_token, linear_flops_per_token, num_params
+
+    directory = Path(__file__).resolve().parents[2] / "benchmarks/inputs/qwen3.5-27b"
+    config = shape_config_from_hf(read_hf_config(directory))
+    assert len(config.linear_layers) == 48 and config.layer_windows() == {None: 16} and config.attention_output_gate
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(directory))
+    norms = 16 * 2 * config.head_dim  # the full layers' q/k norms, left out of the shape
+    assert num_params(config) + norms == sum(p.numel() for p in model.parameters())
+    # the linear layers' FLOPs do not grow with the length; the 16 softmax layers' do
+    assert flops_per_token(config, 2 ** 20) - flops_per_token(config, 2 ** 10) == pytest.approx(
+        12 * 16 * config.num_heads * config.head_dim * (2 ** 19 - 2 ** 9))
+    assert linear_flops_per_token(config) > 0
+
+
+def test_the_native_decoder_refuses_a_hybrid_shape():
+    from loongtrain.model.config import ModelConfig
+    from loongtrain.model.llama import Transformer
+
+    shape = dict(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48,
+                 layer_types=("linear_attention", "full_attention"))
+    with pytest.raises(ValueError, match="linear_num_key_heads=0 must be a positive integer"):
+        ModelConfig(**shape)
+    config = ModelConfig(**shape, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_conv_kernel_dim=4)
+    with pytest.raises(ValueError, match="train its Hugging Face model"):
+        Transformer(config)
