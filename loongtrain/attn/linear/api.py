@@ -253,11 +253,11 @@ def _by_length(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts:
     batch, heads, dk = q.shape[0], v.shape[2], identity.shape[0]
     for length in sorted({n for _, n in runs}):
         chosen = [i for i, (_, n) in enumerate(runs) if n == length]
-        pick = lambda x: torch.cat([x[:, runs[i][0]: runs[i][0] + length] for i in chosen])  # noqa: E731
+        offsets = [runs[i][0] for i in chosen]
+        picked = [None if x is None else torch.cat([x[:, o:o + length] for o in offsets])
+                  for x in (q, k, v, g, beta, starts)]
         initial = torch.cat([identity.new_zeros(dk, v.shape[-1] - dk), identity], dim=-1)
-        out, final = run_kernel(pick(q), pick(k), pick(v), pick(g), pick(beta),
-                                None if starts is None else pick(starts), initial.expand(len(chosen) * batch, heads,
-                                                                                        dk, -1), scale)
+        out, final = run_kernel(*picked, initial.expand(len(chosen) * batch, heads, dk, -1), scale)
         for j, i in enumerate(chosen):
             outs[i], finals[i] = out[j * batch:(j + 1) * batch], final[j * batch:(j + 1) * batch]
     return outs, finals  # type: ignore[return-value]
