@@ -2,7 +2,7 @@
 double ring (hp1 x cp4, inner ring 2), with and without packed documents, in fp64 within 1e-10 of transformers'
 own unsharded code made dtype-preserving: ``loongtrain.linear_attention`` for both gate forms (also balanced chunk
 orders, chunks shorter than the convolution's halo, key heads replicated over hp4); a tiny Qwen3.5 through
-``apply_2d_attention`` (logits and every gradient); Kimi-Linear's KDA layer. The bytes a linear layer exchanges
+``apply_2d_attention`` (logits and every gradient); Kimi-Linear's KDA layer and Qwen3-Next's Gated DeltaNet layer. The bytes a linear layer exchanges
 over the context ranks are the same at two sequence lengths, and equal the layout's formula."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from loongtrain.attn.linear.layout import RunLayout, exchange_bytes
 from loongtrain.parallel.comm import CommCounter
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.gpt_oss import documents
-from tests.helpers.linear_models import check_kda_layer, check_qwen3_5, delta_rule_inputs, hf_delta_rule
+from tests.helpers.linear_models import check_linear_layer, check_qwen3_5, delta_rule_inputs, hf_delta_rule
 
 pytestmark = pytest.mark.distributed
 
@@ -61,9 +61,10 @@ def test_qwen3_5_through_apply_2d_attention_exact():
     assert all(len(r) == 2 * len(CONFIGS) for r in results)
 
 
-def test_kimi_linear_kda_layer_exact():
-    results = run_distributed(check_kda_layer, 4, CONFIGS, 1e-10)
-    assert all(len(r) == 2 * len(CONFIGS) for r in results)
+@pytest.mark.parametrize("kind, configs", [("kda", CONFIGS), ("qwen3_next", CONFIGS[:1])])
+def test_kimi_linear_kda_and_qwen3_next_layers_exact(kind, configs):
+    results = run_distributed(check_linear_layer, 4, kind, configs, 1e-10)
+    assert all(len(r) == 2 * len(configs) for r in results)
 
 
 def _count(rank: int, world_size: int, cfg: dict, seqs: tuple[int, ...]) -> list[dict]:

@@ -134,9 +134,29 @@ def kimi_delta_attention(seed: int = 3) -> nn.Module:
     return perturb(module, seed).double()
 
 
-def check_kda_layer(rank: int, world_size: int, configs: list[dict], tol: float) -> list[list[float]]:
-    """Kimi-Linear's KDA layer bound to loongtrain's core == transformers' own layer (dtype-preserving), each
-    document alone: outputs, input gradients and every parameter's gradient."""
+QWEN3_NEXT = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                  linear_conv_kernel_dim=4, num_hidden_layers=1, layer_types=["linear_attention"])
+
+
+def qwen3_next_delta_net(seed: int = 3) -> nn.Module:
+    """transformers' ``Qwen3NextGatedDeltaNet`` alone (its fused, head-interleaved projections), tiny, fp64."""
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = Qwen3NextGatedDeltaNet(Qwen3NextConfig(**QWEN3_NEXT), layer_idx=0)
+    return perturb(module, seed).double()
+
+
+LAYERS = {"kda": kimi_delta_attention, "qwen3_next": qwen3_next_delta_net}
+
+
+def check_linear_layer(rank: int, world_size: int, kind: str, configs: list[dict], tol: float) -> list[list[float]]:
+    """A linear-attention block of transformers (``kind`` of :data:`LAYERS`) bound to loongtrain's core ==
+    transformers' own block (dtype-preserving), each document alone: outputs, input gradients and every
+    parameter's gradient."""
     import copy
 
     import torch.distributed as dist
@@ -149,12 +169,12 @@ def check_kda_layer(rank: int, world_size: int, configs: list[dict], tol: float)
     for cfg in configs:
         mesh = loongtrain.init_mesh(**cfg)
         for with_documents in (False, True):
-            reference = fp64_reference(kimi_delta_attention())
+            reference = fp64_reference(LAYERS[kind]())
             sharded = copy.deepcopy(reference)
             assert bind_linear_attention(sharded, mesh) == 1
             gen = torch.Generator().manual_seed(7)
             seq = 32
-            hidden = torch.randn(2, seq, KIMI["hidden_size"], generator=gen, dtype=torch.float64, requires_grad=True)
+            hidden = torch.randn(2, seq, 32, generator=gen, dtype=torch.float64, requires_grad=True)
             docs = documents(seq) if with_documents else None
             bounds = [d.tolist() for d in docs] if docs else [[0, seq]] * 2
             want = torch.cat([torch.cat([reference(hidden[b:b + 1, s:e]) for s, e in zip(row[:-1], row[1:])], 1)

@@ -16,7 +16,7 @@ from loongtrain.attn.linear.layout import RunLayout, document_masks, exchange_by
 from loongtrain.model.delta_rule import delta_rule, l2_normalize
 from tests.helpers.fla_emulation import FAULTS, EmulatedFla, emulated_fla
 from tests.helpers.linear_models import (
-    check_kda_layer,
+    check_linear_layer,
     check_qwen3_5,
     delta_rule_inputs,
     dtype_preserving,
@@ -158,9 +158,10 @@ def test_world_one_equals_transformers(per_channel):
         torch.testing.assert_close(out, hf_delta_rule(*inputs, cu), rtol=0, atol=1e-12)
 
 
-def test_qwen3_5_and_kda_layer_at_world_one():
+def test_qwen3_5_and_the_kda_and_qwen3_next_layers_at_world_one():
     assert len(check_qwen3_5(0, 1, [dict(hp=1, cp=1)], 1e-10)) == 2
-    assert len(check_kda_layer(0, 1, [dict(hp=1, cp=1)], 1e-10)) == 2
+    assert len(check_linear_layer(0, 1, "kda", [dict(hp=1, cp=1)], 1e-10)) == 2
+    assert len(check_linear_layer(0, 1, "qwen3_next", [dict(hp=1, cp=1)], 1e-10)) == 2
 
 
 # ------------------------------------------------------------------ the fla kernels, emulated
