@@ -89,3 +89,12 @@ def test_grpo_tiny(capsys):
     for name in ("grpo / sft (CPU)", "grpo+kl / sft (wall)"):
         row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
         assert float(row.split("|")[2]) > 0
+
+
+def test_linear_attention_tiny(capsys):
+    """benchmarks/linear_attention.py: the timing table and the byte table at tiny sizes."""
+    _main("linear_attention", "--rounds", "1", "--seq-len", "64", "--world", "2", "--hp", "1", "--cp", "2")
+    assert "| hp1 x cp2, S=64 |" in capsys.readouterr().out
+    _main("linear_attention", "--bytes", "--world", "2", "--hp", "1", "--cp", "2", "--lengths", "64,128")
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 64 ", "| 128 "))]
+    assert len(rows) == 2 and rows[0].split("|")[2:] == rows[1].split("|")[2:]  # the same bytes at both lengths
