@@ -248,3 +248,46 @@ def test_the_native_decoder_refuses_a_hybrid_shape():
                          linear_value_head_dim=8, linear_conv_kernel_dim=4)
     with pytest.raises(ValueError, match="train its Hugging Face model"):
         Transformer(config)
+
+
+def _kept_per_token(dtype: torch.dtype, monkeypatch) -> float:
+    """Bytes per token autograd keeps for a bound Qwen3.5 linear layer outside its kernel (two lengths' difference;
+    storages counted once, the kernel's own saves and the parameters left out)."""
+    from loongtrain.hf.linear import bind_linear_attention
+    from tests.helpers.linear_models import tiny_qwen3_5
+
+    layer = tiny_qwen3_5().to(dtype).model.layers[0].linear_attn
+    bind_linear_attention(layer, loongtrain.single_process_mesh())
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def kept(seq: int) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(1, seq, 32, dtype=dtype, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x)
+        return sum(n for ptr, n in seen.items() if ptr not in params)
+
+    original = kernels.torch_kernel  # the kernel's own saves: not counted (fla's are kernel_bytes)
+    monkeypatch.setattr(kernels, "torch_kernel", lambda *args: _no_saves(original, *args))
+    return (kept(128) - kept(64)) / 64
+
+
+def _no_saves(fn, *args):
+    """``fn(*args)`` under hooks of its own (the innermost hooks see the saves: the counting ones do not)."""
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return fn(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wrapper_memory_is_what_autograd_keeps(dtype, monkeypatch):
+    from loongtrain.attn.linear.memory import wrapper_bytes
+    from loongtrain.hf.convert import shape_config_from_hf
+    from tests.helpers.linear_models import tiny_qwen3_5
+
+    config = shape_config_from_hf(tiny_qwen3_5().config)
+    assert _kept_per_token(dtype, monkeypatch) == wrapper_bytes(config, 1, torch.finfo(dtype).bits // 8)
