@@ -282,16 +282,23 @@ def matmul_params(config: ModelConfig) -> int:
 DELTA_RULE_CHUNK = 64
 
 
+def linear_layer_forward_flops(config: ModelConfig, widened: bool = False) -> float:
+    """Forward FLOPs per token of one linear-attention layer beyond its projections: the short convolution ``2 K C``
+    and, per value head, the chunked delta rule with chunks of ``c = 64``: the chunk's ``k k^T`` and ``q k^T``
+    (``4 c Dk``), the triangular solve for the values and the decayed keys (``c (Dv + Dk)``), the intra-chunk
+    output (``2 c Dv``) and the three products with the state (``6 Dk Dv``). ``widened``: with the ``Dk``
+    transition columns a sharded run adds (``Dv + Dk`` for ``Dv``; docs/linear-attention.md#the-context-ranks)."""
+    c, dk = DELTA_RULE_CHUNK, config.linear_key_head_dim
+    dv = config.linear_value_head_dim + (dk if widened else 0)
+    per_head = 4 * c * dk + c * (dv + dk) + 2 * c * dv + 6 * dk * dv
+    return float(2 * config.linear_conv_kernel_dim * linear_channels(config) + config.linear_num_value_heads * per_head)
+
+
 def linear_flops_per_token(config: ModelConfig) -> float:
     """Training FLOPs (forward + backward, 3x the forward) per token of the linear-attention layers beyond their
-    projections, summed over them: the short convolution ``2 K C`` and, per value head, the chunked delta rule
-    with chunks of ``c = 64``: the chunk's ``k k^T`` and ``q k^T`` (``4 c Dk``), the triangular solve for the
-    values and the decayed keys (``c (Dv + Dk)``), the intra-chunk output (``2 c Dv``) and the three products with
-    the state (``6 Dk Dv``). Independent of the sequence length."""
-    c, dk, dv = DELTA_RULE_CHUNK, config.linear_key_head_dim, config.linear_value_head_dim
-    per_head = 4 * c * dk + c * (dv + dk) + 2 * c * dv + 6 * dk * dv
-    forward = 2 * config.linear_conv_kernel_dim * linear_channels(config) + config.linear_num_value_heads * per_head
-    return 3.0 * forward * len(config.linear_layers)
+    projections, summed over them (:func:`linear_layer_forward_flops`, the model's own work: no transition
+    columns). Independent of the sequence length."""
+    return 3.0 * linear_layer_forward_flops(config) * len(config.linear_layers)
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -328,7 +335,11 @@ def step_flops(model_config, tokens: int, visible: int) -> float:
 
 def with_depth(config: ModelConfig, num_layers: int) -> ModelConfig:
     """``config`` with ``num_layers`` alike blocks (the simulation by depth): every layer an MoE layer when
-    every layer of ``config`` is one; ValueError for a mix of dense and MoE layers (its blocks are not alike)."""
+    every layer of ``config`` is one; ValueError for a mix of dense and MoE layers (its blocks are not alike) and for
+    a hybrid with linear-attention layers (loongtrain's decoder has none)."""
+    if config.linear_layers or config.attention_output_gate:
+        raise ValueError("the simulation runs loongtrain's own decoder, which has no linear-attention layers or gated "
+                         "attention outputs: a hybrid is planned, not simulated (docs/linear-attention.md#planning)")
     if not config.moe_layers:
         return replace(config, num_layers=num_layers)
     if len(config.moe_layers) != config.num_layers:

@@ -28,8 +28,9 @@ class StepShape:
     its gathered weights rather than autocast), the layout's ``hp`` and ``cp``, the ZeRO shard group
     ``zero_size``, the MLP's sequence ``tiles`` (1: untiled), the ``recompute`` mode, whether FSDP2 frees a
     block's gathered weights after its forward (``reshard_after_forward``), whether the base is frozen
-    (``frozen_base``: only adapters train, so nothing needs the embedding's output gradient) and whether the states
-    live on the host (``offload_params``: FSDP2's ``CPUOffloadPolicy``)."""
+    (``frozen_base``: only adapters train, so nothing needs the embedding's output gradient), whether the states
+    live on the host (``offload_params``: FSDP2's ``CPUOffloadPolicy``) and the sequences per step (``batch``: what
+    is kept per sequence, not per token, e.g. linear attention's state pairs)."""
 
     model: ModelConfig
     tokens: float
@@ -43,6 +44,7 @@ class StepShape:
     reshard_after_forward: bool = True
     frozen_base: bool = False
     offload_params: bool = False
+    batch: int = 1
 
     @property
     def residual_bytes(self) -> int:

@@ -225,16 +225,7 @@ def _attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
     intra_lat, inter_lat = cluster.intra_latency_us * 1e-6, cluster.inter_latency_us * 1e-6
 
     half = 1.0 if cluster.duplex else 2.0  # a connection carrying both directions, one at a time
-
-    def a2a_call(piece: int) -> float:
-        if layout.hp == 1:
-            return 0.0
-        t_in = piece * links.a2a_intra_peers / cluster.intra_bw
-        t_out = piece * links.a2a_cross_peers / cluster.cross_bw(links.a2a_senders)
-        seconds = half * max(t_in, t_out) / cluster.a2a_efficiency
-        return seconds + (inter_lat if links.a2a_cross_peers else intra_lat)
-
-    a2a = a2a_call(msg["a2a_qkv"]) + a2a_call(msg["a2a_out"])  # per pass: q/k/v in, output back
+    a2a = a2a_seconds(layout, cluster, msg["a2a_qkv"]) + a2a_seconds(layout, cluster, msg["a2a_out"])  # in, back
     window = shape.sliding_window if shape.sliding_window and shape.sliding_window < shape.seq_len else None
     block = shape.batch * shape.seq_len / layout.cp  # a step's query tokens
     rate = cluster.attention_rate(shape.head_dim, block * shape.num_heads / layout.hp)
@@ -288,6 +279,20 @@ def _attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
         ring_inner_fwd=ring_fwd[0], ring_outer_fwd=ring_fwd[1],
         ring_inner_bwd=ring_bwd[0], ring_outer_bwd=ring_bwd[1],
     )
+
+
+def a2a_seconds(layout: Layout, cluster: Cluster, piece: float) -> float:
+    """One head-group all-to-all sending ``piece`` bytes to each other head rank: the slower of its peers on the
+    node and off it (their links shared by the node's senders), at the cluster's all-to-all efficiency, plus a
+    latency; 0 at ``hp = 1``."""
+    if layout.hp == 1:
+        return 0.0
+    links = link_stats(layout, cluster.gpus_per_node)
+    half = 1.0 if cluster.duplex else 2.0
+    t_in = piece * links.a2a_intra_peers / cluster.intra_bw
+    t_out = piece * links.a2a_cross_peers / cluster.cross_bw(links.a2a_senders)
+    latency = cluster.inter_latency_us if links.a2a_cross_peers else cluster.intra_latency_us
+    return half * max(t_in, t_out) / cluster.a2a_efficiency + latency * 1e-6
 
 
 def predict_attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,

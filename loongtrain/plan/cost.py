@@ -61,6 +61,7 @@ from loongtrain.parallel.documents import Documents, visible_pairs
 from loongtrain.parallel.layout import Layout
 from loongtrain.plan.attention_cost import AttentionTime, AttnShape, attention_time
 from loongtrain.plan.cluster import Cluster
+from loongtrain.plan.linear_cost import linear_time
 from loongtrain.plan.memory_model import layer_params, memory_per_rank, step_shape
 from loongtrain.plan.memory_terms import feature_terms, run_terms
 from loongtrain.plan.step_bytes import OPTIMIZER_BYTES, head_bytes, layer_bytes
@@ -246,7 +247,7 @@ def step_cost(
     z = config.shard_size(world)
     features = workload.memory(cluster)
     shape_of = step_shape(model, layout, config, tokens=t, dtype_bytes=dtype_bytes, zero_size=z,
-                          terms=run_terms(model, config, features))
+                          terms=run_terms(model, config, features), batch=batch)
     sharded, tiles = shape_of.sharded, shape_of.tiles  # FSDP2 gathers the weights; the tiled MLP's rule
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)
     moved, moved_fwd = layer_bytes(model, tokens=t, kv_heads=he, hp=layout.hp, dtype_bytes=dtype_bytes,
@@ -258,6 +259,15 @@ def step_cost(
     bwd = {"compute": (matmul_factor(lora) - 1) * gemm_fwd + 2 * adapters + attn.compute_bwd,
            "memory-bound": (moved - moved_fwd) / bw + attn.memory_bwd,
            "a2a": attn.a2a_bwd, "ring-inner": attn.ring_inner_bwd, "ring-outer": attn.ring_outer_bwd}
+    if model.linear_layers:  # a hybrid's linear layers, in their share of the average layer (plan/linear_cost.py)
+        linear = linear_time(model, layout, cluster, batch=batch, seq_len=seq_len, dtype_bytes=dtype_bytes)
+        share = len(model.linear_layers) / L
+        for key, (forward, backward) in {"compute": (linear.compute_fwd, linear.compute_bwd),
+                                         "a2a": (linear.a2a_fwd, linear.a2a_bwd),
+                                         "ring-inner": (linear.exchange_fwd, linear.exchange_bwd)}.items():
+            fwd[key] += share * forward
+            bwd[key] += share * backward + (share * forward if key == "compute" and config.recompute == "selective"
+                                             else 0.0)  # selective recompute runs the recurrence again
     if config.recompute == "full":  # the recompute in the backward: the layer forward, attention and its traffic
         for key, value in fwd.items():
             bwd[key] += value - (moved_fwd / bw if key == "memory-bound" else 0.0)  # its bytes are in `moved`

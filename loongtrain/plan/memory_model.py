@@ -82,12 +82,13 @@ def layer_params(model: ModelConfig) -> int:
 
 
 def step_shape(model: ModelConfig, layout: Layout, config: ParallelConfig, *, tokens: float, dtype_bytes: int,
-               zero_size: int, terms: Sequence[MemoryTerm] = ()) -> StepShape:
-    """The :class:`~loongtrain.model.memory.StepShape` of ``tokens`` per rank of ``model`` on ``layout`` with
-    ``config``'s modes, its MLP tiles by the terms' rule (the tiled MLP's)."""
+               zero_size: int, terms: Sequence[MemoryTerm] = (), batch: int = 1) -> StepShape:
+    """The :class:`~loongtrain.model.memory.StepShape` of ``tokens`` per rank (of ``batch`` sequences) of ``model`` on
+    ``layout`` with ``config``'s modes, its MLP tiles by the terms' rule (the tiled MLP's)."""
     shape = StepShape(model, tokens, dtype_bytes, zero_size > 1 or config.offload_params,  # offload_params is
                       layout.hp, layout.cp, zero_size, 1, config.recompute,  # FSDP2's, even on one rank
-                      config.reshard_after_forward, any(term.frozen_base for term in terms), config.offload_params)
+                      config.reshard_after_forward, any(term.frozen_base for term in terms), config.offload_params,
+                      batch)
     return dataclasses.replace(shape, tiles=max((term.tiles(shape) for term in terms), default=1))
 
 
@@ -211,7 +212,7 @@ def memory_per_rank(model: ModelConfig, layout: Layout, config: ParallelConfig, 
         raise ValueError(f"zero shard group size {zero_size} must divide world_size={layout.world_size}")
     terms = run_terms(model, config, features)
     s = step_shape(model, layout, config, tokens=batch * seq_len / layout.sp, dtype_bytes=dtype_bytes,
-                   zero_size=zero_size, terms=terms)
+                   zero_size=zero_size, terms=terms, batch=batch)
     b, d, layers, t = dtype_bytes, model.dim, model.num_layers, s.tokens
     p = num_params(model)
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, layout.hp)

@@ -37,9 +37,11 @@ from loongtrain.plan.cost import NO_WORKLOAD, Candidate, Workload, step_cost
 
 
 def head_ok(model: ModelConfig, hp: int) -> bool:
-    """Whether ``hp`` satisfies the GQA rule for ``model``'s heads."""
+    """Whether ``hp`` satisfies the GQA rule for ``model``'s heads (and its linear layers' value and key heads)."""
     try:
         effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
+        if model.linear_layers:
+            effective_kv_heads(model.linear_num_value_heads, model.linear_num_key_heads, hp)
     except ValueError:
         return False
     return True
@@ -110,7 +112,9 @@ def enumerate_configs(model: ModelConfig, world: int, gpus_per_node: int, seq_le
     _check_choice("zero", zero, list(ZERO_MODES))
     _check_choice("recompute", recompute, list(RECOMPUTE_MODES))
     _check_choice("sp", sp, divisors(world))
-    heads = f"{model.num_heads} heads, {model.num_kv_heads} KV heads"
+    heads = f"{model.num_heads} heads, {model.num_kv_heads} KV heads" + (
+        f", {model.linear_num_value_heads} linear value heads, {model.linear_num_key_heads} linear key heads"
+        if model.linear_layers else "")
     if hp is not None and not head_ok(model, hp):
         valid = [h for h in divisors(world) if head_ok(model, h)]
         raise ValueError(

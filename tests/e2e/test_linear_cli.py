@@ -92,3 +92,13 @@ def test_a_linear_block_loongtrain_does_not_run_exits_2(model_dir, tmp_path, cap
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "activation='gelu'" in err, err
+
+
+def test_plan_max_seq_len_of_a_qwen3_5_27b_shape_on_8_h200s(capsys):
+    import re
+
+    config = Path(__file__).resolve().parents[2] / "benchmarks/inputs/qwen3.5-27b"
+    assert main(["plan", "--model", str(config), "--gpus", "8", "--cluster", "h200", "--max-seq-len"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    found = re.search(r"longest sequence for .* on 8 devices of h200: (\d+) tokens .*; parameters 26\.90B$", line)
+    assert found and int(found.group(1)) > 1 << 20, line

@@ -5,6 +5,7 @@ Kimi-Linear's KDA at world 1; the ``fla`` kernels' wrapper and choice through a 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,57 @@ def test_wrapper_memory_is_what_autograd_keeps(dtype, monkeypatch):
 
     config = shape_config_from_hf(tiny_qwen3_5().config)
     assert _kept_per_token(dtype, monkeypatch) == wrapper_bytes(config, 1, torch.finfo(dtype).bits // 8)
+
+
+def _qwen3_5_27b():
+    from loongtrain.hf.convert import shape_config_from_hf
+    from loongtrain.hf.load import read_hf_config
+
+    return shape_config_from_hf(read_hf_config(Path(__file__).resolve().parents[2] / "benchmarks/inputs/qwen3.5-27b"))
+
+
+def test_the_planner_counts_the_linear_layers_time():
+    from loongtrain.parallel.layout import Layout
+    from loongtrain.plan.cluster import load_cluster
+    from loongtrain.plan.linear_cost import linear_time
+
+    model, h200 = _qwen3_5_27b(), load_cluster("h200")
+    times = {seq: linear_time(model, Layout(world_size=8, hp=2, cp=4), h200, batch=1, seq_len=seq, dtype_bytes=2)
+             for seq in (1 << 16, 1 << 20)}
+    short, long = times[1 << 16], times[1 << 20]
+    assert long.exchange_fwd == short.exchange_fwd > 0  # the pairs and halos: no growth with the length
+    assert long.compute_fwd == pytest.approx(16 * short.compute_fwd) and long.a2a_fwd > 8 * short.a2a_fwd
+    single = linear_time(model, Layout(world_size=8, hp=8, cp=1), h200, batch=1, seq_len=1 << 16, dtype_bytes=2)
+    assert single.exchange_fwd == 0 and single.compute_fwd < short.compute_fwd  # no transition columns at cp = 1
+
+
+def test_the_memory_term_replaces_the_linear_layers_attention():
+    from loongtrain.attn.linear.memory import layer_bytes, softmax_bytes
+    from loongtrain.parallel.config import ParallelConfig
+    from loongtrain.plan.memory_model import memory_per_rank
+
+    model = _qwen3_5_27b()
+    dense = replace(model, layer_types=None)  # the same shape with every layer softmax attention
+    config = ParallelConfig(hp=2, cp=4, zero="full", recompute="none")
+    seq, tokens = 1 << 16, (1 << 16) / 8
+    got, base = (memory_per_rank(m, config.layout(8), config, seq_len=seq, batch=1, dtype_bytes=2, zero_size=8)
+                 for m in (model, dense))
+    per_token = layer_bytes(model, tokens=tokens, batch=1, hp=2, cp=4, b=2) - softmax_bytes(model, 2, 2, False)
+    extra_params = (got["states"] - base["states"])  # the linear layers' parameters differ from attention's
+    assert got["activations"] - base["activations"] == pytest.approx(48 * tokens * per_token, rel=1e-9)
+    assert extra_params != 0
+
+
+def test_plan_keeps_hp_within_the_linear_heads():
+    from loongtrain.plan.search import head_ok
+
+    model = _qwen3_5_27b()
+    assert head_ok(model, 8) and head_ok(model, 4) and not head_ok(model, 16)  # 24 attention heads
+    assert not head_ok(replace(model, linear_num_value_heads=36, linear_num_key_heads=12), 8)  # 36 % 8
+
+
+def test_a_hybrid_is_planned_not_simulated():
+    from loongtrain.model.config import with_depth
+
+    with pytest.raises(ValueError, match="a hybrid is planned, not simulated"):
+        with_depth(_qwen3_5_27b(), 3)
