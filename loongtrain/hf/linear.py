@@ -59,8 +59,8 @@ def _core(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
           kwargs: dict[str, Any]) -> Tensor:
     conv = module.conv1d
     return getattr(module, LINEAR_FN_ATTR)(
-        q, k, v, g, beta, conv_weight=conv.weight.squeeze(1), conv_bias=conv.bias, conv_activation="silu",
-        cu_seqlens=kwargs.get("cu_seqlens"), chunk_order=kwargs.get("chunk_order"))
+        q, k, v, g, beta, conv_weight=conv.weight.squeeze(1), cu_seqlens=kwargs.get("cu_seqlens"),
+        chunk_order=kwargs.get("chunk_order"))
 
 
 def _delta_net_output(module: nn.Module, core: Tensor, z: Tensor) -> Tensor:
@@ -134,6 +134,8 @@ def linear_block_mismatch(module: nn.Module) -> str | None:
     if conv.groups != conv.in_channels or conv.out_channels != conv.in_channels or conv.padding != (taps - 1,) \
             or conv.stride != (1,) or conv.dilation != (1,):
         return f"conv1d {conv} is not a depthwise causal convolution (groups = channels, padding = kernel - 1)"
+    if conv.bias is not None:
+        return "conv1d has a bias (loongtrain's short convolution has none)"
     activation = getattr(module, "activation", None)
     if activation not in _SILU:
         return f"activation={activation!r} (loongtrain's short convolution runs {list(_SILU)})"

@@ -36,26 +36,23 @@ Tensor = torch.Tensor
 
 
 def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mesh: Mesh | None, *,
-                     conv_weight: Tensor | None = None, conv_bias: Tensor | None = None,
-                     conv_activation: str | None = "silu", qk_norm: bool = True, scale: float | None = None,
-                     cu_seqlens: CuSeqlens | None = None, chunk_order: Sequence[int] | None = None) -> Tensor:
+                     conv_weight: Tensor | None = None, cu_seqlens: CuSeqlens | None = None,
+                     chunk_order: Sequence[int] | None = None) -> Tensor:
     """The gated delta rule (docs/linear-attention.md) of the replica's full sequence, from this rank's shards.
 
     ``q, k [B, S/sp, Hk, Dk]`` and ``v [B, S/sp, Hv, Dv]`` (``Hv`` a multiple of ``Hk``: value head ``m`` reads key
     head ``m // (Hv/Hk)``) before the short convolution; ``g`` the log-decay, ``[B, S/sp, Hv]`` (a gate per head:
     Gated DeltaNet) or ``[B, S/sp, Hv, Dk]`` (a gate per key channel: KDA; ``Hk == Hv``); ``beta [B, S/sp, Hv]``.
-    ``conv_weight [2*Hk*Dk + Hv*Dv, K]`` (and ``conv_bias``): the depthwise causal convolution over the channels of
-    ``cat(q, k, v)``, then ``conv_activation``; ``qk_norm``: q and k L2-normalised per head; ``scale`` (default
-    ``1/sqrt(Dk)``) multiplies q. ``cu_seqlens`` (packed documents of the full sequence) and ``chunk_order`` (the
-    layout the tokens were sharded with) as for :func:`loongtrain.attention`: each document starts from a zero
-    state and a zero convolution halo. Returns ``[B, S/sp, Hv, Dv]`` in v's dtype; fp64 runs in fp64, every
+    ``conv_weight [2*Hk*Dk + Hv*Dv, K]``: the depthwise causal convolution (no bias) over the channels of
+    ``cat(q, k, v)``, then SiLU (None: no convolution). q and k are L2-normalised per head and q scaled by
+    ``1/sqrt(Dk)`` (the convention of every delta-rule layer loongtrain runs). ``cu_seqlens`` (packed documents of
+    the full sequence) and ``chunk_order`` (the layout the tokens were sharded with) as for
+    :func:`loongtrain.attention`: each document starts from a zero state and a zero convolution halo. Returns ``[B, S/sp, Hv, Dv]`` in v's dtype; fp64 runs in fp64, every
     lower precision in fp32 (the ``fla`` kernels on CUDA where they run)."""
     mesh = mesh or single_process_mesh()
-    agree_on_linear_attention(mesh, dict(q=q, k=k, v=v, g=g, beta=beta, conv_weight=conv_weight,
-                                         conv_bias=conv_bias),
-                              dict(conv_activation=conv_activation, qk_norm=qk_norm, scale=scale,
-                                   documents=cu_seqlens, chunk_order=chunk_order))
-    validate_linear_inputs(q, k, v, g, beta, mesh, conv_weight=conv_weight, conv_bias=conv_bias)
+    agree_on_linear_attention(mesh, dict(q=q, k=k, v=v, g=g, beta=beta, conv_weight=conv_weight),
+                              dict(documents=cu_seqlens, chunk_order=chunk_order))
+    validate_linear_inputs(q, k, v, g, beta, mesh, conv_weight=conv_weight)
     batch, seq, num_key_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     seq_len, hp = seq * mesh.sp, mesh.hp
@@ -73,21 +70,19 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, m
         channels = _local_channels(num_key_heads, entering, key_dim, num_value_heads, value_dim, mesh.hp_rank, hp)
         channels = channels.to(q.device)
         halo = _halo(mixed, runs, layout, mesh, taps)  # [B, slots, taps - 1, C]
-        weight, bias = conv_weight[channels], None if conv_bias is None else conv_bias[channels]
-        visible = visible.to(q.device)
-        mixed = torch.cat([short_conv(torch.cat([halo[:, s], mixed[:, o:o + n]], dim=1), weight, bias,
-                                      visible[:, o:o + n], conv_activation) for s, (o, n) in enumerate(runs)], dim=1)
+        weight, visible = conv_weight[channels], visible.to(q.device)
+        mixed = torch.cat([short_conv(torch.cat([halo[:, s], mixed[:, o:o + n]], dim=1), weight, None,
+                                      visible[:, o:o + n], "silu") for s, (o, n) in enumerate(runs)], dim=1)
     q, k, v = mixed.split([local_keys * key_dim, local_keys * key_dim, local_values * value_dim], dim=-1)
     q, k = (x.unflatten(-1, (local_keys, key_dim)) for x in (q, k))
     v = v.unflatten(-1, (local_values, value_dim))
-    if qk_norm:
-        q, k = (l2_normalize(x.to(compute_dtype(x.dtype))) for x in (q, k))
+    q, k = (l2_normalize(x.to(compute_dtype(x.dtype))) for x in (q, k))
     if local_values > local_keys:  # grouped value heads: value head m reads key head m // (values / keys)
         q, k = (x.repeat_interleave(local_values // local_keys, dim=2) for x in (q, k))
     if g.shape[-1] != local_values:  # a gate per channel
         g = g.unflatten(-1, (local_values, key_dim))
-    out = _recurrence(q, k, v, g, beta, None if starts is None else starts.to(q.device), runs, layout, mesh,
-                      scale if scale is not None else key_dim ** -0.5)
+    out = _recurrence((q, k, v, g, beta), None if starts is None else starts.to(q.device), runs, layout, mesh,
+                      key_dim ** -0.5)
     out = out.to(v.dtype)  # [B, S/cp, Hv/hp, Dv] in local order
     if hp > 1:
         out = attn_ops.head_all_to_all(out.contiguous(), mesh.hp_group.group_name, 1, 2)
@@ -95,7 +90,7 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, m
 
 
 def validate_linear_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, mesh: Mesh, *,
-                           conv_weight: Tensor | None = None, conv_bias: Tensor | None = None) -> None:
+                           conv_weight: Tensor | None = None) -> None:
     """Raise ValueError (before any communication) unless the tensors of a :func:`linear_attention` call fit each
     other and ``mesh``, naming the offending shape."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -127,8 +122,6 @@ def validate_linear_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                                     or conv_weight.shape[1] < 1):
         raise ValueError(f"linear attention: conv_weight must be [channels of cat(q, k, v) = {channels}, kernel "
                          f"size]; got {tuple(conv_weight.shape)}")
-    if conv_bias is not None and (conv_weight is None or tuple(conv_bias.shape) != (channels,)):
-        raise ValueError(f"linear attention: conv_bias must be [{channels}] and come with conv_weight")
     try:
         effective_kv_heads(hv, hk, mesh.hp)
     except ValueError as exc:
@@ -215,12 +208,13 @@ def _group_to_ring(mesh: Mesh) -> Tensor:
     return torch.tensor([ordered.index(r) for r in ring], dtype=torch.int64)
 
 
-def _recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, starts: Tensor | None,
-                runs: list[tuple[int, int]], layout: RunLayout, mesh: Mesh, scale: float) -> Tensor:
-    """The output ``[B, S/cp, H, Dv]`` of every run from its exact initial state. Each run is computed from a zero
-    state together with its transition (the value width widened by ``Dk`` columns that start as the identity:
-    their final state is the transition, their output the queries read through it); the runs' pairs are
-    gathered over the context group and composed in sequence order."""
+def _recurrence(inputs: tuple[Tensor, ...], starts: Tensor | None, runs: list[tuple[int, int]], layout: RunLayout,
+                mesh: Mesh, scale: float) -> Tensor:
+    """The output ``[B, S/cp, H, Dv]`` of every run from its exact initial state (``inputs``: q, k, v, g, beta).
+    Each run is computed from a zero state together with its transition (the value width widened by ``Dk`` columns
+    that start as the identity: their final state is the transition, their output the queries read through it);
+    the runs' pairs are gathered over the context group and composed in sequence order."""
+    q, k, v, g, beta = inputs
     batch, dk, dv = q.shape[0], k.shape[-1], v.shape[-1]
     if not layout.any_state:  # one run from position 0: nothing to compose
         return run_kernel(q, k, v, g, beta, starts, None, scale)[0]
