@@ -47,8 +47,9 @@ def linear_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, m
     ``cat(q, k, v)``, then SiLU (None: no convolution). q and k are L2-normalised per head and q scaled by
     ``1/sqrt(Dk)`` (the convention of every delta-rule layer loongtrain runs). ``cu_seqlens`` (packed documents of
     the full sequence) and ``chunk_order`` (the layout the tokens were sharded with) as for
-    :func:`loongtrain.attention`: each document starts from a zero state and a zero convolution halo. Returns ``[B, S/sp, Hv, Dv]`` in v's dtype; fp64 runs in fp64, every
-    lower precision in fp32 (the ``fla`` kernels on CUDA where they run)."""
+    :func:`loongtrain.attention`: each document starts from a zero state and a zero convolution halo. Returns
+    ``[B, S/sp, Hv, Dv]`` in v's dtype; fp64 runs in fp64, every lower precision in fp32 (the ``fla`` kernels on
+    CUDA where they run)."""
     mesh = mesh or single_process_mesh()
     agree_on_linear_attention(mesh, dict(q=q, k=k, v=v, g=g, beta=beta, conv_weight=conv_weight),
                               dict(documents=cu_seqlens, chunk_order=chunk_order))
