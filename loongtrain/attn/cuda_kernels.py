@@ -1,5 +1,8 @@
 """The CUDA kernels of :mod:`loongtrain.attn.kernels` (the table there): FlashAttention-2, cuDNN and
 the memory-efficient op, through the torch 2.13 ops, with their variable-length forms (docs/attention.md#kernels).
+FA2 also takes its own sliding window (``Kernel.windowed``: ``window=(left, right)``, through
+``_flash_attention_forward`` / ``_flash_attention_backward``'s ``window_size_left`` / ``window_size_right``, dense
+calls on ``[B, S, H, D]`` views without ``cum_seq``).
 
 (``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a zero-padded head dim.) ``cuda_flash``'s and
 ``cuda_cudnn``'s dense backwards run one query head at a time once their own scratch
@@ -43,9 +46,19 @@ _aten = torch.ops.aten
 # ---------------------------------------------------------------- CUDA: FlashAttention-2 (GQA native)
 
 
-def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                        window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+    if window is not None:  # FA2's own window argument: _flash_attention_forward on [B, S, H, D] views
+        res = _aten._flash_attention_forward(*(t.transpose(1, 2) for t in (q, k, v)), None, None, q.shape[2],
+                                             k.shape[2], 0.0, causal, False, scale=scale, **_window(window))
+        return res[0].transpose(1, 2), res[1]  # (out [B, S, H, D], lse [B, H, S] fp32, rng_state, unused, ...)
     res = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
     return res[0], res[1]  # (out, lse [B, H, S] fp32, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, ...)
+
+
+def _window(window: tuple[int, int] | None) -> dict:
+    """FA2's ``window_size_left`` / ``window_size_right`` keywords (none: no window)."""
+    return {} if window is None else {"window_size_left": window[0], "window_size_right": window[1]}
 
 
 #: bytes of a kernel's own backward scratch (:func:`backward_scratch_bytes`) above which the flash and cuDNN
@@ -98,18 +111,36 @@ def _splits(kernel: str, q: Tensor, k: Tensor) -> bool:
 
 
 def _cuda_flash_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+    window: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FA2's backward; one query head per call when its scratch would pass :data:`SPLIT_BACKWARD_BYTES`
     (:func:`per_head_backward`: the scratch of one head, 1/H of it, and no expanded dK/dV)."""
+    call = _cuda_flash_backward_call if window is None else _cuda_flash_window_backward
+    extra = {} if window is None else {"window": window}
     if _splits("cuda_flash", q, k):
-        return per_head_backward(_cuda_flash_backward_call, dout, q, k, v, out, lse, causal, scale)
-    return _cuda_flash_backward_call(dout, q, k, v, out, lse, causal, scale)
+        return per_head_backward(call, dout, q, k, v, out, lse, causal, scale, **extra)
+    return call(dout, q, k, v, out, lse, causal, scale, **extra)
+
+
+def _cuda_flash_window_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+    window: tuple[int, int],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """FA2's windowed backward (``_flash_attention_backward`` on ``[B, S, H, D]`` views, no ``cum_seq``)."""
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: not read
+    unused = torch.zeros((), dtype=torch.uint64, device=q.device)
+    grads = _aten._flash_attention_backward(
+        *(t.transpose(1, 2) for t in (dout, q, k, v, out)), dense_layout(lse), None, None, q.shape[2], k.shape[2],
+        0.0, causal, rng_state, unused, scale=scale, **_window(window))
+    return tuple(g.transpose(1, 2) for g in grads)
 
 
 def per_head_backward(backward: Callable[..., tuple[Tensor, Tensor, Tensor]], dout: Tensor, q: Tensor, k: Tensor,
-                      v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``backward`` one query head at a time against its KV head (heads are independent): dQ the same bits,
+                      v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float,
+                      **options) -> tuple[Tensor, Tensor, Tensor]:
+    """``backward`` one query head at a time against its KV head (heads are independent; ``options``: its
+    keywords, e.g. a window): dQ the same bits,
     each KV head's dK/dV the sum over its query heads' (GQA) in fp32 (fp64 for fp64), rounded once, as the
     kernels sum their expanded dK/dV. Outputs in the ``[B, S, H, D]`` storage the kernels give."""
     b, h, s, d = q.shape
@@ -123,7 +154,7 @@ def per_head_backward(backward: Callable[..., tuple[Tensor, Tensor, Tensor]], do
         for head in range(j * group, (j + 1) * group):
             one = slice(head, head + 1)
             gq, gk, gv = backward(dout[:, one], q[:, one], k[:, j:j + 1], v[:, j:j + 1], out[:, one], lse[:, one],
-                                  causal, scale)
+                                  causal, scale, **options)
             dq[:, one] = gq
             sums = [gk.to(acc), gv.to(acc)] if not sums else [sums[0] + gk, sums[1] + gv]
         dk[:, j:j + 1], dv[:, j:j + 1] = sums[0], sums[1]
@@ -145,22 +176,25 @@ def _cuda_flash_backward_call(
 
 
 def _cuda_flash_varlen_forward(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float,
+    window: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Packed sequences (module docstring): out ``[Tq, H, D]``, lse fp32 ``[H, Tq]``."""
-    res = _aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+    res = _aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+                                         **_window(window))
     return res[0], res[1]  # (out, lse, rng_state, unused, debug_attn_mask)
 
 
 def _cuda_flash_varlen_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
-    max_q: int, max_k: int, causal: bool, scale: float,
+    max_q: int, max_k: int, causal: bool, scale: float, window: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of :func:`_cuda_flash_varlen_forward`; the op reads lse as a dense ``[H, Tq]`` buffer."""
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: not read
     unused = torch.zeros((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = _aten._flash_attention_backward(
         dout, q, k, v, out, dense_layout(lse), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
+        **_window(window),
     )
     return dq, dk, dv
 
@@ -282,7 +316,7 @@ def _head_dim_padded(kernel: Kernel, multiple: int) -> Kernel:
 
 
 CUDA_FLASH = Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward,
-                    _cuda_flash_varlen_forward, _cuda_flash_varlen_backward)
+                    _cuda_flash_varlen_forward, _cuda_flash_varlen_backward, windowed=True)
 CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
 CUDA_CUDNN = Kernel("cuda_cudnn", _cuda_cudnn_forward, _cuda_cudnn_backward, _cuda_cudnn_varlen_forward,
                     _cuda_cudnn_varlen_backward, varlen_bottom_right=False)

@@ -45,14 +45,18 @@ class Kernel:
     form ``varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse [H, Tq])`` and
     ``varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)`` (module docstring);
     ``varlen_bottom_right``: whether the varlen op aligns a causal mask bottom-right (a single query row then
-    sees every key), else top-left."""
+    sees every key), else top-left; ``windowed``: all four also take ``window=(left, right)``, FlashAttention's
+    bottom-right aligned window (row ``r`` of ``Sq`` sees keys ``c`` of ``Sk`` with ``-left <= c - r - (Sk - Sq)
+    <= right``, ``-1`` unbounded; with ``causal=False``), so a sliding window is one call
+    (:class:`loongtrain.attn.masking.Piece`'s ``band``)."""
 
     name: str
-    forward: Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
-    backward: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor, Tensor]]
+    forward: Callable[..., tuple[Tensor, Tensor]]
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
     varlen_forward: VarlenForward | None = None
     varlen_backward: VarlenBackward | None = None
     varlen_bottom_right: bool = True
+    windowed: bool = False
 
 
 def expand_kv(k: Tensor, num_heads: int) -> Tensor:

@@ -17,6 +17,10 @@ positions ``[l, l + n)`` hold global tokens ``[g, g + n)`` (:func:`member_runs`;
 :class:`Piece` s, each one kernel call: ``full`` (no mask), ``causal`` (top-left causal square),
 ``anticausal`` (the mirror image: the causal kernel on both sides reversed) or, only for pieces of at most
 ``AttnMask.tiny`` cells that no kernel shape fits, ``masked`` (the reference kernel with an explicit mask).
+For a kernel that takes FlashAttention's window argument (``windowed``), any other trimmed box of one run each
+way is one ``band`` call instead (``Piece.window``: FA2's ``(left, right)``, bottom-right aligned), so a sliding
+window over a long run is one call, not ``2 S / w`` pieces. Boxes that do not fit a shape are cut in two
+(:func:`_cut`) on an explicit work list, never by recursion: a run of any length is planned.
 No piece covers an invisible row or column, so an empty result means: no kernel call, no merge.
 """
 
@@ -68,15 +72,18 @@ class AttnMask:
 
 @dataclass(frozen=True)
 class Piece:
-    """One kernel call: local query rows ``[r0, r1)`` against local key columns ``[c0, c1)``. ``masked``
-    pieces lie in one run each way: ``offset = first key's global - first query's global position``."""
+    """One kernel call: local query rows ``[r0, r1)`` against local key columns ``[c0, c1)``. ``masked`` and
+    ``band`` pieces lie in one run each way: ``offset = first key's global - first query's global position``;
+    a ``band`` piece's ``window = (left, right)``: local row ``r`` sees columns ``c`` with ``-left <= c - r -
+    (cols - rows) <= right`` (FlashAttention's bottom-right aligned window; every bound finite)."""
 
     r0: int
     r1: int
     c0: int
     c1: int
-    kind: str  # "full" | "causal" | "anticausal" | "masked"
+    kind: str  # "full" | "causal" | "anticausal" | "masked" | "band"
     offset: int = 0
+    window: tuple[int, int] | None = None  # "band": FA2's (window_size_left, window_size_right)
 
     @property
     def cells(self) -> int:
@@ -114,16 +121,17 @@ def _by_document(runs: tuple[Run, ...], bounds: tuple[int, ...]) -> dict[int, li
 @lru_cache(maxsize=4096)
 def visible_pieces(
     q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], cu_seqlens: tuple[int, ...] | None,
-    band: tuple[int, int], causal: bool, tiny: int,
+    band: tuple[int, int], causal: bool, tiny: int, windowed: bool = False,
 ) -> tuple[Piece, ...]:
-    """Pieces covering exactly the visible (query, key) pairs of ``q_runs`` x ``k_runs`` (module docstring)."""
+    """Pieces covering exactly the visible (query, key) pairs of ``q_runs`` x ``k_runs`` (module docstring);
+    ``windowed``: the kernel takes FlashAttention's window argument (``band`` pieces)."""
     if cu_seqlens is None:
         total = max(g + n for _, g, n in q_runs + k_runs)
         cu_seqlens = (0, total)
     q_docs, k_docs = _by_document(q_runs, cu_seqlens), _by_document(k_runs, cu_seqlens)
     pieces: list[Piece] = []
     for d in sorted(q_docs.keys() & k_docs.keys()):
-        pieces += _split(tuple(q_docs[d]), tuple(k_docs[d]), band, causal, tiny)
+        pieces += _split(tuple(q_docs[d]), tuple(k_docs[d]), band, causal, tiny, windowed)
     return tuple(pieces)
 
 
@@ -145,10 +153,10 @@ def _local_contiguous(runs: tuple[Run, ...]) -> bool:
 
 
 def _split(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], band: tuple[int, int], causal: bool,
-           tiny: int) -> list[Piece]:
-    """Pieces for runs of one document."""
+           tiny: int, windowed: bool) -> list[Piece]:
+    """Pieces for runs of one document (recursing once per run: a member has a few)."""
     if len(q_runs) == 1 and len(k_runs) == 1:
-        return _contiguous(q_runs[0], k_runs[0], band, tiny)
+        return _contiguous(q_runs[0], k_runs[0], band, tiny, windowed)
     kinds = {_contiguous_kind(q, k, band) for q in q_runs for k in k_runs}
     if kinds == {"empty"}:
         return []
@@ -160,8 +168,10 @@ def _split(q_runs: tuple[Run, ...], k_runs: tuple[Run, ...], band: tuple[int, in
         extent = q_runs[-1][1] + q_runs[-1][2] - q_runs[0][1]
         if causal and globals_q == [(g, n) for _, g, n in k_runs] and extent - 1 <= -band[0]:
             return [Piece(r0, r1, c0, c1, "causal")]  # same tokens both ways, in the same order
-    by_rows = [p for q in q_runs for p in _split((q,), k_runs, band, causal, tiny)] if len(q_runs) > 1 else None
-    by_cols = [p for k in k_runs for p in _split(q_runs, (k,), band, causal, tiny)] if len(k_runs) > 1 else None
+    by_rows = ([p for q in q_runs for p in _split((q,), k_runs, band, causal, tiny, windowed)]
+               if len(q_runs) > 1 else None)
+    by_cols = ([p for k in k_runs for p in _split(q_runs, (k,), band, causal, tiny, windowed)]
+               if len(k_runs) > 1 else None)
     options = [o for o in (by_rows, by_cols) if o is not None]
     return min(options, key=len)
 
@@ -193,30 +203,51 @@ def _kind(box: Box, lo: int, hi: int) -> str:
     return "mixed"
 
 
-def _contiguous(q: Run, k: Run, band: tuple[int, int], tiny: int) -> list[Piece]:
+def _contiguous(q: Run, k: Run, band: tuple[int, int], tiny: int, windowed: bool) -> list[Piece]:
     """Pieces for one query run and one key run of one document."""
     lo, hi = band
     box = _trim((q[1], q[1] + q[2], k[1], k[1] + k[2]), lo, hi)
     if box is None:
         return []
-    return _pieces(box, lo, hi, tiny, q[0] - q[1], k[0] - k[1])
+    return _pieces(box, lo, hi, tiny, q[0] - q[1], k[0] - k[1], windowed)
 
 
-def _pieces(box: Box, lo: int, hi: int, tiny: int, row_shift: int, col_shift: int) -> list[Piece]:
-    """A trimmed box as kernel-shaped pieces (local = global + shift): its own shape, a tiny masked
-    piece, or the two sides of :func:`_cut`."""
-    i0, i1, j0, j1 = box
-    kind = _kind(box, lo, hi)
-    if kind == "mixed" and (i1 - i0) * (j1 - j0) <= tiny:
-        kind = "masked"
-    if kind != "mixed":
-        return [Piece(i0 + row_shift, i1 + row_shift, j0 + col_shift, j1 + col_shift, kind, j0 - i0)]
-    out = []
-    for side in _cut(box, lo, hi):
-        trimmed = _trim(side, lo, hi)
-        if trimmed is not None:
-            out += _pieces(trimmed, lo, hi, tiny, row_shift, col_shift)
+def _pieces(box: Box, lo: int, hi: int, tiny: int, row_shift: int, col_shift: int, windowed: bool) -> list[Piece]:
+    """A trimmed box as kernel-shaped pieces (local = global + shift), in order: each box on the work list is
+    its own shape, a band call (``windowed``), a tiny masked piece, or the two sides of :func:`_cut` (pushed
+    back, the first on top: no recursion, so a long run with a narrow window plans in ``2 S / w`` iterations)."""
+    out: list[Piece] = []
+    work = [box]
+    while work:
+        i0, i1, j0, j1 = box = work.pop()
+        kind = _kind(box, lo, hi)
+        window = None
+        if windowed and kind != "full" and (kind != "causal" or lo > -UNBOUNDED):  # a window: one class of calls
+            window = _band_window(box, lo, hi)
+            kind = "band" if window is not None else "mixed"
+        if kind == "mixed" and (i1 - i0) * (j1 - j0) <= tiny:
+            kind = "masked"
+        if kind != "mixed":
+            out.append(Piece(i0 + row_shift, i1 + row_shift, j0 + col_shift, j1 + col_shift, kind, j0 - i0, window))
+            continue
+        sides = [t for t in (_trim(side, lo, hi) for side in _cut(box, lo, hi)) if t is not None]
+        work.extend(reversed(sides))
     return out
+
+
+def _band_window(box: Box, lo: int, hi: int) -> tuple[int, int] | None:
+    """FA2's ``(window_size_left, window_size_right)`` of a trimmed box (bottom-right aligned: row ``r`` sees
+    ``-left <= c - r - (cols - rows) <= right``; ``-1``: unbounded), or None where the kernel's own reading
+    could change its meaning: FlashAttention replaces a bound at or past the key length by "unbounded" or by the
+    key length itself, both harmless for ``left`` (it never binds there), and for ``right`` only while no
+    right bound of at least the key length binds (``rows <= cols + 1``: the first row sees the last key)."""
+    i0, i1, j0, j1 = box
+    rows, cols = i1 - i0, j1 - j0
+    left = -1 if lo <= -UNBOUNDED else j1 - i1 - lo  # >= 0 for a trimmed box
+    right = -1 if hi >= UNBOUNDED else hi - j1 + i1
+    if (right < 0 or right >= cols) and rows > cols + 1:
+        return None
+    return left, right
 
 
 def _cut(box: Box, lo: int, hi: int) -> tuple[Box, Box]:

@@ -31,7 +31,17 @@ import torch.distributed as dist
 from loongtrain.attn.kernel_choice import kernel_for
 from loongtrain.attn.kernels import Kernel
 from loongtrain.attn.masking import AttnMask, Piece
-from loongtrain.attn.ring_step import BackwardStep, ForwardStep, acc_dtype, step_plans, whole_piece
+from loongtrain.attn.ring_step import (
+    BackwardStep,
+    ForwardStep,
+    VarlenCall,
+    acc_dtype,
+    piece_backward,
+    piece_forward,
+    step_plans,
+    whole_piece,
+    window_arg,
+)
 from loongtrain.attn.schedule import DKV_OWN, KV_OUTER, Compute, Event, Payload, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach
 from loongtrain.attn.sinks import fold_sinks
@@ -169,11 +179,45 @@ def _kernel(kernel: Kernel | None, q: Tensor, k: Tensor) -> Kernel:
     return kernel or kernel_for(q, k)  # the rule, or measured once per shape class (docs/attention.md#kernels)
 
 
-def _whole(geometry: DoubleRing, mask: AttnMask, q: Tensor) -> Piece | None:
-    """A ring of one member whose queries see their keys in one full or causal call (:func:`whole_piece`)."""
+def _whole(geometry: DoubleRing, mask: AttnMask, q: Tensor, kernel: Kernel) -> Piece | VarlenCall | None:
+    """A ring of one member whose step is one kernel call: one full, causal or band piece over every row
+    (:func:`whole_piece`), or one varlen call of every row in order (packed documents: ``VarlenCall.natural``).
+    Its result is the step's as it is: no fp32 accumulator, no merge (docs/memory.md, "cp = 1")."""
     if geometry.size != 1:
         return None
-    return whole_piece(step_plans(mask, q.shape[0], q.shape[2], 1, 0, q.device, False, True).items(0), q.shape[2])
+    plans = step_plans(mask, q.shape[0], q.shape[2], 1, 0, q.device, kernel.varlen_forward is not None,
+                       kernel.varlen_bottom_right, kernel.windowed)
+    piece = whole_piece(plans.items(0), q.shape[2])
+    if piece is not None:
+        return piece
+    plan = plans(0)
+    if not plan.dense and len(plan.varlen) == 1 and plan.varlen[0].natural:
+        return plan.varlen[0]
+    return None
+
+
+def _packed(x: Tensor) -> Tensor:
+    """``[B, H, S, D]`` seen from ``[B, S, H, D]`` storage -> the varlen ops' ``[B*S, H, D]`` (a view there)."""
+    b, h, s, d = x.shape
+    return x.transpose(1, 2).reshape(b * s, h, d)
+
+
+def _unpacked(x: Tensor, batch: int) -> Tensor:
+    """``[B*S, H, D]`` -> ``[B, H, S, D]``, a view of ``[B, S, H, D]`` storage (the flash kernels' layout)."""
+    t, h, d = x.shape
+    return x.view(batch, t // batch, h, d).transpose(1, 2)
+
+
+def whole_forward(kernel: Kernel, whole: Piece | VarlenCall, band: tuple[int, int], q: Tensor, k: Tensor,
+                  v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """out ``[B, H, S, D]`` and lse ``[B, H, S]`` (contiguous) of :func:`_whole`'s one call."""
+    if isinstance(whole, Piece):
+        out, lse = piece_forward(kernel, whole, band, q, k, v, scale)
+        return out, lse.contiguous()
+    out, lse = kernel.varlen_forward(_packed(q), _packed(k), _packed(v), whole.cu_q, whole.cu_k, whole.max_q,
+                                     whole.max_k, whole.causal, scale, **window_arg(whole.window))
+    h, b = lse.shape[0], q.shape[0]
+    return _unpacked(out, b), lse.reshape(h, b, -1).transpose(0, 1).contiguous()
 
 
 def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:
@@ -192,9 +236,9 @@ def ring_forward(
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
     kernel = _kernel(kernel, q, k)
-    whole = _whole(geometry, mask, q)
+    whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: the kernel's result, without the fp32 accumulators
-        out, lse = kernel.forward(q, k, v, whole.kind == "causal", scale)
+        out, lse = whole_forward(kernel, whole, mask.band(), q, k, v, scale)
         lse = lse.to(acc_dtype(q.dtype))
         if sinks is not None:
             out, lse = fold_sinks(out, lse, sinks)
@@ -241,21 +285,29 @@ def ring_backward_packed(
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
     kernel = _kernel(kernel, q, k)
-    whole = _whole(geometry, mask, q)
+    whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: dq, dk, dv as the kernel gives them, no fp32 accumulators
-        return whole_backward(kernel, whole.kind == "causal", dout, q, k, v, out, lse, scale)
+        return whole_backward(kernel, whole, mask.band(), dout, q, k, v, out, lse, scale)
     step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, kernel)
     member = _Member(geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
     run_pass(geometry, [member], True, _reach(geometry, q, mask))
     return step.dq.to(q.dtype), member.registers[DKV_OWN].to(k.dtype)
 
 
-def whole_backward(kernel: Kernel, causal: bool, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-                   lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """A ring of one member's backward: one kernel call, its results in the accumulators' layout (dQ
-    ``[B, H, S, D]`` seen from ``[B, S, H, D]`` storage, as the flash kernels give it: otherwise copied into
-    it; dK/dV stacked)."""
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, scale)
+def whole_backward(kernel: Kernel, whole: Piece | VarlenCall, band: tuple[int, int], dout: Tensor, q: Tensor,
+                   k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """A ring of one member's backward: :func:`_whole`'s one kernel call, its results in the accumulators'
+    layout (dQ ``[B, H, S, D]`` seen from ``[B, S, H, D]`` storage, as the flash kernels give it: otherwise
+    copied into it; dK/dV stacked)."""
+    if isinstance(whole, Piece):
+        dq, dk, dv = piece_backward(kernel, whole, band, dout, q, k, v, out, lse, scale)
+    else:
+        b = q.shape[0]
+        packed_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1).contiguous()  # [H, B*S]
+        grads = kernel.varlen_backward(_packed(dout), _packed(q), _packed(k), _packed(v), _packed(out), packed_lse,
+                                       whole.cu_q, whole.cu_k, whole.max_q, whole.max_k, whole.causal, scale,
+                                       **window_arg(whole.window))
+        dq, dk, dv = (_unpacked(g, b) for g in grads)
     dq = dq.to(q.dtype)
     if not dq.transpose(1, 2).is_contiguous():
         dq = token_major(dq)

@@ -54,6 +54,8 @@ def piece_forward(kernel: Kernel, piece: Piece, band: tuple[int, int], q: Tensor
     """(out, lse) of one piece as a dense call (rows ``q``, columns ``k``/``v`` already cut out)."""
     if piece.kind in ("full", "causal"):
         return kernel.forward(q, k, v, piece.kind == "causal", scale)
+    if piece.kind == "band":  # a windowed kernel's own window argument
+        return kernel.forward(q, k, v, False, scale, window=piece.window)
     if piece.kind == "anticausal":  # reversed on both sides, it is the top-left causal square
         out, lse = kernel.forward(q.flip(2), k.flip(2), v.flip(2), True, scale)
         return out.flip(2), lse.flip(-1)
@@ -67,6 +69,8 @@ def piece_backward(kernel: Kernel, piece: Piece, band: tuple[int, int], dout: Te
     """dq, dk, dv of one piece as a dense call, given the rows' final out and lse."""
     if piece.kind in ("full", "causal"):
         return kernel.backward(dout, q, k, v, out, lse, piece.kind == "causal", scale)
+    if piece.kind == "band":
+        return kernel.backward(dout, q, k, v, out, lse, False, scale, window=piece.window)
     if piece.kind == "anticausal":
         dq, dk, dv = kernel.backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1),
                                      True, scale)
@@ -81,15 +85,18 @@ class Pieces:
     :func:`~loongtrain.attn.masking.visible_pieces` of its runs (zigzag, or ``mask.chunk_order``) against
     the source's."""
 
-    def __init__(self, mask: AttnMask, batch: int, block_len: int, cp: int, position: int) -> None:
+    def __init__(self, mask: AttnMask, batch: int, block_len: int, cp: int, position: int,
+                 windowed: bool = False) -> None:
         self.mask, self.band, self.cp, self.seq_len = mask, mask.band(), cp, block_len * cp
         self.groups = mask.row_groups(batch)
         self.q_runs = member_runs(self.seq_len, cp, position, mask.chunk_order)
+        self.windowed = windowed
 
     def __call__(self, src: int) -> list[Item]:
         k_runs = member_runs(self.seq_len, self.cp, src, self.mask.chunk_order)
         return [(rows, piece) for rows, cu in self.groups
-                for piece in visible_pieces(self.q_runs, k_runs, cu, self.band, self.mask.causal, self.mask.tiny)]
+                for piece in visible_pieces(self.q_runs, k_runs, cu, self.band, self.mask.causal, self.mask.tiny,
+                                            self.windowed)]
 
 
 class StepPlans:
@@ -97,10 +104,10 @@ class StepPlans:
     mask, each computed on first use: every layer of a step shares them (:func:`step_plans`)."""
 
     def __init__(self, mask: AttnMask, batch: int, block_len: int, cp: int, position: int, device: torch.device,
-                 varlen: bool, bottom_right: bool) -> None:
+                 varlen: bool, bottom_right: bool, windowed: bool = False) -> None:
         self.band, self.batch, self.device = mask.band(), batch, device
         self.varlen, self.bottom_right = varlen, bottom_right
-        self._pieces = Pieces(mask, batch, block_len, cp, position)
+        self._pieces = Pieces(mask, batch, block_len, cp, position, windowed)
         self._items: dict[int, list[Item]] = {}
         self._plans: dict[int, StepPlan] = {}
 
@@ -119,16 +126,17 @@ _PLANS: dict[tuple, tuple[AttnMask, StepPlans]] = {}  # the current mask's plans
 
 
 def step_plans(mask: AttnMask, batch: int, block_len: int, cp: int, position: int, device: torch.device,
-               varlen: bool, bottom_right: bool) -> StepPlans:
+               varlen: bool, bottom_right: bool, windowed: bool = False) -> StepPlans:
     """The :class:`StepPlans` of these calls, shared while ``mask`` is the same object (the ops give every layer
-    of a step the same one: loongtrain/parallel/step_memo.py); a new mask forgets the old one's."""
-    key = (id(mask), batch, block_len, cp, position, device, varlen, bottom_right)
+    of a step the same one: loongtrain/parallel/step_memo.py); a new mask forgets the old one's. ``windowed``:
+    the kernel takes FlashAttention's window argument (``band`` pieces)."""
+    key = (id(mask), batch, block_len, cp, position, device, varlen, bottom_right, windowed)
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is mask:
         return hit[1]
     if len(_PLANS) > 64 or any(held is not mask for held, _ in _PLANS.values()):
         _PLANS.clear()
-    plans = StepPlans(mask, batch, block_len, cp, position, device, varlen, bottom_right)
+    plans = StepPlans(mask, batch, block_len, cp, position, device, varlen, bottom_right, windowed)
     _PLANS[key] = (mask, plans)
     return plans
 
@@ -141,7 +149,7 @@ def whole_piece(items: Sequence[Item], length: int) -> Piece | None:
         return None
     rows, piece = items[0]
     whole = rows == slice(None) and (piece.r0, piece.r1, piece.c0, piece.c1) == (0, length, 0, length)
-    return piece if whole and piece.kind in ("full", "causal") else None
+    return piece if whole and piece.kind in ("full", "causal", "band") else None
 
 
 # ---------------------------------------------------------------- packing pieces into varlen calls
@@ -151,7 +159,9 @@ def whole_piece(items: Sequence[Item], length: int) -> Piece | None:
 class VarlenCall:
     """One variable-length kernel call: packed query row ``i`` is local row ``q_pos[i]`` of batch row
     ``q_row[i]`` (keys likewise); sequences ``cu_q`` / ``cu_k`` (int32); the forward merges packed rows
-    ``[a, b)`` of each of ``rounds`` at once (no (batch row, query) twice in a round)."""
+    ``[a, b)`` of each of ``rounds`` at once (no (batch row, query) twice in a round). ``window``: the band
+    pieces' FA2 window (one per call); ``natural``: the packed rows are every (batch row, position) in order,
+    queries and keys alike (the whole step in one call: its results are the step's, no gather, no merge)."""
 
     causal: bool
     q_row: Tensor
@@ -163,6 +173,8 @@ class VarlenCall:
     max_q: int
     max_k: int
     rounds: tuple[tuple[int, int], ...]
+    window: tuple[int, int] | None = None
+    natural: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,34 +188,44 @@ class StepPlan:
 def varlen_flag(piece: Piece, bottom_right: bool = True) -> bool | None:
     """The causal flag of the varlen call that takes ``piece``: ``True`` for causal and anticausal squares and,
     when the op aligns causal masks bottom-right (``bottom_right``), for full pieces of one query row (that row
-    then sees every key); ``False`` for other full pieces, ``None`` for masked ones."""
+    then sees every key); ``False`` for other full pieces and for band pieces (their window says it), ``None``
+    for masked ones."""
     if piece.kind == "masked":
         return None
+    if piece.kind == "band":
+        return False
     return piece.kind != "full" or (bottom_right and piece.r1 - piece.r0 == 1)
 
 
 def plan_step(items: Sequence[Item], batch: int, device: torch.device, varlen: bool,
               bottom_right: bool = True) -> StepPlan:
     """The kernel calls of one step's pieces (module docstring); ``varlen``: the kernel has the op, which aligns
-    causal masks bottom-right when ``bottom_right`` (``Kernel.varlen_bottom_right``)."""
+    causal masks bottom-right when ``bottom_right`` (``Kernel.varlen_bottom_right``). Pieces of one call class
+    (causal flag, and a band piece's window) share a call."""
     if not varlen:
         return StepPlan(tuple(items), ())
     spans = tuple((rows.indices(batch)[:2], piece) for rows, piece in items)
-    return _plan(spans, torch.device(device), bottom_right)
+    return _plan(spans, batch, torch.device(device), bottom_right)
 
 
 @lru_cache(maxsize=64)  # per document mix: its index tensors are copied to the device once, without blocking
-def _plan(spans: tuple[tuple[tuple[int, int], Piece], ...], device: torch.device, bottom_right: bool) -> StepPlan:
-    classes: dict[bool, list[int]] = {False: [], True: []}
+def _plan(spans: tuple[tuple[tuple[int, int], Piece], ...], batch: int, device: torch.device,
+          bottom_right: bool) -> StepPlan:
+    classes: dict[tuple[bool, tuple[int, int] | None], list[int]] = {}
     for i, (_, piece) in enumerate(spans):
         flag = varlen_flag(piece, bottom_right)
         if flag is not None:
-            classes[flag].append(i)
+            classes.setdefault((flag, piece.window), []).append(i)
     packed = {i for members in classes.values() if len(members) > 1 for i in members}
     dense = tuple((slice(*rows), piece) for i, (rows, piece) in enumerate(spans) if i not in packed)
-    calls = tuple(_varlen_call([spans[i] for i in members], causal, device)
-                  for causal, members in classes.items() if len(members) > 1)
+    calls = tuple(_varlen_call([spans[i] for i in members], causal, window, batch, device)
+                  for (causal, window), members in sorted(classes.items(), key=_class_order) if len(members) > 1)
     return StepPlan(dense, calls)
+
+
+def _class_order(item: tuple) -> tuple:
+    (causal, window), _ = item
+    return causal, window is not None, window or (0, 0)
 
 
 def _rounds(members: Sequence[tuple[tuple[int, int], Piece]]) -> list[int]:
@@ -234,8 +256,9 @@ def _cumulative(lengths: list[int], device: torch.device) -> Tensor:
     return to_device(torch.tensor([0, *accumulate(lengths)], dtype=torch.int32), device)
 
 
-def _varlen_call(members: list[tuple[tuple[int, int], Piece]], causal: bool, device: torch.device) -> VarlenCall:
-    """Pack pieces of one causal flag, a sequence per (batch row, piece), ordered by merge round."""
+def _varlen_call(members: list[tuple[tuple[int, int], Piece]], causal: bool, window: tuple[int, int] | None,
+                 batch: int, device: torch.device) -> VarlenCall:
+    """Pack pieces of one call class, a sequence per (batch row, piece), ordered by merge round."""
     rounds = _rounds(members)
     order = sorted(range(len(members)), key=lambda i: rounds[i])  # stable: a round is a run of packed rows
     seqs = [(b, members[i][1], rounds[i]) for i in order for b in range(*members[i][0])]
@@ -245,15 +268,29 @@ def _varlen_call(members: list[tuple[tuple[int, int], Piece]], causal: bool, dev
     batch_rows = torch.tensor([b for b, _, _ in seqs])
     ends = [0, *accumulate(q_len)]
     bounds = [ends[j] for j in range(len(seqs) + 1) if j in (0, len(seqs)) or seqs[j][2] != seqs[j - 1][2]]
+    q_pos, k_pos = _positions([p.r0 for _, p, _ in seqs], q_len, rev), _positions([p.c0 for _, p, _ in seqs], k_len, rev)
+    q_row, k_row = batch_rows.repeat_interleave(torch.tensor(q_len)), batch_rows.repeat_interleave(torch.tensor(k_len))
     return VarlenCall(
-        causal,
-        to_device(batch_rows.repeat_interleave(torch.tensor(q_len)), device),
-        to_device(_positions([p.r0 for _, p, _ in seqs], q_len, rev), device),
-        to_device(batch_rows.repeat_interleave(torch.tensor(k_len)), device),
-        to_device(_positions([p.c0 for _, p, _ in seqs], k_len, rev), device),
+        causal, to_device(q_row, device), to_device(q_pos, device), to_device(k_row, device), to_device(k_pos, device),
         _cumulative(q_len, device), _cumulative(k_len, device), max(q_len), max(k_len),
-        tuple(zip(bounds, bounds[1:])),
+        tuple(zip(bounds, bounds[1:])), window, _natural(q_row, q_pos, batch) and _natural(k_row, k_pos, batch),
     )
+
+
+def _natural(row: Tensor, pos: Tensor, batch: int) -> bool:
+    """Whether packed rows ``(row, pos)`` are every batch row's positions ``0, 1, ...`` in order (host tensors)."""
+    n = row.numel()
+    if n % batch:
+        return False
+    length = n // batch
+    want = torch.arange(length).repeat(batch), torch.arange(batch).repeat_interleave(length)
+    return bool(torch.equal(pos, want[0]) and torch.equal(row, want[1]))
+
+
+def window_arg(window: tuple[int, int] | None) -> dict:
+    """The ``window=`` keyword of a windowed kernel's call (none at all for the other calls, so kernels without a
+    window argument are never given one)."""
+    return {} if window is None else {"window": window}
 
 
 def _gather(x: Tensor, row: Tensor, pos: Tensor) -> Tensor:
@@ -271,7 +308,7 @@ class ForwardStep:
     def __init__(self, q: Tensor, position: int, mask: AttnMask, cp: int, scale: float, kernel: Kernel) -> None:
         self.q, self.scale, self.kernel = q, scale, kernel
         self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
-                                kernel.varlen_forward is not None, kernel.varlen_bottom_right)
+                                kernel.varlen_forward is not None, kernel.varlen_bottom_right, kernel.windowed)
         acc = acc_dtype(q.dtype)
         self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -288,7 +325,8 @@ class ForwardStep:
     def _varlen(self, call: VarlenCall, block: Tensor) -> None:
         kv = block.transpose(2, 3)[:, call.k_row, call.k_pos]  # [2, Tk, Hkv, D]
         out, lse = self.kernel.varlen_forward(_gather(self.q, call.q_row, call.q_pos), kv[0], kv[1], call.cu_q,
-                                              call.cu_k, call.max_q, call.max_k, call.causal, self.scale)
+                                              call.cu_k, call.max_q, call.max_k, call.causal, self.scale,
+                                              **window_arg(call.window))
         out_acc, lse_acc = self.out.transpose(1, 2), self.lse.transpose(1, 2)
         for a, b in call.rounds:
             index = (call.q_row[a:b], call.q_pos[a:b])
@@ -312,7 +350,7 @@ class BackwardStep:
         self.dout, self.q, self.out, self.lse = dout, q, out, lse
         self.scale, self.kernel = scale, kernel
         self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
-                                kernel.varlen_backward is not None, kernel.varlen_bottom_right)
+                                kernel.varlen_backward is not None, kernel.varlen_bottom_right, kernel.windowed)
         b, h, sq, d = q.shape  # [B, S, H, D] storage: the op's result layout, so no copy at the end
         self.dq = torch.zeros((b, sq, h, d), dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
 
@@ -338,7 +376,7 @@ class BackwardStep:
         lse = _gather(self.lse, *rows).t().contiguous()  # [H, Tq]
         dq, dk, dv = self.kernel.varlen_backward(
             _gather(self.dout, *rows), _gather(self.q, *rows), kv[0], kv[1], _gather(self.out, *rows), lse,
-            call.cu_q, call.cu_k, call.max_q, call.max_k, call.causal, self.scale,
+            call.cu_q, call.cu_k, call.max_q, call.max_k, call.causal, self.scale, **window_arg(call.window),
         )
         cols = (call.k_row, call.k_pos)
         self.dq.transpose(1, 2).index_put_(rows, dq.to(self.dq.dtype), accumulate=True)

@@ -37,11 +37,14 @@ from tests.helpers.emulation_math import (
     attn_backward,
     attn_forward,
     bind,
+    fa2_window,
     like_op,
     lse_dtype,
     math_dtype,
     to_bhsd,
     to_bshd,
+    window_backward,
+    window_forward,
 )
 
 Tensor = torch.Tensor
@@ -166,7 +169,6 @@ class EmulatedAten:
         assert q.shape[1] % k.shape[1] == 0, f"{op}: {q.shape[1]} heads not a multiple of {k.shape[1]}"
         assert q.shape[2] % 8 == 0 and q.shape[2] <= max_head_dim, f"{op}: head dim {q.shape[2]}"
         assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
-        assert a.get("window_size_left") is None and a.get("window_size_right") is None, f"{op}: no window"
         bounds = []
         for name, total, longest in (("cum_seq_q", q.shape[0], a["max_q"]), ("cum_seq_k", k.shape[0], a["max_k"])):
             cu = a[name]
@@ -186,46 +188,77 @@ class EmulatedAten:
     def _sequences(cu_q: list[int], cu_k: list[int]):
         return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
 
+    def _flash_dense_or_varlen(self, op: str, a: dict) -> tuple[list[tuple[slice, slice]], int, int, bool]:
+        """The sequences of a ``_flash_attention_*`` call: ``[(query rows, key rows)]`` of the packed tensors (a dense
+        call's ``[B, S, H, D]`` batch rows are packed as sequences of ``S``), the lengths FA2 reads its window
+        against (the longest), and whether it is packed (``cum_seq_q`` given)."""
+        if a["cum_seq_q"] is not None:
+            cu_q, cu_k = self._check_varlen(op, a)
+            return self._sequences(cu_q, cu_k), a["max_q"], a["max_k"], True
+        assert a["cum_seq_k"] is None, f"{op}: cum_seq_k without cum_seq_q"
+        q, k, v = a["query"], a["key"], a["value"]
+        self._check_qkv(op, *(t.transpose(1, 2) for t in (q, k, v)), _HALF, gqa=True)  # [B, S, H, D] as given
+        assert q.shape[3] % 8 == 0 and q.shape[3] <= 256, f"{op}: head dim {q.shape[3]}"
+        assert a["dropout_p"] == 0.0, f"{op}: emulation has no dropout"
+        assert (a["max_q"], a["max_k"]) == (q.shape[1], k.shape[1]), f"{op}: max_q/max_k"
+        sq, sk = q.shape[1], k.shape[1]
+        return [(slice(i * sq, (i + 1) * sq), slice(i * sk, (i + 1) * sk)) for i in range(q.shape[0])], sq, sk, False
+
+    def _fa2_window(self, a: dict, rows: int, cols: int) -> tuple[int, int]:
+        for name in ("window_size_left", "window_size_right"):
+            assert a[name] is None or (isinstance(a[name], int) and a[name] >= -1), f"{name}={a[name]}"
+        return fa2_window(a["window_size_left"], a["window_size_right"], a["is_causal"], rows, cols)
+
     def _flash_attention_forward(self, *args, **kwargs):
         op = "_flash_attention_forward"
         a = self._bind(op, args, kwargs)
-        cu_q, cu_k = self._check_varlen(op, a)
+        seqs, rows, cols, packed = self._flash_dense_or_varlen(op, a)
         assert not a["return_debug_mask"] and a["seqused_k"] is None and a["alibi_slopes"] is None, op
         assert a["block_table"] is None and a["num_splits"] is None, f"{op}: emulation has no paged or split KV"
-        q, k, v = a["query"], a["key"], a["value"]
+        left, right = self._fa2_window(a, rows, cols)
+        q, k, v = (a[n] if packed else a[n].flatten(0, 1) for n in ("query", "key", "value"))
         scale = _scale(a, q.shape[-1])
         out = torch.zeros(q.shape, dtype=q.dtype)
         lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=lse_dtype(q.dtype))
-        for rows, cols in self._sequences(cu_q, cu_k):
-            o, m = attn_forward(*(to_bhsd(t[s]) for t, s in ((q, rows), (k, cols), (v, cols))), a["is_causal"], scale,
-                            bottom_right=True)
-            seen = m[0] > float("-inf")  # [H, rows]: a query row that sees no key gets out 0, lse +inf
-            out[rows] = torch.where(seen.t()[..., None], o[0].transpose(0, 1), 0.0).to(q.dtype)
-            lse[:, rows] = torch.where(seen, m[0], float("inf"))
+        for rows_, cols_ in seqs:
+            o, m = window_forward(*(to_bhsd(t[s]) for t, s in ((q, rows_), (k, cols_), (v, cols_))), scale, left, right)
+            out[rows_] = o[0].transpose(0, 1).to(q.dtype)
+            lse[:, rows_] = m[0]
         if self.fault == "varlen_lse_token_major":
             lse = lse.t().contiguous().view(lse.shape)
+        if not packed:  # [B, S, H, D] out, [B, H, S] lse
+            b = a["query"].shape[0]
+            out, lse = out.view(a["query"].shape), lse.view(lse.shape[0], b, -1).transpose(0, 1).contiguous()
         rng_state, unused = torch.zeros(2, dtype=torch.uint64), torch.zeros((), dtype=torch.uint64)
         return out, lse, rng_state, unused, torch.empty(0, dtype=q.dtype)
 
     def _flash_attention_backward(self, *args, **kwargs):
         op = "_flash_attention_backward"
         a = self._bind(op, args, kwargs)
-        cu_q, cu_k = self._check_varlen(op, a)
-        q, k, v = a["query"], a["key"], a["value"]
-        for name in ("grad_out", "out"):
-            assert a[name].shape == q.shape and a[name].dtype == q.dtype, f"{op}: {name}"
+        seqs, rows, cols, packed = self._flash_dense_or_varlen(op, a)
+        left, right = self._fa2_window(a, rows, cols)
+        q, k, v, dout, out = (a[n] if packed else a[n].flatten(0, 1)
+                              for n in ("query", "key", "value", "grad_out", "out"))
+        for name, t in (("grad_out", dout), ("out", out)):
+            assert t.shape == q.shape and t.dtype == q.dtype, f"{op}: {name}"
         lse = a["logsumexp"]
-        self._check_lse(op, lse, (q.shape[1], q.shape[0]), q)
-        lse = lse.as_strided(lse.shape, (q.shape[0], 1), lse.storage_offset())  # read as a dense buffer
+        if packed:
+            self._check_lse(op, lse, (q.shape[1], q.shape[0]), q)
+            lse = lse.as_strided(lse.shape, (q.shape[0], 1), lse.storage_offset())  # read as a dense buffer
+        else:
+            b, s = a["query"].shape[:2]
+            self._check_lse(op, lse, (b, q.shape[1], s), q)
+            lse = lse.as_strided(lse.shape, (q.shape[1] * s, s, 1), lse.storage_offset()).transpose(0, 1).flatten(1)
         assert a["rng_state"].dtype == torch.uint64 and a["rng_state"].shape == (2,), f"{op}: rng state"
         scale = _scale(a, q.shape[-1])
         dq, dk, dv = (torch.zeros(t.shape, dtype=math_dtype(q.dtype)) for t in (q, k, v))
-        for rows, cols in self._sequences(cu_q, cu_k):
-            grads = attn_backward(to_bhsd(a["grad_out"][rows]), to_bhsd(q[rows]), to_bhsd(k[cols]), to_bhsd(v[cols]),
-                              to_bhsd(a["out"][rows]), lse[None, :, rows], a["is_causal"], scale, bottom_right=True)
-            for full, part, s in zip((dq, dk, dv), grads, (rows, cols, cols)):
+        for rows_, cols_ in seqs:
+            grads = window_backward(to_bhsd(dout[rows_]), to_bhsd(q[rows_]), to_bhsd(k[cols_]), to_bhsd(v[cols_]),
+                                    to_bhsd(out[rows_]), lse[None, :, rows_], scale, left, right)
+            for full, part, s in zip((dq, dk, dv), grads, (rows_, cols_, cols_)):
                 full[s] = part[0].transpose(0, 1)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+        return grads if packed else tuple(g.view(a[n].shape) for g, n in zip(grads, ("query", "key", "value")))
 
     # ------------------------------------------------ cuDNN, ragged (variable length)
 

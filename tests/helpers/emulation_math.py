@@ -109,3 +109,114 @@ def to_bhsd(x: Tensor) -> Tensor:
 
 def like_op(x: Tensor, ref: Tensor) -> Tensor:
     return torch.empty_like(ref).copy_(x)
+
+
+# ---------------------------------------------------------------- FlashAttention's window, a row block at a time
+
+
+def window_columns(rows: int, cols: int, left: int, right: int, r0: int, r1: int) -> tuple[int, int]:
+    """Columns ``[c0, c1)`` that query rows ``[r0, r1)`` of a ``rows x cols`` call may see under a bottom-right
+    aligned window (row ``r`` sees ``r + cols - rows - left <= c <= r + cols - rows + right``; ``-1``: unbounded)."""
+    shift = cols - rows
+    c0 = 0 if left < 0 else max(0, r0 + shift - left)
+    c1 = cols if right < 0 else min(cols, r1 - 1 + shift + right + 1)
+    return c0, max(c0, c1)
+
+
+def _window_scores(q: Tensor, k: Tensor, scale: float, left: int, right: int, r0: int, r1: int, c0: int, c1: int,
+                   rows: int, cols: int) -> Tensor:
+    """Scaled scores of query rows ``[r0, r1)`` against key columns ``[c0, c1)`` (GQA by index), ``-inf`` outside
+    the window, in the math dtype."""
+    group = q.shape[1] // k.shape[1]
+    dtype = math_dtype(q.dtype)
+    kk = k[:, torch.arange(q.shape[1]) // group, c0:c1].to(dtype)
+    s = torch.einsum("bhqd,bhkd->bhqk", q[:, :, r0:r1].to(dtype), kk) * scale
+    d = torch.arange(c0, c1)[None, :] - torch.arange(r0, r1)[:, None] - (cols - rows)
+    visible = torch.ones_like(d, dtype=torch.bool)
+    if left >= 0:
+        visible &= d >= -left
+    if right >= 0:
+        visible &= d <= right
+    return s.masked_fill(~visible, float("-inf"))
+
+
+def _block(left: int, right: int) -> int:
+    """Query rows per block: about the window's width when it is narrow (few columns outside it), else 512."""
+    return 512 if left < 0 or right < 0 else max(64, min(512, left + right + 1))
+
+
+def window_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, left: int, right: int,
+                   block: int | None = None) -> tuple[Tensor, Tensor]:
+    """``[B, H, Sq, D]`` attention under a bottom-right window, ``block`` query rows at a time (only the columns
+    they may see: a narrow window over a long sequence stays cheap). Rows that see no key: out 0, lse ``+inf``."""
+    b, h, rows, d = q.shape
+    cols = k.shape[2]
+    dtype = math_dtype(q.dtype)
+    out = torch.zeros(b, h, rows, v.shape[-1], dtype=dtype)
+    lse = torch.full((b, h, rows), float("inf"), dtype=dtype)
+    group = h // k.shape[1]
+    block = block or _block(left, right)
+    for r0 in range(0, rows, block):
+        r1 = min(rows, r0 + block)
+        c0, c1 = window_columns(rows, cols, left, right, r0, r1)
+        if c0 == c1:
+            continue
+        s = _window_scores(q, k, scale, left, right, r0, r1, c0, c1, rows, cols)
+        m = torch.logsumexp(s, dim=-1)
+        seen = m > float("-inf")
+        vv = v[:, torch.arange(h) // group, c0:c1].to(dtype)
+        o = torch.einsum("bhqk,bhkd->bhqd", torch.exp(s - m[..., None]).nan_to_num(0.0), vv)
+        out[:, :, r0:r1] = torch.where(seen[..., None], o, 0.0)
+        lse[:, :, r0:r1] = torch.where(seen, m, float("inf"))
+    return out, lse
+
+
+def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                    left: int, right: int, block: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`window_forward` from the given out and lse, dK/dV summed onto the KV heads."""
+    b, h, rows, d = q.shape
+    cols = k.shape[2]
+    dtype = math_dtype(q.dtype)
+    heads = torch.arange(h) // (h // k.shape[1])
+    dq = torch.zeros(q.shape, dtype=dtype)
+    dk_h = torch.zeros(b, h, cols, d, dtype=dtype)
+    dv_h = torch.zeros(b, h, cols, v.shape[-1], dtype=dtype)
+    block = block or _block(left, right)
+    for r0 in range(0, rows, block):
+        r1 = min(rows, r0 + block)
+        c0, c1 = window_columns(rows, cols, left, right, r0, r1)
+        if c0 == c1:
+            continue
+        s = _window_scores(q, k, scale, left, right, r0, r1, c0, c1, rows, cols)
+        p = torch.exp(s - lse[:, :, r0:r1, None].to(dtype))
+        g, o = dout[:, :, r0:r1].to(dtype), out[:, :, r0:r1].to(dtype)
+        dp = torch.einsum("bhqd,bhkd->bhqk", g, v[:, heads, c0:c1].to(dtype))
+        ds = p * (dp - (g * o).sum(-1, keepdim=True)) * scale
+        dq[:, :, r0:r1] = torch.einsum("bhqk,bhkd->bhqd", ds, k[:, heads, c0:c1].to(dtype))
+        dk_h[:, :, c0:c1] += torch.einsum("bhqk,bhqd->bhkd", ds, q[:, :, r0:r1].to(dtype))
+        dv_h[:, :, c0:c1] += torch.einsum("bhqk,bhqd->bhkd", p, g)
+    dk = torch.zeros(k.shape, dtype=dtype).index_add_(1, heads, dk_h)
+    dv = torch.zeros(v.shape, dtype=dtype).index_add_(1, heads, dv_h)
+    return dq, dk, dv
+
+
+def fa2_window(left: int | None, right: int | None, causal: bool, rows: int, cols: int) -> tuple[int, int]:
+    """FlashAttention-2's own reading of its arguments (``mha_fwd`` / ``mha_varlen_fwd`` and their parameters;
+    ``rows``/``cols``: the call's (longest) query and key lengths): a bound at or past the key length is dropped,
+    one query row is never causal, causal means ``right = 0``, and a dropped bound beside a kept one becomes the key
+    length. Returns ``(left, right)``, ``-1`` unbounded."""
+    left = -1 if left is None else left
+    right = -1 if right is None else right
+    if left >= cols:
+        left = -1
+    if right >= cols:
+        right = -1
+    if rows == 1:
+        causal = False
+    if causal:
+        right = 0
+    if left < 0 and right >= 0:
+        left = cols
+    if left >= 0 and right < 0:
+        right = cols
+    return left, right

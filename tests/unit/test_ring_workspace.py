@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from loongtrain.attn.kernels import CPU_FLASH
+from loongtrain.attn.masking import UNBOUNDED, Piece
 from loongtrain.attn.ring import backward_workspace_bytes, local_ring_backward, whole_backward
 
 H, HKV, D = 32, 8, 128
@@ -48,6 +49,7 @@ def test_whole_backward_workspace_is_described():
     with FakeTensorMode():
         (q, out, dout), (k, v) = _tensors(3, tokens, H, torch.float32), _tensors(2, tokens, HKV, torch.float32)
         lse = torch.empty(1, H, tokens)
-        peak = _peak(lambda: whole_backward(CPU_FLASH, True, dout, q, k, v, out, lse, 0.1))
+        causal = Piece(0, tokens, 0, tokens, "causal")
+        peak = _peak(lambda: whole_backward(CPU_FLASH, causal, (-UNBOUNDED, 0), dout, q, k, v, out, lse, 0.1))
     results = tokens * (H + 2 * HKV) * D * 4
     assert peak == backward_workspace_bytes(tokens, H, HKV, D, 4, 1) + results
