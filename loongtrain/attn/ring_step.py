@@ -268,8 +268,10 @@ def _varlen_call(members: list[tuple[tuple[int, int], Piece]], causal: bool, win
     batch_rows = torch.tensor([b for b, _, _ in seqs])
     ends = [0, *accumulate(q_len)]
     bounds = [ends[j] for j in range(len(seqs) + 1) if j in (0, len(seqs)) or seqs[j][2] != seqs[j - 1][2]]
-    q_pos, k_pos = _positions([p.r0 for _, p, _ in seqs], q_len, rev), _positions([p.c0 for _, p, _ in seqs], k_len, rev)
-    q_row, k_row = batch_rows.repeat_interleave(torch.tensor(q_len)), batch_rows.repeat_interleave(torch.tensor(k_len))
+    q_pos = _positions([p.r0 for _, p, _ in seqs], q_len, rev)
+    k_pos = _positions([p.c0 for _, p, _ in seqs], k_len, rev)
+    q_row = batch_rows.repeat_interleave(torch.tensor(q_len))
+    k_row = batch_rows.repeat_interleave(torch.tensor(k_len))
     return VarlenCall(
         causal, to_device(q_row, device), to_device(q_pos, device), to_device(k_row, device), to_device(k_pos, device),
         _cumulative(q_len, device), _cumulative(k_len, device), max(q_len), max(k_len),
