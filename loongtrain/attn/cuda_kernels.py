@@ -322,3 +322,26 @@ CUDA_CUDNN = Kernel("cuda_cudnn", _cuda_cudnn_forward, _cuda_cudnn_backward, _cu
                     _cuda_cudnn_varlen_backward, varlen_bottom_right=False)
 CUDA_FLASH_PADDED = _head_dim_padded(CUDA_FLASH, 8)
 CUDA_EFFICIENT_PADDED = _head_dim_padded(CUDA_EFFICIENT, 8)
+
+
+def narrowed(kernel: Kernel, fallback: Kernel, max_rows: int) -> Kernel:
+    """``kernel``'s dense calls of more than ``max_rows`` query rows, ``fallback``'s for the others (a known bug
+    reachable only with that few rows, docs/kernels.md#safety); named ``<kernel>_rows<max_rows + 1>``. No varlen op
+    (judged on its own). Both give lse ``[B, H, S]``, so the backward of a call goes where its forward went."""
+
+    def pick(q: Tensor) -> Kernel:
+        return fallback if q.shape[2] <= max_rows else kernel
+
+    def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+        return pick(q).forward(q, k, v, causal, scale)
+
+    def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                 scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        return pick(q).backward(dout, q, k, v, out, lse, causal, scale)
+
+    return Kernel(f"{kernel.name}_rows{max_rows + 1}", forward, backward)
+
+
+#: cuDNN on cuDNN <= 9.26 (its one-row NaN bug, NVIDIA/cudnn-frontend#1072): one-row calls on FA2
+CUDA_CUDNN_ROWS2 = narrowed(CUDA_CUDNN, CUDA_FLASH, 1)
+CUDA_KERNELS = (CUDA_FLASH, CUDA_CUDNN, CUDA_EFFICIENT, CUDA_FLASH_PADDED, CUDA_EFFICIENT_PADDED)

@@ -54,14 +54,9 @@ from loongtrain.attn.cuda_kernels import (
     CUDA_FLASH,
     CUDA_FLASH_PADDED,
 )
-from loongtrain.attn.kernel_probe import (
-    ProbeSpec,
-    Versions,
-    current_versions,
-    known_bad,
-    needs_probe,
-    probe_in_subprocess,
-)
+from loongtrain.attn.flash_kernels import CUDA_FA3, CUDA_FA4, fa3_ok, fa4_ok
+from loongtrain.attn.kernel_gate import BatchProbe, Probe, gate, length_bucket, reference_or_refuse
+from loongtrain.attn.kernel_probe import current_versions
 from loongtrain.attn.kernel_timing import MEASURE_DOCUMENTS, make_timer
 from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, Kernel
 from loongtrain.parallel.runtime import is_distributed
@@ -128,7 +123,8 @@ def kernel_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -
     if device.type != "cuda" or torch.version.hip is not None or dtype == torch.float64:
         return [REFERENCE]  # fp64: no fused CUDA kernel; ROCm: rules not worked out here
     sm = torch.cuda.get_device_capability(device)
-    checks = ((CUDA_FLASH, _flash_ok), (CUDA_CUDNN, _cudnn_ok), (CUDA_EFFICIENT, _efficient_ok))
+    checks = ((CUDA_FLASH, _flash_ok), (CUDA_CUDNN, _cudnn_ok), (CUDA_FA3, fa3_ok), (CUDA_FA4, fa4_ok),
+              (CUDA_EFFICIENT, _efficient_ok))
     exact = [kernel for kernel, ok in checks if ok(sm, dtype, head_dim)]
     padded_dim = -(-head_dim // 8) * 8  # only when no kernel takes the head dim as it is
     padded = [kernel for kernel, ok in ((CUDA_FLASH_PADDED, _flash_ok), (CUDA_EFFICIENT_PADDED, _efficient_ok))
@@ -136,17 +132,27 @@ def kernel_candidates(device: torch.device, dtype: torch.dtype, head_dim: int) -
     return exact or padded or [REFERENCE]
 
 
+#: kernels never taken by rule, only where they measured faster (cuDNN; FlashAttention 3 and 4)
+BY_MEASUREMENT = ("cuda_cudnn", "cuda_fa3", "cuda_fa4")
+
+
+def rule_of(candidates: list[Kernel]) -> Kernel:
+    """The rule's kernel among ``candidates``: the first not taken only by measurement (:data:`BY_MEASUREMENT`),
+    else the first."""
+    return next((k for k in candidates if not k.name.startswith(BY_MEASUREMENT)), candidates[0])
+
+
 def select_kernel(
     device: torch.device, dtype: torch.dtype, head_dim: int,
     measure: Callable[[Kernel], float] | None = None,
 ) -> Kernel:
-    """The kernel the ring uses: the first of :func:`kernel_candidates`, except that ``cuda_cudnn`` is
-    only taken by measurement. ``measure(kernel) -> seconds`` (the hook for a GPU calibration): the
-    fastest candidate."""
+    """The kernel the ring uses by rule: the first of :func:`kernel_candidates`, except that cuDNN and
+    FlashAttention 3/4 are only taken by measurement. ``measure(kernel) -> seconds`` (the hook for a GPU
+    calibration): the fastest candidate."""
     candidates = kernel_candidates(device, dtype, head_dim)
     if measure is not None and len(candidates) > 1:
         return min(candidates, key=measure)
-    return next(k for k in candidates if k is not CUDA_CUDNN)  # efficient is eligible wherever cuDNN is
+    return rule_of(candidates)  # efficient is eligible wherever cuDNN and FA3/FA4 are
 
 
 # ---------------------------------------------------------------- measurement
@@ -196,55 +202,6 @@ def varlen_options(candidates: list[Kernel], dense: Kernel) -> tuple[list[Kernel
     return options, options[0]
 
 
-def length_bucket(seq_len: int) -> int:
-    """The power of two at or above ``seq_len``: choices are kept per bucket of block lengths, so a short first
-    stage of a length schedule does not fix the kernel of a long one."""
-    return 1 << max(0, int(seq_len) - 1).bit_length()
-
-
-Probe = Callable[[Kernel, str], "str | None"]
-
-
-def subprocess_probe(device: torch.device, dtype: torch.dtype, head_dim: int, group: int, seq_len: int) -> Probe:
-    """``probe(kernel, kind) -> reason or None``: :func:`loongtrain.attn.kernel_probe.probe_in_subprocess` at
-    these shapes (one KV head against ``group`` query heads, blocks of ``seq_len``)."""
-    device = torch.device(device)
-    where = f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
-
-    def probe(kernel: Kernel, kind: str) -> str | None:
-        spec = ProbeSpec(kernel.name, kind, str(dtype).removeprefix("torch."), head_dim, group, seq_len, where)
-        return probe_in_subprocess(spec)
-
-    return probe
-
-
-def _verdict(kernel: Kernel, kind: str, versions: Versions, probe: Probe, base: dict[str, Kernel]) -> str | None:
-    """Why ``kernel`` may not take call ``kind`` here (None: it may): the table, then the probe. A varlen option
-    without a varlen op (one dense call per piece) is its dense kernel's dense calls."""
-    if kind == "varlen" and kernel.varlen_forward is None:
-        kernel, kind = base.get(kernel.name.removesuffix("_per_piece"), kernel), "dense"
-    reason = known_bad(kernel, kind, versions)
-    if reason is None and needs_probe(kernel, versions):
-        reason = probe(kernel, kind)
-    return reason
-
-
-def _safe(options: list[Kernel], kind: str, versions: Versions, probe: Probe, base: dict[str, Kernel],
-          refused: dict[str, str]) -> list[Kernel]:
-    """``options`` without those refused (recorded in ``refused``: key ``kind:name`` -> reason, logged once)."""
-    kept = []
-    for kernel in options:
-        key = f"{kind}:{kernel.name}"
-        if key not in refused:
-            reason = _verdict(kernel, kind, versions, probe, base)
-            if reason is not None:
-                refused[key] = reason
-                log.warning("attention kernel %s not used for %s calls: %s", kernel.name, kind, reason)
-        if key not in refused:
-            kept.append(kernel)
-    return kept
-
-
 def choose_kernel(
     device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, seq_len: int,
     measure: Callable[[Kernel, str], float] | None = None, probe: Probe | None = None,
@@ -252,47 +209,59 @@ def choose_kernel(
     """The kernel for attention of ``num_heads`` query heads against ``num_kv_heads`` KV heads of
     ``head_dim``, blocks of ``seq_len`` tokens, on ``device`` (module docstring). ``measure(kernel, kind) ->
     seconds`` (``kind`` in :data:`CALL_KINDS`) replaces the timing, ``probe(kernel, kind) -> reason or None``
-    the subprocess check (tests)."""
+    the probe process (tests). Raises :class:`~loongtrain.attn.kernel_gate.NoSafeKernel` when nothing may run the
+    call (no fused kernel passes, and the reference kernel cannot hold the length) and
+    :class:`~loongtrain.attn.probe_batch.ProbeError` when the probe process fails for its own reasons."""
     device = torch.device(device)
     key = (device.type, device.index, dtype, head_dim, num_heads, num_kv_heads, length_bucket(seq_len))
     deterministic = torch.are_deterministic_algorithms_enabled()
     if key in _CHOICES and not deterministic:
         return _CHOICES[key]
-    rule = select_kernel(device, dtype, head_dim)
-    if device.type != "cuda" or deterministic:
+    if device.type != "cuda":
+        rule = select_kernel(device, dtype, head_dim)
         _CHOICES[key] = rule  # for the run's records (deterministic mode looks it up again each time)
         return rule
     versions = current_versions()
-    probe = probe or subprocess_probe(device, dtype, head_dim, num_heads // num_kv_heads, seq_len)
-    base = {k.name: k for k in kernel_candidates(device, dtype, head_dim)}
-    refused: dict[str, str] = {}
-    _safe(list(base.values()), "dense", versions, probe, base, refused)
-    refused_all = _refused_anywhere(refused)
-    candidates = [k for k in base.values() if f"dense:{k.name}" not in refused_all] or [REFERENCE]
-    rule = next((k for k in candidates if k is not CUDA_CUDNN), candidates[0])
+    probe = probe or BatchProbe(device, dtype, head_dim, num_heads, num_kv_heads, seq_len, versions)
+    safe = gate(kernel_candidates(device, dtype, head_dim), versions, probe)
+    _REFUSED.update(safe.refused)
+    _REFUSED.update({f"{k} (narrowed)": v for k, v in safe.narrowed.items()})
+    candidates = safe.dense or [reference_or_refuse(device, dtype, num_heads, seq_len, safe.refused)]
+    rule = rule_of(candidates)
+    if deterministic:  # the rule's kernel, nothing timed (its varlen op where it has a safe one)
+        choice = _with_window(combined(rule, rule if rule in safe.varlen else per_piece(rule)), safe.window)
+        _CHOICES[key] = choice
+        return choice
     timer = measure or make_timer(device, dtype, head_dim, num_heads, num_kv_heads, seq_len)
     dense, times = (rule, {}) if len(candidates) < 2 else pick_by_time(candidates, rule, lambda k: timer(k, "dense"))
-    offered = varlen_options(candidates, dense)[0]
-    _safe(offered, "varlen", versions, probe, base, refused)
-    refused_all = _refused_anywhere(refused)
-    options = [k for k in offered if f"varlen:{k.name}" not in refused_all]
+    options = varlen_options(safe.varlen, dense)[0]
     varlen_rule = options[0]
     varlen, varlen_times = ((varlen_rule, {}) if len(options) < 2 else
                             pick_by_time(options, varlen_rule, lambda k: timer(k, "varlen")))
     if times or varlen_times:
         dense_name, varlen_name = _rank0_names((dense.name, varlen.name))
         dense = next(k for k in candidates if k.name == dense_name)
-        varlen = next(k for k in varlen_options(candidates, dense)[0] if k.name == varlen_name)
+        varlen = next(k for k in varlen_options(safe.varlen, dense)[0] if k.name == varlen_name)
         shown = {kind: ", ".join(f"{name} {t * 1e3:.2f} ms" for name, t in timed.items())
                  for kind, timed in (("dense", times), ("varlen", varlen_times))}
         log.info("attention kernel for %s, head dim %d, %d/%d heads, blocks of %d: dense calls %s (fwd+bwd "
                  "measured: %s); varlen calls %s (%d documents, fwd+bwd measured: %s)", dtype, head_dim, num_heads,
                  num_kv_heads, seq_len, dense.name, shown["dense"] or "-", varlen.name, MEASURE_DOCUMENTS,
                  shown["varlen"] or "-")
-    choice = combined(dense, varlen)
+    choice = _with_window(combined(dense, varlen), safe.window)
     _CHOICES[key] = choice
-    _REFUSED.update(refused_all)
     return choice
+
+
+def _with_window(kernel: Kernel, windowed: set[str]) -> Kernel:
+    """``kernel`` without its window argument unless every part of it may use it (its dense kernel's and its varlen
+    op's, by name: ``dense+varlen`` for a combined one); cut pieces then cover windows."""
+    if not kernel.windowed:
+        return kernel
+    parts = kernel.name.split("+")
+    if all(p.removesuffix("_per_piece") in windowed for p in parts):
+        return kernel
+    return dataclasses.replace(kernel, windowed=False)
 
 
 def pin_kernel(kernel: Kernel, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int,
@@ -313,20 +282,6 @@ def chosen_kernels() -> dict[str, str]:
 def refused_kernels() -> dict[str, str]:
     """The candidates refused so far (``kind:name`` -> the one line of why)."""
     return dict(_REFUSED)
-
-
-def _refused_anywhere(refused: dict[str, str]) -> dict[str, str]:
-    """Collective over the world (when distributed with more than one rank): every rank's refusals together,
-    so no rank runs a kernel that failed its check on another. One ``all_gather_object``."""
-    if not is_distributed() or dist.get_world_size() == 1:
-        return refused
-    gathered: list[dict[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, refused)
-    merged: dict[str, str] = {}
-    for rank, theirs in enumerate(gathered):
-        for key, reason in (theirs or {}).items():
-            merged.setdefault(key, reason if rank == dist.get_rank() else f"rank {rank}: {reason}")
-    return merged
 
 
 def _rank0_names(names: tuple[str, ...]) -> tuple[str, ...]:

@@ -20,9 +20,9 @@ from loongtrain.attn.ring_step import StepPlans
 from loongtrain.attn.sinks import sinks_grad
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.plan.document_work import pair_work, piece_pairs
-from tests.e2e.test_kernel_probe_process import ring_results
 from tests.helpers.cuda_emulation import install
 from tests.helpers.emulation_math import fa2_window
+from tests.helpers.ring_cases import ring_results
 from tests.helpers.sinks import sinks_reference
 from tests.unit.test_documents import random_docs
 

@@ -1,0 +1,22 @@
+"""The in-process ring's results for a kernel and a mask (fp64), shared by the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+from loongtrain.attn.masking import AttnMask
+from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+
+
+def ring_results(kernel, mask: AttnMask, cp: int = 2) -> list[torch.Tensor]:
+    """The in-process ring's out, lse, dq, dk, dv (fp64, 2 batch rows of 24 tokens, 4/2 heads of dim 16) on
+    zigzag shards, concatenated in shard order (compare two kernels on the same mask and ``cp``)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(2, h, 24, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    order = torch.arange(24).view(2 * cp, -1)
+    idx = [torch.cat([order[c], order[2 * cp - 1 - c]]) for c in range(cp)]  # zigzag
+    qs, ks, vs, ds = ([t[:, :, i] for i in idx] for t in (q, k, v, dout))
+    res = local_ring_forward(qs, ks, vs, 1, True, 0.25, kernel, mask=mask)
+    grads = local_ring_backward(ds, qs, ks, vs, [o for o, _ in res], [m for _, m in res], 1, True, 0.25, kernel,
+                                mask=mask)
+    return [torch.cat(list(parts), dim=2) for parts in (*zip(*res), *zip(*grads))]
