@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_CUDNN_ROWS2
+from loongtrain.attn.cuda_kernels import CUDA_CUDNN_ROWS2
 from loongtrain.attn.kernel_probe import (
     PROBE_MAX_BLOCK,
     PROBE_TIMEOUT_S,
