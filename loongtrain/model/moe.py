@@ -138,11 +138,19 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
-def grouped_mm_supported(x: Tensor) -> bool:
-    """True where ``torch._grouped_mm`` runs the experts: CUDA devices of compute capability 9.0 or later,
-    bfloat16 matmuls (:func:`compute_dtype`) on rows whose width is a multiple of 8 (its 16-byte alignment)."""
+def grouped_mm_supported(x: Tensor, expert_width: int) -> bool:
+    """True where ``torch._grouped_mm`` runs the experts: CUDA devices of compute capability 9.0 up to (not
+    including) 12.0 (sm120 has no grouped kernel: torch falls back to a loop that synchronises with the host),
+    bfloat16 matmuls (:func:`compute_dtype`), rows whose width and the experts' own width (``expert_width``) are
+    multiples of 8 (its 16-byte alignment, on every operand)."""
     return (x.device.type == "cuda" and compute_dtype(x) == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % 8 == 0)
+            and (9, 0) <= torch.cuda.get_device_capability(x.device) < (12, 0) and x.shape[-1] % 8 == 0
+            and expert_width % 8 == 0)
+
+
+def expert_width(weights: ExpertWeights, spec: MoESpec) -> int:
+    """One expert's FFN width (``down``'s input width)."""
+    return weights.down.shape[1 if spec.transposed else 2]
 
 
 def moe_forward(x: Tensor, weights: ExpertWeights, spec: MoESpec, stats: RouterStats | None = None,
@@ -155,7 +163,7 @@ def moe_forward(x: Tensor, weights: ExpertWeights, spec: MoESpec, stats: RouterS
     top, experts = route(logits, spec)
     if stats is not None:
         stats.add(logits, experts)
-    use_grouped = grouped_mm_supported(flat) if grouped is None else grouped
+    use_grouped = grouped_mm_supported(flat, expert_width(weights, spec)) if grouped is None else grouped
     return run_experts(flat, top, experts, weights, spec, grouped=use_grouped).reshape(x.shape)
 
 
@@ -300,9 +308,41 @@ def _grouped_mlp(rows: Tensor, counts: Tensor, sorted_experts: Tensor, w: Expert
     def project(h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         mat = (weight if spec.transposed else weight.transpose(1, 2)).to(dtype)  # [E, in, out]
         out = torch._grouped_mm(h.to(dtype), mat, offs=offsets)
-        return out if bias is None else out + bias.to(dtype)[sorted_experts]
+        return out if bias is None else _ExpertBias.apply(out, bias, sorted_experts)
 
     return project(_activate(project(rows, w.gate_up, w.gate_up_bias), spec), w.down, w.down_bias)
+
+
+#: rows per step of :class:`_ExpertBias` (its transient: this many rows of the bias, in the compute dtype)
+BIAS_CHUNK_ROWS = 8192
+
+
+class _ExpertBias(torch.autograd.Function):
+    """``out[i] += bias[experts[i]]``, in place, :data:`BIAS_CHUNK_ROWS` rows at a time: never a gathered
+    ``[rows, width]`` copy of the bias (at gpt-oss's 64K tokens, 4 experts a token, 2 x 2880 wide in bf16: 2.9
+    GB). Saves the expert indices. Backward: the gradient passes through as it is; the bias's is the rows'
+    gradients summed per expert in fp32 (fp64 for fp64), a chunk at a time, rounded once."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, bias: Tensor, experts: Tensor) -> Tensor:
+        ctx.save_for_backward(experts)
+        ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+        b = bias.to(out.dtype)
+        for start in range(0, out.shape[0], BIAS_CHUNK_ROWS):
+            part = slice(start, start + BIAS_CHUNK_ROWS)
+            out[part] += b.index_select(0, experts[part])
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (experts,) = ctx.saved_tensors
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        d_bias = grad.new_zeros(ctx.bias_shape, dtype=acc)
+        for start in range(0, grad.shape[0], BIAS_CHUNK_ROWS):
+            part = slice(start, start + BIAS_CHUNK_ROWS)
+            d_bias.index_add_(0, experts[part], grad[part].to(acc))
+        return grad, d_bias.to(ctx.bias_dtype), None
 
 
 def _project(h: Tensor, weight: Tensor, bias: Tensor | None, spec: MoESpec) -> Tensor:

@@ -178,3 +178,82 @@ def test_per_expert_weight_files_load_fused(family, tmp_path):
     for name, param in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], param, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(initial(name, param.shape), param, rtol=0, atol=0, msg=name)
+
+
+# ---------------------------------------------------------------- the grouped path's gaps (docs/moe-and-gpt-oss.md)
+
+
+def test_grouped_mm_supported_checks_the_expert_width_and_refuses_sm120(monkeypatch):
+    """Only sm90 up to (not including) sm120, bf16, and both the model's and the experts' widths multiples of 8."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+
+    from loongtrain.model.moe import grouped_mm_supported  # noqa: PLC0415
+
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    with FakeTensorMode():
+        x = torch.empty(5, 2880, dtype=torch.bfloat16, device="cuda")
+        assert grouped_mm_supported(x, 2880)
+        assert not grouped_mm_supported(x, 2884)  # an expert width without 16-byte alignment
+        assert not grouped_mm_supported(x.float(), 2880)
+        for sm, ok in (((10, 0), True), ((8, 0), False), ((12, 0), False), ((12, 1), False)):
+            capability[0] = sm
+            assert grouped_mm_supported(x, 2880) is ok, sm
+
+
+def test_the_expert_bias_is_added_without_gathering_it_per_row(monkeypatch):
+    """gpt-oss's per-expert biases on the grouped path: equal to the gathered form forward and backward (fp64), a
+    chunk of rows at a time; under fake tensors at 64K tokens x 4 experts, 2 x 2880 wide (bf16), its peak beyond the
+    grouped GEMM's output is one chunk of the bias, not the 2.9 GB of a gathered copy."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+    from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415
+
+    from loongtrain.model import moe  # noqa: PLC0415
+
+    monkeypatch.setattr(moe, "BIAS_CHUNK_ROWS", 5)
+    g = torch.Generator().manual_seed(0)
+    out, bias = torch.randn(23, 6, generator=g, dtype=torch.float64), torch.randn(4, 6, generator=g, dtype=torch.float64)
+    experts = torch.sort(torch.randint(0, 4, (23,), generator=g)).values
+    grad = torch.randn(23, 6, generator=g, dtype=torch.float64)
+    leaves = [(out.clone().requires_grad_(), bias.clone().requires_grad_()) for _ in range(2)]
+    want = leaves[0][0] * 1 + leaves[0][1][experts]
+    got = moe._ExpertBias.apply(leaves[1][0] * 1, leaves[1][1], experts)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(got, leaves[1], grad), torch.autograd.grad(want, leaves[0], grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+    monkeypatch.setattr(moe, "BIAS_CHUNK_ROWS", 8192)
+    rows, width = 65536 * 4, 2 * 2880
+    with FakeTensorMode():
+        out = torch.empty(rows, width, dtype=torch.bfloat16)
+        bias, experts = torch.empty(32, width), torch.zeros(rows, dtype=torch.int64)
+        tracker = MemTracker()
+        with tracker:
+            moe._ExpertBias.apply(out, bias, experts)
+        peak = max(max(p.values()) for p in tracker.get_tracker_snapshot("peak").values())
+    gathered = rows * width * 2  # as much as the GEMM's output itself, which the peak holds too
+    assert gathered > 2.8e9 and peak - rows * width * 2 <= 8192 * width * 2 + 32 * width * 2 + 4096, peak
+
+
+@pytest.mark.parametrize("kind", ["gpt_oss"])
+def test_compiled_grouped_experts_without_tokens_get_exactly_zero_gradients(kind):
+    """The grouped path (bf16, torch._grouped_mm) compiled with inductor, two experts that no token picks: their
+    weights' and biases' gradients are exactly zero, and the rest equal eager's."""
+    spec, bias = SPECS[kind]
+    results = []
+    for compiled in (False, True):
+        weights = _random_weights(spec, 16, 8, torch.bfloat16, bias)
+        with torch.no_grad():
+            weights.router[:2] = -100.0  # with positive inputs, experts 0 and 1 are never in the top k
+            weights.router_bias[:2] = -100.0
+        x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(2)).abs().to(torch.bfloat16)
+        x.requires_grad_()
+        fn = lambda x, weights=weights: moe_forward(x, weights, spec, grouped=True)  # noqa: E731
+        torch._dynamo.reset()
+        y = (torch.compile(fn, backend="inductor") if compiled else fn)(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16))
+        results.append([y, x.grad, *(w.grad for w in weights if w is not None)])
+        for grads in (weights.gate_up.grad, weights.down.grad, weights.gate_up_bias.grad, weights.down_bias.grad):
+            assert grads[:2].abs().max() == 0 and grads[2:].abs().max() > 0
+    for a, b in zip(*results):
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05)
