@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates
+from benchmarks.gpu_check.safety import refusal_rows, safe_kernels
+from loongtrain.attn.kernel_choice import choose_kernel
 from loongtrain.attn.kernel_timing import median_seconds
 from loongtrain.attn.kernels import REFERENCE, Kernel
 from loongtrain.attn.masking import AttnMask, dense_mask
@@ -42,6 +43,15 @@ SIZES: dict[str, dict[str, Any]] = {
     "cpu": {"exact": (1, 256, 4, 2, 32), "ring_seq": 256, "ring_heads": (4, 2, 32), "det_seq": 256},
 }
 RING_CASES = ((1, 2, 1), (1, 4, 1), (1, 4, 2), (1, 8, 1), (1, 8, 4), (2, 4, 2), (4, 2, 1))  # (hp, cp, inner_ring)
+
+
+def probe_shapes(kind: str) -> list[tuple]:
+    size = SIZES[kind]
+    _, s, h, hkv, d = size["exact"]
+    rh, rhkv, rd = size["ring_heads"]
+    dtypes = (torch.bfloat16, torch.float16)
+    return ([(dt, d, h, hkv, s) for dt in dtypes] + [(dt, rd, rh, rhkv, size["ring_seq"]) for dt in dtypes]
+            + [(torch.bfloat16, 128 if kind == "gpu" else 32, 8, 2, size["det_seq"])])
 
 
 def _randn(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> Tensor:
@@ -87,7 +97,9 @@ def check_kernels(ctx) -> dict[str, Any]:
         kernel = choose_kernel(device, dtype, d, h, hkv, s)
         ref = reference64(q, k, v, dout, d ** -0.5)
         errs: dict[str, Any] = {}
-        for cand in kernel_candidates(device, dtype, d):
+        candidates, refused = safe_kernels(device, dtype, d, h, hkv, s)  # never one the run itself would refuse
+        out.update(refusal_rows(refused))
+        for cand in candidates + ([kernel] if kernel.name not in {c.name for c in candidates} else []):
             try:
                 got = run_kernel(cand, q, k, v, dout, d ** -0.5)
                 errs[cand.name] = {name: _max_err(got[name], ref[name]) for name in ref}

@@ -16,27 +16,22 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import statistics
+import sys
 import time
 import warnings
 from typing import Any
 
 import torch
 
+from benchmarks.gpu_check.safety import refusal_rows, safe_kernels
 from loongtrain.attn import kernel_choice
-from loongtrain.attn.kernel_probe import (
-    ProbeSpec,
-    check_cases,
-    current_versions,
-    known_bad,
-    needs_probe,
-    probe_in_subprocess,
-)
+from loongtrain.attn.kernel_probe import ProbeSpec, check_cases, current_versions
 
 SIZES: dict[str, dict[str, Any]] = {
     "gpu": {"probe": (128, 4, 16384), "documents": ("1b", 65536, 4096), "sync": ("1b", 8192)},
     "cpu": {"probe": (16, 2, 128), "documents": ("cpu-small", 256, 32), "sync": ("cpu-small", 128)},
 }
-PROBE_S = {"gpu": 25.0, "cpu": 0.5}  # seconds one probe needs at most (a subprocess on the GPU: torch, CUDA)
+COMPILE_S = {"gpu": 45.0, "cpu": 1.5}  # compiling 1b's block with inductor (aot_eager on CPU), its first step
 
 
 def check_environment(ctx) -> dict[str, Any]:
@@ -64,31 +59,60 @@ def _version(module: str) -> str | None:
     return getattr(__import__(module), "__version__", "?")
 
 
+def probe_shapes(kind: str) -> list[tuple]:
+    """The call shapes of this module's sections (the 1b model's: documents, sync)."""
+    from benchmarks.gpu_check.train import preset
+
+    rows = [SIZES[kind]["documents"][:2], SIZES[kind]["sync"]]
+    dtype = torch.bfloat16 if kind == "gpu" else torch.float32
+    return [(dtype, preset(name).head_dim, preset(name).num_heads, preset(name).num_kv_heads, seq)
+            for name, seq in rows]
+
+
+def run_shapes(kind: str) -> list[tuple]:
+    """Every call shape the check's sections use (each module's ``probe_shapes``), once each."""
+    from benchmarks.gpu_check import exact, features, post, rates, speed, train
+
+    shapes = [s for module in (sys.modules[__name__], features, post, rates, train, exact, speed)
+              for s in module.probe_shapes(kind)]
+    return list(dict.fromkeys(shapes))
+
+
 def check_kernel_probes(ctx) -> dict[str, Any]:
-    device, kind = ctx.device, ctx.kind
-    head_dim, group, block = SIZES[kind]["probe"]
-    dtype = torch.bfloat16
-    versions = current_versions()
-    where = f"cuda:{device.index or 0}" if device.type == "cuda" else "cpu"
-    out: dict[str, Any] = {"dtype": str(dtype), "head_dim": head_dim, "group": group, "block_len": block,
-                           "verdicts": {}}
-    for kernel in kernel_choice.kernel_candidates(device, dtype, head_dim):
-        for call in ("dense", "varlen"):
-            if call == "varlen" and kernel.varlen_forward is None:
-                continue
-            label = f"{call}:{kernel.name}"
-            if not ctx.enough(PROBE_S[kind], label):
-                continue
-            t0 = time.perf_counter()
-            reason = known_bad(kernel, call, versions)
-            spec = ProbeSpec(kernel.name, call, "bfloat16", head_dim, group, block, where)
-            how = "table"
-            if reason is None and needs_probe(kernel, versions):
-                reason, how = probe_in_subprocess(spec, timeout_s=max(1.0, ctx.left())), "subprocess"
-            elif reason is None:
-                reason, how = check_cases(kernel, spec, device), "in process"
-            out["verdicts"][label] = {"ok": reason is None, "reason": reason, "how": how,
-                                      "seconds": time.perf_counter() - t0}
+    """Every candidate's verdict for every call kind at every call shape of this check (:func:`run_shapes`): the
+    known-bad table's (refused, or narrowed), else the probe's, all of them in one probe process whose verdicts
+    the later sections read from the probe cache; on CPU (nothing to probe) the first shape's cases in this
+    process."""
+    from loongtrain.attn.kernel_gate import BatchProbe, plan_gate
+    from loongtrain.attn.probe_batch import PROBE_TIMEOUT_S, default_cache_dir, probe_batch
+
+    device, versions = ctx.device, current_versions()
+    out: dict[str, Any] = {"shapes": [], "table": {}, "verdicts": {}}
+    specs: dict[str, Any] = {}
+    for dtype, head_dim, heads, kv_heads, seq in run_shapes(ctx.kind):
+        out["shapes"].append([str(dtype), head_dim, heads, kv_heads, seq])
+        candidates = kernel_choice.kernel_candidates(device, dtype, head_dim)
+        if device.type != "cuda":
+            if not out["verdicts"]:  # CPU: the cases of the first shape, in process
+                for kernel in candidates:
+                    spec = ProbeSpec(kernel.name, "dense", str(dtype).removeprefix("torch."), head_dim, heads,
+                                     kv_heads, min(seq, 128), "cpu")
+                    t0 = time.perf_counter()
+                    reason = check_cases(kernel, spec, device)
+                    out["verdicts"][spec.key()] = {"ok": reason is None, "reason": reason, "how": "in process",
+                                                   "seconds": time.perf_counter() - t0}
+            continue
+        plan = plan_gate(candidates, versions)
+        out["table"].update({f"{k} {dtype} d{head_dim}": v for k, v in {**plan.refused, **plan.narrowed}.items()})
+        probe = BatchProbe(device, dtype, head_dim, heads, kv_heads, seq, versions)
+        specs.update({probe.spec(k, kind).key(): probe.spec(k, kind) for k, kind in plan.asked})
+    if specs:
+        t0 = time.perf_counter()
+        verdicts = probe_batch(list(specs.values()), versions, cache_dir=default_cache_dir(),
+                               timeout_s=min(PROBE_TIMEOUT_S, max(1.0, ctx.left())))
+        out["probe_s"], out["specs"] = time.perf_counter() - t0, len(specs)
+        out["verdicts"].update({key: {"ok": reason is None, "reason": reason, "how": "probe process"}
+                                for key, reason in verdicts.items()})
     return out
 
 
@@ -135,17 +159,10 @@ def check_documents_1b(ctx) -> dict[str, Any]:
         compute = compute_dtype(trainer.cfg.model.dtype, device)
         head_dim, heads, kv_heads = model.head_dim, model.num_heads, model.num_kv_heads
         batches = [doc_batch(step, seq, model.vocab_size, median) for step in range(2)]
-        kernels = kernel_choice.kernel_candidates(device, compute, head_dim)
-        versions = current_versions()
+        kernels, refused = safe_kernels(device, compute, head_dim, heads, kv_heads, seq)
+        out.update(refusal_rows(refused))
         for kernel in kernels:
             label = f"eager {kernel.name}"
-            if known_bad(kernel, "dense", versions):
-                out["rows"][label] = {"skipped": known_bad(kernel, "dense", versions)}
-                continue
-            verdict = (ctx.results.get("kernel_probes") or {}).get("verdicts", {}).get(f"dense:{kernel.name}")
-            if verdict is not None and not verdict["ok"]:
-                out["rows"][label] = {"skipped": f"failed its probe: {verdict['reason']}"}
-                continue
             if not ctx.enough(estimate, label):  # the planner's estimate, then the last row's own time
                 continue
             kernel_choice.clear_choices()
@@ -161,7 +178,7 @@ def check_documents_1b(ctx) -> dict[str, Any]:
         compile_missing = (ctx.results.get("environment") or {}).get("compile_missing")
         if compile_missing:
             out["rows"]["compiled"] = {"skipped": f"--compile on cannot build here: {compile_missing}"}
-        elif ctx.enough(max(3 * estimate, 1.0), "compiled"):  # compiling costs a few steps' time
+        elif ctx.enough(estimate + COMPILE_S[ctx.kind], "compiled"):  # its compilation, then its steps
             from loongtrain.parallelize import compile as compile_step
 
             before = compile_step.BACKEND

@@ -6,7 +6,9 @@
   in-process ring's one-member path), FLOP/s with the causal convention of the planner (forward ``2 S^2 H D``,
   backward 2.5x); and the ring's own kernel (``choose_kernel``) at more call sizes and the head dims of the
   presets (``chosen``: rows ``{kernel, D, H, Hkv, S, forward_s, backward_s, tflops}``, the planner's
-  ``attention_rates``). Candidates that cannot run are recorded with their error.
+  ``attention_rates``). Only the candidates a run may run (the known-bad table, the probe's verdicts:
+  ``benchmarks/gpu_check/safety.py``), each in the form it may run; candidates that fail are recorded with their
+  error.
 - ``matmul``: bf16 GEMMs of the 1b and 7b-gqa shapes (the projections and the MLP, forward and the two
   backward products) at ``mm_tokens`` tokens: seconds and TFLOP/s each.
 - ``memory_bandwidth``: GB/s of the streaming ops the memory-bound parts of a step are made of (a bf16 copy, an
@@ -23,7 +25,8 @@ from typing import Any
 
 import torch
 
-from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates
+from benchmarks.gpu_check.safety import refusal_rows, safe_kernels
+from loongtrain.attn.kernel_choice import choose_kernel
 from loongtrain.attn.kernel_timing import median_seconds
 from loongtrain.attn.masking import AttnMask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
@@ -41,6 +44,13 @@ SIZES: dict[str, dict[str, Any]] = {
     "cpu": {"attn_seqs": (256, 512), "attn_heads": (4, 2, 32), "dtype": torch.float32,
             "chosen": ((32, 4, 2, (128, 256, 512)),), "mm_tokens": 256, "mm_models": ("tiny",), "bandwidth_mib": 16},
 }
+
+
+def probe_shapes(kind: str) -> list[tuple]:
+    size = SIZES[kind]
+    h, hkv, d = size["attn_heads"]
+    shapes = [(size["dtype"], d, h, hkv, s) for s in size["attn_seqs"]]
+    return shapes + [(size["dtype"], d_, h_, hkv_, s) for d_, h_, hkv_, seqs in size["chosen"] for s in seqs]
 
 
 def _qkv(s: int, h: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
@@ -96,7 +106,9 @@ def check_attention(ctx) -> dict[str, Any]:
         repeats = 3 if s < 100_000 else 2
         inputs = _qkv(s, h, hkv, d, dtype, device)
         fwd, bwd = attention_flops(s, h, d)
-        for kernel in kernel_candidates(device, dtype, d):
+        kernels, refused = safe_kernels(device, dtype, d, h, hkv, s)  # never one the run itself would refuse
+        out.update(refusal_rows(refused))
+        for kernel in kernels:
             label = f"{kernel.name} S={s}"
             if not ctx.enough(last, label):
                 continue

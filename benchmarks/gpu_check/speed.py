@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from loongtrain.attn.kernel_choice import choose_kernel, chosen_kernels, kernel_candidates
+from benchmarks.gpu_check.safety import refusal_rows, safe_kernels
+from loongtrain.attn.kernel_choice import choose_kernel, chosen_kernels
 from loongtrain.attn.kernel_timing import median_seconds
 from loongtrain.attn.kernels import Kernel
 from loongtrain.attn.masking import AttnMask
@@ -35,6 +36,20 @@ SIZES: dict[str, dict[str, Any]] = {
     "cpu": {"choice": (1, 256, 4, 2, 32), "loss": (2048, 256, 32), "loss_chunk": 128, "loss_rounds": (1, 1),
             "compile": ("tiny", 128, 1, 1, "fp32")},
 }
+
+
+#: the compile section's whole measurement: compiling the model's block, warm-up and timed steps, eager beside
+COMPILE_S = {"gpu": 30.0, "cpu": 8.0}
+
+
+def probe_shapes(kind: str) -> list[tuple]:
+    _, s, h, hkv, d = SIZES[kind]["choice"]
+    name, seq = SIZES[kind]["compile"][:2]
+    from benchmarks.gpu_check.train import preset
+
+    model = preset(name)
+    dtype = torch.bfloat16 if kind == "gpu" else torch.float32
+    return [(torch.bfloat16, d, h, hkv, s), (dtype, model.head_dim, model.num_heads, model.num_kv_heads, seq)]
 
 
 def _inputs(b: int, s: int, h: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device) -> tuple:
@@ -73,7 +88,9 @@ def check_kernel_choice(ctx) -> dict[str, Any]:
     mask = AttnMask(True, None, (docs,) * b)
     out: dict[str, Any] = {"S": s, "H": h, "Hkv": hkv, "D": d, "dtype": str(dtype), "documents": len(docs) - 1,
                            "candidates": {}}
-    for kernel in kernel_candidates(device, dtype, d):
+    kernels, refused = safe_kernels(device, dtype, d, h, hkv, s)  # never one the run itself would refuse
+    out.update(refusal_rows(refused))
+    for kernel in kernels:
         if not ctx.enough(0.0, kernel.name):
             continue
         try:
@@ -121,6 +138,8 @@ def check_compile(ctx) -> dict[str, Any]:
     device, size = ctx.device, SIZES[ctx.kind]
 
     name, seq, steps, warmup, dtype = size["compile"]
+    if not ctx.enough(COMPILE_S[ctx.kind], f"{name} S={seq} eager against compiled"):
+        return {"skipped": f"out of time: compiling and timing need about {COMPILE_S[ctx.kind]:g} s"}
     backend = compile_step.BACKEND if device.type == "cuda" else "aot_eager"  # CPU: fast, the same graphs
     before, compile_step.BACKEND = compile_step.BACKEND, backend
     try:

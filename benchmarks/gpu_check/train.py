@@ -8,8 +8,8 @@
   peak allocated memory against ``loongtrain.plan.memory_model`` (memory against the planner), and the
   planner's step time, its terms and MFU with the built-in cluster and with the one calibrated from this run's
   rate sections (``loongtrain.plan.calibrate.calibrated``), each ÷ measured.
-- ``documents_mfu``: the same for 1b at 64K on packed documents (lognormal lengths, median 4K, a new mix every
-  step; ``--doc-mask on``): MFU of the visible pairs' FLOPs, and the planner with those documents.
+- ``documents_mfu``: the same for 1b at 64K and 128K on packed documents (lognormal lengths, median 4K and 8K, a
+  new mix every step; ``--doc-mask on``): MFU of the visible pairs' FLOPs, and the planner with those documents.
 - ``offload``: ``benchmarks/offload.py``'s modes on 1b at 64K, one mode at a time while the budget lasts: each
   mode's step time against its baseline timed right before it, peak memory of both, bytes offloaded per step.
 
@@ -35,10 +35,17 @@ from loongtrain.plan.document_work import lognormal_documents
 
 SIZES: dict[str, dict[str, Any]] = {
     "gpu": {"rows": (("1b", 131072), ("7b-gqa", 65536)), "extra": (("7b-gqa", 32768, "selective"),),
-            "steps": 2, "documents": ("1b", 65536, 4096), "offload": ("1b", 65536)},
+            "steps": 2, "documents": (("1b", 65536, 4096), ("1b", 131072, 8192)), "offload": ("1b", 65536)},
     "cpu": {"rows": (("tiny", 1024),), "extra": (("tiny", 512, "selective"),), "steps": 2,
-            "documents": ("tiny", 1024, 128), "offload": ("cpu-small", 128)},
+            "documents": (("tiny", 1024, 128), ("tiny", 2048, 256)), "offload": ("cpu-small", 128)},
 }
+
+
+def probe_shapes(kind: str) -> list[tuple]:
+    size = SIZES[kind]
+    rows = [r[:2] for r in size["rows"] + size["extra"] + size["documents"]] + [size["offload"]]
+    dtype = torch.bfloat16 if kind == "gpu" else torch.float32
+    return [(dtype, preset(n).head_dim, preset(n).num_heads, preset(n).num_kv_heads, s) for n, s in rows]
 CPU_SMALL = ModelConfig(vocab_size=128, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64)
 
 
@@ -244,19 +251,29 @@ def check_training(ctx) -> dict[str, Any]:
 
 
 def check_documents_mfu(ctx) -> dict[str, Any]:
+    """Packed documents' MFU, a row per length (1b at 64K and 128K on the GPU), the longer only with its time."""
     from benchmarks.gpu_check.failures import allocation_failure, release
 
-    name, seq, median = SIZES[ctx.kind]["documents"]
-    try:
-        with one_rank_group(ctx.device):
-            row = ctx.attempt(f"{name} S={seq} documents", lambda: train_row(ctx, name, seq, None, documents=median))
-    except Exception as exc:  # noqa: BLE001
-        if not allocation_failure(exc):
-            raise
-        row = None
-    finally:
-        release(ctx.device)
-    return {"runs": [row] if row else []}
+    out: dict[str, Any] = {"runs": []}
+    ctx.results["documents_mfu"] = out
+    for name, seq, median in SIZES[ctx.kind]["documents"]:
+        if not ctx.enough(0.0, f"{name} S={seq} documents"):
+            continue
+        try:
+            with one_rank_group(ctx.device):
+                row = ctx.attempt(f"{name} S={seq} documents",
+                                  lambda name=name, seq=seq, median=median: train_row(ctx, name, seq, None,
+                                                                                     documents=median))
+        except Exception as exc:  # noqa: BLE001
+            if not allocation_failure(exc):
+                raise
+            row = None
+        finally:
+            release(ctx.device)
+        if row:
+            out["runs"].append(row)
+        ctx.flush()
+    return out
 
 
 def check_offload(ctx) -> dict[str, Any]:

@@ -19,7 +19,13 @@ from loongtrain.plan.calibrate import calibrated
 from loongtrain.plan.cluster import load_cluster
 
 
-def test_cpu_run_writes_every_section(tmp_path):
+def test_cpu_run_writes_every_section(tmp_path, monkeypatch):
+    """Every section with every row (each section's CPU maximum lifted, so that a loaded machine leaves nothing
+    out: the budget's own rules are the tiny-budget test's)."""
+    import dataclasses
+
+    monkeypatch.setattr(gpu_check, "SECTIONS", tuple(dataclasses.replace(s, cpu=(s.cpu[0], 20 * s.cpu[1]))
+                                                     for s in gpu_check.SECTIONS))
     out = tmp_path / "check.json"
     assert gpu_check.main(["--cpu", "--out", str(out), "--budget-s", "900"]) == 0
     result = json.loads(out.read_text())
@@ -30,7 +36,18 @@ def test_cpu_run_writes_every_section(tmp_path):
         assert "error" not in result[section.name] and "skipped" not in result[section.name], result[section.name]
     env = result["environment"]
     assert env["g++"] and env["compile_missing"] is None and env["kernels"]["torch.bfloat16"] == ["cpu_flash"]
-    assert result["kernel_probes"]["verdicts"]["dense:cpu_flash"]["ok"]
+    assert result["kernel_probes"]["verdicts"]["dense:cpu_flash:float32:d8:4/2:128"]["ok"]
+    # what was built since the first device run: MoE, post-training, gpt-oss's attention
+    moe = result["moe"]
+    assert moe["rows"]["looped"]["tokens_per_s"] > 0 and moe["rows"]["looped"]["empty_experts_zero_gradients"]
+    assert "grouped_mm_supported is false" in moe["rows"]["grouped"]["skipped"]  # CUDA's
+    assert moe["compiled"]["empty_experts_zero_gradients"] and moe["compiled"]["max_abs_diff_to_eager"] < 1e-5
+    runs = result["post_training"]["runs"]
+    assert set(runs) == {"sft", "dpo", "lora"} and all(r["tokens_per_s"] > 0 and r["steps"] == 2 for r in runs.values())
+    assert runs["sft"]["targets"] > 0 and runs["dpo"]["targets"] > 0
+    gpt_oss = result["gpt_oss"]["rows"]
+    assert [r["S"] for r in gpt_oss] == [256, 512] and all(r["window_s"] > 0 for r in gpt_oss)
+    assert all(max(r["tail_max_abs_err"].values()) < 1e-4 for r in gpt_oss)
     rows = result["documents_1b"]["rows"]
     assert set(rows) == {"eager cpu_flash", "compiled"} and all(r["tokens_per_s"] > 0 for r in rows.values())
     assert rows["eager cpu_flash"]["attention_kernels"] and rows["compiled"]["eager_over_compiled"] > 0
@@ -52,14 +69,15 @@ def test_cpu_run_writes_every_section(tmp_path):
     cluster, notes = calibrated(result, load_cluster("h200"), "this run")
     assert len(cluster.attention_rates) == len(attention["chosen"]) and "matmul_tflops: median" in notes[1]
     # training rows with the planner beside them, memory against the planner, packed documents' MFU
-    runs = result["training"]["runs"]
-    assert [(r["model"], r["seq_len"]) for r in runs] == [("tiny", 1024), ("tiny", 512)]
-    assert all(set(r["attention_kernels"].values()) == {"cpu_flash"} for r in runs)  # each row's kernels
-    for run in runs + result["documents_mfu"]["runs"]:
+    train_runs = result["training"]["runs"]
+    assert [(r["model"], r["seq_len"]) for r in train_runs] == [("tiny", 1024), ("tiny", 512)]
+    assert all(set(r["attention_kernels"].values()) == {"cpu_flash"} for r in train_runs)  # each row's kernels
+    assert [r["seq_len"] for r in result["documents_mfu"]["runs"]] == [1024, 2048]
+    for run in train_runs + result["documents_mfu"]["runs"]:
         assert run["tokens_per_s"] > 0 and run["mfu"] > 0 and run["predicted_memory_gib"]["total"] > 0
         assert run["planner"]["calibrated"]["planner_over_measured"] > 0
     assert 0 < result["documents_mfu"]["runs"][0]["visible_fraction"] < 1
-    assert len(result["summary"]) == 3 and all("builtin_over_measured" in r for r in result["summary"])
+    assert len(result["summary"]) == 4 and all("builtin_over_measured" in r for r in result["summary"])
     assert result["determinism"]["deterministic"]["bitwise_equal"]
     choice = result["kernel_choice"]
     assert choice["chosen"] in choice["candidates"] and result["loss"]["ratio"] > 0
