@@ -3,13 +3,14 @@
 Rules (:func:`kernel_candidates`, following torch's own dispatcher checks; :func:`select_kernel` takes the
 first): CPU -> ``cpu_flash`` (all float dtypes). NVIDIA CUDA: fp16/bf16 on sm80..sm121 with head dim a
 multiple of 8 and <= 256 (not in (192, 224] on sm86-89/sm120-121, where FA2 has no backward) ->
-``cuda_flash``; on sm90/sm100 with cuDNN >= 9 and head dim <= 128, ``cuda_cudnn`` too; fp32, and
+``cuda_flash``; on sm90/sm100 with cuDNN >= 9 and head dim <= 128, ``cuda_cudnn`` too; where installed,
+FlashAttention 3 on sm90 and 4 on sm90/sm100 (``cuda_fa3``, ``cuda_fa4``: loongtrain/attn/flash_kernels.py); fp32, and
 fp16/bf16 that flash cannot take -> ``cuda_efficient`` (sm50+, bf16 from sm80, head dim a multiple of
 the GEMM alignment: 8 for fp16/bf16, 4 for fp32 from sm80); a head dim that none takes as it is -> the
 same kernel on the head dim zero-padded to a multiple of 8 (``*_padded``, exact); fp64 (no fused CUDA
 kernel takes it), ROCm and other devices -> ``reference``. :func:`select_kernel` never takes
-``cuda_cudnn`` by rule (its speed against FA2 depends on device and shape; measured on an H200: 1.9x
-faster at 16K, D=128, causal) but only through its ``measure`` hook. :func:`bf16_supported` tells
+``cuda_cudnn``, FA3 or FA4 by rule (:data:`BY_MEASUREMENT`: their speed against FA2 depends on device and shape;
+cuDNN measured on an H200: 1.9x faster at 16K, D=128, causal) but only through its ``measure`` hook. :func:`bf16_supported` tells
 whether a device has native bf16 (for ``--dtype auto``).
 
 Measurement (:func:`choose_kernel`, what the ring calls), one choice per call kind (:data:`CALL_KINDS`):
@@ -17,11 +18,14 @@ the **dense** calls (one piece, ``Kernel.forward``/``backward``) and the **varle
 packed documents at once, ``Kernel.varlen_forward``/``varlen_backward``, or one dense call per piece):
 
 - CPU, other devices, and CUDA cases with a single option: the rule's kernel, nothing measured;
-- under ``torch.use_deterministic_algorithms(True)`` (``--deterministic``): the rule's kernel, so the
+- on CUDA, first the gate (:func:`loongtrain.attn.kernel_gate.gate`, docs/kernels.md#safety): the known-bad
+  table (refusals, and cuDNN narrowed to calls of two or more rows where its bug is listed) and the probe's
+  verdicts, every candidate and call kind in one probe process; nothing left: the reference kernel where the device
+  holds it, else :class:`~loongtrain.attn.kernel_gate.NoSafeKernel`;
+- under ``torch.use_deterministic_algorithms(True)`` (``--deterministic``): the rule's safe kernel, so the
   documented deterministic path (the flash backward's) is the one that runs;
 - otherwise each option's forward + backward is timed once on the call's own head counts and head dim at the
-  run's block length (:mod:`loongtrain.attn.kernel_timing`), once the known-bad table and the subprocess probe
-  (:mod:`loongtrain.attn.kernel_probe`, docs/kernels.md#safety) have let it through: dense calls on one causal
+  run's block length (:mod:`loongtrain.attn.kernel_timing`): dense calls on one causal
   block; varlen calls on the block packed as 8 equal causal documents, through each kernel's varlen op
   (``cuda_flash``: FA2's; ``cuda_cudnn``: cuDNN's ragged one) and, as one more option, the dense choice called
   once per document. An option replaces the rule's (dense: the first candidate but cuDNN; varlen: the first
@@ -33,7 +37,7 @@ packed documents at once, ``Kernel.varlen_forward``/``varlen_backward``, or one 
   (:func:`agree_across_ranks`), so no two ranks run different numerics.
 
 The ring gets one :class:`~loongtrain.attn.kernels.Kernel`: the dense choice's forward and backward with the
-varlen choice's varlen ops (or none). It is kept per process for ``(device, dtype, head dim, heads, KV
+varlen choice's varlen ops (or none), and the window argument where every part of it passed its window probe. It is kept per process for ``(device, dtype, head dim, heads, KV
 heads, length bucket)`` (:func:`clear_choices` forgets it), logged on first use with the times, and recorded
 (:func:`chosen_kernels`, :func:`refused_kernels`: the run's metrics rows and checkpoints).
 """
