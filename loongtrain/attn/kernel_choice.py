@@ -10,8 +10,8 @@ the GEMM alignment: 8 for fp16/bf16, 4 for fp32 from sm80); a head dim that none
 same kernel on the head dim zero-padded to a multiple of 8 (``*_padded``, exact); fp64 (no fused CUDA
 kernel takes it), ROCm and other devices -> ``reference``. :func:`select_kernel` never takes
 ``cuda_cudnn``, FA3 or FA4 by rule (:data:`BY_MEASUREMENT`: their speed against FA2 depends on device and shape;
-cuDNN measured on an H200: 1.9x faster at 16K, D=128, causal) but only through its ``measure`` hook. :func:`bf16_supported` tells
-whether a device has native bf16 (for ``--dtype auto``).
+cuDNN measured on an H200: 1.9x faster at 16K, D=128, causal) but only through its ``measure`` hook.
+:func:`bf16_supported` tells whether a device has native bf16 (for ``--dtype auto``).
 
 Measurement (:func:`choose_kernel`, what the ring calls), one choice per call kind (:data:`CALL_KINDS`):
 the **dense** calls (one piece, ``Kernel.forward``/``backward``) and the **varlen** calls (many pieces of
@@ -37,7 +37,8 @@ packed documents at once, ``Kernel.varlen_forward``/``varlen_backward``, or one 
   (:func:`agree_across_ranks`), so no two ranks run different numerics.
 
 The ring gets one :class:`~loongtrain.attn.kernels.Kernel`: the dense choice's forward and backward with the
-varlen choice's varlen ops (or none), and the window argument where every part of it passed its window probe. It is kept per process for ``(device, dtype, head dim, heads, KV
+varlen choice's varlen ops (or none), and the window argument where every part of it passed its window probe.
+It is kept per process for ``(device, dtype, head dim, heads, KV
 heads, length bucket)`` (:func:`clear_choices` forgets it), logged on first use with the times, and recorded
 (:func:`chosen_kernels`, :func:`refused_kernels`: the run's metrics rows and checkpoints).
 """
