@@ -99,3 +99,21 @@ def test_the_simulation_counts_the_scratch_the_planner_counts():
     simulated = (simulate_step(WIDE, parallel, 2, seq_len=seq, kernels=BOTH).peak_bytes
                  - simulate_step(WIDE, parallel, 2, seq_len=seq).peak_bytes)
     assert added == simulated > 0, (added, simulated)
+
+
+def test_the_deterministic_flash_backward_keeps_a_dq_accumulator_per_split():
+    """FA2's deterministic backward (torch's ``mha_bwd``): ``ceil(SMs / (B * H))`` fp32 dQ accumulators, not one;
+    with few heads per rank, or one head at a time past the split, about one per SM; cuDNN's is unchanged."""
+    from loongtrain.attn.cuda_kernels import deterministic_dq_copies
+
+    b, h, s, d, e = 1, 32, 8192, 128, 2
+    plain = backward_scratch_bytes("cuda_flash", b, h, h, s, s, d, e)
+    assert deterministic_dq_copies(1, 32, 132) == 5 and deterministic_dq_copies(1, 4, 132) == 33
+    assert deterministic_dq_copies(2, 132, 132) == 1
+    det = backward_scratch_bytes("cuda_flash", b, h, h, s, s, d, e, deterministic=True, sm_count=132)
+    assert det - plain == 4 * b * h * s * d * (5 - 1)
+    assert backward_scratch_bytes("cuda_cudnn", b, h, h, s, s, d, e, deterministic=True) == \
+        backward_scratch_bytes("cuda_cudnn", b, h, h, s, s, d, e)
+    s_long = 1 << 18  # past the split: one head per call, 132 accumulators of one head's dQ
+    split = backward_scratch_bytes("cuda_flash", b, h, 8, s_long, s_long, d, e, deterministic=True, sm_count=132)
+    assert split - backward_scratch_bytes("cuda_flash", b, h, 8, s_long, s_long, d, e) == 4 * s_long * d * 131
