@@ -68,7 +68,8 @@ def _run(ctx, name: str, model: Path, corpus: Path, out_dir: Path) -> dict[str, 
     steps = [r for r in records if "tokens_per_s" in r and "loss" in r]
     timed = steps[1:] or steps
     return {"wall_s": wall, "steps": len(steps), "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
-            "loss": steps[-1]["loss"], "targets": steps[-1].get("targets"), "mfu": steps[-1].get("mfu"),
+            "loss": steps[-1]["loss"], "targets": steps[-1].get("targets"), "pairs": steps[-1].get("pairs"),
+            "mfu": steps[-1].get("mfu"),
             "attention_kernels": steps[-1].get("attention_kernels")}
 
 

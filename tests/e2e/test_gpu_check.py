@@ -44,7 +44,7 @@ def test_cpu_run_writes_every_section(tmp_path, monkeypatch):
     assert moe["compiled"]["empty_experts_zero_gradients"] and moe["compiled"]["max_abs_diff_to_eager"] < 1e-5
     runs = result["post_training"]["runs"]
     assert set(runs) == {"sft", "dpo", "lora"} and all(r["tokens_per_s"] > 0 and r["steps"] == 2 for r in runs.values())
-    assert runs["sft"]["targets"] > 0 and runs["dpo"]["targets"] > 0
+    assert runs["sft"]["targets"] > 0 and runs["dpo"]["pairs"] > 0
     gpt_oss = result["gpt_oss"]["rows"]
     assert [r["S"] for r in gpt_oss] == [256, 512] and all(r["window_s"] > 0 for r in gpt_oss)
     assert all(max(r["tail_max_abs_err"].values()) < 1e-4 for r in gpt_oss)
