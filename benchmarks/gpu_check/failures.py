@@ -26,3 +26,15 @@ def release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def device_error(device: torch.device) -> str | None:
+    """None when ``device`` still runs work, else the error a synchronisation raises (a CUDA context left with a
+    sticky error, e.g. an illegal address: no later call on it can succeed)."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        return None
+    except Exception as exc:  # noqa: BLE001 - whatever the runtime raises is the answer
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"

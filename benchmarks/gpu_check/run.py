@@ -11,7 +11,8 @@ minimum left and then gets its maximum or what is left, whichever is less; it ch
 its measurements and records what it left out. A section that does not run is recorded as ``{"skipped":
 reason}`` (out of time, or not in ``--sections``). Results go to ``--out`` after every section (and after
 every training row), so a run cut short keeps what it measured. A section that fails records its error and
-the next one runs; an allocation failure (out of memory, cuBLAS or cuDNN unable to allocate:
+the next one runs, unless it left the device in an error state (a sticky illegal address: every later CUDA call
+would fail): then the rest are recorded as skipped with that error, and the results are written; an allocation failure (out of memory, cuBLAS or cuDNN unable to allocate:
 :func:`allocation_failure`) inside a section is recorded with the measurement it hit, the device memory is
 released, and the section goes on with its next measurement.
 
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_check import exact, features, first, post, rates, speed, train
-from benchmarks.gpu_check.failures import allocation_failure, release  # noqa: F401 - this module's API too
+from benchmarks.gpu_check.failures import allocation_failure, device_error, release  # noqa: F401 - API too
 
 
 @dataclass
@@ -134,7 +135,11 @@ def run_section(section: Section, ctx: Context) -> dict[str, Any]:
         out = section.run(ctx)
     except Exception as exc:  # noqa: BLE001 - record it and run the next section
         out = {"error": traceback.format_exc()[-2000:], "allocation_failure": allocation_failure(exc)}
-    release(ctx.device)
+    broken = device_error(ctx.device)  # a sticky error (an illegal address): no later CUDA call can succeed
+    if broken is None:
+        release(ctx.device)
+    else:
+        out["device_error"] = broken
     if ctx.skipped:
         out["left_out"] = list(ctx.skipped)
     out["wall_s"] = time.perf_counter() - t0
@@ -144,11 +149,14 @@ def run_section(section: Section, ctx: Context) -> dict[str, Any]:
 def run_sections(args: Any, wanted: list[str], kind: str, device: torch.device, end: float, results: dict[str, Any],
                  flush: Callable[[], None]) -> None:
     """Each section in order, while the budget lasts, its result written as it ends."""
+    broken = None
     for section in SECTIONS:
         least, most = getattr(section, kind)
         left = end - time.monotonic()
         if section.name not in wanted:
             results[section.name] = {"skipped": "not in --sections"}
+        elif broken is not None:
+            results[section.name] = {"skipped": f"the device is in an error state since an earlier section: {broken}"}
         elif left < least and not section.always:
             results[section.name] = {"skipped": f"out of time: {left:.1f} s of --budget-s {args.budget_s:g} left, "
                                                 f"the section needs at least {least:g} s"}
@@ -156,6 +164,7 @@ def run_sections(args: Any, wanted: list[str], kind: str, device: torch.device, 
             ctx = Context(device, kind, results, time.monotonic() + max(0.0, min(most, left)), flush)
             results[section.name] = {"running": True}
             results[section.name] = run_section(section, ctx)
+            broken = results[section.name].get("device_error")
         print(f"== {section.name}: {json.dumps(results[section.name], default=str)[:1500]}", flush=True)
         flush()
 

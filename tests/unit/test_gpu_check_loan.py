@@ -169,3 +169,25 @@ def test_the_probes_section_checks_every_shape_of_the_run_in_one_process(gpu, mo
     assert {s.kernel for s in specs} == {"cuda_flash", "cuda_cudnn_rows2", "cuda_efficient"}
     assert not any(s.kernel == "cuda_cudnn" for s in specs)  # its varlen op refused by the table, dense narrowed
     assert any(k.startswith("varlen:cuda_cudnn") for k in out["table"]) and set(out["verdicts"]) == set(keys)
+
+
+def test_a_section_that_breaks_the_device_ends_the_run_with_its_results_written(tmp_path, monkeypatch):
+    """A sticky device error (an illegal address) after a section: that section keeps its results and the error,
+    every later one is recorded as skipped with it (none runs into the broken context), the file is written."""
+    import json
+
+    from benchmarks.gpu_check.run import Section
+
+    ran = []
+    monkeypatch.setattr(gpu_check, "device_error", lambda device: "AcceleratorError: CUDA error: an illegal memory "
+                        "access was encountered" if ran else None)
+    monkeypatch.setattr(gpu_check, "SECTIONS", (
+        Section("first", lambda ctx: {"fine": True}, (0, 1), (0, 1)),
+        Section("breaks", lambda ctx: ran.append(1) or {"measured": 1.0}, (0, 1), (0, 1)),
+        Section("after", lambda ctx: ran.append(2) or {"measured": 2.0}, (0, 1), (0, 1))))
+    out = tmp_path / "check.json"
+    assert gpu_check.main(["--cpu", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["first"]["fine"] and "device_error" not in result["first"]
+    assert result["breaks"]["measured"] == 1.0 and "illegal memory access" in result["breaks"]["device_error"]
+    assert "error state since an earlier section" in result["after"]["skipped"] and ran == [1]
