@@ -12,7 +12,8 @@ its measurements and records what it left out. A section that does not run is re
 reason}`` (out of time, or not in ``--sections``). Results go to ``--out`` after every section (and after
 every training row), so a run cut short keeps what it measured. A section that fails records its error and
 the next one runs, unless it left the device in an error state (a sticky illegal address: every later CUDA call
-would fail): then the rest are recorded as skipped with that error, and the results are written; an allocation failure (out of memory, cuBLAS or cuDNN unable to allocate:
+would fail): then the rest are recorded as skipped with that error, and the results are written; an allocation
+failure (out of memory, cuBLAS or cuDNN unable to allocate:
 :func:`allocation_failure`) inside a section is recorded with the measurement it hit, the device memory is
 released, and the section goes on with its next measurement.
 
