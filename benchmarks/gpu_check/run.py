@@ -17,6 +17,9 @@ failure (out of memory, cuBLAS or cuDNN unable to allocate:
 :func:`allocation_failure`) inside a section is recorded with the measurement it hit, the device memory is
 released, and the section goes on with its next measurement.
 
+- the first device run's questions (``benchmarks/gpu_check/first.py``): ``environment``, ``kernel_probes``
+  (every call shape of the check in one probe process), ``documents_1b``, ``sync_debug``;
+- what was built since (``features.py``, ``post.py``): ``moe``, ``gpt_oss``, ``post_training``;
 - exactness (``benchmarks/gpu_check/exact.py``): ``kernels``, ``ring``, ``documents``, ``determinism``;
 - rates (``benchmarks/gpu_check/rates.py``): ``attention`` (every kernel candidate's forward and backward,
   dense and varlen, at 16K, 64K and 128K, and the ring's kernel at more call sizes and head dims: the rows
