@@ -231,7 +231,8 @@ def choose_kernel(
     safe = gate(kernel_candidates(device, dtype, head_dim), versions, probe)
     _REFUSED.update(safe.refused)
     _REFUSED.update({f"{k} (narrowed)": v for k, v in safe.narrowed.items()})
-    candidates = safe.dense or [reference_or_refuse(device, dtype, num_heads, seq_len, safe.refused)]
+    fused = [k for k in safe.dense if k is not REFERENCE]  # fp64's rule is the reference: it must fit too
+    candidates = fused or [reference_or_refuse(device, dtype, num_heads, seq_len, safe.refused)]
     rule = rule_of(candidates)
     if deterministic:  # the rule's kernel, nothing timed (its varlen op where it has a safe one)
         choice = _with_window(combined(rule, rule if rule in safe.varlen else per_piece(rule)), safe.window)

@@ -193,6 +193,8 @@ def test_no_fused_kernel_and_no_room_for_the_reference_is_an_error_naming_the_re
                                            r"crashed.*the reference kernel would need 768.0 GiB of the device's 80.0"):
         choose_kernel(device, BF16, 128, 16, 4, 65536, measure=Timer(), probe=refuse)
     assert choose_kernel(device, BF16, 128, 16, 4, 4096, measure=Timer(), probe=refuse) is REFERENCE  # it fits
+    with pytest.raises(NoSafeKernel, match="no fused kernel takes this dtype"):  # fp64: the reference by rule
+        choose_kernel(device, torch.float64, 128, 16, 4, 65536, measure=Timer(), probe=refuse)
 
 
 def test_a_refused_window_keeps_the_kernel_and_cuts_windows(gpu, monkeypatch):
