@@ -10,9 +10,10 @@ Two gates, both before :mod:`loongtrain.attn.kernel_choice` times a candidate:
   3/4 always, torch's other CUDA kernels on a (torch release, call kind) not in :data:`VERIFIED`). An illegal
   address is sticky: once a kernel has written out of bounds every later CUDA call of the process fails, and no
   ``try`` catches it. So the candidates run first in one short-lived subprocess per run
-  (:mod:`loongtrain.attn.probe_batch`: batched, cached on disk per versions, its own failures told apart from the
-  kernels') on the ring's real call shapes (:func:`probe_cases`) against an fp64 reference sized to the device
-  (:func:`reference_rows`); a crash, a timeout or a wrong result removes a candidate with one line of why.
+  (:mod:`loongtrain.attn.probe_process`, started by :mod:`loongtrain.attn.probe_batch`: batched, cached on disk
+  per versions, its own failures told apart from the kernels') on the ring's real call shapes (:func:`probe_cases`)
+  against an fp64 reference sized to the device (:func:`reference_rows`); a crash, a timeout or a wrong result
+  removes a candidate with one line of why.
 
 Call kinds: ``dense`` (one piece), ``varlen`` (packed pieces) and ``window`` (a windowed kernel's own window
 argument, dense and packed: a kernel refused there keeps its other calls and cuts windows into pieces).
@@ -21,10 +22,8 @@ Autocast is off inside every check (the fp64 reference is fp64, the kernels see 
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -342,93 +341,3 @@ def check_cases(kernel: Kernel, spec: ProbeSpec, device: torch.device, budget_by
                     return (f"{kernel.name} ({spec.kind}) wrong on q lengths {list(case.q_lens)}, k lengths "
                             f"{list(case.k_lens)}, causal={case.causal}{shape}: {name} off by {error:.3g} (relative)")
     return None
-
-
-# ---------------------------------------------------------------- the kernels a probe can name
-
-
-def kernels_by_name() -> dict[str, Kernel]:
-    """The kernels a probe can name: torch's CUDA kernels, cuDNN narrowed to calls of two or more query rows, and
-    FlashAttention 3/4."""
-    from loongtrain.attn.cuda_kernels import CUDA_CUDNN_ROWS2, CUDA_KERNELS
-    from loongtrain.attn.flash_kernels import FLASH_KERNELS
-
-    return {k.name: k for k in (*CUDA_KERNELS, CUDA_CUDNN_ROWS2, *FLASH_KERNELS)}
-
-
-# ---------------------------------------------------------------- the probe process
-
-#: the protocol of the probe process's standard output, one line each: ``READY`` once torch and the device are up;
-#: per spec ``BEGIN <key>`` then ``VERDICT <json {"key", "reason"}>``; ``ERROR <json {"key", "error"}>`` when the
-#: process cannot go on for its own reasons (out of memory), after which it ends with :data:`OWN_FAILURE`
-READY, BEGIN, VERDICT, ERROR = "READY", "BEGIN", "VERDICT", "ERROR"
-OWN_FAILURE = 3
-
-
-def _allocation_failure(exc: BaseException) -> bool:
-    words = ("out of memory", "alloc_failed", "failed to allocate", "cannot allocate")
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in words))
-
-
-def _device_budget(device: torch.device) -> int | None:
-    """Bytes the reference may use: a quarter of the device's free memory (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    return free // 4
-
-
-def run_specs(specs: Sequence[ProbeSpec], kernels: dict[str, Kernel] | None = None, out=None) -> int:
-    """The probe process's body: check every spec in order, printing the protocol lines (:data:`READY`, ...);
-    returns the exit status (0, or :data:`OWN_FAILURE` after an ``ERROR`` line). A kernel that raises gets that
-    as its verdict, unless the device is left broken (then its verdict is printed and the process ends, so the
-    caller starts another for the rest)."""
-    out = out or sys.stdout
-
-    def say(tag: str, payload: str = "") -> None:
-        print(f"{tag} {payload}".rstrip(), file=out, flush=True)
-
-    kernels = kernels if kernels is not None else kernels_by_name()
-    devices = {torch.device(s.device) for s in specs}
-    for device in devices:
-        if device.type == "cuda":
-            torch.empty(1, device=device)  # the context: a device that cannot be used fails here, before READY
-    say(READY)
-    for spec in specs:
-        say(BEGIN, spec.key())
-        device = torch.device(spec.device)
-        try:
-            reason = check_cases(kernels[spec.kernel], spec, device, _device_budget(device))
-        except Exception as exc:  # noqa: BLE001 - sorted below: the process's own failure, or the kernel's
-            if _allocation_failure(exc):
-                say(ERROR, json.dumps({"key": spec.key(), "error": f"{type(exc).__name__}: {str(exc)[:300]}"}))
-                return OWN_FAILURE
-            reason = f"{spec.kernel} ({spec.kind}) raised {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            if device.type == "cuda" and not _device_usable(device):
-                say(VERDICT, json.dumps({"key": spec.key(), "reason": reason}))
-                return 0
-        say(VERDICT, json.dumps({"key": spec.key(), "reason": reason}))
-    return 0
-
-
-def _device_usable(device: torch.device) -> bool:
-    try:
-        torch.cuda.synchronize(device)
-        return True
-    except Exception:  # noqa: BLE001 - a sticky error: this process cannot run another kernel
-        return False
-
-
-def main(argv: Sequence[str], kernels: dict[str, Kernel] | None = None) -> int:
-    """The probe process: ``argv[0]`` a JSON list of :class:`ProbeSpec` (as dicts)."""
-    specs = [ProbeSpec(**d) for d in json.loads(argv[0])]
-    return run_specs(specs, kernels)
-
-
-def spec_json(specs: Sequence[ProbeSpec]) -> str:
-    return json.dumps([asdict(s) for s in specs])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

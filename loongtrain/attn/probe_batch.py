@@ -3,8 +3,8 @@ verdicts cached on disk per versions, and its own failures told apart from the k
 
 :func:`probe_batch` looks each :class:`~loongtrain.attn.kernel_probe.ProbeSpec` up in this process's verdicts,
 then in the cache file of these versions (torch's build, cuDNN, the CUDA driver, the device's name:
-:func:`cache_path`), and runs the rest in ``python -m loongtrain.attn.kernel_probe`` (the protocol lines of
-:func:`loongtrain.attn.kernel_probe.run_specs`):
+:func:`cache_path`), and runs the rest in ``python -m loongtrain.attn.probe_process`` (its protocol lines:
+:mod:`loongtrain.attn.probe_process`):
 
 - a spec whose check prints a verdict gets it (None: passed; else the one line of why);
 - a spec the process was running when it died (a signal, a non-zero status: a sticky illegal address) or that
@@ -29,18 +29,10 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from loongtrain.attn.kernel_probe import (
-    BEGIN,
-    ERROR,
-    PROBE_TIMEOUT_S,
-    READY,
-    VERDICT,
-    ProbeSpec,
-    Versions,
-    spec_json,
-)
+from loongtrain.attn.kernel_probe import PROBE_TIMEOUT_S, ProbeSpec, Versions
+from loongtrain.attn.probe_process import BEGIN, ERROR, READY, VERDICT, spec_json
 
-PROBE_COMMAND = (sys.executable, "-m", "loongtrain.attn.kernel_probe")
+PROBE_COMMAND = (sys.executable, "-m", "loongtrain.attn.probe_process")
 START_TIMEOUT_S = 120.0  # torch's import and the device's context in the probe process
 CACHE_VERSION = 2  # the cases' version: verdicts of other cases are not reused
 _VERDICTS: dict[tuple[str, str], str | None] = {}  # (versions' cache name, spec key) -> verdict, this process

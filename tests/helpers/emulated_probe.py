@@ -1,4 +1,4 @@
-"""The kernel probe's process (``python -m loongtrain.attn.kernel_probe``) over the CPU emulation of the CUDA ops
+"""The kernel probe's process (``python -m loongtrain.attn.probe_process``) over the CPU emulation of the CUDA ops
 and of FlashAttention 3/4 (tests/helpers/cuda_emulation.py, flash_emulation.py), for tests:
 ``python -m tests.helpers.emulated_probe MODE SPECS_JSON``.
 
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from loongtrain.attn import cuda_kernels, kernel_probe
+from loongtrain.attn import cuda_kernels, probe_process
 from tests.helpers.cuda_emulation import EmulatedAten
 from tests.helpers.flash_emulation import FlashEmulation, _module
 
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     sys.modules["flash_attn.cute.interface"] = _module("flash_attn.cute.interface", _flash_attn_fwd=flash.fa4_fwd,
                                                        _flash_attn_bwd=flash.fa4_bwd)
     cpu = [{**d, "device": "cpu"} for d in json.loads(specs)]  # the emulation computes on CPU tensors
-    return kernel_probe.main([json.dumps(cpu)])
+    return probe_process.main([json.dumps(cpu)])
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def test_the_probe_process_tells_its_own_failures_from_the_kernels(monkeypatch):
     import io  # noqa: PLC0415
     import json  # noqa: PLC0415
 
-    from loongtrain.attn.kernel_probe import OWN_FAILURE, run_specs  # noqa: PLC0415
+    from loongtrain.attn.probe_process import OWN_FAILURE, run_specs  # noqa: PLC0415
 
     install(monkeypatch, allow_fp64=False)
 
