@@ -73,7 +73,8 @@ def apply_plan(cfg: TrainSections, world: int, *, under_launcher: bool, model_co
     try:
         best = best_fitting(model, cluster, gpus=world, seq_len=longest.seq_len, batch=longest.batch_size,
                             dtype_bytes=_compute_bytes(cfg), modes="auto",
-                            workload=Workload(cfg.model.lora_config(), phases=tuple(phases)))
+                            workload=Workload(cfg.model.lora_config(), phases=tuple(phases),
+                                              deterministic=cfg.optim.deterministic))
     except ValueError as exc:
         raise ValueError(f"--plan auto on {cluster.name}: {exc}") from None
     log.info("--plan auto on %s: %s (predicted step %.3f s, MFU %.1f%%, %.2f GiB per device, %.1f GiB host "
@@ -117,7 +118,7 @@ def check_stage_memory(cfg: TrainSections, world: int, model: ModelConfig, clust
     for stage in run_stages(cfg.data, cfg.optim.steps):
         cost = step_cost(model, cfg.parallel, cluster, nodes=nodes, world=world, seq_len=stage.seq_len,
                          batch=stage.batch_size, dtype_bytes=_compute_bytes(cfg),
-                         workload=Workload(cfg.model.lora_config()))
+                         workload=Workload(cfg.model.lora_config(), deterministic=cfg.optim.deterministic))
         if cost.fits:
             continue
         device, host = cost.memory["total"] / 2**30, cost.host_per_node / 2**30

@@ -79,16 +79,19 @@ BOTTLENECK_SHARE = 0.1
 class Workload:
     """What a planned run trains beyond its model and layout: ``lora`` adapters on a frozen base (docs/lora.md),
     ``documents`` (packed rows of every replica's batch and their chunk layout: attention charged by visible
-    pairs) and its objective's memory ``phases`` (its registry entry's terms: DPO's reference pass)."""
+    pairs), its objective's memory ``phases`` (its registry entry's terms: DPO's reference pass) and whether it runs
+    ``--deterministic`` (FA2's deterministic backward keeps more dQ accumulators)."""
 
     lora: LoraConfig | None = None
     documents: Documents | None = None
     phases: Sequence[MemoryTerm] = ()
+    deterministic: bool = False
 
     def memory(self, cluster: Cluster) -> tuple[MemoryTerm, ...]:
         """The run's feature terms on ``cluster`` (:func:`~loongtrain.plan.memory_terms.feature_terms`: its
-        adapters, its kernels' backward scratch, its objective's phases)."""
-        return feature_terms(self.lora, cluster.attention_kernels, self.phases)
+        adapters, its kernels' backward scratch (``deterministic``: FA2's deterministic dQ accumulators), its
+        objective's phases)."""
+        return feature_terms(self.lora, cluster.attention_kernels, self.phases, self.deterministic)
 
 
 #: a run of the model alone: no adapters, no packed documents, no phases outside the step

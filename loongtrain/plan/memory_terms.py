@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from loongtrain.attn.cuda_kernels import SM_COUNT
 from loongtrain.attn.kernel_memory import kernel_memory
 from loongtrain.attn.linear.memory import linear_memory
 from loongtrain.model.config import ModelConfig
@@ -25,10 +26,12 @@ from loongtrain.parallelize.offload_memory import ActivationOffload, ParamOffloa
 
 
 def feature_terms(lora: LoraConfig | None = None, kernels: tuple[str, ...] = (),
-                  phases: Sequence[MemoryTerm] = ()) -> tuple[MemoryTerm, ...]:
+                  phases: Sequence[MemoryTerm] = (), deterministic: bool = False,
+                  sm_count: int = SM_COUNT) -> tuple[MemoryTerm, ...]:
     """A run's features' terms: ``lora``'s adapters, the backward scratch of the CUDA ``kernels`` the device may
-    pick (``Cluster.attention_kernels``; none on CPU), and its objective's ``phases`` (its registry entry's)."""
-    return (*lora_memory(lora), *kernel_memory(kernels), *phases)
+    pick (``Cluster.attention_kernels``; none on CPU; ``deterministic``: FA2's deterministic dQ accumulators on
+    ``sm_count`` SMs), and its objective's ``phases`` (its registry entry's)."""
+    return (*lora_memory(lora), *kernel_memory(kernels, deterministic, sm_count), *phases)
 
 
 def mode_terms(config: ParallelConfig) -> tuple[MemoryTerm, ...]:

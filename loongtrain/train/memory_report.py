@@ -245,7 +245,8 @@ class MemoryPlan:
         kernels = scratch_kernels(ctx.device, compute, ctx.model_config.head_dim)
         return cls(parallel, torch.empty((), dtype=compute).element_size(),
                    parallel.shard_size(ctx.mesh.world_size) if uses_zero(parallel) else 1,
-                   feature_terms(cfg.model.lora_config(), kernels, phases))
+                   feature_terms(cfg.model.lora_config(), kernels, phases, cfg.optim.deterministic,
+                                 sm_count(ctx.device)))
 
 
 def step_memory_report(ctx: StepContext, optimizer: torch.optim.Optimizer | None, loss_fn: Callable[[], Tensor],
@@ -283,6 +284,14 @@ def predicted_memory(ctx: StepContext, plan: MemoryPlan, *, seq_len: int, batch:
     and the run's plan (:class:`MemoryPlan`)."""
     return memory_per_rank(ctx.model_config, ctx.mesh.layout, plan.parallel, seq_len=seq_len, batch=batch,
                            dtype_bytes=plan.dtype_bytes, zero_size=plan.zero_size, features=plan.features)
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's streaming multiprocessors (FA2's deterministic backward sizes its dQ accumulators by them);
+    the planner's default device's off CUDA."""
+    from loongtrain.attn.cuda_kernels import SM_COUNT
+
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else SM_COUNT
 
 
 def scratch_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, ...]:

@@ -117,3 +117,24 @@ def test_the_deterministic_flash_backward_keeps_a_dq_accumulator_per_split():
     s_long = 1 << 18  # past the split: one head per call, 132 accumulators of one head's dQ
     split = backward_scratch_bytes("cuda_flash", b, h, 8, s_long, s_long, d, e, deterministic=True, sm_count=132)
     assert split - backward_scratch_bytes("cuda_flash", b, h, 8, s_long, s_long, d, e) == 4 * s_long * d * 131
+
+
+def test_the_planner_counts_the_deterministic_dq_accumulators():
+    """``--deterministic`` through the memory terms (the planner's ``Workload``, the trainer's prediction): the
+    attention moment holds FA2's extra dQ accumulators, by the device's SMs; without FA2 (cuDNN alone) nothing."""
+    from loongtrain.attn.cuda_kernels import deterministic_dq_copies
+    from loongtrain.parallel.config import Layout
+
+    layout, kw = Layout(4, 2, 2), dict(seq_len=4096, batch=1, zero_size=4, recompute="full", mlp_tiles="4")
+    t, heads = 4096 / 4, SMALL.num_heads // 2
+    plain = memory(SMALL, layout, kernels=("cuda_flash",), **kw)["workspace"]
+    for sms in (132, 148):
+        terms = feature_terms(kernels=("cuda_flash",), deterministic=True, sm_count=sms)
+        det = memory_per_rank(SMALL, layout, ParallelConfig(hp=2, cp=2, recompute="full", mlp_tiles="4"),
+                              features=terms, dtype_bytes=2, **{k: v for k, v in kw.items()
+                                                                if k not in ("recompute", "mlp_tiles")})["workspace"]
+        extra = 4 * heads * int(t * 2) * SMALL.head_dim * (deterministic_dq_copies(1, heads, sms) - 1)
+        assert det - plain == extra > 0, (sms, det - plain, extra)
+    cudnn = feature_terms(kernels=("cuda_cudnn",), deterministic=True)
+    assert kernel_scratch_bytes(SMALL, layout, t, 2, ("cuda_cudnn",), deterministic=True) == \
+        kernel_scratch_bytes(SMALL, layout, t, 2, ("cuda_cudnn",)) and len(cudnn) == 1
