@@ -65,7 +65,9 @@ class RuntimeSection:
     """The processes: how many, the planned layout, threads, timeouts, restarts, and when a run stops early."""
 
     nproc: int = option(0, group="processes", help="local worker processes to spawn (0: CUDA device count, or "
-                        "hp*cp without GPUs); ignored under torchrun")
+                        "hp*cp without GPUs: 4 by default); ignored under torchrun. Without --hp and --cp the layout "
+                        "follows the world size: hp=2 x cp=2 for a multiple of 4, cp=2 for an even one, else hp=cp=1 "
+                        "(one GPU)")
     plan: str = option("", "'auto': let the planner (loongtrain plan) choose hp, cp, inner_ring, placement, zero and "
                        "recompute for this world size and seq-len, overriding those options")
     cluster: str = option("auto", "cluster for --plan auto: a preset (a100, h100, h200), a TOML path, or "

@@ -26,8 +26,20 @@ from loongtrain.sections.model import ModelSection
 from loongtrain.sections.stages import stage_totals
 from loongtrain.sections.training import EvaluationSection, OptimSection, OutputSection, RuntimeSection
 
-#: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1)
+#: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1); without
+#: ``--hp``/``--cp`` the command line's layout follows the world size instead (:func:`world_layout`)
 DEFAULT_PARALLEL = ParallelConfig(hp=2, cp=2)
+#: the options that give a run's layout; given neither, ``loongtrain train`` takes :func:`world_layout`
+LAYOUT_OPTIONS = ("hp", "cp")
+
+
+def world_layout(world: int) -> tuple[int, int]:
+    """``(hp, cp)`` of a ``loongtrain train`` run given neither ``--hp`` nor ``--cp`` on ``world`` ranks: hp=2 x
+    cp=2 where the world is a multiple of 4 (the CPU quickstart's four workers; 4-rank replicas beyond), one
+    context ring of 2 where it is even, else one rank a replica (one GPU: hp = cp = 1)."""
+    if world % 4 == 0:
+        return DEFAULT_PARALLEL.hp, DEFAULT_PARALLEL.cp
+    return (1, 2) if world % 2 == 0 else (1, 1)
 #: the one section recorded nested (``"parallel": {...}``) in :meth:`TrainSections.to_dict`, as always
 NESTED = "parallel"
 _MLP = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "all-linear"}

@@ -44,6 +44,17 @@ def test_single_process_stop_and_resume(tmp_path, corpus):
         assert key in records[-1]
 
 
+def test_one_process_without_layout_flags_trains(tmp_path, corpus):
+    """``loongtrain train --nproc 1`` with no --hp/--cp: the layout follows the world (hp = cp = 1), as on one GPU."""
+    import json
+
+    assert main(["train", "--nproc", "1", "--steps", "2", "--warmup", "1", *_common(tmp_path, corpus)]) == 0
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2] and all(math.isfinite(r["loss"]) for r in records)
+    state = json.loads(next((tmp_path / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+    assert (state["config"]["parallel"]["hp"], state["config"]["parallel"]["cp"]) == (1, 1)
+
+
 def test_help_exits_zero(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
