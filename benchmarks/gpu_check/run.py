@@ -99,9 +99,9 @@ class Section:
 SECTIONS = (  # most wanted first (docs/kernels.md#the-device-check); the sum of the GPU maxima fits a 420 s budget
     Section("environment", first.check_environment, (1, 5), (0.05, 1), always=True),
     Section("kernel_probes", first.check_kernel_probes, (15, 35), (0.2, 1.5)),
-    Section("moe", features.check_moe, (10, 20), (0.3, 6)),
-    Section("post_training", post.check_post_training, (15, 30), (0.5, 15)),
-    Section("gpt_oss", features.check_gpt_oss, (10, 25), (0.3, 5)),
+    Section("moe", features.check_moe, (10, 20), (1.5, 6)),
+    Section("post_training", post.check_post_training, (15, 30), (3, 15)),
+    Section("gpt_oss", features.check_gpt_oss, (10, 25), (1, 5)),
     Section("attention", rates.check_attention, (15, 30), (0.3, 3)),
     Section("matmul", rates.check_matmul, (3, 5), (0.1, 2)),
     Section("memory_bandwidth", rates.check_memory_bandwidth, (2, 3), (0.1, 1)),

@@ -83,42 +83,43 @@ def deterministic_dq_copies(batch: int, heads: int, sm_count: int = SM_COUNT) ->
 
 
 def _one_call_scratch(kernel: str, batch: int, heads: int, kv_heads: int, q_len: int, k_len: int, head_dim: int,
-                      dtype_bytes: int, deterministic: bool = False, sm_count: int = SM_COUNT) -> int:
+                      dtype_bytes: int, deterministic_sms: int | None = None) -> int:
     """One backward call's own allocations beside its inputs and results: both kernels keep an fp32 dQ
-    accumulator (``4 * B * Sq * H * D``; FA2's deterministic backward :func:`deterministic_dq_copies` of it) and
-    the fp32 row sums of ``dO * O`` (``4 * B * H * Sq``: FA2's ``softmax_d``, cuDNN's ``softmax_sum``), and with
-    GQA dK and dV expanded to the query heads in the input dtype (``2 * B * Sk * H * D`` elements: FA2's expanded
-    dK/dV, cuDNN's "full-head" dK/dV). The kernels' rounding of ``Sq`` (FA2: to 128) is left out."""
+    accumulator (``4 * B * Sq * H * D``; FA2's deterministic backward on a device of ``deterministic_sms`` SMs
+    :func:`deterministic_dq_copies` of it) and the fp32 row sums of ``dO * O`` (``4 * B * H * Sq``: FA2's
+    ``softmax_d``, cuDNN's ``softmax_sum``), and with GQA dK and dV expanded to the query heads in the input dtype
+    (``2 * B * Sk * H * D`` elements: FA2's expanded dK/dV, cuDNN's "full-head" dK/dV). The kernels' rounding of
+    ``Sq`` (FA2: to 128) is left out."""
     assert kernel in SCRATCH_KERNELS, kernel
     expanded = 2 * batch * k_len * heads * head_dim * dtype_bytes if kv_heads != heads else 0
-    copies = deterministic_dq_copies(batch, heads, sm_count) if deterministic and kernel == "cuda_flash" else 1
+    copies = 1
+    if deterministic_sms is not None and kernel == "cuda_flash":
+        copies = deterministic_dq_copies(batch, heads, deterministic_sms)
     return 4 * batch * heads * q_len * (copies * head_dim + 1) + expanded
 
 
 def backward_scratch_bytes(kernel: str, batch: int, heads: int, kv_heads: int, q_len: int, k_len: int,
-                           head_dim: int, dtype_bytes: int, deterministic: bool = False,
-                           sm_count: int = SM_COUNT) -> int:
+                           head_dim: int, dtype_bytes: int, deterministic_sms: int | None = None) -> int:
     """Peak bytes ``kernel``'s backward (``cuda_flash`` or ``cuda_cudnn``) holds beside its inputs and
     results for q ``[B, H, Sq, D]`` against k/v ``[B, Hkv, Sk, D]``: one call's scratch
-    (:func:`_one_call_scratch`; ``deterministic``: FA2's deterministic dQ accumulators on a device of
-    ``sm_count`` SMs), or past :data:`SPLIT_BACKWARD_BYTES` (:func:`per_head_backward`, decided on the
+    (:func:`_one_call_scratch`; ``deterministic_sms``: FA2's deterministic backward on a device of that many SMs,
+    None: not deterministic), or past :data:`SPLIT_BACKWARD_BYTES` (:func:`per_head_backward`, decided on the
     non-deterministic scratch) one head's, with that head's dQ, dK, dV and the fp32 sums of a KV head's dK/dV (and
     their next sums) beside it. The planner (``workspace``, docs/planner.md#memory-per-device) and the simulation
     count it."""
     whole = _one_call_scratch(kernel, batch, heads, kv_heads, q_len, k_len, head_dim, dtype_bytes)
     if heads == 1 or whole <= SPLIT_BACKWARD_BYTES:
-        return _one_call_scratch(kernel, batch, heads, kv_heads, q_len, k_len, head_dim, dtype_bytes, deterministic,
-                                 sm_count)
-    one = _one_call_scratch(kernel, batch, 1, 1, q_len, k_len, head_dim, dtype_bytes, deterministic, sm_count)
+        return _one_call_scratch(kernel, batch, heads, kv_heads, q_len, k_len, head_dim, dtype_bytes,
+                                 deterministic_sms)
+    one = _one_call_scratch(kernel, batch, 1, 1, q_len, k_len, head_dim, dtype_bytes, deterministic_sms)
     return one + batch * head_dim * (q_len * dtype_bytes + 2 * k_len * (dtype_bytes + 2 * 4))
 
 
 def largest_backward_scratch(kernels: tuple[str, ...], batch: int, heads: int, kv_heads: int, q_len: int,
-                             k_len: int, head_dim: int, dtype_bytes: int, deterministic: bool = False,
-                             sm_count: int = SM_COUNT) -> int:
+                             k_len: int, head_dim: int, dtype_bytes: int, deterministic_sms: int | None = None) -> int:
     """The largest :func:`backward_scratch_bytes` among ``kernels`` (0 for none: CPU runs no CUDA kernel)."""
-    return max((backward_scratch_bytes(k, batch, heads, kv_heads, q_len, k_len, head_dim, dtype_bytes, deterministic,
-                                       sm_count) for k in kernels), default=0)
+    return max((backward_scratch_bytes(k, batch, heads, kv_heads, q_len, k_len, head_dim, dtype_bytes,
+                                       deterministic_sms) for k in kernels), default=0)
 
 
 def _splits(kernel: str, q: Tensor, k: Tensor) -> bool:

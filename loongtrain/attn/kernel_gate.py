@@ -21,7 +21,6 @@ import torch.distributed as dist
 from loongtrain.attn.cuda_kernels import CUDA_CUDNN_ROWS2
 from loongtrain.attn.kernel_probe import (
     PROBE_MAX_BLOCK,
-    PROBE_TIMEOUT_S,
     ProbeSpec,
     Versions,
     known_bad,
@@ -61,12 +60,12 @@ class BatchProbe:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int,
                  seq_len: int, versions: Versions, cache_dir: Path | None = None,
-                 timeout_s: float = PROBE_TIMEOUT_S, command: Sequence[str] = PROBE_COMMAND) -> None:
+                 command: Sequence[str] = PROBE_COMMAND) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.where, self.dtype, self.head_dim = f"cuda:{index}", str(dtype).removeprefix("torch."), head_dim
         self.heads, self.kv_heads = probe_heads(num_heads, num_kv_heads)
         self.block = min(length_bucket(seq_len), PROBE_MAX_BLOCK)
-        self.versions, self.timeout_s = versions, timeout_s
+        self.versions = versions
         self.cache_dir = cache_dir if cache_dir is not None else default_cache_dir()
         self.command = tuple(command)
         self.verdicts: dict[str, str | None] = {}
@@ -78,8 +77,7 @@ class BatchProbe:
     def prefetch(self, pairs: list[tuple[Kernel, str]]) -> None:
         specs = [self.spec(k, kind) for k, kind in pairs if self.spec(k, kind).key() not in self.verdicts]
         if specs:
-            self.verdicts.update(probe_batch(specs, self.versions, self.command, cache_dir=self.cache_dir,
-                                             timeout_s=self.timeout_s))
+            self.verdicts.update(probe_batch(specs, self.versions, self.command, cache_dir=self.cache_dir))
 
     def __call__(self, kernel: Kernel, kind: str) -> str | None:
         key = self.spec(kernel, kind).key()

@@ -15,19 +15,19 @@ from loongtrain.parallel.layout import Layout
 
 
 def kernel_scratch_bytes(model: ModelConfig, layout: Layout, t: float, dtype_bytes: int,
-                         kernels: tuple[str, ...], deterministic: bool = False, sm_count: int = SM_COUNT) -> float:
+                         kernels: tuple[str, ...], deterministic_sms: int | None = None) -> float:
     """The largest backward scratch of ``kernels`` for a rank's largest attention call: its ``t`` tokens in the
     heads' layout (``t * hp`` tokens of ``H / hp`` heads, against as many keys); 0 without kernels (CPU).
-    ``deterministic``: FA2's deterministic backward on a device of ``sm_count`` SMs."""
-    return _scratch(model, layout.hp, t, dtype_bytes, kernels, deterministic, sm_count)
+    ``deterministic_sms``: FA2's deterministic backward on a device of that many SMs (None: not deterministic)."""
+    return _scratch(model, layout.hp, t, dtype_bytes, kernels, deterministic_sms)
 
 
 def _scratch(model: ModelConfig, hp: int, t: float, dtype_bytes: int, kernels: tuple[str, ...],
-             deterministic: bool = False, sm_count: int = SM_COUNT) -> float:
+             deterministic_sms: int | None = None) -> float:
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
     tokens = round(t * hp)
     return float(largest_backward_scratch(kernels, 1, model.num_heads // hp, he // hp, tokens, tokens,
-                                          model.head_dim, dtype_bytes, deterministic, sm_count))
+                                          model.head_dim, dtype_bytes, deterministic_sms))
 
 
 class KernelScratch(MemoryTerm):
@@ -40,7 +40,8 @@ class KernelScratch(MemoryTerm):
         self.kernels, self.deterministic, self.sm_count = tuple(kernels), deterministic, sm_count
 
     def attention_backward(self, s: StepShape) -> float:
-        return _scratch(s.model, s.hp, s.tokens, s.dtype_bytes, self.kernels, self.deterministic, self.sm_count)
+        sms = self.sm_count if self.deterministic else None
+        return _scratch(s.model, s.hp, s.tokens, s.dtype_bytes, self.kernels, sms)
 
 
 def kernel_memory(kernels: tuple[str, ...], deterministic: bool = False,

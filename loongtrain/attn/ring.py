@@ -208,11 +208,15 @@ def _unpacked(x: Tensor, batch: int) -> Tensor:
     return x.view(batch, t // batch, h, d).transpose(1, 2)
 
 
-def whole_forward(kernel: Kernel, whole: Piece | VarlenCall, band: tuple[int, int], q: Tensor, k: Tensor,
-                  v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+#: the band a whole piece is called with: never read (a whole piece is full, causal or band, never masked)
+WHOLE_BAND = (0, 0)
+
+
+def whole_forward(kernel: Kernel, whole: Piece | VarlenCall, q: Tensor, k: Tensor, v: Tensor,
+                  scale: float) -> tuple[Tensor, Tensor]:
     """out ``[B, H, S, D]`` and lse ``[B, H, S]`` (contiguous) of :func:`_whole`'s one call."""
     if isinstance(whole, Piece):
-        out, lse = piece_forward(kernel, whole, band, q, k, v, scale)
+        out, lse = piece_forward(kernel, whole, WHOLE_BAND, q, k, v, scale)
         return out, lse.contiguous()
     out, lse = kernel.varlen_forward(_packed(q), _packed(k), _packed(v), whole.cu_q, whole.cu_k, whole.max_q,
                                      whole.max_k, whole.causal, scale, **window_arg(whole.window))
@@ -238,7 +242,7 @@ def ring_forward(
     kernel = _kernel(kernel, q, k)
     whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: the kernel's result, without the fp32 accumulators
-        out, lse = whole_forward(kernel, whole, mask.band(), q, k, v, scale)
+        out, lse = whole_forward(kernel, whole, q, k, v, scale)
         lse = lse.to(acc_dtype(q.dtype))
         if sinks is not None:
             out, lse = fold_sinks(out, lse, sinks)
@@ -287,20 +291,20 @@ def ring_backward_packed(
     kernel = _kernel(kernel, q, k)
     whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: dq, dk, dv as the kernel gives them, no fp32 accumulators
-        return whole_backward(kernel, whole, mask.band(), dout, q, k, v, out, lse, scale)
+        return whole_backward(kernel, whole, dout, q, k, v, out, lse, scale)
     step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, kernel)
     member = _Member(geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
     run_pass(geometry, [member], True, _reach(geometry, q, mask))
     return step.dq.to(q.dtype), member.registers[DKV_OWN].to(k.dtype)
 
 
-def whole_backward(kernel: Kernel, whole: Piece | VarlenCall, band: tuple[int, int], dout: Tensor, q: Tensor,
-                   k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def whole_backward(kernel: Kernel, whole: Piece | VarlenCall, dout: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                   out: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """A ring of one member's backward: :func:`_whole`'s one kernel call, its results in the accumulators'
     layout (dQ ``[B, H, S, D]`` seen from ``[B, S, H, D]`` storage, as the flash kernels give it: otherwise
     copied into it; dK/dV stacked)."""
     if isinstance(whole, Piece):
-        dq, dk, dv = piece_backward(kernel, whole, band, dout, q, k, v, out, lse, scale)
+        dq, dk, dv = piece_backward(kernel, whole, WHOLE_BAND, dout, q, k, v, out, lse, scale)
     else:
         b = q.shape[0]
         packed_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1).contiguous()  # [H, B*S]

@@ -110,12 +110,12 @@ def test_the_deterministic_flash_backward_keeps_a_dq_accumulator_per_split():
     plain = backward_scratch_bytes("cuda_flash", b, h, h, s, s, d, e)
     assert deterministic_dq_copies(1, 32, 132) == 5 and deterministic_dq_copies(1, 4, 132) == 33
     assert deterministic_dq_copies(2, 132, 132) == 1
-    det = backward_scratch_bytes("cuda_flash", b, h, h, s, s, d, e, deterministic=True, sm_count=132)
+    det = backward_scratch_bytes("cuda_flash", b, h, h, s, s, d, e, deterministic_sms=132)
     assert det - plain == 4 * b * h * s * d * (5 - 1)
-    assert backward_scratch_bytes("cuda_cudnn", b, h, h, s, s, d, e, deterministic=True) == \
+    assert backward_scratch_bytes("cuda_cudnn", b, h, h, s, s, d, e, deterministic_sms=132) == \
         backward_scratch_bytes("cuda_cudnn", b, h, h, s, s, d, e)
     s_long = 1 << 18  # past the split: one head per call, 132 accumulators of one head's dQ
-    split = backward_scratch_bytes("cuda_flash", b, h, 8, s_long, s_long, d, e, deterministic=True, sm_count=132)
+    split = backward_scratch_bytes("cuda_flash", b, h, 8, s_long, s_long, d, e, deterministic_sms=132)
     assert split - backward_scratch_bytes("cuda_flash", b, h, 8, s_long, s_long, d, e) == 4 * s_long * d * 131
 
 
@@ -136,5 +136,5 @@ def test_the_planner_counts_the_deterministic_dq_accumulators():
         extra = 4 * heads * int(t * 2) * SMALL.head_dim * (deterministic_dq_copies(1, heads, sms) - 1)
         assert det - plain == extra > 0, (sms, det - plain, extra)
     cudnn = feature_terms(kernels=("cuda_cudnn",), deterministic=True)
-    assert kernel_scratch_bytes(SMALL, layout, t, 2, ("cuda_cudnn",), deterministic=True) == \
+    assert kernel_scratch_bytes(SMALL, layout, t, 2, ("cuda_cudnn",), deterministic_sms=132) == \
         kernel_scratch_bytes(SMALL, layout, t, 2, ("cuda_cudnn",)) and len(cudnn) == 1
