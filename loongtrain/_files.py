@@ -2,16 +2,20 @@
 directory, whole files or none, and a full disk named. Every command that writes a directory
 (``prepare --out``, ``train --out-dir``, ``eval --out``, ``export --hf``) goes through this module.
 
-**Ownership** (:func:`check_output`). A command describes its output directory with an :class:`Output`:
-the command, its flag, and the top-level names it writes. The directory is refused (ValueError naming it)
-when it is an empty path, a file, the current directory or a parent of it, an input of the command, a
-directory holding an input, or a directory inside an input directory. A directory that does not exist or
-is empty is taken. A non-empty one must be loongtrain's: it carries :data:`MARKER` naming the command
-(written when the command first takes the directory) or, for directories written before the marker
-existed, the command's own signature; and every entry in it must be a name the command writes (or a
-sub-directory another loongtrain command marked). Anything else is refused, naming the entries, so
-loongtrain never writes among, nor deletes, files it did not write. ``--overwrite``
-(:func:`remove_owned`) deletes only the entries the command writes.
+**Ownership** (:func:`check_output`; docs/files-and-checkpoints.md#one-ownership-rule). A command
+describes its output directory with an :class:`Output`: the command, its flag, and what it writes there, a
+:class:`Folder` all the way down (the files of each folder, and each sub-folder with its own contents:
+``export``'s ``adapter/`` and ``base/``, ``train``'s ``checkpoints/step_N/``, ``prepare``'s ``shards/``). The
+directory is refused (ValueError naming it) when it is an empty path, a file, the current directory or a
+parent of it, an input of the command, a directory holding an input, or a directory inside an input
+directory. A directory that does not exist or is empty is taken. A non-empty one must be loongtrain's: it
+carries :data:`MARKER` naming the command (written when the command first takes the directory) or, for
+directories written before the marker existed, the command's own signature; and every entry in it, at every
+depth, must be one the command writes (or a directory another loongtrain command marked). Anything else (a
+user's file, a link, a file where a folder belongs) is refused, naming the folder and the entries, so
+loongtrain never writes among, nor deletes, files it did not write. Deleting (``--overwrite``, a replaced
+checkpoint or export, pruning: :func:`remove_owned`, :func:`remove_folder`) removes only what the command
+writes and keeps anything else, with a warning.
 
 **One writer** (:class:`OutputLock`). While a command writes a directory it holds an exclusive
 ``flock`` on ``DIR/.loongtrain.lock``, which records the holder (pid, host, command). A second writer
@@ -57,20 +61,40 @@ TEMP_PATTERN = ".*.tmp-*"
 
 
 @dataclass(frozen=True)
+class Folder:
+    """What a command writes inside one folder: the names of its ``files`` and of its ``folders``, each with
+    what it writes inside (``fnmatch`` patterns). Anything else there is not loongtrain's: a user's file, a
+    link, a file where a folder belongs or a folder where a file does (:func:`foreign_entries`)."""
+
+    files: tuple[str, ...] = ()
+    folders: tuple[tuple[str, Folder], ...] = ()
+
+    def kind(self, entry: Path) -> Folder | bool | None:
+        """``True`` when ``entry`` is a file this folder's command writes, its :class:`Folder` when it is a
+        folder it writes, None when it is not loongtrain's (a link never is: loongtrain writes none)."""
+        name = entry.name
+        if entry.is_symlink():
+            return None
+        if entry.is_dir():
+            return next((inner for pattern, inner in self.folders if fnmatch.fnmatchcase(name, pattern)), None)
+        return True if any(fnmatch.fnmatchcase(name, p) for p in (*self.files, TEMP_PATTERN)) else None
+
+
+@dataclass(frozen=True)
 class Output:
-    """An output directory's owner: ``command`` (``"prepare"`` ...), its ``flag`` (``"--out"``), the
-    top-level names it writes (``fnmatch`` patterns), and ``signature``: True for a directory this command
-    wrote before :data:`MARKER` existed (None: only the marker counts)."""
+    """An output directory's owner: ``command`` (``"prepare"`` ...), its ``flag`` (``"--out"``), what it writes
+    there (:class:`Folder`, all the way down; its marker and lock besides), and ``signature``: True for a
+    directory this command wrote before :data:`MARKER` existed (None: only the marker counts)."""
 
     command: str
     flag: str
-    patterns: tuple[str, ...]
+    contents: Folder
     signature: Callable[[Path], bool] | None = None
 
-    def writes(self, name: str) -> bool:
-        """True when ``name`` (a top-level entry) is one this command writes."""
-        return name in (MARKER, LOCK_FILE) or any(fnmatch.fnmatchcase(name, p)
-                                                  for p in (*self.patterns, TEMP_PATTERN))
+    @property
+    def top(self) -> Folder:
+        """:attr:`contents` with the marker and the lock, which only the top level holds."""
+        return Folder((MARKER, LOCK_FILE, *self.contents.files), self.contents.folders)
 
     def owns(self, path: Path) -> bool:
         """True when directory ``path`` is this command's (its marker, or its older signature)."""
@@ -182,13 +206,17 @@ def written_by_loongtrain(file: Path) -> bool:
 
 
 def check_owned(output: Output, out: Path) -> None:
-    """An existing directory ``out`` is empty, or ``output``'s with nothing else in it (ValueError)."""
+    """An existing directory ``out`` is empty, or ``output``'s with nothing else in it, all the way down
+    (ValueError naming the first folder that holds something loongtrain did not write, and those entries)."""
     if not any(out.iterdir()):
         return
     foreign = foreign_entries(output, out)
     if foreign:
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-        raise ValueError(f"{output.flag} {_name(out)} holds files loongtrain did not write ({shown}); they "
+        where = foreign[0].parent
+        names = [p.name for p in foreign if p.parent == where]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        inside = "" if where == out else f": {_name(where)}"
+        raise ValueError(f"{output.flag} {_name(out)}{inside} holds files loongtrain did not write ({shown}); they "
                          f"are never written over or deleted: choose an empty or new directory")
     if not output.owns(out):
         other = marker_command(out)
@@ -197,26 +225,59 @@ def check_owned(output: Output, out: Path) -> None:
                          f"loongtrain never writes over such a directory: choose an empty or new directory")
 
 
-def foreign_entries(output: Output, out: Path) -> list[str]:
-    """The entries of directory ``out`` that ``output``'s command does not write (sub-directories another
-    loongtrain command marked excepted), sorted."""
-    return sorted(p.name for p in out.iterdir() if not output.writes(p.name) and marker_command(p) is None)
+def foreign_entries(output: Output | Folder, out: Path) -> list[Path]:
+    """Every entry under directory ``out`` that ``output``'s command did not write, all the way down (a
+    directory another loongtrain command marked is not looked into: it is that command's), in the order of a
+    sorted walk; empty when the whole tree is loongtrain's (docs/files-and-checkpoints.md#one-ownership-rule)."""
+    folder = output.top if isinstance(output, Output) else output
+    found: list[Path] = []
+    for entry in sorted(Path(out).iterdir()):
+        kind = folder.kind(entry)
+        if kind is None:
+            if not (entry.is_dir() and not entry.is_symlink() and marker_command(entry) is not None):
+                found.append(entry)
+        elif isinstance(kind, Folder):
+            found.extend(foreign_entries(kind, entry))
+    return found
 
 
-def remove_owned(output: Output, out: Path, keep: Iterable[str] = ()) -> list[str]:
-    """Delete the entries of ``output``'s directory ``out`` that the command writes (never the marker,
-    the lock or ``keep``); return their names. The caller checked ownership (:func:`check_output`)."""
+def remove_owned(output: Output | Folder, out: Path, keep: Iterable[str] = ()) -> list[str]:
+    """Delete what ``output``'s command wrote in directory ``out``, all the way down (never the top-level
+    names in ``keep``, nor, for an :class:`Output`, its marker and lock; a folder goes once it is empty);
+    return the top-level names deleted. What loongtrain did not write stays, with a warning naming it (the
+    checks refused it before: :func:`check_output`; one that appeared since is kept)."""
+    folder = output.contents if isinstance(output, Output) else output
     removed = []
-    keep = {MARKER, LOCK_FILE, *keep}
-    for entry in sorted(out.iterdir()):
-        if entry.name in keep or not output.writes(entry.name):
+    keep = {MARKER, LOCK_FILE, *keep} if isinstance(output, Output) else set(keep)
+    for entry in sorted(Path(out).iterdir()):
+        kind = folder.kind(entry)
+        if entry.name in keep or kind is None:
             continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
+        if isinstance(kind, Folder) and not remove_folder(kind, entry):
+            continue
+        if kind is True:
             entry.unlink()
         removed.append(entry.name)
     return removed
+
+
+def remove_folder(folder: Folder, path: Path) -> bool:
+    """Delete folder ``path``, whose contents ``folder`` describes, as far as loongtrain wrote it
+    (:func:`remove_owned`): True when it is gone; False when something it did not write kept it (named in a
+    warning)."""
+    remove_owned(folder, path)
+    left = sorted(p.name for p in path.iterdir())
+    if left:
+        log.warning("%s: kept, it holds files loongtrain did not write (%s)", path, ", ".join(left[:4]))
+        return False
+    path.rmdir()
+    return True
+
+
+def remove_output(output: Output, out: Path) -> bool:
+    """Delete the whole output directory ``out`` of ``output``'s command (its marker and lock too) as far as
+    loongtrain wrote it: True when it is gone, False when a file it did not write kept it (a warning)."""
+    return remove_folder(output.top, out)
 
 
 def write_marker(output: Output, out: Path) -> None:

@@ -35,7 +35,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 import time
@@ -49,9 +48,11 @@ import numpy as np
 from loongtrain._files import (
     LOCK_FILE,
     MARKER,
+    Folder,
     Output,
     OutputLock,
     check_output,
+    remove_folder,
     remove_owned,
     write_atomic,
     write_bytes,
@@ -103,7 +104,9 @@ def _wrote(path: Path) -> bool:
 
 
 #: what `loongtrain prepare` writes into --out (loongtrain._files: the ownership rule)
-OUTPUT = Output("prepare", "--out", (MANIFEST, MANIFEST + ".tmp", SHARD_DIR, ".tmp-*", IN_PROGRESS), _wrote)
+SHARD_FOLDER = Folder(("tokens-*.bin", "targets-*.bin", INDEX_FILE, MANIFEST))  # shards/, and .tmp-<pid>/ before it
+OUTPUT = Output("prepare", "--out", Folder((MANIFEST, MANIFEST + ".tmp", IN_PROGRESS),
+                                           ((SHARD_DIR, SHARD_FOLDER), (".tmp-*", SHARD_FOLDER))), _wrote)
 
 
 def request(sources: list[str], tokenizer: Tokenizer, text_field: str, shard_bytes: int,
@@ -263,8 +266,8 @@ def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer | ChatFormat,
     write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))  # every byte written before the swap
     (out / MANIFEST).unlink(missing_ok=True)  # from here the directory reads as interrupted until it is whole
     old = out / SHARD_DIR
-    if old.exists():
-        shutil.rmtree(old)
+    if old.exists() and not _discard(old):
+        raise ValueError(f"{old} holds files loongtrain did not write; they are never deleted: move them elsewhere")
     os.rename(tmp, out / SHARD_DIR)
     os.replace(out / SHARD_DIR / MANIFEST, out / MANIFEST)
     (out / IN_PROGRESS).unlink()
@@ -278,7 +281,7 @@ def _clear_leftovers(out: Path, state: str) -> None:
         return
     if (out / MANIFEST).is_file():
         for stale in out.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            _discard(stale)
         return
     log.warning("%s: removing the files of an interrupted prepare", out)
     remove_owned(OUTPUT, out)
@@ -287,12 +290,20 @@ def _clear_leftovers(out: Path, state: str) -> None:
 def _remove_partial(out: Path, fresh: bool) -> None:
     """This run's files after a failure: its temporary shards and its in-progress marker (a finished corpus
     beside them stays); in a directory that was ``fresh``, everything it wrote."""
-    shutil.rmtree(out / f".tmp-{os.getpid()}", ignore_errors=True)
+    _discard(out / f".tmp-{os.getpid()}")
     if fresh and not (out / MANIFEST).is_file():
         remove_owned(OUTPUT, out)
         (out / MARKER).unlink(missing_ok=True)
     elif (out / MANIFEST).is_file() or not (out / SHARD_DIR).exists():
         (out / IN_PROGRESS).unlink(missing_ok=True)
+
+
+def _discard(folder: Path) -> bool:
+    """Delete a shard folder (``shards/``, ``.tmp-<pid>/``) as far as loongtrain wrote it (loongtrain._files):
+    True when it is gone (or was not there)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return not (folder.exists() or folder.is_symlink())
+    return remove_folder(SHARD_FOLDER, folder)
 
 
 def _check_kept(lengths: np.ndarray, shards: list[dict[str, Any]], min_doc_tokens: int) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loongtrain._files import Output, check_output
+from loongtrain._files import Folder, Output, check_output
 from loongtrain._options import flag, option
 from loongtrain.data.sources import parse_corpus_spec
 from loongtrain.eval.passkey import DEPTHS, KEY_DIGITS, PasskeyTokens, passkey, passkey_tokens
@@ -132,7 +132,8 @@ def _wrote_eval(path: Path) -> bool:
 
 #: what `loongtrain eval` writes into --out (loongtrain._files: the ownership rule); an earlier
 #: evaluation's results there are replaced
-OUTPUT = Output("eval", "--out", ("results.json", "meta.json", "passkey.png", "position_loss.png"), _wrote_eval)
+OUTPUT = Output("eval", "--out", Folder(("results.json", "meta.json", "passkey.png", "position_loss.png")),
+                _wrote_eval)
 
 
 def eval_run_config(options: EvalConfig) -> tuple[ModelSource, tuple[int, ...], TrainSections]:

@@ -48,7 +48,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loongtrain._files import check_output, follow_link, foreign_entries
+from loongtrain._files import check_output, follow_link
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.sources import corpus_identity, identity_change, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
@@ -61,7 +61,6 @@ from loongtrain.model.rope_scaling import rope_change
 from loongtrain.objectives.registry import ObjectiveSection
 from loongtrain.train.checkpoint import (
     AUTO,
-    CHECKPOINTS_OUTPUT,
     LATEST,
     RUN_OUTPUT,
     STATE_FILE,
@@ -144,12 +143,7 @@ def check_out_dir(cfg: TrainConfig) -> None:
                     place.name == "checkpoints" and (place / LATEST).is_file()):
                 raise ValueError(f"--out-dir {cfg.output.out_dir!r} lies inside the checkpoints {str(place)!r} of a "
                                  f"run; choose a directory of its own")
-    out = check_output(RUN_OUTPUT, cfg.output.out_dir, inputs=run_inputs(cfg))
-    if (out / "checkpoints").is_dir():
-        foreign = foreign_entries(CHECKPOINTS_OUTPUT, out / "checkpoints")
-        if foreign:
-            raise ValueError(f"--out-dir {cfg.output.out_dir!r}: {str(out / 'checkpoints')!r} holds files loongtrain "
-                             f"did not write ({', '.join(foreign[:4])}); choose another --out-dir")
+    out = check_output(RUN_OUTPUT, cfg.output.out_dir, inputs=run_inputs(cfg))  # all the way down: checkpoints/step_N/
     probe = out
     while not probe.exists():
         probe = probe.parent

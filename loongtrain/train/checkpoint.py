@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import warnings
 import zlib
 from collections.abc import Iterator
@@ -54,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from loongtrain._files import DiskFullError, Output, is_disk_full
+from loongtrain._files import DiskFullError, Folder, Output, is_disk_full, remove_folder
 from loongtrain.parallel.failures import causes
 from loongtrain.parallel.runtime import is_distributed
 
@@ -67,11 +66,15 @@ def _run_dir(path: Path) -> bool:
     return (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file()
 
 
-#: what ``loongtrain train`` writes into ``--out-dir`` (loongtrain._files: the ownership rule)
-RUN_OUTPUT = Output("train", "--out-dir", ("metrics.jsonl", "checkpoints", "tensorboard", "loss_curve.png",
-                                           "eval_curve.png", "torchrun_run_id", ".torchrun_run_id.*"), _run_dir)
-#: what it writes into ``OUT_DIR/checkpoints`` (all that ``--overwrite`` deletes there)
-CHECKPOINTS_OUTPUT = Output("train", "--out-dir", ("step_*", LATEST, LATEST + ".tmp"))
+#: what a checkpoint ``step_N`` (and a save in progress, ``step_N.tmp``) holds: DCP's files, the trainer state,
+#: each rank's RNG state and the checksums
+STEP_FOLDER = Folder(("*.distcp", ".metadata", STATE_FILE, "rng_rank*.pt", CHECKSUM_FILE))
+#: what ``loongtrain train`` writes into ``OUT_DIR/checkpoints`` (all that ``--overwrite`` deletes there)
+CHECKPOINTS_FOLDER = Folder((LATEST, LATEST + ".tmp"), (("step_*", STEP_FOLDER),))
+#: what ``loongtrain train`` writes into ``--out-dir``, all the way down (loongtrain._files: the ownership rule)
+RUN_OUTPUT = Output("train", "--out-dir", Folder(
+    ("metrics.jsonl", "loss_curve.png", "eval_curve.png", "torchrun_run_id", ".torchrun_run_id.*"),
+    (("checkpoints", CHECKPOINTS_FOLDER), ("tensorboard", Folder(("events.out.tfevents.*",))))), _run_dir)
 
 
 class NonFiniteError(RuntimeError):
@@ -126,7 +129,7 @@ def save_checkpoint(
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
-            shutil.rmtree(tmp)
+            _replace_checkpoint(tmp)
         tmp.mkdir()
     _barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
@@ -143,7 +146,7 @@ def save_checkpoint(
         with _disk_full_named(tmp):
             write_checksums(tmp)
         if final.exists():
-            shutil.rmtree(final)
+            _replace_checkpoint(final)
         os.replace(tmp, final)
         pointer = root / (LATEST + ".tmp")
         pointer.write_text(final.name + "\n")
@@ -152,6 +155,15 @@ def save_checkpoint(
             prune_checkpoints(root, keep)
     _barrier()
     return final
+
+
+def _replace_checkpoint(path: Path) -> None:
+    """Delete checkpoint directory ``path`` before a save writes it again, as far as loongtrain wrote it
+    (loongtrain._files); ValueError naming what it holds otherwise (a file of the user's is never deleted)."""
+    if not remove_folder(STEP_FOLDER, path):
+        left = ", ".join(sorted(p.name for p in path.iterdir())[:4])
+        raise ValueError(f"checkpoint {str(path)!r} holds files loongtrain did not write ({left}); they are never "
+                         f"deleted: move them elsewhere")
 
 
 @contextlib.contextmanager
@@ -243,19 +255,15 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     latest = _latest_or_none(root)
     protected = latest.resolve() if latest is not None else None
     done = complete_checkpoints(root)
-    deleted = [p for p in done[: max(0, len(done) - keep)] if p.resolve() != protected]
-    for old in deleted:
-        shutil.rmtree(old)
-    return deleted
+    old = [p for p in done[: max(0, len(done) - keep)] if p.resolve() != protected]
+    return [p for p in old if remove_folder(STEP_FOLDER, p)]  # a file of the user's in one keeps it
 
 
 def remove_stale_tmp(root: Path) -> list[Path]:
     """Delete ``step_N.tmp`` directories left by saves that died half-way (call on one rank, before any
     save of this run); return them."""
-    stale = [p for p in Path(root).glob("step_*.tmp") if p.is_dir()]
-    for p in stale:
-        shutil.rmtree(p)
-    return stale
+    stale = [p for p in Path(root).glob("step_*.tmp") if p.is_dir() and not p.is_symlink()]
+    return [p for p in stale if remove_folder(STEP_FOLDER, p)]
 
 
 AUTO = "auto"

@@ -25,8 +25,9 @@ of :func:`~loongtrain.train.checkpoint.check_complete`) and is verified first (c
 --resume`` does); ``--hf`` follows the ownership rule (:mod:`loongtrain._files`: not empty, not the
 current directory or a parent of it, not a file, not inside the run's checkpoints nor holding the
 checkpoint or the tokenizer); an existing directory must be an earlier export (its marker) with nothing
-else in it, and is replaced only with ``--overwrite`` (whole: nothing of the old directory stays
-behind). The result is written into a locked staging directory next to the target (a second export to
+else in it, all the way down (``adapter/`` and ``base/`` hold only the files an export writes there), and is
+replaced only with ``--overwrite`` (whole: nothing of the old directory stays behind). The result is
+written into a locked staging directory next to the target (a second export to
 the same target exits 2 naming the first) and renamed into place, so a failed or interrupted export
 leaves the target as it was and removes its staging files.
 """
@@ -36,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,17 +46,21 @@ from torch import nn
 
 from loongtrain._files import (
     LOCK_FILE,
+    Folder,
     Output,
     OutputLock,
     check_output,
     disk_space,
     follow_link,
+    remove_output,
     remove_owned,
     write_bytes,
 )
 from loongtrain.data.prepared import tokenizer_identity
 from loongtrain.data.tokenizer import build_tokenizer
 from loongtrain.hf.convert import export_hf
+from loongtrain.hf.peft_format import CONFIG_FILE as PEFT_CONFIG_FILE
+from loongtrain.hf.peft_format import WEIGHTS_FILE as PEFT_WEIGHTS_FILE
 from loongtrain.hf.peft_format import write_peft_adapter
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallelize.lora import adapter_state, apply_lora, is_adapter, merge_lora
@@ -104,11 +108,12 @@ def load_lora_model(path: Path, state: dict[str, Any]) -> nn.Module:
 #: what `loongtrain export` writes into --hf (loongtrain._files: the ownership rule)
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
-                   "sentencepiece.bpe.model")
+                   "sentencepiece.bpe.model", "chat_template.jinja")
 ADAPTER_DIR, BASE_DIR = "adapter", "base"  # a LoRA run's adapters (PEFT's format) and a preset's base
-OUTPUT = Output("export", "--hf", ("config.json", "generation_config.json", "model.safetensors",
-                                   "model-*.safetensors", "model.safetensors.index.json", *TOKENIZER_NAMES,
-                                   ADAPTER_DIR, BASE_DIR))
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*.safetensors",
+               "model.safetensors.index.json")
+OUTPUT = Output("export", "--hf", Folder((*MODEL_FILES, *TOKENIZER_NAMES), (
+    (ADAPTER_DIR, Folder((PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE))), (BASE_DIR, Folder(MODEL_FILES)))))
 
 
 def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = False,
@@ -128,7 +133,22 @@ def check_target(out_dir: str | Path, checkpoint: Path, *, overwrite: bool = Fal
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ValueError(f"--hf {str(out)!r} holds an earlier export; pass --overwrite to replace it (its files "
                          f"are deleted) or choose a new directory")
+    for beside in _beside(out):  # an interrupted export's leftovers are replaced: the same rule for them
+        if beside.exists() or beside.is_symlink():
+            check_output(OUTPUT, beside)
     return out
+
+
+def _beside(out: Path) -> tuple[Path, Path]:
+    """The staging directory an export of ``out`` writes into, and where the previous export waits while the
+    new one moves in (both beside ``out``)."""
+    return out.with_name(f".{out.name}.export-tmp"), out.with_name(f".{out.name}.export-old")
+
+
+def _discard(path: Path) -> None:
+    """Delete an export's staging or previous directory as far as loongtrain wrote it (loongtrain._files)."""
+    if path.is_dir() and not path.is_symlink():
+        remove_output(OUTPUT, path)
 
 
 def run_tokenizer(state: dict[str, Any]) -> Path | None:
@@ -186,10 +206,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
         model = load_trained_model(path)
     if dtype is not None:
         model = model.to(dtype)
-    staging, old = out.with_name(f".{out.name}.export-tmp"), out.with_name(f".{out.name}.export-old")
+    staging, old = _beside(out)
     with OutputLock(OUTPUT, staging):  # one export to this target at a time; a dead one's staging is taken over
         remove_owned(OUTPUT, staging)
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
         try:
             with disk_space(staging), _os_errors_named(staging / "model.safetensors"):
                 if lora:  # the base (a preset's), the adapters in PEFT's format, then the merged model
@@ -205,10 +225,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, dtype: tor
         except BaseException:
             if old.exists() and not out.exists():
                 os.replace(old, out)  # the previous export back in place
-            shutil.rmtree(staging, ignore_errors=True)
+            _discard(staging)
             raise
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
+    _discard(staging)
+    _discard(old)
     return out
 
 

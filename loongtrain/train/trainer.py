@@ -40,7 +40,7 @@ from loongtrain.sections.model import autocast_dtype
 from loongtrain.sections.stages import Stage, describe, run_stages
 from loongtrain.train.batch import Batch, BatchSharding, LocalBatch, sharding_fields
 from loongtrain.train.checkpoint import (
-    CHECKPOINTS_OUTPUT,
+    CHECKPOINTS_FOLDER,
     NonFiniteError,
     load_checkpoint,
     load_model_weights,
@@ -362,7 +362,7 @@ class Trainer:
         root = self.out_dir / "checkpoints"
         if self.cfg.output.overwrite and not resumed and root.is_dir():  # only what the trainer wrote there
             log.warning("--overwrite: deleting the checkpoints in %s", root)
-            remove_owned(CHECKPOINTS_OUTPUT, root)
+            remove_owned(CHECKPOINTS_FOLDER, root)
         for stale in remove_stale_tmp(root):
             log.warning("removed the incomplete checkpoint %s", stale)
 

@@ -86,6 +86,24 @@ def fx(tmp_path_factory) -> dict[str, str]:
     from tests.helpers import chat_data
 
     chat_data.write_pairs(d / "pairs.jsonl", 4)
+    # 7. a file of the user's one folder down: a LoRA export's adapter/ and base/, a checkpoint, tensorboard/,
+    # a prepared corpus's shards/, a folder named where an export stages
+    assert main(["train", *BASE, "--steps", "1", "--lora", "r=2,alpha=4", "--corpus", str(corpus),
+                 "--out-dir", str(d / "lorarun")]) == 0
+    assert main(["export", str(d / "lorarun"), "--hf", str(d / "lora_hf")]) == 0
+    for name, inside in (("lora_hf_adapter_note", "adapter/README.md"), ("lora_hf_base_note", "base/NOTES.md")):
+        shutil.copytree(d / "lora_hf", d / name)
+        (d / name / inside).write_text("the user's model card")
+    _copy_run(run, d / "tb_note")
+    (d / "tb_note" / "tensorboard").mkdir()
+    (d / "tb_note" / "tensorboard" / "events.out.tfevents.1.host.1.0").write_bytes(b"events")
+    (d / "tb_note" / "tensorboard" / "notes.txt").write_text("the user's")
+    assert main(["prepare", str(corpus), "--out", str(d / "prep"), "--workers", "1"]) == 0
+    shutil.copytree(d / "prep", d / "prep_note")
+    (d / "prep_note" / "shards" / "README.md").write_text("the user's")
+    shutil.copytree(d / "hf", d / "hfx")
+    (d / ".hfx.export-old").mkdir()
+    (d / ".hfx.export-old" / "notes.txt").write_text("the user's")
     return {"D": str(d), "corpus": str(corpus), "run": str(run), "ckpt": str(run / "checkpoints" / "step_00000004")}
 
 
@@ -232,6 +250,26 @@ CASES += [
           "--out", "{tmp}/ev", needle="length 32 is past the model's max_position_embeddings 16", code=0),
     _case("eval-of-an-export-at-its-trained-length", *EV, "--seq-len", "16", D + "/hf", "--corpus", "{corpus}",
           "--out", "{tmp}/ev", needle="", code=0),
+]
+
+CASES += [
+    # 7. ownership all the way down: a file of the user's inside a folder loongtrain writes is refused, naming it
+    _case("export-overwrite-a-file-in-the-adapter", "export", D + "/lorarun", "--hf", D + "/lora_hf_adapter_note",
+          "--overwrite", needle="'{D}/lora_hf_adapter_note/adapter' holds files loongtrain did not write (README.md)"),
+    _case("export-overwrite-a-file-in-the-base", "export", D + "/lorarun", "--hf", D + "/lora_hf_base_note",
+          "--overwrite", needle="'{D}/lora_hf_base_note/base' holds files loongtrain did not write (NOTES.md)"),
+    _case("export-overwrite-a-users-folder-where-it-stages", "export", "{ckpt}", "--hf", D + "/hfx", "--overwrite",
+          needle="--hf '{D}/.hfx.export-old' holds files loongtrain did not write (notes.txt)"),
+    _case("export-overwrite-its-own-earlier-lora-export", "export", D + "/lorarun", "--hf", "{tmp}/copy",
+          "--overwrite", copies=(("copy", "lora_hf"),), needle="", code=0, lands="copy/adapter/adapter_config.json"),
+    _case("train-overwrite-a-file-in-a-checkpoint", *TR, "--steps", "4", "--out-dir", D + "/extra_file", "--overwrite",
+          needle="'{D}/extra_file/checkpoints/step_00000004' holds files loongtrain did not write (notes.txt)"),
+    _case("train-resume-a-file-in-a-checkpoint", *TR, "--steps", "6", "--out-dir", D + "/extra_file", "--resume",
+          "auto", needle="'{D}/extra_file/checkpoints/step_00000004' holds files loongtrain did not write"),
+    _case("train-overwrite-a-file-in-tensorboard", *TR, "--steps", "4", "--out-dir", D + "/tb_note", "--overwrite",
+          needle="'{D}/tb_note/tensorboard' holds files loongtrain did not write (notes.txt)"),
+    _case("prepare-overwrite-a-file-in-the-shards", "prepare", "--workers", "1", "{corpus}", "--out", D + "/prep_note",
+          "--overwrite", needle="'{D}/prep_note/shards' holds files loongtrain did not write (README.md)"),
 ]
 
 STAGED = ("train", *(a for a in BASE if a not in ("--seq-len", "16")), "--corpus", "{corpus}")

@@ -48,7 +48,8 @@ def test_retention_orders_by_step_and_keeps_latest_target(tmp_path):
 
 def test_stale_tmp_directories_are_removed(tmp_path):
     keep = _make(tmp_path, 4)
-    (tmp_path / "step_00000005.tmp" / "sub").mkdir(parents=True)
+    (tmp_path / "step_00000005.tmp").mkdir()
+    (tmp_path / "step_00000005.tmp" / "__0_0.distcp").write_bytes(b"half a save")
     removed = remove_stale_tmp(tmp_path)
     assert [p.name for p in removed] == ["step_00000005.tmp"]
     assert keep.is_dir() and not (tmp_path / "step_00000005.tmp").exists()
