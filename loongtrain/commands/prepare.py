@@ -43,9 +43,10 @@ class PrepareConfig:
     progress: str = option("auto", "progress bar on stderr (auto: when it is a terminal and tqdm is installed)",
                            choices=tuple(PROGRESS))
     objective: str = option("pretrain", "what the corpus is for (as `loongtrain train --objective`, an objective "
-                            "whose corpora can be prepared): pretrain (text) or sft (.jsonl conversations "
-                            "{\"messages\": [...]}: their tokens and target masks, docs/post-training.md)")
-    chat_template: str = option("", "--objective sft: a Jinja chat template file ('': the tokenizer's own)")
+                            "whose corpora can be prepared): pretrain (text), sft (rows of TRL's SFT forms: "
+                            "{\"messages\": [...]} or {\"prompt\", \"completion\"}: their tokens and target masks) or "
+                            "dpo (preference pairs, explicit or implicit prompt; docs/post-training.md)")
+    chat_template: str = option("", "--objective sft/dpo: a Jinja chat template file ('': the tokenizer's own)")
     loss_on: str = option("assistant", "--objective sft: the targets: assistant or all (as `loongtrain train`)",
                           choices=("assistant", "all"))
     verify: bool = option(False, "check every byte of the finished DIR against its manifest's checksums instead "
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> None:
     from loongtrain.data.prepare import prepare
     from loongtrain.data.prepared import verify_prepared
-    from loongtrain.objectives.registry import OBJECTIVES
+    from loongtrain.objectives.registry import OBJECTIVES, option_owners
 
     with naming_the_file(PrepareConfig, argv):  # a value its --config file set, refused later: the file named
         cfg = build(PrepareConfig, parse(PrepareConfig, argv, "loongtrain prepare", DESCRIPTION))
@@ -86,10 +87,15 @@ def _run(argv: list[str]) -> None:
         if spec is None or not spec.prepares:
             preparable = tuple(name for name, entry in OBJECTIVES.items() if entry.prepares)
             raise ValueError(f"--objective={cfg.objective!r} is not one of {preparable}")
+        for name, given in (("chat_template", bool(cfg.chat_template)), ("loss_on", cfg.loss_on != "assistant")):
+            owners = option_owners(name)
+            if given and spec.name not in owners:
+                raise ValueError(f"--{name.replace('_', '-')} applies to --objective {' or '.join(owners)}, not "
+                                 f"--objective {spec.name}")
         prepare(list(cfg.corpus), cfg.out, cfg.tokenizer, workers=cfg.workers, overwrite=cfg.overwrite,
                 text_field=cfg.text_field, shard_bytes=cfg.shard_bytes, decode_errors=cfg.decode_errors,
                 progress=PROGRESS[cfg.progress], min_doc_tokens=cfg.min_doc_tokens,
-                chat=lambda tokenizer: spec.chat_format(tokenizer, cfg))
+                rows=lambda tokenizer: spec.row_encoder(tokenizer, cfg))
 
 
 if __name__ == "__main__":

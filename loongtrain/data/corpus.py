@@ -23,6 +23,7 @@ import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 
@@ -185,23 +186,30 @@ def _walk_py(root: str) -> tuple[Path, ...]:
     return tuple(Path(f) for f in sorted(found))
 
 
+def load_hf_dataset(path: Path) -> Any:
+    """The rows of a local Hugging Face dataset (saved with ``save_to_disk``, or a local script): its ``train``
+    split when it has several. ValueError naming the path when there is none; ImportError without ``datasets``."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            f"reading the Hugging Face dataset {str(path)!r} needs 'datasets': "
+            f"pip install 'loongtrain[hf]'"
+        ) from None
+    saved = path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "state.json"))
+    data = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path))
+    if isinstance(data, (datasets.DatasetDict, dict)):
+        if "train" not in data:
+            raise ValueError(f"dataset {str(path)!r} has no 'train' split; splits: {list(data)}")
+        data = data["train"]
+    return data
+
+
 class HFDatasetCorpus(Corpus):
     """Rows of a local Hugging Face dataset (``load_from_disk`` or a local script), column ``text_field``."""
 
     def __init__(self, path: Path, text_field: str = "text") -> None:
-        try:
-            import datasets
-        except ImportError:
-            raise ImportError(
-                f"reading the Hugging Face dataset {str(path)!r} needs 'datasets': "
-                f"pip install 'loongtrain[hf]'"
-            ) from None
-        saved = path.is_dir() and any((path / f).exists() for f in ("dataset_dict.json", "state.json"))
-        data = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path))
-        if isinstance(data, (datasets.DatasetDict, dict)):
-            if "train" not in data:
-                raise ValueError(f"dataset {str(path)!r} has no 'train' split; splits: {list(data)}")
-            data = data["train"]
+        data = load_hf_dataset(path)
         if text_field not in data.column_names:
             raise ValueError(
                 f"dataset {str(path)!r} has no column {text_field!r}; columns: {data.column_names}"

@@ -36,6 +36,8 @@ class Dataset(Protocol):
 
     def summary(self) -> str: ...
 
+    def has_targets(self) -> bool: ...
+
 
 class PostTrainingBatches(Batches):
     """:class:`~loongtrain.data.pipeline.Batches` over a post-training dataset's rows."""
@@ -116,13 +118,25 @@ class PostTrainingReader:
         train = self.dataset(spec, val_fraction=val_fraction, part="train" if val_fraction else "all")
         if not train.num_samples():
             raise ValueError(f"--corpus {spec!r}: --val-fraction {val_fraction} leaves no row for training")
+        _check_targets(train, f"--corpus {spec!r}" + (f" (less --val-fraction {val_fraction})" if val_fraction else ""),
+                       self.describe())
         lines.append(f"--corpus {spec}: {train.summary()}")
         if val_fraction or val_corpus:
             held = (self.dataset(val_corpus, held_out=True) if val_corpus else
                     self.dataset(spec, val_fraction=val_fraction, part="validation", held_out=True))
+            what = f"--val-corpus {val_corpus!r}" if val_corpus else f"--val-fraction {val_fraction}"
             if held.num_samples() < rows_per_step:
-                what = f"--val-corpus {val_corpus!r}" if val_corpus else f"--val-fraction {val_fraction}"
                 raise ValueError(f"{what}: the held-out data packs into {held.num_samples()} rows, less than one "
                                  f"global batch of dp*batch_size = {rows_per_step}; raise --val-fraction")
+            _check_targets(held, what, self.describe())
             lines.append(f"validation: {held.summary()}")
         return lines
+
+
+def _check_targets(dataset: Dataset, what: str, describe: str) -> None:
+    """ValueError naming ``what`` when the rows ``dataset`` packs hold no target token at all (every step would
+    be skipped: loss 0, nothing learnt): no assistant turn, or a template whose generation blocks mark none."""
+    if not dataset.has_targets():
+        raise ValueError(f"{what}: no target token in any of {dataset.summary()} ({describe}): every step would be "
+                         f"skipped; give rows with assistant turns (or completions), a template with "
+                         f"{{% generation %}} blocks around them, or --loss-on all")

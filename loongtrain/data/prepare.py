@@ -57,8 +57,6 @@ from loongtrain._files import (
     write_atomic,
     write_bytes,
 )
-from loongtrain.data.chat import ChatFormat
-from loongtrain.data.conversations import SFT, ConversationRows, tokenize_conversation_shard
 from loongtrain.data.corpus import Corpus, FilesCorpus, build_corpus
 from loongtrain.data.prepared import (
     FORMAT,
@@ -72,6 +70,7 @@ from loongtrain.data.prepared import (
     token_dtype,
     tokenizer_identity,
 )
+from loongtrain.data.prepared_rows import PreparedRows, RowEncoder, tokenize_rows_shard
 from loongtrain.data.sources import source_identity
 from loongtrain.data.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 
@@ -166,7 +165,7 @@ def prepare(
     progress: bool | None = None,
     on_shard: Callable[[int], None] | None = None,
     min_doc_tokens: int = 0,
-    chat: Callable[[Tokenizer], ChatFormat | None] | None = None,
+    rows: Callable[[Tokenizer], RowEncoder | None] | None = None,
 ) -> PrepareResult:
     """Tokenize ``sources`` (any ``--corpus`` spec each, concatenated in order) into directory ``out``.
 
@@ -174,8 +173,8 @@ def prepare(
     UTF-8 (strict: an error; replace; ignore). ``progress``: a tqdm bar on stderr (None: when tqdm is
     installed and stderr is a terminal). ``on_shard(k)`` is called after shard ``k`` is written (tests
     use it to simulate a crash). ``min_doc_tokens``: keep only the documents of at least that many tokens
-    (EOS not counted; 0 keeps all), recorded in the manifest. ``chat``: the tokenizer's chat format
-    (:class:`~loongtrain.data.chat.ChatFormat`; an objective's, e.g. ``--objective sft``'s): the sources are
+    (EOS not counted; 0 keeps all), recorded in the manifest. ``rows``: an objective's encoder of its rows for the
+    tokenizer (:class:`~loongtrain.data.prepared_rows.RowEncoder`; ``--objective sft|dpo``'s): the sources are
     ``.jsonl`` conversations encoded by it, their target masks stored beside the tokens
     (:mod:`loongtrain.data.conversations`). Raises ValueError for bad input (module
     docstring: which directories are accepted), :class:`~loongtrain._files.DiskFullError` for a full disk."""
@@ -189,15 +188,17 @@ def prepare(
     if min_doc_tokens < 0:
         raise ValueError(f"--min-doc-tokens={min_doc_tokens} must be >= 0 (0: keep every document)")
     tok = build_tokenizer(tokenizer)
-    chat_format = chat(tok) if chat is not None else None
-    corpora = ([ConversationRows(s, decode_errors) for s in sources] if chat_format is not None else
+    encoder = rows(tok) if rows is not None else None
+    if encoder is not None and encoder.documents != 1 and min_doc_tokens:
+        raise ValueError(f"--min-doc-tokens applies to corpora of one document a row, not --objective "
+                         f"{encoder.objective}'s")
+    corpora = ([PreparedRows(s, encoder, decode_errors) for s in sources] if encoder is not None else
                [build_corpus(s, text_field, decode_errors) for s in sources])
     inputs = [s for s in sources if s != "stdlib"] + ([tok.name] if isinstance(tok, HFTokenizer) else [])
     out = check_output(OUTPUT, out, inputs=inputs)
     want = request(sources, tok, text_field, shard_bytes, decode_errors, min_doc_tokens)
-    if chat_format is not None:  # the manifest records what made the targets
-        want.update(objective=SFT, chat={"identity": chat_format.identity(), "rule": chat_format.rule,
-                                         "loss_on": chat_format.loss_on})
+    if encoder is not None:  # the manifest records what made the tokens and targets
+        want.update(encoder.record())
     identity = [source_identity(s, text_field) for s in sources]
     state = check_out_dir(out, want, overwrite, identity)
     if state == "done":
@@ -211,7 +212,7 @@ def prepare(
         with OutputLock(OUTPUT, out):
             _clear_leftovers(out, state)
             try:
-                manifest = _prepare_into(out, corpora, chat_format or tok, want, identity, workers, shard_bytes,
+                manifest = _prepare_into(out, corpora, encoder or tok, want, identity, workers, shard_bytes,
                                          progress, on_shard)
             except (ValueError, OSError, KeyboardInterrupt):  # bad input, a full disk, Ctrl-C: remove our files
                 _remove_partial(out, fresh=state == "fresh")
@@ -226,14 +227,14 @@ def prepare(
     return PrepareResult("prepared", out, manifest["num_tokens"], manifest["num_documents"], seconds)
 
 
-def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer | ChatFormat, want: dict[str, Any],
+def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer | RowEncoder, want: dict[str, Any],
                   identity: list[dict[str, Any]], workers: int, shard_bytes: int, progress: bool | None,
                   on_shard: Callable[[int], None] | None) -> dict[str, Any]:
     """The prepare itself, in the locked directory ``out``: shards in ``.tmp-<pid>``, then the swap."""
     write_atomic(out / IN_PROGRESS, json.dumps(want))
     tmp = out / f".tmp-{os.getpid()}"
     tmp.mkdir()
-    dtype = token_dtype((tok.tokenizer if isinstance(tok, ChatFormat) else tok).vocab_size)
+    dtype = token_dtype((tok.tokenizer if isinstance(tok, RowEncoder) else tok).vocab_size)
     bar = None
     if _want_progress(progress):
         from tqdm import tqdm
@@ -254,7 +255,7 @@ def _prepare_into(out: Path, corpora: list[Corpus], tok: Tokenizer | ChatFormat,
             bar.close()
     _check_kept(lengths, shards, want["min_doc_tokens"])
     num_tokens = int(lengths.sum())
-    if num_tokens == (0 if isinstance(tok, ChatFormat) else len(lengths)):
+    if num_tokens == (0 if isinstance(tok, RowEncoder) else len(lengths)):
         raise ValueError(f"every one of the {len(lengths)} documents of {want['sources']} is empty: nothing to "
                          f"prepare")
     offsets = np.zeros(len(lengths) + 1, dtype="<u8")
@@ -345,7 +346,7 @@ def _shard_texts(corpora: list[Corpus], shard_bytes: int) -> Iterator[tuple[int,
         yield k, batch
 
 
-def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path, dtype: np.dtype, workers: int,
+def _write_shards(corpora: list[Corpus], tok: Tokenizer | RowEncoder, tmp: Path, dtype: np.dtype, workers: int,
                   shard_bytes: int, written: Callable[[int, int], None],
                   min_doc_tokens: int = 0) -> tuple[list[dict[str, Any]], np.ndarray]:
     """The shards of ``corpora`` tokenized into ``tmp`` (``workers`` processes), ``written(k, text_bytes)`` after
@@ -380,11 +381,11 @@ def _write_shards(corpora: list[Corpus], tok: Tokenizer | ChatFormat, tmp: Path,
     return shards, np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
 
 
-_WORKER_TOKENIZER: Tokenizer | ChatFormat | None = None
+_WORKER_TOKENIZER: Tokenizer | RowEncoder | None = None
 _HELD = {signal.SIGINT, signal.SIGTERM}  # held while the pool's processes start
 
 
-def _start_pool(context: Any, workers: int, tok: Tokenizer | ChatFormat) -> Any:
+def _start_pool(context: Any, workers: int, tok: Tokenizer | RowEncoder) -> Any:
     """The tokenizer pool, its processes started with Ctrl-C and SIGTERM held until their initializer has set
     its own handlers (a Ctrl-C before it ran printed a worker's traceback; the pool's SIGTERM before it ran
     reached the parent's handler and left the worker waiting for work forever); the parent stops the pool and
@@ -399,7 +400,7 @@ def _start_pool(context: Any, workers: int, tok: Tokenizer | ChatFormat) -> Any:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
 
 
-def _init_worker(tok: Tokenizer | ChatFormat, parallel_tokenizer: bool = False) -> None:
+def _init_worker(tok: Tokenizer | RowEncoder, parallel_tokenizer: bool = False) -> None:
     global _WORKER_TOKENIZER
     if not parallel_tokenizer:  # a pool process: one per core already, no tokenizer thread pool on top
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -417,8 +418,8 @@ def _tokenize_shard(task: tuple[int, list[str], str, str, int]) -> tuple[int, di
     k, docs, tmp, dtype, min_doc_tokens = task
     tok = _WORKER_TOKENIZER
     assert tok is not None
-    if isinstance(tok, ChatFormat):  # --objective sft: conversations and their target masks
-        return tokenize_conversation_shard(task, tok)
+    if isinstance(tok, RowEncoder):  # --objective sft|dpo: rows (and their target masks)
+        return tokenize_rows_shard(task, tok)
     encoded = [e for e in tok.encode_many(docs) if e.size >= min_doc_tokens]
     lengths = np.fromiter((e.size + 1 for e in encoded), dtype=np.int64, count=len(encoded))
     tokens = np.empty(int(lengths.sum()), dtype=np.dtype(dtype))

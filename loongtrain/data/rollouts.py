@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from loongtrain.data.chat import ChatFormat, conversation_of
+from loongtrain.data.chat import ChatFormat
+from loongtrain.data.messages import conversation_of
 from loongtrain.data.preference import conversational_texts
 from loongtrain.data.rows import read_rows
 from loongtrain.data.tokenizer import Tokenizer

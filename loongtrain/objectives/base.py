@@ -131,6 +131,11 @@ class ObjectiveSpec:
         """What the objective adds to the run's data identity (every checkpoint records it; a resume compares)."""
         return {}
 
+    def row_encoder(self, tokenizer: Tokenizer, options: Any) -> Any:
+        """How ``loongtrain prepare`` encodes its corpora's rows (:class:`~loongtrain.data.prepared_rows.RowEncoder`;
+        None: text, tokenized as pretraining reads it); ``options``: as :meth:`chat_format`'s."""
+        return None
+
     def chat_format(self, tokenizer: Tokenizer, options: Any) -> Any:
         """The chat format its rows are rendered with (None: none); ``options``: its options (``chat_template``,
         ``loss_on``: the objective section's, or ``loongtrain prepare``'s)."""

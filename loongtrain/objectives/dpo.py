@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from loongtrain._options import option
-from loongtrain.data.chat import ChatFormat, read_template
+from loongtrain.data.chat import ChatFormat
 from loongtrain.data.post_training import PostTrainingReader
-from loongtrain.data.preference import PreferenceDataset, open_pairs
+from loongtrain.data.preference import PairRows, PreferenceDataset, open_pairs, pair_chat
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.loss.chunked import FinalNorm
 from loongtrain.loss.dpo import REWARD_METRICS, dpo_loss, sequence_logps
@@ -59,11 +59,6 @@ class PairReader(PostTrainingReader):
     def describe(self) -> str:
         return ("targets: each completion's tokens and its EOS (TRL's tokenization)"
                 + ("; conversational rows rendered with the chat template" if self.chat is not None else ""))
-
-
-def pair_chat(tokenizer: Tokenizer, chat_template: str) -> ChatFormat | None:
-    """DPO's chat format: when there is a template (conversational pairs need it), every token a target."""
-    return ChatFormat(tokenizer, chat_template, "all") if read_template(tokenizer, chat_template) is not None else None
 
 
 class DPOObjective(TargetsObjective):
@@ -150,8 +145,10 @@ class DPORecipe:
 
 class DirectPreference(RowsSpec):
     name = DPO
-    help = "dpo (preference pairs {\"prompt\", \"chosen\", \"rejected\"})"
+    help = ("dpo (preference pairs {\"prompt\", \"chosen\", \"rejected\"}, or {\"chosen\", \"rejected\"} with the "
+            "prompt they share, of .jsonl rows, a saved dataset or a prepared corpus)")
     options = DPOOptions
+    prepares = True
 
     def validate(self, cfg: TrainConfig) -> None:
         beta = cfg.objective.dpo_beta
@@ -171,6 +168,9 @@ class DirectPreference(RowsSpec):
 
     def chat_format(self, tokenizer: Tokenizer, options: Any) -> ChatFormat | None:
         return pair_chat(tokenizer, options.chat_template)
+
+    def row_encoder(self, tokenizer: Tokenizer, options: Any) -> PairRows:
+        return PairRows(tokenizer, self.chat_format(tokenizer, options))
 
     def memory(self) -> tuple[MemoryTerm, ...]:
         return dpo_phases()

@@ -12,7 +12,7 @@ import torch
 
 from loongtrain._options import option
 from loongtrain.data.chat import LOSS_ON, ChatFormat
-from loongtrain.data.conversations import ConversationDataset, open_conversations
+from loongtrain.data.conversations import ConversationDataset, SFTRows, open_conversations
 from loongtrain.data.post_training import PostTrainingReader
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.loss.chunked import FinalNorm
@@ -84,7 +84,9 @@ class SFTRecipe:
 
 class SupervisedFineTuning(RowsSpec):
     name = SFT
-    help = "sft (conversations {\"messages\": [...]} of .jsonl rows or a prepared corpus: their assistant tokens)"
+    help = ("sft (TRL's rows: conversations {\"messages\": [...]} with tool calls and tools, or {\"prompt\", "
+            "\"completion\"}, of .jsonl rows, a saved dataset or a prepared corpus: their assistant or completion "
+            "tokens)")
     options = SFTOptions
     prepares = True
 
@@ -96,8 +98,11 @@ class SupervisedFineTuning(RowsSpec):
         return self.recipe(cfg).reader(cfg, tokenizer)
 
     def chat_format(self, tokenizer: Tokenizer, options: Any) -> ChatFormat:
-        """Always (ValueError without a template unless ``loss_on == "all"``)."""
+        """Always (without a template only text prompt-completion rows encode, unless ``loss_on == "all"``)."""
         return ChatFormat(tokenizer, options.chat_template, options.loss_on)
+
+    def row_encoder(self, tokenizer: Tokenizer, options: Any) -> SFTRows:
+        return SFTRows(self.chat_format(tokenizer, options))
 
 
 SPEC = SupervisedFineTuning()

@@ -43,6 +43,21 @@ def _case(tmp: Path, case: str) -> tuple[list[str], str]:
         path = _rows(tmp / "long.jsonl", rows)
         return (base + ["--objective", "sft", "--corpus", path, "--on-long", "error"],
                 r"conversation 2 \(counting from 0\) has \d+ tokens, more than --seq-len 256 .*--on-long drop")
+    if case == "no target anywhere":  # no assistant turn in any row: every step would be skipped
+        rows = [{"messages": chat_data.conversation(i)[:2]} for i in range(4)]
+        path = _rows(tmp / "questions.jsonl", rows)
+        return (base + ["--objective", "sft", "--corpus", path],
+                rf"--corpus '{re.escape(path)}': no target token in any of 4 conversations")
+    if case == "template syntax error":
+        (tmp / "broken.jinja").write_text("{% for m in messages %}{{ m['content'] }\n{% endfor %}")
+        return (base + ["--objective", "sft", "--corpus", chat, "--chat-template", str(tmp / "broken.jinja")],
+                rf"--chat-template '{re.escape(str(tmp / 'broken.jinja'))}' is not a valid Jinja template: line 1")
+    if case == "tools not a list":
+        bad = _rows(tmp / "tools.jsonl", [{"messages": chat_data.conversation(0), "tools": {"name": "x"}}])
+        return base + ["--objective", "sft", "--corpus", bad], rf"{re.escape(bad)}:1: 'tools' must be a list"
+    if case == "content not text":
+        bad = _rows(tmp / "image.jsonl", [{"messages": [{"role": "user", "content": [{"type": "image"}]}]}])
+        return base + ["--objective", "sft", "--corpus", bad], rf"{re.escape(bad)}:1: messages\[0\]'s 'content'"
     pairs = str(chat_data.write_pairs(tmp / "pairs.jsonl", 4))
     dpo = base + ["--objective", "dpo"]
     if case == "pair without chosen":
@@ -54,6 +69,9 @@ def _case(tmp: Path, case: str) -> tuple[list[str], str]:
     if case == "dpo on text rows":
         text = _rows(tmp / "text.jsonl", [{"text": "just text"}])
         return dpo + ["--corpus", text], rf"{re.escape(text)}:1: a preference row needs .*--objective pretrain"
+    if case == "implicit pair of the same texts":
+        bad = _rows(tmp / "same.jsonl", [{"chosen": "Q? yes", "rejected": "Q? yes"}])
+        return dpo + ["--corpus", bad], rf"{re.escape(bad)}:1: 'chosen' and 'rejected' are the same"
     if case == "ref model of another vocabulary":
         other = chat_data.make_model_dir(tmp / "wide", vocab_size=300)
         return (dpo + ["--corpus", pairs, "--ref-model", str(other)],
@@ -67,7 +85,8 @@ def _case(tmp: Path, case: str) -> tuple[list[str], str]:
 
 CASES = ("no messages", "unknown role", "no template", "all too long", "one too long, --on-long error",
          "pair without chosen", "dpo on plain text", "dpo on text rows", "ref model of another vocabulary",
-         "ref model of another architecture")
+         "ref model of another architecture", "no target anywhere", "template syntax error", "tools not a list",
+         "content not text", "implicit pair of the same texts")
 
 
 @pytest.mark.parametrize("case", CASES)

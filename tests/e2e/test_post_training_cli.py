@@ -127,3 +127,30 @@ def test_prepared_equals_raw_and_no_target_steps_are_skipped(dirs, tmp_path, cap
     err = capsys.readouterr().err
     assert f"step {skipped[0]['step']}: no target tokens in any of its sequences" in err
     assert "steps skipped" not in err and "not finite" not in err
+
+
+def test_trl_formats_train_from_the_command_line(dirs, tmp_path):
+    """A saved Hugging Face dataset of prompt-completion rows trains (its targets: the completions' tokens, TRL's
+    completion mask), and implicit-prompt pairs prepared with ``loongtrain prepare --objective dpo`` train from
+    log(2) (the policy is its own reference at step 1)."""
+    import datasets
+
+    from loongtrain.data.chat import ChatFormat
+    from loongtrain.data.conversations import encode_row
+    from loongtrain.data.tokenizer import build_tokenizer
+
+    rows = [{"prompt": chat_data.conversation(i)[:2], "completion": chat_data.conversation(i)[2:3]} for i in range(8)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "pc"))
+    chat = ChatFormat(build_tokenizer(str(dirs / "policy")))
+    completion_tokens = [int(encode_row(chat, r, "r")[1][1:].sum()) for r in rows]
+    sft = _train(tmp_path, "sft", "--model", str(dirs / "policy"), "--objective", "sft", "--corpus",
+                 str(tmp_path / "pc"), "--steps", "1", "--batch-size", "1", "--seq-len", "1024", *_layout(1, 1, 1))
+    assert sft[0]["targets"] == sum(completion_tokens) and sft[0]["loss"] == sft[0]["loss"]  # all 8 in one row
+    pairs = [{"chosen": chat_data.conversation(i, 1), "rejected": [*chat_data.conversation(i, 1)[:-1],
+              {"role": "assistant", "content": f"no idea {i}"}]} for i in range(8)]
+    corpus = chat_data.write_rows(tmp_path / "implicit.jsonl", pairs)
+    assert cli_main(["prepare", str(corpus), "--objective", "dpo", "--tokenizer", str(dirs / "policy"),
+                     "--out", str(tmp_path / "prep"), "--workers", "1"]) == 0
+    dpo = _train(tmp_path, "dpo", "--model", str(dirs / "policy"), "--objective", "dpo", "--corpus",
+                 str(tmp_path / "prep"), "--steps", "1", *_layout(1, 1, 1))
+    assert abs(dpo[0]["loss"] - 0.6931471805599453) < 1e-6 and dpo[0]["pairs"] > 0

@@ -86,3 +86,54 @@ def pair(i: int, conversational: bool = False) -> dict:
 
 def write_pairs(path: Path, count: int = 24, conversational: bool = False) -> Path:
     return write_rows(path, [pair(i, conversational) for i in range(count)])
+
+
+#: ChatML with what tool-calling and reasoning models' templates render (written for these tests): the row's
+#: ``tools`` in the system turn, an assistant turn's ``reasoning_content`` in <think>, its ``tool_calls`` as JSON,
+#: consecutive ``tool`` results grouped into one turn, content given as text parts; the assistant's turns inside
+#: {% generation %}
+TOOLS_TEMPLATE = (
+    "{%- macro text(content) -%}{%- if content is string -%}{{ content }}{%- elif content -%}"
+    "{%- for part in content -%}{{ part['text'] }}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
+    "{%- if tools -%}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}{{ text(messages[0]['content']) + '\\n\\n' }}{%- endif -%}"
+    "{{ '# Tools\\n<tools>' }}{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\\n</tools><|im_end|>\\n' }}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}{%- if not tools -%}"
+    "{{ '<|im_start|>system\\n' + text(message['content']) + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- elif message['role'] == 'user' -%}{{ '<|im_start|>user\\n' + text(message['content']) + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{%- if message.get('reasoning_content') -%}{{ '<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' }}"
+    "{%- endif -%}{{ text(message.get('content')) }}"
+    "{%- for call in message.get('tool_calls') or [] -%}{%- set f = call['function'] if call['function'] else call -%}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' + (f['arguments'] | tojson) + "
+    "'}\\n</tool_call>' }}{%- endfor -%}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
+#: the same without the generation blocks (targets by role)
+TOOLS_ROLE_TEMPLATE = TOOLS_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def tool_conversation(i: int) -> list[dict]:
+    """A tool-calling conversation with reasoning, a turn of tool calls without content, two tool results and
+    content given as text parts."""
+    return [
+        {"role": "system", "content": [{"type": "text", "text": f"be helpful {i}"}]},
+        {"role": "user", "content": f"weather in city {i} and {i + 1}?"},
+        {"role": "assistant", "reasoning_content": f"I need tools for {i}.",
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": f"c{i}"}}},
+                        {"type": "function", "function": {"name": "get_weather",
+                                                          "arguments": {"city": f"c{i + 1}"}}}]},
+        {"role": "tool", "name": "get_weather", "tool_call_id": "0", "content": f"sunny {i}"},
+        {"role": "tool", "name": "get_weather", "tool_call_id": "1", "content": [{"type": "text", "text": "rain"}]},
+        {"role": "assistant", "reasoning_content": "Both came back.", "content": f"c{i}: sunny, c{i + 1}: rain."},
+    ]

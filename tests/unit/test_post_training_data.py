@@ -67,8 +67,10 @@ def test_loss_on_all_and_templates_from_a_file(toks, tmp_path):
     assert from_file.rule == "generation"
     own = ChatFormat(tok).encode(CONVERSATIONS[2], "t")[1]
     assert from_file.encode(CONVERSATIONS[2], "t")[1].tolist() == own.tolist()
-    with pytest.raises(ValueError, match="no chat template"):
-        ChatFormat(build_tokenizer(str(toks["none"])))
+    without = ChatFormat(build_tokenizer(str(toks["none"])))  # text prompt-completion rows need no template
+    assert without.rule == "none"
+    with pytest.raises(ValueError, match="f:1: the tokenizer .* has no chat template .*--chat-template FILE"):
+        without.encode(CONVERSATIONS[0], "f:1")
 
 
 def test_byte_tokenizer_offsets_map_characters_to_bytes():
