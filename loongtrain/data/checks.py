@@ -10,7 +10,7 @@ import logging
 from loongtrain.data.corpus import FilesCorpus, build_corpus, non_text_chars, sample_documents
 from loongtrain.data.packing import TokenStream
 from loongtrain.data.prepared import check_prepared, is_prepared_dir
-from loongtrain.data.sources import open_stream, parse_corpus_spec
+from loongtrain.data.sources import check_one_name, open_stream, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
 
 log = logging.getLogger("loongtrain.train")
@@ -21,7 +21,9 @@ def check_corpora(corpus: str, val_corpus: str, tokenizer: Tokenizer, seq_len: i
     """Every corpus of ``--corpus`` and ``--val-corpus`` (each part of a mixture) can be read and holds one
     sample of ``seq_len + 1`` tokens (with ``--val-fraction``, the training part of each ``--corpus``
     too); a raw one is text (:func:`check_text`), a prepared one matches ``tokenizer``, its counts its
-    files, and passes its quick checksum check (:func:`loongtrain.data.prepared.check_prepared`)."""
+    files, and passes its quick checksum check (:func:`loongtrain.data.prepared.check_prepared`); no two parts
+    of a mixture are one corpus (by path: :func:`~loongtrain.data.sources.parse_corpus_spec`; by content:
+    :func:`~loongtrain.data.sources.check_one_name`)."""
     for flag, spec in (("--corpus", corpus), ("--val-corpus", val_corpus)):
         if not spec:
             continue
@@ -40,6 +42,11 @@ def check_corpora(corpus: str, val_corpus: str, tokenizer: Tokenizer, seq_len: i
                 check_raw_corpus(name, tokenizer, seq_len, where, decode_errors)
             if flag == "--corpus" and val_fraction:
                 _check_training_part(name, tokenizer, where, seq_len, val_fraction, seed, decode_errors)
+        if len(parts) > 1:  # each part is whole: now one content under two names is named as such
+            try:
+                check_one_name(spec)
+            except ValueError as exc:
+                raise ValueError(f"{flag} {spec!r}: {exc}") from None
 
 
 def _check_training_part(name: str, tokenizer: Tokenizer, where: str, seq_len: int, val_fraction: float, seed: int,

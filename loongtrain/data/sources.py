@@ -35,7 +35,9 @@ def parse_corpus_spec(spec: str) -> list[tuple[str, float]]:
     """``[(corpus, weight), ...]`` of a ``--corpus`` value (weights as given; one corpus: weight 1).
 
     ValueError for a weight that does not parse, is negative or not finite, a part without ``=``, a
-    repeated corpus, or weights that are all zero."""
+    corpus named twice (compared by the path it resolves to, :func:`corpus_key`: ``prep`` and ``./prep``, or a
+    link and its target, are one corpus), or weights that are all zero. Two names of one content:
+    :func:`check_one_name` (it reads the corpora)."""
     if spec == "stdlib" or Path(spec).exists() or "=" not in spec:
         return [(spec, 1.0)]
     parts: list[tuple[str, float]] = []
@@ -49,12 +51,39 @@ def parse_corpus_spec(spec: str) -> list[tuple[str, float]]:
             raise ValueError(f"corpus mixture {spec!r}: weight {text!r} of {name!r} is not a number") from None
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"corpus mixture {spec!r}: weight {text!r} of {name!r} must be finite and >= 0")
-        if name in (n for n, _ in parts):
-            raise ValueError(f"corpus mixture {spec!r}: corpus {name!r} appears twice")
+        same = next(((n, w) for n, w in parts if corpus_key(n) == corpus_key(name)), None)
+        if same is not None:
+            named = f"corpus {name!r} appears twice" if same[0] == name else \
+                f"{same[0]!r} and {name!r} are one corpus ({corpus_key(name)})"
+            raise ValueError(f"corpus mixture {spec!r}: {named}; name it once, with its weights summed "
+                             f"({same[0]}={same[1] + weight:g})")
         parts.append((name, weight))
     if not any(w > 0 for _, w in parts):
         raise ValueError(f"corpus mixture {spec!r}: at least one weight must be positive")
     return parts
+
+
+def corpus_key(name: str) -> str:
+    """The corpus a ``--corpus`` name means: ``stdlib``, or the path it resolves to (links followed)."""
+    return name if name == "stdlib" else str(Path(name).resolve())
+
+
+def check_one_name(spec: str, text_field: str = "text") -> list[dict[str, Any]]:
+    """The identity of each corpus of ``spec`` (:func:`corpus_identity`), after checking that no two parts of
+    a mixture hold the same content under two paths (a copy of a corpus mixed with itself); ValueError naming
+    both otherwise."""
+    parts = parse_corpus_spec(spec)
+    identities = [source_identity(name, text_field) for name, _ in parts]
+    seen: dict[tuple[str, str], tuple[str, float]] = {}
+    for (name, weight), identity in zip(parts, identities):
+        key = (identity["kind"], identity["content"])
+        if key in seen:
+            first, first_weight = seen[key]
+            raise ValueError(f"corpus mixture {spec!r}: {first!r} and {name!r} hold the same corpus (the same "
+                             f"content: {_describe(identity)}); name it once, with its weights summed "
+                             f"({first}={first_weight + weight:g})")
+        seen[key] = (name, weight)
+    return identities
 
 
 def open_stream(spec: str | Corpus, tokenizer: Tokenizer, *, text_field: str = "text", val_fraction: float = 0.0,

@@ -120,12 +120,10 @@ def _check_sizes(cfg: TrainSections, world: int, tokenizer: Tokenizer) -> list[s
 
 
 def _same_corpus(a: str, b: str) -> bool:
-    from pathlib import Path
-
-    from loongtrain.data.sources import parse_corpus_spec
+    from loongtrain.data.sources import corpus_key, parse_corpus_spec
 
     def paths(spec: str) -> set[str]:
-        return {n if n == "stdlib" else str(Path(n).resolve()) for n, _ in parse_corpus_spec(spec)}
+        return {corpus_key(n) for n, _ in parse_corpus_spec(spec)}
 
     return bool(paths(a) & paths(b))
 

@@ -358,6 +358,9 @@ def make_safety(files: dict[str, str], s: Path) -> tuple[dict[str, str], list[in
     prepare([str(s / "other.jsonl")], s / "prep_other", workers=1)
     import shutil
 
+    (s / "prep_link").symlink_to(s / "prep")  # one corpus under another name: a link, and a copy
+    shutil.copytree(s / "prep", s / "prep_copy")
+
     for name, edit in [("prep_ntok", lambda m: m.update(num_tokens=m["num_tokens"] + 7)),
                        ("prep_shardtok", lambda m: m["shards"][0].update(num_tokens=m["shards"][0]["num_tokens"] - 1)),
                        ("prep_ndocs", lambda m: m.update(num_documents=m["num_documents"] + 9)),
@@ -578,6 +581,15 @@ SAFETY = [
           needle="not a complete manifest (no 'shards')"),
     case("prepared-mixture-part-contradicts", *TR, "--corpus", f"{S}/prep=0.5,{S}/prep_ntok=0.5",
           needle="corpus '{S}/prep_ntok': {S}/prep_ntok/manifest.json: num_tokens says"),
+    # one corpus, one name: mixture parts compared by the corpus they resolve to, not by spelling
+    case("mixture-one-corpus-two-spellings", *TR, "--corpus", "prep=0.5,./prep=0.5", cwd=S,
+         needle="'prep' and './prep' are one corpus ({S}/prep); name it once, with its weights summed (prep=1)"),
+    case("mixture-one-corpus-and-its-link", *TR, "--corpus", f"{S}/prep=0.5,{S}/prep_link=0.5",
+         needle="'{S}/prep' and '{S}/prep_link' are one corpus"),
+    case("mixture-one-corpus-and-its-copy", *TR, "--corpus", f"{S}/prep=0.5,{S}/prep_copy=0.25",
+         needle="'{S}/prep' and '{S}/prep_copy' hold the same corpus (the same content: prepared"),
+    case("mixture-one-corpus-two-spellings-in-eval", *EV, "{run}", "--corpus", "prep=0.5,./prep/=0.5", cwd=S,
+         needle="are one corpus"),
     case("prepared-val-corpus-contradicts", *TR, "--val-corpus", S + "/prep_ntok", "--val-interval", "1",
           needle="--val-corpus '{S}/prep_ntok': {S}/prep_ntok/manifest.json: num_tokens says"),
     # validation: split sizes and batches against what the run asks, before any worker

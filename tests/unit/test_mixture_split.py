@@ -4,6 +4,8 @@ overlap between training and validation documents (docs/data.md)."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -55,6 +57,30 @@ def test_parse_corpus_spec(tmp_path):
                          ("a=1,a=2", "appears twice"), ("a=inf,b=1", "finite")):
         with pytest.raises(ValueError, match=needle):
             parse_corpus_spec(spec)
+
+
+def test_one_corpus_one_name(tmp_path, monkeypatch):
+    """Mixture parts are compared by the corpus they resolve to: two spellings of a path, a link and its target
+    (parse_corpus_spec), and a copy of the same content (check_one_name) are one corpus, refused with the
+    weights summed; two different corpora pass."""
+    from loongtrain.data.sources import check_one_name
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "prep" / "a.jsonl").write_text('{"text": "one corpus"}\n')
+    (tmp_path / "link").symlink_to(tmp_path / "prep")
+    shutil.copytree(tmp_path / "prep", tmp_path / "copy")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.jsonl").write_text('{"text": "another corpus"}\n')
+    for spec, named, summed in (("prep=0.5,./prep=0.5", "'prep' and './prep' are one corpus", "prep=1"),
+                                (f"prep=0.25,{tmp_path}/prep/=0.5", "are one corpus", "prep=0.75"),
+                                ("prep=0.5,link=0.2", "'prep' and 'link' are one corpus", "prep=0.7")):
+        with pytest.raises(ValueError, match=re.escape(named) + ".*name it once, with its weights summed "
+                                             + re.escape(f"({summed})")):
+            parse_corpus_spec(spec)
+    with pytest.raises(ValueError, match=r"'prep' and 'copy' hold the same corpus \(the same content: 1 file"):
+        check_one_name("prep=0.5,copy=0.5")
+    assert [r["corpus"] for r in check_one_name("prep=0.5,other=0.5")] == ["prep", "other"]
 
 
 def test_block_counts_are_proportional():
