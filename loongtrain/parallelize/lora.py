@@ -90,11 +90,12 @@ def find_targets(model: nn.Module, lora: LoraConfig) -> list[tuple[str, nn.Linea
     native = not is_hf_model(model)
     wanted = {native_target(t) if native else t for t in lora.targets}
     every = lora.targets == (ALL_LINEAR,)
-    found, linear_names, experts = [], set(), []
+    found, linear_names, experts, banks = [], set(), [], []
     for name, module in _module_names(model):
         parts = name.split(".")
         leaf = parts[-1]
         if any(bank in parts[:-1] for bank in EXPERT_BANKS) or leaf in EXPERT_BANKS:
+            banks.append(name)
             params = [leaf] + [p.split(".")[-1] for p, _ in module.named_parameters(recurse=False)]
             if every or wanted & set(params):
                 experts.append(name)
@@ -105,18 +106,20 @@ def find_targets(model: nn.Module, lora: LoraConfig) -> list[tuple[str, nn.Linea
                 found.append((name, module))
     targets = ",".join(lora.targets)
     if experts:
-        raise ValueError(f"--lora targets={targets}: LoRA on mixture-of-experts expert weights ({experts[0]}) is not "
-                         f"supported; target the attention projections or the dense layers instead "
-                         f"(valid: {', '.join(sorted(linear_names))})")
+        what = f"{ALL_LINEAR} reaches" if every else "it names"
+        raise ValueError(f"--lora targets={targets}: {what} mixture-of-experts expert weights ({experts[0]}), which "
+                         f"LoRA does not adapt; name the modules to adapt instead, from: "
+                         f"{', '.join(sorted(linear_names))}")
     missing = sorted(wanted - linear_names) if not every else []
     if missing or not found:
         valid = sorted(linear_names)
         if native:  # Hugging Face's names first, loongtrain's own in brackets (both are accepted)
             valid = sorted(f"{HF_NAMES[n]} ({n})" if n in HF_NAMES else n for n in valid)
         which = ", ".join(missing) or targets
+        every_one = "" if banks else f", or {ALL_LINEAR}"  # on a model with expert banks it is refused: not offered
         raise ValueError(f"--lora targets={targets}: {which} {'matches' if len(missing) < 2 else 'match'} no linear "
                          f"module of the {type(model).__name__} decoder blocks; valid module names: "
-                         f"{', '.join(valid)}, or {ALL_LINEAR}")
+                         f"{', '.join(valid)}{every_one}")
     return found
 
 

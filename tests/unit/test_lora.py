@@ -67,9 +67,16 @@ def test_mixture_of_experts_expert_weights_are_refused():
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=2)
     with torch.device("meta"):
         model = transformers.MixtralForCausalLM(config)
-    with pytest.raises(ValueError, match=r"mixture-of-experts expert weights \(model.layers.0.mlp.experts\) is not "
-                                         r"supported.*valid: k_proj, o_proj, q_proj, v_proj"):
+    with pytest.raises(ValueError, match=r"it names mixture-of-experts expert weights \(model.layers.0.mlp.experts\)"
+                                         r", which LoRA does not adapt.*from: k_proj, o_proj, q_proj, v_proj$"):
         find_targets(model, LoraConfig(targets=("q_proj", "down_proj")))
+    with pytest.raises(ValueError, match=r"all-linear reaches mixture-of-experts expert weights"):
+        find_targets(model, LoraConfig(targets=("all-linear",)))
+    # a name that matches nothing: the message offers only what is accepted, never all-linear on such a model
+    with pytest.raises(ValueError) as err:
+        find_targets(model, LoraConfig(targets=("qkv",)))
+    assert "valid module names: k_proj, o_proj, q_proj, v_proj" in str(err.value)
+    assert "all-linear" not in str(err.value)
     assert len(find_targets(model, LoraConfig(targets=("q_proj", "v_proj")))) == 2  # attention: fine
 
 
