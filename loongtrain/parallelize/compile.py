@@ -18,6 +18,7 @@ Off by default: ``--compile on`` compiles on CUDA and on CPU alike.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -117,6 +118,19 @@ def _as_tensors(name: str, value: Any) -> Any:
     return out
 
 
+def _checkpoint_side_effects() -> Any:
+    """While a block traces: a Python side effect in a checkpointed forward is not replayed in its recompute,
+    instead of ending the graph there. transformers' layers (``use_kernelized_func``, ``kernels``) set and
+    reset a module-level variable in ``forward``; under full recompute that break made every Hugging Face
+    block run eagerly, compiling nothing. The variable is restored before the forward returns, so the
+    recompute needs none of it (the gradients equal eager's: tests/unit/test_compile.py)."""
+    config = torch._dynamo.config
+    if not hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return contextlib.nullcontext()
+    return config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
+
 def compile_block(block: nn.Module, name: str, backend: str | None = None) -> None:
     """Replace ``block.forward`` by its compiled version (module docstring)."""
     forward = block.forward
@@ -128,7 +142,8 @@ def compile_block(block: nn.Module, name: str, backend: str | None = None) -> No
         args, kwargs = block_inputs(signature, args, kwargs)
         enter_forward(name)
         try:
-            out = compiled(*args, **kwargs)
+            with _checkpoint_side_effects():
+                out = compiled(*args, **kwargs)
         except Exception as exc:
             if isinstance(exc, CompileError) or not from_compiler(exc):
                 raise

@@ -65,7 +65,6 @@ def _opcheck_layouts() -> dict[str, int]:
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
     import torch
-    from torch._dynamo.utils import counters
 
     from loongtrain.parallel.comm import CommCounter
     from loongtrain.parallel.mesh import init_mesh
@@ -75,7 +74,10 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     from tests.helpers.zero_cases import compare, full_params, make_trainer, model_config
 
     out: dict[str, Any] = {"opcheck": _opcheck_layouts()}
-    compile_step.BACKEND = "inductor"  # --compile on's backend (the unit tests use aot_eager)
+    from tests.helpers.compiled_graphs import GraphCounter
+
+    counter = GraphCounter("inductor")  # --compile on's backend, counted by this rank (not dynamo's counters)
+    compile_step.BACKEND = counter
     torch._inductor.config.compile_threads = 1  # no compile-worker pool per rank: 4 ranks share 2 cores
     mesh = init_mesh(2, 2)
     opts = {"doc_mask": "on", "chunk_order": "balanced"}
@@ -96,7 +98,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             out[mode] = {"forward_calls": forward_calls, "backward_calls": calls["ring_forward"] - forward_calls,
                          "backward_bytes": dict(comm.bytes)}
         trainer.optimizer.zero_grad(set_to_none=True)
-    out["graphs"] = counters["stats"]["unique_graphs"]
+    out["graphs"] = counter.count
     plain = make_trainer(mesh, zero="full", train_opts=opts)  # no checkpointing: the backward's own traffic
     loss_fn = (lambda: plain.loss(doc_batch(7))[0])
     loss = loss_fn()

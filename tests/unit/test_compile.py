@@ -3,7 +3,8 @@
 Compiled training equals eager training (fp64, 1e-10, documents and a sliding window, Selective
 Checkpoint++) over 20 steps whose document mix changes every step; 12-block native and Hugging Face models
 (Selective++ and full checkpointing; documents, then none, then documents again) run at most two graphs
-shared by all blocks (dynamo's counters), without graph breaks, with eager's gradients; the attention ops'
+shared by all blocks (counted by the test's own backend, never dynamo's global counters), without graph breaks
+(an error inside ``no_graph_breaks``), with eager's gradients; the attention ops'
 fake implementations agree with the real ones for every input form (``torch.library.opcheck``); the memory
 report counts what compiled blocks save; a missing toolchain and compile failures (in forward and in a
 compiled backward) are named. Compiles with ``aot_eager`` (the same graphs as inductor, no code
@@ -16,7 +17,6 @@ import dataclasses
 import pytest
 import torch
 import torch._dynamo
-from torch._dynamo.utils import counters
 
 from loongtrain.attn import ops
 from loongtrain.launch.config import TrainConfig
@@ -27,6 +27,7 @@ from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallelize import compile as compile_step
 from loongtrain.parallelize import compile_errors
 from loongtrain.parallelize.compose import parallelize
+from tests.helpers.compiled_graphs import GraphCounter, no_graph_breaks
 from tests.helpers.doc_batches import doc_batch
 
 TOL = 1e-10
@@ -37,10 +38,11 @@ MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, num_kv_hea
 
 @pytest.fixture(autouse=True)
 def aot_eager(monkeypatch):
-    monkeypatch.setattr(compile_step, "BACKEND", "aot_eager")
+    """The blocks compile through this test's own counter (of aot_eager): its graphs, nobody else's."""
+    counter = GraphCounter("aot_eager")
+    monkeypatch.setattr(compile_step, "BACKEND", counter)
     torch._dynamo.reset()
-    counters.clear()
-    yield
+    yield counter
     torch._dynamo.reset()
 
 
@@ -56,24 +58,24 @@ def trainer(compile: str, recompute: str = "selective"):
     return Trainer(run_of(cfg, MODEL), single_process_mesh(), torch.device("cpu"))
 
 
-def test_compiled_training_equals_eager_with_changing_documents_in_at_most_two_graphs():
+def test_compiled_training_equals_eager_with_changing_documents_in_at_most_two_graphs(aot_eager):
     eager, compiled = trainer("off"), trainer("on")
     for step in range(20):
         batch = [doc_batch(step)]
-        a, b = eager.step(batch), compiled.step(batch)
+        with no_graph_breaks():
+            a, b = eager.step(batch), compiled.step(batch)
         assert abs(a["loss"] - b["loss"]) < TOL and abs(a["grad_norm"] - b["grad_norm"]) < TOL, (step, a, b)
     for (name, p), q in zip(eager.model.named_parameters(), compiled.model.parameters()):
         assert (p - q).abs().max().item() < TOL, name
-    graphs = counters["stats"]["unique_graphs"]
-    assert 1 <= graphs <= 2, dict(counters["stats"])  # all blocks share them
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    graphs = aot_eager.count
+    assert 1 <= graphs <= 2, graphs  # all blocks share them
     # the memory report counts what the compiled blocks save: under Selective++ eager's activations (the
     # weights a compiled block saves are parameters, not activations), up to one more copy of the
     # documents' int64 boundaries per layer
     eager_bytes, compiled_bytes = (t.memory_report(doc_batch(0))["activations"] for t in (eager, compiled))
     assert eager_bytes > 0 and abs(compiled_bytes - eager_bytes) <= 8 * SEQ * MODEL.num_layers, (eager_bytes,
                                                                                                  compiled_bytes)
-    assert counters["stats"]["unique_graphs"] == graphs  # no new compilation for the report either
+    assert aot_eager.count == graphs  # no new compilation for the report either
 
 
 def _block_inputs():
@@ -105,7 +107,7 @@ def _deep_model(family: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(("family", "recompute"), [("native", "selective"), ("MistralForCausalLM", "full")])
-def test_twelve_blocks_share_at_most_two_graphs_and_train_like_eager(family, recompute):
+def test_twelve_blocks_share_at_most_two_graphs_and_train_like_eager(family, recompute, aot_eager):
     """All blocks run one compiled graph (two: one more once a batch without documents follows documents),
     never near dynamo's recompile limit (8), without graph breaks; gradients equal eager's (fp64), under
     Selective++ (native) and full checkpointing (Hugging Face)."""
@@ -121,14 +123,14 @@ def test_twelve_blocks_share_at_most_two_graphs_and_train_like_eager(family, rec
         grads = []
         for model in (eager, compiled):
             model.zero_grad(set_to_none=True)
-            hidden, head, _ = loss_inputs(model, ids, positions, docs)
-            (hidden @ head.t()).square().mean().backward()
+            with no_graph_breaks():
+                hidden, head, _ = loss_inputs(model, ids, positions, docs)
+                (hidden @ head.t()).square().mean().backward()
             grads.append({n: p.grad for n, p in model.named_parameters()})
         for name, g in grads[0].items():  # (the final norm's weight has none: the loss would apply it)
             other = grads[1][name]
             assert (g is None) == (other is None) and (g is None or (g - other).abs().max().item() < TOL), name
-    assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert 1 <= aot_eager.count <= 2, aot_eager.count
 
 
 @pytest.mark.parametrize("masks", [
@@ -285,7 +287,7 @@ def test_compiled_backward_failure_names_the_block_in_flight_and_the_op():
 
 
 def test_compile_on_end_to_end_trains_like_eager_and_a_compile_failure_stops_it_in_one_line(
-        tmp_path, monkeypatch, capsys):
+        tmp_path, monkeypatch, capsys, aot_eager):
     from loongtrain.commands import main
     from loongtrain.train.metrics import read_jsonl
 
@@ -304,7 +306,7 @@ def test_compile_on_end_to_end_trains_like_eager_and_a_compile_failure_stops_it_
         assert train(mode) == 0
         losses[mode] = [r["loss"] for r in read_jsonl(tmp_path / mode / "metrics.jsonl")]
     assert len(losses["on"]) == 3 and losses["on"] == pytest.approx(losses["off"], rel=1e-6, abs=1e-6), losses
-    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert aot_eager.count >= 1  # it did compile (--nproc 1: the worker is this process)
     capsys.readouterr()
     monkeypatch.setattr(compile_step, "BACKEND", _wrong_stride_backend())  # fails in the first backward
     assert train("failing") == 1
