@@ -9,7 +9,10 @@ The sections (:data:`SECTIONS`) run in that order, most wanted first. Each has a
 minimum and a maximum of seconds per device kind: a section starts only when the run has at least its
 minimum left and then gets its maximum or what is left, whichever is less; it checks that deadline between
 its measurements and records what it left out. A section that does not run is recorded as ``{"skipped":
-reason}`` (out of time, or not in ``--sections``). Results go to ``--out`` after every section (and after
+reason}`` (out of time, or not in ``--sections``). Every deadline decision is recorded with the clock it was
+made on (``schedule``: each section's time left, its minimum and maximum, and whether it ran and for how long;
+``decisions`` in a section's result: each measurement's need against the time left), so what the run did with
+its budget can be checked without timing it. Results go to ``--out`` after every section (and after
 every training row), so a run cut short keeps what it measured. A section that fails records its error and
 the next one runs, unless it left the device in an error state (a sticky illegal address: every later CUDA call
 would fail): then the rest are recorded as skipped with that error, and the results are written; an allocation
@@ -64,6 +67,7 @@ class Context:
     deadline: float
     flush: Callable[[], None]
     skipped: list[str] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -80,10 +84,13 @@ class Context:
             return None
 
     def enough(self, seconds: float, label: str) -> bool:
-        """Whether ``seconds`` fit before the deadline; if not, ``label`` is recorded as left out."""
-        if self.left() >= seconds:
+        """Whether ``seconds`` fit before the deadline (the decision recorded); if not, ``label`` is recorded as left
+        out."""
+        left = self.left()
+        self.decisions.append({"label": label, "need_s": seconds, "left_s": left, "fits": left >= seconds})
+        if left >= seconds:
             return True
-        self.skipped.append(f"{label}: out of time (section budget, {self.left():.0f} s left)")
+        self.skipped.append(f"{label}: out of time (section budget, {left:.0f} s left)")
         return False
 
 
@@ -146,26 +153,36 @@ def run_section(section: Section, ctx: Context) -> dict[str, Any]:
         out["device_error"] = broken
     if ctx.skipped:
         out["left_out"] = list(ctx.skipped)
+    if ctx.decisions:
+        out["decisions"] = list(ctx.decisions)
     out["wall_s"] = time.perf_counter() - t0
     return out
 
 
 def run_sections(args: Any, wanted: list[str], kind: str, device: torch.device, end: float, results: dict[str, Any],
                  flush: Callable[[], None]) -> None:
-    """Each section in order, while the budget lasts, its result written as it ends."""
+    """Each section in order, while the budget lasts, its result written as it ends; each decision recorded in
+    ``results["schedule"]`` (module docstring)."""
+    schedule = results.setdefault("schedule", [])
     broken = None
     for section in SECTIONS:
         least, most = getattr(section, kind)
         left = end - time.monotonic()
+        decision = {"section": section.name, "left_s": left, "least_s": least, "most_s": most}
         if section.name not in wanted:
             results[section.name] = {"skipped": "not in --sections"}
+            schedule.append({**decision, "ran": False, "why": "not in --sections"})
         elif broken is not None:
             results[section.name] = {"skipped": f"the device is in an error state since an earlier section: {broken}"}
+            schedule.append({**decision, "ran": False, "why": "device error"})
         elif left < least and not section.always:
             results[section.name] = {"skipped": f"out of time: {left:.1f} s of --budget-s {args.budget_s:g} left, "
                                                 f"the section needs at least {least:g} s"}
+            schedule.append({**decision, "ran": False, "why": "out of time"})
         else:
-            ctx = Context(device, kind, results, time.monotonic() + max(0.0, min(most, left)), flush)
+            given = max(0.0, min(most, left))
+            schedule.append({**decision, "ran": True, "given_s": given})
+            ctx = Context(device, kind, results, time.monotonic() + given, flush)
             results[section.name] = {"running": True}
             results[section.name] = run_section(section, ctx)
             broken = results[section.name].get("device_error")

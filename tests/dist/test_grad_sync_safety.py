@@ -104,7 +104,8 @@ def test_a_failure_inside_the_sync_reaches_every_rank_naming_it(tmp_path):
     for r in (0, 1, 3):
         assert seen[r]["type"] == "PeerFailure" and len(seen[r]["lines"]) == 1
         assert seen[r]["lines"][0] == "gradient sync stopped: rank 2 failed: RuntimeError: CUDA out of memory on this rank"
-        assert seen[r]["seconds"] < 4  # before rank 2 exits (the heartbeat timeout is 60 s, the group's 600 s)
+        # the cause's own text reached them through the failure notice, not through rank 2's exit (which would
+        # end their all-reduce with a connection error on gloo, and nothing at all on NCCL)
 
 
 def _in_place_worker(rank: int, world: int) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -75,10 +74,11 @@ def test_help_exits_zero(capsys):
         (["--zero", "half"], ["half"]),
     ],
 )
-def test_user_errors_exit_nonzero_before_spawning(argv, needles, capsys, tmp_path):
-    t0 = time.perf_counter()
+def test_user_errors_exit_nonzero_before_spawning(argv, needles, capsys, tmp_path, monkeypatch):
+    from loongtrain.launch import train_run
+
+    monkeypatch.setattr(train_run, "_launch_local", lambda *a: pytest.fail("validation must not start workers"))
     assert main(["train", *argv, "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert time.perf_counter() - t0 < 10, "validation must not start workers"
     for needle in needles:
         assert needle in err, (needle, err)

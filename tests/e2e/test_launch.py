@@ -105,14 +105,12 @@ def _fail_on(rank: int, world_size: int, bad: int, how: str) -> None:
 
 @pytest.mark.parametrize("how, needle", [("raise", "ValueError: boom on rank 1"), ("exit", "exited with code 3")])
 def test_failing_rank_is_named_with_its_traceback(how, needle):
-    t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
         run_local(_fail_on, 3, 1, how, backend="gloo", timeout=120)
     assert info.value.rank == 1
     assert "rank 1 of 3 failed" in str(info.value) and needle in str(info.value)
     if how == "raise":
         assert "_fail_on" in info.value.details  # the traceback, not just the message
-    assert time.monotonic() - t0 < 60
 
 
 def _sleep(rank: int, world_size: int, seconds: float) -> None:
@@ -120,10 +118,8 @@ def _sleep(rank: int, world_size: int, seconds: float) -> None:
 
 
 def test_hang_times_out():
-    t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="ranks \\[0, 1\\] of 2"):
+    with pytest.raises(TimeoutError, match="ranks \\[0, 1\\] of 2"):  # (600 s asleep: only the timeout ends it)
         run_local(_sleep, 2, 600.0, backend="gloo", timeout=3)
-    assert time.monotonic() - t0 < 60
 
 
 def test_backend_choice():

@@ -128,7 +128,6 @@ def test_agent_killed_the_other_node_ends_naming_it_and_resume_auto_finishes(tmp
     out = tmp_path / "run"
     nodes = Nodes(out, corpus, max_restarts=1, kill=f"3:{KILL_STEP}:agent")
     assert nodes.procs[1].wait(timeout=END_S) == -9, nodes.log(1)[-3000:]  # node 1's agent, killed
-    lost = time.monotonic()
     # node 0's workers end at once, naming node 1; node 1's workers ended with their agent
     wait_for(lambda: not _workers_of(out), 30, "every worker to end", nodes.procs[0])
     failed = [line for line in nodes.log(0).splitlines() if "loongtrain train: failed:" in line]
@@ -137,8 +136,7 @@ def test_agent_killed_the_other_node_ends_naming_it_and_resume_auto_finishes(tmp
     # every node relaunched, as a user would after replacing the lost one (while node 0's old agent still
     # waits in its rendezvous for node 1, up to join_timeout)
     again = Nodes(out, corpus, "--resume", "auto", tag=".again")
-    assert nodes.wait(JOIN_TIMEOUT_S + 30)[0] not in (0, None), nodes.log(0)[-3000:]
-    assert time.monotonic() - lost < JOIN_TIMEOUT_S + 30
+    assert nodes.wait(JOIN_TIMEOUT_S + 30)[0] not in (0, None), nodes.log(0)[-3000:]  # ended: its join timed out
     assert "RendezvousTimeoutError" in nodes.log(0)
     codes = again.wait()
     assert codes == [0, 0], again.log(0)[-3000:] + again.log(1)[-3000:]

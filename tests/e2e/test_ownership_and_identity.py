@@ -5,7 +5,7 @@ unreadable ``latest``, outputs that would replace a user's file or an input of t
 (followed: the output lands in the target, the link stays; dangling or looping: one line), continuations
 from another tokenizer, vocabulary, architecture or RoPE, a length schedule that does not divide, a planner
 asked about absurd clusters. Each row: the exit code (2, or 0 where the command goes on: a warning row, an
-output in a link's target), one line on stderr, no traceback, within 10 s, and every fixture file hashed
+output in a link's target), one line on stderr, no traceback, no worker started, and every fixture file hashed
 before and after (a row that writes does so only under its own scratch directory or a link's target there).
 """
 
@@ -369,13 +369,11 @@ def test_one_line_and_the_files_untouched(case, fx, tmp_path, monkeypatch, capsy
         capsys.readouterr()
     monkeypatch.chdir(tmp_path)
     before = _hashes(Path(fx["D"]))
-    t0 = time.perf_counter()
     code = main(argv)
-    elapsed = time.perf_counter() - t0
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == case.code, err
-    assert "Traceback" not in err and elapsed < 10, (elapsed, err)
+    assert "Traceback" not in err, err
     needle = case.needle.format(**fill)
     if case.code:
         assert reached == [], "the workers' start was reached"
@@ -415,23 +413,26 @@ def test_resume_auto_continues_from_the_newest_complete_checkpoint(fx, tmp_path,
 
 
 @pytest.mark.parametrize("argv", [["--gpus", "65536"], ["--nodes", "8192", "--seq-len", "1M"]])
-def test_the_largest_plans_answer_within_seconds(argv, capsys):
-    """The open search is bounded by the sizes that can matter (a shard of at least 64 tokens, a ring of
-    at most 1024, a sequence group of at most 4096): the largest cluster in range answers in seconds
-    (about 4-8 s on a loaded 2-core machine; minutes before)."""
-    t0 = time.perf_counter()
+def test_the_largest_plans_are_bounded_searches(argv, capsys):
+    """The open search is bounded by the sizes that can matter (a shard of at least 64 tokens, a ring of at
+    most 1024, a sequence group of at most 4096), checked on what it enumerates (not on a clock): the largest
+    cluster in range plans, and every configuration it weighs lies inside the bounds."""
+    from loongtrain.plan.search import MAX_OPEN_CP, MAX_OPEN_SP, MIN_SHARD_TOKENS, enumerate_configs, resolve_model
+
     assert main(["plan", "--model", "tiny", "--seq-len", "8K", "--cluster", "a100", *argv]) == 0
-    assert time.perf_counter() - t0 < 30
     assert "hp" in capsys.readouterr().out
+    seq_len = 1 << 20 if "1M" in argv else 8192
+    configs = enumerate_configs(resolve_model("tiny")[1], 65536, 8, seq_len)
+    assert configs and all(c.cp <= MAX_OPEN_CP and c.sp <= MAX_OPEN_SP and seq_len // c.sp >= MIN_SHARD_TOKENS
+                           for c in configs)
+    assert len({(c.hp, c.cp) for c in configs}) <= MAX_OPEN_SP  # a few layouts, not one per divisor of 65536
 
 
-def test_check_time_is_small(fx):
-    """The checks of this issue on the fixture's checkpoint (checksums, ``latest``): well under 0.1 s."""
+def test_the_checks_read_the_fixture_checkpoint(fx):
+    """The checks of this issue on the fixture's checkpoint (checksums, ``latest``) pass on an intact run."""
     from loongtrain.train.checkpoint import find_checkpoint, verify_checkpoint
 
-    t0 = time.perf_counter()
-    verify_checkpoint(find_checkpoint(fx["run"]))
-    assert time.perf_counter() - t0 < 0.1
+    assert verify_checkpoint(find_checkpoint(fx["run"]))["step"] == 4
     assert os.path.isdir(fx["ckpt"])
 
 

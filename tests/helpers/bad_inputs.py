@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -230,8 +229,8 @@ def case_ids(cases: list) -> list[str]:
 
 
 def check_bad_input(argv: list[str], needle: str, files: dict[str, str], capsys) -> None:
-    """One row of ``CASES``, run in this process: exit 2 within 10 s, one line holding ``needle`` with the
-    command's prefix, no traceback, every file of ``files`` untouched."""
+    """One row of ``CASES``, run in this process: exit 2, one line holding ``needle`` with the command's prefix,
+    no traceback, every file of ``files`` untouched (no worker starts: the tests' ``no_workers``)."""
     argv, needle = fill(argv, files), needle.format(**files)
     command = argv[0] if argv else ""
     if command == "train" and "--corpus" not in argv:
@@ -239,12 +238,9 @@ def check_bad_input(argv: list[str], needle: str, files: dict[str, str], capsys)
     if command == "train" and "--out-dir" not in argv:
         argv += ["--out-dir", str(Path(files["dir"], "out"))]
     before = hashes(Path(files["dir"]))
-    t0 = time.perf_counter()
     code = main(argv)
-    elapsed = time.perf_counter() - t0
     err = capsys.readouterr().err
     assert code == 2, err
-    assert elapsed < 10, f"{elapsed:.1f} s"
     assert needle in err, (needle, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -699,13 +695,11 @@ def check_safety(case: Case, safety: dict[str, str], tmp_path: Path, monkeypatch
     monkeypatch.chdir(case.cwd.format(**fill))
     roots = [Path(safety["S"]), Path(safety["dir"])]
     before = [stat_hashes(r, HASH_CACHE) for r in roots]
-    t0 = time.perf_counter()
     code = main(argv)
-    elapsed = time.perf_counter() - t0
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == case.code, err
-    assert "Traceback" not in err and elapsed < 10, (elapsed, err)
+    assert "Traceback" not in err, err
     if case.code:
         assert reached == [], "the workers' start was reached"
         assert len(lines) == 1 and lines[0].startswith(f"loongtrain {argv[0]}: error: "), err

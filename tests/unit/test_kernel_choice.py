@@ -164,7 +164,7 @@ def test_time_kernel_runs_a_real_kernel():
     q = torch.randn(1, 64, 4, 32).transpose(1, 2)
     k = torch.randn(1, 64, 2, 32).transpose(1, 2)
     seconds = time_kernel(CPU_FLASH, q, k, k.clone(), repeats=2)
-    assert 0 < seconds < 10
+    assert seconds > 0
 
 
 def test_kernel_for_reads_the_blocks_shapes():

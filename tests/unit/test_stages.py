@@ -4,7 +4,6 @@ and a stop and resume on and between stage boundaries that continues bit for bit
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -75,14 +74,15 @@ def test_every_stage_must_suit_the_layout():
     validate_run(parse_args(["--seq-len-stages", "64:2,128:2", "--batch-size", "2", "--hp", "2", "--cp", "2"]), 4)
 
 
-def test_cli_refuses_a_bad_stage_before_any_worker(tmp_path, capsys):
-    t0 = time.perf_counter()
+def test_cli_refuses_a_bad_stage_before_any_worker(tmp_path, capsys, monkeypatch):
+    from loongtrain.launch import train_run
+
+    monkeypatch.setattr(train_run, "_launch_local", lambda *a: pytest.fail("the workers were started"))
     argv = ["train", "--nproc", "4", "--hp", "2", "--cp", "2", "--seq-len-stages", "64:2,100:2",
             "--stage-tokens", "free", "--out-dir", str(tmp_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "loongtrain train: error:" in err and "100" in err and "stage 2" in err
-    assert time.perf_counter() - t0 < 30
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
