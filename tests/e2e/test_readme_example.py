@@ -50,7 +50,8 @@ def expected_figures(heading: str) -> dict[str, float]:
     text = " ".join(readme_section(heading).split())
     patterns = {"sft_first": r"SFT loss starts at ([\d.]+)", "sft_last": r"ends near ([\d.]+) at step \d+",
                 "dpo_first": r"first step has loss ([\d.]+) \(log 2\)", "margin": r"rises to about ([\d.]+)",
-                "dpo_last": r"loss falls to about ([\d.]+) at step \d+", "accuracy": r"`rewards/accuracies` is ([\d.]+)"}
+                "dpo_last": r"loss falls to about ([\d.]+) at step \d+",
+                "accuracy": r"`rewards/accuracies` is ([\d.]+)"}
     return {name: float(re.search(p, text).group(1)) for name, p in patterns.items()}
 
 
