@@ -9,7 +9,10 @@ layers run through ``loongtrain.linear_attention`` (loongtrain/hf/linear.py, doc
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a model is looked at, so that --help and argument errors need none
+    from torch import nn
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -27,6 +30,12 @@ def supported_architectures() -> list[str]:
     """Class names of the Hugging Face causal LMs tested family by family (the ``architectures`` entry of
     config.json); any other whose layers match (:func:`loongtrain.hf.structure.structure_mismatch`) runs too."""
     return list(SUPPORTED_ARCHITECTURES)
+
+
+def family_names() -> str:
+    """The tested families for a help line, from :data:`SUPPORTED_ARCHITECTURES` (``LlamaForCausalLM`` ->
+    ``Llama``): ``"Llama, Mistral, ..."``."""
+    return ", ".join(name.removesuffix("ForCausalLM") for name in SUPPORTED_ARCHITECTURES)
 
 
 def check_architecture(name: str, model: nn.Module | None = None) -> str:
@@ -64,6 +73,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder blocks of ``model``: ``model.layers`` (loongtrain's decoder) or ``base_model.layers``
     (a Hugging Face causal LM). ValueError when neither is a ModuleList. The one finder that
     checkpointing, sharding and the HF attention binding use."""
+    from torch import nn
+
     for owner in (model, getattr(model, "base_model", None), getattr(model, "model", None)):
         layers = getattr(owner, "layers", None)
         if isinstance(layers, nn.ModuleList):
