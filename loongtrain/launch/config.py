@@ -25,7 +25,8 @@ class TrainConfig(TrainSections):
     """Every option of a training run, by section (:class:`~loongtrain.train.config.TrainSections`), and the
     objective's section."""
 
-    objective: ObjectiveSection = option(factory=ObjectiveSection, help="the objective and its options")
+    objective: ObjectiveSection = option(factory=ObjectiveSection, help="the objective and its options",
+                                         resume="keep")  # an objective's options change its loss
 
     def validate(self) -> None:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices, combinations, the

@@ -27,22 +27,26 @@ exits 2 within seconds instead of failing inside the workers. It checks:
 - ``--init-from``: the checkpoint's files are readable and it lies outside this run's checkpoints (its
   model is checked against the run's by :func:`loongtrain.train.model_setup.model_config_for`).
 
-Resume rule: the data stream, the optimizer state and the model must continue unchanged, so the model
-preset, ``--lora`` (compared by meaning; a LoRA checkpoint's base must be the one it trained on:
-:func:`loongtrain.train.lora_base.check_base`), tokenizer, corpus, ``--val-fraction``, ``--seq-len``,
-``--seq-len-stages`` and ``--stage-tokens``, ``--seed``, ``--grad-accum``, the RoPE (``--rope-theta``,
-``--rope-scaling``, compared by meaning), the global batch (``dp * batch_size``) and the AdamW
+Resume rule: the data stream, the optimizer state, the model and the loss must continue unchanged. Every option
+declares what a resume may do with it, where it is declared (``option(..., resume=...)``: the sections'
+fields, an objective's options, whose default is to keep them; :meth:`TrainSections.resume_rules`, collected in
+:data:`MUST_MATCH`): ``keep`` what changes the loss, the data it is computed on or the optimizer's update (the
+model preset, ``--lora`` compared by meaning (a LoRA checkpoint's base must be the one it trained on:
+:func:`loongtrain.train.lora_base.check_base`), tokenizer, corpus, ``--val-fraction``, ``--decode-errors``,
+``--stage-tokens``, ``--doc-mask``, ``--position-reset``, ``--seed``, ``--grad-accum``, the AdamW
 hyper-parameters restored from the checkpoint (``--lr``, ``--beta1``, ``--beta2``, ``--eps``,
-``--weight-decay``) must equal the checkpoint's. Everything else may change: the layout (``--hp``, ``--cp``,
-``--inner-ring``, ``--placement``, ZeRO, ``--recompute``, the number of ranks at the same global batch),
-``--steps`` (without a schedule), ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
-Continuing the trained weights at another length or RoPE is a new run: ``--init-from CHECKPOINT`` (weights
-only) in a new ``--out-dir`` (docs/context-extension.md#rope-scaling).
+``--weight-decay``), ``--objective`` and every option of it: ``--loss-on``, ``--chat-template``, ``--on-long``,
+``--dpo-beta``, ``--ref-model``); ``new_run`` what a new run from the weights may change (``--seq-len``,
+``--seq-len-stages``, the RoPE: ``--rope-theta``, ``--rope-scaling`` compared by meaning): continuing the
+trained weights at another length or RoPE is a new run, ``--init-from CHECKPOINT`` (weights only) in a new
+``--out-dir`` (docs/context-extension.md#rope-scaling); the global batch (``dp * batch_size``) is kept too.
+Everything else may change: the layout (``--hp``, ``--cp``, ``--inner-ring``, ``--placement``, ZeRO,
+``--recompute``, the number of ranks at the same global batch), the compute dtype, ``--steps`` (without a
+schedule), ``--warmup``, ``--min-lr-ratio``, ``--clip``, logging and intervals.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -58,7 +62,6 @@ from loongtrain.launch.config import TrainConfig
 from loongtrain.model.config import ModelConfig, first_difference
 from loongtrain.model.lora import parse_lora
 from loongtrain.model.rope_scaling import rope_change
-from loongtrain.objectives.registry import ObjectiveSection
 from loongtrain.train.checkpoint import (
     AUTO,
     LATEST,
@@ -79,11 +82,9 @@ from loongtrain.train.model_setup import build_run_tokenizer, hf_model_dir, mode
 #: options whose checkpoint value a resumed run must keep (see the module docstring)
 log = logging.getLogger("loongtrain.train")
 
-MUST_MATCH = ("model", "lora", "tokenizer", "corpus", "val_fraction", "seq_len", "seq_len_stages", "stage_tokens",
-              "seed", "grad_accum", "rope_theta", "rope_scaling", "lr", "beta1", "beta2", "eps", "weight_decay",
-              *(f.name for f in dataclasses.fields(ObjectiveSection)))  # the objective and all its options
+MUST_MATCH = tuple(name for name, rule in TrainConfig.resume_rules().items() if rule != "free")
 #: options a new run with --init-from may change where a resume may not
-NEW_RUN_CHANGES = ("seq_len", "seq_len_stages", "rope_theta", "rope_scaling")
+NEW_RUN_CHANGES = tuple(name for name, rule in TrainConfig.resume_rules().items() if rule == "new_run")
 
 
 class RunComplete(Exception):
@@ -102,14 +103,15 @@ def preflight(cfg: TrainConfig, world: int, tokenizer: Tokenizer | None = None, 
     check_out_dir(cfg)
     tokenizer = tokenizer or build_run_tokenizer(cfg.model)
     check_init_identity(cfg, tokenizer)
-    for warning in check_corpus(cfg, tokenizer, world):
-        log.warning("%s", warning)
-    try:
-        return resolve_resume(cfg, world, tokenizer)
+    try:  # the continuation first: its checks are cheap, the corpus's may encode every row
+        resolved = resolve_resume(cfg, world, tokenizer)
     except _StepsReached as exc:
         if restarted:
             raise RunComplete(str(exc)) from None
         raise
+    for warning in check_corpus(cfg, tokenizer, world):
+        log.warning("%s", warning)
+    return resolved
 
 
 class _StepsReached(ValueError):
@@ -160,9 +162,14 @@ def check_init_from(cfg: TrainConfig) -> TrainConfig:
         return cfg
     try:
         path = find_checkpoint(cfg.model.init_from)
-        verify_checkpoint(path)
+        state = verify_checkpoint(path)
+        check_base(state, str(path))  # a LoRA run's base, as its resume and its export check it
     except ValueError as exc:
         raise ValueError(f"--init-from {cfg.model.init_from!r}: {exc}") from None
+    if state.get("lora"):
+        raise ValueError(f"--init-from {cfg.model.init_from!r} is a LoRA run: its checkpoint holds only the adapters "
+                         f"of its base; start from its merged weights: `loongtrain export {cfg.model.init_from} --hf "
+                         f"DIR` (which checks the base too), then --model DIR")
     own = (Path(cfg.output.out_dir) / "checkpoints").resolve()
     if own == path.resolve().parent:
         raise ValueError(f"--init-from {cfg.model.init_from!r} is a checkpoint of this run (--out-dir "

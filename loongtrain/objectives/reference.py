@@ -37,6 +37,7 @@ from loongtrain.sections.model import autocast_dtype
 from loongtrain.train.batch import Batch
 from loongtrain.train.checkpoint import find_checkpoint, load_model_weights, read_trainer_state, verify_checkpoint
 from loongtrain.train.config import Run, TrainSections
+from loongtrain.train.lora_base import check_base
 from loongtrain.train.model_setup import build_model, hf_model_dir, model_config_for
 from loongtrain.train.step_context import StepContext
 from loongtrain.train.validation import forward_only
@@ -62,9 +63,10 @@ def reference_config(cfg: TrainSections, ref_model: str) -> tuple[TrainSections,
         raise ValueError(f"--ref-model {ref_model!r}: neither a Hugging Face model directory (config.json) nor "
                          f"a loongtrain run: {exc}") from None
     recorded = state.get("config") or {}
-    # the reference run's own adapters (--lora; "" for full weights), not the policy's
+    # the reference run's own adapters (--lora; "" for full weights), not the policy's, on its own base: its model
+    # and the seed of its initial weights (a LoRA checkpoint holds only the adapters)
     return cfg.replace(model=recorded.get("model", cfg.model.model), lora=recorded.get("lora", ""),
-                       init_from=str(checkpoint), **plain), checkpoint
+                       seed=recorded.get("seed", cfg.optim.seed), init_from=str(checkpoint), **plain), checkpoint
 
 
 def check_reference(cfg: TrainSections, ref_model: str, model_config: ModelConfig, tokenizer: Any) -> None:
@@ -76,13 +78,12 @@ def check_reference(cfg: TrainSections, ref_model: str, model_config: ModelConfi
         raise ValueError(f"--ref-model {ref_model!r}: no such directory (a loongtrain run or checkpoint, or a "
                          f"Hugging Face model directory)")
     ref_cfg, checkpoint = reference_config(cfg, ref_model)
-    if checkpoint is not None:  # a checkpoint is its checksums (docs/files-and-checkpoints.md), read once here
-        try:
-            verify_checkpoint(checkpoint)
-        except ValueError as exc:
-            raise ValueError(f"--ref-model {ref_model!r}: {exc}") from None
     try:
         ref = model_config_for(ref_cfg.model, tokenizer)
+        if checkpoint is not None:  # a checkpoint is its checksums (docs/files-and-checkpoints.md), read once here;
+            # a LoRA run's adapters need the base they trained on, as its resume and its export check it
+            state = verify_checkpoint(checkpoint)
+            check_base(state, str(checkpoint), ref if hf_model_dir(ref_cfg.model.model) is None else None)
     except ValueError as exc:
         raise ValueError(f"--ref-model {ref_model!r}: {exc}") from None
     policy_kind, ref_kind = _architecture(cfg.model.model), _architecture(ref_cfg.model.model)

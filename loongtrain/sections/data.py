@@ -21,33 +21,34 @@ class DataSection:
     corpus: str = option(
         "stdlib", group="data", help="corpus: 'stdlib' (this Python's standard-library sources, no download), a "
         ".txt/.jsonl file, a directory of them, a saved Hugging Face dataset, a directory made by `loongtrain "
-        "prepare` (memory-mapped), or a mixture NAME=WEIGHT,... of these (e.g. a=0.7,b=0.3)")
+        "prepare` (memory-mapped), or a mixture NAME=WEIGHT,... of these (e.g. a=0.7,b=0.3)", resume="keep")
     val_fraction: float = option(0.0, "hold out this fraction of the corpus's documents for validation, chosen "
-                                 "by a hash of the document number and --seed (0: none; else in (0, 1))")
-    val_corpus: str = option("", "validation corpus of its own (any --corpus form; instead of --val-fraction)")
+                                 "by a hash of the document number and --seed (0: none; else in (0, 1))", resume="keep")
+    val_corpus: str = option("", "validation corpus of its own (any --corpus form; instead of --val-fraction)",
+                             resume="free")
     decode_errors: str = option("strict", "corpus bytes that are not UTF-8: strict (an error naming the file and "
-                                "byte offset), replace (U+FFFD) or ignore (dropped)")
+                                "byte offset), replace (U+FFFD) or ignore (dropped)", resume="keep")
     seq_len: int = option(8192, "tokens per sequence, e.g. 131072, 128K, 1M (must be divisible by 2*hp*cp); "
-                          "with --seq-len-stages, its longest length", size=True)
+                          "with --seq-len-stages, its longest length", size=True, resume="new_run")
     seq_len_stages: str = option(
         "", "train in stages of increasing length: LENGTH:STEPS,... e.g. 8K:1000,32K:400,128K:100 (--steps is "
-        "their sum; every length must suit the layout; docs/context-extension.md#seq-len-stages)")
+        "their sum; every length must suit the layout; docs/context-extension.md#seq-len-stages)", resume="new_run")
     stage_tokens: str = option(
         "constant", "with --seq-len-stages: constant (every step holds the longest stage's tokens: a shorter "
         "stage puts longest/length times --batch-size sequences into a micro-step; its length must divide the "
-        "longest) or free (every stage keeps --batch-size and --grad-accum)")
+        "longest) or free (every stage keeps --batch-size and --grad-accum)", resume="keep")
     doc_mask: str = option("on", "on: in packed corpora a token attends only inside its own document (block-"
                            "skipping ring attention; MFU counts only visible pairs); off: causal over the whole "
-                           "packed sequence (loongtrain's decoder and Hugging Face models)")
-    position_reset: bool = option(True, "with --doc-mask on, position ids restart at 0 in each document")
+                           "packed sequence (loongtrain's decoder and Hugging Face models)", resume="keep")
+    position_reset: bool = option(True, "with --doc-mask on, position ids restart at 0 in each document", resume="keep")
     chunk_order: str = option("zigzag", "how each sequence is laid on the context ranks: zigzag, or balanced "
                               "(with --doc-mask on and cp > 1: per batch, chunks go to the ranks by their "
                               "documents' visible-pair work, so no rank waits for a busier one; batches "
-                              "without document marks stay zigzag)")
+                              "without document marks stay zigzag)", resume="free")
     batch_size: int = option(1, "sequences per data-parallel replica per micro-step (with --seq-len-stages: in "
-                             "the longest stage)", at_least=1)
+                             "the longest stage)", at_least=1, resume="free")
     grad_accum: int = option(1, "micro-steps accumulated per optimizer step (with --seq-len-stages: in the "
-                             "longest stage)")
+                             "longest stage)", resume="keep")
 
     def validate(self, steps: int) -> None:
         """ValueError naming the value (``steps``: the run's ``--steps``, which a ``--seq-len-stages`` sums)."""

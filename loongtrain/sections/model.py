@@ -28,31 +28,32 @@ class ModelSection:
     """What model a run trains and how it computes: one field = one ``--option`` = one TOML key."""
 
     model: str = option("tiny", group="model", help="model preset (tiny, 1b, 7b-mha, 7b-gqa, 13b) or a local Hugging "
-                        "Face model directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)")
+                        "Face model directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)",
+                        resume="keep")
     rope_theta: float = option(0.0, "RoPE base (0: the model's own: the preset's, config.json's, or the --init-from "
-                               "checkpoint's), e.g. raised to extend the context")
+                               "checkpoint's), e.g. raised to extend the context", resume="new_run")
     rope_scaling: str = option("", "RoPE scaling as TYPE:key=value,... with Hugging Face's types (linear, yarn, "
                                "llama3) and keys (factor, original_max_position_embeddings, low_freq_factor, "
                                "high_freq_factor, beta_fast, beta_slow, attention_factor), e.g. "
                                "yarn:factor=4,original_max_position_embeddings=8192; 'default': plain RoPE; '': the "
-                               "model's own (docs/context-extension.md)")
+                               "model's own (docs/context-extension.md)", resume="new_run")
     tokenizer: str = option("auto", "tokenizer: 'auto' (the --model directory's Hugging Face tokenizer when it "
                             "has one, else 'byte'), 'byte' (UTF-8 bytes, vocab 256) or a local Hugging Face "
-                            "tokenizer path")
+                            "tokenizer path", resume="keep")
     init_from: str = option("", "start this run from the weights of a loongtrain checkpoint (a checkpoint, "
                             "checkpoints or run directory: its latest), with a fresh optimizer, lr scheduler and data "
                             "stream; the model and its RoPE are the checkpoint's, changed by --rope-theta / "
                             "--rope-scaling; --seq-len may differ. A run that has checkpoints of its own resumes "
-                            "those instead (--resume)")
+                            "those instead (--resume)", resume="free")
     lora: str = option("", "train LoRA adapters on a frozen base instead of every weight: "
                        "r=16,alpha=32,dropout=0,targets=q_proj,k_proj,v_proj,o_proj (each key optional, these are the "
                        "defaults; targets: Hugging Face's module names, or all-linear; loongtrain's decoder also "
                        "takes its own, wq,wk,wv,wo,w1,w2,w3); checkpoints hold only the adapters, export also "
-                       "writes them in PEFT's format (docs/lora.md); '': off")
+                       "writes them in PEFT's format (docs/lora.md); '': off", resume="keep")
     dtype: str = option("auto", "compute dtype: auto (bf16 on CUDA devices with native bf16, else fp32), fp32, bf16 "
                         "(fp32 weights, bf16 compute: FSDP2 gathers bf16 weights under ZeRO, autocast otherwise), fp64",
-                        choices=DTYPES)
-    compile: str = option("off", "torch.compile each decoder block: off or on (docs/compile.md)")
+                        choices=DTYPES, resume="free")
+    compile: str = option("off", "torch.compile each decoder block: off or on (docs/compile.md)", resume="free")
 
     def validate(self) -> None:
         """ValueError naming the value: the dtype and compile choices, RoPE and --lora that do not parse, --lora

@@ -39,18 +39,19 @@ class OptimSection:
     """The optimisation: steps, AdamW and its schedule, clipping, seeds and determinism."""
 
     steps: int = option(40, group="optimisation", help="optimizer steps of the whole run (the learning-rate "
-                        "scheduler spans them; with --seq-len-stages, the sum of its stages' steps)")
-    lr: float = option(3e-3, "peak learning rate (AdamW)")
-    min_lr_ratio: float = option(0.1, "final learning rate of the cosine schedule as a fraction of --lr")
-    warmup: int = option(5, "linear warmup steps")
-    weight_decay: float = option(0.1, "AdamW weight decay (not applied to norm weights)")
-    beta1: float = option(0.9, "AdamW beta1")
-    beta2: float = option(0.95, "AdamW beta2")
-    eps: float = option(1e-8, "AdamW epsilon")
-    clip: float = option(1.0, "gradient clipping max global L2 norm (0 disables)")
-    seed: int = option(0, "seed for weights, data order and torch RNGs")
+                        "scheduler spans them; with --seq-len-stages, the sum of its stages' steps)", resume="free")
+    lr: float = option(3e-3, "peak learning rate (AdamW)", resume="keep")
+    min_lr_ratio: float = option(0.1, "final learning rate of the cosine schedule as a fraction of --lr", resume="free")
+    warmup: int = option(5, "linear warmup steps", resume="free")
+    weight_decay: float = option(0.1, "AdamW weight decay (not applied to norm weights)", resume="keep")
+    beta1: float = option(0.9, "AdamW beta1", resume="keep")
+    beta2: float = option(0.95, "AdamW beta2", resume="keep")
+    eps: float = option(1e-8, "AdamW epsilon", resume="keep")
+    clip: float = option(1.0, "gradient clipping max global L2 norm (0 disables)", resume="free")
+    seed: int = option(0, "seed for weights, data order and torch RNGs", resume="keep")
     deterministic: bool = option(False, "torch.use_deterministic_algorithms(True): bit-identical reruns and "
-                                 "resumes on the same GPUs and layout, at some speed (docs/launching.md#determinism)")
+                                 "resumes on the same GPUs and layout, at some speed (docs/launching.md#determinism)",
+                                 resume="free")
 
     def validate(self) -> None:
         check_counts(self, ("steps",), ("warmup",))

@@ -46,6 +46,14 @@ _MLP = {"gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "all-linear"}
 
 Sections = TypeVar("Sections", bound="TrainSections")
 
+#: what a resumed run may do with an option (``option(..., resume=RULE)``): ``keep`` it (it changes the loss, the
+#: data the loss is computed on, or the optimizer's update rule), ``new_run``: keep it on a resume, while a new run
+#: from the weights (``--init-from``) may change it (the length and the RoPE), or ``free``ly change it (the layout,
+#: the run's length, logging, intervals)
+RESUME_RULES = {"keep": "a resumed run must keep it",
+                "new_run": "a resumed run must keep it; --init-from starts a new run that may change it",
+                "free": "a resumed run may change it"}
+
 
 @dataclass
 class TrainSections:
@@ -55,10 +63,13 @@ class TrainSections:
     model: ModelSection = option(factory=ModelSection, help="the model and how it computes")
     data: DataSection = option(factory=DataSection, help="the corpus, the sequences and the batch")
     optim: OptimSection = option(factory=OptimSection, help="steps, AdamW, the schedule, seeds")
-    parallel: ParallelConfig = option(DEFAULT_PARALLEL, "degrees, placement, ZeRO and recompute")
-    runtime: RuntimeSection = option(factory=RuntimeSection, help="processes, the plan, timeouts, restarts")
-    output: OutputSection = option(factory=OutputSection, help="the output directory, checkpoints and logging")
-    evaluation: EvaluationSection = option(factory=EvaluationSection, help="validation and in-loop evaluations")
+    parallel: ParallelConfig = option(DEFAULT_PARALLEL, "degrees, placement, ZeRO and recompute", resume="free")
+    runtime: RuntimeSection = option(factory=RuntimeSection, help="processes, the plan, timeouts, restarts",
+                                     resume="free")
+    output: OutputSection = option(factory=OutputSection, help="the output directory, checkpoints and logging",
+                                   resume="free")
+    evaluation: EvaluationSection = option(factory=EvaluationSection, help="validation and in-loop evaluations",
+                                           resume="free")
 
     def validate(self) -> None:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices, combinations)."""
@@ -80,6 +91,22 @@ class TrainSections:
     def sections(cls) -> dict[str, type]:
         """Each section's field name and its dataclass."""
         return _sections(cls)
+
+    @classmethod
+    def resume_rules(cls) -> dict[str, str]:
+        """Each option's rule on a resume (:data:`RESUME_RULES`), as its field declares it (``option(...,
+        resume=...)``), else as its section's field does for all of the section's options; ValueError naming an
+        option that declares none (every option says whether a continuation must keep it)."""
+        outer = {f.name: f.metadata.get("resume") for f in fields(cls)}
+        rules = {}
+        for name, kind in cls.sections().items():
+            for g in fields(kind):
+                rule = g.metadata.get("resume", outer[name])
+                if rule not in RESUME_RULES:
+                    raise ValueError(f"option --{g.name.replace('_', '-')} of section {name!r} declares no resume "
+                                     f"rule (option(..., resume=...): one of {tuple(RESUME_RULES)})")
+                rules[g.name] = rule
+        return rules
 
     @classmethod
     def option_sections(cls) -> dict[str, str]:

@@ -104,6 +104,18 @@ def fx(tmp_path_factory) -> dict[str, str]:
     shutil.copytree(d / "hf", d / "hfx")
     (d / ".hfx.export-old").mkdir()
     (d / ".hfx.export-old" / "notes.txt").write_text("the user's")
+    # 8. what a continuation must keep: a DPO run (its beta), a LoRA run on a Hugging Face base that changed since
+    from tests.helpers.hf_models import make_hf_dir
+
+    assert main(["train", *BASE, "--seq-len", "256", "--steps", "1", "--objective", "dpo", "--corpus",
+                 str(d / "pairs.jsonl"), "--out-dir", str(d / "dporun")]) == 0
+    make_hf_dir(d / "hfbase")
+    assert main(["train", *BASE, "--steps", "1", "--model", str(d / "hfbase"), "--lora", "r=2,alpha=4", "--corpus",
+                 str(corpus), "--out-dir", str(d / "lora_hf_run")]) == 0
+    weights = d / "hfbase" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x55  # a new version of the base, downloaded over the one the adapters trained on
+    weights.write_bytes(bytes(data))
     return {"D": str(d), "corpus": str(corpus), "run": str(run), "ckpt": str(run / "checkpoints" / "step_00000004")}
 
 
@@ -272,6 +284,34 @@ CASES += [
           "--overwrite", needle="'{D}/prep_note/shards' holds files loongtrain did not write (README.md)"),
 ]
 
+DPO = ("train", *BASE, "--seq-len", "256", "--objective", "dpo", "--corpus", D + "/pairs.jsonl")
+CASES += [
+    # 8. what a continuation must keep: every option that changes the loss (declared where the option is), the
+    # objective's too; a --ref-model or --init-from run on the base it trained on, as its resume and export check it
+    _case("resume-with-another-doc-mask", *TR, "--steps", "6", "--resume", "auto", "--doc-mask", "off",
+          "--out-dir", "{tmp}/copy", copies=(("copy", "run"),), needle="--doc-mask='off' differs from the "
+          "checkpoint's 'on'"),
+    _case("resume-with-another-decode-errors", *TR, "--steps", "6", "--resume", "auto", "--decode-errors", "replace",
+          "--out-dir", "{tmp}/copy", copies=(("copy", "run"),), needle="--decode-errors='replace' differs"),
+    _case("resume-dpo-with-another-beta", *DPO, "--steps", "2", "--resume", "auto", "--dpo-beta", "0.5",
+          "--out-dir", "{tmp}/copy", copies=(("copy", "dporun"),),
+          needle="--dpo-beta=0.5 differs from the checkpoint's 0.1"),
+    _case("resume-dpo-with-another-on-long", *DPO, "--steps", "2", "--resume", "auto", "--on-long", "error",
+          "--out-dir", "{tmp}/copy", copies=(("copy", "dporun"),), needle="--on-long='error' differs"),
+    _case("resume-a-lora-run-whose-base-changed", *TR, "--steps", "2", "--model", D + "/hfbase", "--lora",
+          "r=2,alpha=4", "--resume", "auto", "--out-dir", "{tmp}/copy", copies=(("copy", "lora_hf_run"),),
+          needle="hfbase' changed since training"),
+    _case("dpo-ref-model-a-lora-run-whose-base-changed", *DPO, "--steps", "1", "--model", D + "/hfbase",
+          "--ref-model", D + "/lora_hf_run", "--out-dir", "{tmp}/r",
+          needle="--ref-model '{D}/lora_hf_run': checkpoint '{D}/lora_hf_run/checkpoints/step_00000001': its LoRA "
+          "base '{D}/hfbase' changed since training"),
+    _case("init-from-a-lora-run-whose-base-changed", *TR, "--steps", "1", "--model", D + "/hfbase", "--init-from",
+          D + "/lora_hf_run", "--out-dir", "{tmp}/r", needle="--init-from '{D}/lora_hf_run': checkpoint "
+          "'{D}/lora_hf_run/checkpoints/step_00000001': its LoRA base '{D}/hfbase' changed since training"),
+    _case("init-from-a-lora-run", *TR, "--steps", "1", "--init-from", D + "/lorarun", "--out-dir", "{tmp}/r",
+          needle="--init-from '{D}/lorarun' is a LoRA run: its checkpoint holds only the adapters"),
+]
+
 STAGED = ("train", *(a for a in BASE if a not in ("--seq-len", "16")), "--corpus", "{corpus}")
 CASES += [
     # 5. the length schedule counts tokens from the longest stage
@@ -294,6 +334,21 @@ CASES += [
     _case("train-plan-auto-nodes-out-of-range", *TR, "--steps", "1", "--plan", "auto", "--cluster", "a100",
           "--nproc", "100000000", "--out-dir", "{tmp}/r", needle="out of range"),
 ]
+
+
+def test_a_lora_run_as_reference_is_built_on_its_own_base(fx):
+    """--ref-model a LoRA run of a preset: the reference is its base as it trained (its model and the seed of its
+    initial weights, whatever this run's --seed) with its adapters; the launcher checks that base and passes."""
+    from loongtrain.commands.train import parse_args
+    from loongtrain.data.tokenizer import ByteTokenizer
+    from loongtrain.objectives.reference import check_reference, reference_config
+    from loongtrain.train.model_setup import model_config_for
+
+    cfg = parse_args([*BASE[BASE.index("--seq-len"):], "--objective", "dpo", "--ref-model", fx["D"] + "/lorarun",
+                      "--seed", "7", "--corpus", fx["D"] + "/pairs.jsonl"])
+    ref, checkpoint = reference_config(cfg, cfg.objective.ref_model)
+    assert (ref.optim.seed, ref.model.lora, cfg.optim.seed) == (0, "r=2,alpha=4", 7) and checkpoint.is_dir()
+    check_reference(cfg, cfg.objective.ref_model, model_config_for(cfg.model, ByteTokenizer()), ByteTokenizer())
 
 
 def test_export_states_the_length_trained_at(fx):

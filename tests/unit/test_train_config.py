@@ -175,3 +175,29 @@ def test_peak_table_and_cpu_measurement():
     assert device_peak_tflops("NVIDIA A10G") == 70.0 and device_peak_tflops("Some GPU") is None
     assert cluster_for_device("NVIDIA H200").name == "h200" and cluster_for_device("NVIDIA L4") is None
     assert 0 < measure_cpu_tflops(size=128, seconds=0.05) < 100
+
+
+def test_every_option_says_what_a_resume_may_do_with_it():
+    """Each option of ``loongtrain train`` declares its resume rule where it is declared; the launcher's resume
+    rule is what they declare: what changes the loss is kept, the objective's options included."""
+    import dataclasses
+
+    import pytest
+
+    from loongtrain.launch.config import TrainConfig
+    from loongtrain.launch.preflight import MUST_MATCH, NEW_RUN_CHANGES
+    from loongtrain.train.config import TrainSections
+
+    rules = TrainConfig.resume_rules()
+    assert set(rules) == set(TrainConfig.option_sections())
+    for name in ("lr", "seed", "corpus", "doc_mask", "position_reset", "decode_errors", "grad_accum", "objective",
+                 "loss_on", "chat_template", "on_long", "dpo_beta", "ref_model"):
+        assert name in MUST_MATCH, name
+    assert set(NEW_RUN_CHANGES) == {"seq_len", "seq_len_stages", "rope_theta", "rope_scaling"} <= set(MUST_MATCH)
+    assert not {"hp", "cp", "zero", "steps", "warmup", "clip", "dtype", "out_dir", "batch_size"} & set(MUST_MATCH)
+
+    loose = dataclasses.make_dataclass("Loose", [("undeclared", int, dataclasses.field(default=0))])
+    sections = dataclasses.make_dataclass("Sections", [("loose", loose, dataclasses.field(default_factory=loose))],
+                                          bases=(TrainSections,))
+    with pytest.raises(ValueError, match=r"option --undeclared of section 'loose' declares no resume rule"):
+        sections.resume_rules()
