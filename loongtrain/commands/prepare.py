@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> None:
     from loongtrain.data.prepare import prepare
     from loongtrain.data.prepared import verify_prepared
-    from loongtrain.objectives.registry import OBJECTIVES, option_owners
+    from loongtrain.objectives.options import option_owners
+    from loongtrain.objectives.registry import OBJECTIVES
 
     with naming_the_file(PrepareConfig, argv):  # a value its --config file set, refused later: the file named
         cfg = build(PrepareConfig, parse(PrepareConfig, argv, "loongtrain prepare", DESCRIPTION))

@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: list[str] = []
 
     def body() -> None:
-        from loongtrain.launch.train_run import launch
-
         with naming_the_file(TrainConfig, argv, ("train",)):
-            cfg = parse_args(argv)
+            cfg = parse_args(argv)  # imports no torch: an argument error answers at once (docs/configuration.md)
             out_dir.append(cfg.output.out_dir)
+            from loongtrain.launch.train_run import launch
+
             launch(cfg)
 
     def interrupted() -> str:

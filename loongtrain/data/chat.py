@@ -43,10 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from loongtrain.data.messages import Message, content_text
+from loongtrain.data.messages import LOSS_ON, Message, content_text
 from loongtrain.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-LOSS_ON = ("assistant", "all")
 ASSISTANT = "assistant"
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")

@@ -110,7 +110,7 @@ class SFTRows(RowEncoder):
     """``--objective sft``'s rows for ``loongtrain prepare`` (:mod:`loongtrain.data.prepared_rows`): a document
     each, with its targets."""
 
-    objective, documents = SFT, 1
+    prepared_for, documents = SFT, 1
 
     def __init__(self, chat: ChatFormat) -> None:
         self.chat, self.tokenizer = chat, chat.tokenizer

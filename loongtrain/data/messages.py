@@ -25,6 +25,11 @@ import json
 from typing import Any
 
 Message = dict[str, Any]
+#: ``--loss-on``: which tokens of a conversation are targets (loongtrain/data/chat.py)
+LOSS_ON = ("assistant", "all")
+#: ``--on-long``: a conversation or pair longer than ``--seq-len`` is left out or refused
+#: (loongtrain/data/whole_packing.py)
+ON_LONG = ("drop", "error")
 
 FORMS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"),
          "preference": ("prompt", "chosen", "rejected"), "implicit_preference": ("chosen", "rejected")}

@@ -103,7 +103,7 @@ class PairRows(RowEncoder):
     """``--objective dpo``'s rows for ``loongtrain prepare`` (:mod:`loongtrain.data.prepared_rows`): three
     documents a pair, TRL's tokenization."""
 
-    objective, documents = DPO, 3
+    prepared_for, documents = DPO, 3
 
     def __init__(self, tokenizer: Tokenizer, chat: ChatFormat | None) -> None:
         self.tokenizer, self.chat = tokenizer, chat

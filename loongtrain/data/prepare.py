@@ -191,7 +191,7 @@ def prepare(
     encoder = rows(tok) if rows is not None else None
     if encoder is not None and encoder.documents != 1 and min_doc_tokens:
         raise ValueError(f"--min-doc-tokens applies to corpora of one document a row, not --objective "
-                         f"{encoder.objective}'s")
+                         f"{encoder.prepared_for}'s")
     corpora = ([PreparedRows(s, encoder, decode_errors) for s in sources] if encoder is not None else
                [build_corpus(s, text_field, decode_errors) for s in sources])
     inputs = [s for s in sources if s != "stdlib"] + ([tok.name] if isinstance(tok, HFTokenizer) else [])

@@ -42,9 +42,10 @@ Encoded = list[tuple[np.ndarray, "np.ndarray | None"]]
 
 class RowEncoder:
     """How an objective turns one row into documents (``sft``: one, with its target marks; ``dpo``: three,
-    without): ``objective``, ``tokenizer``, ``chat`` (None: no template), ``documents`` per row."""
+    without): ``prepared_for`` (the objective's name), ``tokenizer``, ``chat`` (None: no template), ``documents``
+    per row."""
 
-    objective: str
+    prepared_for: str
     tokenizer: Tokenizer
     chat: ChatFormat | None
     documents: int
@@ -61,7 +62,7 @@ class RowEncoder:
         """What a prepared corpus's manifest records of the encoding (a run compares it)."""
         chat = None if self.chat is None else {"identity": self.chat.identity(), "rule": self.chat.rule,
                                                "loss_on": self.chat.loss_on}
-        return {"objective": self.objective, "chat": chat}
+        return {"objective": self.prepared_for, "chat": chat}
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class PreparedRows(Corpus):
         self.name, self.encoder, self.decode_errors = spec, encoder, decode_errors
 
     def __iter__(self) -> Iterator[PreparedRow]:  # type: ignore[override]
-        for where, row in read_rows(self.name, f"--objective {self.encoder.objective}", self.decode_errors):
+        for where, row in read_rows(self.name, f"--objective {self.encoder.prepared_for}", self.decode_errors):
             self.encoder.check(row, where)
             yield PreparedRow(where, row)
 
@@ -126,9 +127,9 @@ def open_prepared_rows(path: str, encoder: RowEncoder) -> EncodedDocs:
     manifest = verify_prepared(path, encoder.tokenizer)
     where = manifest.root / MANIFEST
     made_for = prepared_objective(manifest.data)
-    if made_for != encoder.objective:
-        raise ValueError(f"{where}: prepared for --objective {made_for}, not --objective {encoder.objective}: "
-                         f"prepare it again with `loongtrain prepare --objective {encoder.objective}`")
+    if made_for != encoder.prepared_for:
+        raise ValueError(f"{where}: prepared for --objective {made_for}, not --objective {encoder.prepared_for}: "
+                         f"prepare it again with `loongtrain prepare --objective {encoder.prepared_for}`")
     saved, now = manifest.data.get("chat") or {}, encoder.record()["chat"] or {}
     if saved.get("identity") != now.get("identity"):
         loss_on = f" (--loss-on {encoder.chat.loss_on})" if encoder.documents == 1 and encoder.chat else ""

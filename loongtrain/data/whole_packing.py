@@ -22,8 +22,7 @@ import numpy as np
 import torch
 
 from loongtrain.data.labels import IGNORE_INDEX
-
-ON_LONG = ("drop", "error")
+from loongtrain.data.messages import ON_LONG
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """``TrainConfig``: the single source of every ``loongtrain train`` option (docs/configuration.md): the sections
 every run has (:class:`~loongtrain.train.config.TrainSections`: model, data, optimisation, parallel, processes,
-output, evaluation) and the objective's own (:data:`~loongtrain.objectives.registry.ObjectiveSection`, from the
+output, evaluation) and the objective's own (:data:`~loongtrain.objectives.options.ObjectiveSection`, from the
 objectives' registry).
 
 The command-line parser, its ``--help`` text and the TOML config file are generated from the sections' fields
@@ -11,13 +11,15 @@ new option is one new field of its section. Precedence: field default < TOML fil
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loongtrain._options import option
-from loongtrain.model.config import ModelConfig
-from loongtrain.objectives.base import ObjectiveSpec
-from loongtrain.objectives.registry import ObjectiveSection, objective_spec, validate_objective
+from loongtrain.objectives.options import ObjectiveSection, check_objective_section
 from loongtrain.train.config import Run, TrainSections
+
+if TYPE_CHECKING:  # the registry holds the objectives' code: imported once a command line has parsed
+    from loongtrain.model.config import ModelConfig
+    from loongtrain.objectives.base import ObjectiveSpec
 
 
 @dataclass
@@ -31,11 +33,16 @@ class TrainConfig(TrainSections):
     def validate(self) -> None:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices, combinations, the
         objective's rules)."""
-        super().validate()
+        super().validate()  # the sections' and the objective section's checks import no torch: their errors answer
+        check_objective_section(self.objective)  # at once
+        from loongtrain.objectives.registry import validate_objective
+
         validate_objective(self)
 
     def spec(self) -> ObjectiveSpec:
         """The objective's registry entry."""
+        from loongtrain.objectives.registry import objective_spec
+
         return objective_spec(self.objective.objective)
 
 

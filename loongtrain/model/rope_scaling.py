@@ -26,9 +26,10 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the frequencies' code imports it: parsing a --rope-scaling needs none
+    import torch
 
 #: the scaling types loongtrain's decoder implements; "default" is plain RoPE (no scaling)
 ROPE_TYPES = ("linear", "yarn", "llama3")
@@ -218,6 +219,8 @@ def attention_factor(scaling: RopeScaling | None) -> float:
 def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
              device: torch.device | str | None = None) -> torch.Tensor:
     """The ``head_dim / 2`` inverse frequencies (float64) of RoPE with base ``theta`` and ``scaling``."""
+    import torch
+
     half = head_dim // 2
     exponents = torch.arange(half, dtype=torch.float64, device=device) * 2.0 / head_dim
     base = theta ** (-exponents)
@@ -233,6 +236,8 @@ def inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
 
 def _yarn(base: torch.Tensor, head_dim: int, theta: float, factor: float, s: RopeScaling) -> torch.Tensor:
     """YaRN's mix of kept (``base``) and interpolated (``base / factor``) frequencies by a linear ramp."""
+    import torch
+
     original = s.original_max_position_embeddings
 
     def dim_of(rotations: float) -> float:  # the (fractional) dim whose wavelength turns this often
@@ -250,6 +255,8 @@ def _yarn(base: torch.Tensor, head_dim: int, theta: float, factor: float, s: Rop
 
 def _llama3(base: torch.Tensor, factor: float, s: RopeScaling) -> torch.Tensor:
     """Llama 3.1's: long wavelengths interpolated, short ones kept, a smooth mix in between."""
+    import torch
+
     original, low, high = s.original_max_position_embeddings, s.low_freq_factor, s.high_freq_factor
     wavelength = 2 * math.pi / base
     smooth = (original / wavelength - low) / (high - low)

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from loongtrain._options import option
 from loongtrain.data.chat import ChatFormat
 from loongtrain.data.post_training import PostTrainingReader
 from loongtrain.data.preference import PairRows, PreferenceDataset, open_pairs, pair_chat
@@ -25,24 +24,14 @@ from loongtrain.model.config import ModelConfig
 from loongtrain.model.memory import MemoryTerm
 from loongtrain.objectives.base import TrainConfig
 from loongtrain.objectives.dpo_memory import dpo_phases, preference_batch
-from loongtrain.objectives.post_training import ChatOptions, RowsSpec, TargetsObjective, dp_sum
+from loongtrain.objectives.options import CATALOGUE, DPO
+from loongtrain.objectives.post_training import RowsSpec, TargetsObjective, dp_sum
 from loongtrain.objectives.reference import Reference, check_reference
 from loongtrain.train.batch import Batch, LocalBatch
 from loongtrain.train.config import Run
 from loongtrain.train.step_context import StepContext
 
-DPO = "dpo"
 Tensor = torch.Tensor
-
-
-@dataclass
-class DPOOptions(ChatOptions):
-    """``--objective dpo``'s options: the chat options, beta and the reference."""
-
-    dpo_beta: float = option(0.1, "--objective dpo: beta, the strength of the KL penalty toward the reference")
-    ref_model: str = option("", "--objective dpo/grpo: the frozen reference: a loongtrain run or checkpoint, or a "
-                            "Hugging Face model directory, of the policy's architecture and vocabulary ('': the "
-                            "policy's initial weights)")
 
 
 @dataclass(frozen=True)
@@ -145,9 +134,7 @@ class DPORecipe:
 
 class DirectPreference(RowsSpec):
     name = DPO
-    help = ("dpo (preference pairs {\"prompt\", \"chosen\", \"rejected\"}, or {\"chosen\", \"rejected\"} with the "
-            "prompt they share, of .jsonl rows, a saved dataset or a prepared corpus)")
-    options = DPOOptions
+    options, help = CATALOGUE[DPO]
     prepares = True
 
     def validate(self, cfg: TrainConfig) -> None:

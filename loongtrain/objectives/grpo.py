@@ -24,18 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from loongtrain._options import option
 from loongtrain.data.chat import ChatFormat
 from loongtrain.data.post_training import PostTrainingReader
 from loongtrain.data.rollouts import SCALE_REWARDS, RolloutDataset, read_rollouts, with_advantages
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.loss.chunked import FinalNorm
 from loongtrain.loss.grpo import (
-    IMPORTANCE_SAMPLING,
     LOSS_METRICS,
-    LOSS_TYPES,
     Completions,
-    GRPOSettings,
     StepCounts,
     grpo_loss,
 )
@@ -45,6 +41,7 @@ from loongtrain.model.memory import MemoryTerm
 from loongtrain.objectives.base import TrainConfig
 from loongtrain.objectives.grpo_loop import LoopOptions, check_online, online_rollouts, rollout_chat
 from loongtrain.objectives.grpo_memory import grpo_phases, rollout_batch
+from loongtrain.objectives.options import CATALOGUE, GRPO, GRPOOptions
 from loongtrain.objectives.post_training import RowsSpec, TargetsObjective, dp_sum
 from loongtrain.objectives.reference import build_reference_model, check_reference
 from loongtrain.parallel.runtime import is_distributed, to_device
@@ -53,53 +50,9 @@ from loongtrain.train.config import Run, TrainSections
 from loongtrain.train.step_context import StepContext
 from loongtrain.train.validation import forward_only
 
-GRPO = "grpo"
 Tensor = torch.Tensor
 #: the metrics of a GRPO step (TRL's keys), besides ``targets`` (completion tokens) and ``completions``
 METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", *LOSS_METRICS)
-
-
-@dataclass
-class GRPOOptions:
-    """``--objective grpo``'s options: TRL's ``GRPOConfig`` names, prefixed where loongtrain has the word already."""
-
-    chat_template: str = option("", "--objective sft/dpo/grpo: a Jinja chat template file to render conversations "
-                                "with ('': the tokenizer's own)")
-    ref_model: str = option("", "--objective dpo/grpo: the frozen reference: a loongtrain run or checkpoint, or a "
-                            "Hugging Face model directory, of the policy's architecture and vocabulary ('': the "
-                            "policy's initial weights)")
-    grpo_loss: str = option("dapo", "--objective grpo: the loss's normalisation: dapo (sum over the step's "
-                            "completion tokens / their count), grpo (mean per sequence, then over the step's "
-                            "sequences), dr_grpo (sum / (sequences x --max-completion-length))", choices=LOSS_TYPES)
-    grpo_epsilon: float = option(0.2, "--objective grpo: the ratio's lower clip, 1 - epsilon")
-    grpo_epsilon_high: float = option(None, "--objective grpo: the ratio's upper clip, 1 + epsilon_high (default: "
-                                      "--grpo-epsilon; DAPO uses 0.28)", kind=float)
-    grpo_beta: float = option(0.0, "--objective grpo: the k3 KL penalty's weight toward the reference (0: no "
-                              "reference pass)")
-    grpo_scale_rewards: str = option("group", "--objective grpo: advantages (r - group mean) divided by the group's "
-                                     "std (group), the batch's (batch) or nothing (none)", choices=SCALE_REWARDS)
-    importance_sampling: str = option("token", "--objective grpo: the ratio per token, or per sequence (sequence: "
-                                      "GSPO, exp of the mean log-ratio)", choices=IMPORTANCE_SAMPLING)
-    temperature: float = option(1.0, "--objective grpo: the sampling temperature; log-probabilities are those of "
-                                "logits / temperature (TRL's rule)")
-    max_completion_length: int = option(256, "--objective grpo: the most tokens a completion is generated with "
-                                        "(online), and dr_grpo's constant")
-    prompts: str = option("", "--objective grpo online: a .jsonl file of rows {\"prompt\": ...} (strings or "
-                          "messages; other columns go to the reward functions) to generate completions for")
-    reward: tuple[str, ...] = option((), "--objective grpo online: a reward function FILE.py:FUNC or module:func, "
-                                     "TRL's signature f(prompts, completions, **columns) -> list[float] (repeat "
-                                     "the option for several)", repeat=True, metavar="FUNC")
-    reward_weights: tuple[float, ...] = option((), "--objective grpo online: each reward function's weight (default 1 "
-                                               "each)")
-    num_generations: int = option(8, "--objective grpo online: completions generated per prompt (a group)")
-    generation_batch_size: int = option(64, "--objective grpo online: completions generated per optimizer step (a "
-                                        "multiple of --num-generations)")
-
-    def settings(self) -> GRPOSettings:
-        """The loss's settings (their own checks)."""
-        high = self.grpo_epsilon if self.grpo_epsilon_high is None else self.grpo_epsilon_high
-        return GRPOSettings(self.grpo_loss, self.grpo_epsilon, high, self.grpo_beta, self.importance_sampling,
-                            self.max_completion_length)
 
 
 @dataclass(frozen=True)
@@ -252,9 +205,7 @@ class GRPORecipe:
 
 class GroupRelative(RowsSpec):
     name = GRPO
-    help = ("grpo (rollouts {\"prompt\", \"completion\", \"reward\"} of --corpus, or generated online from --prompts "
-            "with --reward: the GRPO family's clipped surrogate)")
-    options = GRPOOptions
+    options, help = CATALOGUE[GRPO]
 
     def validate(self, cfg: TrainConfig) -> None:
         super().validate(cfg)
@@ -305,7 +256,9 @@ def validate_grpo(cfg: TrainConfig) -> None:
     """--objective grpo's own rules (docs/rl.md#bad-input): the loss's, and offline (--corpus rollouts) or online
     (--prompts with --reward)."""
     o = cfg.objective
-    grpo_options(o).settings()  # its own checks
+    grpo_options(o).settings()  # its own checks: the loss and the ratio
+    if o.grpo_scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"--grpo-scale-rewards={o.grpo_scale_rewards!r} is not one of {SCALE_REWARDS}")
     if not (math.isfinite(o.temperature) and o.temperature > 0):
         raise ValueError(f"--temperature={o.temperature} must be finite and > 0")
     if o.ref_model and not o.grpo_beta:

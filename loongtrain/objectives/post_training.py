@@ -16,16 +16,13 @@ the mean over the step's targets (loongtrain/loss/sft.py, loongtrain/loss/dpo.py
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from loongtrain._options import option
 from loongtrain.data.post_training import PostTrainingReader
 from loongtrain.data.tokenizer import Tokenizer
-from loongtrain.data.whole_packing import ON_LONG
 from loongtrain.loss.sft import step_scale, target_count
 from loongtrain.objectives.base import LossObjective, ObjectiveSpec, TrainConfig
 from loongtrain.parallel.mesh import Mesh
@@ -36,16 +33,6 @@ from loongtrain.train.model_setup import tokenizer_spec
 from loongtrain.train.validation import forward_only, validation_warnings
 
 Tensor = torch.Tensor
-
-
-@dataclass
-class ChatOptions:
-    """The options every objective that reads rows of whole units takes."""
-
-    chat_template: str = option("", "--objective sft/dpo/grpo: a Jinja chat template file to render conversations with "
-                                "('': the tokenizer's own)")
-    on_long: str = option("drop", "--objective sft/dpo: a conversation or pair longer than --seq-len is left out "
-                          "(drop, counted in the log) or refused (error)", choices=ON_LONG)
 
 
 def dp_sum(values: Sequence[float], mesh: Mesh, device: torch.device) -> list[float]:

@@ -16,12 +16,12 @@ from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.loss.chunked import FinalNorm, chunked_cross_entropy
 from loongtrain.model.memory import MemoryTerm
 from loongtrain.objectives.base import LossObjective, ObjectiveSpec, TrainConfig
+from loongtrain.objectives.options import CATALOGUE, PRETRAIN
 from loongtrain.train.batch import Batch, LocalBatch
 from loongtrain.train.config import Run, TrainSections
 from loongtrain.train.step_context import StepContext
 from loongtrain.train.validation import check_validation, validation_batches, validation_loss
 
-PRETRAIN = "pretrain"
 Tensor = torch.Tensor
 
 
@@ -61,7 +61,7 @@ class PretrainRecipe:
 
 class Pretrain(ObjectiveSpec):
     name = PRETRAIN
-    help = "pretrain (every token of a text corpus)"
+    options, help = CATALOGUE[PRETRAIN]
     prepares = True
 
     def recipe(self, cfg: TrainConfig) -> PretrainRecipe:

@@ -2,31 +2,25 @@
 (:class:`~loongtrain.objectives.base.ObjectiveSpec`: its options, their validation, its data reader and checks, its
 recipe, its memory phases). The commands, the planner's command and the launcher ask the registry, never the name.
 
-:data:`ObjectiveSection` is ``loongtrain train``'s objective section: ``objective`` (the name) and every
-registered objective's options, each once (options of the same name are shared: ``--chat-template`` is SFT's and
-DPO's), in the registry's order. :func:`validate_objective` checks the name, the choices, that an option given
-belongs to the objective chosen, and then the objective's own rules.
+The names, the options and ``loongtrain train``'s objective section are declared apart, without any objective's
+code (:mod:`loongtrain.objectives.options`, so that parsing a command line imports nothing heavy); the registry
+checks that each entry's options are the ones declared there. :func:`validate_objective` checks the name, the
+choices, that an option given belongs to the objective chosen, and then the objective's own rules.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
-from typing import Any
-
-from loongtrain._options import flag, option
 from loongtrain.model.memory import MemoryTerm
 from loongtrain.objectives import dpo, grpo, pretrain, sft
 from loongtrain.objectives.base import ObjectiveSpec, TrainConfig
+from loongtrain.objectives.options import CATALOGUE, DEFAULT, check_objective_section, objective_names
 
 #: every objective, in the order of ``--objective``'s choices
 OBJECTIVES: dict[str, ObjectiveSpec] = {spec.name: spec for spec in (pretrain.SPEC, sft.SPEC, dpo.SPEC, grpo.SPEC)}
-DEFAULT = pretrain.PRETRAIN
-
-
-def objective_names() -> tuple[str, ...]:
-    """The registered names, in order."""
-    return tuple(OBJECTIVES)
+assert list(OBJECTIVES) == list(CATALOGUE) and all(spec.options is CATALOGUE[name][0] and spec.help ==
+                                                   CATALOGUE[name][1] for name, spec in OBJECTIVES.items()), \
+    "each registered objective's options and help are its entry in loongtrain/objectives/options.py's CATALOGUE"
+__all__ = ["DEFAULT", "OBJECTIVES", "objective_memory", "objective_names", "objective_spec", "validate_objective"]
 
 
 def objective_spec(name: str) -> ObjectiveSpec:
@@ -36,50 +30,12 @@ def objective_spec(name: str) -> ObjectiveSpec:
     return OBJECTIVES[name]
 
 
-def _option_fields() -> dict[str, tuple[dataclasses.Field, Any, tuple[str, ...]]]:
-    """Every objective option: its field, its type and the objectives it belongs to."""
-    out: dict[str, tuple[dataclasses.Field, Any, tuple[str, ...]]] = {}
-    for spec in OBJECTIVES.values():
-        if spec.options is None:
-            continue
-        hints = typing.get_type_hints(spec.options)
-        for f in dataclasses.fields(spec.options):
-            field, kind, owners = out.get(f.name, (f, hints[f.name], ()))
-            out[f.name] = (field, kind, (*owners, spec.name))
-    return out
-
-
-_OPTIONS = _option_fields()
-_HELP = ("what the run trains on: " + ", ".join(spec.help for spec in OBJECTIVES.values()))
-
-#: ``loongtrain train``'s objective section (module docstring)
-ObjectiveSection = dataclasses.make_dataclass(
-    "ObjectiveSection",
-    [("objective", str, option(DEFAULT, group="post-training", help=_HELP))]
-    + [(name, kind, dataclasses.field(default=field.default, metadata=field.metadata))
-       for name, (field, kind, _) in _OPTIONS.items()])
-ObjectiveSection.__module__ = __name__  # pickled by name (local workers receive the run's config)
-ObjectiveSection.__doc__ = "The objective and every registered objective's options (module docstring)."
-
-
-def option_owners(name: str) -> tuple[str, ...]:
-    """The objectives an objective option belongs to."""
-    return _OPTIONS[name][2]
-
-
 def validate_objective(cfg: TrainConfig) -> None:
-    """``--objective`` names a registered objective, its options' choices hold, an option given (not its
-    default) belongs to the objective chosen, and the objective's own rules (before any worker)."""
-    section = cfg.objective
-    spec = objective_spec(section.objective)
-    for name, (field, _, owners) in _OPTIONS.items():
-        value, choices = getattr(section, name), field.metadata.get("choices")
-        if choices and value not in choices:
-            raise ValueError(f"{flag(name)}={value!r} is not one of {choices}")
-        if value != field.default and spec.name not in owners:
-            raise ValueError(f"{flag(name)} applies to --objective {' or '.join(owners)}, not "
-                             f"--objective {spec.name}")
-    spec.validate(cfg)
+    """The objective section's own checks (:func:`~loongtrain.objectives.options.check_objective_section`: the
+    name, the choices, an option given belongs to the objective chosen), then the objective's rules (before any
+    worker)."""
+    check_objective_section(cfg.objective)
+    objective_spec(cfg.objective.objective).validate(cfg)
 
 
 def objective_memory(name: str) -> tuple[MemoryTerm, ...]:

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from loongtrain._options import option
-from loongtrain.data.chat import LOSS_ON, ChatFormat
+from loongtrain.data.chat import ChatFormat
 from loongtrain.data.conversations import ConversationDataset, SFTRows, open_conversations
 from loongtrain.data.post_training import PostTrainingReader
 from loongtrain.data.tokenizer import Tokenizer
@@ -19,22 +18,13 @@ from loongtrain.loss.chunked import FinalNorm
 from loongtrain.loss.sft import sft_loss
 from loongtrain.model.memory import MemoryTerm
 from loongtrain.objectives.base import TrainConfig
-from loongtrain.objectives.post_training import ChatOptions, RowsSpec, TargetsObjective
+from loongtrain.objectives.options import CATALOGUE, SFT
+from loongtrain.objectives.post_training import RowsSpec, TargetsObjective
 from loongtrain.train.batch import LocalBatch
 from loongtrain.train.config import Run
 from loongtrain.train.step_context import StepContext
 
-SFT = "sft"
 Tensor = torch.Tensor
-
-
-@dataclass
-class SFTOptions(ChatOptions):
-    """``--objective sft``'s options: the chat options and the target rule."""
-
-    loss_on: str = option("assistant", "--objective sft: the targets: assistant (the chat template's generation "
-                          "blocks, else each assistant turn and its end-of-turn token) or all (every token)",
-                          choices=LOSS_ON)
 
 
 @dataclass(frozen=True)
@@ -84,10 +74,7 @@ class SFTRecipe:
 
 class SupervisedFineTuning(RowsSpec):
     name = SFT
-    help = ("sft (TRL's rows: conversations {\"messages\": [...]} with tool calls and tools, or {\"prompt\", "
-            "\"completion\"}, of .jsonl rows, a saved dataset or a prepared corpus: their assistant or completion "
-            "tokens)")
-    options = SFTOptions
+    options, help = CATALOGUE[SFT]
     prepares = True
 
     def recipe(self, cfg: TrainConfig) -> SFTRecipe:

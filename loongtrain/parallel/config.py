@@ -19,6 +19,10 @@ from loongtrain.parallel.zigzag import check_sequence_length, divisors
 
 ZERO_MODES = ("none", "full", "hybrid")
 RECOMPUTE_MODES = ("none", "full", "selective")
+#: how a sequence's chunks are laid on the context ranks (``--chunk-order``; loongtrain/parallel/documents.py)
+CHUNK_ORDERS = ("zigzag", "balanced")
+#: ``--compile`` (loongtrain/parallelize/compile.py)
+COMPILE_MODES = ("off", "on")
 
 __all__ = [
     "RECOMPUTE_MODES", "PLACEMENTS", "ZERO_MODES", "ParallelConfig", "effective_kv_heads",

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loongtrain.parallel.config import CHUNK_ORDERS
 from loongtrain.parallel.mesh import Mesh
 from loongtrain.parallel.sharding import shard_sequence
 from loongtrain.parallel.zigzag import check_chunk_order, shard_indices
@@ -19,7 +20,6 @@ from loongtrain.parallel.zigzag import check_chunk_order, shard_indices
 Tensor = torch.Tensor
 
 
-CHUNK_ORDERS = ("zigzag", "balanced")
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,6 @@ import os
 import signal
 import time
 
-from loongtrain.parallel import runtime
-
 #: errno values a restart cannot fix (the disk stays full)
 _PERMANENT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
@@ -83,6 +81,8 @@ def kill_point(step: int, start_step: int) -> None:
     if not spec or start_step != 0:
         return
     rank, at, agent = _parse(spec)
+    from loongtrain.parallel import runtime  # torch: only where a fault is planted
+
     me = runtime.rank()
     if step == at and me == rank:
         if agent:  # a lost node: its agent gone first (this process reparented), then its workers

@@ -13,7 +13,10 @@ touches a process group: the planner, the executor and :mod:`loongtrain.parallel
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the index functions import it: the layout's arithmetic needs none
+    import torch
 
 
 def divisors(n: int) -> list[int]:
@@ -64,6 +67,8 @@ def shard_indices(seq_len: int, hp: int, cp: int, cp_rank: int, hp_rank: int,
 
     ``chunk_order`` (default :func:`zigzag_order`): the sequence cut into ``n = len(chunk_order)`` equal
     chunks; context rank ``c`` holds chunks ``chunk_order[c*n/cp : (c+1)*n/cp]`` in that order."""
+    import torch
+
     if chunk_order is None:
         check_sequence_length(seq_len, hp, cp)
         chunk_order = zigzag_order(cp)
@@ -78,4 +83,6 @@ def shard_indices(seq_len: int, hp: int, cp: int, cp_rank: int, hp_rank: int,
 
 def replica_permutation(seq_len: int, hp: int, cp: int, chunk_order: ChunkOrder | None = None) -> torch.Tensor:
     """Concatenation of every rank's shard indices in sp_rank order (cp_rank-major): a permutation of S."""
+    import torch
+
     return torch.cat([shard_indices(seq_len, hp, cp, c, h, chunk_order) for c in range(cp) for h in range(hp)])

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loongtrain.parallel.config import COMPILE_MODES
 from loongtrain.parallelize.compile_errors import (
     CompileError,
     compile_failure,
@@ -40,8 +41,6 @@ from loongtrain.parallelize.compile_errors import (
 
 log = logging.getLogger("loongtrain.train")
 
-#: the modes of ``--compile`` (module docstring)
-COMPILE_MODES = ("off", "on")
 
 #: torch.compile backend of the compile step (tests use "aot_eager": the same graphs, no code generation)
 BACKEND = "inductor"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from loongtrain._options import option
+from loongtrain.hf.families import family_names
 from loongtrain.model.config import PRESETS, ModelConfig
 from loongtrain.model.lora import LoraConfig
 from loongtrain.parallel.config import PLACEMENTS, RECOMPUTE_MODES, ZERO_MODES, ParallelConfig
@@ -34,8 +35,9 @@ class PlanConfig:
     """Every option of ``loongtrain plan``: one field = one ``--option`` = one TOML key."""
 
     model: str | ModelConfig = option("", toml_table=ModelConfig, kind=str, help=f"preset {sorted(PRESETS)}, or a "
-                                      "local Hugging Face model directory or its config.json "
-                      "(Llama, Mistral, Qwen2, Qwen3); in --config also a [model] table of ModelConfig fields")
+                                      "local Hugging Face model directory or its config.json of a tested family "
+                                      f"({family_names()}) or any causal LM whose layers match; in --config also a "
+                                      "[model] table of ModelConfig fields")
     data: DataSection = option(factory=lambda: DataSection(seq_len=0), only=("seq_len", "batch_size"), helps={
         "seq_len": "tokens per sequence, e.g. 131072, 128K, 1M",
         "batch_size": "sequences per data-parallel replica per step"})

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from loongtrain._options import flag, option
 from loongtrain.data.corpus import DECODE_ERRORS
 from loongtrain.data.split import check_fraction
-from loongtrain.parallel.documents import CHUNK_ORDERS
+from loongtrain.parallel.config import CHUNK_ORDERS
 from loongtrain.sections.stages import check_stages
 
 DOC_MASK = ("on", "off")

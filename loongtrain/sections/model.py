@@ -10,14 +10,16 @@ and in fp32 elsewhere (:func:`compute_dtype`). The planner plans GPUs with nativ
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from loongtrain._options import option
-from loongtrain.attn.kernel_choice import bf16_supported
+from loongtrain.hf.families import family_names
 from loongtrain.model.lora import LoraConfig, parse_lora
 from loongtrain.model.rope_scaling import RopeChange, rope_change
-from loongtrain.parallelize.compile import COMPILE_MODES
+from loongtrain.parallel.config import COMPILE_MODES
+
+if TYPE_CHECKING:  # the dtype functions import it: the section's options and their checks need none
+    import torch
 
 DTYPES = ("auto", "fp32", "bf16", "fp64")
 _BYTES = {"fp32": 4, "bf16": 2, "fp64": 8, "auto": 2}
@@ -28,7 +30,8 @@ class ModelSection:
     """What model a run trains and how it computes: one field = one ``--option`` = one TOML key."""
 
     model: str = option("tiny", group="model", help="model preset (tiny, 1b, 7b-mha, 7b-gqa, 13b) or a local Hugging "
-                        "Face model directory (config.json + optional *.safetensors; Llama, Mistral, Qwen2, Qwen3)",
+                        f"Face model directory (config.json + optional *.safetensors) of a tested family "
+                        f"({family_names()}) or any causal LM whose layers match (docs/hf-models.md#families)",
                         resume="keep")
     rope_theta: float = option(0.0, "RoPE base (0: the model's own: the preset's, config.json's, or the --init-from "
                                "checkpoint's), e.g. raised to extend the context", resume="new_run")
@@ -78,6 +81,8 @@ class ModelSection:
 
 def param_dtype(dtype: str) -> torch.dtype:
     """Storage dtype of the weights (and optimizer state) for ``--dtype``: float64 for fp64, else float32."""
+    import torch
+
     return torch.float64 if dtype == "fp64" else torch.float32
 
 
@@ -90,6 +95,10 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     every gathered fp32 weight until the region ends, i.e. a whole unsharded bf16 model; without FSDP (replicated
     weights) it is ``torch.autocast``. Either way norms, RoPE, the softmax statistics and the loss are computed in
     fp32 by the model and loss themselves."""
+    import torch
+
+    from loongtrain.attn.kernel_choice import bf16_supported
+
     if dtype == "bf16" or (dtype == "auto" and device.type == "cuda" and bf16_supported(device)):
         return torch.bfloat16
     return None

@@ -15,16 +15,18 @@ import functools
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from loongtrain._options import option
-from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.model.config import ModelConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.sections.data import DataSection
 from loongtrain.sections.model import ModelSection
 from loongtrain.sections.stages import stage_totals
 from loongtrain.sections.training import EvaluationSection, OptimSection, OutputSection, RuntimeSection
+
+if TYPE_CHECKING:
+    from loongtrain.data.tokenizer import Tokenizer
 
 #: ``loongtrain train``'s parallel defaults: 4 workers as hp=2 x cp=2 (ParallelConfig's own are 1 x 1); without
 #: ``--hp``/``--cp`` the command line's layout follows the world size instead (:func:`world_layout`)
