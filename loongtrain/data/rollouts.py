@@ -208,6 +208,10 @@ class RolloutDataset:
     def num_samples(self) -> int:
         return len(self.rows)
 
+    def has_targets(self) -> bool:
+        """Whether any rollout is packed (its completion's tokens are the targets)."""
+        return bool(self.rows)
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         members = [self.rollouts[i] for i in self.rows[index % len(self.rows)].tolist()] if self.rows else []
         docs = [(np.concatenate([r.prompt_ids, r.completion_ids]),
