@@ -72,7 +72,7 @@ class RolloutEngine(MemoryTerm):
 
 
 def grpo_phases(options: Any) -> tuple[MemoryTerm, ...]:
-    """GRPO's terms for ``options`` (:class:`~loongtrain.objectives.grpo.GRPOOptions`); None (``loongtrain plan``,
+    """GRPO's terms for ``options`` (:class:`~loongtrain.objectives.options.GRPOOptions`); None (``loongtrain plan``,
     which does not take them): both, with TRL's generation sizes (64 completions of 256 tokens)."""
     if options is None:
         return ResidentReference(), RolloutEngine(64, 256)
