@@ -21,12 +21,14 @@ def parse_args(argv: list[str]) -> TrainConfig:
     """TrainConfig from command-line arguments (and the TOML file they name), validated; given neither ``--hp`` nor
     ``--cp`` (nor ``--plan auto``, which picks them), the layout follows the run's world size
     (:func:`~loongtrain.train.config.world_layout`: one GPU trains at hp = cp = 1). Raises ValueError."""
-    from loongtrain.launch.train_run import world_size_for
     from loongtrain.train.config import LAYOUT_OPTIONS, world_layout
 
     values = parse(TrainConfig, argv, "loongtrain train", DESCRIPTION, tables=("train",))
     cfg = TrainConfig.from_dict(values)
+    cfg.check_options()  # no torch yet: the world size below may need it (the GPUs)
     if not set(LAYOUT_OPTIONS) & set(values) and not cfg.runtime.plan:
+        from loongtrain.launch.train_run import world_size_for  # torch: once the command line has parsed
+
         hp, cp = world_layout(world_size_for(cfg))
         cfg = cfg.replace(hp=hp, cp=cp)
     cfg.validate()

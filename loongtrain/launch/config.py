@@ -33,11 +33,16 @@ class TrainConfig(TrainSections):
     def validate(self) -> None:
         """Raise ValueError for values that are wrong whatever the machine (ranges, choices, combinations, the
         objective's rules)."""
-        super().validate()  # the sections' and the objective section's checks import no torch: their errors answer
-        check_objective_section(self.objective)  # at once
+        self.check_options()
         from loongtrain.objectives.registry import validate_objective
 
         validate_objective(self)
+
+    def check_options(self) -> None:
+        """The sections' and the objective section's own checks: they import no torch, so their errors answer at
+        once (docs/configuration.md)."""
+        super().validate()
+        check_objective_section(self.objective)
 
     def spec(self) -> ObjectiveSpec:
         """The objective's registry entry."""
