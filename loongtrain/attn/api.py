@@ -2,13 +2,15 @@
 
 Per rank::
 
-    q [B, S/sp, H, D], k, v [B, S/sp, Hkv, D]       local zigzag shards (shard_sequence)
+    q, k [B, S/sp, H or Hkv, D], v [B, S/sp, Hkv, Dv]   local zigzag shards (shard_sequence)
       -> one all-to-all in the head group (q, k, v packed)
-    q [B, S/cp, H/hp, D], k, v [B, S/cp, Hkv', D]    Hkv' = Hkv/hp, or 1 when KV heads are replicated
+    q [B, S/cp, H/hp, D], k, v [B, S/cp, Hkv', D or Dv]  Hkv' = Hkv/hp, or 1 when KV heads are replicated
       -> zigzag (double-)ring over the context group
-    out [B, S/cp, H/hp, D]
+    out [B, S/cp, H/hp, Dv]
       -> all-to-all back
-    out [B, S/sp, H, D]
+    out [B, S/sp, H, Dv]
+
+V's head dim ``Dv`` may differ from Q/K's ``D`` (MLA: 128 and 192; docs/attention.md#mla).
 """
 
 from __future__ import annotations
@@ -44,17 +46,19 @@ def validate_attention_inputs(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh, *,
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must match in batch, seq and heads (only the head dim may differ: MLA); got "
+                         f"{tuple(k.shape)} vs {tuple(v.shape)}")
     (batch, seq, num_heads, head_dim), num_kv_heads = q.shape, k.shape[2]
-    sizes = dict(batch=batch, seq=seq, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    sizes = dict(batch=batch, seq=seq, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                 v_head_dim=v.shape[3])
     if min(sizes.values()) < 1:
         raise ValueError(f"q {tuple(q.shape)}, k/v {tuple(k.shape)}: every size must be positive; got {sizes}")
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale={softmax_scale} must be a positive, finite number (or None)")
     if k.shape[0] != batch or k.shape[1] != seq or k.shape[3] != head_dim:
         raise ValueError(
-            f"k/v shape {tuple(k.shape)} must match q {tuple(q.shape)} in batch, seq and head_dim"
+            f"k shape {tuple(k.shape)} must match q {tuple(q.shape)} in batch, seq and head_dim"
         )
     if sinks is not None:
         validate_sinks(sinks, q)
@@ -91,9 +95,10 @@ def attention(
 ) -> Tensor:
     """Exact softmax attention of the replica's full sequence, computed from this rank's shards.
 
-    ``q [B, S/sp, H, D]``, ``k, v [B, S/sp, Hkv, D]`` are local shards in the layout of
-    :func:`loongtrain.shard_sequence`; returns ``[B, S/sp, H, D]`` in the same layout, differentiable
-    in q, k and v. ``mesh=None`` means a single process (no communication).
+    ``q [B, S/sp, H, D]``, ``k [B, S/sp, Hkv, D]``, ``v [B, S/sp, Hkv, Dv]`` are local shards in the layout of
+    :func:`loongtrain.shard_sequence`; returns ``[B, S/sp, H, Dv]`` in the same layout, differentiable
+    in q, k and v. V's head dim may differ from Q/K's (MLA); ``softmax_scale`` defaults to ``1/sqrt(D)``.
+    ``mesh=None`` means a single process (no communication).
 
     ``cu_seqlens``: document boundaries of the **full** sequence (flash-attn's convention: integers from
     0 to S, strictly increasing), one per batch row (a 1-D tensor when B == 1, else a list), identical on
@@ -199,17 +204,13 @@ def _traced_masks(cu_seqlens: CuSeqlens | None, chunk_order: Sequence[int] | Ten
 
 
 def _scatter_heads(q: Tensor, k: Tensor, v: Tensor, mesh: Mesh) -> tuple[Tensor, Tensor, Tensor]:
-    """One all-to-all for q, k, v: [B, S/sp, heads, D] -> [B, S/cp, heads/hp, D] each."""
-    batch, seq, _, head_dim = q.shape
+    """One all-to-all for q, k, v: [B, S/sp, heads, D] -> [B, S/cp, heads/hp, D] each (each its own D)."""
+    batch, seq = q.shape[:2]
     hp = mesh.hp
     parts = [t.reshape(batch, seq, hp, -1) for t in (q, k, v)]  # per-destination head groups
     widths = [p.shape[-1] for p in parts]
     packed = torch.cat(parts, dim=3)
     gathered = ops.head_all_to_all(packed, mesh.hp_group.group_name, 2, 1)  # [B, S/cp, 1, sum(widths)]
-    q_, k_, v_ = gathered.squeeze(2).split(widths, dim=-1)
     seq_c = seq * hp
-    return (
-        q_.reshape(batch, seq_c, -1, head_dim),
-        k_.reshape(batch, seq_c, -1, head_dim),
-        v_.reshape(batch, seq_c, -1, head_dim),
-    )
+    return tuple(part.reshape(batch, seq_c, -1, t.shape[3])
+                 for part, t in zip(gathered.squeeze(2).split(widths, dim=-1), (q, k, v)))

@@ -4,7 +4,8 @@ FA2 also takes its own sliding window (``Kernel.windowed``: ``window=(left, righ
 ``_flash_attention_forward`` / ``_flash_attention_backward``'s ``window_size_left`` / ``window_size_right``, dense
 calls on ``[B, S, H, D]`` views without ``cum_seq``).
 
-(``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a zero-padded head dim.) ``cuda_flash``'s and
+(``cuda_flash_padded``, ``cuda_efficient_padded``: the same ops on a head dim zero-padded to a multiple of 8,
+:func:`~loongtrain.attn.kernels.head_dim_padded`.) ``cuda_flash``'s and
 ``cuda_cudnn``'s dense backwards run one query head at a time once their own scratch
 (:func:`backward_scratch_bytes`, which the planner counts) would pass :data:`SPLIT_BACKWARD_BYTES`
 (:func:`per_head_backward`; docs/memory.md).
@@ -33,11 +34,12 @@ in fp32 for every dtype but fp64, which only the reference kernel handles on CUD
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from loongtrain.attn.kernels import Kernel, Tensor, dense_layout, expand_kv, reduce_kv_grad
+from loongtrain.attn.kernels import Kernel, Tensor, dense_layout, expand_kv, head_dim_padded, reduce_kv_grad
 
 # the op namespace the CUDA wrappers call; tests swap in a CPU emulation (tests/helpers/cuda_emulation.py)
 _aten = torch.ops.aten
@@ -315,33 +317,15 @@ def _cuda_cudnn_varlen_backward(
     return dq, dk, dv
 
 
-def _head_dim_padded(kernel: Kernel, multiple: int) -> Kernel:
-    """``kernel`` on head dims zero-padded to a multiple of ``multiple``: exact (zero columns add nothing
-    to ``q . k``, give zero output columns and receive zero gradients), at the cost of padded copies."""
-
-    def pad(x: Tensor) -> Tensor:
-        return torch.nn.functional.pad(x, (0, -x.shape[-1] % multiple))
-
-    def forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-        out, lse = kernel.forward(pad(q), pad(k), pad(v), causal, scale)
-        return out.narrow(-1, 0, v.shape[-1]), lse
-
-    def backward(
-        dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        dq, dk, dv = kernel.backward(pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal, scale)
-        return dq.narrow(-1, 0, q.shape[-1]), dk.narrow(-1, 0, k.shape[-1]), dv.narrow(-1, 0, v.shape[-1])
-
-    return Kernel(f"{kernel.name}_padded", forward, backward)
-
-
 CUDA_FLASH = Kernel("cuda_flash", _cuda_flash_forward, _cuda_flash_backward,
                     _cuda_flash_varlen_forward, _cuda_flash_varlen_backward, windowed=True)
 CUDA_EFFICIENT = Kernel("cuda_efficient", _cuda_efficient_forward, _cuda_efficient_backward)
 CUDA_CUDNN = Kernel("cuda_cudnn", _cuda_cudnn_forward, _cuda_cudnn_backward, _cuda_cudnn_varlen_forward,
                     _cuda_cudnn_varlen_backward, varlen_bottom_right=False)
-CUDA_FLASH_PADDED = _head_dim_padded(CUDA_FLASH, 8)
-CUDA_EFFICIENT_PADDED = _head_dim_padded(CUDA_EFFICIENT, 8)
+# dense calls only, no window (packed documents and windows: one dense call per piece)
+CUDA_FLASH_PADDED = head_dim_padded(
+    dataclasses.replace(CUDA_FLASH, varlen_forward=None, varlen_backward=None, windowed=False), 8, "cuda_flash_padded")
+CUDA_EFFICIENT_PADDED = head_dim_padded(CUDA_EFFICIENT, 8, "cuda_efficient_padded")
 
 
 def narrowed(kernel: Kernel, fallback: Kernel, max_rows: int) -> Kernel:

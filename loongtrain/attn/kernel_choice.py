@@ -313,9 +313,11 @@ def agree_across_ranks(choice: Kernel, candidates: list[Kernel]) -> Kernel:
     return next(k for k in candidates if k.name == name)
 
 
-def kernel_for(q: Tensor, k: Tensor) -> Kernel:
-    """:func:`choose_kernel` for ring blocks ``q [B, H, S_c, D]``, ``k [B, Hkv, S_c, D]``."""
-    return choose_kernel(q.device, q.dtype, q.shape[-1], q.shape[1], k.shape[1], q.shape[2])
+def kernel_for(q: Tensor, k: Tensor, v: Tensor) -> Kernel:
+    """:func:`choose_kernel` for ring blocks ``q [B, H, S_c, D]``, ``k [B, Hkv, S_c, D]``, ``v [B, Hkv, S_c, Dv]``,
+    chosen for the wider head dim (MLA's ``Dv < D`` runs on V padded to ``D``:
+    :func:`~loongtrain.attn.kernels.for_head_dims`)."""
+    return choose_kernel(q.device, q.dtype, max(q.shape[-1], v.shape[-1]), q.shape[1], k.shape[1], q.shape[2])
 
 
 def clear_choices() -> None:

@@ -3,7 +3,9 @@
 All tensors are ``[B, H, S, D]``, possibly non-contiguous (transposed views of ``[B, S, H, D]``, slices
 along S); ``lse`` is ``[B, H, S]`` (natural log; fp32, fp64 for the fp64 kernels). Causal masks are
 top-left aligned and only used with ``Sq == Sk``. K/V may have fewer heads than Q (GQA, docs/design.md
-docs/attention.md#the-gqa-rule); the returned dK/dV have K/V's head count.
+docs/attention.md#the-gqa-rule); the returned dK/dV have K/V's head count. V's head dim may differ from Q/K's (MLA):
+out and dV have V's; the reference takes that as it is, every fused op needs one head dim for all three, so
+:func:`for_head_dims` runs those on Q/K and V zero-padded to the wider (:func:`head_dim_padded`, exact).
 
 Kernels and the torch 2.13 ops behind them (schemas: ``torch.ops.aten.<op>.default._schema``):
 
@@ -24,6 +26,7 @@ Which kernel runs where (capability rules and measurement): :mod:`loongtrain.att
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,7 +51,8 @@ class Kernel:
     sees every key), else top-left; ``windowed``: all four also take ``window=(left, right)``, FlashAttention's
     bottom-right aligned window (row ``r`` of ``Sq`` sees keys ``c`` of ``Sk`` with ``-left <= c - r - (Sk - Sq)
     <= right``, ``-1`` unbounded; with ``causal=False``), so a sliding window is one call
-    (:class:`loongtrain.attn.masking.Piece`'s ``band``)."""
+    (:class:`loongtrain.attn.masking.Piece`'s ``band``); ``unequal_head_dims``: whether every op takes a V head
+    dim different from Q/K's as it is (else :func:`for_head_dims` pads)."""
 
     name: str
     forward: Callable[..., tuple[Tensor, Tensor]]
@@ -57,6 +61,7 @@ class Kernel:
     varlen_backward: VarlenBackward | None = None
     varlen_bottom_right: bool = True
     windowed: bool = False
+    unequal_head_dims: bool = False
 
 
 def expand_kv(k: Tensor, num_heads: int) -> Tensor:
@@ -152,5 +157,64 @@ def _cpu_backward(
     return dq, reduce_kv_grad(dk, num_kv_heads), reduce_kv_grad(dv, num_kv_heads)
 
 
-REFERENCE = Kernel("reference", reference_forward, reference_backward)
+REFERENCE = Kernel("reference", reference_forward, reference_backward, unequal_head_dims=True)
 CPU_FLASH = Kernel("cpu_flash", _cpu_forward, _cpu_backward)
+
+
+# ---------------------------------------------------------------- zero-padded head dims
+
+
+def _widened(x: Tensor, width: int) -> Tensor:
+    """``x`` with its last dim zero-padded to ``width`` (``x`` itself when it has that width)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def head_dim_padded(kernel: Kernel, multiple: int, name: str) -> Kernel:
+    """``kernel`` on q, k, v zero-padded to one head dim, the wider of Q/K's and V's rounded up to ``multiple``:
+    exact (zero columns add nothing to ``q . k``, give zero output columns, which are cut off, and receive zero
+    gradients), at the cost of the padded copies. Its varlen ops (if any) likewise, a window (``Kernel.windowed``)
+    passed on as it is; lse is untouched."""
+
+    def width(q: Tensor, v: Tensor) -> int:
+        wide = max(q.shape[-1], v.shape[-1])
+        return wide + -wide % multiple
+
+    def forward(q: Tensor, k: Tensor, v: Tensor, *args: object, **window: object) -> tuple[Tensor, Tensor]:
+        w = width(q, v)
+        out, lse = kernel.forward(_widened(q, w), _widened(k, w), _widened(v, w), *args, **window)
+        return out.narrow(-1, 0, v.shape[-1]), lse
+
+    def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *args: object,
+                 **window: object) -> tuple[Tensor, Tensor, Tensor]:
+        w = width(q, v)
+        dq, dk, dv = kernel.backward(*(_widened(t, w) for t in (dout, q, k, v, out)), lse, *args, **window)
+        return dq.narrow(-1, 0, q.shape[-1]), dk.narrow(-1, 0, k.shape[-1]), dv.narrow(-1, 0, v.shape[-1])
+
+    def varlen_forward(q: Tensor, k: Tensor, v: Tensor, *args: object, **window: object) -> tuple[Tensor, Tensor]:
+        w = width(q, v)
+        out, lse = kernel.varlen_forward(_widened(q, w), _widened(k, w), _widened(v, w), *args, **window)
+        return out.narrow(-1, 0, v.shape[-1]), lse
+
+    def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        *args: object, **window: object) -> tuple[Tensor, Tensor, Tensor]:
+        w = width(q, v)
+        dq, dk, dv = kernel.varlen_backward(*(_widened(t, w) for t in (dout, q, k, v, out)), lse, *args, **window)
+        return dq.narrow(-1, 0, q.shape[-1]), dk.narrow(-1, 0, k.shape[-1]), dv.narrow(-1, 0, v.shape[-1])
+
+    varlen = kernel.varlen_forward is not None
+    return Kernel(name, forward, backward, varlen_forward if varlen else None, varlen_backward if varlen else None,
+                  kernel.varlen_bottom_right, kernel.windowed, unequal_head_dims=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _equal_widths(kernel: Kernel) -> Kernel:
+    return head_dim_padded(kernel, 1, f"{kernel.name}_v_padded")
+
+
+def for_head_dims(kernel: Kernel, qk_head_dim: int, v_head_dim: int) -> Kernel:
+    """``kernel`` for attention whose V head dim is ``v_head_dim`` and Q/K's ``qk_head_dim`` (MLA: 128 and 192):
+    ``kernel`` itself when they are equal or it takes them so (``Kernel.unequal_head_dims``), else the same kernel
+    on Q/K and V zero-padded to the wider (:func:`head_dim_padded`; the same object on every call)."""
+    if qk_head_dim == v_head_dim or kernel.unequal_head_dims:
+        return kernel
+    return _equal_widths(kernel)

@@ -18,6 +18,7 @@ import torch
 
 from loongtrain.attn.masking import AttnMask, unflatten_cu_seqlens
 from loongtrain.attn.ring import Ring, ring_backward_packed, ring_forward
+from loongtrain.attn.ring_step import KVBlock
 from loongtrain.attn.sinks import sinks_grad
 from loongtrain.model.local_attention import normalize_cu_seqlens
 from loongtrain.parallel.comm import all_to_all, all_to_all_pieces, all_to_all_result, resolve_group
@@ -118,8 +119,9 @@ def ring_attention(
     q: Tensor, k: Tensor, v: Tensor, ring: str, causal: bool, scale: float, cu_seqlens: Tensor | None,
     sliding_window: int | None, chunk_order: Tensor | None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the K/V ``[B, S_c, Hkv, D]``
-    of every member of the ring registered as ``ring`` (:func:`ring_key`); returns out ``[B, S_c, H, D]`` and
+    """Forward: zigzag (double-)ring attention of ``q [B, S_c, H, D]`` against the K ``[B, S_c, Hkv, D]`` and V
+    ``[B, S_c, Hkv, Dv]`` of every member of the ring registered as ``ring`` (:func:`ring_key`); returns out
+    ``[B, S_c, H, Dv]`` and
     lse ``[B, H, S_c]``. ``cu_seqlens``: each batch row's document boundaries, rows concatenated (each starts
     at 0; None: one document), a CPU int64 tensor (:func:`as_index_tensor`); ``sliding_window``: Mistral's
     window (None: none); ``chunk_order``: the tokens' layout (None: zigzag), a CPU int64 tensor; ``sinks``:
@@ -136,9 +138,9 @@ def ring_attention(
 
 @ring_attention.register_fake
 def _(q, k, v, ring, causal, scale, cu_seqlens, sliding_window, chunk_order, sinks=None):
-    # shapes depend on q alone, whatever the documents, window or chunk order
+    # shapes depend on q and v's head dim alone, whatever the documents, window or chunk order
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc)
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=acc)
 
 
 @torch.library.custom_op("loongtrain::ring_attention_backward", mutates_args=())
@@ -146,23 +148,22 @@ def ring_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: str, causal: bool,
     scale: float, cu_seqlens: Tensor | None, sliding_window: int | None, chunk_order: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """Forward: dq ``[B, S_c, H, D]`` and dK/dV ``[2, B, S_c, Hkv, D]`` (input dtypes) of :func:`ring_attention`
+    """Forward: dq ``[B, S_c, H, D]`` and dK/dV as one flat block (K's gradient ``[B, Hkv, S_c, D]`` then V's
+    ``[B, Hkv, S_c, Dv]``, :class:`~loongtrain.attn.ring_step.KVBlock`; input dtypes) of :func:`ring_attention`
     for ``dout``, K/V re-circulated round the ring and dK/dV returned to their owners. An op of its own, so a
     compiled block's backward calls it as one opaque node. Backward: none (no double backward)."""
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
     with torch.autocast(q.device.type, enabled=False):  # as the forward: the dtypes given
         dq, dkv = ring_backward_packed(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring],
                                        causal, scale, mask=mask)
-    return dq.transpose(1, 2), dkv.transpose(2, 3)
+    return dq.transpose(1, 2), dkv
 
 
 @ring_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, ring, causal, scale, cu_seqlens, sliding_window, chunk_order):
-    # the real dq is [B, S_c, H, D] storage (attn/step.BackwardStep, attn/ring.whole_backward), dK/dV
-    # [2, B, Hkv, S_c, D] seen as [2, B, S_c, Hkv, D]: the same strides here
-    b, s, h, d = q.shape
-    hkv = k.shape[2]
-    return q.new_empty((b, s, h, d)), k.new_empty((2, b, hkv, s, d)).transpose(2, 3)
+    # the real dq is [B, S_c, H, D] storage (attn/step.BackwardStep, attn/ring.whole_backward), dK/dV one flat
+    # block (dK [B, Hkv, S_c, D] then dV [B, Hkv, S_c, Dv]): the same here
+    return q.new_empty(q.shape), k.new_empty(k.numel() + v.numel())
 
 
 def _bhsd(x: Tensor) -> Tensor:
@@ -190,7 +191,8 @@ def _ring_backward(ctx, dout: Tensor, _dlse: Tensor | None):
     dsinks = None
     if sinks is not None and ctx.needs_input_grad[9]:  # out and lse include the sinks: dq, dk, dv as they are
         dsinks = sinks_grad(_bhsd(dout), _bhsd(out), lse, sinks)
-    return (dq, dkv[0], dkv[1]) + (None,) * 6 + (dsinks,)
+    dk, dv = KVBlock.of(_bhsd(k), _bhsd(v)).split(dkv)  # [B, Hkv, S_c, ·] storage seen as k's and v's shapes
+    return (dq, dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 6 + (dsinks,)
 
 
 ring_attention.register_autograd(_ring_backward, setup_context=_ring_setup)

@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from loongtrain.attn.kernel_choice import kernel_for
-from loongtrain.attn.kernels import Kernel
+from loongtrain.attn.kernels import Kernel, for_head_dims
 from loongtrain.attn.masking import AttnMask, Piece
 from loongtrain.attn.ring_step import (
     BackwardStep,
     ForwardStep,
+    KVBlock,
     VarlenCall,
     acc_dtype,
     piece_backward,
@@ -175,8 +176,10 @@ def run_pass(geometry: DoubleRing, members: Sequence[_Member], backward: bool, r
     assert all(not m.in_flight for m in members)
 
 
-def _kernel(kernel: Kernel | None, q: Tensor, k: Tensor) -> Kernel:
-    return kernel or kernel_for(q, k)  # the rule, or measured once per shape class (docs/attention.md#kernels)
+def _kernel(kernel: Kernel | None, q: Tensor, k: Tensor, v: Tensor) -> Kernel:
+    """``kernel``, or the rule's / the measured one (docs/attention.md#kernels), for V's head dim (padded to Q/K's
+    where the kernel needs one head dim: :func:`~loongtrain.attn.kernels.for_head_dims`)."""
+    return for_head_dims(kernel or kernel_for(q, k, v), q.shape[-1], v.shape[-1])
 
 
 def _whole(geometry: DoubleRing, mask: AttnMask, q: Tensor, kernel: Kernel) -> Piece | VarlenCall | None:
@@ -232,14 +235,14 @@ def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, ring: Ring, causal: bool, scale: float, kernel: Kernel | None = None,
     *, mask: AttnMask | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """out ``[B, H, S_c, D]`` (input dtype) and lse ``[B, H, S_c]`` (fp32, fp64 for fp64 inputs) of this
+    """out ``[B, H, S_c, Dv]`` (input dtype) and lse ``[B, H, S_c]`` (fp32, fp64 for fp64 inputs) of this
     rank's queries against every ring member's K/V; K/V blocks move round the ring (only as far as a
     short sliding window reaches). ``mask`` (documents, window) replaces ``causal`` when given. ``sinks
     [H]``: attention sinks, folded in once after the last merge (:func:`~loongtrain.attn.sinks.fold_sinks`;
     the returned out and lse include them, so :func:`ring_backward` with them gives dq, dk, dv as they are)."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
-    kernel = _kernel(kernel, q, k)
+    kernel = _kernel(kernel, q, k, v)
     whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: the kernel's result, without the fp32 accumulators
         out, lse = whole_forward(kernel, whole, q, k, v, scale)
@@ -247,9 +250,9 @@ def ring_forward(
         if sinks is not None:
             out, lse = fold_sinks(out, lse, sinks)
         return out.to(q.dtype), lse.contiguous()  # the accumulators' layout
-    step = ForwardStep(q, ring.position, mask, geometry.size, scale, kernel)
-    kv = torch.stack([k, v])
-    run_pass(geometry, [_Member(geometry, ring.position, DistTransport(ring), step, kv)], False,
+    layout = KVBlock.of(k, v)
+    step = ForwardStep(q, ring.position, mask, geometry.size, scale, kernel, layout)
+    run_pass(geometry, [_Member(geometry, ring.position, DistTransport(ring), step, layout.pack(k, v))], False,
              _reach(geometry, q, mask))
     return step.result(sinks)
 
@@ -260,7 +263,7 @@ def ring_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (input dtype) for :func:`ring_forward`: K/V re-circulate, dK/dV ride behind to their owner."""
     dq, dkv = ring_backward_packed(dout, q, k, v, out, lse, ring, causal, scale, kernel, mask=mask)
-    return dq, dkv[0], dkv[1]
+    return (dq, *KVBlock.of(k, v).split(dkv))
 
 
 def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int,
@@ -285,15 +288,16 @@ def ring_backward_packed(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: Ring,
     causal: bool, scale: float, kernel: Kernel | None = None, *, mask: AttnMask | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`ring_backward` with dK and dV as one ``[2, B, Hkv, S_c, D]`` tensor (k's dtype)."""
+    """:func:`ring_backward` with dK and dV as one block (:class:`~loongtrain.attn.ring_step.KVBlock`, k's dtype)."""
     mask = mask or AttnMask(causal)
     geometry = ring.geometry
-    kernel = _kernel(kernel, q, k)
+    kernel = _kernel(kernel, q, k, v)
     whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: dq, dk, dv as the kernel gives them, no fp32 accumulators
         return whole_backward(kernel, whole, dout, q, k, v, out, lse, scale)
-    step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, kernel)
-    member = _Member(geometry, ring.position, DistTransport(ring), step, torch.stack([k, v]))
+    layout = KVBlock.of(k, v)
+    step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, kernel, layout)
+    member = _Member(geometry, ring.position, DistTransport(ring), step, layout.pack(k, v))
     run_pass(geometry, [member], True, _reach(geometry, q, mask))
     return step.dq.to(q.dtype), member.registers[DKV_OWN].to(k.dtype)
 
@@ -302,7 +306,7 @@ def whole_backward(kernel: Kernel, whole: Piece | VarlenCall, dout: Tensor, q: T
                    out: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """A ring of one member's backward: :func:`_whole`'s one kernel call, its results in the accumulators'
     layout (dQ ``[B, H, S, D]`` seen from ``[B, S, H, D]`` storage, as the flash kernels give it: otherwise
-    copied into it; dK/dV stacked)."""
+    copied into it; dK/dV packed in one block)."""
     if isinstance(whole, Piece):
         dq, dk, dv = piece_backward(kernel, whole, WHOLE_BAND, dout, q, k, v, out, lse, scale)
     else:
@@ -315,7 +319,7 @@ def whole_backward(kernel: Kernel, whole: Piece | VarlenCall, dout: Tensor, q: T
     dq = dq.to(q.dtype)
     if not dq.transpose(1, 2).is_contiguous():
         dq = token_major(dq)
-    return dq, torch.stack([dk, dv]).to(k.dtype)
+    return dq, KVBlock.of(k, v).pack(dk, dv, k.dtype)
 
 
 def token_major(x: Tensor) -> Tensor:
@@ -335,7 +339,8 @@ def _local_members(
         office = PostOffice(geometry)
         transports = [office.transport(p) for p in range(cp)]
     assert len(transports) == cp, (len(transports), cp)
-    members = [_Member(geometry, p, transports[p], steps[p], torch.stack([ks[p], vs[p]])) for p in range(cp)]
+    members = [_Member(geometry, p, transports[p], steps[p], KVBlock.of(ks[p], vs[p]).pack(ks[p], vs[p]))
+               for p in range(cp)]
     return geometry, members
 
 
@@ -348,7 +353,8 @@ def local_ring_forward(
     ``p``'s zigzag shard ``[B, H, S_c, D]``); returns each member's ``(out, lse)``. ``transports``: one per
     member (default: hand-offs through one :class:`PostOffice`)."""
     mask, cp = mask or AttnMask(causal), len(qs)
-    steps = [ForwardStep(q, p, mask, cp, scale, _kernel(kernel, q, ks[p])) for p, q in enumerate(qs)]
+    steps = [ForwardStep(q, p, mask, cp, scale, _kernel(kernel, q, ks[p], vs[p]), KVBlock.of(ks[p], vs[p]))
+             for p, q in enumerate(qs)]
     geometry, members = _local_members(inner_ring, steps, ks, vs, transports)
     run_pass(geometry, members, False, _reach(geometry, qs[0], mask))
     return [s.result(sinks) for s in steps]
@@ -361,9 +367,12 @@ def local_ring_backward(
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`ring_backward` of all members of one ring in this process; returns each member's dq, dk, dv."""
     mask, cp = mask or AttnMask(causal), len(qs)
-    steps = [BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q, ks[p]))
-             for p, q in enumerate(qs)]
+    steps = [BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q, ks[p], vs[p]),
+                          KVBlock.of(ks[p], vs[p])) for p, q in enumerate(qs)]
     geometry, members = _local_members(inner_ring, steps, ks, vs, transports)
     run_pass(geometry, members, True, _reach(geometry, qs[0], mask))
-    return [(s.dq.to(q.dtype), m.registers[DKV_OWN][0].to(k.dtype), m.registers[DKV_OWN][1].to(v.dtype))
-            for s, m, q, k, v in zip(steps, members, qs, ks, vs)]
+    out = []
+    for s, m, q, k, v in zip(steps, members, qs, ks, vs):
+        dk, dv = s.layout.split(m.registers[DKV_OWN])
+        out.append((s.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)))
+    return out

@@ -40,6 +40,43 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+@dataclass(frozen=True)
+class KVBlock:
+    """The layout of a ring block: K ``[B, Hkv, S_c, D]`` then V ``[B, Hkv, S_c, Dv]``, each contiguous, in one
+    flat buffer: what travels round the ring and, in the accumulators' dtype, a block's dK/dV. V's head dim may
+    differ from K's (MLA), so the ring sends exactly ``B Hkv S_c (D + Dv)`` elements (docs/attention.md)."""
+
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, k: Tensor, v: Tensor) -> KVBlock:
+        return cls(tuple(k.shape), tuple(v.shape))
+
+    @property
+    def k_numel(self) -> int:
+        return self.k_shape[0] * self.k_shape[1] * self.k_shape[2] * self.k_shape[3]
+
+    @property
+    def numel(self) -> int:
+        return self.k_numel + self.v_shape[0] * self.v_shape[1] * self.v_shape[2] * self.v_shape[3]
+
+    def pack(self, k: Tensor, v: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A new block holding ``k`` and ``v`` (in ``dtype``, default k's)."""
+        block = k.new_empty(self.numel, dtype=dtype or k.dtype)
+        key, value = self.split(block)
+        key.copy_(k)
+        value.copy_(v)
+        return block
+
+    def zeros(self, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.zeros(self.numel, dtype=dtype, device=device)
+
+    def split(self, block: Tensor) -> tuple[Tensor, Tensor]:
+        """Views of the K and V parts of ``block``."""
+        return block[:self.k_numel].view(self.k_shape), block[self.k_numel:].view(self.v_shape)
+
+
 def merge(out_acc: Tensor, lse_acc: Tensor, out_blk: Tensor, lse_blk: Tensor) -> None:
     """In place: combine two partial softmax results by their log-sum-exp, in the accumulators' dtype."""
     lse_blk = lse_blk.to(lse_acc.dtype)
@@ -307,28 +344,30 @@ class ForwardStep:
     """Online-softmax accumulation of one member's queries over the blocks it is handed; a block none of
     whose keys a local query sees costs nothing (no kernel call, no merge)."""
 
-    def __init__(self, q: Tensor, position: int, mask: AttnMask, cp: int, scale: float, kernel: Kernel) -> None:
-        self.q, self.scale, self.kernel = q, scale, kernel
+    def __init__(self, q: Tensor, position: int, mask: AttnMask, cp: int, scale: float, kernel: Kernel,
+                 layout: KVBlock) -> None:
+        self.q, self.scale, self.kernel, self.layout = q, scale, kernel, layout
         self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
                                 kernel.varlen_forward is not None, kernel.varlen_bottom_right, kernel.windowed)
         acc = acc_dtype(q.dtype)
-        self.out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        self.out = torch.zeros((*q.shape[:3], layout.v_shape[3]), dtype=acc, device=q.device)
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
 
     def __call__(self, src: int, block: Tensor) -> None:
         plan, band = self.plans(src), self.plans.band
+        k, v = self.layout.split(block)
         for rows, p in plan.dense:
             out, lse = piece_forward(self.kernel, p, band, self.q[rows, :, p.r0:p.r1],
-                                     block[0][rows, :, p.c0:p.c1], block[1][rows, :, p.c0:p.c1], self.scale)
+                                     k[rows, :, p.c0:p.c1], v[rows, :, p.c0:p.c1], self.scale)
             merge(self.out[rows, :, p.r0:p.r1], self.lse[rows, :, p.r0:p.r1], out, lse)
         for call in plan.varlen:
-            self._varlen(call, block)
+            self._varlen(call, k, v)
 
-    def _varlen(self, call: VarlenCall, block: Tensor) -> None:
-        kv = block.transpose(2, 3)[:, call.k_row, call.k_pos]  # [2, Tk, Hkv, D]
-        out, lse = self.kernel.varlen_forward(_gather(self.q, call.q_row, call.q_pos), kv[0], kv[1], call.cu_q,
-                                              call.cu_k, call.max_q, call.max_k, call.causal, self.scale,
-                                              **window_arg(call.window))
+    def _varlen(self, call: VarlenCall, k: Tensor, v: Tensor) -> None:
+        cols = (call.k_row, call.k_pos)
+        out, lse = self.kernel.varlen_forward(_gather(self.q, call.q_row, call.q_pos), _gather(k, *cols),
+                                              _gather(v, *cols), call.cu_q, call.cu_k, call.max_q, call.max_k,
+                                              call.causal, self.scale, **window_arg(call.window))
         out_acc, lse_acc = self.out.transpose(1, 2), self.lse.transpose(1, 2)
         for a, b in call.rounds:
             index = (call.q_row[a:b], call.q_pos[a:b])
@@ -344,43 +383,44 @@ class ForwardStep:
 
 
 class BackwardStep:
-    """dQ accumulation of one member; returns each block's dK/dV contribution ``[2, B, Hkv, S_c, D]``
-    (zeros, without a kernel call, for a block no local query sees)."""
+    """dQ accumulation of one member; returns each block's dK/dV contribution (a :class:`KVBlock` in the
+    accumulators' dtype; zeros, without a kernel call, for a block no local query sees)."""
 
     def __init__(self, dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, position: int, mask: AttnMask,
-                 cp: int, scale: float, kernel: Kernel) -> None:
+                 cp: int, scale: float, kernel: Kernel, layout: KVBlock) -> None:
         self.dout, self.q, self.out, self.lse = dout, q, out, lse
-        self.scale, self.kernel = scale, kernel
+        self.scale, self.kernel, self.layout = scale, kernel, layout
         self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
                                 kernel.varlen_backward is not None, kernel.varlen_bottom_right, kernel.windowed)
         b, h, sq, d = q.shape  # [B, S, H, D] storage: the op's result layout, so no copy at the end
         self.dq = torch.zeros((b, sq, h, d), dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
 
     def __call__(self, src: int, block: Tensor) -> Tensor:
-        contrib = torch.zeros(block.shape, dtype=self.dq.dtype, device=block.device)
+        contrib = self.layout.zeros(self.dq.dtype, block.device)
+        k, v = self.layout.split(block)
+        dk_acc, dv_acc = self.layout.split(contrib)
         plan, band = self.plans(src), self.plans.band
         for rows, p in plan.dense:
             r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
             dq, dk, dv = piece_backward(
-                self.kernel, p, band, self.dout[rows, :, r], self.q[rows, :, r], block[0][rows, :, c],
-                block[1][rows, :, c], self.out[rows, :, r], self.lse[rows, :, r], self.scale,
+                self.kernel, p, band, self.dout[rows, :, r], self.q[rows, :, r], k[rows, :, c],
+                v[rows, :, c], self.out[rows, :, r], self.lse[rows, :, r], self.scale,
             )
             self.dq[rows, :, r].add_(dq)
-            contrib[0, rows, :, c].add_(dk)
-            contrib[1, rows, :, c].add_(dv)
+            dk_acc[rows, :, c].add_(dk)
+            dv_acc[rows, :, c].add_(dv)
         for call in plan.varlen:
-            self._varlen(call, block, contrib)
+            self._varlen(call, k, v, dk_acc, dv_acc)
         return contrib
 
-    def _varlen(self, call: VarlenCall, block: Tensor, contrib: Tensor) -> None:
-        rows = (call.q_row, call.q_pos)
-        kv = block.transpose(2, 3)[:, call.k_row, call.k_pos]  # [2, Tk, Hkv, D]
+    def _varlen(self, call: VarlenCall, k: Tensor, v: Tensor, dk_acc: Tensor, dv_acc: Tensor) -> None:
+        rows, cols = (call.q_row, call.q_pos), (call.k_row, call.k_pos)
         lse = _gather(self.lse, *rows).t().contiguous()  # [H, Tq]
         dq, dk, dv = self.kernel.varlen_backward(
-            _gather(self.dout, *rows), _gather(self.q, *rows), kv[0], kv[1], _gather(self.out, *rows), lse,
-            call.cu_q, call.cu_k, call.max_q, call.max_k, call.causal, self.scale, **window_arg(call.window),
+            _gather(self.dout, *rows), _gather(self.q, *rows), _gather(k, *cols), _gather(v, *cols),
+            _gather(self.out, *rows), lse, call.cu_q, call.cu_k, call.max_q, call.max_k, call.causal, self.scale,
+            **window_arg(call.window),
         )
-        cols = (call.k_row, call.k_pos)
         self.dq.transpose(1, 2).index_put_(rows, dq.to(self.dq.dtype), accumulate=True)
-        contrib[0].transpose(1, 2).index_put_(cols, dk.to(contrib.dtype), accumulate=True)
-        contrib[1].transpose(1, 2).index_put_(cols, dv.to(contrib.dtype), accumulate=True)
+        dk_acc.transpose(1, 2).index_put_(cols, dk.to(dk_acc.dtype), accumulate=True)
+        dv_acc.transpose(1, 2).index_put_(cols, dv.to(dv_acc.dtype), accumulate=True)

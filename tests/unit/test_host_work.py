@@ -130,7 +130,7 @@ def test_the_host_work_per_layer_is_constant_in_layers_and_documents(monkeypatch
     """Packed documents through a varlen kernel (flash's, emulated on CPU): the planning runs once per step
     whatever the layers, and a layer's own Python calls are the same for 4 and for 24 documents."""
     install(monkeypatch, allow_fp64=True)
-    monkeypatch.setattr(ring, "kernel_for", lambda q, k: CUDA_FLASH)
+    monkeypatch.setattr(ring, "kernel_for", lambda q, k, v: CUDA_FLASH)
     runs = {(layers, docs): calls_of_one_step(layers, docs) for layers in (2, 4) for docs in (4, 24)}
     for docs in (4, 24):
         planning = [sum(runs[layers, docs][name] for name in PLANNING) for layers in (2, 4)]

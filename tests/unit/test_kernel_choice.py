@@ -169,7 +169,7 @@ def test_time_kernel_runs_a_real_kernel():
 
 def test_kernel_for_reads_the_blocks_shapes():
     q, k = torch.randn(1, 8, 16, 32), torch.randn(1, 2, 16, 32)
-    assert kernel_for(q, k) is CPU_FLASH
+    assert kernel_for(q, k, k) is CPU_FLASH
 
 
 def test_the_timer_runs_each_call_kind_through_the_emulated_ops(monkeypatch):
