@@ -18,12 +18,14 @@ def factorisations(world_size: int) -> list[tuple[int, int]]:
 
 
 def full_inputs(seed: int, batch: int, seq: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+                dtype: torch.dtype, v_head_dim: int | None = None) -> tuple[torch.Tensor, ...]:
+    """q, k, v, dout ``[B, S, heads, D]``; v and dout with ``v_head_dim`` when given (MLA)."""
     g = torch.Generator().manual_seed(seed)
+    v_head_dim = v_head_dim or head_dim
     q = torch.randn(batch, seq, num_heads, head_dim, generator=g, dtype=torch.float64)
     k = torch.randn(batch, seq, num_kv_heads, head_dim, generator=g, dtype=torch.float64)
-    v = torch.randn(batch, seq, num_kv_heads, head_dim, generator=g, dtype=torch.float64)
-    dout = torch.randn(batch, seq, num_heads, head_dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, seq, num_kv_heads, v_head_dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, seq, num_heads, v_head_dim, generator=g, dtype=torch.float64)
     return tuple(t.to(dtype) for t in (q, k, v, dout))
 
 
@@ -61,16 +63,19 @@ def gqa_ok(num_heads: int, num_kv_heads: int, hp: int) -> bool:
 
 def check_exact(rank: int, world_size: int, configs: list[dict], heads: list[tuple[int, int]],
                 head_dims: list[int], dtype_name: str, tol: float) -> int:
-    """For every config x heads x head_dim x causal: sharded == unsharded within ``tol``."""
+    """For every config x heads x head_dim x causal: sharded == unsharded within ``tol``. A ``head_dims`` entry
+    ``(D, Dv)``: Q/K and V head dims (MLA)."""
     dtype = getattr(torch, dtype_name)
     checked = 0
     for cfg in configs:
         mesh = loongtrain.init_mesh(**cfg)
-        for (num_heads, num_kv_heads), head_dim, causal in itertools.product(heads, head_dims, (True, False)):
+        for (num_heads, num_kv_heads), dims, causal in itertools.product(heads, head_dims, (True, False)):
             if not gqa_ok(num_heads, num_kv_heads, mesh.hp):
                 continue
+            head_dim, v_head_dim = dims if isinstance(dims, (tuple, list)) else (dims, dims)
             batch, seq = 2, 4 * mesh.hp * mesh.cp
-            inputs = full_inputs(100 + mesh.dp_rank, batch, seq, num_heads, num_kv_heads, head_dim, dtype)
+            inputs = full_inputs(100 + mesh.dp_rank, batch, seq, num_heads, num_kv_heads, head_dim, dtype,
+                                 v_head_dim)
             want = reference(*inputs, causal, torch.float64)
             got = sharded(mesh, *inputs, causal)
             errs = max_errors(mesh, got, want)
@@ -120,9 +125,10 @@ def count_comm(rank: int, world_size: int, configs: list[dict], shape: dict, dty
 
 
 def check_documents(rank: int, world_size: int, configs: list[dict], heads: list[tuple[int, int]],
-                    windows: list, tol: float, balanced: bool = False) -> int:
+                    windows: list, tol: float, balanced: bool = False, head_dims: tuple[int, int] = (8, 8)) -> int:
     """loongtrain.attention with cu_seqlens / sliding_window equals the dense masked reference (fp64);
-    ``balanced``: tokens laid out by balanced_chunk_order (shard/gather round trip checked too)."""
+    ``balanced``: tokens laid out by balanced_chunk_order (shard/gather round trip checked too); ``head_dims``:
+    Q/K's and V's (MLA when they differ)."""
     import random
 
     from loongtrain.attn.masking import AttnMask, dense_mask
@@ -141,7 +147,8 @@ def check_documents(rank: int, world_size: int, configs: list[dict], heads: list
             if not gqa_ok(num_heads, num_kv_heads, mesh.hp):
                 continue
             sliding = window(seq, mesh.cp) if callable(window) else window
-            inputs = full_inputs(7 + mesh.dp_rank, 2, seq, num_heads, num_kv_heads, 8, torch.float64)
+            inputs = full_inputs(7 + mesh.dp_rank, 2, seq, num_heads, num_kv_heads, head_dims[0], torch.float64,
+                                 head_dims[1])
             mask = AttnMask(causal, sliding, tuple(tuple(r) for r in docs))
             q, k, v, dout = inputs
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -16,7 +16,7 @@ from loongtrain.attn.cuda_kernels import (
     CUDA_FLASH_PADDED,
 )
 from loongtrain.attn.kernel_choice import bf16_supported, kernel_candidates, select_kernel
-from loongtrain.attn.kernels import REFERENCE, Kernel
+from loongtrain.attn.kernels import REFERENCE, Kernel, for_head_dims
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.parallel.zigzag import shard_indices
 from tests.helpers.cuda_emulation import FAULTS, VARLEN_FAULTS
@@ -107,6 +107,25 @@ def test_head_dim_padding_exact(emulate, kernel):
     with pytest.raises(AssertionError, match="head dim"):  # the unpadded flash op refuses head dim 12
         CUDA_FLASH.forward(q, k, v, True, SCALE)
     assert ops.calls[-1].startswith("_scaled_dot_product_flash_attention")
+
+
+# (kernel, Q/K head dim, V head dim): a head dim that is no multiple of 8 goes to the *_padded kernels only (the rules)
+MLA_CASES = [(kernel, qk, v) for kernel in (*CUDA_KERNELS, CUDA_FLASH_PADDED, CUDA_EFFICIENT_PADDED)
+             for qk, v in ((24, 16), (16, 24), (20, 12)) if qk % 8 == 0 or kernel.name.endswith("_padded")]
+
+
+@pytest.mark.parametrize("kernel, qk_dim, v_dim", MLA_CASES, ids=lambda x: getattr(x, "name", str(x)))
+def test_another_v_head_dim_runs_padded_and_exact(emulate, kernel, qk_dim, v_dim):
+    """MLA: V's head dim differs from Q/K's. The ops need one head dim (the emulated ones, as torch's, refuse
+    two); ``for_head_dims`` runs them on the narrower zero-padded to the wider, exactly (docs/attention.md#mla)."""
+    ops = emulate(allow_fp64=True)
+    q, k, _, _ = _inputs(4, 2, 40, 40, qk_dim, torch.float64)
+    _, _, v, dout = _inputs(4, 2, 40, 40, v_dim, torch.float64, seed=1)
+    if not kernel.unequal_head_dims:  # the op alone refuses two head dims
+        with pytest.raises(AssertionError, match="differ|head dim"):
+            kernel.forward(q, k, v, True, SCALE)
+    assert_exact(for_head_dims(kernel, qk_dim, v_dim), q, k, v, dout, True, 1e-10)
+    assert ops.calls, "the emulated ops ran"
 
 
 @pytest.mark.parametrize("kernel, dtype, tol", [

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from loongtrain.attn.kernel_choice import select_kernel
-from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, expand_kv
+from loongtrain.attn.kernels import CPU_FLASH, REFERENCE, expand_kv, for_head_dims
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -29,6 +29,30 @@ def test_cpu_flash_matches_reference(causal, num_heads, num_kv_heads):
     for got_c, got_r, want in zip(grads_c, grads_r, auto):
         torch.testing.assert_close(got_r, want, rtol=0, atol=1e-12)
         torch.testing.assert_close(got_c, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_cpu_flash_with_another_v_head_dim_is_padded_and_exact(num_kv_heads):
+    """MLA's V head dim (16) below Q/K's (24): the CPU op refuses two head dims, ``for_head_dims`` runs it on V
+    zero-padded to 24 and cuts the padding off out and dV, equal to autograd through the reference."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 24, 24, generator=g, dtype=torch.float64)
+    k = torch.randn(2, num_kv_heads, 24, 24, generator=g, dtype=torch.float64)
+    v = torch.randn(2, num_kv_heads, 24, 16, generator=g, dtype=torch.float64)
+    dout = torch.randn(2, 4, 24, 16, generator=g, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="same head size"):
+        CPU_FLASH.forward(q, k, v, True, 0.25)
+    assert for_head_dims(REFERENCE, 24, 16) is REFERENCE and for_head_dims(CPU_FLASH, 16, 16) is CPU_FLASH
+    kernel = for_head_dims(CPU_FLASH, 24, 16)
+    assert kernel is for_head_dims(CPU_FLASH, 24, 16) and kernel.name == "cpu_flash_v_padded"
+    out, lse = kernel.forward(q, k, v, True, 0.25)
+    grads = kernel.backward(dout, q, k, v, out, lse, True, 0.25)
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    want_out, want_lse = REFERENCE.forward(qa, ka, va, True, 0.25)
+    want = torch.autograd.grad(want_out, (qa, ka, va), dout)
+    for got, ref in zip((out, lse, *grads), (want_out, want_lse, *want), strict=True):
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref.detach(), rtol=0, atol=1e-12)
 
 
 def test_kernel_selection_on_cpu():

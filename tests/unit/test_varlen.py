@@ -44,11 +44,13 @@ def layouts(seq: int, seed: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tiny), tuple(ones), tuple(unaligned), (0, seq)
 
 
-def inputs(batch: int, seq: int, heads: int, kv_heads: int, dtype=torch.float64, seed: int = 0):
-    """q, k, v, dout ``[B, S, H, D]`` (the ring gets transposed views of their shards)."""
+def inputs(batch: int, seq: int, heads: int, kv_heads: int, dtype=torch.float64, seed: int = 0,
+           v_head_dim: int = HEAD_DIM):
+    """q, k, v, dout ``[B, S, H, D]`` (the ring gets transposed views of their shards); v and dout with
+    ``v_head_dim`` (MLA)."""
     g = torch.Generator().manual_seed(seed)
-    shapes = (heads, kv_heads, kv_heads, heads)
-    return [torch.randn(batch, seq, h, HEAD_DIM, generator=g, dtype=torch.float64).to(dtype) for h in shapes]
+    shapes = ((heads, HEAD_DIM), (kv_heads, HEAD_DIM), (kv_heads, v_head_dim), (heads, v_head_dim))
+    return [torch.randn(batch, seq, h, d, generator=g, dtype=torch.float64).to(dtype) for h, d in shapes]
 
 
 def dense_reference(q, k, v, dout, mask: AttnMask):
@@ -123,6 +125,20 @@ def test_ring_with_cudnn_ragged_calls_is_exact(emulate, cp, inner_ring, causal, 
     q, k, v, dout = inputs(len(docs), seq, 4, 2, seed=cp + 1)
     assert_close(run_ring(q, k, v, dout, cp, inner_ring, mask, CUDA_CUDNN), dense_reference(q, k, v, dout, mask), 1e-10)
     assert RAGGED in ops.calls and "_cudnn_attention_backward" in ops.calls and VARLEN not in ops.calls
+
+
+@pytest.mark.parametrize("kernel, varlen_op", [(CUDA_FLASH, VARLEN), (CUDA_CUDNN, RAGGED)], ids=["flash", "cudnn"])
+@pytest.mark.parametrize("v_head_dim", [4, 16])
+def test_ring_with_varlen_calls_and_another_v_head_dim_is_exact(emulate, kernel, varlen_op, v_head_dim):
+    """MLA (V's head dim not Q/K's): the varlen and dense ops, which need one head dim, get V (or Q/K) zero-padded
+    to the wider, exactly (docs/attention.md#mla)."""
+    ops = emulate(allow_fp64=True)
+    seq = 2 * CHUNK * 4
+    docs = layouts(seq, seed=v_head_dim)
+    mask = AttnMask(True, None, docs)
+    q, k, v, dout = inputs(len(docs), seq, 4, 2, seed=v_head_dim, v_head_dim=v_head_dim)
+    assert_close(run_ring(q, k, v, dout, 4, 2, mask, kernel), dense_reference(q, k, v, dout, mask), 1e-10)
+    assert varlen_op in ops.calls
 
 
 def test_varlen_in_device_dtypes(emulate):
