@@ -7,7 +7,8 @@ only the router's load-balancing loss needs the whole sequence (:class:`RouterSt
 :mod:`loongtrain.loss.router`).
 
 - :func:`route`: router logits -> ``(weights [T, k], experts [T, k])``, by the family's rule
-  (:data:`SOFTMAX_TOPK`: Qwen3-MoE / Mixtral; :data:`TOPK_SOFTMAX`: gpt-oss);
+  (:data:`SOFTMAX_TOPK`: Qwen3-MoE / Mixtral / Qwen3-Next; :data:`TOPK_SOFTMAX`: gpt-oss;
+  :data:`SIGMOID_GROUP_TOPK`: DeepSeek-V3 / Kimi, group-limited with the score-correction bias);
 - :func:`run_experts`: the tokens sorted by expert and each expert's rows through its MLP, a loop over
   experts, or one grouped GEMM per projection (``torch._grouped_mm``) where :func:`grouped_mm_supported`;
 - :func:`moe_forward`: both, on ``[..., dim]``, the router statistics recorded on the way.
@@ -30,7 +31,11 @@ Tensor = torch.Tensor
 SOFTMAX_TOPK = "softmax_topk"
 #: the top k logits, then a softmax over those k (gpt-oss)
 TOPK_SOFTMAX = "topk_softmax"
-ROUTINGS = (SOFTMAX_TOPK, TOPK_SOFTMAX)
+#: DeepSeek-V3's (and Kimi's): sigmoid scores of float32 logits; the experts are chosen on scores plus the
+#: score-correction bias, only among the ``top_groups`` groups of experts whose two best biased scores sum highest;
+#: their unbiased scores, optionally renormalized, times ``routed_scaling``, weight them
+SIGMOID_GROUP_TOPK = "sigmoid_group_topk"
+ROUTINGS = (SOFTMAX_TOPK, TOPK_SOFTMAX, SIGMOID_GROUP_TOPK)
 #: ``silu(gate) * up``
 SILU = "silu"
 #: gpt-oss: ``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha gate)``
@@ -42,7 +47,9 @@ ACTIVATIONS = (SILU, CLAMPED_SWIGLU)
 class MoESpec:
     """How one family's experts compute. ``interleaved``: the gate/up projection's outputs alternate
     ``[g0, u0, g1, u1, ...]`` (gpt-oss) instead of ``[gates..., ups...]``; ``transposed``: expert weights
-    are stored ``[experts, in, out]`` (``x @ w``, gpt-oss) instead of ``[experts, out, in]`` (``x @ w.T``)."""
+    are stored ``[experts, in, out]`` (``x @ w``, gpt-oss) instead of ``[experts, out, in]`` (``x @ w.T``).
+    :data:`SIGMOID_GROUP_TOPK` routing: ``num_groups`` groups of experts, ``top_groups`` of them kept per token,
+    the weights times ``routed_scaling``."""
 
     num_experts: int
     top_k: int
@@ -53,14 +60,25 @@ class MoESpec:
     swiglu_limit: float = 7.0
     interleaved: bool = False
     transposed: bool = False
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k"):
+        for name in ("num_experts", "top_k", "num_groups", "top_groups"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} must be at most num_experts={self.num_experts}")
+        if self.num_experts % self.num_groups or self.top_groups > self.num_groups:
+            raise ValueError(f"num_groups={self.num_groups} must divide num_experts={self.num_experts} and "
+                             f"top_groups={self.top_groups} be at most num_groups")
+        per_group = self.num_experts // self.num_groups
+        if self.num_groups > 1 and (per_group < 2 or self.top_k > self.top_groups * per_group):
+            raise ValueError(f"{self.num_groups} groups of {per_group} experts, top_groups={self.top_groups}: each "
+                             f"group needs 2 experts (its score is its top two) and the kept groups top_k="
+                             f"{self.top_k}")
         if self.routing not in ROUTINGS:
             raise ValueError(f"routing={self.routing!r}; valid choices: {list(ROUTINGS)}")
         if self.activation not in ACTIVATIONS:
@@ -70,7 +88,8 @@ class MoESpec:
 class ExpertWeights(NamedTuple):
     """The tensors of one MoE block: ``router [E, dim]`` (+ ``router_bias [E]``), ``gate_up`` and ``down``
     ``[E, out, in]`` (or ``[E, in, out]`` with ``MoESpec.transposed``), optional per-expert biases
-    ``gate_up_bias [E, 2 ffn]``, ``down_bias [E, dim]``."""
+    ``gate_up_bias [E, 2 ffn]``, ``down_bias [E, dim]``, and DeepSeek-V3's score-correction bias ``score_bias
+    [E]`` (a buffer: it picks the experts, it does not weight them)."""
 
     router: Tensor
     gate_up: Tensor
@@ -78,6 +97,7 @@ class ExpertWeights(NamedTuple):
     router_bias: Tensor | None = None
     gate_up_bias: Tensor | None = None
     down_bias: Tensor | None = None
+    score_bias: Tensor | None = None
 
 
 class RouterStats:
@@ -119,9 +139,12 @@ def expert_counts(experts: Tensor, num_experts: int) -> Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-def route(logits: Tensor, spec: MoESpec) -> tuple[Tensor, Tensor]:
+def route(logits: Tensor, spec: MoESpec, score_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(weights [T, k], experts [T, k])`` from router ``logits [T, E]`` by ``spec.routing``; the weights
-    in the logits' dtype (:data:`SOFTMAX_TOPK` rounds them through float32, as Hugging Face does)."""
+    in the logits' dtype (:data:`SOFTMAX_TOPK` rounds them through float32, as Hugging Face does).
+    ``score_bias [E]``: :data:`SIGMOID_GROUP_TOPK`'s score-correction bias (None: zeros)."""
+    if spec.routing == SIGMOID_GROUP_TOPK:
+        return _sigmoid_group_topk(logits, spec, score_bias)
     if spec.routing == TOPK_SOFTMAX:
         top, experts = torch.topk(logits, spec.top_k, dim=-1)
         return torch.softmax(top, dim=-1), experts
@@ -130,6 +153,34 @@ def route(logits: Tensor, spec: MoESpec) -> tuple[Tensor, Tensor]:
     if spec.normalize_top_k:
         top = top / top.sum(dim=-1, keepdim=True)
     return top.to(logits.dtype), experts
+
+
+def _sigmoid_group_topk(logits: Tensor, spec: MoESpec, score_bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """:data:`SIGMOID_GROUP_TOPK` on ``logits [T, E]`` (already in float32, or float64)."""
+    scores = torch.sigmoid(logits)
+    choice = scores.detach() if score_bias is None else scores.detach() + score_bias.to(scores.dtype)
+    if spec.num_groups > 1:  # keep the top_groups groups by the sum of their two best biased scores
+        groups = choice.view(-1, spec.num_groups, spec.num_experts // spec.num_groups)
+        best = groups.topk(2, dim=-1).values.sum(dim=-1)
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(spec.top_groups, dim=-1).indices, True)
+        choice = groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
+    experts = choice.topk(spec.top_k, dim=-1).indices
+    top = scores.gather(1, experts)
+    if spec.normalize_top_k:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * spec.routed_scaling, experts
+
+
+def router_logits(x: Tensor, weights: ExpertWeights, spec: MoESpec) -> Tensor:
+    """The router's logits ``[T, E]`` of ``x [T, dim]``: in ``x``'s (autocast's) dtype, or for
+    :data:`SIGMOID_GROUP_TOPK` in float32 (float64 for float64 inputs) with autocast off, as Hugging Face keeps
+    DeepSeek-V3's router in float32."""
+    if spec.routing != SIGMOID_GROUP_TOPK:
+        return F.linear(x, weights.router, weights.router_bias)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    with torch.autocast(x.device.type, enabled=False):
+        bias = None if weights.router_bias is None else weights.router_bias.to(dtype)
+        return F.linear(x.to(dtype), weights.router.to(dtype), bias)
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
@@ -159,8 +210,8 @@ def moe_forward(x: Tensor, weights: ExpertWeights, spec: MoESpec, stats: RouterS
     ``grouped``: one grouped GEMM per projection (True), a loop over experts (False), or
     :func:`grouped_mm_supported` (None)."""
     flat = x.reshape(-1, x.shape[-1])
-    logits = F.linear(flat, weights.router, weights.router_bias)
-    top, experts = route(logits, spec)
+    logits = router_logits(flat, weights, spec)
+    top, experts = route(logits, spec, weights.score_bias)
     if stats is not None:
         stats.add(logits, experts)
     use_grouped = grouped_mm_supported(flat, expert_width(weights, spec)) if grouped is None else grouped

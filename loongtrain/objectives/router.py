@@ -56,12 +56,13 @@ class RouterLoss:
 
 def build_router_loss(model: nn.Module, mesh: Mesh) -> RouterLoss | None:
     """The :class:`RouterLoss` of a model with experts, else None: an HF model whose MoE blocks
-    :func:`~loongtrain.hf.moe.bind_moe` bound (its config.json's coefficient), or loongtrain's decoder with
+    :func:`~loongtrain.hf.moe.bind_moe` bound (its config.json's coefficient; none for a family HF trains without
+    one, DeepSeek-V3's), or loongtrain's decoder with
     ``moe_layers`` (a shape for planning: its ``aux_loss`` is reported, not trained on)."""
     stats = router_stats(model)
-    if stats is not None:
+    if stats is not None:  # no load-balancing loss where HF defines none (DeepSeek-V3's bias-balanced routers)
         layout = moe_layout(model.config)
-        return None if layout is None else RouterLoss(stats, layout, mesh)
+        return None if layout is None or not layout.load_balancing else RouterLoss(stats, layout, mesh)
     native = getattr(model, "router_stats", None)
     if isinstance(native, RouterStats):
         c = model.config
