@@ -84,16 +84,24 @@ def hf_initial_weights(directory: str | Path) -> Callable[[str, torch.Size], Ten
 
 
 @torch.no_grad()
-def restore_hf_buffers(model: nn.Module) -> None:
-    """Recompute the buffers of a model allocated with ``to_empty`` (their values are garbage): the
-    rotary embeddings' inverse frequencies, rebuilt from the config as the model's constructor does."""
-    for module in model.modules():
+def restore_hf_buffers(model: nn.Module, initial: Callable[[str, torch.Size], Tensor]) -> None:
+    """Fill the buffers of a model allocated with ``to_empty`` (their values are garbage): the rotary embeddings'
+    inverse frequencies, rebuilt from the config as the model's constructor does, and the buffers the weight
+    files hold (``initial(name, shape)``, :func:`hf_initial_weights`: DeepSeek-V3's score-correction biases)."""
+    persistent = set(model.state_dict())
+    for prefix, module in model.named_modules():
         buffers = dict(module.named_buffers(recurse=False))
         if not buffers:
             continue
         if not type(module).__name__.endswith("RotaryEmbedding"):
-            raise ValueError(f"{type(module).__name__} holds buffers {sorted(buffers)} that loongtrain cannot "
-                             f"rebuild after sharding on the meta device")
+            names = {name: f"{prefix}.{name}" if prefix else name for name in buffers}
+            unknown = sorted(name for name, full in names.items() if full not in persistent)
+            if unknown:
+                raise ValueError(f"{type(module).__name__} holds buffers {unknown} that loongtrain cannot rebuild "
+                                 f"after sharding on the meta device")
+            for name, full in names.items():
+                buffers[name].copy_(initial(full, buffers[name].shape))
+            continue
         with torch.device("cpu"):
             fresh = type(module)(config=getattr(module, "config", model.config))
         for name, value in fresh.named_buffers(recurse=False):

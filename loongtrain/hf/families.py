@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3MoeForCausalLM",
     "GptOssForCausalLM",
     "Qwen3_5ForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
 
 

@@ -7,6 +7,8 @@ initialised from the config with a fixed seed (the same on every rank).
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ from torch import nn
 from loongtrain.hf.expert_files import fuse_shapes, fuse_tensors
 from loongtrain.hf.families import SUPPORTED_ARCHITECTURES, check_architecture
 from loongtrain.hf.moe import moe_layout
+
+log = logging.getLogger(__name__)
 
 # buffers older checkpoints saved that current models recompute
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -33,6 +37,11 @@ def read_hf_config(path: str | Path) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     raw = read_config_json(path / "config.json")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) \
+            else "?"
+        raise ValueError(f"{str(path / 'config.json')!r} has a quantization_config (quant_method={method!r}): "
+                         f"loongtrain trains unquantized weights; convert the checkpoint to bf16 or fp32 first")
     try:
         check_stated_sizes(raw, path / "config.json")
         sizes_error = None
@@ -244,13 +253,24 @@ def _read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def _check_weights(model: nn.Module, state: dict[str, Any]) -> None:
     """Raise ValueError unless ``state`` (name -> tensor or shape) holds exactly ``model``'s tensors with
-    the same shapes (a tied ``lm_head`` and recomputed buffers may be absent; they are dropped)."""
+    the same shapes (a tied ``lm_head`` and recomputed buffers may be absent; they are dropped, and so, with a
+    warning naming them, are the tensors the model class itself declares not part of it, e.g. DeepSeek-V3's
+    multi-token-prediction layer: ``_keys_to_ignore_on_load_unexpected``)."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     optional = {"lm_head.weight"} if tied else set()
+    not_part = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    ignored = []
     for name in list(state):
         if name.endswith(_IGNORED_SUFFIXES) or (name in optional):
             state.pop(name)
+        elif name not in expected and any(p.search(name) for p in not_part):
+            ignored.append(state.pop(name))
+    if ignored:
+        log.warning("%d tensors of the weight files (experts fused) are not part of %s (its "
+                    "_keys_to_ignore_on_load_unexpected, e.g. a multi-token-prediction layer): not loaded, and not "
+                    "in what loongtrain exports",
+                    len(ignored), type(model).__name__)
     for name, tensor in sorted(state.items()):
         shape = tuple(getattr(tensor, "shape", tensor))
         if name not in expected:

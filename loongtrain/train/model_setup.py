@@ -260,8 +260,9 @@ def build_model(model_config: ModelConfig, cfg: TrainSections, mesh: Mesh, devic
             return parallelize(model, mesh, parallel, device, **steps)
         model = build_hf_model_on_meta(directory, dtype, hf_config)
         model = parallelize(model, mesh, parallel, device, param_dtype=fsdp_param_dtype, **steps)
-        materialize_params(model, with_adapters(hf_initial_weights(directory), seed))
-        restore_hf_buffers(model)
+        initial = hf_initial_weights(directory)
+        materialize_params(model, with_adapters(initial, seed))
+        restore_hf_buffers(model, initial)
         return model
     if not uses_zero(parallel):
         model = Transformer(model_config, seed=seed).to(dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from loongtrain.hf.build import build_hf_model_on_meta, restore_hf_buffers
+from loongtrain.hf.build import build_hf_model_on_meta, hf_initial_weights, restore_hf_buffers
 from loongtrain.hf.convert import export_hf
 from loongtrain.hf.load import check_hf_dir, load_hf_model
 from tests.helpers.gpt_oss import hf_gpt_oss
@@ -28,5 +28,5 @@ def test_gpt_oss_dir_loads_and_exports_unchanged(tmp_path):
 
     meta = build_hf_model_on_meta(tmp_path / "src", torch.float32)
     meta.to_empty(device="cpu")
-    restore_hf_buffers(meta)
+    restore_hf_buffers(meta, hf_initial_weights(tmp_path / "src"))
     assert torch.equal(meta.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq)
