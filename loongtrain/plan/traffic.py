@@ -1,7 +1,8 @@
 """Exact per-rank communication of one 2D-Attention layer, as the code sends it.
 
 Notation: ``B`` batch, ``S`` the replica's full sequence length, ``H`` query heads, ``Hkv`` KV heads,
-``D`` head dim, ``b`` bytes per element of the input dtype, ``sp = hp * cp``.
+``D`` head dim (of queries and keys), ``Dv`` the values' (MLA: smaller; else ``D``), ``b`` bytes per element of the
+input dtype, ``sp = hp * cp``.
 ``He = Hkv`` when ``hp <= Hkv`` else ``hp`` (KV heads replicated to one per head rank before the
 all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it each rank holds
 ``Hkv' = He / hp`` KV heads.
@@ -10,9 +11,10 @@ all-to-all: :func:`loongtrain.parallel.config.effective_kv_heads`); after it eac
   output in another; backward repeats both (grad of out, packed grad of q, k, v). Each call sends
   ``1/hp`` of the local tensor to each of the ``hp - 1`` other head ranks, so per peer::
 
-      qkv piece = B * (S/sp) * (H + 2*He) * D * b / hp        out piece = B * (S/sp) * H * D * b / hp
+      qkv piece = B * (S/sp) * ((H + He) * D + He * Dv) * b / hp        out piece = B * (S/sp) * H * Dv * b / hp
 
-- ``kv`` (ring, only when ``cp > 1``): a block ``[2, B, Hkv', S/cp, D]`` of ``2*B*Hkv'*(S/cp)*D*b`` bytes.
+- ``kv`` (ring, only when ``cp > 1``): a block, K ``[B, Hkv', S/cp, D]`` then V ``[B, Hkv', S/cp, Dv]``, of
+  ``B*Hkv'*(S/cp)*(D + Dv)*b`` bytes.
   The forward sends ``cp - 1`` blocks: ``inner_ring - 1`` to the inner-next peer per outer step
   (``num_inner_rings * (inner_ring - 1)`` in all) and ``num_inner_rings - 1`` to the outer-next peer; the backward
   re-circulates the same ``cp - 1`` blocks.
@@ -92,18 +94,19 @@ def acc_bytes(dtype_bytes: int) -> int:
 
 def message_bytes(
     layout: Layout, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    dtype_bytes: int,
+    dtype_bytes: int, v_head_dim: int | None = None,
 ) -> dict[str, int]:
-    """Bytes of one message of each kind: ``a2a_qkv`` / ``a2a_out`` (per peer per call), ``kv``, ``dkv``."""
+    """Bytes of one message of each kind: ``a2a_qkv`` / ``a2a_out`` (per peer per call), ``kv``, ``dkv``;
+    ``v_head_dim``: the values' head dim when it is not ``head_dim`` (MLA)."""
     hp, cp, sp = layout.hp, layout.cp, layout.sp
     he = effective_kv_heads(num_heads, num_kv_heads, hp)
     check_sequence_length(seq_len, hp, cp)
-    local = batch * (seq_len // sp) * head_dim  # elements per head of the local shard
-    ring_tokens = batch * (seq_len // cp) * head_dim
-    block = 2 * (he // hp) * ring_tokens
+    dv = v_head_dim or head_dim
+    local = batch * (seq_len // sp)  # tokens of the local shard
+    block = (he // hp) * batch * (seq_len // cp) * (head_dim + dv)
     return {
-        "a2a_qkv": local * (num_heads + 2 * he) // hp * dtype_bytes,
-        "a2a_out": local * num_heads // hp * dtype_bytes,
+        "a2a_qkv": local * ((num_heads + he) * head_dim + he * dv) // hp * dtype_bytes,
+        "a2a_out": local * num_heads * dv // hp * dtype_bytes,
         "kv": block * dtype_bytes,
         "dkv": block * acc_bytes(dtype_bytes),
     }
@@ -117,8 +120,8 @@ def attention_traffic(layout: Layout, rank: int, *, backward: bool = True, slidi
                       **shape: int) -> dict[str, dict[int, int]]:
     """kind (``a2a``, ``kv``, ``dkv``; all keys always present) -> {peer global rank: bytes ``rank`` sends}
     for one attention call (forward, plus backward when ``backward``) of ``shape`` (:func:`message_bytes`'s
-    ``batch``, ``seq_len``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``dtype_bytes``); ``sliding_window``:
-    see :func:`ring_reach`."""
+    ``batch``, ``seq_len``, ``num_heads``, ``num_kv_heads``, ``head_dim``, ``dtype_bytes``, ``v_head_dim``);
+    ``sliding_window``: see :func:`ring_reach`."""
     msg = message_bytes(layout, **shape)
     seq_len = shape["seq_len"]
     out: dict[str, dict[int, int]] = {kind: {} for kind in KINDS}
