@@ -52,6 +52,18 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    #: MLA (multi-head latent attention, DeepSeek-V3; docs/attention.md#mla): the rank of the keys' and values'
+    #: joint latent (0: plain GQA attention). Then ``head_dim`` is the queries' and keys' head dim, of which the last
+    #: ``qk_rope_head_dim`` carry RoPE (one key part shared by all heads)
+    kv_lora_rank: int = 0
+    #: MLA: the rank of the queries' latent (0: the queries are projected from the hidden states directly)
+    q_lora_rank: int = 0
+    #: MLA: the part of ``head_dim`` that carries RoPE
+    qk_rope_head_dim: int = 0
+    #: the values' head dim (0: ``head_dim``); MLA's is smaller than the queries' and keys'
+    v_head_dim: int = 0
+    #: mixture of experts: the width of the shared experts every token of an MoE layer also runs through (0: none)
+    shared_ffn_dim: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -87,11 +99,47 @@ class ModelConfig:
             raise ValueError(f"rope_theta={self.rope_theta!r} must exceed 1 for yarn scaling")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps={self.norm_eps!r} must be positive")
+        self._check_latent_attention()
         self._check_experts()
+
+    def _check_latent_attention(self) -> None:
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "shared_ffn_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer")
+        if self.v_head_dim == 0:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if not self.kv_lora_rank:
+            if self.q_lora_rank or self.qk_rope_head_dim:
+                raise ValueError(f"q_lora_rank={self.q_lora_rank}, qk_rope_head_dim={self.qk_rope_head_dim}: MLA's "
+                                 f"settings need kv_lora_rank > 0 (the latent of keys and values)")
+            return
+        rope = self.qk_rope_head_dim
+        if not 0 < rope < self.head_dim or rope % 2:
+            raise ValueError(f"qk_rope_head_dim={rope} must be even and between 0 and head_dim={self.head_dim} "
+                             f"(MLA: the RoPE part of the queries' and keys' head dim)")
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads} with MLA (its keys "
+                             f"and values come per head out of the latent)")
+        if self.attention_sinks or self.attention_bias:
+            raise ValueError("attention_sinks and attention_bias have no MLA form; use kv_lora_rank=0")
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether the attention is MLA (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The head dim RoPE rotates: ``qk_rope_head_dim`` with MLA, else ``head_dim``."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
     def _check_experts(self) -> None:
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))  # a checkpoint's record holds a list
         if not self.num_experts and not self.moe_layers:
+            if self.shared_ffn_dim:
+                raise ValueError(f"shared_ffn_dim={self.shared_ffn_dim}: shared experts need an MoE model "
+                                 f"(num_experts, moe_layers)")
             return
         for name in ("num_experts", "top_k", "moe_ffn_dim"):
             value = getattr(self, name)
@@ -208,27 +256,35 @@ def get_preset(name: str, **overrides: object) -> ModelConfig:
 
 
 def mlp_params(config: ModelConfig, *, active: bool = False) -> int:
-    """Parameters of every layer's MLP: the dense ``3 d f``, an MoE layer's router ``E d`` and its experts,
-    all ``E`` of them (memory), or with ``active`` the ``top_k`` a token runs through (FLOPs)."""
+    """Parameters of every layer's MLP: the dense ``3 d f``, an MoE layer's router ``E d``, its shared experts
+    ``3 d f_shared`` and its experts, all ``E`` of them (memory), or with ``active`` the ``top_k`` a token runs
+    through (FLOPs)."""
     d, moe = config.dim, len(config.moe_layers)
     experts = config.top_k if active else config.num_experts
-    return (config.num_layers - moe) * 3 * d * config.ffn_dim + moe * (config.num_experts * d
-                                                                        + experts * 3 * d * config.moe_ffn_dim)
+    per_moe = config.num_experts * d + experts * 3 * d * config.moe_ffn_dim + 3 * d * config.shared_ffn_dim
+    return (config.num_layers - moe) * 3 * d * config.ffn_dim + moe * per_moe
 
 
 def mlp_width(config: ModelConfig) -> float:
     """The intermediate width a token's MLP computes, averaged over the layers: ``ffn_dim`` in a dense layer,
-    ``top_k * moe_ffn_dim`` in an MoE layer (the activations' and the tiles' width)."""
+    ``top_k * moe_ffn_dim + shared_ffn_dim`` in an MoE layer (the activations' and the tiles' width)."""
     moe = len(config.moe_layers)
-    return ((config.num_layers - moe) * config.ffn_dim + moe * config.top_k * config.moe_ffn_dim) / config.num_layers
+    moe_width = config.top_k * config.moe_ffn_dim + config.shared_ffn_dim
+    return ((config.num_layers - moe) * config.ffn_dim + moe * moe_width) / config.num_layers
 
 
-def _attention_params(config: ModelConfig) -> int:
-    d, hd = config.dim, config.head_dim
+def _attention_params(config: ModelConfig, *, norms: bool = True) -> int:
+    """One layer's attention parameters (``norms``: with MLA's latent norms, which are no matmul)."""
+    d, hd, dv, h, hkv = config.dim, config.head_dim, config.v_head_dim, config.num_heads, config.num_kv_heads
+    if config.latent_attention:
+        qr, kr, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
+        q = d * qr + qr * h * hd if qr else d * h * hd
+        kv = d * (kr + rope) + kr * h * (hd - rope + dv)
+        return q + kv + h * dv * d + ((qr + kr) if norms else 0)
     gate = 2 if config.attention_output_gate else 1
-    weights = gate * d * config.num_heads * hd + 2 * d * config.num_kv_heads * hd + config.num_heads * hd * d
-    biases = (config.num_heads + 2 * config.num_kv_heads) * hd + d if config.attention_bias else 0
-    return weights + biases + (config.num_heads if config.attention_sinks else 0)
+    weights = gate * d * h * hd + d * hkv * (hd + dv) + h * dv * d
+    biases = (h + hkv) * hd + hkv * dv + d if config.attention_bias else 0
+    return weights + biases + (h if config.attention_sinks else 0)
 
 
 def linear_channels(config: ModelConfig) -> int:
@@ -274,8 +330,8 @@ def matmul_params(config: ModelConfig) -> int:
     """Parameters that take part in a matmul per token: all linear layers (of an MoE layer, its router and the
     ``top_k`` experts a token runs through) plus the lm head."""
     linear = len(config.linear_layers)
-    return ((config.num_layers - linear) * _attention_params(config) + linear * _linear_matmul_params(config)
-            + mlp_params(config, active=True) + config.vocab_size * config.dim)
+    return ((config.num_layers - linear) * _attention_params(config, norms=False)
+            + linear * _linear_matmul_params(config) + mlp_params(config, active=True) + config.vocab_size * config.dim)
 
 
 #: tokens per chunk of the delta rule's chunked form (loongtrain/model/delta_rule.py, fla's kernels)
@@ -304,12 +360,12 @@ def linear_flops_per_token(config: ModelConfig) -> float:
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), averaged over a causal sequence of ``seq_len``.
 
-    ``6 * N_matmul + 6 * L * S * H * D`` where ``N_matmul`` = linear-layer weights + lm head (the
+    ``6 * N_matmul + 3 * L * S * H * (D + Dv)`` where ``N_matmul`` = linear-layer weights + lm head (the
     embedding lookup is not a matmul; norms are ignored). Attention: forward causal per token per
-    layer is ``2 (QK^T and PV) * 2 (multiply-add) * S * H * D / 2 (causal)`` = ``2 * S * H * D``,
-    and forward + backward is 3x that. In a layer with a sliding window ``w < S`` (``layer_types``) a token
-    attends to ``w * (1 - w / (2S))`` keys on average instead of ``S / 2``. Linear-attention layers add
-    :func:`linear_flops_per_token` (no term in ``S``).
+    layer is ``2 (multiply-add) * S/2 (causal) * H * (D + Dv)`` (``QK^T`` over the queries' and keys' head dim
+    ``D``, ``PV`` over the values' ``Dv``: both ``D`` but for MLA), and forward + backward is 3x that. In a layer
+    with a sliding window ``w < S`` (``layer_types``) a token attends to ``w * (1 - w / (2S))`` keys on average
+    instead of ``S / 2``. Linear-attention layers add :func:`linear_flops_per_token` (no term in ``S``).
     """
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be positive")
@@ -317,20 +373,20 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     for window, layers in config.layer_windows().items():
         w = min(window or seq_len, seq_len)
         attended += layers * w * (1 - w / (2 * seq_len))
-    attn = 3 * 4 * attended * config.num_heads * config.head_dim
+    attn = 3 * 4 * attended * config.num_heads * (config.head_dim + config.v_head_dim) / 2
     return float(6 * matmul_params(config) + attn + linear_flops_per_token(config))
 
 
 def step_flops(model_config, tokens: int, visible: int) -> float:
     """Training FLOPs (forward + backward) of a step of ``tokens`` tokens whose attention computes
     ``visible`` (query, key) pairs per layer and head (summed over rows): ``6 N_matmul`` per token as in
-    :func:`loongtrain.model.config.flops_per_token`, attention ``3 * 4 * H * D * L`` per visible pair (``L`` the
-    softmax-attention layers), so masked-out pairs (other documents, outside the window) are not counted, and the
-    linear-attention layers' :func:`linear_flops_per_token`."""
+    :func:`loongtrain.model.config.flops_per_token`, attention ``3 * 2 * H * (D + Dv) * L`` per visible pair (``L``
+    the softmax-attention layers), so masked-out pairs (other documents, outside the window) are not counted, and
+    the linear-attention layers' :func:`linear_flops_per_token`."""
     c = model_config
     layers = c.num_layers - len(c.linear_layers)
     return float((6 * matmul_params(c) + linear_flops_per_token(c)) * tokens
-                 + 12 * c.num_heads * c.head_dim * layers * visible)
+                 + 6 * c.num_heads * (c.head_dim + c.v_head_dim) * layers * visible)
 
 
 def with_depth(config: ModelConfig, num_layers: int) -> ModelConfig:

@@ -18,6 +18,7 @@ from torch import nn
 
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.local_attention import AttentionFn, local_attention
+from loongtrain.model.mla import LatentAttention
 from loongtrain.model.moe import ExpertWeights, MoESpec, RouterStats, moe_forward
 from loongtrain.model.rms_norm import rms_norm
 from loongtrain.model.rope import apply_rope, rope_cos_sin
@@ -43,27 +44,29 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention; its core is the replaceable ``attention_fn`` (docs/memory.md). Layer ``layer``'s window
     comes from the config's ``layer_types`` (:meth:`ModelConfig.layer_window`); with ``attention_sinks`` it
-    holds a learned logit per query head, ``sinks`` (docs/attention.md#attention-sinks)."""
+    holds a learned logit per query head, ``sinks`` (docs/attention.md#attention-sinks). The values' head dim is
+    ``v_head_dim`` (``head_dim`` unless set)."""
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads, config.num_kv_heads, config.head_dim,
         )
+        self.v_head_dim = config.v_head_dim
         self.attention_fn: AttentionFn = local_attention
         self.sliding_window = config.layer_window(layer)  # Mistral's convention: i - w < j <= i
         bias = config.attention_bias
         self.wq = nn.Linear(config.dim, config.num_heads * config.head_dim, bias=bias)
         self.wk = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=bias)
-        self.wv = nn.Linear(config.dim, config.num_kv_heads * config.head_dim, bias=bias)
-        self.wo = nn.Linear(config.num_heads * config.head_dim, config.dim, bias=bias)
+        self.wv = nn.Linear(config.dim, config.num_kv_heads * config.v_head_dim, bias=bias)
+        self.wo = nn.Linear(config.num_heads * config.v_head_dim, config.dim, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(config.num_heads)) if config.attention_sinks else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Any = None, chunk_order: Any = None) -> Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.num_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.num_kv_heads, self.v_head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         masks = {}  # only what is set, so attention_fns without these keywords keep working
         if cu_seqlens is not None:
@@ -94,8 +97,9 @@ class FeedForward(nn.Module):
 class MoEFeedForward(nn.Module):
     """Mixture of SwiGLU experts (:func:`loongtrain.model.moe.moe_forward`): ``router [E, dim]``, ``gate_up
     [E, 2 moe_ffn_dim, dim]`` (each expert's w1 rows, then its w3 rows), ``down [E, dim, moe_ffn_dim]``; softmax
-    routing to the top k, renormalized. ``stats``: where the router's statistics go; ``grouped``: as
-    ``moe_forward``'s (None: grouped GEMMs where the device supports them)."""
+    routing to the top k, renormalized; with ``shared_ffn_dim`` a shared SwiGLU MLP (``shared``) every token also
+    runs through, added. ``stats``: where the router's statistics go; ``grouped``: as ``moe_forward``'s (None:
+    grouped GEMMs where the device supports them)."""
 
     def __init__(self, config: ModelConfig, stats: RouterStats | None = None) -> None:
         super().__init__()
@@ -104,11 +108,13 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(d, e, bias=False)
         self.gate_up = nn.Parameter(torch.empty(e, 2 * f, d))
         self.down = nn.Parameter(torch.empty(e, d, f))
+        self.shared = FeedForward(d, config.shared_ffn_dim) if config.shared_ffn_dim else None
         self.stats, self.grouped = stats, None
 
     def forward(self, x: Tensor) -> Tensor:
         weights = ExpertWeights(self.router.weight, self.gate_up, self.down)
-        return moe_forward(x, weights, self.spec, self.stats, grouped=self.grouped)
+        out = moe_forward(x, weights, self.spec, self.stats, grouped=self.grouped)
+        return out if self.shared is None else out + self.shared(x)
 
 
 class TransformerBlock(nn.Module):
@@ -118,7 +124,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, stats: RouterStats | None = None, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
-        self.attention = Attention(config, layer)
+        self.attention: nn.Module = (LatentAttention(config, layer) if config.latent_attention
+                                     else Attention(config, layer))
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward: nn.Module = (FeedForward(config.dim, config.ffn_dim) if stats is None
                                         else MoEFeedForward(config, stats))
@@ -190,7 +197,7 @@ class Transformer(nn.Module):
             )
         h = self.tok_embeddings(input_ids)
         c = self.config
-        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype, c.rope_scaling)
+        cos, sin = rope_cos_sin(position_ids, c.rope_dim, c.rope_theta, h.dtype, c.rope_scaling)
         for layer in self.layers:
             if cu_seqlens is None and chunk_order is None:
                 h = layer(h, cos, sin)

@@ -110,15 +110,16 @@ def local_attention(
 ) -> Tensor:
     """Softmax attention over the whole (unsharded) sequence held by this process.
 
-    ``q [B, S, H, D]``, ``k, v [B, S, Hkv, D]`` with ``H`` a multiple of ``Hkv`` -> ``[B, S, H, D]``.
+    ``q [B, S, H, D]``, ``k [B, S, Hkv, D]``, ``v [B, S, Hkv, Dv]`` with ``H`` a multiple of ``Hkv`` ->
+    ``[B, S, H, Dv]`` (``Dv``: ``D`` but for MLA).
     Causal masking is by index in the given order (the tokens must be in sequence order). With
     ``cu_seqlens`` (packed documents) or ``sliding_window`` the masks are those of
     :func:`loongtrain.attention`: each document runs alone, a window in blocks of queries. ``sinks [H]``:
     a logit per head in each row's softmax denominator (:func:`loongtrain.attention`'s; plain math here).
     """
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"q must be [B, S, H, D] and k, v equal [B, S, Hkv, D]; got q {tuple(q.shape)}, "
+            f"q must be [B, S, H, D], k [B, S, Hkv, D] and v [B, S, Hkv, Dv]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if q.shape[2] % k.shape[2] != 0:

@@ -70,7 +70,14 @@ def _rmsnorm(self, x):
 
 
 def _rope(self, x, position_ids):
-    angles = position_ids[..., None].to(self.inv_freq.dtype) * self.inv_freq
+    """HF's rotary angles in the buffer's dtype; the default RoPE's inverse frequencies recomputed in float64 (HF
+    computes them in float32; YaRN's stay HF's own: the same on both sides of a sharded-vs-whole comparison)."""
+    inv_freq = self.inv_freq
+    if self.rope_type == "default":
+        dim = 2 * inv_freq.numel()
+        inv_freq = 1.0 / self.config.rope_parameters["rope_theta"] ** (
+            torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = position_ids[..., None].to(inv_freq.dtype) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return (angles.cos() * self.attention_scaling).to(x.dtype), (angles.sin() * self.attention_scaling).to(x.dtype)
 
