@@ -157,8 +157,9 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
 
     Layers, hidden size, heads, KV heads, head_dim (which may differ from hidden/heads), FFN width,
     vocabulary, tied head, RoPE theta, norm eps, the experts (:func:`loongtrain.hf.moe.moe_layout`: which layers,
-    how many, top-k, their width), and the sliding window with, when only some layers use it, the
-    ``layer_types`` (each layer planned with its own window). qkv biases and q/k norms are ignored
+    how many, top-k, their width, the shared experts' width), MLA's latent ranks and head dims (DeepSeek-V3), and
+    the sliding window with, when only some layers use it, the ``layer_types`` (each layer planned with its own
+    window). qkv biases and q/k norms are ignored
     (negligible for cost); :func:`model_config_from_hf` is the exact mapping.
     """
     check_config_architectures(hf_config)
@@ -174,7 +175,13 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         layer_types = ()
     moe = moe_layout(hf_config)
     experts = {} if moe is None else dict(num_experts=moe.num_experts, top_k=moe.top_k, moe_ffn_dim=moe.ffn_dim,
-                                          moe_layers=moe.layers)
+                                          moe_layers=moe.layers, shared_ffn_dim=moe.shared_ffn_dim)
+    latent = {}
+    if getattr(hf_config, "kv_lora_rank", None):  # MLA (DeepSeek-V3): its head_dim is only the RoPE part
+        rope = int(hf_config.qk_rope_head_dim)
+        head_dim = int(hf_config.qk_nope_head_dim) + rope
+        latent = dict(kv_lora_rank=int(hf_config.kv_lora_rank), q_lora_rank=int(hf_config.q_lora_rank or 0),
+                      qk_rope_head_dim=rope, v_head_dim=int(hf_config.v_head_dim))
     return ModelConfig(
         vocab_size=hf_config.vocab_size,
         dim=hf_config.hidden_size,
@@ -190,6 +197,7 @@ def shape_config_from_hf(hf_config: Any) -> ModelConfig:
         layer_types=layer_types or None,  # sliding, full and linear layers, each planned as its own
         **experts,
         **linear,
+        **latent,
     )
 
 

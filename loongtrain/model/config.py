@@ -236,6 +236,15 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=32000, dim=5120, num_layers=40, num_heads=40, num_kv_heads=40, ffn_dim=13824,
         rope_theta=500000.0,
     ),
+    # DeepSeek-V3's shape (671.0B parameters, 37.6B active; its multi-token-prediction layer left out): MLA (q/k head
+    # dim 192 = 128 + 64 RoPE, values 128, latents of 1536 and 512), 3 dense layers, then 256 experts, top 8, and a
+    # shared expert. loongtrain's decoder routes by softmax (DeepSeek-V3 by biased sigmoid scores in groups: HF's
+    # model, docs/moe-and-gpt-oss.md#deepseek-v3-and-mla): the same shapes, FLOPs and memory.
+    "deepseek-v3-like": ModelConfig(
+        vocab_size=129280, dim=7168, num_layers=61, num_heads=128, num_kv_heads=128, ffn_dim=18432, head_dim=192,
+        norm_eps=1e-6, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, num_experts=256,
+        top_k=8, moe_ffn_dim=2048, moe_layers=tuple(range(3, 61)), shared_ffn_dim=2048,
+    ),
 }
 
 

@@ -48,7 +48,15 @@ def test_deepseek_v3_dir_loads_exports_and_fills_its_buffers_unchanged(tmp_path)
 def test_deepseek_v3_shape_for_planning(tmp_path):
     config = check_hf_dir(write_deepseek_dir(tmp_path / "src"))
     shape = shape_config_from_hf(config)
-    assert (shape.num_experts, shape.top_k, shape.moe_ffn_dim, shape.moe_layers) == (8, 2, 16, (1, 2))
+    assert (shape.num_experts, shape.top_k, shape.moe_ffn_dim, shape.moe_layers, shape.shared_ffn_dim) == (
+        8, 2, 16, (1, 2), 16)
+    assert (shape.head_dim, shape.v_head_dim, shape.qk_rope_head_dim, shape.kv_lora_rank, shape.q_lora_rank) == (
+        24, 12, 8, 16, 24)
+    from loongtrain.model.config import num_params
+    from tests.helpers.deepseek import tiny_deepseek
+
+    hf = tiny_deepseek(vocab_size=256)  # the same shape in loongtrain's decoder: the same parameter count
+    assert num_params(shape) == sum(p.numel() for p in hf.parameters())
 
 
 def test_quantized_checkpoints_are_refused(tmp_path):

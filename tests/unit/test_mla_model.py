@@ -90,3 +90,18 @@ def test_parameter_counts_and_flops(config):
 def test_bad_latent_settings_raise(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(MLA, **change)
+
+
+def test_the_deepseek_v3_like_preset_has_deepseek_v3s_shape():
+    """671.0B parameters, 37.6B active (DeepSeek-V3: 671B, 37B); at 5 layers (3 dense) exactly the parameters of
+    transformers' DeepseekV3ForCausalLM with its default (DeepSeek-V3's) config, built on the meta device."""
+    import transformers
+
+    from loongtrain.model.config import get_preset
+
+    preset = get_preset("deepseek-v3-like")
+    assert round(num_params(preset) / 1e9, 1) == 671.0 and round(active_params(preset) / 1e9, 1) == 37.6
+    with torch.device("meta"):
+        hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(num_hidden_layers=5))
+    shallow = dataclasses.replace(preset, num_layers=5, moe_layers=(3, 4))
+    assert num_params(shallow) == sum(p.numel() for p in hf.parameters())
