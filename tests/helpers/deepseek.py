@@ -22,6 +22,16 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_interm
                                "rope_theta": 10000.0})
 
 
+def native_mla_config():
+    """loongtrain's decoder with MLA (q/k 24 = 16 + 8 RoPE, values 12, latents 20 and 16) and an MoE layer of 8
+    experts, top 2, with a shared expert, after a dense one."""
+    from loongtrain.model.config import ModelConfig
+
+    return ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=4, num_kv_heads=4, ffn_dim=48, head_dim=24,
+                       kv_lora_rank=16, q_lora_rank=20, qk_rope_head_dim=8, v_head_dim=12, num_experts=8, top_k=2,
+                       moe_ffn_dim=16, moe_layers=(1, 2), shared_ffn_dim=16)
+
+
 def deepseek_config(**overrides):
     from transformers import DeepseekV3Config
 

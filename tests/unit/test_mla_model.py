@@ -10,15 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-from loongtrain.model.config import ModelConfig, active_params, flops_per_token, num_params
+from loongtrain.model.config import active_params, flops_per_token, num_params
 from loongtrain.model.llama import Transformer
 from loongtrain.model.mla import LatentAttention
 from loongtrain.model.rope import rope_cos_sin
-from tests.helpers.deepseek import dtype_preserving
+from tests.helpers.deepseek import dtype_preserving, native_mla_config
 
-MLA = ModelConfig(vocab_size=64, dim=32, num_layers=3, num_heads=4, num_kv_heads=4, ffn_dim=48, head_dim=24,
-                  kv_lora_rank=16, q_lora_rank=20, qk_rope_head_dim=8, v_head_dim=12, num_experts=8, top_k=2,
-                  moe_ffn_dim=16, moe_layers=(1, 2), shared_ffn_dim=16)
+MLA = native_mla_config()
 #: native name -> HF DeepseekV3Attention's
 NAMES = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
          "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
