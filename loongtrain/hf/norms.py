@@ -1,6 +1,6 @@
 """Hugging Face's Llama-family RMSNorms through loongtrain's one-function norm (docs/memory.md).
 
-``LlamaRMSNorm`` and its copies (Mistral, Qwen2, Qwen3) compute ``weight * (x32 * rsqrt(mean(x32**2) +
+``LlamaRMSNorm`` and its copies (Mistral, Qwen2, Qwen3, DeepSeek-V3) compute ``weight * (x32 * rsqrt(mean(x32**2) +
 eps)).to(x.dtype)`` with ``x32 = x.to(float32)``; as plain ops autograd keeps the float32 upcast and the
 normalised values of every norm for the backward. :func:`use_rms_norm_function` gives each such module the
 same computation as :func:`loongtrain.model.rms_norm.rms_norm` with float32 statistics (forward bit for bit,
@@ -20,7 +20,7 @@ from torch import nn
 from loongtrain.model.rms_norm import rms_norm
 
 #: classes whose forward is exactly Llama's RMSNorm (transformers' "Copied from" family)
-LLAMA_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+LLAMA_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "DeepseekV3RMSNorm")
 
 
 def _forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ so the backward's ``n`` and its gradient exist for one chunk; the weight's gradi
 products, accumulated in float32 (float64 for float64 weights): the same bits as ``nn.Linear`` when the input
 is one chunk, within rounding otherwise (a matmul over fewer rows may round differently: so may the chunked
 forward). Blocks are found by :func:`loongtrain.hf.families.decoder_layers`,
-(norm, attention, projections) by :data:`NORM_AND_PROJECTIONS`; projections that are not plain
+(norm, attention, projections: q/k/v, or MLA's query and latent projections) by :data:`NORM_AND_PROJECTIONS`;
+projections that are not plain
 ``nn.Linear`` and norms that are not RMSNorm (loongtrain's or Hugging Face's Llama family) are left as they
 are. A float64 input to a Hugging Face norm takes the stock ops, once, unfused (HF rounds its statistics to
 float32 there; loongtrain/hf/norms.py).
@@ -43,9 +44,12 @@ from loongtrain.model.rms_norm import (
 
 Tensor = torch.Tensor
 
-#: attribute names of (the attention's input norm, the attention, its input projections): loongtrain's, HF's
-NORM_AND_PROJECTIONS = (("attention_norm", "attention", ("wq", "wk", "wv")),
-                        ("input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj")))
+#: attribute names of (the attention's input norm, the attention, the ways its input projections are named):
+#: loongtrain's, HF's; q/k/v, or MLA's query and latent projections (with the queries' latent, or without)
+NORM_AND_PROJECTIONS = (("attention_norm", "attention", (("wq", "wk", "wv"), ("wq_a", "wkv_a"), ("wq", "wkv_a"))),
+                        ("input_layernorm", "self_attn", (("q_proj", "k_proj", "v_proj"),
+                                                          ("q_a_proj", "kv_a_proj_with_mqa"),
+                                                          ("q_proj", "kv_a_proj_with_mqa"))))
 
 
 def _accumulate(total: Tensor | None, part: Tensor, chunks: int, acc: torch.dtype) -> Tensor:
@@ -198,14 +202,14 @@ def fuse_norm_linear(model: nn.Module) -> int:
     number of blocks fused. Idempotent: a fused block (its norm a :class:`FusedNorm`) is left as it is."""
     fused = 0
     for block in decoder_layers(model):
-        for norm_name, attn_name, proj_names in NORM_AND_PROJECTIONS:
+        for norm_name, attn_name, namings in NORM_AND_PROJECTIONS:
             norm, attn = getattr(block, norm_name, None), getattr(block, attn_name, None)
             if not isinstance(norm, nn.Module) or not isinstance(attn, nn.Module):
                 continue
-            linears = [getattr(attn, name, None) for name in proj_names]
+            linears = next(([getattr(attn, name) for name in names] for names in namings
+                            if all(type(getattr(attn, name, None)) is nn.Linear for name in names)), None)
             spec = _norm_spec(norm)
-            if (spec is None or isinstance(norm, FusedNorm) or "forward" in norm.__dict__
-                    or any(type(lin) is not nn.Linear for lin in linears)):
+            if spec is None or isinstance(norm, FusedNorm) or "forward" in norm.__dict__ or linears is None:
                 break
             for lin in linears:
                 mix_in(lin, FusedProjection, **{_NORM: norm, _SPEC: spec})

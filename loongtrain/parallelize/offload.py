@@ -315,10 +315,11 @@ def offloaded_blocks(checkpointed: list[int], keep: int) -> list[int]:
 def prefetch_point(block: nn.Module) -> nn.Module | None:
     """The block's query projection (:data:`~loongtrain.parallelize.norm_linear.NORM_AND_PROJECTIONS`), whose
     output's gradient starts the previous block's prefetch (module docstring); None if it has none."""
-    for _, attn_name, proj_names in NORM_AND_PROJECTIONS:
-        query = getattr(getattr(block, attn_name, None), proj_names[0], None)
-        if isinstance(query, nn.Module):
-            return query
+    for _, attn_name, namings in NORM_AND_PROJECTIONS:
+        for names in namings:
+            query = getattr(getattr(block, attn_name, None), names[0], None)
+            if isinstance(query, nn.Module):
+                return query
     return None
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loongtrain.hf.families import decoder_layers
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.llama import Transformer
 from loongtrain.model.rms_norm import rms_norm
@@ -81,6 +82,32 @@ def test_fused_native_model_equals_plain():
     b.square().mean().backward()
     for (name, p), q in zip(plain.named_parameters(), fused.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("q_lora_rank", [20, 0])
+def test_fused_mla_equals_plain(q_lora_rank):
+    """MLA's input projections (the queries' one or its latent's, and the keys' and values' latent) take the norm
+    fused: loongtrain's decoder and HF's DeepSeek-V3."""
+    import dataclasses
+
+    from tests.helpers.deepseek import native_mla_config, tiny_deepseek
+
+    cfg = dataclasses.replace(native_mla_config(), q_lora_rank=q_lora_rank)
+    pairs = [(Transformer(cfg).double(), Transformer(cfg).double())]
+    pairs.append(tuple(tiny_deepseek(q_lora_rank=q_lora_rank or None) for _ in range(2)))
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    for plain, fused in pairs:
+        assert fuse_norm_linear(fused) == cfg.num_layers
+        names = ("attention", "wq_a" if q_lora_rank else "wq") if fused is pairs[0][1] else (
+            "self_attn", "q_a_proj" if q_lora_rank else "q_proj")
+        assert type(getattr(getattr(decoder_layers(fused)[0], names[0]), names[1])).__name__ != "Linear"
+        a, b = (m(ids) for m in (plain, fused))
+        a, b = getattr(a, "logits", a), getattr(b, "logits", b)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+        a.square().mean().backward()
+        b.square().mean().backward()
+        for (name, p), q in zip(plain.named_parameters(), fused.parameters(), strict=True):
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.float64, 1e-13)])
