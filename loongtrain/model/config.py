@@ -398,16 +398,30 @@ def step_flops(model_config, tokens: int, visible: int) -> float:
                  + 6 * c.num_heads * (c.head_dim + c.v_head_dim) * layers * visible)
 
 
+def dense_prefix(config: ModelConfig) -> int:
+    """How many dense layers come before the MoE layers when those are all the rest (DeepSeek-V3's
+    ``first_k_dense_replace``; 0 when every layer is one kind); ValueError for any other mix (its blocks are not
+    alike after a prefix, so the simulation by depth cannot take it)."""
+    if not config.moe_layers:
+        return 0
+    first = config.num_layers - len(config.moe_layers)
+    if config.moe_layers != tuple(range(first, config.num_layers)):
+        raise ValueError(f"moe_layers={list(config.moe_layers)} of {config.num_layers} layers: a mix of dense and "
+                         f"MoE blocks other than dense layers first cannot be simulated by depth")
+    return first
+
+
 def with_depth(config: ModelConfig, num_layers: int) -> ModelConfig:
-    """``config`` with ``num_layers`` alike blocks (the simulation by depth): every layer an MoE layer when
-    every layer of ``config`` is one; ValueError for a mix of dense and MoE layers (its blocks are not alike) and for
-    a hybrid with linear-attention layers (loongtrain's decoder has none)."""
+    """``config`` with ``num_layers`` layers (the simulation by depth): its dense first layers
+    (:func:`dense_prefix`) kept, every other layer an MoE layer when ``config``'s are, so the blocks past the prefix
+    are alike; ValueError for another mix, a depth that leaves no layer past the prefix, and a hybrid with
+    linear-attention layers (loongtrain's decoder has none)."""
     if config.linear_layers or config.attention_output_gate:
         raise ValueError("the simulation runs loongtrain's own decoder, which has no linear-attention layers or gated "
                          "attention outputs: a hybrid is planned, not simulated (docs/linear-attention.md#planning)")
     if not config.moe_layers:
         return replace(config, num_layers=num_layers)
-    if len(config.moe_layers) != config.num_layers:
-        raise ValueError(f"moe_layers={list(config.moe_layers)} of {config.num_layers} layers: a mix of dense and "
-                         f"MoE blocks cannot be simulated by depth")
-    return replace(config, num_layers=num_layers, moe_layers=tuple(range(num_layers)))
+    prefix = dense_prefix(config)
+    if prefix and num_layers <= prefix:
+        raise ValueError(f"{num_layers} layers leave none after the {prefix} dense first layers")
+    return replace(config, num_layers=num_layers, moe_layers=tuple(range(prefix, num_layers)))

@@ -39,11 +39,15 @@ def test_counts_of_the_qwen3_30b_a3b_config():
 def test_loongtrains_decoder_with_experts_has_the_counted_parameters():
     model = Transformer(MOE)
     assert sum(p.numel() for p in model.parameters()) == num_params(MOE)
-    dense = dataclasses.replace(MOE, moe_layers=(1,))
+    dense = dataclasses.replace(MOE, moe_layers=(0,))  # a dense layer after an MoE one
     assert sum(p.numel() for p in Transformer(dense).parameters()) == num_params(dense)
     with pytest.raises(ValueError, match="cannot be simulated by depth"):
         with_depth(dense, 4)
     assert with_depth(MOE, 4).moe_layers == (0, 1, 2, 3)
+    first_dense = dataclasses.replace(MOE, moe_layers=(1,))  # DeepSeek-V3's dense first layers: kept
+    assert with_depth(first_dense, 4).moe_layers == (1, 2, 3)
+    with pytest.raises(ValueError, match="1 layers leave none after the 1 dense first layers"):
+        with_depth(first_dense, 1)
 
 
 @pytest.mark.parametrize("world, parallel", [
