@@ -30,14 +30,14 @@ def inductor():
 
 
 def _trainer(compile: str):
-    from loongtrain.train.config import Run, TrainConfig
+    from loongtrain.launch.config import TrainConfig, run_of
     from loongtrain.train.trainer import Trainer
 
     model = dataclasses.replace(native_mla_config(), num_layers=2, num_experts=0, top_k=0, moe_ffn_dim=0,
                                 moe_layers=(), shared_ffn_dim=0)
-    cfg = TrainConfig(seq_len=SEQ, steps=4, warmup=1, dtype="fp64", parallel=ParallelConfig(recompute="selective"),
-                      doc_mask="on", compile=compile)
-    return Trainer(Run(cfg, model), single_process_mesh(), torch.device("cpu"))
+    cfg = TrainConfig.from_dict(dict(seq_len=SEQ, steps=4, warmup=1, dtype="fp64",
+                                     parallel=ParallelConfig(recompute="selective"), doc_mask="on", compile=compile))
+    return Trainer(run_of(cfg, model), single_process_mesh(), torch.device("cpu"))
 
 
 def test_compiled_latent_attention_trains_like_eager():
