@@ -27,7 +27,8 @@ def _scratch(model: ModelConfig, hp: int, t: float, dtype_bytes: int, kernels: t
     he = effective_kv_heads(model.num_heads, model.num_kv_heads, hp)
     tokens = round(t * hp)
     return float(largest_backward_scratch(kernels, 1, model.num_heads // hp, he // hp, tokens, tokens,
-                                          model.head_dim, dtype_bytes, deterministic_sms))
+                                          max(model.head_dim, model.v_head_dim), dtype_bytes,  # MLA: padded
+                                          deterministic_sms))
 
 
 class KernelScratch(MemoryTerm):

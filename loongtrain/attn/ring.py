@@ -267,19 +267,27 @@ def ring_backward(
 
 
 def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int,
-                             cp: int) -> float:
+                             cp: int, v_head_dim: int | None = None) -> float:
     """Bytes :func:`ring_backward_packed` holds at its peak beyond its inputs and its results (dQ, packed
     dK/dV), for ``tokens`` local query tokens of ``heads`` heads against ``kv_heads`` (measured against the
     code: tests/unit/test_ring_workspace.py). The kernel's dQ, dK and dV of the piece being accumulated (at
-    ``cp = 1`` the one call's dK and dV until they are stacked: its dQ is the result), and with a ring (``cp > 1``) also
+    ``cp = 1`` the one call's dK and dV until they are packed: its dQ is the result), and with a ring (``cp > 1``) also
     the fp32 (fp64) dQ accumulator, three K/V blocks (in flight, received, being sent) in the input dtype
     and four dK/dV blocks (this block's contribution, the running sum, in flight, received) in the
-    accumulators' dtype. The kernel's own scratch is not included (FA2's:
-    :data:`loongtrain.attn.cuda_kernels.SPLIT_BACKWARD_BYTES`)."""
-    kv = 2 * tokens * kv_heads * head_dim
+    accumulators' dtype. ``v_head_dim`` (MLA; default ``head_dim``): a block holds K and V of their own head dims,
+    and at ``cp = 1`` the one call runs on V, dO and O zero-padded to the wider head dim
+    (:func:`~loongtrain.attn.kernels.for_head_dims`), whose copies and padded dV live until it returns. The
+    kernel's own scratch is not included (FA2's: :data:`loongtrain.attn.cuda_kernels.SPLIT_BACKWARD_BYTES`)."""
+    dv = v_head_dim or head_dim
+    kv = tokens * kv_heads * (head_dim + dv)
     q = tokens * heads * head_dim
-    if cp == 1:  # the flash kernels' dQ is the result itself; their dK and dV until stacked
-        return kv * dtype_bytes
+    if cp == 1:  # the flash kernels' dQ is the result itself; their dK and dV until packed
+        if dv == head_dim:
+            return kv * dtype_bytes
+        width = max(head_dim, dv)
+        kernel = tokens * (heads + 2 * kv_heads) * width  # its dQ, dK, dV at the padded width
+        padded = tokens * width * ((heads + kv_heads) * (head_dim < width) + (2 * heads + kv_heads) * (dv < width))
+        return (max(padded + kernel, kernel + kv) - q - kv) * dtype_bytes
     acc = max(4, dtype_bytes)
     return (q + kv) * dtype_bytes + acc * q + 3 * kv * dtype_bytes + 4 * kv * acc
 

@@ -282,17 +282,25 @@ def mlp_width(config: ModelConfig) -> float:
     return ((config.num_layers - moe) * config.ffn_dim + moe * moe_width) / config.num_layers
 
 
-def _attention_params(config: ModelConfig, *, norms: bool = True) -> int:
-    """One layer's attention parameters (``norms``: with MLA's latent norms, which are no matmul)."""
+def attention_weights(config: ModelConfig) -> tuple[int, ...]:
+    """The elements of one layer's attention projection weights, in the order the module defines them: ``wq, wk,
+    wv, wo``, or with MLA ``wq`` (or ``wq_a, wq_b``), ``wkv_a, wkv_b, wo``."""
     d, hd, dv, h, hkv = config.dim, config.head_dim, config.v_head_dim, config.num_heads, config.num_kv_heads
     if config.latent_attention:
         qr, kr, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
-        q = d * qr + qr * h * hd if qr else d * h * hd
-        kv = d * (kr + rope) + kr * h * (hd - rope + dv)
-        return q + kv + h * dv * d + ((qr + kr) if norms else 0)
-    gate = 2 if config.attention_output_gate else 1
-    weights = gate * d * h * hd + d * hkv * (hd + dv) + h * dv * d
-    biases = (h + hkv) * hd + hkv * dv + d if config.attention_bias else 0
+        q = (d * qr, qr * h * hd) if qr else (d * h * hd,)
+        return (*q, d * (kr + rope), kr * h * (hd - rope + dv), h * dv * d)
+    gate = 2 if config.attention_output_gate else 1  # the queries' projection also gives the output gate
+    return gate * d * h * hd, d * hkv * hd, d * hkv * dv, h * dv * d
+
+
+def _attention_params(config: ModelConfig, *, norms: bool = True) -> int:
+    """One layer's attention parameters (``norms``: with MLA's latent norms, which are no matmul)."""
+    hd, dv, h, hkv = config.head_dim, config.v_head_dim, config.num_heads, config.num_kv_heads
+    weights = sum(attention_weights(config))
+    if config.latent_attention:
+        return weights + ((config.q_lora_rank + config.kv_lora_rank) if norms else 0)
+    biases = (h + hkv) * hd + hkv * dv + config.dim if config.attention_bias else 0
     return weights + biases + (h if config.attention_sinks else 0)
 
 

@@ -3,7 +3,8 @@ keeps for its backward and holds in it, in place of a dense SwiGLU MLP's (the pr
 
 Per token of an expert layer, counted from the ops of :func:`~loongtrain.model.moe.moe_forward`:
 
-- kept: the experts' packed gate/up output and SwiGLU's product, SiLU recomputed (``3 k f_e b``); the token's ``k``
+- kept: the experts' packed gate/up output and SwiGLU's product, SiLU recomputed (``3 k f_e b``); the shared
+  experts' (``shared_ffn_dim``, a dense SwiGLU MLP every token runs through: ``4 f_s b``); the token's ``k``
   copies gathered in expert order and the experts' ``k`` outputs (``2 k d b``); the router's fp32 probabilities
   twice (routing, and the load-balancing statistics: ``8 E``); the ``k`` routing weights (``b`` each, and fp32
   ``4``), the int64 sort order and token indices (``24`` each) and the renormalization's fp32 sum (``4``);
@@ -37,7 +38,8 @@ class MoEMemory(MemoryTerm):
     def mlp_intermediates(self, s: StepShape) -> float:
         m, b = s.model, s.dtype_bytes
         k = m.top_k
-        swiglu = b * (self.layers * 3 * k * m.moe_ffn_dim) / m.num_layers / s.tiles
+        # the routed experts' (SiLU recomputed), and the shared experts' as a dense SwiGLU's
+        swiglu = b * (self.layers * (3 * k * m.moe_ffn_dim + 4 * m.shared_ffn_dim)) / m.num_layers / s.tiles
         per_layer = 2 * k * m.dim * b + 8 * m.num_experts + k * (b + 4 + INDEX_BYTES) + 4
         return swiglu + per_layer * self.layers / m.num_layers
 

@@ -57,10 +57,16 @@ class AttnShape:
     head_dim: int
     dtype_bytes: int = 2
     sliding_window: int | None = None  # Mistral's convention (query i sees keys i-w < j <= i); None: none
+    v_head_dim: int = 0  # the values' head dim (MLA: smaller than the queries' and keys'); 0: head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     def kwargs(self) -> dict[str, int]:
         return dict(batch=self.batch, seq_len=self.seq_len, num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype_bytes=self.dtype_bytes)
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype_bytes=self.dtype_bytes,
+                    v_head_dim=self.value_dim)
 
 
 @dataclass(frozen=True)
@@ -93,13 +99,14 @@ class AttentionTime:
 
 
 def attention_flops(shape: AttnShape, sp: int) -> float:
-    """Forward FLOPs per rank of causal attention: ``2 * B * S^2 * H * D / sp``; with a sliding window
-    ``w < S`` only the visible pairs ``w*S - w*(w-1)/2`` (instead of ``S^2/2``) count:
-    ``4 * B * pairs * H * D / sp``."""
+    """Forward FLOPs per rank of causal attention: ``B * S^2 * H * (D + Dv) / sp`` (``QK^T`` over ``D``, ``PV`` over
+    the values' ``Dv``, both ``D`` but for MLA); with a sliding window ``w < S`` only the visible pairs
+    ``w*S - w*(w-1)/2`` (instead of ``S^2/2``) count: ``2 * B * pairs * H * (D + Dv) / sp``."""
     s, w = shape.seq_len, shape.sliding_window
+    dims = shape.head_dim + shape.value_dim
     if w is not None and w < s:
-        return 4.0 * shape.batch * (w * s - w * (w - 1) / 2) * shape.num_heads * shape.head_dim / sp
-    return 2.0 * shape.batch * s**2 * shape.num_heads * shape.head_dim / sp
+        return 4.0 * shape.batch * (w * s - w * (w - 1) / 2) * shape.num_heads * dims / 2 / sp
+    return 2.0 * shape.batch * s**2 * shape.num_heads * dims / 2 / sp
 
 
 class _Link:
@@ -193,7 +200,7 @@ def document_steps(layout: Layout, shape: AttnShape, documents: Documents,
     reach = ring_reach(layout, shape.seq_len, window, zigzag=order is None)
     work = step_work(documents.rows(shape.batch), shape.seq_len, layout.num_inner_rings, layout.inner_ring,
                      chunk_order=order, sliding_window=window, reach=reach)
-    per_pair = 4.0 * shape.num_heads * shape.head_dim / layout.hp
+    per_pair = 4.0 * shape.num_heads * (shape.head_dim + shape.value_dim) / 2 / layout.hp
     return {step: per_pair * pairs for step, pairs in work.items()}, reach
 
 
@@ -228,10 +235,11 @@ def _attention_time(layout: Layout, shape: AttnShape, cluster: Cluster,
     a2a = a2a_seconds(layout, cluster, msg["a2a_qkv"]) + a2a_seconds(layout, cluster, msg["a2a_out"])  # in, back
     window = shape.sliding_window if shape.sliding_window and shape.sliding_window < shape.seq_len else None
     block = shape.batch * shape.seq_len / layout.cp  # a step's query tokens
-    rate = cluster.attention_rate(shape.head_dim, block * shape.num_heads / layout.hp)
+    # the kernels run on the wider head dim (MLA's values padded to it: attn/kernels.py for_head_dims)
+    rate = cluster.attention_rate(max(shape.head_dim, shape.value_dim), block * shape.num_heads / layout.hp)
     he = effective_kv_heads(shape.num_heads, shape.num_kv_heads, layout.hp) // layout.hp
     merge_f, merge_b = (x / cluster.memory_bw for x in ring_step_bytes(
-        block, shape.num_heads // layout.hp, he, shape.head_dim, shape.dtype_bytes, layout.cp)) \
+        block, shape.num_heads // layout.hp, he, shape.head_dim, shape.dtype_bytes, layout.cp, shape.value_dim)) \
         if layout.cp > 1 else (0.0, 0.0)
     c: float | dict[tuple[int, int], float]
     if documents is not None:

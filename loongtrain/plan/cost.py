@@ -50,7 +50,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from loongtrain.model.config import ModelConfig, flops_per_token, mlp_params, mlp_width, num_params, step_flops
+from loongtrain.model.config import (
+    ModelConfig,
+    attention_weights,
+    flops_per_token,
+    mlp_params,
+    mlp_width,
+    num_params,
+    step_flops,
+)
 from loongtrain.model.lora import LoraConfig, adapter_params, adapter_shapes, lora_flops_saved
 from loongtrain.model.lora_terms import layer_adapter_params, matmul_factor
 from loongtrain.model.memory import MemoryTerm
@@ -171,9 +179,9 @@ def gradient_buckets(model: ModelConfig, bucket_bytes: int = BUCKET_BYTES,
     follow its backward, the MLP's first, each at the share of the layer's parameters done; the embedding
     last, at ``L`` (tied: the head's gradient is complete only then). With ``lora`` only the adapters': a
     module's in its place, nothing of the frozen rest."""
-    d, f, hd, L = model.dim, model.ffn_dim, model.head_dim, model.num_layers
-    q, kv = model.num_heads * hd * d, model.num_kv_heads * hd * d
-    layer = (d * f, f * d, d * f, d, q, kv, kv, q, d)  # w3, w2, w1, ffn_norm, wo, wv, wk, wq, attention_norm
+    d, f, L = model.dim, model.ffn_dim, model.num_layers
+    # w3, w2, w1, ffn_norm, then the attention's projections backward (wo, wv, wk, wq; MLA's), attention_norm
+    layer = (d * f, f * d, d * f, d, *reversed(attention_weights(model)), d)
     head = model.vocab_size * d
     if lora is not None:  # the adapters of the same modules, in the same order
         shapes = adapter_shapes(model, lora)
@@ -242,7 +250,8 @@ def step_cost(
     lora, documents = workload.lora, workload.documents
     world = world or nodes * cluster.gpus_per_node
     layout = config.layout(world)
-    shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes)
+    shape = AttnShape(batch, seq_len, model.num_heads, model.num_kv_heads, model.head_dim, dtype_bytes,
+                      v_head_dim=model.v_head_dim)
     attn = layer_attention_time(layout, shape, cluster, documents, model)
     t = batch * seq_len / layout.sp
     rate, bw = cluster.matmul_tflops * 1e12, cluster.memory_bw

@@ -1,7 +1,7 @@
 """The memory terms of a planned step, in the order they compose (docs/design.md#how-to-add-a-memory-term): the
 model's (its expert layers: loongtrain/model/moe_memory.py; its linear-attention layers:
-loongtrain/attn/linear/memory.py), the run's features (LoRA's adapters:
-loongtrain/model/lora_terms.py; the attention kernels' backward scratch: loongtrain/attn/kernel_memory.py; the
+loongtrain/attn/linear/memory.py; its latent attention: loongtrain/attn/mla_memory.py), the run's features (LoRA's
+adapters: loongtrain/model/lora_terms.py; the attention kernels' backward scratch: loongtrain/attn/kernel_memory.py; the
 objective's phases, from its registry entry: loongtrain/objectives/), then the memory modes of the layout (the
 tiled MLP: loongtrain/parallelize/mlp_tiles.py; activation and parameter offload:
 loongtrain/parallelize/offload_memory.py). Each term lives beside its feature; the planner
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from loongtrain.attn.cuda_kernels import SM_COUNT
 from loongtrain.attn.kernel_memory import kernel_memory
 from loongtrain.attn.linear.memory import linear_memory
+from loongtrain.attn.mla_memory import latent_attention_memory
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.lora import LoraConfig
 from loongtrain.model.lora_terms import lora_memory
@@ -46,4 +47,5 @@ def run_terms(model: ModelConfig, config: ParallelConfig,
               features: Sequence[MemoryTerm] = ()) -> tuple[MemoryTerm, ...]:
     """Every term of a step of ``model`` with ``config``'s modes and ``features``, in the order they compose
     (module docstring)."""
-    return (*moe_memory(model), *linear_memory(model), *features, *mode_terms(config))
+    return (*moe_memory(model), *linear_memory(model), *latent_attention_memory(model), *features,
+            *mode_terms(config))

@@ -101,7 +101,7 @@ def document_report(rows: list[tuple[Candidate, list[int]]], model, cluster, cfg
     with it under zigzag and under the balanced layout (docs/planner.md), and per-rank work max/mean."""
     window = model.uniform_window if model.uniform_window and model.uniform_window < cfg.data.seq_len else None
     shape = AttnShape(cfg.data.batch_size, cfg.data.seq_len, model.num_heads, model.num_kv_heads, model.head_dim,
-                      cfg.dtype_bytes, model.uniform_window)
+                      cfg.dtype_bytes, model.uniform_window, model.v_head_dim)
     out = []
     for c, _ in rows:
         layout = c.config.layout(c.world_size)

@@ -9,8 +9,8 @@ trainer's step under fake tensors at small shapes and fitted exactly by the widt
 fit is checked against the count at other shapes (tests/unit/test_step_time.py, which fails, with the new
 numbers, when the code changes what it moves).
 
-Per decoder layer and rank, ``t`` local tokens (``B * S / sp``), ``P_a = 2 d (H + Hkv) hd`` attention and
-``P_m = 3 d f`` MLP weights::
+Per decoder layer and rank, ``t`` local tokens (``B * S / sp``), ``P_a = 2 d (H + Hkv) hd`` attention (MLA: its
+projections' weights, :func:`~loongtrain.model.config.attention_weights`) and ``P_m = 3 d f`` MLP weights::
 
     layer bytes = t * (c_d d + c_f f + c_q H hd + c_kv He hd + c_hd hd + c_1) + c_a P_a + c_m P_m
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loongtrain.model.config import ModelConfig
+from loongtrain.model.config import ModelConfig, attention_weights
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Bytes:
         m = model
         per_token = (self.d * m.dim + self.f * m.ffn_dim + self.q * m.num_heads * m.head_dim
                      + self.kv * kv_heads * m.head_dim + self.hd * m.head_dim + self.one)
-        attn = 2 * m.dim * (m.num_heads + m.num_kv_heads) * m.head_dim
+        attn = sum(attention_weights(m))  # 2 d (H + Hkv) hd, or MLA's projections
         return tokens * per_token + self.attn * attn + self.mlp * 3 * m.dim * m.ffn_dim
 
 
@@ -129,7 +129,7 @@ def head_bytes(model: ModelConfig, *, tokens: float, dtype_bytes: int, sharded: 
 
 
 def ring_step_bytes(q_tokens: float, heads: int, kv_heads: int, head_dim: int, dtype_bytes: int,
-                    steps: int) -> tuple[float, float]:
+                    steps: int, v_head_dim: int | None = None) -> tuple[float, float]:
     """``(forward, backward)`` bytes per ring step of the memory-bound work of a pass of ``steps`` steps
     (``attn/ring_step.py``, ``attn/ring.py``), for ``q_tokens`` local queries of ``heads`` heads against blocks of as
     many tokens of ``kv_heads`` heads (``q`` and ``kv`` elements of Q and of K and V). Forward: the log-sum-exp
@@ -138,11 +138,14 @@ def ring_step_bytes(q_tokens: float, heads: int, kv_heads: int, head_dim: int, d
     K and V stacked and the output cast back. Backward: dQ added into its fp32 accumulator (``8 + b``), the
     block's fp32 dK/dV contribution zeroed and the kernel's added (``12 + b`` per element of K and V), the
     received partial sum added on all but one step (``12``); once a pass, K and V stacked and dQ, dK/dV cast
-    back. Checked against the ring's own ops (tests/unit/test_step_time.py: within 15%)."""
+    back. Checked against the ring's own ops (tests/unit/test_step_time.py: within 15%). ``v_head_dim`` (MLA; default
+    ``head_dim``): the values', so the output and its accumulator are ``H Dv`` and a block ``He (D + Dv)``."""
     b = dtype_bytes
     cast = 4 + b if b < 4 else 0
-    q = q_tokens * heads * head_dim
-    kv = 2 * q_tokens * kv_heads * head_dim
+    dv = v_head_dim or head_dim
+    q = q_tokens * heads * dv  # the merged output (the forward's) and dQ (the backward's: q_tokens H D) below
+    dq = q_tokens * heads * head_dim
+    kv = q_tokens * kv_heads * (head_dim + dv)
     forward = (28 + cast) * q + (4 * q + 2 * kv * b + cast * q) / steps
-    backward = (8 + b) * q + (12 + b + 12 * (steps - 1) / steps) * kv + (cast * (q + kv) + 2 * kv * b) / steps
+    backward = (8 + b) * dq + (12 + b + 12 * (steps - 1) / steps) * kv + (cast * (dq + kv) + 2 * kv * b) / steps
     return forward, backward

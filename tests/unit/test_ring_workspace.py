@@ -53,3 +53,30 @@ def test_whole_backward_workspace_is_described():
         peak = _peak(lambda: whole_backward(CPU_FLASH, causal, dout, q, k, v, out, lse, 0.1))
     results = tokens * (H + 2 * HKV) * D * 4
     assert peak == backward_workspace_bytes(tokens, H, HKV, D, 4, 1) + results
+
+
+@pytest.mark.parametrize("cp", [1, 4])
+def test_mla_workspace_is_described(cp):
+    """MLA's heads (16 query and key heads of 192, values of 128): one call (cp = 1) on V, dO and O padded to 192,
+    exactly; the ring (cp = 4) within the bound the equal head dims keep at this head layout (the description
+    counts every dK/dV block at once: 25% over here)."""
+    from loongtrain.attn.kernels import for_head_dims
+
+    heads, qk, v_dim, tokens = 16, 192, 128, 4096
+    with FakeTensorMode():
+        def make(n, d, dtype=torch.bfloat16):
+            return [torch.empty(1, tokens, heads, d, dtype=dtype).transpose(1, 2) for _ in range(n)]
+
+        qs, ks, (vs, outs, douts) = make(cp, qk), make(cp, qk), (make(cp, v_dim) for _ in range(3))
+        lses = [torch.empty(1, heads, tokens) for _ in range(cp)]
+        if cp == 1:
+            kernel = for_head_dims(CPU_FLASH, qk, v_dim)
+            peak = _peak(lambda: whole_backward(kernel, True, douts[0], qs[0], ks[0], vs[0], outs[0], lses[0], 0.1))
+        else:
+            peak = _peak(lambda: local_ring_backward(douts, qs, ks, vs, outs, lses, 1, True, 0.1)) / cp
+    results = tokens * heads * (2 * qk + v_dim) * 2
+    described = backward_workspace_bytes(tokens, heads, heads, qk, 2, cp, v_head_dim=v_dim) + results
+    if cp == 1:
+        assert peak == described
+    else:
+        assert 0.75 <= peak / described <= 1.0, (peak, described)

@@ -169,8 +169,10 @@ def attention_workspace(kernels: tuple[str, ...] = ()) -> Iterator[None]:
 
     def with_workspace(dout, q, k, v, out, lse, ring, *args):
         b, s, h, d = q.shape
-        nbytes = backward_workspace_bytes(b * s, h, k.shape[2], d, q.element_size(), len(ops._RINGS[ring].ranks))
-        nbytes += largest_backward_scratch(kernels, b, h, k.shape[2], s, s, d, q.element_size())
+        nbytes = backward_workspace_bytes(b * s, h, k.shape[2], d, q.element_size(), len(ops._RINGS[ring].ranks),
+                                          v_head_dim=v.shape[3])
+        # a V head dim of its own (MLA) runs the kernels on the wider one, padded
+        nbytes += largest_backward_scratch(kernels, b, h, k.shape[2], s, s, max(d, v.shape[3]), q.element_size())
         workspace = torch.empty(int(nbytes), dtype=torch.uint8, device=q.device)
         try:
             return original(dout, q, k, v, out, lse, ring, *args)
