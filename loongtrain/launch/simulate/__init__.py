@@ -54,7 +54,8 @@ A Hugging Face model directory is simulated as loongtrain's decoder of the same 
 **By depth** (:func:`simulate_by_depth`, what ``loongtrain plan --simulate`` runs): the blocks are alike, so
 each phase of the step (a block's forward or backward, for the first, the last and the blocks between, the
 rest of the forward and backward, the optimizer step) peaks at ``a + b * L`` for ``L`` blocks. The step is
-simulated at two small depths (:data:`DEPTHS`, past the blocks ``offload_keep`` keeps) and each phase's peak
+simulated at two small depths (:data:`DEPTHS`, past the blocks ``offload_keep`` keeps and the dense first layers of
+an MoE model: :func:`~loongtrain.model.config.with_depth`) and each phase's peak
 (device and host, and its parts) extended linearly to the model's depth; the largest is the step's. The
 loops whose passes are alike (loss chunks, MLP tiles, norm and RoPE chunks) run their first two passes and
 their last (:func:`~loongtrain.launch.simulate.fake_step.alike_loops`). Equal to the whole simulation within 1%
@@ -81,7 +82,7 @@ from loongtrain.launch.simulate.fake_step import (  # noqa: F401 - fake_ranks an
     fake_ranks,
     noop_to_is_identity,
 )
-from loongtrain.model.config import ModelConfig, with_depth
+from loongtrain.model.config import ModelConfig, dense_prefix, with_depth
 from loongtrain.model.llama import MoEFeedForward
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
@@ -262,7 +263,8 @@ def simulate_by_depth(model: ModelConfig, parallel: ParallelConfig, world: int, 
     docstring, *By depth*): each phase's device and host peak, and its parts, extended linearly to
     ``model.num_layers``; one simulation at the model's depth when it is that shallow."""
     keep = min(parallel.offload_keep, model.num_layers - 1) if parallel.offload_activations else 0
-    low, high = (n + keep for n in DEPTHS)
+    prefix = dense_prefix(model)  # dense first layers (DeepSeek-V3's) are kept at both depths: the rest are alike
+    low, high = (n + keep + prefix for n in DEPTHS)
     kw = dict(seq_len=seq_len, batch=batch, rank=rank, alike=True, kernels=kernels, **options)
     if model.num_layers <= high:
         return simulate_step(model, parallel, world, **kw)
