@@ -67,3 +67,14 @@ def test_export_loads_in_transformers(runs, tmp_path):
         base = transformers.AutoModelForCausalLM.from_pretrained(runs["model"])(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-6)
     assert (theirs - base).abs().max() > 1e-3  # three steps at lr 1e-2 moved the weights
+
+
+def test_plan_max_seq_len_of_the_deepseek_v3_like_preset(capsys):
+    """DeepSeek-V3's shape (MLA, 3 dense layers, 256 experts and a shared one) on 64 H200s: an answer, with its
+    parameters (the simulation at 128 devices: within 2%, benchmarks/results/RESULTS.md#19-mla-and-deepseek-v3)."""
+    import re
+
+    assert main(["plan", "--model", "deepseek-v3-like", "--gpus", "64", "--cluster", "h200", "--max-seq-len"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.search(r"longest sequence for deepseek-v3-like on 64 devices of h200: \d{7} tokens .*; parameters "
+                     r"671\.03B total, 37\.55B active$", line), line
