@@ -15,7 +15,8 @@ So per token, without checkpointing, ``b [(H D - d) + (H Dv - d) + He (Dv - D) +
 norms)`` more; under selective recompute the kept ring output is ``H Dv`` (not ``d``) and with ``hp > 1`` the
 all-to-alls' outputs ``H D + He (D + Dv) + H Dv`` (not ``2 d + 2 He D``); in a block's backward the output's
 gradient is ``H Dv``, the op's dK/dV ``He (D + Dv)``, and its workspace that of V's own head dim
-(:func:`~loongtrain.attn.ring.backward_workspace_bytes`). Each ``b`` the compute dtype's bytes.
+(:func:`~loongtrain.attn.ring.backward_workspace_bytes`). Each ``b`` the compute dtype's bytes; a hybrid's (Kimi-
+Linear's) kept sets in its softmax layers' share only.
 """
 
 from __future__ import annotations
@@ -41,16 +42,22 @@ class LatentAttentionMemory(MemoryTerm):
         m = s.model
         return m.dim, m.num_heads, effective_kv_heads(m.num_heads, m.num_kv_heads, s.hp), m.head_dim, m.v_head_dim
 
+    @staticmethod
+    def _layers(s: StepShape) -> int:
+        """The softmax-attention layers (a hybrid's linear-attention layers have their own term)."""
+        return s.model.num_layers - len(s.model.linear_layers)
+
     def layer_bytes(self, s: StepShape) -> tuple[float, float]:
         d, h, he, qk, v = self._heads(s)
-        return s.dtype_bytes * ((h * qk - d) + (h * v - d) + he * (v - qk) + self.latent) + self.scales, 0.0
+        per_layer = s.dtype_bytes * ((h * qk - d) + (h * v - d) + he * (v - qk) + self.latent) + self.scales
+        return per_layer * self._layers(s) / s.model.num_layers, 0.0
 
     def kept(self, s: StepShape, kept: Kept, full_layer: float, mlp_part: float) -> Kept:
         if s.recompute != "selective":  # without checkpointing: layer_bytes; full: only the block inputs
             return kept
         d, h, he, qk, v = self._heads(s)
         per_token = (h * v - d) + ((h * qk - d) + (h * v - d) + he * (v - qk)) * (s.hp > 1)
-        extra = s.model.num_layers * s.tokens * s.dtype_bytes * per_token
+        extra = self._layers(s) * s.tokens * s.dtype_bytes * per_token
         return Kept(kept.activations + extra, kept.layer_kept + extra, kept.host)
 
     def attention_backward(self, s: StepShape) -> float:

@@ -207,7 +207,15 @@ _GATED_ATTENTION = ("qwen3_5_text", "qwen3_next")
 
 def _linear_shape(hf_config: Any) -> dict[str, Any]:
     """The :class:`ModelConfig` fields of a hybrid's Gated DeltaNet layers (HF's names, the same as
-    ModelConfig's) and its gated attention output."""
+    ModelConfig's) and its gated attention output. Kimi-Linear's KDA layers (``linear_num_heads`` heads of
+    ``linear_head_dim`` for keys and values alike) are planned as Gated DeltaNet layers of those heads: the same
+    projections, convolution and recurrence; their low-rank decay and output-gate projections counted as a
+    Gated DeltaNet's full-width ones (more parameters: at Kimi-Linear-48B's shape 0.3% of the model)."""
+    if getattr(hf_config, "model_type", None) == "kimi_linear":
+        heads, dim = int(hf_config.linear_num_heads), int(hf_config.linear_head_dim)
+        return dict(linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=dim,
+                    linear_value_head_dim=dim, linear_conv_kernel_dim=int(hf_config.linear_conv_kernel_dim),
+                    attention_output_gate=False)
     missing = [name for name in LINEAR_FIELDS if not isinstance(getattr(hf_config, name, None), int)]
     if missing:
         raise ValueError(f"{getattr(hf_config, 'model_type', '?')}: linear-attention layers without {missing} in "

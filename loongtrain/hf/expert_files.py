@@ -7,6 +7,12 @@ builds the experts fused: ``mlp.experts.gate_up_proj [E, 2 ffn, dim]`` (each exp
 rows) and ``mlp.experts.down_proj [E, dim, ffn]``. :func:`expert_plan` maps a file's names onto the model's;
 :func:`fuse_tensors` / :func:`fuse_shapes` apply it to tensors or to their shapes (weights checked before any is
 read). Files already fused (gpt-oss, loongtrain's export) pass unchanged.
+
+Kimi-Linear's checkpoints (the Hub's, and what ``save_pretrained`` writes) also name every MLP
+``block_sparse_moe.*`` (the model: ``mlp.*``), keep its KDA forget gate's tensors on the attention
+(``self_attn.f_a_proj``, ``f_b_proj``, ``dt_bias``, ``A_log``; the model: ``self_attn.forget_gate.*``) and its short
+convolution as three (``self_attn.q_conv1d``, ``k_conv1d``, ``v_conv1d``; the model: their concatenation
+``self_attn.conv1d.weight``), as transformers' own conversion reads them.
 """
 
 from __future__ import annotations
@@ -26,9 +32,15 @@ _PER_EXPERT = (
     (re.compile(r"^(?P<prefix>.*)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<proj>w1|w3|w2)\.weight$"),
      {"w1": "gate", "w3": "up", "w2": "down"}),
 )
-_RENAMED = (re.compile(r"\.block_sparse_moe\.gate\.weight$"), ".mlp.gate.weight")
+#: (a file's name, the model's): Mixtral's router and Kimi-Linear's MLPs, routers, shared experts and forget gates
+_RENAMED = ((re.compile(r"\.block_sparse_moe\.(?!experts\.\d)"), ".mlp."),
+            (re.compile(r"\.self_attn\.(?=f_a_proj\.|f_b_proj\.|dt_bias$|A_log$)"), ".self_attn.forget_gate."))
+#: Kimi-Linear's three short convolutions, concatenated (q, k, v) into the model's one
+_CONCATENATED = (re.compile(r"^(?P<prefix>.*\.self_attn)\.(?P<part>q|k|v)_conv1d\.weight$"), ("q", "k", "v"),
+                 "{prefix}.conv1d.weight")
 
-#: a fused tensor's recipe: ("gate_up", [[gate_0, up_0], ...]), ("down", [[down_0], ...]) or ("rename", [[name]])
+#: a fused tensor's recipe: ("gate_up", [[gate_0, up_0], ...]), ("down", [[down_0], ...]), ("rename", [[name]]) or
+#: ("concat", [[part_0, part_1, ...]])
 Plan = dict[str, tuple[str, list[list[str]]]]
 
 
@@ -36,10 +48,18 @@ def expert_plan(names: Iterable[str]) -> Plan:
     """The model's name -> how to build it from the file's ``names``, for every per-expert or renamed tensor;
     ValueError when an expert or a half of one is missing."""
     found: dict[str, dict[int, dict[str, str]]] = {}
+    convs: dict[str, dict[str, str]] = {}
     plan: Plan = {}
     for name in names:
-        if _RENAMED[0].search(name):
-            plan[_RENAMED[0].sub(_RENAMED[1], name)] = ("rename", [[name]])
+        conv = _CONCATENATED[0].match(name)
+        if conv:
+            convs.setdefault(conv["prefix"], {})[conv["part"]] = name
+            continue
+        renamed = name
+        for pattern, replacement in _RENAMED:
+            renamed = pattern.sub(replacement, renamed)
+        if renamed != name and not any(pattern.match(name) for pattern, _ in _PER_EXPERT):
+            plan[renamed] = ("rename", [[name]])
             continue
         for pattern, roles in _PER_EXPERT:
             match = pattern.match(name)
@@ -55,6 +75,11 @@ def expert_plan(names: Iterable[str]) -> Plan:
         order = range(len(experts))
         plan[f"{prefix}.gate_up_proj"] = ("gate_up", [[experts[e]["gate"], experts[e]["up"]] for e in order])
         plan[f"{prefix}.down_proj"] = ("down", [[experts[e]["down"]] for e in order])
+    for prefix, parts in convs.items():
+        if set(parts) != set(_CONCATENATED[1]):
+            raise ValueError(f"the weight files hold {sorted(parts.values())} but not all of {prefix}'s q/k/v "
+                             f"convolutions")
+        plan[_CONCATENATED[2].format(prefix=prefix)] = ("concat", [[parts[p] for p in _CONCATENATED[1]]])
     return plan
 
 
@@ -78,6 +103,8 @@ def fuse(how: str, parts: list[list[torch.Tensor]]) -> torch.Tensor:
     """One fused tensor from its recipe's parts (:data:`Plan`)."""
     if how == "rename":
         return parts[0][0]
+    if how == "concat":
+        return torch.cat(parts[0], dim=0)
     if how == "gate_up":
         return torch.stack([torch.cat(pair, dim=0) for pair in parts])
     return torch.stack([group[0] for group in parts])
@@ -89,6 +116,10 @@ def fuse_shapes(shapes: dict[str, torch.Size]) -> dict[str, torch.Size]:
     def shape(how: str, parts: list[list[torch.Size]]) -> torch.Size:
         if how == "rename":
             return parts[0][0]
+        if how == "concat":
+            if len({tuple(p[1:]) for p in parts[0]}) > 1:
+                raise ValueError(f"the convolutions to concatenate differ in shape: {[tuple(p) for p in parts[0]]}")
+            return torch.Size([sum(p[0] for p in parts[0]), *parts[0][0][1:]])
         first = parts[0]
         if how == "gate_up":
             if any(tuple(p[0]) != tuple(p[1]) for p in parts) or len({tuple(p[0]) for p in parts}) > 1:

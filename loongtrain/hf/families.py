@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "GptOssForCausalLM",
     "Qwen3_5ForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Qwen3NextForCausalLM",
+    "KimiLinearForCausalLM",
 )
 
 

@@ -110,6 +110,14 @@ def _router(self, hidden_states):
     return logits, weights * self.routed_scaling_factor, indices
 
 
+def dtype_preserving_routers(model: nn.Module) -> nn.Module:
+    """DeepSeek-V3's (and Kimi-Linear's) routers computed in their input's dtype (HF casts them to float32)."""
+    for module in model.modules():
+        if type(module).__name__.endswith("TopkRouter"):
+            module.forward = types.MethodType(_router, module)
+    return model
+
+
 def dtype_preserving(model: nn.Module) -> nn.Module:
     """HF rounds RMSNorm statistics, rotary angles and DeepSeek-V3's router through float32 by design; in fp64 they
     are computed in fp64 here, so that a comparison at 1e-10 compares the parallelism, not that rounding."""

@@ -89,7 +89,8 @@ def test_unsupported_architecture_lists_supported():
     moe = ["MixtralForCausalLM", "Qwen3MoeForCausalLM"]  # tests/unit/test_moe.py
     linear = ["Qwen3_5ForCausalLM"]  # tests/dist/test_linear_dist.py
     deepseek = ["DeepseekV3ForCausalLM"]  # tests/dist/test_deepseek_v3_dist.py
-    assert set(supported_architectures()) == {*FAMILIES, *moe, *linear, *deepseek, "GptOssForCausalLM"}
+    hybrid_moe = ["Qwen3NextForCausalLM", "KimiLinearForCausalLM"]  # tests/dist/test_hybrid_moe_dist.py
+    assert set(supported_architectures()) == {*FAMILIES, *moe, *linear, *deepseek, *hybrid_moe, "GptOssForCausalLM"}
     model = LlamaForSequenceClassification(LlamaConfig(**COMMON))
     with pytest.raises(ValueError, match="LlamaForSequenceClassification.*Qwen3ForCausalLM"):
         apply_to_hf(model, loongtrain.single_process_mesh())
