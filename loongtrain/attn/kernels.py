@@ -206,7 +206,7 @@ def head_dim_padded(kernel: Kernel, multiple: int, name: str) -> Kernel:
                   kernel.varlen_bottom_right, kernel.windowed, unequal_head_dims=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _equal_widths(kernel: Kernel) -> Kernel:
     return head_dim_padded(kernel, 1, f"{kernel.name}_v_padded")
 

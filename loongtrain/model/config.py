@@ -119,8 +119,8 @@ class ModelConfig:
             raise ValueError(f"qk_rope_head_dim={rope} must be even and between 0 and head_dim={self.head_dim} "
                              f"(MLA: the RoPE part of the queries' and keys' head dim)")
         if self.num_kv_heads != self.num_heads:
-            raise ValueError(f"num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads} with MLA (its keys "
-                             f"and values come per head out of the latent)")
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads} with MLA (its "
+                             f"keys and values come per head out of the latent)")
         if self.attention_sinks or self.attention_bias:
             raise ValueError("attention_sinks and attention_bias have no MLA form; use kv_lora_rank=0")
 

@@ -2,8 +2,8 @@
 tiny DeepSeek-V3 directory (MLA, routed experts written apart as ``save_pretrained`` does, shared experts, the
 score-correction biases, a dense first layer) trains with the same losses at world 1, at hp2 x cp2 under ZeRO full
 (the model built on the meta device, its weights and biases read from the files) and on the double ring (hp1 x cp4,
-inner ring 2), the packed documents masked as by default (fp32, rel 1e-5), for three steps; no load-balancing loss (HF's DeepSeek-V3 has none), the
-biases unchanged; the export loads in transformers with the same logits."""
+inner ring 2), the packed documents masked as by default (fp32, rel 1e-5), for three steps; no load-balancing loss
+(HF's DeepSeek-V3 has none), the biases unchanged; the export loads in transformers with the same logits."""
 
 from __future__ import annotations
 

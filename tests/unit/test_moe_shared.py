@@ -40,7 +40,7 @@ def _block(kind: str):
         with torch.no_grad():
             for param in block.parameters():
                 param.normal_(0.0, 0.4)
-            for name, buffer in block.named_buffers():
+            for buffer in block.buffers():
                 buffer.normal_(0.0, 0.2)  # the score-correction bias
     return block, config
 
