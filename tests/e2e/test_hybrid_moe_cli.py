@@ -1,9 +1,9 @@
 """``loongtrain train --model DIR`` of Qwen3-Next and Kimi-Linear directories (docs/linear-attention.md,
-docs/moe-and-gpt-oss.md#deepseek-v3-and-mla): linear-attention layers, softmax attention (Kimi-Linear's MLA) and experts with shared
-ones train three steps with the same losses at world 1 and at hp2 x cp2 under ZeRO full (the model built on the meta
-device and filled from the files: Kimi-Linear's checkpoint names renamed, its convolutions concatenated, its
-score-correction biases read), fp32, rel 1e-5; Qwen3-Next's load-balancing loss the same too; the export loads in
-transformers with the logits of loongtrain's own load."""
+docs/moe-and-gpt-oss.md#deepseek-v3-and-mla): linear-attention layers, softmax attention (Kimi-Linear's MLA) and
+experts with shared ones train three steps with the same losses at world 1 and at hp2 x cp2 under ZeRO full (the
+model built on the meta device and filled from the files: Kimi-Linear's checkpoint names renamed, its convolutions
+concatenated, its score-correction biases read), fp32, rel 1e-5; Qwen3-Next's load-balancing loss the same too; the
+export loads in transformers with the logits of loongtrain's own load."""
 
 from __future__ import annotations
 
