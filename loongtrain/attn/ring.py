@@ -303,9 +303,8 @@ def ring_backward_packed(
     whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: dq, dk, dv as the kernel gives them, no fp32 accumulators
         return whole_backward(kernel, whole, dout, q, k, v, out, lse, scale)
-    layout = KVBlock.of(k, v)
-    step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, kernel, layout)
-    member = _Member(geometry, ring.position, DistTransport(ring), step, layout.pack(k, v))
+    step = BackwardStep(dout, q, out, lse, ring.position, mask, geometry.size, scale, kernel)
+    member = _Member(geometry, ring.position, DistTransport(ring), step, KVBlock.of(k, v).pack(k, v))
     run_pass(geometry, [member], True, _reach(geometry, q, mask))
     return step.dq.to(q.dtype), member.registers[DKV_OWN].to(k.dtype)
 
@@ -375,12 +374,12 @@ def local_ring_backward(
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`ring_backward` of all members of one ring in this process; returns each member's dq, dk, dv."""
     mask, cp = mask or AttnMask(causal), len(qs)
-    steps = [BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q, ks[p], vs[p]),
-                          KVBlock.of(ks[p], vs[p])) for p, q in enumerate(qs)]
+    steps = [BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q, ks[p], vs[p]))
+             for p, q in enumerate(qs)]
     geometry, members = _local_members(inner_ring, steps, ks, vs, transports)
     run_pass(geometry, members, True, _reach(geometry, qs[0], mask))
     out = []
     for s, m, q, k, v in zip(steps, members, qs, ks, vs):
-        dk, dv = s.layout.split(m.registers[DKV_OWN])
+        dk, dv = KVBlock.of(k, v).split(m.registers[DKV_OWN])
         out.append((s.dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)))
     return out

@@ -53,6 +53,13 @@ class KVBlock:
     def of(cls, k: Tensor, v: Tensor) -> KVBlock:
         return cls(tuple(k.shape), tuple(v.shape))
 
+    @classmethod
+    def holding(cls, block: Tensor, q: Tensor, v_head_dim: int) -> KVBlock:
+        """The layout of ``block`` against queries ``q [B, H, S_c, D]``: its K/V heads from its size."""
+        b, _, s, d = q.shape
+        kv_heads = block.numel() // (b * s * (d + v_head_dim))
+        return cls((b, kv_heads, s, d), (b, kv_heads, s, v_head_dim))
+
     @property
     def k_numel(self) -> int:
         return self.k_shape[0] * self.k_shape[1] * self.k_shape[2] * self.k_shape[3]
@@ -387,18 +394,19 @@ class BackwardStep:
     accumulators' dtype; zeros, without a kernel call, for a block no local query sees)."""
 
     def __init__(self, dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, position: int, mask: AttnMask,
-                 cp: int, scale: float, kernel: Kernel, layout: KVBlock) -> None:
+                 cp: int, scale: float, kernel: Kernel) -> None:
         self.dout, self.q, self.out, self.lse = dout, q, out, lse
-        self.scale, self.kernel, self.layout = scale, kernel, layout
+        self.scale, self.kernel = scale, kernel
         self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
                                 kernel.varlen_backward is not None, kernel.varlen_bottom_right, kernel.windowed)
         b, h, sq, d = q.shape  # [B, S, H, D] storage: the op's result layout, so no copy at the end
         self.dq = torch.zeros((b, sq, h, d), dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
 
     def __call__(self, src: int, block: Tensor) -> Tensor:
-        contrib = self.layout.zeros(self.dq.dtype, block.device)
-        k, v = self.layout.split(block)
-        dk_acc, dv_acc = self.layout.split(contrib)
+        layout = KVBlock.holding(block, self.q, self.out.shape[-1])
+        contrib = layout.zeros(self.dq.dtype, block.device)
+        k, v = layout.split(block)
+        dk_acc, dv_acc = layout.split(contrib)
         plan, band = self.plans(src), self.plans.band
         for rows, p in plan.dense:
             r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
