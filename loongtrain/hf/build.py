@@ -84,10 +84,11 @@ def hf_initial_weights(directory: str | Path) -> Callable[[str, torch.Size], Ten
 
 
 @torch.no_grad()
-def restore_hf_buffers(model: nn.Module, initial: Callable[[str, torch.Size], Tensor]) -> None:
+def restore_hf_buffers(model: nn.Module, initial: Callable[[str, torch.Size], Tensor] | None = None) -> None:
     """Fill the buffers of a model allocated with ``to_empty`` (their values are garbage): the rotary embeddings'
     inverse frequencies, rebuilt from the config as the model's constructor does, and the buffers the weight
-    files hold (``initial(name, shape)``, :func:`hf_initial_weights`: DeepSeek-V3's score-correction biases)."""
+    files hold (``initial(name, shape)``, :func:`hf_initial_weights`: DeepSeek-V3's score-correction biases;
+    without ``initial`` such a buffer is a ValueError)."""
     persistent = set(model.state_dict())
     for prefix, module in model.named_modules():
         buffers = dict(module.named_buffers(recurse=False))
@@ -95,7 +96,7 @@ def restore_hf_buffers(model: nn.Module, initial: Callable[[str, torch.Size], Te
             continue
         if not type(module).__name__.endswith("RotaryEmbedding"):
             names = {name: f"{prefix}.{name}" if prefix else name for name in buffers}
-            unknown = sorted(name for name, full in names.items() if full not in persistent)
+            unknown = sorted(name for name, full in names.items() if full not in persistent or initial is None)
             if unknown:
                 raise ValueError(f"{type(module).__name__} holds buffers {unknown} that loongtrain cannot rebuild "
                                  f"after sharding on the meta device")
