@@ -114,11 +114,16 @@ def test_exact_in_the_ring(monkeypatch, kernel, seed):
 
 
 @pytest.mark.parametrize("kernel", [CUDA_FA3, CUDA_FA4], ids=lambda k: k.name)
-def test_one_call_for_a_ring_of_one_member(monkeypatch, kernel):
+@pytest.mark.parametrize("v_head_dim", [8, 4, 12])
+def test_one_call_for_a_ring_of_one_member(monkeypatch, kernel, v_head_dim):
+    """One call each way, also with V's head dim not Q/K's (MLA: the library takes one head dim, as the emulation
+    checks, so the narrower is zero-padded to the wider and the padding cut off out and the gradients exactly)."""
     flash = install_flash(monkeypatch, allow_fp64=True)
     g = torch.Generator().manual_seed(1)
-    q, dout = (torch.randn(1, 4, 32, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, 2, 32, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    q, k = torch.randn(1, 4, 32, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 32, 8, generator=g,
+                                                                                    dtype=torch.float64)
+    v = torch.randn(1, 2, 32, v_head_dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(1, 4, 32, v_head_dim, generator=g, dtype=torch.float64)
     for mask in (AttnMask(True, 9), AttnMask(True, None, ((0, 5, 6, 32),))):
         flash.calls.clear()
         results = []
@@ -128,4 +133,20 @@ def test_one_call_for_a_ring_of_one_member(monkeypatch, kernel):
                                                      mask=mask)))
         assert len(flash.calls) == 2, flash.calls  # one forward call and one backward call
         for got, want in zip(*results, strict=True):
-            assert (got - want).abs().max() < 1e-10
+            assert got.shape == want.shape and (got - want).abs().max() < 1e-10
+
+
+@pytest.mark.parametrize("kernel", [CUDA_FA3, CUDA_FA4], ids=lambda k: k.name)
+def test_another_v_head_dim_exact_in_the_ring(monkeypatch, kernel):
+    """MLA's head dims (V's 8 and 24 against Q/K's 16) in rings of 2 and 3 with documents and a window (dense,
+    varlen and band calls on the padded heads): fp64 equal to the reference kernel, which takes two head dims."""
+    flash = install_flash(monkeypatch, allow_fp64=True)
+    install(monkeypatch, allow_fp64=True)
+    docs = tuple(random_docs(24, random.Random(seed), 3) for seed in range(2))
+    for v_head_dim, mask, cp in ((8, AttnMask(True, 5, docs), 2), (24, AttnMask(True, None, docs), 3),
+                                 (8, AttnMask(False, 7, None), 3)):
+        got, want = (ring_results(k, mask, cp, v_head_dim) for k in (kernel, REFERENCE))
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and (g - w).abs().max() < 1e-10, (v_head_dim, mask, cp)
+    prefix = "fa3" if kernel is CUDA_FA3 else "fa4"
+    assert {c.split("_")[0] for c in flash.calls} == {prefix} and len(set(flash.calls)) == 2, flash.calls

@@ -145,17 +145,19 @@ def _cells(piece, longer: int) -> torch.Tensor:
     return full & ((d >= -left) if left >= 0 else full) & ((d <= right) if right >= 0 else full)
 
 
-def test_packed_documents_at_cp_1_are_one_varlen_call_without_accumulators(monkeypatch):
+@pytest.mark.parametrize("v_head_dim", [8, 4])
+def test_packed_documents_at_cp_1_are_one_varlen_call_without_accumulators(monkeypatch, v_head_dim):
     """One varlen call covers every row in order (documents, a ring of one member): the ring makes that one call
-    each way and no merge (its plan: ``natural``); exact in fp64."""
+    each way and no merge (its plan: ``natural``); exact in fp64, also with V's head dim below Q/K's (MLA: V and dO
+    zero-padded for FA2's one head dim, the padding cut off out and dV)."""
     ops = install(monkeypatch, allow_fp64=True)
     docs = (0, 3, 10, 11, 24)
     plans = StepPlans(AttnMask(True, None, (docs,)), 1, 24, 1, 0, torch.device("cpu"), True, True, True)
     (call,) = plans(0).varlen
     assert call.natural and not plans(0).dense
     g = torch.Generator().manual_seed(2)
-    q, dout = (torch.randn(1, 4, 24, 8, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(1, 2, 24, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    q, dout = (torch.randn(1, 4, 24, d, generator=g, dtype=torch.float64) for d in (8, v_head_dim))
+    k, v = (torch.randn(1, 2, 24, d, generator=g, dtype=torch.float64) for d in (8, v_head_dim))
     ring, mask = Ring((0,), 0, 1), AttnMask(True, None, (docs,))
     results = {}
     for kernel in (CUDA_FLASH, REFERENCE):
@@ -163,4 +165,4 @@ def test_packed_documents_at_cp_1_are_one_varlen_call_without_accumulators(monke
         results[kernel.name] = (out, lse, *ring_backward(dout, q, k, v, out, lse, ring, True, 0.3, kernel, mask=mask))
     assert ops.calls == ["_flash_attention_forward", "_flash_attention_backward"]
     for got, want in zip(results["cuda_flash"], results["reference"], strict=True):
-        assert (got - want).abs().max() < 1e-10
+        assert got.shape == want.shape and (got - want).abs().max() < 1e-10

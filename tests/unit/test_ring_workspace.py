@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from loongtrain.attn.kernels import CPU_FLASH
+from loongtrain.attn.kernels import CPU_FLASH, for_head_dims
 from loongtrain.attn.masking import Piece
 from loongtrain.attn.ring import backward_workspace_bytes, local_ring_backward, whole_backward
 
@@ -60,8 +60,6 @@ def test_mla_workspace_is_described(cp):
     """MLA's heads (16 query and key heads of 192, values of 128): one call (cp = 1) on V, dO and O padded to 192,
     exactly; the ring (cp = 4) within the bound the equal head dims keep at this head layout (the description
     counts every dK/dV block at once: 25% over here)."""
-    from loongtrain.attn.kernels import for_head_dims
-
     heads, qk, v_dim, tokens = 16, 192, 128, 4096
     with FakeTensorMode():
         def make(n, d, dtype=torch.bfloat16):
@@ -70,8 +68,8 @@ def test_mla_workspace_is_described(cp):
         qs, ks, (vs, outs, douts) = make(cp, qk), make(cp, qk), (make(cp, v_dim) for _ in range(3))
         lses = [torch.empty(1, heads, tokens) for _ in range(cp)]
         if cp == 1:
-            kernel = for_head_dims(CPU_FLASH, qk, v_dim)
-            peak = _peak(lambda: whole_backward(kernel, True, douts[0], qs[0], ks[0], vs[0], outs[0], lses[0], 0.1))
+            kernel, causal = for_head_dims(CPU_FLASH, qk, v_dim), Piece(0, tokens, 0, tokens, "causal")
+            peak = _peak(lambda: whole_backward(kernel, causal, douts[0], qs[0], ks[0], vs[0], outs[0], lses[0], 0.1))
         else:
             peak = _peak(lambda: local_ring_backward(douts, qs, ks, vs, outs, lses, 1, True, 0.1)) / cp
     results = tokens * heads * (2 * qk + v_dim) * 2
