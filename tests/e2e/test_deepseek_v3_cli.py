@@ -71,7 +71,7 @@ def test_export_loads_in_transformers(runs, tmp_path):
 
 def test_plan_max_seq_len_of_the_deepseek_v3_like_preset(capsys):
     """DeepSeek-V3's shape (MLA, 3 dense layers, 256 experts and a shared one) on 64 H200s: an answer, with its
-    parameters (the simulation at 128 devices: within 2%, benchmarks/results/RESULTS.md#20-mla-and-deepseek-v3)."""
+    parameters (the simulation at 128 devices: within 2%, benchmarks/results/RESULTS.md#21-mla-and-deepseek-v3)."""
     import re
 
     assert main(["plan", "--model", "deepseek-v3-like", "--gpus", "64", "--cluster", "h200", "--max-seq-len"]) == 0
