@@ -2,8 +2,10 @@
 docs/linear-attention.md): their linear-attention layers (Gated DeltaNet; KDA) with state passing over the context
 ranks, their softmax attention (Qwen3-Next's gated, with partial RoPE; Kimi-Linear's MLA without RoPE) and their
 experts with shared experts (Qwen3-Next's softmax router and sigmoid-gated shared expert; Kimi-Linear's group-limited
-sigmoid router with the score-correction bias) at hp2 x cp2, hp1 x cp4 and the double ring, with and without packed
-documents: logits and every parameter's gradient equal transformers' own unsharded model in fp64 (1e-10)."""
+sigmoid router with the score-correction bias) at hp2 x cp2 and hp1 x cp4, with and without packed documents: logits
+and every parameter's gradient equal transformers' own unsharded model in fp64 (1e-10). The double ring of these
+layers: tests/dist/test_linear_dist.py (Gated DeltaNet in Qwen3.5 whole, KDA alone) and
+tests/dist/test_deepseek_v3_dist.py (MLA and the shared experts)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from tests.helpers.hybrid_moe import FAMILIES, check_hybrid
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = [dict(hp=2, cp=2), dict(hp=1, cp=4), dict(hp=1, cp=4, inner_ring=2)]
+LAYOUTS = [dict(hp=2, cp=2), dict(hp=1, cp=4)]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
