@@ -8,22 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loongtrain.launch.config import TrainConfig
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.documents import balanced_chunk_order, cu_seqlens_from_starts, rank_work, visible_pairs
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.parallel.zigzag import shard_indices
-from loongtrain.launch.config import TrainConfig
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.doc_batches import MODEL, ROWS, SEQ, packed_batch
+from tests.helpers.exact_steps import param_name
 
 pytestmark = pytest.mark.distributed
 
 
 
-
-
-def _name(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 LAYOUTS = [(2, 2, "zigzag"), (1, 4, "zigzag"), (4, 1, "zigzag"), (1, 4, "balanced"), (2, 2, "balanced")]
@@ -42,7 +39,7 @@ def _sharded_step(rank: int, world: int, layouts: list[tuple[int, int, str]]) ->
         order = trainer.ctx.sharding.chunk_order(trainer.ctx.sharding.documents(packed_batch())[0], SEQ)
         assert (order is not None) == (chunk_order == "balanced"), (chunk_order, order)
         result = trainer.step([packed_batch()])
-        grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
+        grads = {param_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
         out[(hp, cp, chunk_order)] = (result["loss"], result["attention_pairs"], grads if rank == 0 else None)
     return out
 
@@ -119,7 +116,7 @@ def _hf_sharded_step(rank: int, world: int, directory: str, layouts: list[tuple[
                           chunk_order=chunk_order))
         trainer = Trainer(run_of(cfg, model_config_for(cfg.model)), mesh, torch.device("cpu"))
         result = trainer.step([packed_batch()])
-        grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
+        grads = {param_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
         out[(hp, cp, chunk_order)] = (result["loss"], grads if rank == 0 else None)
     return out
 

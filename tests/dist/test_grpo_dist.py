@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from loongtrain.data.rollouts import Rollout, RolloutDataset, with_advantages
+from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
-from loongtrain.launch.config import TrainConfig, run_of
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.exact_steps import assert_steps_equal, step_with_grads
 from tests.helpers.fixtures import tiny_model
 from tests.helpers.grpo_reference import completion_logps, formula_loss
 
@@ -69,10 +70,6 @@ def _batches(old, dp: int, dp_rank: int) -> list[dict[str, torch.Tensor]]:
     return [_collate([dataset[m * dp + dp_rank]]) for m in range(accum)]
 
 
-def _name(name: str) -> str:
-    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-
-
 def _sharded(rank: int, world: int, layouts: list[tuple[int, int]], old: list[np.ndarray]) -> dict:
     from loongtrain.objectives.grpo import TokenReference
     from loongtrain.train.model_setup import build_model
@@ -91,9 +88,8 @@ def _sharded(rank: int, world: int, layouts: list[tuple[int, int]], old: list[np
             if beta:  # another reference than the policy's initial weights, sharded like it
                 other = build_model(MODEL, cfg.replace(seed=REF_SEED), mesh, torch.device("cpu"))
                 trainer.objective.reference = TokenReference(other, trainer.ctx, TEMPERATURE)
-            result = trainer.step(_batches(old if with_old else None, mesh.dp, mesh.dp_rank))
-            grads = {_name(n): p.grad.clone() for n, p in trainer.model.named_parameters()}
-            out[(hp, cp, loss_type)] = (result, grads if rank == 0 else None)
+            out[(hp, cp, loss_type)] = step_with_grads(
+                trainer, _batches(old if with_old else None, mesh.dp, mesh.dp_rank), rank)
     return out
 
 
@@ -118,20 +114,8 @@ def test_grpo_step_equals_the_unsharded_reference_world_1_and_4():
     references = {s[0]: _reference(s[0], s[1], s[2], old if s[3] else None) for s in SETTINGS}
     assert references["grpo"][2]["clip_ratio/region_mean"] > 0.5  # the behaviour log-probabilities clip
     assert references["dapo"][2]["kl"] > 1e-3  # the reference differs from the policy
-    runs = [run_distributed(_sharded, 1, [(1, 1)], old), run_distributed(_sharded, 4, [(2, 2), (1, 2)], old)]
-    for per_rank in runs:
-        for rank_out in per_rank:
-            for (hp, cp, loss_type), (result, _) in rank_out.items():
-                ref_loss, _, metrics = references[loss_type]
-                assert abs(result["loss"] - ref_loss) < 1e-10, (hp, cp, loss_type, result["loss"], ref_loss)
-                for name, value in metrics.items():
-                    assert abs(result[name] - value) < 1e-10, (hp, cp, loss_type, name, result[name], value)
-        for (hp, cp, loss_type), (_, grads) in per_rank[0].items():
-            ref_grads = references[loss_type][1]
-            assert grads.keys() == ref_grads.keys()
-            for name, grad in grads.items():
-                err = (grad - ref_grads[name]).abs().max().item()
-                assert err < 1e-10, (hp, cp, loss_type, name, err)
+    for world, layouts in ((1, [(1, 1)]), (4, [(2, 2), (1, 2)])):
+        assert_steps_equal(run_distributed(_sharded, world, layouts, old), references)
 
 
 def _actor(rank: int, world: int, hp: int, cp: int) -> tuple[list[torch.Tensor], float]:

@@ -27,11 +27,13 @@ DIR_COMMON = {**COMMON, "vocab_size": DIR_VOCAB}
 DIR_FAMILIES = {**FAMILIES, "MistralForCausalLM": ("MistralConfig", dict(sliding_window=None))}
 
 
-def _fp64_rmsnorm(self, x):
+def fp64_rmsnorm(self, x):
+    """RMSNorm's forward in the input's dtype (HF computes it in float32)."""
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
-def _fp64_rope(self, x, position_ids):
+def fp64_rope(self, x, position_ids):
+    """RoPE's ``(cos, sin)`` from float64 angles (HF computes them in float32)."""
     head_dim = self.inv_freq.numel() * 2
     inv_freq = self.config.rope_parameters["rope_theta"] ** (
         -(torch.arange(head_dim // 2, dtype=torch.float64) * 2.0 / head_dim))
@@ -81,7 +83,7 @@ def force_fp64(model):
     """HF computes RMSNorm and RoPE angles in fp32 by design; compute them in fp64 to compare at 1e-10."""
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(_fp64_rmsnorm, module)
+            module.forward = types.MethodType(fp64_rmsnorm, module)
         elif type(module).__name__.endswith("RotaryEmbedding"):
-            module.forward = types.MethodType(_fp64_rope, module)
+            module.forward = types.MethodType(fp64_rope, module)
     return model

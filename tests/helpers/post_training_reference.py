@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.hf_models import fp64_rmsnorm, fp64_rope
+
 
 def hf_tokenizer(path):
     from transformers import AutoTokenizer
@@ -81,19 +83,11 @@ def dpo_reference(policy, reference, tokenizer, pairs: Sequence[dict], beta: flo
 
 
 def _fp64_rmsnorm(self, x):
-    if x.dtype != torch.float64:
-        return _STOCK[type(self)](self, x)
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+    return fp64_rmsnorm(self, x) if x.dtype == torch.float64 else _STOCK[type(self)](self, x)
 
 
 def _fp64_rope(self, x, position_ids):
-    if x.dtype != torch.float64:
-        return _STOCK[type(self)](self, x, position_ids)
-    head_dim = self.inv_freq.numel() * 2
-    inv_freq = self.config.rope_parameters["rope_theta"] ** (
-        -(torch.arange(head_dim // 2, dtype=torch.float64) * 2.0 / head_dim))
-    angles = torch.cat([position_ids[..., None].double() * inv_freq] * 2, dim=-1)
-    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return fp64_rope(self, x, position_ids) if x.dtype == torch.float64 else _STOCK[type(self)](self, x, position_ids)
 
 
 _STOCK: dict = {}
