@@ -37,6 +37,9 @@ class LossObjective:
     (:meth:`batches`, :meth:`validation_batches`), :meth:`loss_of` and :meth:`validation_loss`."""
 
     unit = "targets"
+    #: whether its :meth:`phases` run between steps, the last step's gradients held (GRPO's generation and reference
+    #: forward), rather than before the first step (DPO's reference pass)
+    phases_with_gradients = False
 
     def __init__(self, ctx: StepContext, run: Run) -> None:
         self.ctx, self.run = ctx, run
@@ -93,9 +96,15 @@ class LossObjective:
         raise NotImplementedError
 
     def phases(self, row: LocalBatch) -> dict[str, Any]:
-        """What the run does before its first step that the simulation measures as phases of their own, by name:
-        callables on one row laid on this rank (DPO: the reference pass). None by default."""
+        """What the run does outside its steps that the simulation measures as phases of their own, by name, in
+        order: callables on one row laid on this rank (DPO: the reference pass; GRPO: the engine's generation). None
+        by default."""
         return {}
+
+    def resident(self) -> tuple[torch.nn.Module, ...]:
+        """Models it holds beside the policy through the run (GRPO's reference), which the simulation counts in
+        every phase. None by default."""
+        return ()
 
 
 class ObjectiveSpec:
@@ -142,8 +151,14 @@ class ObjectiveSpec:
         return None
 
     def memory(self) -> tuple[MemoryTerm, ...]:
-        """Its memory phases outside the step (the planner's terms; its recipe's ``memory()`` too)."""
+        """Its memory phases outside the step as ``loongtrain plan`` counts them, for a run of
+        :meth:`planned_options` (a run's own: its recipe's ``memory()``)."""
         return ()
+
+    def planned_options(self) -> dict[str, Any]:
+        """Its options as ``loongtrain plan`` assumes them (it takes none of an objective's): what :meth:`memory`
+        counts and ``plan --simulate`` simulates. The defaults unless overridden."""
+        return {}
 
     def sample_batch(self, model: ModelConfig, seq_len: int, batch: int) -> Batch:
         """A full batch of its rows for the simulation (real tensors, made before the fake tensors): random tokens,

@@ -39,8 +39,8 @@ from loongtrain.loss.token_logprobs import chunked_logprobs_and_entropy, chunked
 from loongtrain.model.config import ModelConfig
 from loongtrain.model.memory import MemoryTerm
 from loongtrain.objectives.base import TrainConfig
-from loongtrain.objectives.grpo_loop import LoopOptions, check_online, online_rollouts, rollout_chat
-from loongtrain.objectives.grpo_memory import grpo_phases, rollout_batch
+from loongtrain.objectives.grpo_loop import LoopOptions, check_online, ensure_engine, online_rollouts, rollout_chat
+from loongtrain.objectives.grpo_memory import PLANNED, RolloutEngine, grpo_phases, last_decoding_step, rollout_batch
 from loongtrain.objectives.options import CATALOGUE, GRPO, GRPOOptions
 from loongtrain.objectives.post_training import RowsSpec, TargetsObjective, dp_sum
 from loongtrain.objectives.reference import build_reference_model, check_reference
@@ -107,6 +107,7 @@ class GRPOObjective(TargetsObjective):
     """``--objective grpo`` (module docstring)."""
 
     unit = "completion tokens"
+    phases_with_gradients = True  # the engine generates before a step's zero_grad; the reference runs every micro-step
 
     def __init__(self, ctx: StepContext, run: Run, recipe: GRPORecipe) -> None:
         super().__init__(ctx, run, recipe.reader)
@@ -179,6 +180,25 @@ class GRPOObjective(TargetsObjective):
     def validation_loss(self, batches: Sequence[Batch]) -> float:
         raise AssertionError("--objective grpo has no validation loss (the options' check refuses it)")
 
+    def resident(self) -> tuple[nn.Module, ...]:
+        """The reference model (``--grpo-beta > 0``) and rank 0's engine once built, beside the policy all run."""
+        return tuple(m for m in (self.reference and self.reference.model, self.engine and self.engine.model) if m)
+
+    def phases(self, row: LocalBatch) -> dict[str, Any]:
+        """What its memory terms model outside the step (loongtrain/objectives/grpo_memory.py), as the simulation
+        measures it: online, on rank 0, the engine built here (as the loop builds it before the first step) and
+        its last decoding step (phase ``rollout``); with a reference, its forward on ``row`` (phase ``reference``)."""
+        out: dict[str, Any] = {}
+        engines = [t for t in self.recipe.memory() if isinstance(t, RolloutEngine)]
+        if engines and self.ctx.mesh.rank == 0:
+            ensure_engine(self, self.run.cfg, 0)  # the simulation samples no EOS
+            engine = self.engine
+            out["rollout"] = lambda: last_decoding_step(engine.model, engines[0], self.temperature)
+        if self.reference is not None:
+            reference = self.reference
+            out["reference"] = lambda: reference.token_logps(row)
+        return out
+
 
 @dataclass(frozen=True)
 class GRPORecipe:
@@ -239,7 +259,10 @@ class GroupRelative(RowsSpec):
         return rollout_chat(tokenizer, options.chat_template)
 
     def memory(self) -> tuple[MemoryTerm, ...]:
-        return grpo_phases(None)
+        return grpo_phases(GRPOOptions(**PLANNED))
+
+    def planned_options(self) -> dict[str, Any]:
+        return dict(PLANNED)
 
     def sample_batch(self, model: ModelConfig, seq_len: int, batch: int) -> Batch:
         return rollout_batch(model, seq_len, batch)

@@ -50,7 +50,7 @@ class TransformersEngine:
     """The embedded engine (module docstring): ``model`` a Hugging Face causal LM on ``device``."""
 
     def __init__(self, model: nn.Module, eos_id: int, device: torch.device) -> None:
-        self.model, self.eos_id, self.device = model.to(device).eval(), eos_id, device
+        self.model, self.eos_id, self.device = model.to(device).eval().requires_grad_(False), eos_id, device
 
     @classmethod
     def for_model(cls, model_dir: str | None, model_config: ModelConfig, dtype: torch.dtype, eos_id: int,
@@ -59,13 +59,16 @@ class TransformersEngine:
         Llama config of a loongtrain preset (loongtrain/hf/convert.py); weights come with
         :meth:`load_weights`."""
         from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.initialization import no_init_weights
 
         config = (AutoConfig.from_pretrained(str(Path(model_dir)), local_files_only=True) if model_dir else
                   hf_config_from_model_config(model_config))
         config.use_cache = True
-        with torch.device("meta"):
+        # allocated on the device without an initialisation (also under the simulation's fake tensors, which cannot
+        # be moved off the meta device)
+        with torch.device(device), no_init_weights():
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        return cls(model.to_empty(device=device), eos_id, device)
+        return cls(model, eos_id, device)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         state = dict(weights)

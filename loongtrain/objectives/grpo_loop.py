@@ -202,14 +202,22 @@ def online_rollouts(objective: Any, cfg: Any, start_micro_step: int) -> OnlineRo
     prompts = read_prompts(options.prompts, tokenizer, rollout_chat(tokenizer, options.chat_template),
                            cfg.data.decode_errors)
     directory = hf_model_dir(cfg.model.model)
-    if ctx.mesh.rank == 0 and objective.engine is None:
-        objective.engine = TransformersEngine.for_model(None if directory is None else str(directory),
-                                                        ctx.model_config, param_dtype(cfg.model.dtype),
-                                                        tokenizer.eos_id, ctx.device)
+    ensure_engine(objective, cfg, tokenizer.eos_id)
     rewards = load_rewards(options.reward, options.reward_weights) if ctx.mesh.rank == 0 else []
     weights = lambda: policy_weights(ctx.model, ctx.model_config, directory is not None)  # noqa: E731
     return OnlineRollouts(recipe.loop_options(cfg), prompts, tokenizer, ctx.mesh, rewards, objective.engine, weights,
                           start_micro_step, objective.loop_metrics)
+
+
+def ensure_engine(objective: Any, cfg: Any, eos_id: int) -> None:
+    """``objective.engine``: the embedded engine of the policy's architecture on rank 0's device, built once (the
+    other ranks hold none)."""
+    ctx = objective.ctx
+    if ctx.mesh.rank == 0 and objective.engine is None:
+        directory = hf_model_dir(cfg.model.model)
+        objective.engine = TransformersEngine.for_model(None if directory is None else str(directory),
+                                                        ctx.model_config, param_dtype(cfg.model.dtype),
+                                                        eos_id, ctx.device)
 
 
 def check_online(recipe: Any, cfg: Any, tokenizer: Tokenizer, world: int) -> list[str]:

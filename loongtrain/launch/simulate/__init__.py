@@ -84,6 +84,7 @@ from loongtrain.launch.simulate.fake_step import (  # noqa: F401 - fake_ranks an
 )
 from loongtrain.model.config import ModelConfig, dense_prefix, with_depth
 from loongtrain.model.llama import MoEFeedForward
+from loongtrain.objectives.registry import objective_spec
 from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import init_mesh
 from loongtrain.parallelize import zero as zero_module
@@ -126,14 +127,18 @@ class Simulated:
 @dataclasses.dataclass
 class SimulatedStep:
     """What :func:`tracked_step` runs: the step context, its optimizer and gradient sync, the micro-batch's
-    ``loss_fn`` (``() -> (loss, value)``, the objective's) and the objective's ``phases`` before the step (by name,
-    each a callable: DPO's ``reference`` pass)."""
+    ``loss_fn`` (``() -> (loss, value)``, the objective's), the objective's ``phases`` (by name, each a callable:
+    DPO's ``reference`` pass, GRPO's ``rollout``), before the step or, ``phases_with_gradients``, after it with its
+    gradients still held (phases between steps: GRPO's), and the models it keeps ``resident`` beside the policy
+    (GRPO's reference and engine), counted from the start."""
 
     ctx: StepContext
     optimizer: torch.optim.Optimizer
     grad_sync: GradientSync | None
     loss_fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     phases: dict[str, Callable[[], None]] = dataclasses.field(default_factory=dict)
+    resident: tuple[torch.nn.Module, ...] = ()
+    phases_with_gradients: bool = False
 
 
 def _parts(snapshot: dict[Any, dict[Any, int]], key: Any) -> dict[str, int]:
@@ -158,7 +163,9 @@ def tracked_step(step: SimulatedStep, offload_params: bool = False,
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     tracker = HostAwareTracker(step.ctx.model_config.num_layers)
-    tracker.track_external(model, optimizer)
+    # the resident models' tensors only: MemTracker's per-module statistics (which nothing here reads) would follow
+    # the engine's modules into a backward they have no part in
+    tracker.track_external(model, optimizer, *(t for m in step.resident for t in (*m.parameters(), *m.buffers())))
     hooks = []
     if offload_params:
         for p in model.parameters():
@@ -173,16 +180,17 @@ def tracked_step(step: SimulatedStep, offload_params: bool = False,
         with tracker, warnings.catch_warnings():
             # a phase's model is gone before the backward, whose hooks then skip it (one warning each)
             warnings.filterwarnings("ignore", message="Module is None. Skipping")
-            for name, phase in step.phases.items():
-                tracker.stage = name
-                phase()
-                tracker.stage = ""
+            if not step.phases_with_gradients:
+                _run_phases(tracker, step.phases)
             loss, _ = step.loss_fn()
             with step.grad_sync.overlapped() if step.grad_sync else contextlib.nullcontext():
                 loss.backward()
             tracker.stage = "optimizer"
             with host_allocations() if offload_params else contextlib.nullcontext():
                 optimizer.step()
+            tracker.stage = ""
+            if step.phases_with_gradients:
+                _run_phases(tracker, step.phases)
             optimizer.zero_grad(set_to_none=True)
     finally:
         for hook in hooks:
@@ -195,6 +203,15 @@ def tracked_step(step: SimulatedStep, offload_params: bool = False,
     for value in phases.values():
         value[1].pop("total", None)
     return parts.pop("total", 0), parts, host.pop("total", 0), host, phases
+
+
+def _run_phases(tracker: HostAwareTracker, phases: dict[str, Callable[[], None]]) -> None:
+    """Each phase under its own name."""
+    for name, phase in phases.items():
+        tracker.reset_mod_stats()  # a phase's model may have run in the step (GRPO's reference)
+        tracker.stage = name
+        phase()
+        tracker.stage = ""
 
 
 def objective_step(objective: Objective, ctx: StepContext, batch: Batch, host: bool,
@@ -252,7 +269,8 @@ def simulate_step(model: ModelConfig, parallel: ParallelConfig, world: int, *, s
                     module.grouped = True
             data = host_batch if host_batch is not None else spec.sample_batch(model, seq_len, batch)
             loss_fn, objective_phases = objective_step(trainer.objective, trainer.ctx, data, host_batch is not None)
-            step = SimulatedStep(trainer.ctx, trainer.optimizer, trainer.grad_sync, loss_fn, objective_phases)
+            step = SimulatedStep(trainer.ctx, trainer.optimizer, trainer.grad_sync, loss_fn, objective_phases,
+                                 trainer.objective.resident(), trainer.objective.phases_with_gradients)
             peak, parts, host, host_parts, phases = tracked_step(step, parallel.offload_params)
     return Simulated(peak, host, parts, rank, world, host_parts, phases)
 
@@ -291,6 +309,6 @@ def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dic
         raise ValueError(f"--simulate: dtype={dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
     result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.data.seq_len,
                                batch=plan_cfg.data.batch_size, dtype=dtypes[dtype], lora=plan_cfg.model_options.lora,
-                               objective=plan_cfg.objective,
+                               objective=plan_cfg.objective, **objective_spec(plan_cfg.objective).planned_options(),
                                kernels=load_cluster(plan_cfg.cluster).attention_kernels)
     return result.to_dict()

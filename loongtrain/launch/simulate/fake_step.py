@@ -85,6 +85,17 @@ class HostAwareTracker(MemTracker):
                 self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
+    def _pre_bw_hook(self, module: nn.Module, args: Any) -> None:
+        if module is None or module in self.memory_tracking:
+            super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
+        """MemTracker's, skipping a module whose statistics were reset after a phase of its own: ModTracker calls
+        the post-backward hook, at the next backward, of every module whose forward ran without a graph (an
+        engine's in phase ``rollout``), and only the device's and the phases' peaks are read here."""
+        if module is None or module in self.memory_tracking:
+            super()._post_bw_hook(module, args)
+
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         super()._track(reftype, t)
         if allocating_on_host():
