@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
         with naming_the_file(PlanConfig, argv, ("plan",)):
             cfg = parse_plan_args(argv)
-            return run(cfg, simulate, objective_spec(cfg.objective).memory())
+            return run(cfg, simulate, objective_spec(cfg.objective).memory(cfg.model_options.lora))
 
     return guarded("plan", body)
 

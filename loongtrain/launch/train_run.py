@@ -138,7 +138,7 @@ def prepare_run(cfg: TrainConfig, world: int) -> Run:
     model_config = model_config_for(cfg.model, tokenizer)
     planned = bool(cfg.runtime.plan)
     cfg = apply_plan(cfg, world, under_launcher=under_torchrun(), model_config=model_config,
-                     phases=cfg.spec().memory())
+                     phases=cfg.spec().recipe(cfg).memory())  # the run's own
     validate_run(cfg, world, model_config)
     cfg.spec().check_model(cfg, model_config, tokenizer)  # --objective dpo --ref-model: the policy's architecture
     if not planned:  # --plan auto checked every stage on the cluster it planned for

@@ -150,14 +150,15 @@ class ObjectiveSpec:
         ``loss_on``: the objective section's, or ``loongtrain prepare``'s)."""
         return None
 
-    def memory(self) -> tuple[MemoryTerm, ...]:
+    def memory(self, lora: str = "") -> tuple[MemoryTerm, ...]:
         """Its memory phases outside the step as ``loongtrain plan`` counts them, for a run of
         :meth:`planned_options` (a run's own: its recipe's ``memory()``)."""
         return ()
 
-    def planned_options(self) -> dict[str, Any]:
-        """Its options as ``loongtrain plan`` assumes them (it takes none of an objective's): what :meth:`memory`
-        counts and ``plan --simulate`` simulates. The defaults unless overridden."""
+    def planned_options(self, lora: str = "") -> dict[str, Any]:
+        """Its options as ``loongtrain plan`` assumes them for a run with ``lora`` (``--lora``; "": none), since it
+        takes none of an objective's: what :meth:`memory` counts and ``plan --simulate`` simulates. The defaults
+        unless overridden."""
         return {}
 
     def sample_batch(self, model: ModelConfig, seq_len: int, batch: int) -> Batch:

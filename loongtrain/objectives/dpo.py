@@ -159,7 +159,7 @@ class DirectPreference(RowsSpec):
     def row_encoder(self, tokenizer: Tokenizer, options: Any) -> PairRows:
         return PairRows(tokenizer, self.chat_format(tokenizer, options))
 
-    def memory(self) -> tuple[MemoryTerm, ...]:
+    def memory(self, lora: str = "") -> tuple[MemoryTerm, ...]:
         return dpo_phases()
 
     def sample_batch(self, model: ModelConfig, seq_len: int, batch: int) -> Batch:

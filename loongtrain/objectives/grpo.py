@@ -258,11 +258,13 @@ class GroupRelative(RowsSpec):
     def chat_format(self, tokenizer: Tokenizer, options: Any) -> ChatFormat | None:
         return rollout_chat(tokenizer, options.chat_template)
 
-    def memory(self) -> tuple[MemoryTerm, ...]:
-        return grpo_phases(GRPOOptions(**PLANNED))
+    def memory(self, lora: str = "") -> tuple[MemoryTerm, ...]:
+        return grpo_phases(GRPOOptions(**self.planned_options(lora)))
 
-    def planned_options(self) -> dict[str, Any]:
-        return dict(PLANNED)
+    def planned_options(self, lora: str = "") -> dict[str, Any]:
+        """:data:`~loongtrain.objectives.grpo_memory.PLANNED`; with ``--lora`` offline (the loop's engine takes
+        whole weights)."""
+        return dict(PLANNED) if not lora else {"grpo_beta": PLANNED["grpo_beta"]}
 
     def sample_batch(self, model: ModelConfig, seq_len: int, batch: int) -> Batch:
         return rollout_batch(model, seq_len, batch)

@@ -38,6 +38,6 @@ def validate_objective(cfg: TrainConfig) -> None:
     objective_spec(cfg.objective.objective).validate(cfg)
 
 
-def objective_memory(name: str) -> tuple[MemoryTerm, ...]:
+def objective_memory(name: str, lora: str = "") -> tuple[MemoryTerm, ...]:
     """The memory phases of ``--objective name`` when planning (:meth:`ObjectiveSpec.memory`)."""
-    return objective_spec(name).memory()
+    return objective_spec(name).memory(lora)

@@ -309,6 +309,7 @@ def simulate_candidate(model: ModelConfig, candidate: Any, plan_cfg: Any) -> dic
         raise ValueError(f"--simulate: dtype={dtype!r} is not one the trainer runs; use {sorted(dtypes)}")
     result = simulate_by_depth(model, candidate.config, candidate.world_size, seq_len=plan_cfg.data.seq_len,
                                batch=plan_cfg.data.batch_size, dtype=dtypes[dtype], lora=plan_cfg.model_options.lora,
-                               objective=plan_cfg.objective, **objective_spec(plan_cfg.objective).planned_options(),
+                               objective=plan_cfg.objective,
+                               **objective_spec(plan_cfg.objective).planned_options(plan_cfg.model_options.lora),
                                kernels=load_cluster(plan_cfg.cluster).attention_kernels)
     return result.to_dict()
