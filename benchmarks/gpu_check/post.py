@@ -52,6 +52,8 @@ def _inputs(root: Path, kind: str) -> tuple[Path, Path, Path]:
 
 
 def _run(ctx, name: str, model: Path, corpus: Path, out_dir: Path) -> dict[str, Any]:
+    import torch
+
     from loongtrain.commands import main as cli_main
 
     size = SIZES[ctx.kind]
@@ -59,6 +61,8 @@ def _run(ctx, name: str, model: Path, corpus: Path, out_dir: Path) -> dict[str, 
             "--steps", str(size["steps"]), "--warmup", "1", "--nproc", "1", "--hp", "1", "--cp", "1",
             "--progress", "off", "--no-plot", "--no-tensorboard", "--no-memory-report", "--out-dir", str(out_dir),
             "--dtype", "auto" if ctx.device.type == "cuda" else "fp32", "--recompute", "selective", *RUNS[name]]
+    if ctx.device.type == "cpu":  # this process's threads (a one-rank run would otherwise take every core)
+        argv += ["--threads", str(torch.get_num_threads())]
     t0 = time.perf_counter()
     code = cli_main(argv)
     wall = time.perf_counter() - t0

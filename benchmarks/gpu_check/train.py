@@ -36,8 +36,8 @@ from loongtrain.plan.document_work import lognormal_documents
 SIZES: dict[str, dict[str, Any]] = {
     "gpu": {"rows": (("1b", 131072), ("7b-gqa", 65536)), "extra": (("7b-gqa", 32768, "selective"),),
             "steps": 2, "documents": (("1b", 65536, 4096), ("1b", 131072, 8192)), "offload": ("1b", 65536)},
-    "cpu": {"rows": (("tiny", 1024),), "extra": (("tiny", 512, "selective"),), "steps": 2,
-            "documents": (("tiny", 1024, 128), ("tiny", 2048, 256)), "offload": ("cpu-small", 128)},
+    "cpu": {"rows": (("tiny", 512),), "extra": (("tiny", 256, "selective"),), "steps": 2,
+            "documents": (("tiny", 512, 64), ("tiny", 1024, 128)), "offload": ("cpu-small", 128)},
 }
 
 

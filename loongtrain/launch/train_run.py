@@ -156,8 +156,9 @@ def rank_mesh(rank: int, world: int, cfg: TrainSections) -> Iterator[tuple[Mesh,
     """One rank's set-up for ``cfg``'s layout, shared by training and ``loongtrain eval``: logging, threads,
     the device, the process group (joined here unless the launcher already did; one rank gets its own
     with ``--offload-params``, which FSDP2 needs) and the mesh; yields ``(mesh, device)`` and leaves the
-    group it joined on exit."""
+    group it joined and the caller's torch thread count (a one-rank run in the caller's process) on exit."""
     setup_logging(rank, cfg.output.log_all_ranks)
+    threads = torch.get_num_threads()
     torch.set_num_threads(_threads(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     device = default_device()
     if device.type == "cuda":
@@ -180,6 +181,7 @@ def rank_mesh(rank: int, world: int, cfg: TrainSections) -> Iterator[tuple[Mesh,
         if owns_group and dist.is_initialized():
             destroy_all_meshes()
             dist.destroy_process_group()
+        torch.set_num_threads(threads)
 
 
 def run_worker(rank: int, world: int, run: Run) -> list[dict]:

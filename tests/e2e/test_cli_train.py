@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from loongtrain.commands import main
 from loongtrain.train.metrics import read_jsonl
@@ -34,7 +35,9 @@ def test_two_workers_spawned(tmp_path, corpus):
 def test_single_process_stop_and_resume(tmp_path, corpus):
     argv = ["train", "--nproc", "1", "--hp", "1", "--cp", "1", "--steps", "4", "--warmup", "1",
             *_common(tmp_path, corpus)]
-    assert main([*argv, "--stop-after", "2"]) == 0
+    before = torch.get_num_threads()
+    assert main([*argv, "--stop-after", "2", "--threads", str(before + 1)]) == 0
+    assert torch.get_num_threads() == before  # a run in this process leaves the caller's thread count as it was
     assert main([*argv, "--resume"]) == 0
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]

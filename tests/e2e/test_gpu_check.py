@@ -15,6 +15,7 @@ import torch
 from benchmarks.gpu_check import exact as gpu_check_exact
 from benchmarks.gpu_check import rates as gpu_check_rates
 from benchmarks.gpu_check import run as gpu_check
+from benchmarks.gpu_check import train as gpu_check_train
 from loongtrain.plan.calibrate import calibrated
 from loongtrain.plan.cluster import load_cluster
 
@@ -70,9 +71,10 @@ def test_cpu_run_writes_every_section(tmp_path, monkeypatch):
     assert len(cluster.attention_rates) == len(attention["chosen"]) and "matmul_tflops: median" in notes[1]
     # training rows with the planner beside them, memory against the planner, packed documents' MFU
     train_runs = result["training"]["runs"]
-    assert [(r["model"], r["seq_len"]) for r in train_runs] == [("tiny", 1024), ("tiny", 512)]
+    cpu = gpu_check_train.SIZES["cpu"]
+    assert [(r["model"], r["seq_len"]) for r in train_runs] == [row[:2] for row in cpu["rows"] + cpu["extra"]]
     assert all(set(r["attention_kernels"].values()) == {"cpu_flash"} for r in train_runs)  # each row's kernels
-    assert [r["seq_len"] for r in result["documents_mfu"]["runs"]] == [1024, 2048]
+    assert [r["seq_len"] for r in result["documents_mfu"]["runs"]] == [row[1] for row in cpu["documents"]]
     for run in train_runs + result["documents_mfu"]["runs"]:
         assert run["tokens_per_s"] > 0 and run["mfu"] > 0 and run["predicted_memory_gib"]["total"] > 0
         assert run["planner"]["calibrated"]["planner_over_measured"] > 0

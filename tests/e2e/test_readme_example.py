@@ -16,7 +16,9 @@ import pytest
 from loongtrain.commands import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["--progress", "off", "--no-plot", "--no-tensorboard", "--no-memory-report", "--peak-tflops", "1"]
+#: quiet, and one thread: a run in this process would otherwise take every core (pytest runs two of these at once)
+QUICK = ["--progress", "off", "--no-plot", "--no-tensorboard", "--no-memory-report", "--peak-tflops", "1",
+         "--threads", "1"]
 HEADING = "## Post-training"
 
 
