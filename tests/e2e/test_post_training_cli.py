@@ -26,7 +26,8 @@ from tests.helpers.post_training_reference import completion_logp, hf_model, hf_
 pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
 
 COMMON = ["--seq-len", "512", "--batch-size", "2", "--dtype", "fp32", "--progress", "off", "--no-plot",
-          "--no-tensorboard", "--no-memory-report", "--warmup", "1", "--lr", "1e-2", "--peak-tflops", "1"]
+          "--no-tensorboard", "--no-memory-report", "--warmup", "1", "--lr", "1e-2", "--peak-tflops", "1",
+          "--threads", "1"]  # one thread: a run in this process would otherwise take every core
 
 
 def _train(tmp: Path, name: str, *args: str) -> list[dict]:
