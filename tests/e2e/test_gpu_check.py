@@ -90,7 +90,7 @@ def test_cpu_run_writes_every_section(tmp_path, monkeypatch):
     assert offload and all(r["ratio"] > 0 and r["tokens_per_s"] > 0 for r in offload.values())
 
 
-@pytest.mark.parametrize("budget", [5, 20])
+@pytest.mark.parametrize("budget", [5, 10])  # the first sections run (the last cut to what is left), the rest skip
 def test_a_tiny_budget_is_spent_by_the_recorded_rule_and_every_section_recorded(tmp_path, budget):
     """The process, as a loan runs it: its budget counts from the process's start (torch's import too). What it
     did with the budget is checked on the decisions it recorded, with the clock readings it made them on (no

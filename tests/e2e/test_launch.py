@@ -119,7 +119,7 @@ def _sleep(rank: int, world_size: int, seconds: float) -> None:
 
 def test_hang_times_out():
     with pytest.raises(TimeoutError, match="ranks \\[0, 1\\] of 2"):  # (600 s asleep: only the timeout ends it)
-        run_local(_sleep, 2, 600.0, backend="gloo", timeout=3)
+        run_local(_sleep, 2, 600.0, backend="gloo", timeout=1)
 
 
 def test_backend_choice():
