@@ -25,7 +25,7 @@ from tests.helpers.post_training_reference import hf_model, hf_tokenizer, trl_pa
 
 COMMON = ["--seq-len", "128", "--batch-size", "1", "--dtype", "fp32", "--progress", "off", "--no-plot",
           "--no-tensorboard", "--no-memory-report", "--warmup", "0", "--lr", "1e-2", "--peak-tflops", "1",
-          "--objective", "grpo"]
+          "--objective", "grpo", "--threads", "1"]  # one thread: a run in this process would otherwise take every core
 G = 4
 #: two prompts, four completions each (lengths differ, so dapo's token mean is not grpo's sequence mean)
 GROUPS = [("Q1: name a fruit.", [" apple", " no", " a pear, ripe", " fig"], [1.0, 0.0, 0.5, 1.0]),
