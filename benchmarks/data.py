@@ -38,7 +38,7 @@ import numpy as np
 
 from benchmarks.common import ROOT, add_common
 from loongtrain.data import build_corpus, build_tokenizer
-from loongtrain.data.prepare import prepare
+from loongtrain.data.prepare import Sharding, prepare
 from loongtrain.data.prepared import (
     FORMAT,
     FORMAT_VERSION,
@@ -83,7 +83,7 @@ def baseline_tokens_per_s(tokenizer, docs: list[str]) -> float:
 
 def prepare_tokens_per_s(tokenizer, corpus: Path, out: Path, workers: int) -> float:
     shutil.rmtree(out, ignore_errors=True)
-    result = prepare([str(corpus)], out, tokenizer, workers=workers, progress=False, shard_bytes=SHARD_BYTES)
+    result = prepare([str(corpus)], out, tokenizer, Sharding(shard_bytes=SHARD_BYTES), workers=workers, progress=False)
     return result.num_tokens / result.seconds
 
 
@@ -211,6 +211,7 @@ def bench_open(work: Path, rounds: int, sizes: list[float], seq_len: int) -> dic
     one batch, as rank 0 of dp=1), raw default vs the prepared corpora made by :func:`bench_startup`."""
     from loongtrain.data import build_batches
     from loongtrain.data.prepared import check_prepared
+    from loongtrain.sections.data import DataSection
 
     corpora = {"default (stdlib, raw)": "stdlib", **{f"prepared {gb:g} G tokens": str(work / f"prep-{gb:g}GB")
                                                      for gb in sizes}}
@@ -221,7 +222,7 @@ def bench_open(work: Path, rounds: int, sizes: list[float], seq_len: int) -> dic
             t0 = time.perf_counter()
             if corpus != "stdlib":
                 check_prepared(corpus, byte, seq_len + 1)
-            next(build_batches(corpus, byte, seq_len, 1, 0, 1, 0, 0))
+            next(build_batches(DataSection(corpus=corpus, seq_len=seq_len), byte))
             times[name].append(time.perf_counter() - t0)
     out = {name: spread(ts) for name, ts in times.items()}
     for name, ts in times.items():

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> None:
-    from loongtrain.data.prepare import prepare
+    from loongtrain.data.prepare import Sharding, prepare
     from loongtrain.data.prepared import verify_prepared
     from loongtrain.objectives.options import option_owners
     from loongtrain.objectives.registry import OBJECTIVES
@@ -93,10 +93,9 @@ def _run(argv: list[str]) -> None:
             if given and spec.name not in owners:
                 raise ValueError(f"--{name.replace('_', '-')} applies to --objective {' or '.join(owners)}, not "
                                  f"--objective {spec.name}")
-        prepare(list(cfg.corpus), cfg.out, cfg.tokenizer, workers=cfg.workers, overwrite=cfg.overwrite,
-                text_field=cfg.text_field, shard_bytes=cfg.shard_bytes, decode_errors=cfg.decode_errors,
-                progress=PROGRESS[cfg.progress], min_doc_tokens=cfg.min_doc_tokens,
-                rows=lambda tokenizer: spec.row_encoder(tokenizer, cfg))
+        sharding = Sharding(cfg.text_field, cfg.shard_bytes, cfg.decode_errors, cfg.min_doc_tokens)
+        prepare(list(cfg.corpus), cfg.out, cfg.tokenizer, sharding, workers=cfg.workers, overwrite=cfg.overwrite,
+                progress=PROGRESS[cfg.progress], rows=lambda tokenizer: spec.row_encoder(tokenizer, cfg))
 
 
 if __name__ == "__main__":

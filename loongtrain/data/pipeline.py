@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from loongtrain.data.corpus import Corpus
 from loongtrain.data.mixture import MixtureDataset
 from loongtrain.data.packing import PackedDataset
 from loongtrain.data.sampler import ReplicaSampler
@@ -56,42 +55,52 @@ class Batches:
         return {self.dataset.stream.corpus.name: positions * self.dataset.seq_len}
 
 
+class DataOptions(Protocol):
+    """What the corpus readers read of a run's data section (``TrainConfig.data``, a
+    :class:`~loongtrain.sections.data.DataSection`; docs/data.md): the corpus spec, its validation split or corpus,
+    the sequence length, the sequences per replica and the decoding of raw bytes."""
+
+    corpus: str
+    seq_len: int
+    batch_size: int
+    val_fraction: float
+    val_corpus: str
+    decode_errors: str
+
+
 def build_batches(
-    corpus_spec: str | Path | Corpus = "stdlib",
+    data: DataOptions,
     tokenizer: str | Tokenizer = "byte",
-    seq_len: int = 8192,
-    batch_size: int = 1,
+    seed: int = 0,
+    *,
     dp_rank: int = 0,
     dp: int = 1,
-    seed: int = 0,
     start_step: int = 0,
-    *,
     shuffle: bool = True,
     text_field: str = "text",
-    val_fraction: float = 0.0,
-    decode_errors: str = "strict",
 ) -> Batches:
-    """Batches for replica ``dp_rank`` of ``dp`` from global step ``start_step`` (infinite; wraps epochs).
+    """Batches of ``data.batch_size`` sequences of ``data.seq_len`` tokens for replica ``dp_rank`` of ``dp`` from
+    global step ``start_step`` (infinite; wraps epochs).
 
     Every sp rank of a replica gets the same full-sequence batch and shards it itself with
     ``loongtrain.shard_sequence(x, mesh, dim=1)``. ``shuffle=True`` reorders samples per epoch with
     ``seed`` and therefore tokenizes the whole corpus once up front (well under a second for "stdlib"
     with the byte tokenizer); ``shuffle=False`` streams samples in corpus order, tokenizing lazily.
 
-    ``corpus_spec``: a prepared directory (memory-mapped, nothing read up front), a raw corpus, or a
+    ``data.corpus``: a prepared directory (memory-mapped, nothing read up front), a raw corpus, or a
     mixture ``a=0.7,b=0.3`` of them (:mod:`loongtrain.data.sources`). The same corpus prepared or raw
-    gives bit-identical batches. ``val_fraction`` > 0 leaves out the validation documents
-    (:mod:`loongtrain.data.split`; their batches: :func:`loongtrain.data.validation.build_val_batches`).
-    ``decode_errors``: raw corpora's non-UTF-8 bytes (``--decode-errors``: strict, replace or ignore).
+    gives bit-identical batches. ``data.val_fraction`` > 0 leaves out the validation documents
+    (:mod:`loongtrain.data.split`; their batches: :func:`loongtrain.data.validation.build_val_batches`);
+    ``data.val_corpus`` is not read here. ``data.decode_errors``: raw corpora's non-UTF-8 bytes
+    (``--decode-errors``: strict, replace or ignore).
     """
+    seq_len, val_fraction = data.seq_len, data.val_fraction
     tok = build_tokenizer(tokenizer)
-    dataset = open_dataset(corpus_spec, tok, seq_len, text_field=text_field, val_fraction=val_fraction, seed=seed,
-                           part="train" if val_fraction else "all", decode_errors=decode_errors, shuffle=shuffle)
+    dataset = open_dataset(data.corpus, tok, seq_len, text_field=text_field, val_fraction=val_fraction, seed=seed,
+                           part="train" if val_fraction else "all", decode_errors=data.decode_errors, shuffle=shuffle)
     # a mixture maps every global position itself
     num_samples = dataset.num_samples() if shuffle and isinstance(dataset, PackedDataset) else None
-    sampler = ReplicaSampler(
-        num_samples, dp_rank, dp, batch_size, seed, shuffle=shuffle, start_step=start_step
-    )
+    sampler = ReplicaSampler(num_samples, dp_rank, dp, data.batch_size, seed, shuffle=shuffle, start_step=start_step)
     return Batches(dataset, sampler)
 
 

@@ -39,7 +39,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,21 @@ REQUEST_DEFAULTS = {"min_doc_tokens": 0, "decode_errors": "strict"}
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How :func:`prepare` turns the sources' documents into shards: the JSON field holding the text, the reading of
+    bytes that are not UTF-8 (strict: an error; replace; ignore), the characters of text a shard, the fewest tokens
+    of a document kept (EOS not counted; 0 keeps all). The manifest records it; a rerun must match it."""
+
+    text_field: str = "text"
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+    decode_errors: str = "strict"
+    min_doc_tokens: int = 0
+
+
+SHARDING = Sharding()
+
+
+@dataclass(frozen=True)
 class PrepareResult:
     """What :func:`prepare` did: ``"prepared"`` or ``"unchanged"`` (already finished), and the counts."""
 
@@ -108,12 +123,10 @@ OUTPUT = Output("prepare", "--out", Folder((MANIFEST, MANIFEST + ".tmp", IN_PROG
                                            ((SHARD_DIR, SHARD_FOLDER), (".tmp-*", SHARD_FOLDER))), _wrote)
 
 
-def request(sources: list[str], tokenizer: Tokenizer, text_field: str, shard_bytes: int,
-            decode_errors: str = "strict", min_doc_tokens: int = 0) -> dict[str, Any]:
+def request(sources: list[str], tokenizer: Tokenizer, sharding: Sharding) -> dict[str, Any]:
     """What identifies a prepare: the manifest's fields a rerun must match to count as already done."""
     resolved = [s if s == "stdlib" else str(Path(s).resolve()) for s in sources]
-    return {"sources": resolved, "text_field": text_field, "shard_bytes": shard_bytes,
-            "decode_errors": decode_errors, "min_doc_tokens": min_doc_tokens,
+    return {"sources": resolved, **asdict(sharding),
             "tokenizer": {"name": tokenizer.name, "identity": tokenizer_identity(tokenizer),
                           "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}}
 
@@ -156,29 +169,27 @@ def prepare(
     sources: list[str],
     out: str | Path,
     tokenizer: str | Tokenizer = "byte",
+    sharding: Sharding = SHARDING,
     *,
     workers: int = 0,
     overwrite: bool = False,
-    text_field: str = "text",
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
-    decode_errors: str = "strict",
     progress: bool | None = None,
     on_shard: Callable[[int], None] | None = None,
-    min_doc_tokens: int = 0,
     rows: Callable[[Tokenizer], RowEncoder | None] | None = None,
 ) -> PrepareResult:
-    """Tokenize ``sources`` (any ``--corpus`` spec each, concatenated in order) into directory ``out``.
+    """Tokenize ``sources`` (any ``--corpus`` spec each, concatenated in order) into directory ``out``, cut into
+    shards as ``sharding`` says (:class:`Sharding`: what the manifest records).
 
-    ``workers``: processes (0: the cores; 1: in this process). ``decode_errors``: bytes that are not
-    UTF-8 (strict: an error; replace; ignore). ``progress``: a tqdm bar on stderr (None: when tqdm is
+    ``workers``: processes (0: the cores; 1: in this process). ``progress``: a tqdm bar on stderr (None: when tqdm is
     installed and stderr is a terminal). ``on_shard(k)`` is called after shard ``k`` is written (tests
-    use it to simulate a crash). ``min_doc_tokens``: keep only the documents of at least that many tokens
-    (EOS not counted; 0 keeps all), recorded in the manifest. ``rows``: an objective's encoder of its rows for the
+    use it to simulate a crash). ``rows``: an objective's encoder of its rows for the
     tokenizer (:class:`~loongtrain.data.prepared_rows.RowEncoder`; ``--objective sft|dpo``'s): the sources are
     ``.jsonl`` conversations encoded by it, their target masks stored beside the tokens
     (:mod:`loongtrain.data.conversations`). Raises ValueError for bad input (module
     docstring: which directories are accepted), :class:`~loongtrain._files.DiskFullError` for a full disk."""
     t0 = time.perf_counter()
+    text_field, shard_bytes, decode_errors = sharding.text_field, sharding.shard_bytes, sharding.decode_errors
+    min_doc_tokens = sharding.min_doc_tokens
     if not sources:
         raise ValueError("prepare needs at least one corpus")
     if shard_bytes < 1:
@@ -196,7 +207,7 @@ def prepare(
                [build_corpus(s, text_field, decode_errors) for s in sources])
     inputs = [s for s in sources if s != "stdlib"] + ([tok.name] if isinstance(tok, HFTokenizer) else [])
     out = check_output(OUTPUT, out, inputs=inputs)
-    want = request(sources, tok, text_field, shard_bytes, decode_errors, min_doc_tokens)
+    want = request(sources, tok, sharding)
     if encoder is not None:  # the manifest records what made the tokens and targets
         want.update(encoder.record())
     identity = [source_identity(s, text_field) for s in sources]

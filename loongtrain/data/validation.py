@@ -3,8 +3,7 @@
 
 API for the evaluation loop::
 
-    val = build_val_batches(cfg.corpus, tokenizer, cfg.seq_len, cfg.batch_size, mesh.dp_rank, mesh.dp,
-                            seed=cfg.seed, val_fraction=cfg.val_fraction, val_corpus=cfg.val_corpus)
+    val = build_val_batches(cfg.data, tokenizer, cfg.optim.seed, dp_rank=mesh.dp_rank, dp=mesh.dp)
     for name, batch in val.named():   # or: for batch in val
         ...                           # batch: {input_ids, labels, position_ids, doc_starts}, [B, S]
 
@@ -23,12 +22,11 @@ API for the evaluation loop::
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from loongtrain.data.packing import PackedDataset
+from loongtrain.data.pipeline import DataOptions
 from loongtrain.data.sampler import ReplicaSampler
 from loongtrain.data.sources import open_stream, parse_corpus_spec
 from loongtrain.data.split import check_fraction
@@ -59,63 +57,52 @@ class ValBatches:
         return sum(n * sampler.batch_size * dataset.seq_len for _, dataset, sampler, n in self._parts)
 
 
-def build_val_batches(
-    corpus_spec: str | Path,
-    tokenizer: str | Tokenizer,
-    seq_len: int,
-    batch_size: int = 1,
-    dp_rank: int = 0,
-    dp: int = 1,
-    *,
-    seed: int = 0,
-    val_fraction: float = 0.0,
-    val_corpus: str = "",
-    text_field: str = "text",
-    decode_errors: str = "strict",
-) -> ValBatches:
-    """The validation batches of replica ``dp_rank`` of ``dp``: the documents of ``corpus_spec`` held out
-    by ``val_fraction`` (> 0) and ``seed``, or all of ``val_corpus`` (exactly one of the two).
+def build_val_batches(data: DataOptions, tokenizer: str | Tokenizer, seed: int = 0, *, dp_rank: int = 0, dp: int = 1,
+                      text_field: str = "text") -> ValBatches:
+    """The validation batches of replica ``dp_rank`` of ``dp``, each ``data.batch_size`` sequences of
+    ``data.seq_len`` tokens: the documents of ``data.corpus`` held out by ``data.val_fraction`` (> 0) and ``seed``,
+    or all of ``data.val_corpus`` (exactly one of the two).
 
     ValueError when neither or both are given, when the fraction is outside (0, 1), or when the
     validation data holds less than one global batch (``dp * batch_size`` sequences)."""
-    spec, datasets = _val_datasets(corpus_spec, tokenizer, seq_len, seed, val_fraction, val_corpus, text_field,
-                                   decode_errors)
+    seq_len, batch_size = data.seq_len, data.batch_size
+    spec, datasets = _val_datasets(data, tokenizer, seed, text_field)
     parts = []
     for name, dataset in datasets:
         count = max((dataset.stream.total_length() - 1) // seq_len, 0) // (dp * batch_size)
         parts.append((name, dataset, ReplicaSampler(None, dp_rank, dp, batch_size, seed, shuffle=False), count))
     if not any(n for *_, n in parts):
-        raise ValueError(_too_small(spec, bool(val_corpus), dp * batch_size, seq_len))
+        raise ValueError(_too_small(spec, bool(data.val_corpus), dp * batch_size, seq_len))
     return ValBatches(parts)
 
 
-def count_val_batches(options: Any, tokenizer: str | Tokenizer, dp: int, want: int, *, seed: int = 0) -> int:
-    """How many of ``want`` validation batches per replica :func:`build_val_batches` would give for a run's data
-    ``options`` (``corpus``, ``seq_len``, ``batch_size``, ``val_fraction``, ``val_corpus``, ``decode_errors``: its
-    data section's; fewer when the held-out data holds fewer), reading no more than ``want`` global batches of each
+def count_val_batches(data: DataOptions, tokenizer: str | Tokenizer, dp: int, want: int, *, seed: int = 0) -> int:
+    """How many of ``want`` validation batches per replica :func:`build_val_batches` would give for a run's ``data``
+    section (fewer when the held-out data holds fewer), reading no more than ``want`` global batches of each
     corpus's held-out stream (a prepared corpus: its document index only). ValueError as build_val_batches."""
-    seq_len = options.seq_len
-    spec, datasets = _val_datasets(options.corpus, tokenizer, seq_len, seed, options.val_fraction, options.val_corpus,
-                                   "text", options.decode_errors)
-    rows = dp * options.batch_size
+    seq_len = data.seq_len
+    spec, datasets = _val_datasets(data, tokenizer, seed, "text")
+    rows = dp * data.batch_size
     total = sum(max((d.stream.ensure(want * rows * seq_len + 1) - 1) // seq_len, 0) // rows for _, d in datasets)
     if not total:
-        raise ValueError(_too_small(spec, bool(options.val_corpus), rows, seq_len))
+        raise ValueError(_too_small(spec, bool(data.val_corpus), rows, seq_len))
     return min(total, want)
 
 
-def _val_datasets(corpus_spec: str | Path, tokenizer: str | Tokenizer, seq_len: int, seed: int, val_fraction: float,
-                  val_corpus: str, text_field: str, decode_errors: str) -> tuple[str, list[tuple[str, PackedDataset]]]:
-    """(the spec read, [(corpus, its validation samples)]): the held-out part of each corpus of
-    ``corpus_spec``, or every corpus of ``val_corpus`` whole."""
+def _val_datasets(data: DataOptions, tokenizer: str | Tokenizer, seed: int,
+                  text_field: str) -> tuple[str, list[tuple[str, PackedDataset]]]:
+    """(the spec read, [(corpus, its validation samples)]): the held-out part of each corpus of ``data.corpus``,
+    or every corpus of ``data.val_corpus`` whole."""
+    val_fraction, val_corpus = data.val_fraction, data.val_corpus
     check_fraction(val_fraction)
     if bool(val_fraction) == bool(val_corpus):
         raise ValueError(f"validation needs exactly one of --val-fraction (got {val_fraction}) and "
                          f"--val-corpus (got {val_corpus!r})")
     tok = build_tokenizer(tokenizer)
-    spec, part = (val_corpus, "all") if val_corpus else (str(corpus_spec), "validation")
+    spec, part = (val_corpus, "all") if val_corpus else (str(data.corpus), "validation")
     return spec, [(name, PackedDataset(open_stream(name, tok, text_field=text_field, val_fraction=val_fraction,
-                                                   seed=seed, part=part, decode_errors=decode_errors), seq_len))
+                                                   seed=seed, part=part, decode_errors=data.decode_errors),
+                                       data.seq_len))
                   for name, _ in parse_corpus_spec(spec)]
 
 

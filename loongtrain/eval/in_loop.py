@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
-from loongtrain.data.pipeline import build_batches
+from loongtrain.data.pipeline import DataOptions, build_batches
 from loongtrain.data.sources import open_stream, parse_corpus_spec
 from loongtrain.data.tokenizer import Tokenizer
 from loongtrain.data.validation import build_val_batches
@@ -76,44 +76,39 @@ def passkey_metrics(rows: list[dict]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class PositionSequences:
-    """Where ``--eval-tasks position-loss`` reads its sequences (module docstring), and how many."""
+    """Where ``--eval-tasks position-loss`` reads its sequences (module docstring), and how many: ``data``, the run's
+    data section at the longest ``--eval-lengths`` and one sequence a batch."""
 
-    corpus: str
+    data: DataOptions
     tokenizer: Tokenizer
-    seq_len: int
     count: int
     seed: int
-    val_fraction: float
-    val_corpus: str
-    decode_errors: str
 
     def read(self) -> list[Batch]:
         """The ``[1, seq_len]`` batches (fewer than ``count`` when the held-out data has fewer)."""
-        if self.val_fraction or self.val_corpus:
-            held_out = build_val_batches(self.corpus, self.tokenizer, self.seq_len, 1, 0, 1, seed=self.seed,
-                                         val_fraction=self.val_fraction, val_corpus=self.val_corpus,
-                                         decode_errors=self.decode_errors)
+        if self.data.val_fraction or self.data.val_corpus:
+            held_out = build_val_batches(self.data, self.tokenizer, self.seed)
             return list(itertools.islice(held_out, self.count))
-        stream = build_batches(self.corpus, self.tokenizer, self.seq_len, 1, 0, 1, self.seed, shuffle=False,
-                               decode_errors=self.decode_errors)
+        stream = build_batches(self.data, self.tokenizer, self.seed, shuffle=False)
         return [next(stream) for _ in range(self.count)]
 
     def check(self) -> None:
         """ValueError naming the corpus when it cannot give the sequences (a warning when the held-out data
         gives fewer); the launcher's check."""
-        if self.val_fraction or self.val_corpus:
+        data = self.data
+        if data.val_fraction or data.val_corpus:
             have = len(self.read())
             if have < self.count:
                 log.warning("--eval-docs %d: the held-out data holds %d sequences of %d tokens; position-loss "
-                            "uses those", self.count, have, self.seq_len)
+                            "uses those", self.count, have, data.seq_len)
             return
-        parts = parse_corpus_spec(self.corpus)
+        parts = parse_corpus_spec(data.corpus)
         for name, _ in parts:
-            need = (self.count if len(parts) == 1 else 1) * self.seq_len + 1  # a mixture: one of each part
-            have = open_stream(name, self.tokenizer, decode_errors=self.decode_errors).ensure(need)
+            need = (self.count if len(parts) == 1 else 1) * data.seq_len + 1  # a mixture: one of each part
+            have = open_stream(name, self.tokenizer, decode_errors=data.decode_errors).ensure(need)
             if have < need:
                 raise ValueError(f"--eval-tasks position-loss: corpus {name!r} holds {have} tokens; --eval-docs "
-                                 f"{self.count} sequences of the longest --eval-lengths {self.seq_len} need {need}")
+                                 f"{self.count} sequences of the longest --eval-lengths {data.seq_len} need {need}")
 
 
 @dataclass
@@ -131,7 +126,7 @@ class PositionLossEvaluation:
                  amp_dtype: torch.dtype | None) -> dict[str, float]:
         if not self._batches:
             self._batches = self.sequences.read()
-        rows = position_loss(model, self._batches, mesh, device, self.sequences.seq_len, amp_dtype=amp_dtype,
+        rows = position_loss(model, self._batches, mesh, device, self.sequences.data.seq_len, amp_dtype=amp_dtype,
                              doc_mask=self.doc_mask, position_reset=self.position_reset,
                              chunk_order=self.chunk_order, sliding_window=self.sliding_window)
         return {f"eval/position_loss/{span_label(r['start'], r['end'])}": r["loss"] for r in rows
@@ -161,9 +156,8 @@ def in_loop_evaluations(cfg: TrainSections, model_config: ModelConfig, tokenizer
                              f"{KEY_DIGITS}-digit answer)")
         out.append(PasskeyEvaluation(tokens, lengths, cfg.evaluation.eval_trials, cfg.optim.seed))
     if "position-loss" in tasks:
-        data = cfg.data
-        sequences = PositionSequences(data.corpus, tokenizer, max(lengths), cfg.evaluation.eval_docs, cfg.optim.seed,
-                                      data.val_fraction, data.val_corpus, data.decode_errors)
+        sequences = PositionSequences(replace(cfg.data, seq_len=max(lengths), batch_size=1), tokenizer,
+                                      cfg.evaluation.eval_docs, cfg.optim.seed)
         sequences.check()
         out.append(PositionLossEvaluation(sequences, cfg.data.doc_mask, cfg.data.position_reset,
                                           cfg.data.chunk_order if cfg.data.doc_mask == "on" else "zigzag",

@@ -33,9 +33,8 @@ class PretrainObjective(LossObjective):
     def batches(self, cfg: TrainSections, start_micro_step: int) -> Batches:
         tokenizer, mesh, data = self.run.tokenizer, self.ctx.mesh, cfg.data
         assert tokenizer is not None, "a corpus run needs the tokenizer the launcher resolved (Run.tokenizer)"
-        return build_batches(data.corpus, tokenizer, data.seq_len, data.batch_size, mesh.dp_rank, mesh.dp,
-                             cfg.optim.seed, start_micro_step, val_fraction=data.val_fraction,
-                             decode_errors=data.decode_errors)
+        return build_batches(data, tokenizer, cfg.optim.seed, dp_rank=mesh.dp_rank, dp=mesh.dp,
+                             start_step=start_micro_step)
 
     def validation_batches(self, cfg: TrainSections, count: int) -> list[Batch]:
         return validation_batches(cfg, self.ctx.mesh, count)

@@ -51,10 +51,8 @@ def validation_batches(cfg: TrainSections, mesh: Mesh, count: int) -> list[Batch
         return tail_batches(cfg, mesh, count)
     from loongtrain.data.validation import build_val_batches
 
-    held_out = build_val_batches(data.corpus, model_setup.tokenizer_spec(cfg.model),
-                                 data.seq_len, data.batch_size, mesh.dp_rank, mesh.dp, seed=cfg.optim.seed,
-                                 val_fraction=data.val_fraction, val_corpus=data.val_corpus,
-                                 decode_errors=data.decode_errors)
+    held_out = build_val_batches(data, model_setup.tokenizer_spec(cfg.model), cfg.optim.seed, dp_rank=mesh.dp_rank,
+                                 dp=mesh.dp)
     return list(itertools.islice(held_out, count))
 
 

@@ -23,6 +23,7 @@ from loongtrain.parallel.config import ParallelConfig
 from loongtrain.parallel.mesh import destroy_mesh, init_mesh, single_process_mesh
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.parallelize.compose import parallelize
+from loongtrain.sections.data import DataSection
 from loongtrain.train.batch import batch_chunk_order, batch_documents
 from loongtrain.launch.config import TrainConfig, run_of
 from loongtrain.train.validation import Validation, validation_loss
@@ -87,7 +88,7 @@ def _validate(parallel: ParallelConfig, mesh) -> float:
 
 def _in_loop_evaluations() -> tuple:
     """Both tasks as the trainer runs them (--eval-tasks), on this file's prompts and documents."""
-    sequences = PositionSequences("unread", ByteTokenizer(), SEQ, 3, 0, 0.0, "", "strict")
+    sequences = PositionSequences(DataSection(corpus="unread", seq_len=SEQ), ByteTokenizer(), 3, 0)
     return (PasskeyEvaluation(passkey_tokens(ByteTokenizer()), LENGTHS, TRIALS, 1, DEPTHS),
             PositionLossEvaluation(sequences, "on", True, "zigzag", None, _batches=_documents()))
 

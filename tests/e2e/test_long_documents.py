@@ -11,8 +11,9 @@ import torch
 
 from loongtrain.commands import main
 from loongtrain.data import build_batches
-from loongtrain.data.prepare import prepare
+from loongtrain.data.prepare import Sharding, prepare
 from loongtrain.data.prepared import MANIFEST
+from loongtrain.sections.data import DataSection
 from loongtrain.train.metrics import read_jsonl
 from tests.helpers.fixtures import QUIET_FLAGS
 
@@ -28,32 +29,33 @@ DOCS = [f"doc {i}: " + "lorem ipsum " * (i % 9) for i in range(90)]  # 7 to 115 
 def test_only_documents_of_at_least_n_tokens_are_kept(tmp_path):
     corpus = _write(tmp_path / "all.jsonl", DOCS)
     long_only = _write(tmp_path / "long.jsonl", [d for d in DOCS if len(d.encode()) >= 60])
-    result = prepare([corpus], tmp_path / "p", "byte", workers=1, shard_bytes=500, min_doc_tokens=60)
+    result = prepare([corpus], tmp_path / "p", "byte", Sharding(shard_bytes=500, min_doc_tokens=60), workers=1)
     assert result.num_documents == sum(len(d.encode()) >= 60 for d in DOCS) < len(DOCS)
     manifest = json.loads((tmp_path / "p" / MANIFEST).read_text())
     assert manifest["min_doc_tokens"] == 60 and manifest["num_documents"] == result.num_documents
     for shuffle in (True, False):
-        kept = build_batches(str(tmp_path / "p"), "byte", 32, 2, 0, 1, 3, shuffle=shuffle)
-        raw = build_batches(long_only, "byte", 32, 2, 0, 1, 3, shuffle=shuffle)
+        kept = build_batches(DataSection(corpus=str(tmp_path / "p"), seq_len=32, batch_size=2), "byte", 3,
+                             shuffle=shuffle)
+        raw = build_batches(DataSection(corpus=long_only, seq_len=32, batch_size=2), "byte", 3, shuffle=shuffle)
         for _ in range(12):
             x, y = next(kept), next(raw)
             assert all(torch.equal(x[k], y[k]) for k in x)
-    again = prepare([corpus], tmp_path / "p", "byte", workers=1, shard_bytes=500, min_doc_tokens=60)
+    again = prepare([corpus], tmp_path / "p", "byte", Sharding(shard_bytes=500, min_doc_tokens=60), workers=1)
     assert again.status == "unchanged"
     with pytest.raises(ValueError, match="another min_doc_tokens"):
-        prepare([corpus], tmp_path / "p", "byte", workers=1, shard_bytes=500, min_doc_tokens=30)
+        prepare([corpus], tmp_path / "p", "byte", Sharding(shard_bytes=500, min_doc_tokens=30), workers=1)
 
 
 def test_a_manifest_without_the_field_prepared_every_document(tmp_path):
     corpus = _write(tmp_path / "all.jsonl", DOCS)
-    prepare([corpus], tmp_path / "p", "byte", workers=1, shard_bytes=500)
+    prepare([corpus], tmp_path / "p", "byte", Sharding(shard_bytes=500), workers=1)
     path = tmp_path / "p" / MANIFEST
     old = json.loads(path.read_text())
     assert old.pop("min_doc_tokens") == 0
     path.write_text(json.dumps(old))  # as written before the field existed
-    assert prepare([corpus], tmp_path / "p", "byte", workers=1, shard_bytes=500).status == "unchanged"
+    assert prepare([corpus], tmp_path / "p", "byte", Sharding(shard_bytes=500), workers=1).status == "unchanged"
     with pytest.raises(ValueError, match="another min_doc_tokens"):
-        prepare([corpus], tmp_path / "p", "byte", workers=1, shard_bytes=500, min_doc_tokens=10)
+        prepare([corpus], tmp_path / "p", "byte", Sharding(shard_bytes=500, min_doc_tokens=10), workers=1)
 
 
 @pytest.mark.parametrize("n, needle", [("1000", "none of the 90 documents has that many tokens"),

@@ -86,7 +86,7 @@ def test_two_prepares_into_one_directory(tmp_path, capsys):
             codes.append(main(["prepare", str(corpus), "--out", str(out), "--workers", "1", "--overwrite"]))
             assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
 
-    prep.prepare([str(corpus)], out, workers=1, shard_bytes=300, on_shard=second)
+    prep.prepare([str(corpus)], out, "byte", prep.Sharding(shard_bytes=300), workers=1, on_shard=second)
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("loongtrain prepare:")]
     assert codes == [2] and len(err) == 1 and "is in use by `loongtrain prepare`" in err[0], err
     verify_prepared(out, full=True)

@@ -11,7 +11,7 @@ import torch
 
 from loongtrain.commands import main as cli_main
 from loongtrain.data import build_batches, build_tokenizer
-from loongtrain.data.prepare import prepare
+from loongtrain.data.prepare import Sharding, prepare
 from loongtrain.data.prepared import (
     FORMAT_VERSION,
     IN_PROGRESS,
@@ -25,6 +25,7 @@ from loongtrain.data.prepared import (
     sampled_digest,
     verify_prepared,
 )
+from loongtrain.sections.data import DataSection
 
 
 def write_jsonl(path, docs):
@@ -53,7 +54,7 @@ def equal_batches(a, b, steps):
 def test_format_is_the_raw_token_stream(tmp_path, corpus):
     docs = make_docs()
     out = tmp_path / "p"
-    result = prepare([str(corpus)], out, "byte", workers=1, shard_bytes=300)
+    result = prepare([str(corpus)], out, "byte", Sharding(shard_bytes=300), workers=1)
     manifest = read_manifest(out)
     assert result.status == "prepared" and manifest.data["version"] == FORMAT_VERSION
     assert manifest.dtype == np.dtype("<u2") and manifest.tokenizer["identity"] == "byte"
@@ -71,14 +72,14 @@ def test_format_is_the_raw_token_stream(tmp_path, corpus):
 
 @pytest.mark.distributed  # a pool of 2 worker processes
 def test_same_output_for_any_worker_count_and_idempotent(tmp_path, corpus, caplog):
-    prepare([str(corpus)], tmp_path / "one", workers=1, shard_bytes=300)
-    prepare([str(corpus)], tmp_path / "two", workers=2, shard_bytes=300)
+    prepare([str(corpus)], tmp_path / "one", "byte", Sharding(shard_bytes=300), workers=1)
+    prepare([str(corpus)], tmp_path / "two", "byte", Sharding(shard_bytes=300), workers=2)
     files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
     for f in files:
         assert (tmp_path / "one" / f).read_bytes() == (tmp_path / "two" / f).read_bytes(), f
     before = {f: (tmp_path / "one" / f).stat().st_mtime_ns for f in files}
     with caplog.at_level("INFO", logger="loongtrain"):
-        again = prepare([str(corpus)], tmp_path / "one", workers=2, shard_bytes=300)
+        again = prepare([str(corpus)], tmp_path / "one", "byte", Sharding(shard_bytes=300), workers=2)
     assert again.status == "unchanged" and "nothing to do" in caplog.text
     assert before == {f: (tmp_path / "one" / f).stat().st_mtime_ns for f in files}
 
@@ -91,32 +92,35 @@ def test_interrupted_prepare_is_never_read_and_restarts_cleanly(tmp_path, corpus
             raise RuntimeError("simulated crash between shards")
 
     with pytest.raises(RuntimeError, match="simulated"):
-        prepare([str(corpus)], out, workers=1, shard_bytes=300, on_shard=crash)
+        prepare([str(corpus)], out, "byte", Sharding(shard_bytes=300), workers=1, on_shard=crash)
     assert (out / IN_PROGRESS).exists() and not (out / MANIFEST).exists()
     assert list(out.glob(".tmp-*/tokens-00002.bin"))  # the crash left written shards behind
     with pytest.raises(ValueError, match="interrupted"):
-        build_batches(str(out), "byte", seq_len=16)
-    assert prepare([str(corpus)], out, workers=1, shard_bytes=300).status == "prepared"
-    prepare([str(corpus)], tmp_path / "clean", workers=1, shard_bytes=300)
+        build_batches(DataSection(corpus=str(out), seq_len=16), "byte")
+    assert prepare([str(corpus)], out, "byte", Sharding(shard_bytes=300), workers=1).status == "prepared"
+    prepare([str(corpus)], tmp_path / "clean", "byte", Sharding(shard_bytes=300), workers=1)
     assert not list(out.glob(".tmp-*")) and not (out / IN_PROGRESS).exists()
     assert json.loads((out / MANIFEST).read_text())["shards"] == json.loads(
         (tmp_path / "clean" / MANIFEST).read_text())["shards"]
 
 
 def test_mmap_batches_bit_equal_to_raw_and_resume(tmp_path, corpus):
-    prepare([str(corpus)], tmp_path / "p", workers=1, shard_bytes=300)
+    prepare([str(corpus)], tmp_path / "p", "byte", Sharding(shard_bytes=300), workers=1)
     for dp_rank, dp, shuffle in ((0, 1, True), (1, 2, True), (0, 1, False)):
-        raw = build_batches(str(corpus), "byte", 24, 3, dp_rank, dp, 7, 0, shuffle=shuffle)
-        mm = build_batches(str(tmp_path / "p"), "byte", 24, 3, dp_rank, dp, 7, 0, shuffle=shuffle)
+        raw = build_batches(DataSection(corpus=str(corpus), seq_len=24, batch_size=3), "byte", 7, dp_rank=dp_rank,
+                            dp=dp, shuffle=shuffle)
+        mm = build_batches(DataSection(corpus=str(tmp_path / "p"), seq_len=24, batch_size=3), "byte", 7,
+                           dp_rank=dp_rank, dp=dp, shuffle=shuffle)
         equal_batches(raw, mm, 40)  # past an epoch: wraps identically
     # resume into another dp at the same global batch: the replicas' union is the same sequence
-    one = build_batches(str(tmp_path / "p"), "byte", 24, 4, 0, 1, 7, 0)
+    one = build_batches(DataSection(corpus=str(tmp_path / "p"), seq_len=24, batch_size=4), "byte", 7)
     for _ in range(5):
         next(one)
     state = one.state_dict()
     halves = []
     for rank in range(2):
-        b = build_batches(str(tmp_path / "p"), "byte", 24, 2, rank, 2, 7, 0)
+        b = build_batches(DataSection(corpus=str(tmp_path / "p"), seq_len=24, batch_size=2), "byte", 7, dp_rank=rank,
+                          dp=2)
         b.load_state_dict(state)
         halves.append(next(b))
     nxt = next(one)
@@ -133,17 +137,17 @@ def test_hf_tokenizer_prepare_equals_raw(tmp_path, corpus):
     model.train_from_iterator(make_docs(), trainer=trainer)
     model.save(str(tmp_path / "tok.json"))
     tok = build_tokenizer(str(tmp_path / "tok.json"))
-    prepare([str(corpus)], tmp_path / "p", tok, workers=2, shard_bytes=500)
+    prepare([str(corpus)], tmp_path / "p", tok, Sharding(shard_bytes=500), workers=2)
     assert read_manifest(tmp_path / "p").tokenizer["identity"].startswith("sha256:")
-    equal_batches(build_batches(str(corpus), tok, 16, 2, 0, 1, 3, 0),
-                  build_batches(str(tmp_path / "p"), tok, 16, 2, 0, 1, 3, 0), 30)
+    equal_batches(build_batches(DataSection(corpus=str(corpus), seq_len=16, batch_size=2), tok, 3),
+                  build_batches(DataSection(corpus=str(tmp_path / "p"), seq_len=16, batch_size=2), tok, 3), 30)
     with pytest.raises(ValueError, match=r"manifest.json: prepared with tokenizer .*tok.json"):
-        build_batches(str(tmp_path / "p"), "byte", 16)
+        build_batches(DataSection(corpus=str(tmp_path / "p"), seq_len=16), "byte")
 
 
 def test_startup_reads_no_tokens(tmp_path, corpus, monkeypatch):
     """A prepared corpus opens without reading its shards (only the manifest and sampled blocks)."""
-    prepare([str(corpus)], tmp_path / "p", workers=1, shard_bytes=300)
+    prepare([str(corpus)], tmp_path / "p", "byte", Sharding(shard_bytes=300), workers=1)
     import loongtrain.data.prepared as prepared
 
     touched = []
@@ -153,7 +157,7 @@ def test_startup_reads_no_tokens(tmp_path, corpus, monkeypatch):
         return real(self, a, b)
 
     monkeypatch.setattr(prepared.PreparedStream, "_physical", spy)
-    batches = build_batches(str(tmp_path / "p"), "byte", 24, 2, 0, 1, 0, 0)
+    batches = build_batches(DataSection(corpus=str(tmp_path / "p"), seq_len=24, batch_size=2), "byte")
     assert touched == []
     next(batches)
     assert sum(b - a for a, b in touched) == 2 * 25  # two samples of seq_len + 1 tokens
@@ -167,7 +171,7 @@ def corrupt(path, offset):
 
 def test_verify_catches_truncation_corruption_and_newer_format(tmp_path, corpus):
     out = tmp_path / "p"
-    prepare([str(corpus)], out, workers=1, shard_bytes=300)
+    prepare([str(corpus)], out, "byte", Sharding(shard_bytes=300), workers=1)
     shard = out / "shards" / "tokens-00001.bin"
     corrupt(shard, 0)
     with pytest.raises(ValueError, match=r"tokens-00001.bin: corrupted \(sampled checksum"):
@@ -229,7 +233,7 @@ def test_prepare_cli_bad_input_exits_2(tmp_path, corpus, capsys, case, monkeypat
         args += ["--shard-bytes", "1000000"]  # the bad line is read before the first shard is full
     elif case in ("other_tokenizer_dir", "newer"):
         monkeypatch.undo()
-        prepare([str(corpus)], out, workers=1, shard_bytes=300)
+        prepare([str(corpus)], out, "byte", Sharding(shard_bytes=300), workers=1)
         monkeypatch.setattr(prep, "_tokenize_shard", no_workers)
         monkeypatch.setattr(prep.multiprocessing, "get_context", no_pool)
         if case == "newer":
@@ -295,7 +299,7 @@ def test_a_corpus_prepared_again_from_other_data_is_not_resumed(tmp_path, capsys
 
 def test_overwrite_keeps_the_old_corpus_until_the_new_one_is_whole(tmp_path, corpus):
     out = tmp_path / "p"
-    prepare([str(corpus)], out, workers=1, shard_bytes=300)
+    prepare([str(corpus)], out, "byte", Sharding(shard_bytes=300), workers=1)
     before = (out / MANIFEST).read_bytes()
 
     def check(k):
@@ -306,9 +310,10 @@ def test_overwrite_keeps_the_old_corpus_until_the_new_one_is_whole(tmp_path, cor
 
     other = write_jsonl(tmp_path / "o.jsonl", make_docs(50, seed=1))
     with pytest.raises(ValueError, match="a bad line"):
-        prepare([str(other)], out, workers=1, shard_bytes=300, overwrite=True, on_shard=check)
+        prepare([str(other)], out, "byte", Sharding(shard_bytes=300), workers=1, overwrite=True, on_shard=check)
     assert (out / MANIFEST).read_bytes() == before and not list(out.glob(".tmp-*"))
-    assert prepare([str(other)], out, workers=1, shard_bytes=300, overwrite=True).num_documents == 50
+    again = prepare([str(other)], out, "byte", Sharding(shard_bytes=300), workers=1, overwrite=True)
+    assert again.num_documents == 50
 
 
 def test_sampled_documents_read_large_files_by_blocks(tmp_path, monkeypatch):

@@ -327,7 +327,7 @@ def hold_lock(directory: Path, pid: int, command: str):
 def make_safety(files: dict[str, str], s: Path) -> tuple[dict[str, str], list[int]]:
     """The fixture files of the data-safety table in the empty directory ``s``, beside ``files``; returns them
     and the file descriptors of the locks it holds (close them when done)."""
-    from loongtrain.data.prepare import prepare
+    from loongtrain.data.prepare import Sharding, prepare
 
     docs = [json.dumps({"text": f"document {i}: " + "the quick brown fox " * (1 + i % 4)}) for i in range(200)]
     (s / "docs.jsonl").write_text("\n".join(docs) + "\n")
@@ -350,7 +350,7 @@ def make_safety(files: dict[str, str], s: Path) -> tuple[dict[str, str], list[in
     (s / "tokdir").mkdir()
     bpe_tokenizer(s / "tokdir" / "tok.json")
     # prepared corpora: good, counts its files contradict, a changed source, a running prepare
-    prepare([str(s / "docs.jsonl")], s / "prep", workers=1, shard_bytes=2000)
+    prepare([str(s / "docs.jsonl")], s / "prep", "byte", Sharding(shard_bytes=2000), workers=1)
     prepare([str(s / "other.jsonl")], s / "prep_other", workers=1)
     import shutil
 

@@ -20,6 +20,7 @@ from loongtrain.data import (
     build_tokenizer,
     stdlib_files,
 )
+from loongtrain.sections.data import DataSection
 
 
 class ListCorpus(FilesCorpus):
@@ -129,7 +130,7 @@ def test_build_batches_determinism_resume_and_dp(tmp_path):
         for i in range(40):
             words = torch.randint(0, 1000, (int(torch.randint(5, 40, (1,), generator=gen)),), generator=gen)
             f.write(json.dumps({"text": f"doc {i}: " + " ".join(map(str, words.tolist()))}) + "\n")
-    kwargs = dict(corpus_spec=path, tokenizer="byte", seq_len=64, batch_size=2, dp=2, seed=3)
+    kwargs = dict(data=DataSection(corpus=str(path), seq_len=64, batch_size=2), tokenizer="byte", dp=2, seed=3)
     for shuffle in (True, False):
         a = build_batches(dp_rank=0, start_step=0, shuffle=shuffle, **kwargs)
         b = build_batches(dp_rank=0, start_step=0, shuffle=shuffle, **kwargs)
@@ -178,7 +179,7 @@ def test_bad_paths_raise_value_error(tmp_path):
     with pytest.raises(ValueError, match="no .txt or .jsonl"):
         build_corpus(tmp_path / "empty")
     with pytest.raises(ValueError):
-        build_batches(tmp_path / "nope", seq_len=8)
+        build_batches(DataSection(corpus=str(tmp_path / "nope"), seq_len=8))
 
 
 def test_stdlib_corpus_is_sorted_python_without_tests():
@@ -187,7 +188,7 @@ def test_stdlib_corpus_is_sorted_python_without_tests():
     assert all(f.suffix == ".py" for f in files)
     root = sysconfig.get_paths()["stdlib"]
     assert not any({"site-packages", "test", "tests"} & set(f.relative_to(root).parts) for f in files)
-    batches = build_batches("stdlib", "byte", seq_len=256, batch_size=2, shuffle=False)
+    batches = build_batches(DataSection(corpus="stdlib", seq_len=256, batch_size=2), "byte", shuffle=False)
     first = next(batches)
     stream = b"".join(f.read_bytes() + b"\0" for f in files[:20])
     assert first["input_ids"].flatten().tolist() == list(stream[:256] + stream[256:512])
@@ -212,7 +213,7 @@ def test_hf_tokenizer_from_local_file(tmp_path):
     assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode(text)) < len(text.encode())  # merges were learned and used
     (tmp_path / "doc.txt").write_text(text)
-    batch = next(build_batches(tmp_path / "doc.txt", tok, seq_len=4, batch_size=1, shuffle=False))
+    batch = next(build_batches(DataSection(corpus=str(tmp_path / "doc.txt"), seq_len=4), tok, shuffle=False))
     stream = tok.encode(text) + [tok.eos_id]
     assert batch["input_ids"][0].tolist() == stream[:4] and batch["labels"][0].tolist() == stream[1:5]
     with pytest.raises(ValueError, match="not in the vocabulary"):

@@ -13,12 +13,18 @@ import torch
 
 from loongtrain.data import build_batches
 from loongtrain.data.mixture import BLOCK, block_counts
-from loongtrain.data.prepare import prepare
+from loongtrain.data.prepare import Sharding, prepare
 from loongtrain.data.sources import parse_corpus_spec
 from loongtrain.data.split import held_out
 from loongtrain.data.validation import build_val_batches
+from loongtrain.sections.data import DataSection
 
 SEQ = 16
+
+
+def section(corpus, batch_size, **options):
+    """The data section reading ``corpus`` in batches of ``batch_size`` sequences of SEQ tokens."""
+    return DataSection(corpus=corpus, seq_len=SEQ, batch_size=batch_size, **options)
 
 
 def tagged_corpus(path, first, count):
@@ -33,7 +39,7 @@ def tagged_corpus(path, first, count):
 def two(tmp_path):
     a = tagged_corpus(tmp_path / "a.jsonl", 1, 60)
     b = tagged_corpus(tmp_path / "b.jsonl", 70, 50)
-    prepare([a], tmp_path / "pa", workers=1, shard_bytes=200)
+    prepare([a], tmp_path / "pa", "byte", Sharding(shard_bytes=200), workers=1)
     return a, b, str(tmp_path / "pa")
 
 
@@ -91,19 +97,19 @@ def test_block_counts_are_proportional():
 def test_mixture_is_deterministic_resumable_and_weighted(two):
     a, b, pa = two
     spec = f"{pa}=0.75,{b}=0.25"
-    first = take(build_batches(spec, "byte", SEQ, 4, 0, 1, 5, 0), 12)
-    again = take(build_batches(spec, "byte", SEQ, 4, 0, 1, 5, 0), 12)
+    first = take(build_batches(section(spec, 4), "byte", 5), 12)
+    again = take(build_batches(section(spec, 4), "byte", 5), 12)
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(first, again))
-    raw = take(build_batches(f"{a}=0.75,{b}=0.25", "byte", SEQ, 4, 0, 1, 5, 0), 12)
+    raw = take(build_batches(section(f"{a}=0.75,{b}=0.25", 4), "byte", 5), 12)
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(first, raw))  # prepared == raw
     # resume at step 6 into dp=2 with the same global batch
-    full = build_batches(spec, "byte", SEQ, 4, 0, 1, 5, 0)
+    full = build_batches(section(spec, 4), "byte", 5)
     take(full, 6)
     state = full.state_dict()
     for step in range(6, 12):
         halves = []
         for rank in range(2):
-            part = build_batches(spec, "byte", SEQ, 2, rank, 2, 5, 0)
+            part = build_batches(section(spec, 2), "byte", 5, dp_rank=rank, dp=2)
             part.load_state_dict({**state, "step": step})
             halves.append(next(part)["input_ids"])
         assert torch.equal(torch.cat(halves), first[step]["input_ids"])
@@ -118,8 +124,8 @@ def test_mixture_is_deterministic_resumable_and_weighted(two):
 
 def test_one_corpus_mixture_is_the_corpus_and_zero_weight_never_drawn(two):
     a, b, pa = two
-    alone = take(build_batches(pa, "byte", SEQ, 2, 0, 1, 3, 0), 8)
-    mixed = build_batches(f"{pa}=1,{b}=0", "byte", SEQ, 2, 0, 1, 3, 0)
+    alone = take(build_batches(section(pa, 2), "byte", 3), 8)
+    mixed = build_batches(section(f"{pa}=1,{b}=0", 2), "byte", 3)
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(alone, take(mixed, 8)))
     assert mixed.tokens_by_corpus() == {pa: 8 * 2 * SEQ, b: 0}
 
@@ -130,17 +136,18 @@ def test_validation_never_overlaps_training(two, prepared):
     spec = pa if prepared else a
     held = set((1 + np.flatnonzero(held_out(np.arange(60), 0.25, 11))).tolist())
     assert 5 < len(held) < 30
-    train = build_batches(spec, "byte", SEQ, 2, 0, 1, 11, 0, val_fraction=0.25)
+    train = build_batches(section(spec, 2, val_fraction=0.25), "byte", 11)
     epoch = train.dataset.num_samples()
     train_tags = set().union(*(tags(x) for x in take(train, epoch)))  # one full epoch (and more)
-    val = build_val_batches(spec, "byte", SEQ, 1, 0, 1, seed=11, val_fraction=0.25)
+    val = build_val_batches(section(spec, 1, val_fraction=0.25), "byte", 11)
     val_tags = set().union(*(tags(x) for x in val))
     assert len(val) > 3 and val_tags <= held and not (val_tags & train_tags)
     kept = set(range(1, 61)) - held
     assert train_tags <= kept and len(train_tags) >= len(kept) - 2  # (the epoch's last partial sample is dropped)
     assert [x["input_ids"].tolist() for x in val] == [x["input_ids"].tolist() for x in val]  # re-iterable
     # two replicas split the validation batches without overlap, equally
-    parts = [list(build_val_batches(spec, "byte", SEQ, 1, r, 2, seed=11, val_fraction=0.25)) for r in range(2)]
+    parts = [list(build_val_batches(section(spec, 1, val_fraction=0.25), "byte", 11, dp_rank=r, dp=2))
+             for r in range(2)]
     assert len(parts[0]) == len(parts[1]) == len(val) // 2
     interleaved = [p["input_ids"] for pair in zip(*parts) for p in pair]
     assert all(torch.equal(p, x["input_ids"]) for p, x in zip(interleaved, val))
@@ -149,15 +156,15 @@ def test_validation_never_overlaps_training(two, prepared):
 def test_val_split_prepared_equals_raw_and_val_corpus(two):
     a, b, pa = two
     for kwargs in ({"val_fraction": 0.3}, {"val_corpus": b}):
-        raw = [x["input_ids"] for x in build_val_batches(a, "byte", SEQ, 2, 0, 1, seed=1, **kwargs)]
-        mm = [x["input_ids"] for x in build_val_batches(pa, "byte", SEQ, 2, 0, 1, seed=1, **kwargs)]
+        raw = [x["input_ids"] for x in build_val_batches(section(a, 2, **kwargs), "byte", 1)]
+        mm = [x["input_ids"] for x in build_val_batches(section(pa, 2, **kwargs), "byte", 1)]
         assert len(raw) == len(mm) > 0 and all(torch.equal(x, y) for x, y in zip(raw, mm))
-    names = {n for n, _ in build_val_batches(f"{pa}=0.5,{b}=0.5", "byte", SEQ, 1, seed=1, val_fraction=0.3).named()}
+    names = {n for n, _ in build_val_batches(section(f"{pa}=0.5,{b}=0.5", 1, val_fraction=0.3), "byte", 1).named()}
     assert names == {pa, b}
     for kwargs, needle in (({}, "exactly one of"), ({"val_fraction": 1.0}, r"must be in \(0, 1\)"),
                            ({"val_fraction": 0.01}, "less than one global batch")):
         with pytest.raises(ValueError, match=needle):
-            build_val_batches(a, "byte", SEQ, 1, seed=1, **kwargs)
+            build_val_batches(section(a, 1, **kwargs), "byte", 1)
 
 
 def test_large_epochs_use_a_stateless_permutation():

@@ -258,11 +258,12 @@ def test_presets_counts_and_flops():
 def test_tiny_preset_learns_stdlib_bytes():
     """End to end in one process: data pipeline + tiny preset + loss; a few Adam steps cut the loss."""
     from loongtrain.data import build_batches
+    from loongtrain.sections.data import DataSection
 
     torch.manual_seed(0)
     model = Transformer(get_preset("tiny"), seed=0)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    batches = build_batches("stdlib", "byte", seq_len=64, batch_size=4, shuffle=False)
+    batches = build_batches(DataSection(corpus="stdlib", seq_len=64, batch_size=4), "byte", shuffle=False)
     losses = []
     for _ in range(20):
         batch = next(batches)

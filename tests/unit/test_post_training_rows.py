@@ -155,7 +155,7 @@ def test_saved_datasets_read_as_their_rows(toks, tmp_path):
 def test_prepared_rows_give_the_raw_rows_batches(toks, tmp_path, objective):
     """``loongtrain prepare --objective sft|dpo`` of every form (tool-calling conversations, prompt-completion
     rows; explicit and implicit-prompt pairs, text and messages) gives the raw rows' batches bit for bit."""
-    from loongtrain.data.prepare import prepare
+    from loongtrain.data.prepare import Sharding, prepare
     from loongtrain.objectives.registry import objective_spec
 
     tok = build_tokenizer(str(toks["generation"]))
@@ -172,7 +172,7 @@ def test_prepared_rows_give_the_raw_rows_batches(toks, tmp_path, objective):
     spec = objective_spec(objective)
     options = type("Options", (), dict(chat_template="", loss_on="assistant", on_long="drop", dpo_beta=0.1,
                                        ref_model=""))()
-    prepare([str(corpus)], tmp_path / "prep", str(toks["generation"]), workers=1, shard_bytes=300,
+    prepare([str(corpus)], tmp_path / "prep", str(toks["generation"]), Sharding(shard_bytes=300), workers=1,
             rows=lambda tokenizer: spec.row_encoder(tokenizer, options))
     manifest = json.loads((tmp_path / "prep" / "manifest.json").read_text())
     assert manifest["objective"] == objective and len(manifest["shards"]) > 1

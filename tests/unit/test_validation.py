@@ -94,10 +94,10 @@ def test_tail_batches_read_prepared_corpora_and_mixtures(tmp_path):
     raw corpus's tail bit for bit, and a mixture's corpora each give their share of the batches (first
     corpus first)."""
 
-    from loongtrain.data.prepare import prepare
+    from loongtrain.data.prepare import Sharding, prepare
 
     cfg = _cfg(tmp_path, "tail", batch_size=2)
-    prepare([cfg.data.corpus], tmp_path / "prep", workers=1, shard_bytes=500)
+    prepare([cfg.data.corpus], tmp_path / "prep", "byte", Sharding(shard_bytes=500), workers=1)
     other = tmp_path / "other.txt"
     other.write_text("".join(f"another corpus, line {i}\n" for i in range(80)))
 
