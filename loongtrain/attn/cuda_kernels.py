@@ -39,7 +39,16 @@ from collections.abc import Callable
 
 import torch
 
-from loongtrain.attn.kernels import Kernel, Tensor, dense_layout, expand_kv, head_dim_padded, reduce_kv_grad
+from loongtrain.attn.kernels import (
+    Kernel,
+    Seqlens,
+    Tensor,
+    VarlenMask,
+    dense_layout,
+    expand_kv,
+    head_dim_padded,
+    reduce_kv_grad,
+)
 
 # the op namespace the CUDA wrappers call; tests swap in a CPU emulation (tests/helpers/cuda_emulation.py)
 _aten = torch.ops.aten
@@ -197,26 +206,22 @@ def _cuda_flash_backward_call(
     return dq, dk, dv
 
 
-def _cuda_flash_varlen_forward(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float,
-    window: tuple[int, int] | None = None,
-) -> tuple[Tensor, Tensor]:
+def _cuda_flash_varlen_forward(q: Tensor, k: Tensor, v: Tensor, seqlens: Seqlens,
+                               mask: VarlenMask) -> tuple[Tensor, Tensor]:
     """Packed sequences (module docstring): out ``[Tq, H, D]``, lse fp32 ``[H, Tq]``."""
-    res = _aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
-                                         **_window(window))
+    res = _aten._flash_attention_forward(q, k, v, *seqlens, 0.0, mask.causal, False, scale=mask.scale,
+                                         **_window(mask.window))
     return res[0], res[1]  # (out, lse, rng_state, unused, debug_attn_mask)
 
 
-def _cuda_flash_varlen_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
-    max_q: int, max_k: int, causal: bool, scale: float, window: tuple[int, int] | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _cuda_flash_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                seqlens: Seqlens, mask: VarlenMask) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of :func:`_cuda_flash_varlen_forward`; the op reads lse as a dense ``[H, Tq]`` buffer."""
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: not read
     unused = torch.zeros((), dtype=torch.uint64, device=q.device)
     dq, dk, dv = _aten._flash_attention_backward(
-        dout, q, k, v, out, dense_layout(lse), cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale,
-        **_window(window),
+        dout, q, k, v, out, dense_layout(lse), *seqlens, 0.0, mask.causal, rng_state, unused, scale=mask.scale,
+        **_window(mask.window),
     )
     return dq, dk, dv
 
@@ -292,27 +297,25 @@ def _cuda_cudnn_backward_call(
     return dq, dk, dv
 
 
-def _cuda_cudnn_varlen_forward(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float
-) -> tuple[Tensor, Tensor]:
+def _cuda_cudnn_varlen_forward(q: Tensor, k: Tensor, v: Tensor, seqlens: Seqlens,
+                               mask: VarlenMask) -> tuple[Tensor, Tensor]:
     """Packed sequences in cuDNN's ragged layout: out ``[Tq, H, D]``, lse fp32 ``[H, Tq]`` (a view of the op's
-    ``[Tq, H, 1]``)."""
-    res = _aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False,
-                                         scale=scale)
+    ``[Tq, H, 1]``). No window (not ``Kernel.windowed``)."""
+    assert mask.window is None, "cuDNN's varlen op takes no window"
+    res = _aten._cudnn_attention_forward(q, k, v, None, *seqlens, True, 0.0, mask.causal, False, scale=mask.scale)
     return res[0], res[1].squeeze(-1).t()  # (out, lse, cum_seq_q, cum_seq_k, max_q, max_k, seed, offset, mask)
 
 
-def _cuda_cudnn_varlen_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor,
-    max_q: int, max_k: int, causal: bool, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _cuda_cudnn_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                seqlens: Seqlens, mask: VarlenMask) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of :func:`_cuda_cudnn_varlen_forward`; lse ``[H, Tq]`` goes back in the op's ``[Tq, H, 1]``."""
+    assert mask.window is None, "cuDNN's varlen op takes no window"
     dout, out = _same_layout(dout, out)
     seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: not read
     offset = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv = _aten._cudnn_attention_backward(
-        dout, q, k, v, out, dense_layout(lse.t()).unsqueeze(-1), seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0,
-        causal, scale=scale,
+        dout, q, k, v, out, dense_layout(lse.t()).unsqueeze(-1), seed, offset, None, *seqlens, 0.0, mask.causal,
+        scale=mask.scale,
     )
     return dq, dk, dv
 

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from loongtrain.attn.kernels import Kernel, Tensor, dense_layout
+from loongtrain.attn.kernels import Kernel, Seqlens, Tensor, VarlenMask, dense_layout
 
 #: kernel name -> the module that provides it
 MODULES = {"cuda_fa3": "flash_attn_interface", "cuda_fa4": "flash_attn.cute.interface"}
@@ -56,6 +56,12 @@ def _bounds(window: tuple[int, int] | None, unbounded: int | None) -> dict:
             "window_size_right": unbounded if right < 0 else right}
 
 
+def _seqlens(seqlens: Seqlens) -> dict:
+    """The packed sequences as both interfaces name them (``cu_seqlens_q``, ..., ``max_seqlen_k``)."""
+    return {"cu_seqlens_q": seqlens.cu_q, "cu_seqlens_k": seqlens.cu_k, "max_seqlen_q": seqlens.max_q,
+            "max_seqlen_k": seqlens.max_k}
+
+
 def _deterministic() -> bool:
     return torch.are_deterministic_algorithms_enabled()
 
@@ -80,22 +86,19 @@ def _fa3_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     return tuple(g.transpose(1, 2) for g in grads)
 
 
-def _fa3_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                        causal: bool, scale: float, window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+def _fa3_varlen_forward(q: Tensor, k: Tensor, v: Tensor, seqlens: Seqlens,
+                        mask: VarlenMask) -> tuple[Tensor, Tensor]:
     out, lse, *_ = _module("cuda_fa3")._flash_attn_forward(
-        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale,
-        causal=causal, **_bounds(window, -1))
+        q, k, v, **_seqlens(seqlens), softmax_scale=mask.scale, causal=mask.causal, **_bounds(mask.window, -1))
     return out, lse
 
 
-def _fa3_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
-                         cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float,
-                         window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _fa3_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seqlens: Seqlens,
+                         mask: VarlenMask) -> tuple[Tensor, Tensor, Tensor]:
     grads = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)]
     _module("cuda_fa3")._flash_attn_backward(
-        dout, q, k, v, out, dense_layout(lse), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-        max_seqlen_k=max_k, dq=grads[0], dk=grads[1], dv=grads[2], softmax_scale=scale, is_causal=causal,
-        deterministic=_deterministic(), **_bounds(window, -1))
+        dout, q, k, v, out, dense_layout(lse), **_seqlens(seqlens), dq=grads[0], dk=grads[1], dv=grads[2],
+        softmax_scale=mask.scale, is_causal=mask.causal, deterministic=_deterministic(), **_bounds(mask.window, -1))
     return tuple(grads)
 
 
@@ -118,21 +121,19 @@ def _fa4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     return tuple(g.transpose(1, 2) for g in grads[:3])
 
 
-def _fa4_varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
-                        causal: bool, scale: float, window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
+def _fa4_varlen_forward(q: Tensor, k: Tensor, v: Tensor, seqlens: Seqlens,
+                        mask: VarlenMask) -> tuple[Tensor, Tensor]:
     out, lse, *_ = _module("cuda_fa4")._flash_attn_fwd(
-        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scale,
-        causal=causal, return_lse=True, **_bounds(window, None))
+        q, k, v, **_seqlens(seqlens), softmax_scale=mask.scale, causal=mask.causal, return_lse=True,
+        **_bounds(mask.window, None))
     return out, lse
 
 
-def _fa4_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
-                         cu_k: Tensor, max_q: int, max_k: int, causal: bool, scale: float,
-                         window: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _fa4_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seqlens: Seqlens,
+                         mask: VarlenMask) -> tuple[Tensor, Tensor, Tensor]:
     grads = _module("cuda_fa4")._flash_attn_bwd(
-        q, k, v, out, dout, dense_layout(lse), softmax_scale=scale, causal=causal, cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, deterministic=_deterministic(),
-        **_bounds(window, None))
+        q, k, v, out, dout, dense_layout(lse), softmax_scale=mask.scale, causal=mask.causal, **_seqlens(seqlens),
+        deterministic=_deterministic(), **_bounds(mask.window, None))
     return tuple(grads[:3])
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loongtrain.attn.kernels import Kernel, reference_backward, reference_forward
+from loongtrain.attn.kernels import Kernel, Seqlens, VarlenMask, reference_backward, reference_forward
 
 Tensor = torch.Tensor
 
@@ -294,11 +294,12 @@ def _run(kernel: Kernel, case: Case, q: Tensor, k: Tensor, v: Tensor, dout: Tens
         grads = kernel.backward(_bhsd(dout), *args, out, lse, case.causal, scale, **extra)
         return [out[0].transpose(0, 1), lse[0], *(g[0].transpose(0, 1) for g in grads)]
     assert kernel.varlen_forward is not None and kernel.varlen_backward is not None
-    cu_q, cu_k = _cu(case.q_lens, q.device), _cu(case.k_lens, q.device)  # distinct tensors, as the ring's
-    max_q, max_k = max(case.q_lens), max(case.k_lens)
-    out, lse = kernel.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, case.causal, scale, **extra)
+    # distinct cu tensors, as the ring's
+    seqlens = Seqlens(_cu(case.q_lens, q.device), _cu(case.k_lens, q.device), max(case.q_lens), max(case.k_lens))
+    mask = VarlenMask(case.causal, scale, case.window)
+    out, lse = kernel.varlen_forward(q, k, v, seqlens, mask)
     lse = lse.contiguous()
-    grads = kernel.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, case.causal, scale, **extra)
+    grads = kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, mask)
     return [out, lse, *grads]
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from loongtrain.attn.kernels import REFERENCE, Kernel
+from loongtrain.attn.kernels import REFERENCE, Kernel, Seqlens, VarlenMask
 
 Tensor = torch.Tensor
 
@@ -70,8 +70,9 @@ def run_varlen(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, do
     scale = q.shape[-1] ** -0.5
     pieces, cu, length = _documents(q, k, v, dout, documents)
     if kernel.varlen_forward is not None and kernel.varlen_backward is not None:
-        out, lse = kernel.varlen_forward(q, k, v, cu, cu, length, length, True, scale)
-        grads = kernel.varlen_backward(dout, q, k, v, out, _contiguous(lse), cu, cu, length, length, True, scale)
+        seqlens, mask = Seqlens(cu, cu, length, length), VarlenMask(True, scale)
+        out, lse = kernel.varlen_forward(q, k, v, seqlens, mask)
+        grads = kernel.varlen_backward(dout, q, k, v, out, _contiguous(lse), seqlens, mask)
         return (out, lse, *grads)
     results = []
     for pq, pk, pv, pd in pieces:

@@ -29,30 +29,51 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 Tensor = torch.Tensor
 
-VarlenForward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, float], tuple[Tensor, Tensor]]
-VarlenBackward = Callable[
-    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int, int, bool, float],
-    tuple[Tensor, Tensor, Tensor],
-]
+
+class Seqlens(NamedTuple):
+    """The packed sequences of a variable-length call (FlashAttention's ``cu_seqlens_q``, ``cu_seqlens_k``,
+    ``max_seqlen_q``, ``max_seqlen_k``): sequence ``i`` is q rows ``[cu_q[i], cu_q[i+1])`` against k rows
+    ``[cu_k[i], cu_k[i+1])`` (int32, contiguous, ``n + 1`` entries from 0 to the row count); ``max_q``/``max_k``: the
+    longest."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+
+class VarlenMask(NamedTuple):
+    """What a variable-length call computes of its sequences: the causal flag (one for all of them), the softmax
+    scale, and a window (``(left, right)``, FlashAttention's; None: none; only for a ``Kernel.windowed`` kernel)."""
+
+    causal: bool
+    scale: float
+    window: tuple[int, int] | None = None
+
+
+VarlenForward = Callable[[Tensor, Tensor, Tensor, Seqlens, VarlenMask], tuple[Tensor, Tensor]]
+VarlenBackward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Seqlens, VarlenMask],
+                          tuple[Tensor, Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
 class Kernel:
     """A local attention kernel: ``forward(q, k, v, causal, scale) -> (out, lse)`` and ``backward(dout, q, k,
     v, out, lse, causal, scale) -> (dq, dk, dv)`` on ``[B, H, S, D]``; optionally the packed variable-length
-    form ``varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> (out, lse [H, Tq])`` and
-    ``varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)`` (module docstring);
-    ``varlen_bottom_right``: whether the varlen op aligns a causal mask bottom-right (a single query row then
-    sees every key), else top-left; ``windowed``: all four also take ``window=(left, right)``, FlashAttention's
-    bottom-right aligned window (row ``r`` of ``Sq`` sees keys ``c`` of ``Sk`` with ``-left <= c - r - (Sk - Sq)
-    <= right``, ``-1`` unbounded; with ``causal=False``), so a sliding window is one call
-    (:class:`loongtrain.attn.masking.Piece`'s ``band``); ``unequal_head_dims``: whether every op takes a V head
-    dim different from Q/K's as it is (else :func:`for_head_dims` pads)."""
+    form ``varlen_forward(q, k, v, seqlens, mask) -> (out, lse [H, Tq])`` and
+    ``varlen_backward(dout, q, k, v, out, lse, seqlens, mask)`` (:class:`Seqlens`, :class:`VarlenMask`; module
+    docstring); ``varlen_bottom_right``: whether the varlen op aligns a causal mask bottom-right (a single query row
+    then sees every key), else top-left; ``windowed``: the dense ops also take ``window=(left, right)`` and the
+    varlen ops a ``VarlenMask.window``, FlashAttention's bottom-right aligned window (row ``r`` of ``Sq`` sees keys
+    ``c`` of ``Sk`` with ``-left <= c - r - (Sk - Sq) <= right``, ``-1`` unbounded; with ``causal=False``), so a
+    sliding window is one call (:class:`loongtrain.attn.masking.Piece`'s ``band``); ``unequal_head_dims``: whether
+    every op takes a V head dim different from Q/K's as it is (else :func:`for_head_dims` pads)."""
 
     name: str
     forward: Callable[..., tuple[Tensor, Tensor]]
@@ -190,15 +211,15 @@ def head_dim_padded(kernel: Kernel, multiple: int, name: str) -> Kernel:
         dq, dk, dv = kernel.backward(*(_widened(t, w) for t in (dout, q, k, v, out)), lse, *args, **window)
         return dq.narrow(-1, 0, q.shape[-1]), dk.narrow(-1, 0, k.shape[-1]), dv.narrow(-1, 0, v.shape[-1])
 
-    def varlen_forward(q: Tensor, k: Tensor, v: Tensor, *args: object, **window: object) -> tuple[Tensor, Tensor]:
+    def varlen_forward(q: Tensor, k: Tensor, v: Tensor, seqlens: Seqlens, mask: VarlenMask) -> tuple[Tensor, Tensor]:
         w = width(q, v)
-        out, lse = kernel.varlen_forward(_widened(q, w), _widened(k, w), _widened(v, w), *args, **window)
+        out, lse = kernel.varlen_forward(_widened(q, w), _widened(k, w), _widened(v, w), seqlens, mask)
         return out.narrow(-1, 0, v.shape[-1]), lse
 
-    def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                        *args: object, **window: object) -> tuple[Tensor, Tensor, Tensor]:
+    def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seqlens: Seqlens,
+                        mask: VarlenMask) -> tuple[Tensor, Tensor, Tensor]:
         w = width(q, v)
-        dq, dk, dv = kernel.varlen_backward(*(_widened(t, w) for t in (dout, q, k, v, out)), lse, *args, **window)
+        dq, dk, dv = kernel.varlen_backward(*(_widened(t, w) for t in (dout, q, k, v, out)), lse, seqlens, mask)
         return dq.narrow(-1, 0, q.shape[-1]), dk.narrow(-1, 0, k.shape[-1]), dv.narrow(-1, 0, v.shape[-1])
 
     varlen = kernel.varlen_forward is not None

@@ -41,7 +41,6 @@ from loongtrain.attn.ring_step import (
     piece_forward,
     step_plans,
     whole_piece,
-    window_arg,
 )
 from loongtrain.attn.schedule import DKV_OWN, KV_OUTER, Compute, Event, Payload, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach
@@ -221,8 +220,7 @@ def whole_forward(kernel: Kernel, whole: Piece | VarlenCall, q: Tensor, k: Tenso
     if isinstance(whole, Piece):
         out, lse = piece_forward(kernel, whole, WHOLE_BAND, q, k, v, scale)
         return out, lse.contiguous()
-    out, lse = kernel.varlen_forward(_packed(q), _packed(k), _packed(v), whole.cu_q, whole.cu_k, whole.max_q,
-                                     whole.max_k, whole.causal, scale, **window_arg(whole.window))
+    out, lse = kernel.varlen_forward(_packed(q), _packed(k), _packed(v), whole.seqlens, whole.mask(scale))
     h, b = lse.shape[0], q.shape[0]
     return _unpacked(out, b), lse.reshape(h, b, -1).transpose(0, 1).contiguous()
 
@@ -320,8 +318,7 @@ def whole_backward(kernel: Kernel, whole: Piece | VarlenCall, dout: Tensor, q: T
         b = q.shape[0]
         packed_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1).contiguous()  # [H, B*S]
         grads = kernel.varlen_backward(_packed(dout), _packed(q), _packed(k), _packed(v), _packed(out), packed_lse,
-                                       whole.cu_q, whole.cu_k, whole.max_q, whole.max_k, whole.causal, scale,
-                                       **window_arg(whole.window))
+                                       whole.seqlens, whole.mask(scale))
         dq, dk, dv = (_unpacked(g, b) for g in grads)
     dq = dq.to(q.dtype)
     if not dq.transpose(1, 2).is_contiguous():

@@ -26,7 +26,7 @@ from itertools import accumulate
 
 import torch
 
-from loongtrain.attn.kernels import Kernel, reference_backward, reference_forward
+from loongtrain.attn.kernels import Kernel, Seqlens, VarlenMask, reference_backward, reference_forward
 from loongtrain.attn.masking import AttnMask, Piece, member_runs, piece_mask, visible_pieces
 from loongtrain.attn.sinks import fold_sinks
 from loongtrain.parallel.runtime import to_device
@@ -220,6 +220,14 @@ class VarlenCall:
     window: tuple[int, int] | None = None
     natural: bool = False
 
+    @property
+    def seqlens(self) -> Seqlens:
+        return Seqlens(self.cu_q, self.cu_k, self.max_q, self.max_k)
+
+    def mask(self, scale: float) -> VarlenMask:
+        """The kernel call's mask: this call's causal flag and window, softmax ``scale``."""
+        return VarlenMask(self.causal, scale, self.window)
+
 
 @dataclass(frozen=True)
 class StepPlan:
@@ -333,12 +341,6 @@ def _natural(row: Tensor, pos: Tensor, batch: int) -> bool:
     return bool(torch.equal(pos, want[0]) and torch.equal(row, want[1]))
 
 
-def window_arg(window: tuple[int, int] | None) -> dict:
-    """The ``window=`` keyword of a windowed kernel's call (none at all for the other calls, so kernels without a
-    window argument are never given one)."""
-    return {} if window is None else {"window": window}
-
-
 def _gather(x: Tensor, row: Tensor, pos: Tensor) -> Tensor:
     """``[B, H, S, ...]`` -> ``[T, H, ...]``: the packed rows ``(row, pos)``."""
     return x.transpose(1, 2)[row, pos]
@@ -373,8 +375,7 @@ class ForwardStep:
     def _varlen(self, call: VarlenCall, k: Tensor, v: Tensor) -> None:
         cols = (call.k_row, call.k_pos)
         out, lse = self.kernel.varlen_forward(_gather(self.q, call.q_row, call.q_pos), _gather(k, *cols),
-                                              _gather(v, *cols), call.cu_q, call.cu_k, call.max_q, call.max_k,
-                                              call.causal, self.scale, **window_arg(call.window))
+                                              _gather(v, *cols), call.seqlens, call.mask(self.scale))
         out_acc, lse_acc = self.out.transpose(1, 2), self.lse.transpose(1, 2)
         for a, b in call.rounds:
             index = (call.q_row[a:b], call.q_pos[a:b])
@@ -426,8 +427,7 @@ class BackwardStep:
         lse = _gather(self.lse, *rows).t().contiguous()  # [H, Tq]
         dq, dk, dv = self.kernel.varlen_backward(
             _gather(self.dout, *rows), _gather(self.q, *rows), _gather(k, *cols), _gather(v, *cols),
-            _gather(self.out, *rows), lse, call.cu_q, call.cu_k, call.max_q, call.max_k, call.causal, self.scale,
-            **window_arg(call.window),
+            _gather(self.out, *rows), lse, call.seqlens, call.mask(self.scale),
         )
         self.dq.transpose(1, 2).index_put_(rows, dq.to(self.dq.dtype), accumulate=True)
         dk_acc.transpose(1, 2).index_put_(cols, dk.to(dk_acc.dtype), accumulate=True)

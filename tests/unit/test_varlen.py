@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_FLASH
-from loongtrain.attn.kernels import reference_forward
+from loongtrain.attn.kernels import Seqlens, VarlenMask, reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, piece_mask
 from loongtrain.attn.ring import local_ring_backward, local_ring_forward
 from loongtrain.attn.ring_step import Pieces, plan_step, varlen_flag
@@ -334,8 +334,9 @@ def packed_reference(q, k, v, dout, cu_q, cu_k, causal: bool):
 def test_varlen_wrappers_exact(emulate, kernel, calls, causal):
     ops = emulate(allow_fp64=True)
     q, k, v, dout, cu_q, cu_k, max_q, max_k = packed(causal, squares=not kernel.varlen_bottom_right)
-    out, lse = kernel.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, 0.3)
-    grads = kernel.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, 0.3)
+    seqlens, mask = Seqlens(cu_q, cu_k, max_q, max_k), VarlenMask(causal, 0.3)
+    out, lse = kernel.varlen_forward(q, k, v, seqlens, mask)
+    grads = kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, mask)
     assert lse.shape == (4, q.shape[0]) and ops.calls == calls
     assert_close((out, lse, *grads), packed_reference(q, k, v, dout, cu_q, cu_k, causal), 1e-10)
 
@@ -350,8 +351,9 @@ FAULTY = [(CUDA_FLASH, f) for f in VARLEN_FAULTS if "cudnn" not in f] + [
 def test_planted_varlen_fault_is_caught(emulate, kernel, fault):
     emulate(allow_fp64=True, fault=fault)
     q, k, v, dout, cu_q, cu_k, max_q, max_k = packed(False)
-    out, lse = kernel.varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, False, 0.3)
-    grads = kernel.varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, False, 0.3)
+    seqlens, mask = Seqlens(cu_q, cu_k, max_q, max_k), VarlenMask(False, 0.3)
+    out, lse = kernel.varlen_forward(q, k, v, seqlens, mask)
+    grads = kernel.varlen_backward(dout, q, k, v, out, lse, seqlens, mask)
     with pytest.raises(AssertionError, match="not close"):  # by the comparison, not by a check
         assert_close((out, lse, *grads), packed_reference(q, k, v, dout, cu_q, cu_k, False), 1e-10)
     cp, seq = 2, 4 * CHUNK  # and through the ring (the swapped bounds may be caught by a check there)
@@ -373,8 +375,8 @@ def test_real_varlen_ops_on_fake_cuda_tensors(kv_heads):
         q = torch.empty(10, 4, 64, dtype=torch.bfloat16, device="cuda")
         k, v = (torch.empty(12, kv_heads, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
         cu_q, cu_k = (torch.empty(3, dtype=torch.int32, device="cuda") for _ in range(2))
-        out, lse = CUDA_FLASH.varlen_forward(q, k, v, cu_q, cu_k, 6, 7, True, 0.3)
+        out, lse = CUDA_FLASH.varlen_forward(q, k, v, Seqlens(cu_q, cu_k, 6, 7), VarlenMask(True, 0.3))
         assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == "cuda"
         assert lse.shape == (4, 10) and lse.dtype == torch.float32
-        grads = CUDA_FLASH.varlen_backward(out, q, k, v, out, lse, cu_q, cu_k, 6, 7, True, 0.3)
+        grads = CUDA_FLASH.varlen_backward(out, q, k, v, out, lse, Seqlens(cu_q, cu_k, 6, 7), VarlenMask(True, 0.3))
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
