@@ -31,7 +31,7 @@ from loongtrain.attn.kernel_choice import choose_kernel
 from loongtrain.attn.kernel_timing import median_seconds
 from loongtrain.attn.kernels import REFERENCE, Kernel
 from loongtrain.attn.masking import AttnMask, dense_mask
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 from loongtrain.parallel.documents import visible_pairs
 from loongtrain.parallel.zigzag import shard_indices
 from loongtrain.plan.document_work import lognormal_documents
@@ -134,13 +134,14 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, hp: int, cp
     res = {"out": torch.empty_like(q), "dq": torch.empty_like(q),
            "dk": torch.zeros(k.shape, dtype=acc, device=k.device),
            "dv": torch.zeros(v.shape, dtype=acc, device=v.device)}
+    call = RingCall(mask or AttnMask(True), scale, kernel)
     for j in range(hp):
         hq, hk = _head_slice(q.shape[1], k.shape[1], hp, j)
         qs, ks, vs, douts = ([_zigzag(t[:, heads], cp, r) for r in range(cp)]
                              for t, heads in ((q, hq), (k, hk), (v, hk), (dout, hq)))
-        fwd = local_ring_forward(qs, ks, vs, inner_ring, True, scale, kernel, mask=mask)
+        fwd = local_ring_forward(qs, ks, vs, inner_ring, call)
         outs, lses = [o for o, _ in fwd], [lse for _, lse in fwd]
-        bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, True, scale, kernel, mask=mask)
+        bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, call)
         for r in range(cp):
             idx = shard_indices(seq, 1, cp, r, 0).to(q.device)
             res["out"][:, hq, idx] = outs[r]

@@ -29,7 +29,7 @@ from benchmarks.gpu_check.safety import refusal_rows, safe_kernels
 from loongtrain.attn.kernel_choice import choose_kernel
 from loongtrain.attn.kernel_timing import median_seconds
 from loongtrain.attn.masking import AttnMask
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 from loongtrain.model.config import get_preset
 from loongtrain.plan.document_work import lognormal_documents
 
@@ -83,13 +83,13 @@ def time_documents(kernel, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, device
     mask = AttnMask(True, None, (docs,))
     scale = q.shape[-1] ** -0.5
     qs, ks, vs, ds = ([t] for t in (q, k, v, dout))
-    fwd = local_ring_forward(qs, ks, vs, 1, True, scale, kernel, mask=mask)
+    call = RingCall(mask, scale, kernel)
+    fwd = local_ring_forward(qs, ks, vs, 1, call)
     outs, lses = [fwd[0][0]], [fwd[0][1]]
     return {"varlen": kernel.varlen_forward is not None, "documents": len(docs) - 1,
-            "forward_s": median_seconds(lambda: local_ring_forward(qs, ks, vs, 1, True, scale, kernel, mask=mask),
-                                        device, repeats),
-            "backward_s": median_seconds(lambda: local_ring_backward(ds, qs, ks, vs, outs, lses, 1, True, scale, kernel,
-                                                                     mask=mask), device, repeats)}
+            "forward_s": median_seconds(lambda: local_ring_forward(qs, ks, vs, 1, call), device, repeats),
+            "backward_s": median_seconds(lambda: local_ring_backward(ds, qs, ks, vs, outs, lses, 1, call), device,
+                                         repeats)}
 
 
 def _time_chosen(kernel, s: int, h: int, hkv: int, d: int, dtype: torch.dtype, device: torch.device) -> dict:

@@ -25,7 +25,7 @@ from loongtrain.attn.kernel_choice import choose_kernel, chosen_kernels
 from loongtrain.attn.kernel_timing import median_seconds
 from loongtrain.attn.kernels import Kernel
 from loongtrain.attn.masking import AttnMask
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 from loongtrain.plan.document_work import lognormal_documents
 
 Tensor = torch.Tensor
@@ -69,12 +69,13 @@ def _kernel_times(kernel: Kernel, q: Tensor, k: Tensor, v: Tensor, dout: Tensor,
              "dense_backward_s": median_seconds(lambda: kernel.backward(dout, q, k, v, out, lse, True, scale),
                                                 device)}
     (dout_, q_, k_, v_) = ([t] for t in (dout, q, k, v))
-    fwd = local_ring_forward(q_, k_, v_, 1, True, scale, kernel, mask=mask)
+    call = RingCall(mask, scale, kernel)
+    fwd = local_ring_forward(q_, k_, v_, 1, call)
     outs, lses = [fwd[0][0]], [fwd[0][1]]
     times["documents_forward_s"] = median_seconds(
-        lambda: local_ring_forward(q_, k_, v_, 1, True, scale, kernel, mask=mask), device)
+        lambda: local_ring_forward(q_, k_, v_, 1, call), device)
     times["documents_backward_s"] = median_seconds(
-        lambda: local_ring_backward(dout_, q_, k_, v_, outs, lses, 1, True, scale, kernel, mask=mask), device)
+        lambda: local_ring_backward(dout_, q_, k_, v_, outs, lses, 1, call), device)
     times["varlen"] = kernel.varlen_forward is not None
     return times
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from loongtrain.attn.masking import AttnMask, unflatten_cu_seqlens
-from loongtrain.attn.ring import Ring, ring_backward_packed, ring_forward
+from loongtrain.attn.ring import Ring, RingCall, ring_backward_packed, ring_forward
 from loongtrain.attn.ring_step import KVBlock
 from loongtrain.attn.sinks import sinks_grad
 from loongtrain.model.local_attention import normalize_cu_seqlens
@@ -132,7 +132,7 @@ def ring_attention(
     (docs/attention.md#attention-sinks)."""
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
     with torch.autocast(q.device.type, enabled=False):  # the kernels and fp32 merges run in the dtypes given
-        out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], causal, scale, mask=mask, sinks=sinks)
+        out, lse = ring_forward(_bhsd(q), _bhsd(k), _bhsd(v), _RINGS[ring], RingCall(mask, scale), sinks=sinks)
     return out.transpose(1, 2).contiguous(), lse
 
 
@@ -155,7 +155,7 @@ def ring_attention_backward(
     mask = _mask(causal, cu_seqlens, sliding_window, chunk_order, q, len(_RINGS[ring].ranks))
     with torch.autocast(q.device.type, enabled=False):  # as the forward: the dtypes given
         dq, dkv = ring_backward_packed(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, _RINGS[ring],
-                                       causal, scale, mask=mask)
+                                       RingCall(mask, scale))
     return dq.transpose(1, 2), dkv
 
 

@@ -89,6 +89,17 @@ class Ring:
         return self.ranks[self.geometry.peer(self.position, hop, step)]
 
 
+@dataclass(frozen=True)
+class RingCall:
+    """What one ring attention call computes, on every member alike: its mask (causal, documents, sliding window,
+    chunk order; checked where it was made), its softmax scale, and its kernel (None: the rule's or the measured one
+    for the inputs, :func:`_kernel`)."""
+
+    mask: AttnMask
+    scale: float
+    kernel: Kernel | None = None
+
+
 class DistTransport:
     """Ring hops between processes, each through :func:`~loongtrain.parallel.comm.post_exchange`."""
 
@@ -229,18 +240,16 @@ def _reach(geometry: DoubleRing, q: Tensor, mask: AttnMask) -> int | None:
     return pass_reach(geometry, q.shape[2] // 2, mask.sliding_window, zigzag=mask.chunk_order is None)
 
 
-def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, ring: Ring, causal: bool, scale: float, kernel: Kernel | None = None,
-    *, mask: AttnMask | None = None, sinks: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, ring: Ring, call: RingCall, *,
+                 sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """out ``[B, H, S_c, Dv]`` (input dtype) and lse ``[B, H, S_c]`` (fp32, fp64 for fp64 inputs) of this
-    rank's queries against every ring member's K/V; K/V blocks move round the ring (only as far as a
-    short sliding window reaches). ``mask`` (documents, window) replaces ``causal`` when given. ``sinks
-    [H]``: attention sinks, folded in once after the last merge (:func:`~loongtrain.attn.sinks.fold_sinks`;
-    the returned out and lse include them, so :func:`ring_backward` with them gives dq, dk, dv as they are)."""
-    mask = mask or AttnMask(causal)
+    rank's queries against every ring member's K/V under ``call`` (mask, scale, kernel); K/V blocks move round the
+    ring (only as far as a short sliding window reaches). ``sinks [H]``: attention sinks, folded in once after the
+    last merge (:func:`~loongtrain.attn.sinks.fold_sinks`; the returned out and lse include them, so
+    :func:`ring_backward` with them gives dq, dk, dv as they are)."""
+    mask, scale = call.mask, call.scale
     geometry = ring.geometry
-    kernel = _kernel(kernel, q, k, v)
+    kernel = _kernel(call.kernel, q, k, v)
     whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: the kernel's result, without the fp32 accumulators
         out, lse = whole_forward(kernel, whole, q, k, v, scale)
@@ -255,12 +264,10 @@ def ring_forward(
     return step.result(sinks)
 
 
-def ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: Ring,
-    causal: bool, scale: float, kernel: Kernel | None = None, *, mask: AttnMask | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: Ring,
+                  call: RingCall) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv (input dtype) for :func:`ring_forward`: K/V re-circulate, dK/dV ride behind to their owner."""
-    dq, dkv = ring_backward_packed(dout, q, k, v, out, lse, ring, causal, scale, kernel, mask=mask)
+    dq, dkv = ring_backward_packed(dout, q, k, v, out, lse, ring, call)
     return (dq, *KVBlock.of(k, v).split(dkv))
 
 
@@ -290,14 +297,12 @@ def backward_workspace_bytes(tokens: float, heads: int, kv_heads: int, head_dim:
     return (q + kv) * dtype_bytes + acc * q + 3 * kv * dtype_bytes + 4 * kv * acc
 
 
-def ring_backward_packed(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: Ring,
-    causal: bool, scale: float, kernel: Kernel | None = None, *, mask: AttnMask | None = None,
-) -> tuple[Tensor, Tensor]:
+def ring_backward_packed(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: Ring,
+                         call: RingCall) -> tuple[Tensor, Tensor]:
     """:func:`ring_backward` with dK and dV as one block (:class:`~loongtrain.attn.ring_step.KVBlock`, k's dtype)."""
-    mask = mask or AttnMask(causal)
+    mask, scale = call.mask, call.scale
     geometry = ring.geometry
-    kernel = _kernel(kernel, q, k, v)
+    kernel = _kernel(call.kernel, q, k, v)
     whole = _whole(geometry, mask, q, kernel)
     if whole is not None:  # one call, no ring: dq, dk, dv as the kernel gives them, no fp32 accumulators
         return whole_backward(kernel, whole, dout, q, k, v, out, lse, scale)
@@ -349,15 +354,14 @@ def _local_members(
 
 
 def local_ring_forward(
-    qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], inner_ring: int, causal: bool,
-    scale: float, kernel: Kernel | None = None, transports: Sequence[Transport] | None = None,
-    *, mask: AttnMask | None = None, sinks: Tensor | None = None,
+    qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor], inner_ring: int, call: RingCall,
+    transports: Sequence[Transport] | None = None, *, sinks: Tensor | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """:func:`ring_forward` of all ``cp = len(qs)`` members of one ring in this process (``qs[p]``: member
     ``p``'s zigzag shard ``[B, H, S_c, D]``); returns each member's ``(out, lse)``. ``transports``: one per
     member (default: hand-offs through one :class:`PostOffice`)."""
-    mask, cp = mask or AttnMask(causal), len(qs)
-    steps = [ForwardStep(q, p, mask, cp, scale, _kernel(kernel, q, ks[p], vs[p]), KVBlock.of(ks[p], vs[p]))
+    mask, cp = call.mask, len(qs)
+    steps = [ForwardStep(q, p, mask, cp, call.scale, _kernel(call.kernel, q, ks[p], vs[p]), KVBlock.of(ks[p], vs[p]))
              for p, q in enumerate(qs)]
     geometry, members = _local_members(inner_ring, steps, ks, vs, transports)
     run_pass(geometry, members, False, _reach(geometry, qs[0], mask))
@@ -366,13 +370,13 @@ def local_ring_forward(
 
 def local_ring_backward(
     douts: Sequence[Tensor], qs: Sequence[Tensor], ks: Sequence[Tensor], vs: Sequence[Tensor],
-    outs: Sequence[Tensor], lses: Sequence[Tensor], inner_ring: int, causal: bool, scale: float,
-    kernel: Kernel | None = None, transports: Sequence[Transport] | None = None, *, mask: AttnMask | None = None,
+    outs: Sequence[Tensor], lses: Sequence[Tensor], inner_ring: int, call: RingCall,
+    transports: Sequence[Transport] | None = None,
 ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """:func:`ring_backward` of all members of one ring in this process; returns each member's dq, dk, dv."""
-    mask, cp = mask or AttnMask(causal), len(qs)
-    steps = [BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, scale, _kernel(kernel, q, ks[p], vs[p]))
-             for p, q in enumerate(qs)]
+    mask, cp = call.mask, len(qs)
+    steps = [BackwardStep(douts[p], q, outs[p], lses[p], p, mask, cp, call.scale,
+                          _kernel(call.kernel, q, ks[p], vs[p])) for p, q in enumerate(qs)]
     geometry, members = _local_members(inner_ring, steps, ks, vs, transports)
     run_pass(geometry, members, True, _reach(geometry, qs[0], mask))
     out = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from loongtrain.attn.masking import AttnMask
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 
 
 def ring_results(kernel, mask: AttnMask, cp: int = 2, v_head_dim: int = 16) -> list[torch.Tensor]:
@@ -18,7 +18,7 @@ def ring_results(kernel, mask: AttnMask, cp: int = 2, v_head_dim: int = 16) -> l
     order = torch.arange(24).view(2 * cp, -1)
     idx = [torch.cat([order[c], order[2 * cp - 1 - c]]) for c in range(cp)]  # zigzag
     qs, ks, vs, ds = ([t[:, :, i] for i in idx] for t in (q, k, v, dout))
-    res = local_ring_forward(qs, ks, vs, 1, True, 0.25, kernel, mask=mask)
-    grads = local_ring_backward(ds, qs, ks, vs, [o for o, _ in res], [m for _, m in res], 1, True, 0.25, kernel,
-                                mask=mask)
+    call = RingCall(mask, 0.25, kernel)
+    res = local_ring_forward(qs, ks, vs, 1, call)
+    grads = local_ring_backward(ds, qs, ks, vs, [o for o, _ in res], [m for _, m in res], 1, call)
     return [torch.cat(list(parts), dim=2) for parts in (*zip(*res), *zip(*grads))]

@@ -17,7 +17,8 @@ from loongtrain.attn.cuda_kernels import (
 )
 from loongtrain.attn.kernel_choice import bf16_supported, kernel_candidates, select_kernel
 from loongtrain.attn.kernels import REFERENCE, Kernel, for_head_dims
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.masking import AttnMask
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 from loongtrain.parallel.zigzag import shard_indices
 from tests.helpers.cuda_emulation import FAULTS, VARLEN_FAULTS
 
@@ -297,9 +298,10 @@ def test_ring_on_emulated_cuda_kernels(emulate, kernel, causal):
     want = (out_full.transpose(1, 2), *torch.autograd.grad(out_full, (qa, ka, va), dout.transpose(1, 2)))
 
     qs, ks, vs, douts = ([_zigzag(t, cp, r) for r in range(cp)] for t in (q, k, v, dout))
-    fwd = local_ring_forward(qs, ks, vs, inner_ring, causal, SCALE, kernel=kernel)
+    call = RingCall(AttnMask(causal), SCALE, kernel)
+    fwd = local_ring_forward(qs, ks, vs, inner_ring, call)
     outs, lses = [o for o, _ in fwd], [lse for _, lse in fwd]
-    bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, causal, SCALE, kernel=kernel)
+    bwd = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, call)
     for r in range(cp):
         got = (outs[r], *bwd[r])
         for g_r, w in zip(got, want):

@@ -15,7 +15,7 @@ import torch
 from loongtrain.attn.kernel_choice import select_kernel
 from loongtrain.attn.kernels import Kernel, reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, member_runs, visible_pieces
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 from loongtrain.attn.short_pass import pass_reach
 from loongtrain.parallel.layout import DoubleRing
 from loongtrain.parallel.zigzag import shard_indices
@@ -81,10 +81,9 @@ def run_ring(q, k, v, dout, cp: int, inner_ring: int, mask: AttnMask, kernel: Ke
     scale = q.shape[-1] ** -0.5
     qs, ks, vs, douts = (_shard(t, cp, mask.chunk_order) for t in (q, k, v, dout))
     fwd_t, bwd_t = transports or (None, None)
-    res = local_ring_forward(qs, ks, vs, inner_ring, mask.causal, scale, kernel, fwd_t, mask=mask)
+    res = local_ring_forward(qs, ks, vs, inner_ring, RingCall(mask, scale, kernel), fwd_t)
     outs, lses = [o for o, _ in res], [lse for _, lse in res]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, mask.causal, scale, kernel, bwd_t,
-                                mask=mask)
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, RingCall(mask, scale, kernel), bwd_t)
     idx = torch.cat([shard_indices(q.shape[2], 1, cp, c, 0, mask.chunk_order) for c in range(cp)])
 
     def unshard(parts):

@@ -16,7 +16,7 @@ from loongtrain.attn.kernel_choice import choose_kernel, kernel_candidates, refu
 from loongtrain.attn.kernel_probe import ProbeSpec, Versions, check_cases
 from loongtrain.attn.kernels import REFERENCE
 from loongtrain.attn.masking import AttnMask
-from loongtrain.attn.ring import Ring, ring_backward, ring_forward
+from loongtrain.attn.ring import Ring, RingCall, ring_backward, ring_forward
 from tests.helpers.cuda_emulation import install
 from tests.helpers.flash_emulation import install_flash
 from tests.helpers.ring_cases import ring_results
@@ -128,9 +128,9 @@ def test_one_call_for_a_ring_of_one_member(monkeypatch, kernel, v_head_dim):
         flash.calls.clear()
         results = []
         for kern in (kernel, REFERENCE):
-            out, lse = ring_forward(q, k, v, Ring((0,), 0, 1), True, 0.3, kern, mask=mask)
-            results.append((out, lse, *ring_backward(dout, q, k, v, out, lse, Ring((0,), 0, 1), True, 0.3, kern,
-                                                     mask=mask)))
+            call = RingCall(mask, 0.3, kern)
+            out, lse = ring_forward(q, k, v, Ring((0,), 0, 1), call)
+            results.append((out, lse, *ring_backward(dout, q, k, v, out, lse, Ring((0,), 0, 1), call)))
         assert len(flash.calls) == 2, flash.calls  # one forward call and one backward call
         for got, want in zip(*results, strict=True):
             assert got.shape == want.shape and (got - want).abs().max() < 1e-10

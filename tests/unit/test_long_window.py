@@ -15,7 +15,7 @@ from loongtrain.attn.api import attention
 from loongtrain.attn.cuda_kernels import CUDA_FLASH
 from loongtrain.attn.kernels import REFERENCE
 from loongtrain.attn.masking import AttnMask, dense_mask, member_runs, visible_pieces
-from loongtrain.attn.ring import Ring, ring_backward, ring_forward
+from loongtrain.attn.ring import Ring, RingCall, ring_backward, ring_forward
 from loongtrain.attn.ring_step import StepPlans
 from loongtrain.attn.sinks import sinks_grad
 from loongtrain.parallel.zigzag import shard_indices
@@ -93,8 +93,8 @@ def test_fa2s_window_runs_a_128_window_over_65536_tokens_as_one_call(monkeypatch
     q, k, v, sinks, dout = _inputs(heads=1)
     ring, mask, scale = Ring((0,), 0, 1), AttnMask(True, W), 8 ** -0.5
     bhsd = [t.transpose(1, 2) for t in (q, k, v, dout)]
-    out, lse = ring_forward(*bhsd[:3], ring, True, scale, CUDA_FLASH, mask=mask, sinks=sinks)
-    dq, dk, dv = ring_backward(bhsd[3], *bhsd[:3], out, lse, ring, True, scale, CUDA_FLASH, mask=mask)
+    out, lse = ring_forward(*bhsd[:3], ring, RingCall(mask, scale, CUDA_FLASH), sinks=sinks)
+    dq, dk, dv = ring_backward(bhsd[3], *bhsd[:3], out, lse, ring, RingCall(mask, scale, CUDA_FLASH))
     assert ops.calls == ["_flash_attention_forward", "_flash_attention_backward"]
     got = [t.transpose(1, 2) for t in (out, dq, dk, dv)]
     _check_tail(*got, sinks_grad(bhsd[3], out, lse, sinks), _tail_reference(q, k, v, sinks, dout))
@@ -161,8 +161,8 @@ def test_packed_documents_at_cp_1_are_one_varlen_call_without_accumulators(monke
     ring, mask = Ring((0,), 0, 1), AttnMask(True, None, (docs,))
     results = {}
     for kernel in (CUDA_FLASH, REFERENCE):
-        out, lse = ring_forward(q, k, v, ring, True, 0.3, kernel, mask=mask)
-        results[kernel.name] = (out, lse, *ring_backward(dout, q, k, v, out, lse, ring, True, 0.3, kernel, mask=mask))
+        out, lse = ring_forward(q, k, v, ring, RingCall(mask, 0.3, kernel))
+        results[kernel.name] = (out, lse, *ring_backward(dout, q, k, v, out, lse, ring, RingCall(mask, 0.3, kernel)))
     assert ops.calls == ["_flash_attention_forward", "_flash_attention_backward"]
     for got, want in zip(results["cuda_flash"], results["reference"], strict=True):
         assert got.shape == want.shape and (got - want).abs().max() < 1e-10

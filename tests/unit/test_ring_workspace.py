@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from loongtrain.attn.kernels import CPU_FLASH, for_head_dims
-from loongtrain.attn.masking import Piece
-from loongtrain.attn.ring import backward_workspace_bytes, local_ring_backward, whole_backward
+from loongtrain.attn.masking import AttnMask, Piece
+from loongtrain.attn.ring import RingCall, backward_workspace_bytes, local_ring_backward, whole_backward
 
 H, HKV, D = 32, 8, 128
 
@@ -36,7 +36,7 @@ def test_ring_backward_workspace_is_described(cp, tokens):
         qs, outs, douts = (_tensors(cp, tokens, H, torch.bfloat16) for _ in range(3))
         ks, vs = (_tensors(cp, tokens, HKV, torch.bfloat16) for _ in range(2))
         lses = [torch.empty(1, H, tokens) for _ in range(cp)]
-        peak = _peak(lambda: local_ring_backward(douts, qs, ks, vs, outs, lses, 1, True, 0.1))
+        peak = _peak(lambda: local_ring_backward(douts, qs, ks, vs, outs, lses, 1, RingCall(AttnMask(True), 0.1)))
     results = tokens * (H + 2 * HKV) * D * 2
     described = backward_workspace_bytes(tokens, H, HKV, D, 2, cp) + results
     assert abs(peak / cp / described - 1) <= 0.10, (peak / cp, described)
@@ -71,7 +71,8 @@ def test_mla_workspace_is_described(cp):
             kernel, causal = for_head_dims(CPU_FLASH, qk, v_dim), Piece(0, tokens, 0, tokens, "causal")
             peak = _peak(lambda: whole_backward(kernel, causal, douts[0], qs[0], ks[0], vs[0], outs[0], lses[0], 0.1))
         else:
-            peak = _peak(lambda: local_ring_backward(douts, qs, ks, vs, outs, lses, 1, True, 0.1)) / cp
+            call = RingCall(AttnMask(True), 0.1)
+            peak = _peak(lambda: local_ring_backward(douts, qs, ks, vs, outs, lses, 1, call)) / cp
     results = tokens * heads * (2 * qk + v_dim) * 2
     described = backward_workspace_bytes(tokens, heads, heads, qk, 2, cp, v_head_dim=v_dim) + results
     if cp == 1:

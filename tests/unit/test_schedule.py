@@ -9,7 +9,8 @@ import torch
 
 from loongtrain.attn.kernel_choice import select_kernel
 from loongtrain.attn.kernels import reference_forward
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.masking import AttnMask
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 from loongtrain.attn.schedule import Compute, Post, Wait, pass_events
 from loongtrain.attn.short_pass import pass_reach, short_sends
 from loongtrain.parallel.layout import DoubleRing
@@ -50,10 +51,11 @@ def test_executor_runs_what_the_planner_simulates(cp, inner_ring):
     qs, ks, vs, douts = _shards(_full_inputs(cp, 2, 1, torch.float64), cp)
     kernel = select_kernel(qs[0].device, qs[0].dtype, qs[0].shape[-1])
     fwd = Recorder(cp, inner_ring)
-    results = local_ring_forward(qs, ks, vs, inner_ring, True, 0.5, fwd.kernel(kernel), fwd.transports)
+    results = local_ring_forward(qs, ks, vs, inner_ring, RingCall(AttnMask(True), 0.5, fwd.kernel(kernel)),
+                                 fwd.transports)
     bwd = Recorder(cp, inner_ring)
-    local_ring_backward(douts, qs, ks, vs, [o for o, _ in results], [lse for _, lse in results], inner_ring, True,
-                        0.5, bwd.kernel(kernel), bwd.transports)
+    local_ring_backward(douts, qs, ks, vs, [o for o, _ in results], [lse for _, lse in results], inner_ring,
+                        RingCall(AttnMask(True), 0.5, bwd.kernel(kernel)), bwd.transports)
     for recorder, backward in ((fwd, False), (bwd, True)):
         planned = planned_trace(cp, inner_ring, backward)
         assert planned.count(("compute",)) == cp
@@ -88,9 +90,10 @@ def test_local_ring_equals_unsharded_attention(cp, inner_ring, causal, num_heads
     out, lse = reference_forward(*leaves, causal, scale)
     want = (out, lse, *torch.autograd.grad(out, leaves, dout))
     qs, ks, vs, douts = _shards((q, k, v, dout), cp)
-    results = local_ring_forward(qs, ks, vs, inner_ring, causal, scale)
+    call = RingCall(AttnMask(causal), scale)
+    results = local_ring_forward(qs, ks, vs, inner_ring, call)
     outs, lses = [o for o, _ in results], [lse for _, lse in results]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, causal, scale)
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, call)
     for name, got, full in zip(("out", "lse", "dq", "dk", "dv"),
                                (outs, lses, *zip(*grads)), want):
         ref = _shards((full.detach(),) if full.dim() == 4 else (full.detach().unsqueeze(-1),), cp)[0]
@@ -130,7 +133,6 @@ def test_short_pass_brings_each_nearby_block_once(cp, inner_ring, reach):
 def test_executor_runs_the_planned_short_pass(cp, inner_ring, reach):
     """Executor events == planner trace for every short pass (kernel calls aside: a window's block may
     need several pieces or none), and the result is exact."""
-    from loongtrain.attn.masking import AttnMask
     from tests.helpers.schedule_trace import dense_reference
 
     mask = AttnMask(True, 2 * reach + 1, None)  # chunks of 2 tokens: reach ``reach``
@@ -138,10 +140,9 @@ def test_executor_runs_the_planned_short_pass(cp, inner_ring, reach):
     qs, ks, vs, douts = _shards((q, k, v, dout), cp)
     fwd, bwd = Recorder(cp, inner_ring), Recorder(cp, inner_ring)
     scale = q.shape[-1] ** -0.5
-    results = local_ring_forward(qs, ks, vs, inner_ring, True, scale, None, fwd.transports, mask=mask)
+    results = local_ring_forward(qs, ks, vs, inner_ring, RingCall(mask, scale), fwd.transports)
     outs, lses = [o for o, _ in results], [lse for _, lse in results]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, True, scale, None, bwd.transports,
-                                mask=mask)
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, RingCall(mask, scale), bwd.transports)
     for recorder, backward in ((fwd, False), (bwd, True)):
         planned = [op for op in planned_trace(cp, inner_ring, backward, reach) if op[0] != "compute"]
         for p in range(cp):

@@ -10,7 +10,8 @@ import torch
 
 import loongtrain
 from loongtrain.attn import ops
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.masking import AttnMask
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 from loongtrain.attn.sinks import sinks_grad
 from loongtrain.parallel.mesh import single_process_mesh
 from loongtrain.parallel.zigzag import shard_indices
@@ -43,9 +44,10 @@ def test_local_ring_with_sinks_equals_eager(cp, inner_ring, causal):
     qs, ks, vs, douts = ([t.transpose(1, 2)[:, :, i] for i in idx] for t in (q, k, v, dout))
     qs, ks, vs, douts = list(qs), list(ks), list(vs), list(douts)
     scale = 8 ** -0.5
-    results = local_ring_forward(qs, ks, vs, inner_ring, causal, scale, sinks=sinks)
+    call = RingCall(AttnMask(causal), scale)
+    results = local_ring_forward(qs, ks, vs, inner_ring, call, sinks=sinks)
     outs, lses = [o for o, _ in results], [m for _, m in results]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, causal, scale)
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, call)
     dsinks = sum(sinks_grad(d, o, m, sinks) for d, o, m in zip(douts, outs, lses))
     for name, got, full in zip(("out", "dq", "dk", "dv"), (outs, *zip(*grads)), want):
         for c, g in enumerate(got):

@@ -53,7 +53,8 @@ def test_memory_bound_bytes_are_what_the_code_moves(parallel, world, dtype):
 
 
 def test_ring_step_bytes_are_what_the_ring_moves():
-    from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+    from loongtrain.attn.masking import AttnMask
+    from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
     from loongtrain.parallel.zigzag import shard_indices
 
     s, h, d = 1024, 4, 32  # K/V heads = query heads: the CPU kernel expands none
@@ -62,11 +63,11 @@ def test_ring_step_bytes_are_what_the_ring_moves():
         q, k, v, dout = (torch.randn(1, s, h, d, generator=gen).to(dtype).transpose(1, 2) for _ in range(4))
         shards = [[x.transpose(1, 2)[:, shard_indices(s, 1, cp, r, 0)].transpose(1, 2) for r in range(cp)]
                   for x in (q, k, v, dout)]
+        call = RingCall(AttnMask(True), d ** -0.5)
         with TrafficCounter() as fwd:
-            outs = local_ring_forward(*shards[:3], 1, True, d ** -0.5)
+            outs = local_ring_forward(*shards[:3], 1, call)
         with TrafficCounter() as bwd:
-            local_ring_backward(shards[3], *shards[:3], [o for o, _ in outs], [lse for _, lse in outs], 1, True,
-                                d ** -0.5)
+            local_ring_backward(shards[3], *shards[:3], [o for o, _ in outs], [lse for _, lse in outs], 1, call)
         f, b = ring_step_bytes(s // cp, h, h, d, dtype.itemsize, cp)
         assert cp * f == pytest.approx(fwd.forward / cp, rel=0.15)  # per member: cp steps
         assert cp * b == pytest.approx((bwd.forward + bwd.backward) / cp, rel=0.15)

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from loongtrain.attn.cuda_kernels import CUDA_CUDNN, CUDA_FLASH
 from loongtrain.attn.kernels import Seqlens, VarlenMask, reference_forward
 from loongtrain.attn.masking import AttnMask, dense_mask, piece_mask
-from loongtrain.attn.ring import local_ring_backward, local_ring_forward
+from loongtrain.attn.ring import RingCall, local_ring_backward, local_ring_forward
 from loongtrain.attn.ring_step import Pieces, plan_step, varlen_flag
 from loongtrain.parallel.zigzag import shard_indices
 from tests.helpers.counting import counted_reads
@@ -66,10 +66,9 @@ def run_ring(q, k, v, dout, cp: int, inner_ring: int, mask: AttnMask, kernel=CUD
     """The in-process ring on zigzag shards; out, lse, dq, dk, dv unsharded to ``[B, H, S, ...]``."""
     idx = [shard_indices(q.shape[1], 1, cp, c, 0) for c in range(cp)]
     qs, ks, vs, douts = ([t[:, i].transpose(1, 2) for i in idx] for t in (q, k, v, dout))
-    res = local_ring_forward(qs, ks, vs, inner_ring, mask.causal, HEAD_DIM ** -0.5, kernel, mask=mask)
+    res = local_ring_forward(qs, ks, vs, inner_ring, RingCall(mask, HEAD_DIM ** -0.5, kernel))
     outs, lses = [o for o, _ in res], [m for _, m in res]
-    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, mask.causal, HEAD_DIM ** -0.5, kernel,
-                                mask=mask)
+    grads = local_ring_backward(douts, qs, ks, vs, outs, lses, inner_ring, RingCall(mask, HEAD_DIM ** -0.5, kernel))
     order = torch.cat(idx)
 
     def unshard(parts):
