@@ -35,10 +35,9 @@ from loongtrain.attn.ring_step import (
     BackwardStep,
     ForwardStep,
     KVBlock,
+    PieceCalls,
     VarlenCall,
     acc_dtype,
-    piece_backward,
-    piece_forward,
     step_plans,
     whole_piece,
 )
@@ -229,7 +228,7 @@ def whole_forward(kernel: Kernel, whole: Piece | VarlenCall, q: Tensor, k: Tenso
                   scale: float) -> tuple[Tensor, Tensor]:
     """out ``[B, H, S, D]`` and lse ``[B, H, S]`` (contiguous) of :func:`_whole`'s one call."""
     if isinstance(whole, Piece):
-        out, lse = piece_forward(kernel, whole, WHOLE_BAND, q, k, v, scale)
+        out, lse = PieceCalls(kernel, scale, WHOLE_BAND).forward(whole, q, k, v)
         return out, lse.contiguous()
     out, lse = kernel.varlen_forward(_packed(q), _packed(k), _packed(v), whole.seqlens, whole.mask(scale))
     h, b = lse.shape[0], q.shape[0]
@@ -318,7 +317,7 @@ def whole_backward(kernel: Kernel, whole: Piece | VarlenCall, dout: Tensor, q: T
     layout (dQ ``[B, H, S, D]`` seen from ``[B, S, H, D]`` storage, as the flash kernels give it: otherwise
     copied into it; dK/dV packed in one block)."""
     if isinstance(whole, Piece):
-        dq, dk, dv = piece_backward(kernel, whole, WHOLE_BAND, dout, q, k, v, out, lse, scale)
+        dq, dk, dv = PieceCalls(kernel, scale, WHOLE_BAND).backward(whole, dout, q, k, v, out, lse)
     else:
         b = q.shape[0]
         packed_lse = lse.transpose(0, 1).reshape(lse.shape[1], -1).contiguous()  # [H, B*S]

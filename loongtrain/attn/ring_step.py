@@ -93,35 +93,44 @@ def merge(out_acc: Tensor, lse_acc: Tensor, out_blk: Tensor, lse_blk: Tensor) ->
     lse_acc.copy_(new_lse)
 
 
-def piece_forward(kernel: Kernel, piece: Piece, band: tuple[int, int], q: Tensor, k: Tensor, v: Tensor,
-                  scale: float) -> tuple[Tensor, Tensor]:
-    """(out, lse) of one piece as a dense call (rows ``q``, columns ``k``/``v`` already cut out)."""
-    if piece.kind in ("full", "causal"):
-        return kernel.forward(q, k, v, piece.kind == "causal", scale)
-    if piece.kind == "band":  # a windowed kernel's own window argument
-        return kernel.forward(q, k, v, False, scale, window=piece.window)
-    if piece.kind == "anticausal":  # reversed on both sides, it is the top-left causal square
-        out, lse = kernel.forward(q.flip(2), k.flip(2), v.flip(2), True, scale)
-        return out.flip(2), lse.flip(-1)
-    acc = acc_dtype(q.dtype)
-    mask = piece_mask(piece, band, q.device)
-    return reference_forward(q.to(acc), k.to(acc), v.to(acc), False, scale, mask)
+@dataclass(frozen=True)
+class PieceCalls:
+    """Pieces as dense calls of ``kernel`` with softmax ``scale`` (rows and columns already cut out); a ``masked``
+    piece as the reference kernel on its explicit mask, which ``band`` (:meth:`AttnMask.band`) gives."""
 
+    kernel: Kernel
+    scale: float
+    band: tuple[int, int]
 
-def piece_backward(kernel: Kernel, piece: Piece, band: tuple[int, int], dout: Tensor, q: Tensor, k: Tensor,
-                   v: Tensor, out: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv of one piece as a dense call, given the rows' final out and lse."""
-    if piece.kind in ("full", "causal"):
-        return kernel.backward(dout, q, k, v, out, lse, piece.kind == "causal", scale)
-    if piece.kind == "band":
-        return kernel.backward(dout, q, k, v, out, lse, False, scale, window=piece.window)
-    if piece.kind == "anticausal":
-        dq, dk, dv = kernel.backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1),
-                                     True, scale)
-        return dq.flip(2), dk.flip(2), dv.flip(2)
-    acc = acc_dtype(q.dtype)
-    mask = piece_mask(piece, band, q.device)
-    return reference_backward(*(t.to(acc) for t in (dout, q, k, v, out, lse)), False, scale, mask)
+    def forward(self, piece: Piece, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """(out, lse) of one piece."""
+        kernel, scale = self.kernel, self.scale
+        if piece.kind in ("full", "causal"):
+            return kernel.forward(q, k, v, piece.kind == "causal", scale)
+        if piece.kind == "band":  # a windowed kernel's own window argument
+            return kernel.forward(q, k, v, False, scale, window=piece.window)
+        if piece.kind == "anticausal":  # reversed on both sides, it is the top-left causal square
+            out, lse = kernel.forward(q.flip(2), k.flip(2), v.flip(2), True, scale)
+            return out.flip(2), lse.flip(-1)
+        acc = acc_dtype(q.dtype)
+        mask = piece_mask(piece, self.band, q.device)
+        return reference_forward(q.to(acc), k.to(acc), v.to(acc), False, scale, mask)
+
+    def backward(self, piece: Piece, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                 lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv of one piece, given the rows' final out and lse."""
+        kernel, scale = self.kernel, self.scale
+        if piece.kind in ("full", "causal"):
+            return kernel.backward(dout, q, k, v, out, lse, piece.kind == "causal", scale)
+        if piece.kind == "band":
+            return kernel.backward(dout, q, k, v, out, lse, False, scale, window=piece.window)
+        if piece.kind == "anticausal":
+            dq, dk, dv = kernel.backward(dout.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(-1),
+                                         True, scale)
+            return dq.flip(2), dk.flip(2), dv.flip(2)
+        acc = acc_dtype(q.dtype)
+        mask = piece_mask(piece, self.band, q.device)
+        return reference_backward(*(t.to(acc) for t in (dout, q, k, v, out, lse)), False, scale, mask)
 
 
 class Pieces:
@@ -358,16 +367,17 @@ class ForwardStep:
         self.q, self.scale, self.kernel, self.layout = q, scale, kernel, layout
         self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
                                 kernel.varlen_forward is not None, kernel.varlen_bottom_right, kernel.windowed)
+        self.pieces = PieceCalls(kernel, scale, self.plans.band)
         acc = acc_dtype(q.dtype)
         self.out = torch.zeros((*q.shape[:3], layout.v_shape[3]), dtype=acc, device=q.device)
         self.lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
 
     def __call__(self, src: int, block: Tensor) -> None:
-        plan, band = self.plans(src), self.plans.band
+        plan = self.plans(src)
         k, v = self.layout.split(block)
         for rows, p in plan.dense:
-            out, lse = piece_forward(self.kernel, p, band, self.q[rows, :, p.r0:p.r1],
-                                     k[rows, :, p.c0:p.c1], v[rows, :, p.c0:p.c1], self.scale)
+            out, lse = self.pieces.forward(p, self.q[rows, :, p.r0:p.r1], k[rows, :, p.c0:p.c1],
+                                           v[rows, :, p.c0:p.c1])
             merge(self.out[rows, :, p.r0:p.r1], self.lse[rows, :, p.r0:p.r1], out, lse)
         for call in plan.varlen:
             self._varlen(call, k, v)
@@ -400,6 +410,7 @@ class BackwardStep:
         self.scale, self.kernel = scale, kernel
         self.plans = step_plans(mask, q.shape[0], q.shape[2], cp, position, q.device,
                                 kernel.varlen_backward is not None, kernel.varlen_bottom_right, kernel.windowed)
+        self.pieces = PieceCalls(kernel, scale, self.plans.band)
         b, h, sq, d = q.shape  # [B, S, H, D] storage: the op's result layout, so no copy at the end
         self.dq = torch.zeros((b, sq, h, d), dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
 
@@ -408,13 +419,11 @@ class BackwardStep:
         contrib = layout.zeros(self.dq.dtype, block.device)
         k, v = layout.split(block)
         dk_acc, dv_acc = layout.split(contrib)
-        plan, band = self.plans(src), self.plans.band
+        plan = self.plans(src)
         for rows, p in plan.dense:
             r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
-            dq, dk, dv = piece_backward(
-                self.kernel, p, band, self.dout[rows, :, r], self.q[rows, :, r], k[rows, :, c],
-                v[rows, :, c], self.out[rows, :, r], self.lse[rows, :, r], self.scale,
-            )
+            dq, dk, dv = self.pieces.backward(p, self.dout[rows, :, r], self.q[rows, :, r], k[rows, :, c],
+                                              v[rows, :, c], self.out[rows, :, r], self.lse[rows, :, r])
             self.dq[rows, :, r].add_(dq)
             dk_acc[rows, :, c].add_(dk)
             dv_acc[rows, :, c].add_(dv)
