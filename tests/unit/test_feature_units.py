@@ -15,13 +15,12 @@ from loongtrain.launch.config import TrainConfig
 from loongtrain.objectives.registry import objective_names
 
 ROOT = Path(__file__).resolve().parents[2] / "loongtrain"
-#: functions of 10 or more parameters allowed (31 before the sections and the registry): the ring attention's custom
-#: ops and their fake implementations take their tensors and scalars flat (torch.library schemas), and so do the
-#: kernels' and the ring's backward steps and loongtrain.attention itself (12 in attn/); the varlen kernels' one
-#: protocol (``Kernel.varlen_forward``/``varlen_backward``: q, k, v, cu_q, cu_k, max_q, max_k, causal, scale and
-#: a window) for FlashAttention 3 and 4 too (5 in attn/: issue 49); the corpus readers take the data section
-#: (build_batches, build_val_batches) and prepare its Sharding
-MAX_WIDE_FUNCTIONS = 17
+#: functions of 10 or more parameters allowed (31 before the sections and the registry, 20 before the bundles): the
+#: ring attention's two custom ops and their fake implementations take their tensors and scalars flat (torch.library
+#: schemas), and loongtrain.attention its keywords as flash-attn's users know them (5). The varlen kernels take
+#: ``Seqlens`` and ``VarlenMask`` (attn/kernels.py), the ring one ``RingCall``, a step's pieces one ``PieceCalls``,
+#: the corpus readers the data section and prepare its ``Sharding``
+MAX_WIDE_FUNCTIONS = 5
 
 
 def _is_name(node: ast.AST, names: set[str]) -> bool:
