@@ -249,7 +249,7 @@ def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
     try:
         with caplog.at_level("WARNING", logger="loongtrain"):
             assert cli.main([str(run_dir / "run"), "--lengths", "128,256", "--depths", "0,1", "--trials", "1",
-                             "--nproc", "1", "--out", str(out)]) == 0
+                             "--nproc", "1", "--threads", "1", "--out", str(out)]) == 0
     finally:
         logger.removeHandler(caplog.handler)
     warned = [r.getMessage() for r in caplog.records if "past the model" in r.getMessage()]
@@ -260,7 +260,7 @@ def test_eval_writes_results_and_warns_past_the_trained_length(run_dir, caplog):
     assert all(0 <= c["correct"] <= c["trials"] for c in cells)
     assert (out / "passkey.png").is_file()
     out = run_dir / "pl"
-    assert cli.main([str(run_dir / "run"), "--task", "position-loss", "--docs", "2", "--nproc", "1",
+    assert cli.main([str(run_dir / "run"), "--task", "position-loss", "--docs", "2", "--nproc", "1", "--threads", "1",
                      "--out", str(out)]) == 0
     rows = json.loads((out / "results.json").read_text())
     assert [(r["start"], r["end"]) for r in rows] == [(0, 8), (8, 16), (16, 32), (32, 64)]
@@ -306,7 +306,7 @@ def test_eval_of_a_hugging_face_directory_uses_its_tokenizer(tmp_path, capsys):
     tokenizer.save(str(model_dir / "tokenizer.json"))
     out = tmp_path / "out"
     assert cli.main([str(model_dir), "--lengths", "64,128", "--depths", "0,1", "--trials", "2", "--nproc", "1",
-                     "--out", str(out)]) == 0
+                     "--threads", "1", "--out", str(out)]) == 0
     cells = json.loads((out / "results.json").read_text())
     assert [(c["length"], c["trials"], c["digits"]) for c in cells] == [(64, 2, 10), (64, 2, 10), (128, 2, 10),
                                                                        (128, 2, 10)]
@@ -334,7 +334,7 @@ def tokenizer_run(tmp_path_factory):
 
 def _position_loss(model: str, corpus: str, out, *extra: str) -> list[dict]:
     assert cli.main([model, "--task", "position-loss", "--docs", "2", "--seq-len", "16", "--nproc", "1",
-                     "--corpus", corpus, "--out", str(out), *extra]) == 0
+                     "--threads", "1", "--corpus", corpus, "--out", str(out), *extra]) == 0
     return json.loads((out / "results.json").read_text())
 
 

@@ -198,7 +198,7 @@ def test_eval_of_a_lora_checkpoint_equals_eval_of_its_export(runs, tmp_path):
     for name, model in (("lora", runs["native"]), ("merged", tmp_path / "export")):
         out = tmp_path / name
         assert main(["eval", str(model), "--task", "position-loss", "--seq-len", "64", "--docs", "1", "--nproc", "1",
-                     "--hp", "1", "--cp", "1", "--corpus", "stdlib", "--out", str(out)]) == 0
+                     "--threads", "1", "--hp", "1", "--cp", "1", "--corpus", "stdlib", "--out", str(out)]) == 0
         results.append(json.loads((out / "results.json").read_text()))
     lora, merged = results
     assert [r["tokens"] for r in lora] == [r["tokens"] for r in merged] and lora
